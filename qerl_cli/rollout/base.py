@@ -1,0 +1,92 @@
+"""The rollout engine interface shared by training, evaluation and benchmarks.
+
+An engine turns prompts into sampled completions with the *current* policy (adapter included)
+and returns what the trainer needs for importance sampling: token ids and per-token logprobs of
+the sampling distribution. The HF engine (``rollout.hf``) and the vLLM engine
+(``rollout.vllm_engine``) implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample. Defaults are the paper's evaluation settings."""
+
+    max_new_tokens: int = 4096
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = -1
+    seed: int | None = None
+    # Benchmarks generate exactly ``max_new_tokens`` tokens regardless of EOS.
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt."""
+
+    token_ids: list[int]
+    text: str
+    # log p(token) under the distribution the engine sampled from (after temperature / top-p
+    # truncation is *not* applied: it is the model's log-softmax at the given temperature).
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass
+class RolloutResult:
+    """``completions[i][j]`` is the j-th of n samples for ``prompts[i]``."""
+
+    prompt_token_ids: list[list[int]]
+    completions: list[list[Completion]]
+    # Timing and engine-specific figures (seconds, tokens/s, noise sigma, ...), logged by callers.
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def flat(self) -> list[tuple[int, Completion]]:
+        """(prompt index, completion) pairs in prompt-major order: groups stay contiguous."""
+        return [(i, c) for i, group in enumerate(self.completions) for c in group]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(c.token_ids) for _, c in self.flat())
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer, ``qerl eval`` and ``qerl bench`` need from a generator."""
+
+    def generate(self, prompts: list[str], n: int, sampling: SamplingSpec) -> RolloutResult:
+        """Sample ``n`` completions for each (already chat-formatted) prompt string."""
+        ...
+
+    def sync_adapter(self, adapter_dir: str | None) -> None:
+        """Make the next ``generate`` use the adapter saved in ``adapter_dir`` (PEFT format).
+
+        ``None`` means the base model. Engines that share weights with the trainer (HF) may
+        treat this as a no-op because they always see the current adapter.
+        """
+        ...
+
+    def set_norm_noise(self, sigma: float, seed: int) -> int:
+        """Adaptive Quantization Noise: set every RMSNorm weight of the rollout model to its
+        clean value plus N(0, sigma^2) per channel (sigma 0 restores the clean weights).
+
+        Returns the number of norm modules changed; implementations raise ``QerlError`` when
+        sigma > 0 and none matched, because silent no-op noise is the bug this project fixes.
+        """
+        ...
+
+    def sleep(self) -> None:
+        """Free rollout memory (KV cache, and for vLLM the weights) during the update phase."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo ``sleep`` before the next rollout."""
+        ...
