@@ -1,0 +1,327 @@
+"""The `qerl` command line: parse, load the typed config, call the library, render with rich.
+
+Stage code is imported inside each command so `qerl --help` and `qerl env` stay fast and work
+without the optional extras (vLLM, llm-compressor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qerl_cli import config as cfg
+from qerl_cli.errors import QerlError
+
+app = typer.Typer(
+    name="qerl",
+    help="Quantization-enhanced RL (QeRL, arXiv 2510.11696): GRPO/DAPO with LoRA on a 4-bit base.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+_state = {"debug": False}
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a config key: --set train.learning_rate=2e-5 (repeatable)."),
+]
+DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config as YAML and exit.")]
+ConfigOption = Annotated[
+    Path | None, typer.Option("--config", help="A YAML file with this stage's settings.")
+]
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
+    if not values:
+        return None
+    out = {}
+    for item in values:
+        key, sep, val = item.partition("=")
+        if not sep or not key or not val:
+            raise QerlError(f"{flag} expects NAME=PATH, got '{item}'")
+        out[key.strip()] = val.strip()
+    return out
+
+
+def _finish_config(config: Any, dry_run: bool) -> bool:
+    """Print the resolved config for --dry-run; returns True when the command should stop."""
+    if dry_run:  # plain YAML, not rich markup, so the output can be saved and reused as a recipe
+        sys.stdout.write(cfg.dump_yaml(config))
+    return dry_run
+
+
+# ---------------------------------------------------------------------------------------------
+@app.command()
+def quantize(
+    model: Annotated[str, typer.Argument(help="Hub id or local folder of a BF16 model.")],
+    format: Annotated[str | None, typer.Option("--format", "-f", help="nvfp4 | mxfp4 | nf4")] = None,
+    method: Annotated[str | None, typer.Option(help="awq (calibrated, default) | rtn")] = None,
+    calib: Annotated[
+        str | None, typer.Option(help="Calibration dataset: hub id, .jsonl or .parquet.")
+    ] = None,
+    calib_field: Annotated[str | None, typer.Option(help="Field with chat messages or text.")] = None,
+    num_samples: Annotated[int | None, typer.Option(help="Calibration samples (default 256).")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per calibration sample (default 2048).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Default ./<model>-<FORMAT>.")] = None,
+    overwrite: Annotated[bool | None, typer.Option("--overwrite", help="Replace an existing output.")] = None,
+    skip_incompatible: Annotated[
+        bool | None, typer.Option("--skip-incompatible", help="Leave layers the format can't tile in BF16.")
+    ] = None,
+    eval_ppl: Annotated[bool | None, typer.Option("--eval-ppl", help="Perplexity BF16 vs 4-bit.")] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """Quantize a model to NVFP4 / MXFP4 (compressed-tensors, AWQ) or NF4 (bitsandbytes)."""
+    conf = cfg.load_config(
+        cfg.QuantizeConfig,
+        config,
+        set_,
+        model=model,
+        format=format,
+        method=method,
+        calib=calib,
+        calib_field=calib_field,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        output=output,
+        overwrite=overwrite,
+        skip_incompatible=skip_incompatible,
+        eval_ppl=eval_ppl,
+    )
+    if _finish_config(conf, dry_run):
+        return
+    from qerl_cli.quantize import quantize_table, run_quantize
+
+    report = run_quantize(conf)
+    console.print(quantize_table(report))
+
+
+@app.command()
+def train(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (see recipes/).")],
+    set_: SetOption = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            help="Continue from the last complete checkpoint in DIR ('auto': the recipe's output dir).",
+        ),
+    ] = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """GRPO / DAPO on LoRA adapters over a frozen 4-bit (or BF16) base, with AQN."""
+    conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
+    if _finish_config(conf, dry_run):
+        return
+    from qerl_cli.rl.trainer import train as run_train
+
+    result = run_train(
+        conf, resume=None if resume is None else (conf.output.dir if resume == "auto" else resume)
+    )
+    console.print(f"[green]done[/green]: {json.dumps(result, default=str)}")
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[str | None, typer.Argument(help="Hub id or local folder (BF16 or qerl 4-bit).")] = None,
+    adapter: Annotated[str | None, typer.Option(help="LoRA adapter folder (PEFT format).")] = None,
+    benchmarks: Annotated[
+        str | None, typer.Option(help="Comma list: gsm8k,math500,aime24,aime25,amc23")
+    ] = None,
+    samples: Annotated[int | None, typer.Option(help="Samples per problem (default per benchmark).")] = None,
+    engine: Annotated[str | None, typer.Option(help="vllm | hf")] = None,
+    data_file: Annotated[
+        list[str] | None, typer.Option("--data-file", help="BENCH=PATH local data file (repeatable).")
+    ] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Default 4096.")] = None,
+    max_problems: Annotated[int | None, typer.Option(help="Evaluate only the first N problems.")] = None,
+    rescore: Annotated[str | None, typer.Option(help="Re-grade the samples saved in DIR.")] = None,
+    baseline: Annotated[str | None, typer.Option(help="results.json to compare against, paired.")] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """Pass@1 on GSM8K, MATH500, AIME24/25, AMC23, graded with math-verify."""
+    conf = cfg.load_config(
+        cfg.EvalConfig,
+        config,
+        set_,
+        model=model,
+        adapter=adapter,
+        benchmarks=_csv(benchmarks),
+        samples=samples,
+        engine=engine,
+        data_files=_pairs(data_file, "--data-file"),
+        output=output,
+        max_new_tokens=max_new_tokens,
+        max_problems=max_problems,
+        rescore=rescore,
+        baseline=baseline,
+    )
+    if _finish_config(conf, dry_run):
+        return
+    from qerl_cli.evaluation import eval_table, run_eval
+
+    results = run_eval(conf)
+    console.print(eval_table(results))
+
+
+@app.command()
+def bench(
+    model: Annotated[
+        str | None, typer.Option(help="SHAPE (qwen2.5-7b, tiny, ...), hub id or folder.")
+    ] = None,
+    formats: Annotated[str | None, typer.Option(help="Comma list of bf16,nf4,nvfp4,mxfp4.")] = None,
+    batch: Annotated[str | None, typer.Option(help="Comma list of batch sizes, e.g. 2,8.")] = None,
+    prompt_len: Annotated[int | None, typer.Option()] = None,
+    gen_len: Annotated[int | None, typer.Option()] = None,
+    lora_rank: Annotated[int | None, typer.Option()] = None,
+    engine: Annotated[str | None, typer.Option(help="vllm | hf | auto")] = None,
+    e2e: Annotated[bool | None, typer.Option("--e2e", help="Also time a whole GRPO step.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o")] = None,
+    baseline: Annotated[str | None, typer.Option(help="bench.json to gate against.")] = None,
+    tolerance: Annotated[float | None, typer.Option(help="Allowed relative regression.")] = None,
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 vs MXFP4; --e2e GRPO step time."""
+    batches = _csv(batch)
+    conf = cfg.load_config(
+        cfg.BenchConfig,
+        config,
+        set_,
+        model=model,
+        formats=_csv(formats),
+        batch=batches,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        lora_rank=lora_rank,
+        engine=engine,
+        e2e=e2e,
+        output=output,
+        baseline=baseline,
+        tolerance=tolerance,
+    )
+    if _finish_config(conf, dry_run):
+        return
+    from qerl_cli.bench import bench_table, run_bench
+
+    report = run_bench(conf)
+    console.print(bench_table(report))
+    failures = report.get("regressions") or []
+    if failures:
+        for line in failures:
+            err_console.print(f"[red]regression[/red]: {line}")
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    output: Annotated[
+        str, typer.Option("--output", "-o", help="Where the demo writes its run.")
+    ] = "runs/demo",
+) -> None:
+    """Offline CPU demo: tiny model -> NVFP4 -> GRPO + AQN -> eval before/after, in minutes."""
+    from qerl_cli.demo import run_demo
+
+    run_demo(output)
+
+
+@app.command()
+def env(json_: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Versions of the stack and the GPUs this machine has."""
+    from qerl_cli.envinfo import collect
+
+    info = collect()
+    if json_:
+        sys.stdout.write(json.dumps(info, indent=2) + "\n")
+        return
+    table = Table(title="qerl environment", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key in ("qerl", "python", "platform", "torch_cuda"):
+        table.add_row(key, str(info[key]))
+    for name, version in info["packages"].items():
+        table.add_row(name, version or "[dim]not installed[/dim]")
+    if not info["gpus"]:
+        table.add_row("GPUs", "[dim]none (CPU only)[/dim]")
+    for gpu in info["gpus"]:
+        table.add_row(
+            f"GPU {gpu['index']}",
+            f"{gpu['name']}, {gpu['memory_gib']} GiB, compute capability {gpu['compute_capability']}",
+        )
+    console.print(table)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="Folder to write the model to.")],
+    seed: Annotated[int, typer.Option(help="Weights are a deterministic function of the seed.")] = 0,
+) -> None:
+    """Write a tiny offline Qwen2 model (transformers and vLLM load it)."""
+    from qerl_cli.modeling.tiny import write_tiny_model
+
+    path = write_tiny_model(out, seed=seed)
+    console.print(f"wrote tiny Qwen2 model to [bold]{path}[/bold]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: user errors exit 2 in red, unexpected errors exit 1."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        # standalone_mode=False returns click's exit code instead of calling sys.exit.
+        rc = app(args=argv, standalone_mode=False)
+    except QerlError as exc:
+        if debug:
+            err_console.print_exception()
+        err_console.print(f"[bold red]error:[/bold red] [red]{exc}[/red]")
+        return 2
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        err_console.print("[red]aborted[/red]")
+        return 130
+    except KeyboardInterrupt:
+        err_console.print("[red]interrupted[/red]")
+        return 130
+    except Exception as exc:  # click usage errors are handled below; the rest are bugs
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            return exc.exit_code
+        if debug:
+            err_console.print_exception()
+        else:
+            err_console.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: {exc}")
+            err_console.print("[dim]re-run with --debug for the traceback[/dim]")
+        return 1
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Shared fixtures: every test runs offline, and the tiny model is built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 model folder (seed 0), shared read-only by the whole session."""
+    from qerl_cli.modeling.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip GPU tests without CUDA and vLLM tests without vLLM, saying why."""
+    import importlib.util
+
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    no_vllm = pytest.mark.skip(reason='needs vLLM (pip install "qerl[vllm]" on a GPU machine)')
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(no_vllm)

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl_cli import config as cfg
+from qerl_cli.errors import QerlError
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_recipe_loads_with_types_and_defaults(tmp_path: Path) -> None:
+    recipe = write(tmp_path, {"model": {"path": "m"}, "train": {"learning_rate": "1e-5", "max_steps": 7}})
+    conf = cfg.load_config(cfg.TrainConfig, recipe)
+    assert conf.train.learning_rate == pytest.approx(1e-5)
+    assert conf.train.max_steps == 7
+    assert conf.aqn.schedule == "exponential" and conf.aqn.num_stages == 10
+    assert conf.lora.target_modules == cfg.LORA_TARGETS_ALL
+
+
+def test_overrides_are_parsed_to_the_field_type(tmp_path: Path) -> None:
+    recipe = write(tmp_path, {"model": {"path": "m"}})
+    conf = cfg.load_config(
+        cfg.TrainConfig,
+        recipe,
+        [
+            "train.learning_rate=2e-5",
+            "train.gradient_checkpointing=false",
+            "lora.target_modules=q_proj,v_proj",
+            "rollout.vllm_kwargs={attention_backend: TRITON_ATTN}",
+            "output.save_total_limit=null",
+            "data.levels=[3, 4, 5]",
+        ],
+    )
+    assert conf.train.learning_rate == 2e-5
+    assert conf.train.gradient_checkpointing is False
+    assert conf.lora.target_modules == ["q_proj", "v_proj"]
+    assert conf.rollout.vllm_kwargs == {"attention_backend": "TRITON_ATTN"}
+    assert conf.output.save_total_limit is None
+    assert conf.data.levels == [3, 4, 5]
+
+
+def test_unknown_key_suggests_the_closest_name(tmp_path: Path) -> None:
+    recipe = write(tmp_path, {"model": {"path": "m"}})
+    with pytest.raises(QerlError, match=r"train\.lerning_rate.*did you mean train\.learning_rate\?"):
+        cfg.load_config(cfg.TrainConfig, recipe, ["train.lerning_rate=1e-5"])
+    with pytest.raises(QerlError, match="did you mean rollout"):
+        cfg.load_config(cfg.TrainConfig, write(tmp_path, {"rolout": {}, "model": {"path": "m"}}))
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("train.max_steps=ten", "train.max_steps.*'ten'.*expected int"),
+        ("train.max_steps=1.5", "train.max_steps.*expected int"),
+        ("aqn.enabled=3", "aqn.enabled.*expected bool"),
+        ("aqn.schedule=step", "aqn.schedule.*'exponential'"),
+        ("train=3", "train must be a mapping"),
+    ],
+)
+def test_wrong_types_name_key_value_and_type(tmp_path: Path, override: str, needle: str) -> None:
+    with pytest.raises(QerlError, match=needle):
+        cfg.load_config(cfg.TrainConfig, write(tmp_path, {"model": {"path": "m"}}), [override])
+
+
+def test_cross_field_validation(tmp_path: Path) -> None:
+    recipe = write(tmp_path, {"model": {"path": "m"}})
+    with pytest.raises(QerlError, match="sigma_start >= sigma_end"):
+        cfg.load_config(cfg.TrainConfig, recipe, ["aqn.sigma_start=1e-5", "aqn.sigma_end=1e-3"])
+    with pytest.raises(QerlError, match="model.path"):
+        cfg.load_config(cfg.TrainConfig, write(tmp_path, {}))
+
+
+def test_missing_and_malformed_recipe(tmp_path: Path) -> None:
+    with pytest.raises(QerlError, match="not found"):
+        cfg.load_config(cfg.TrainConfig, tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(QerlError, match="not valid YAML"):
+        cfg.load_config(cfg.TrainConfig, bad)
+    with pytest.raises(QerlError, match="KEY=VALUE"):
+        cfg.load_config(cfg.TrainConfig, write(tmp_path, {"model": {"path": "m"}}), ["train.seed"])
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    conf = cfg.load_config(cfg.TrainConfig, write(tmp_path, {"model": {"path": "m"}}), ["train.seed=5"])
+    path = cfg.save_resolved_config(conf, tmp_path / "run")
+    again = cfg.load_config(cfg.TrainConfig, path)
+    assert again == conf
+
+
+def test_cli_values_rank_between_recipe_and_overrides(tmp_path: Path) -> None:
+    conf = cfg.load_config(cfg.BenchConfig, None, ["tolerance=0.3"], batch="1,2", tolerance=0.2)
+    assert conf.batch == [1, 2] and conf.tolerance == 0.3
