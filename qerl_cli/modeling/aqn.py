@@ -1,0 +1,258 @@
+"""Adaptive Quantization Noise (AQN): the sigma schedule and the RMSNorm perturbation.
+
+QeRL (arXiv 2510.11696, Sec. 3.3 and Appendix F) turns the static quantization error of the
+4-bit rollout model into a decaying exploration signal: before each rollout, every RMSNorm
+weight ``w`` of the *rollout* model becomes ``w + z`` with ``z ~ N(0, sigma^2)`` drawn per channel.
+Because an RMSNorm scale multiplies the input of the following linear layers, this equals a
+row-wise multiplicative noise ``(1 + z / w)`` on those (quantized) weights, without touching the
+4-bit kernels.
+
+Schedule (matching NVlabs/QeRL ``trl_trainer/noise_scheduler.py`` and ``grpo_trainer.py``): the
+training steps are split into ``num_stages`` (K) equal stages; stage 0 is noise-free (only the
+quantization noise acts) and stages 1..K-1 use K-1 sigma values going from ``sigma_start`` to
+``sigma_end``. The reference code only implements the exponential (geometric) decay
+``sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2))``; the paper's Fig. 15 also
+compares linear, cosine and logarithmic decay without formulas, so those three are defined here
+(see :func:`_decay_fraction`) to share the same end points.
+
+Deliberate differences from the reference code:
+
+- The reference adds noise in place to the rollout model's norm weights every step, so the noise
+  accumulates across steps (a random walk). QeRL's Algorithm 1 and Eq. 10 describe
+  ``w_noise = w + Z``, i.e. always from the clean weight; we follow the paper: every draw starts
+  from the clean copy and :meth:`NormNoiser.restore` puts the exact clean weights back.
+- The reference computes the stage with float division (``int(step // (total / K))``); we use the
+  integer form ``step * K // total`` which is the same value without rounding surprises.
+- The noise is drawn in float32 and added to the float32 clean weight before casting to the
+  weight's dtype (the reference casts the noise to bf16 first). Note that in bf16 a weight near 1.0
+  has a spacing of 2**-7, so sigmas well below ~4e-3 mostly round away;
+  :attr:`NormNoiser.last_changed_fraction` reports how many elements actually changed.
+
+The trainer's forward must never see the noise. With the HF engine (rollout model == policy
+model) the trainer wraps *only* generation in ``with noiser.noised(sigma, generator):`` (or calls
+:meth:`NormNoiser.apply` before and :meth:`NormNoiser.restore` after generation); the vLLM engine
+keeps its own clean copy and loads :func:`perturb_norm_weights` output into its model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+
+SCHEDULE_KINDS = ("exponential", "linear", "cosine", "logarithmic")
+
+
+def _decay_fraction(kind: str, u: float, num_noisy_stages: int) -> float:
+    """Fraction of the way from sigma_start (0) to sigma_end (1) at position ``u`` in [0, 1].
+
+    Used for the non-exponential shapes: linear ``u``; cosine ``(1 - cos(pi u)) / 2`` (slow at both
+    ends); logarithmic ``ln(1 + (n - 1) u) / ln(n)`` with n noisy stages, which at noisy stage j
+    (1-based) is ``ln(j) / ln(n)``: a sharp early drop that flattens out, as the paper describes.
+    """
+    if kind == "linear":
+        return u
+    if kind == "cosine":
+        return (1.0 - math.cos(math.pi * u)) / 2.0
+    if kind == "logarithmic":
+        if num_noisy_stages < 2:
+            return 0.0
+        return math.log1p((num_noisy_stages - 1) * u) / math.log(num_noisy_stages)
+    raise QerlError(f"unknown AQN schedule {kind!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+
+
+@dataclass(kw_only=True)
+class AQNSchedule:
+    """Sigma per training step: K equal stages, the first noise-free, then a decay.
+
+    ``step`` is the 0-based index of the training step about to roll out; steps at or beyond
+    ``total_steps`` stay in the last stage. With ``first_stage_noise_free=False`` all K stages are
+    noisy and the decay runs over K values instead of K-1.
+    """
+
+    total_steps: int
+    sigma_start: float = 1e-2
+    sigma_end: float = 1e-4
+    num_stages: int = 10
+    kind: str = "exponential"
+    first_stage_noise_free: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.kind not in SCHEDULE_KINDS:
+            raise QerlError(f"unknown AQN schedule {self.kind!r}; choose one of {', '.join(SCHEDULE_KINDS)}")
+        if self.total_steps < 1:
+            raise QerlError(f"AQN needs total_steps >= 1, got {self.total_steps}")
+        if self.num_stages < 1:
+            raise QerlError(f"AQN needs num_stages >= 1, got {self.num_stages}")
+        if self.first_stage_noise_free and self.num_stages < 2:
+            raise QerlError(
+                "AQN with num_stages=1 and a noise-free first stage never adds noise; "
+                "set num_stages >= 2 or turn AQN off"
+            )
+        if self.sigma_start <= 0 or self.sigma_end < 0:
+            raise QerlError(
+                f"AQN needs sigma_start > 0 and sigma_end >= 0; got {self.sigma_start}, {self.sigma_end}"
+            )
+        if self.kind == "exponential" and self.sigma_end <= 0:
+            raise QerlError("the exponential AQN schedule needs sigma_end > 0 (it decays geometrically)")
+
+    @property
+    def num_noisy_stages(self) -> int:
+        return self.num_stages - 1 if self.first_stage_noise_free else self.num_stages
+
+    def stage(self, step: int) -> int:
+        """Stage index in [0, num_stages) of a 0-based training step."""
+        if step < 0:
+            raise QerlError(f"AQN step must be >= 0, got {step}")
+        return min(step * self.num_stages // self.total_steps, self.num_stages - 1)
+
+    def stage_sigma(self, stage: int) -> float:
+        """Sigma of one stage (0 for the noise-free first stage)."""
+        if not 0 <= stage < self.num_stages:
+            raise QerlError(f"AQN stage must be in [0, {self.num_stages}), got {stage}")
+        j = stage - 1 if self.first_stage_noise_free else stage  # index among the noisy stages
+        if j < 0:
+            return 0.0
+        n = self.num_noisy_stages
+        u = j / (n - 1) if n > 1 else 0.0
+        if self.kind == "exponential":
+            return self.sigma_start * (self.sigma_end / self.sigma_start) ** u
+        return self.sigma_start + (self.sigma_end - self.sigma_start) * _decay_fraction(self.kind, u, n)
+
+    def sigma(self, step: int) -> float:
+        return self.stage_sigma(self.stage(step))
+
+    def stage_sigmas(self) -> list[float]:
+        """Sigma of every stage, for logs and plots."""
+        return [self.stage_sigma(k) for k in range(self.num_stages)]
+
+    def state_dict(self) -> dict[str, Any]:
+        # The schedule is a pure function of its settings and the step, so its settings are its state;
+        # saving them lets --resume continue on the schedule the run started with.
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = set(state) - set(asdict(self))
+        if unknown:
+            raise QerlError(f"AQN state has unknown keys {sorted(unknown)}; was it saved by another version?")
+        for key, value in state.items():
+            setattr(self, key, value)
+        self._validate()
+
+
+def is_rms_norm(name: str, module: nn.Module) -> bool:
+    """Default norm predicate: the module's class name ends with ``RMSNorm`` (Qwen2RMSNorm,
+    LlamaRMSNorm, Qwen3RMSNorm, vLLM's RMSNorm, ...) and it has a weight tensor."""
+    has_weight = isinstance(getattr(module, "weight", None), torch.Tensor)
+    return has_weight and type(module).__name__.endswith("RMSNorm")
+
+
+def find_norm_modules(
+    model: nn.Module, predicate: Callable[[str, nn.Module], bool] = is_rms_norm
+) -> dict[str, nn.Module]:
+    """Every module of ``model`` that ``predicate`` selects, by qualified name, in model order."""
+    return {name: module for name, module in model.named_modules() if predicate(name, module)}
+
+
+def perturb_norm_weights(
+    clean: dict[str, torch.Tensor], sigma: float, generator: torch.Generator | None = None
+) -> dict[str, torch.Tensor]:
+    """New tensors ``clean[name] + N(0, sigma^2)`` (one draw per element), in ``clean``'s order.
+
+    The noise is drawn on the generator's device (default RNG of each tensor's device without a
+    generator) in float32, added in float32 and cast back to each tensor's dtype and device. Given
+    the same generator state and the same name order, every caller (HF or vLLM engine) gets the same
+    noise. ``clean`` is never modified.
+    """
+    if sigma < 0:
+        raise QerlError(f"AQN sigma must be >= 0, got {sigma}")
+    noisy: dict[str, torch.Tensor] = {}
+    for name, weight in clean.items():
+        device = generator.device if generator is not None else weight.device
+        noise = torch.randn(weight.shape, generator=generator, device=device, dtype=torch.float32)
+        noisy[name] = (weight.float() + sigma * noise.to(weight.device)).to(weight.dtype)
+    return noisy
+
+
+class NormNoiser:
+    """Perturb a plain torch model's RMSNorm weights from a clean copy, and put them back.
+
+    The clean copy is taken at the first :meth:`apply` after construction or after a
+    :meth:`restore`, so norms that are trainable (updated between rollouts) are picked up. While
+    noised, further ``apply`` calls redraw from the same clean copy: noise never accumulates. Do not
+    step an optimizer on the norms while noised: :meth:`restore` would undo that step.
+    """
+
+    def __init__(
+        self, model: nn.Module, predicate: Callable[[str, nn.Module], bool] = is_rms_norm
+    ) -> None:
+        self.modules = find_norm_modules(model, predicate)
+        self._clean: dict[str, torch.Tensor] | None = None
+        self.last_sigma = 0.0
+        self.last_changed_fraction = 0.0
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.modules)
+
+    @property
+    def is_noised(self) -> bool:
+        return self._clean is not None
+
+    def apply(self, sigma: float, generator: torch.Generator | None = None) -> int:
+        """Set every matched norm weight to clean + N(0, sigma^2); return how many were perturbed.
+
+        ``sigma == 0`` restores the clean weights and returns 0. Raises :class:`QerlError` when
+        ``sigma > 0`` and the model has no matching norm module (AQN would silently do nothing).
+        """
+        if sigma < 0:
+            raise QerlError(f"AQN sigma must be >= 0, got {sigma}")
+        self.last_sigma = sigma
+        if sigma == 0:
+            self.restore()
+            self.last_changed_fraction = 0.0
+            return 0
+        if not self.modules:
+            raise QerlError(
+                "AQN is on (sigma > 0) but the model has no RMSNorm module to perturb; use a model with "
+                "RMSNorm layers, pass a norm predicate that matches its norms, or turn AQN off"
+            )
+        if self._clean is None:
+            self._clean = {name: m.weight.detach().clone() for name, m in self.modules.items()}
+        noisy = perturb_norm_weights(self._clean, sigma, generator)
+        changed = total = 0
+        with torch.no_grad():
+            for name, module in self.modules.items():
+                module.weight.copy_(noisy[name])
+                changed += int((noisy[name] != self._clean[name]).sum())
+                total += noisy[name].numel()
+        self.last_changed_fraction = changed / total if total else 0.0
+        return len(self.modules)
+
+    def restore(self) -> None:
+        """Put the exact clean weights back (no-op when not noised)."""
+        if self._clean is None:
+            return
+        with torch.no_grad():
+            for name, module in self.modules.items():
+                module.weight.copy_(self._clean[name])
+        self._clean = None
+
+    @contextmanager
+    def noised(self, sigma: float, generator: torch.Generator | None = None) -> Iterator[int]:
+        """``with noiser.noised(sigma, g) as n:`` generate with noised norms; clean again on exit,
+        even when generation raises."""
+        try:
+            yield self.apply(sigma, generator)
+        finally:
+            self.restore()

@@ -1,0 +1,222 @@
+"""AQN schedule values (hand-computed and against the reference code's rule) and norm noising."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.modeling.aqn import AQNSchedule, NormNoiser, perturb_norm_weights
+
+# ---------------------------------------------------------------- schedules
+
+
+def test_stages_split_training_into_equal_parts() -> None:
+    s = AQNSchedule(total_steps=100)  # 10 stages of 10 steps
+    assert [s.stage(t) for t in (0, 9, 10, 19, 50, 99, 100, 150)] == [0, 0, 1, 1, 5, 9, 9, 9]
+    with pytest.raises(QerlError):
+        s.stage(-1)
+
+
+def test_exponential_schedule_values() -> None:
+    s = AQNSchedule(total_steps=100)
+    assert all(s.sigma(t) == 0.0 for t in range(10))  # stage 0 is noise-free
+    # Stage k >= 1: 1e-2 * (1e-4 / 1e-2) ** ((k - 1) / 8)
+    assert s.sigma(10) == pytest.approx(1e-2)
+    assert s.sigma(30) == pytest.approx(1e-2 * 10**-0.5)  # k = 3: (1e-2) ** (2/8) = 10**-0.5
+    assert s.sigma(50) == pytest.approx(1e-3)  # k = 5: halfway in log space
+    assert s.sigma(99) == pytest.approx(1e-4)
+
+
+def test_exponential_schedule_matches_reference_rule() -> None:
+    """NVlabs/QeRL: sigma_trend = start * (end/start) ** (arange(K-1) / (K-2)) and
+    interval = int(step // (total / K)), 0 -> no noise, else sigma_trend[min(interval-1, K-2)].
+    (Restated from its description; equal to ours whenever K divides total_steps.)"""
+    for total, k_stages in ((100, 10), (600, 10), (64, 8)):
+        s = AQNSchedule(total_steps=total, num_stages=k_stages, sigma_start=5e-2, sigma_end=5e-4)
+        trend = [5e-2 * (5e-4 / 5e-2) ** (i / (k_stages - 2)) for i in range(k_stages - 1)]
+        for step in range(total + 5):
+            interval = int(min(step, total) // (total / k_stages))
+            expected = 0.0 if interval == 0 else trend[min(interval - 1, k_stages - 2)]
+            assert s.sigma(step) == pytest.approx(expected, rel=1e-12), (total, step)
+
+
+def test_linear_cosine_logarithmic_values() -> None:
+    lin = AQNSchedule(total_steps=100, kind="linear")
+    cos = AQNSchedule(total_steps=100, kind="cosine")
+    log = AQNSchedule(total_steps=100, kind="logarithmic")
+    for s in (lin, cos, log):
+        assert s.sigma(5) == 0.0
+        assert s.sigma(10) == pytest.approx(1e-2) and s.sigma(90) == pytest.approx(1e-4)
+    # Stage 3 is u = 2/8 = 0.25 of the way; stage 5 is u = 0.5.
+    assert lin.sigma(30) == pytest.approx(1e-2 - 9.9e-3 * 0.25)  # 7.525e-3
+    assert lin.sigma(50) == pytest.approx(5.05e-3)
+    assert cos.sigma(30) == pytest.approx(1e-2 - 9.9e-3 * (1 - math.cos(math.pi / 4)) / 2)  # 8.550e-3
+    assert cos.sigma(50) == pytest.approx(5.05e-3)
+    # Logarithmic: fraction ln(k) / ln(9) at stage k; stage 3 is exactly halfway.
+    assert log.sigma(30) == pytest.approx(5.05e-3)
+    assert log.sigma(20) == pytest.approx(1e-2 - 9.9e-3 * math.log(2) / math.log(9))
+
+
+@pytest.mark.parametrize("kind", ["exponential", "linear", "cosine", "logarithmic"])
+def test_every_schedule_decays_monotonically(kind: str) -> None:
+    sigmas = AQNSchedule(total_steps=100, kind=kind).stage_sigmas()
+    assert sigmas[0] == 0.0
+    assert all(a > b for a, b in zip(sigmas[1:-1], sigmas[2:], strict=True))
+
+
+def test_without_noise_free_first_stage() -> None:
+    s = AQNSchedule(total_steps=100, first_stage_noise_free=False)
+    assert s.sigma(0) == pytest.approx(1e-2)
+    assert s.sigma(30) == pytest.approx(1e-2 * 1e-2 ** (3 / 9))
+    assert s.sigma(99) == pytest.approx(1e-4)
+    # Two stages, the first noise-free: the one noisy stage uses sigma_start.
+    assert AQNSchedule(total_steps=10, num_stages=2).stage_sigmas() == [0.0, 1e-2]
+
+
+def test_schedule_validation() -> None:
+    with pytest.raises(QerlError, match="schedule"):
+        AQNSchedule(total_steps=10, kind="step")
+    with pytest.raises(QerlError, match="num_stages"):
+        AQNSchedule(total_steps=10, num_stages=1)
+    with pytest.raises(QerlError, match="sigma_end > 0"):
+        AQNSchedule(total_steps=10, sigma_end=0.0)
+    assert AQNSchedule(total_steps=10, kind="linear", sigma_end=0.0).sigma(9) == 0.0
+
+
+def test_schedule_state_round_trip() -> None:
+    saved = AQNSchedule(total_steps=100, kind="cosine", sigma_start=5e-2, num_stages=5).state_dict()
+    restored = AQNSchedule(total_steps=7)
+    restored.load_state_dict(saved)
+    assert restored == AQNSchedule(total_steps=100, kind="cosine", sigma_start=5e-2, num_stages=5)
+    with pytest.raises(QerlError, match="unknown keys"):
+        restored.load_state_dict({"total_steps": 5, "bogus": 1})
+
+
+# ---------------------------------------------------------------- norm noising
+
+
+class ToyRMSNorm(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(dim, dtype=dtype) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Toy(nn.Module):
+    def __init__(self, dim: int = 4096) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([ToyRMSNorm(dim), ToyRMSNorm(dim)])
+        self.ln = nn.LayerNorm(dim)  # not an RMSNorm: must stay untouched
+        self.final = ToyRMSNorm(dim)
+
+
+def _norm_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([model.blocks[0].weight, model.blocks[1].weight, model.final.weight]).detach().clone()
+
+
+def test_apply_perturbs_each_channel_once_and_never_accumulates() -> None:
+    model = Toy()
+    clean = _norm_weights(model)
+    ln_clean = model.ln.weight.detach().clone()
+    noiser = NormNoiser(model)
+    assert noiser.num_modules == 3
+
+    assert noiser.apply(0.1, torch.Generator().manual_seed(0)) == 3
+    first = _norm_weights(model) - clean
+    assert first.std().item() == pytest.approx(0.1, rel=0.05)
+    assert torch.equal(model.ln.weight, ln_clean)
+
+    # A second apply redraws from the clean copy: the distance from clean is one draw (std 0.1),
+    # not two accumulated draws (std 0.1 * sqrt(2) = 0.141).
+    noiser.apply(0.1, torch.Generator().manual_seed(1))
+    second = _norm_weights(model) - clean
+    assert second.std().item() == pytest.approx(0.1, rel=0.05)
+    clean_dict = {"a": clean[:4096], "b": clean[4096:8192], "c": clean[8192:]}
+    expected = perturb_norm_weights(clean_dict, 0.1, torch.Generator().manual_seed(1))
+    assert torch.equal(_norm_weights(model), torch.cat(list(expected.values())))
+
+    noiser.restore()
+    assert torch.equal(_norm_weights(model), clean)
+    assert not noiser.is_noised
+
+
+def test_noised_context_restores_even_on_error() -> None:
+    model = Toy(dim=64)
+    clean = _norm_weights(model)
+    noiser = NormNoiser(model)
+    with noiser.noised(0.01, torch.Generator().manual_seed(0)) as n:
+        assert n == 3 and not torch.equal(_norm_weights(model), clean)
+    assert torch.equal(_norm_weights(model), clean)
+    with pytest.raises(ValueError), noiser.noised(0.01):
+        raise ValueError("generation failed")
+    assert torch.equal(_norm_weights(model), clean)
+
+
+def test_zero_sigma_is_clean_and_trainable_norms_are_picked_up() -> None:
+    model = Toy(dim=64)
+    noiser = NormNoiser(model)
+    noiser.apply(0.01)
+    assert noiser.apply(0.0) == 0 and not noiser.is_noised
+    # The norms changed between rollouts (trainable norms): the next clean copy is the new weight.
+    with torch.no_grad():
+        model.final.weight.add_(1.0)
+    updated = _norm_weights(model)
+    noiser.apply(0.01)
+    noiser.restore()
+    assert torch.equal(_norm_weights(model), updated)
+
+
+def test_fails_loudly_when_no_norm_matches() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    noiser = NormNoiser(model)
+    assert noiser.apply(0.0) == 0  # nothing to do, nothing wrong
+    with pytest.raises(QerlError, match="no RMSNorm"):
+        noiser.apply(0.01)
+    # A predicate can select other norms.
+    custom = NormNoiser(model, predicate=lambda name, m: isinstance(m, nn.LayerNorm))
+    assert custom.apply(0.01) == 1
+    with pytest.raises(QerlError, match=">= 0"):
+        custom.apply(-1.0)
+
+
+def test_qwen2_model_norms_are_found_and_restored_exactly() -> None:
+    from qerl_cli.modeling.tiny import build_tiny_model
+
+    model = build_tiny_model(seed=0).eval()
+    noiser = NormNoiser(model)
+    # Two norms per decoder layer plus the final norm.
+    assert noiser.num_modules == 2 * model.config.num_hidden_layers + 1
+    ids = torch.arange(10).unsqueeze(0)
+    with torch.no_grad():
+        clean_logits = model(ids).logits
+        with noiser.noised(0.05, torch.Generator().manual_seed(0)):
+            noisy_logits = model(ids).logits
+        restored_logits = model(ids).logits
+    assert not torch.allclose(clean_logits, noisy_logits)
+    assert torch.equal(clean_logits, restored_logits)
+
+
+def test_perturb_norm_weights_is_pure_and_deterministic() -> None:
+    clean = {"x": torch.ones(256), "y": torch.ones(8, dtype=torch.bfloat16)}
+    a = perturb_norm_weights(clean, 0.02, torch.Generator().manual_seed(3))
+    b = perturb_norm_weights(clean, 0.02, torch.Generator().manual_seed(3))
+    assert all(torch.equal(a[k], b[k]) for k in clean)
+    assert torch.equal(clean["x"], torch.ones(256))
+    assert a["y"].dtype == torch.bfloat16 and list(a) == ["x", "y"]
+
+
+def test_bf16_rounding_swallows_tiny_sigmas() -> None:
+    """bf16 spacing around 1.0 is 2**-8 .. 2**-7: sigma 1e-4 changes (almost) nothing, 1e-2 does."""
+    model = Toy(dim=4096)
+    for norm in (model.blocks[0], model.blocks[1], model.final):
+        norm.weight.data = torch.ones(4096, dtype=torch.bfloat16)
+    noiser = NormNoiser(model)
+    noiser.apply(1e-4, torch.Generator().manual_seed(0))
+    assert noiser.last_changed_fraction < 0.01
+    noiser.apply(1e-2, torch.Generator().manual_seed(0))
+    assert noiser.last_changed_fraction > 0.5
