@@ -227,12 +227,12 @@ def bench(
     )
     if _finish_config(conf, dry_run):
         return
-    from qerl_cli.bench import bench_table, run_bench
+    from qerl_cli.bench import bench_table, gate_failures, run_bench
 
     report = run_bench(conf)
     console.print(bench_table(report))
-    failures = report.get("regressions") or []
-    if failures:
+    failures = gate_failures(report)
+    if failures:  # --baseline regression gate: CI fails, naming each metric that regressed
         for line in failures:
             err_console.print(f"[red]regression[/red]: {line}")
         raise typer.Exit(1)

@@ -268,6 +268,10 @@ class EvalConfig:
     rescore: str | None = None
     baseline: str | None = None
     trust_remote_code: bool = False
+    # HF engine: device ("auto": CUDA when present), compute dtype, sequences per generate call.
+    device: str = "auto"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    generation_batch_size: int = 64
 
     def validate(self, where: str = "") -> None:
         unknown = [b for b in self.benchmarks if b not in BENCHMARKS_ALL and b not in self.data_files]
@@ -300,6 +304,10 @@ class BenchConfig:
     gpu_memory_utilization: float = 0.85
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    # --e2e: completions per prompt (prompts per step = the largest --batch) and vLLM's share of the
+    # GPU when colocated with the trainer (paper: 0.3 for 7B), the same for every format.
+    e2e_generations: int = 8
+    e2e_gpu_memory_utilization: float = 0.3
 
     def validate(self, where: str = "") -> None:
         _positive(where or "bench", prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)

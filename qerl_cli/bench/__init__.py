@@ -1,1 +1,137 @@
+"""``qerl bench``: rollout throughput and memory per weight format, and end-to-end GRPO step time.
 
+Entry points for the CLI: :func:`run_bench` measures and writes the outputs, :func:`bench_table`
+renders a report, :func:`gate_failures` lists what the ``--baseline`` gate found (the CLI exits 1
+when it is not empty).
+
+Every ratio in a report comes from measurements of one run, side by side, on one machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.bench.report import (
+    add_speedups,
+    bench_table,
+    check_regressions,
+    gate_failures,
+    new_report,
+    read_report,
+    write_charts,
+    write_json,
+    write_markdown,
+)
+from qerl_cli.config import BenchConfig
+from qerl_cli.errors import QerlError
+
+__all__ = ["bench_table", "gate_failures", "run_bench"]
+
+log = logging.getLogger(__name__)
+
+
+def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
+    from qerl_cli.bench.models import describe_source, model_label
+    from qerl_cli.bench.rollout import TEMPERATURE, TOP_P
+
+    return {
+        "model": model_label(model),
+        "model_source": describe_source(model),
+        "engine": engine,
+        "formats": formats,
+        "batch": list(cfg.batch),
+        "prompt_len": cfg.prompt_len,
+        "gen_len": cfg.gen_len,
+        "lora_rank": cfg.lora_rank,
+        "temperature": TEMPERATURE,
+        "top_p": TOP_P,
+        "ignore_eos": True,
+        "warmup": cfg.warmup,
+        "repeats": cfg.repeats,
+        "statistic": "median",
+        "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
+        "vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" else None,
+        "e2e": cfg.e2e,
+        "seed": cfg.seed,
+    }
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure every format (with and without LoRA), write ``bench.json``, ``bench.md`` and PNG
+    charts to ``cfg.output``, and return the report.
+
+    With ``cfg.baseline`` the report's ``regression`` section says whether throughput dropped or
+    memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
+    exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
+    """
+    from qerl_cli.bench.adapter import write_random_lora
+    from qerl_cli.bench.engines import Case, run_case
+    from qerl_cli.bench.models import (
+        cache_root,
+        default_model,
+        normalize_formats,
+        prepare_checkpoints,
+        resolve_engine,
+    )
+    from qerl_cli.bench.rollout import MIN_REPEATS
+
+    cfg.validate("bench")
+    if cfg.repeats < MIN_REPEATS:
+        raise QerlError(f"--repeats must be at least {MIN_REPEATS} so the median means something")
+    if cfg.lora_rank < 0:
+        raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
+    baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
+    engine = resolve_engine(cfg.engine)
+    model = cfg.model or default_model(engine)
+    formats = normalize_formats(cfg.formats)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    report = new_report(_settings(cfg, model, engine, formats))
+    report["errors"] = []
+    checkpoints = prepare_checkpoints(model, formats, cfg.seed)
+    ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
+    settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
+                "repeats": cfg.repeats, "seed": cfg.seed}
+    (cache_root() / "bench").mkdir(parents=True, exist_ok=True)
+    # The adapter depends on the shape only; it lives beside the cache, not in the uploaded output.
+    with tempfile.TemporaryDirectory(prefix="lora-", dir=cache_root() / "bench") as lora_tmp:
+        lora_dir = (
+            write_random_lora(next(iter(checkpoints.values())), lora_tmp, cfg.lora_rank, seed=cfg.seed)
+            if cfg.lora_rank
+            else None
+        )
+        for fmt, folder in checkpoints.items():
+            for rank in ranks:
+                case = Case(
+                    engine=engine, format=fmt, model_dir=str(folder), lora_rank=rank,
+                    lora_dir=str(lora_dir) if rank else None, batches=list(cfg.batch), settings=settings,
+                    gpu_memory_utilization=cfg.gpu_memory_utilization, vllm_kwargs=dict(cfg.vllm_kwargs),
+                )
+                log.info("bench: %s, LoRA %s, batches %s", fmt, rank or "none", cfg.batch)
+                try:
+                    result = run_case(case, isolate=engine == "vllm")
+                except QerlError as exc:
+                    if engine != "vllm":
+                        raise
+                    # One format vLLM cannot serve here must not hide the others' figures.
+                    report["errors"].append({"format": fmt, "lora_rank": rank, "error": str(exc)})
+                    continue
+                report["rollout"].extend(result["rollout"])
+                report["memory"].append(result["memory"])
+
+    if cfg.e2e:
+        from qerl_cli.bench.e2e import run_e2e
+
+        report["e2e"] = run_e2e(cfg, checkpoints, engine, out)
+    add_speedups(report)
+    if baseline is not None:
+        report["regression"] = check_regressions(report, baseline, cfg.tolerance)
+    report["files"] = {"json": str(write_json(report, out))}
+    report["files"]["markdown"] = str(write_markdown(report, out))
+    report["files"]["charts"] = [str(p) for p in write_charts(report, out)]
+    write_json(report, out)  # again, now listing the files
+    return report

@@ -1,0 +1,91 @@
+"""A random LoRA adapter in PEFT format, written from the model's shape alone.
+
+Building it through ``peft.get_peft_model`` would need the base model in memory (15 GB for a 7B
+shape); the adapter only depends on the linear layers' shapes, which ``config.json`` gives. The
+folder is what PEFT, the HF engine and vLLM load: ``adapter_config.json`` written by peft's own
+``LoraConfig`` (so its fields match the installed peft) and ``adapter_model.safetensors``.
+
+B is nonzero on purpose: PEFT initialises B to zeros, and an all-zero adapter could let an engine
+skip the LoRA path and make the "with LoRA" figure meaningless.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.config import LORA_TARGETS_ALL
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def linear_shapes(model_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each Qwen2/Llama-style decoder linear, by module name."""
+    hidden = model_config["hidden_size"]
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or hidden // heads
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    inter = model_config["intermediate_size"]
+    return {
+        "q_proj": (heads * head_dim, hidden),
+        "k_proj": (kv_heads * head_dim, hidden),
+        "v_proj": (kv_heads * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_random_lora(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    rank: int,
+    *,
+    seed: int = 0,
+    target_modules: list[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write a random rank-``rank`` LoRA adapter for the model in ``model_dir``; returns ``out_dir``.
+
+    A ~ U(-1/sqrt(in), 1/sqrt(in)) like PEFT's Kaiming init; B ~ N(0, 0.01^2): small enough that the
+    outputs stay finite, nonzero so the adapter does real work.
+    """
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    targets = list(target_modules or LORA_TARGETS_ALL)
+    shapes = linear_shapes(model_config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(model_config["num_hidden_layers"]):
+        for name in targets:
+            out_features, in_features = shapes[name]
+            prefix = f"base_model.model.model.layers.{layer}.{_PARENT[name]}.{name}"
+            bound = in_features**-0.5
+            lora_a = (torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound
+            lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = lora_a.to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = lora_b.to(dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=str(model_dir),
+    ).save_pretrained(str(out))
+    save_file(tensors, str(out / ADAPTER_WEIGHTS))
+    return out

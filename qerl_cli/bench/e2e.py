@@ -1,0 +1,207 @@
+"""``--e2e``: seconds of one GRPO step per phase, BF16 LoRA against each 4-bit format.
+
+Each format runs the same small GRPO job through the real trainer (``qerl_cli.rl.trainer.Trainer``):
+the same synthetic prompts, ``e2e_generations`` completions per prompt, the largest ``--batch``
+prompts per step, ``--gen-len`` completion tokens at most, LoRA of ``--lora-rank`` (16 when 0),
+and the same vLLM memory share (``e2e_gpu_memory_utilization``). Only the base format differs.
+
+Rewards are seeded random numbers instead of math grading: grading costs the same for every
+format, and random rewards give every group nonzero advantages, so each step does a real update.
+AQN is off and TIS on for every format, so every format runs the same algorithm.
+
+Phases, per step (median over the timed steps, after one warm-up step):
+``generation`` (rollout), ``logprobs`` (the no-grad old-policy / reference pass; the trainer runs
+one only when ``num_iterations > 1`` or ``beta > 0``, so 0 with the paper's settings, where the
+policy's logprobs are part of the update), ``update`` (forward + backward + optimizer), ``sync``
+(sleep, wake-up, noise and adapter sync of the rollout engine), and ``step`` (all of it, rewards
+and bookkeeping included).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.config import (
+    AlgorithmSection,
+    AQNSection,
+    BenchConfig,
+    DataSection,
+    LoraSection,
+    ModelSection,
+    OutputSection,
+    RolloutSection,
+    TrainConfig,
+    TrainSection,
+)
+from qerl_cli.errors import QerlError
+
+log = logging.getLogger(__name__)
+
+E2E_DATASET = "synthetic-addition"
+DEFAULT_E2E_RANK = 16
+# (report field, trainer metric) pairs read from each step's record.
+PHASE_METRICS = (("generation_s", "time_rollout_s"), ("logprobs_s", "time_logprobs_s"),
+                 ("update_s", "time_update_s"))
+
+
+class RandomReward:
+    """Seeded uniform rewards: the trainer's ``reward_fn(texts, problems) -> (rewards, stats)``."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, texts: list[str], problems: list[Any]) -> tuple[list[float], dict[str, float]]:
+        return [self.rng.random() for _ in texts], {}
+
+
+def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
+    """The same GRPO job for every format; only ``model_dir`` changes between formats."""
+    steps = cfg.warmup + cfg.repeats
+    rank = cfg.lora_rank or DEFAULT_E2E_RANK
+    prompts = max(cfg.batch)
+    return TrainConfig(
+        model=ModelSection(path=model_dir),
+        lora=LoraSection(rank=rank, alpha=2 * rank),
+        rollout=RolloutSection(
+            engine=engine,  # type: ignore[arg-type]
+            num_generations=cfg.e2e_generations,
+            # A bound, not a length: the synthetic prompts (chat template included) must fit.
+            max_prompt_length=max(cfg.prompt_len, 1024),
+            max_completion_length=cfg.gen_len,
+            temperature=1.0,
+            top_p=1.0,
+            generation_batch_size=prompts * cfg.e2e_generations,
+            gpu_memory_utilization=cfg.e2e_gpu_memory_utilization,
+            max_lora_rank=rank,
+            vllm_kwargs=dict(cfg.vllm_kwargs),
+        ),
+        algorithm=AlgorithmSection(tis="on"),
+        aqn=AQNSection(enabled=False),
+        data=DataSection(dataset=E2E_DATASET, max_samples=prompts * steps, shuffle=False),
+        train=TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.e2e_generations,
+                           seed=cfg.seed),
+        output=OutputSection(dir=out_dir, save_steps=0, save_total_limit=None),
+    )
+
+
+def _timed(fn: Callable[..., Any], sink: list[float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
+    """Run warm-up + timed GRPO steps in this process; one e2e row for ``fmt``."""
+    from qerl_cli.rl.trainer import Trainer
+
+    trainer = Trainer(e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed))
+    if trainer.policy.base_format != fmt:
+        raise QerlError(f"{model_dir} loaded as {trainer.policy.base_format}, expected {fmt}")
+    # Time the engine hand-offs by wrapping them on this trainer instance only.
+    sync_calls: list[float] = []
+    trainer._sync_engine = _timed(trainer._sync_engine, sync_calls)  # type: ignore[method-assign]
+    for name in ("sleep", "wake_up", "set_norm_noise"):
+        setattr(trainer.engine, name, _timed(getattr(trainer.engine, name), sync_calls))
+    records = []
+    for _ in range(cfg.warmup + cfg.repeats):
+        sync_calls.clear()
+        record = trainer.train_step()
+        record["time_sync_s"] = sum(sync_calls)
+        records.append(record)
+    timed = records[cfg.warmup :]
+
+    def median(key: str) -> float:
+        return statistics.median(float(r.get(key, 0.0)) for r in timed)
+
+    row: dict[str, Any] = {"format": fmt, "lora_rank": cfg.lora_rank or DEFAULT_E2E_RANK}
+    for field_name, metric in PHASE_METRICS:
+        row[field_name] = median(metric)
+    row["sync_s"] = median("time_sync_s")
+    row["step_s"] = median("time_step_s")
+    row["steps_timed"] = len(timed)
+    row["sequences_per_step"] = max(cfg.batch) * cfg.e2e_generations
+    row["completion_tokens_per_step"] = median("rollout_tokens")
+    peaks = [r["peak_gpu_memory_gb"] for r in timed if "peak_gpu_memory_gb" in r]
+    row["peak_allocated_bytes"] = int(max(peaks) * 2**30) if peaks else None
+    return row
+
+
+def _measure_isolated(
+    cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_dir: str
+) -> dict[str, Any]:
+    """vLLM: one child process per format, for the reason given in ``bench.engines``."""
+    from dataclasses import asdict
+
+    with tempfile.TemporaryDirectory(prefix="qerl-e2e-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
+        spec.write_text(json.dumps({"cfg": asdict(cfg), "format": fmt, "model_dir": model_dir,
+                                    "engine": engine, "out_dir": out_dir}))
+        env = dict(os.environ)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        proc = subprocess.run([sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env,
+                              check=False)
+        if not out.is_file():
+            raise RuntimeError(f"the e2e worker for {fmt} exited with code {proc.returncode} and no result")
+        return json.loads(out.read_text())
+
+
+def run_e2e(cfg: BenchConfig, checkpoints: dict[str, Path], engine: str, out: Path) -> list[dict[str, Any]]:
+    """One row per format, BF16 first when present (the reference of the speed-ups)."""
+    order = sorted(checkpoints, key=lambda f: f != "bf16")
+    rows = []
+    for fmt in order:
+        run_dir = str(out / "e2e" / fmt)
+        if engine == "vllm":
+            rows.append(_measure_isolated(cfg, fmt, str(checkpoints[fmt]), engine, run_dir))
+            continue
+        try:
+            rows.append(measure_format(cfg, fmt, str(checkpoints[fmt]), engine, run_dir))
+        except QerlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - shown in the report; the other formats still run
+            log.exception("e2e step for %s failed", fmt)
+            rows.append({"format": fmt, "error": f"{type(exc).__name__}: {exc}"})
+        gc.collect()  # the trainer of this format (model, optimizer) before the next one loads
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _worker(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    from qerl_cli.config import from_dict
+
+    cfg = from_dict(BenchConfig, spec["cfg"])
+    out = Path(argv[1])
+    try:
+        row = measure_format(cfg, spec["format"], spec["model_dir"], spec["engine"], spec["out_dir"])
+    except Exception as exc:  # noqa: BLE001 - recorded in the row; the parent goes on with other formats
+        import traceback
+
+        traceback.print_exc()
+        row = {"format": spec["format"], "error": f"{type(exc).__name__}: {exc}"}
+    out.write_text(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

@@ -1,0 +1,207 @@
+"""Build the rollout engine for one bench case (format x LoRA), measure it, and free it.
+
+``without LoRA`` means an engine with no LoRA machinery at all (plain base model for HF, vLLM
+started without ``enable_lora``), because LoRA support costs time even with no adapter active and
+users compare against a plain model. ``with LoRA`` loads the random PEFT adapter through the
+engine's own ``sync_adapter``, the path training uses.
+
+vLLM cases run in a fresh child process (``python -m qerl_cli.bench.worker``): an in-process
+``vllm.LLM`` does not give all of its GPU memory back when deleted, so a second engine in the same
+process would see less memory, and its peak figures would include the first engine's leftovers.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.bench.memory import (
+    MemoryProbe,
+    checkpoint_tensor_bytes,
+    kv_bytes_per_token,
+    module_tensor_bytes,
+    read_model_config,
+    vllm_in_process,
+    vllm_kv_cache,
+)
+from qerl_cli.bench.rollout import RolloutSettings, measure_rollout
+from qerl_cli.errors import QerlError
+
+
+@dataclass
+class Case:
+    """One engine configuration to measure at every batch size."""
+
+    engine: str  # "hf" | "vllm"
+    format: str
+    model_dir: str
+    lora_rank: int = 0  # 0: no LoRA
+    lora_dir: str | None = None
+    batches: list[int] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)  # RolloutSettings fields
+    gpu_memory_utilization: float = 0.85
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------
+@contextmanager
+def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
+    """(engine, tokenizer, memory info) from ``make_engine``; the engine is freed on exit."""
+    from qerl_cli.rollout.factory import make_engine
+
+    settings = RolloutSettings(**case.settings)
+    if case.engine == "hf":
+        model = _hf_model(case)
+        engine: Any = make_engine(
+            "hf", case.model_dir, model=model, adapter=case.lora_dir, model_format=case.format,
+            device=next(model.parameters()).device, generation_batch_size=max(case.batches),
+        )
+        tokenizer = engine.tokenizer
+        info: dict[str, Any] = {
+            "weight_bytes": module_tensor_bytes(engine.model),
+            "weight_bytes_source": "model tensors (in memory)",
+        }
+    else:
+        engine = make_engine(
+            "vllm", case.model_dir, adapter=case.lora_dir, model_format=case.format,
+            gpu_memory_utilization=case.gpu_memory_utilization,
+            # Sleep mode routes allocations through vLLM's own pool; the bench never sleeps.
+            enable_sleep_mode=False,
+            enable_lora=bool(case.lora_rank),
+            max_lora_rank=max(case.lora_rank, 1),
+            max_model_len=settings.prompt_len + settings.gen_len,
+            seed=settings.seed,
+            vllm_kwargs=case.vllm_kwargs,
+        )
+        tokenizer = engine.llm.get_tokenizer()
+        info = _vllm_info(engine, case)
+    try:
+        yield engine, tokenizer, info
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+        del engine
+        _free_memory()
+
+
+def _hf_model(case: Case) -> Any:
+    """The base model, wrapped in LoRA layers of the case's rank (weights loaded by the engine).
+
+    qerl's own LoRA wrapper is used because PEFT alone does not know QuantLinear layers.
+    """
+    from qerl_cli.modeling.lora import attach_lora
+    from qerl_cli.rl.policy import load_base_model, resolve_device
+
+    model, found = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device("auto"))
+    if found != case.format:
+        raise QerlError(f"{case.model_dir} holds a {found} checkpoint, not {case.format}")
+    if case.lora_rank:
+        model = attach_lora(model, r=case.lora_rank, alpha=2 * case.lora_rank)
+    return model.eval()
+
+
+def _vllm_info(engine: Any, case: Case) -> dict[str, Any]:
+    kv_bytes, kv_tokens = vllm_kv_cache(engine.llm, read_model_config(case.model_dir))
+    # vLLM's own module tensors when its model lives in this process; else the checkpoint's.
+    weight_bytes = None
+    if vllm_in_process():
+        try:
+            weight_bytes = int(min(engine.llm.apply_model(module_tensor_bytes)))
+        except Exception:  # noqa: BLE001 - the checkpoint gives the figure instead
+            weight_bytes = None
+    source = "vLLM model tensors (in memory)"
+    if weight_bytes is None:
+        weight_bytes, source = checkpoint_tensor_bytes(case.model_dir), "checkpoint tensors"
+    return {
+        "weight_bytes": weight_bytes,
+        "weight_bytes_source": source,
+        "kv_cache_bytes": kv_bytes,
+        "kv_cache_tokens": kv_tokens,
+        "kv_cache_source": "vLLM num_gpu_blocks x block_size" if kv_bytes is not None else None,
+        "load_seconds": getattr(engine, "load_seconds", None),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# One case, in this process
+# --------------------------------------------------------------------------------------------
+def measure_case(case: Case) -> dict[str, Any]:
+    """{"rollout": rows, "memory": row} for one case, measured in this process."""
+    settings = RolloutSettings(**case.settings)
+    in_process = case.engine == "hf" or vllm_in_process()
+    model_config = read_model_config(case.model_dir)
+    probe = MemoryProbe(in_process=in_process)
+    probe.start()
+    with open_engine(case) as (engine, tokenizer, info):
+        probe.sample()
+        rows = measure_rollout(engine, tokenizer, case.batches, settings, on_sample=probe.sample,
+                               vocab_size=model_config.get("vocab_size"))
+        memory = probe.result()
+    if info.get("kv_cache_bytes") is None:
+        # The HF engine has no preallocated cache: its budget is what the largest batch needs.
+        tokens = max(case.batches) * (settings.prompt_len + settings.gen_len)
+        info["kv_cache_tokens"] = tokens
+        info["kv_cache_bytes"] = tokens * kv_bytes_per_token(model_config)
+        info["kv_cache_source"] = "computed: largest batch x (prompt + gen) tokens x bytes per token"
+    memory_row = {
+        "format": case.format,
+        "lora_rank": case.lora_rank,
+        "checkpoint_bytes": checkpoint_tensor_bytes(case.model_dir),
+        **info,
+        **memory,
+    }
+    rollout_rows = [{"format": case.format, "lora_rank": case.lora_rank, **row} for row in rows]
+    return {"rollout": rollout_rows, "memory": memory_row}
+
+
+# --------------------------------------------------------------------------------------------
+# One case, in a child process
+# --------------------------------------------------------------------------------------------
+def measure_case_isolated(case: Case) -> dict[str, Any]:
+    """Run :func:`measure_case` in ``python -m qerl_cli.bench.worker`` and read its JSON back."""
+    with tempfile.TemporaryDirectory(prefix="qerl-bench-") as tmp:
+        spec, out = Path(tmp) / "case.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps(asdict(case)))
+        env = dict(os.environ)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # memory figures via torch.cuda in the child
+        proc = subprocess.run(
+            [sys.executable, "-m", "qerl_cli.bench.worker", str(spec), str(out)], env=env, check=False
+        )
+        if out.is_file():
+            payload = json.loads(out.read_text())
+            if "error" in payload:
+                raise QerlError(f"{case.format} (LoRA {case.lora_rank or 'none'}): {payload['error']}")
+            return payload
+        raise RuntimeError(
+            f"the bench worker for {case.format} (LoRA {case.lora_rank or 'none'}) exited with code "
+            f"{proc.returncode} and no result; its output above says why"
+        )
+
+
+def run_case(case: Case, *, isolate: bool) -> dict[str, Any]:
+    return measure_case_isolated(case) if isolate else measure_case(case)

@@ -1,0 +1,205 @@
+"""Resolve ``--model`` and ``--engine`` into one local checkpoint folder per format.
+
+* A SHAPE name (``qwen2.5-0.5b`` ... ``qwen2.5-72b``, ``tiny``) needs no download: a random-weight
+  checkpoint of that shape is written directly in each format (packed, no calibration: quantizing
+  random weights measures nothing but time) into a cache folder and reused by later runs.
+* A local folder or a hub id is used as is for its own format. A BF16 model asked for in 4-bit
+  formats is quantized with round-to-nearest (``qerl quantize --method rtn``: speed and memory do
+  not depend on calibration) into the cache. A folder that is already 4-bit serves its own format
+  only.
+
+Default with no ``--model``: ``qwen2.5-7b`` with vLLM on a GPU, ``tiny`` with the HF engine elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from qerl_cli.errors import QerlError
+
+FORMATS = ("bf16", "nf4", "nvfp4", "mxfp4")
+GPU_DEFAULT_MODEL = "qwen2.5-7b"
+CPU_DEFAULT_MODEL = "tiny"
+_COMPLETE = ".qerl-complete"  # written last: a folder without it is a crashed write
+
+
+def cache_root() -> Path:
+    """``$QERL_CACHE_DIR`` or ``$XDG_CACHE_HOME/qerl`` (``~/.cache/qerl``)."""
+    explicit = os.environ.get("QERL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qerl"
+
+
+def shape_names() -> list[str]:
+    from qerl_cli.modeling.random_checkpoint import SHAPES
+
+    return list(SHAPES)
+
+
+def is_shape(name: str) -> bool:
+    return name.lower() in shape_names()
+
+
+def resolve_engine(engine: str) -> str:
+    """``auto``: vLLM when a GPU and vLLM are both present, else HF."""
+    from qerl_cli.bench.engines import vllm_available
+
+    if engine == "auto":
+        return "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
+    if engine == "vllm":
+        if not torch.cuda.is_available():
+            raise QerlError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf here")
+        if not vllm_available():
+            raise QerlError('--engine vllm needs vLLM: pip install "qerl[vllm]" (or use --engine hf)')
+    return engine
+
+
+def default_model(engine: str) -> str:
+    return GPU_DEFAULT_MODEL if engine == "vllm" else CPU_DEFAULT_MODEL
+
+
+def normalize_formats(formats: list[str]) -> list[str]:
+    """Lower-case, de-duplicated, known format names, in the order given."""
+    seen: list[str] = []
+    for name in (f.strip().lower() for f in formats):
+        if name not in FORMATS:
+            raise QerlError(f"unknown format {name!r} in --formats; choose from {', '.join(FORMATS)}")
+        if name not in seen:
+            seen.append(name)
+    if not seen:
+        raise QerlError(f"--formats is empty; give some of {', '.join(FORMATS)}")
+    return seen
+
+
+def folder_format(folder: Path) -> str:
+    """bf16 / nvfp4 / mxfp4 / nf4 from a checkpoint's ``quantization_config``."""
+    from qerl_cli.rollout.vllm_engine import detect_checkpoint_format
+
+    found = detect_checkpoint_format(folder).name
+    if found == "other":
+        raise QerlError(
+            f"{folder} holds a quantization qerl does not benchmark; give a BF16, NVFP4, MXFP4 or NF4 model"
+        )
+    return found
+
+
+def _finished(folder: Path) -> bool:
+    return (folder / _COMPLETE).is_file() and (folder / "config.json").is_file()
+
+
+def _write_atomically(target: Path, write) -> Path:  # write: Callable[[Path], object]
+    """Write into a sibling temp folder, mark it complete, then rename: a crash leaves no half folder."""
+    if _finished(target):
+        return target
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    write(tmp)
+    (tmp / _COMPLETE).write_text("")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def shape_tokenizer() -> Path:
+    """A tokenizer folder for the real-size shapes: qerl's byte-level tiny tokenizer.
+
+    Random weights make any tokenizer as good as Qwen's for timing (cost depends on token counts,
+    not on which tokens), and this one needs no download. Ids the model generates beyond its 259
+    tokens decode to nothing, in transformers and in vLLM's detokenizer alike.
+    """
+    from qerl_cli.modeling.tiny import build_tokenizer
+
+    target = cache_root() / "bench" / "tokenizer"
+    return _write_atomically(target, lambda tmp: _save_tokenizer(build_tokenizer(), tmp))
+
+
+def _save_tokenizer(tokenizer, folder: Path) -> None:
+    tokenizer.save_pretrained(folder)
+    (folder / "config.json").write_text("{}")  # marks the folder complete for _finished
+
+
+def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
+    """The cached random-weight checkpoint of ``shape`` in ``fmt`` (written on first use)."""
+    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint
+
+    name = shape.lower()
+    tokenizer_from = None if name == "tiny" else shape_tokenizer()  # tiny gets its own from the writer
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random 32B weights: minutes on CPU
+
+    def write(tmp: Path) -> None:
+        write_random_checkpoint(tmp, name, fmt, seed=seed, device=device, tokenizer_from=tokenizer_from)
+
+    return _write_atomically(cache_root() / "bench" / name / f"{fmt}-seed{seed}", write)
+
+
+def _local_folder(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QerlError(f"{path} has no config.json; give a model folder, a hub id or a shape name")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise QerlError(f"--model {model}: no such folder; give a model folder, a hub id or a shape name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one user-facing message
+        raise QerlError(
+            f"--model {model} is neither a folder, nor a shape ({', '.join(shape_names())}), "
+            f"nor a reachable hub id: {exc}"
+        ) from None
+
+
+def _rtn_checkpoint(source: Path, fmt: str) -> Path:
+    from qerl_cli.config import QuantizeConfig
+    from qerl_cli.quantize import run_quantize
+
+    digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    target = cache_root() / "bench" / "rtn" / f"{source.name}-{digest}" / fmt
+
+    def write(tmp: Path) -> None:
+        config = QuantizeConfig(model=str(source), format=fmt, method="rtn", output=str(tmp), overwrite=True)
+        run_quantize(config)
+
+    return _write_atomically(target, write)
+
+
+def prepare_checkpoints(model: str, formats: list[str], seed: int = 0) -> dict[str, Path]:
+    """{format: local folder} for every requested format."""
+    if is_shape(model):
+        return {fmt: shape_checkpoint(model, fmt, seed) for fmt in formats}
+    folder = _local_folder(model)
+    own = folder_format(folder)
+    if own != "bf16":
+        others = [f for f in formats if f != own]
+        if others:
+            raise QerlError(
+                f"{model} is already a {own} checkpoint, so only --formats {own} can be measured from it "
+                f"(not {', '.join(others)}); give the BF16 model to compare formats"
+            )
+        return {own: folder}
+    return {fmt: folder if fmt == "bf16" else _rtn_checkpoint(folder, fmt) for fmt in formats}
+
+
+def model_label(model: str) -> str:
+    """How the report names the model (a folder's name, a shape or a hub id)."""
+    return model.lower() if is_shape(model) else model
+
+
+def describe_source(model: str) -> str:
+    if is_shape(model):
+        return "shape (random weights, written in each format)"
+    return "folder" if Path(model).expanduser().is_dir() else "hub"
+
+
+def model_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())

@@ -1,0 +1,499 @@
+"""Bench outputs: ``bench.json``, the rich table, Markdown, PNG charts and the regression gate.
+
+The report is a plain dict (what ``bench.json`` holds) so a baseline file read back from disk and a
+fresh report are the same kind of object. Its layout (``SCHEMA``):
+
+* ``machine``, ``gpu`` (None on CPU), ``versions``, ``settings``;
+* ``device``: ``"gpu"`` or ``"cpu"`` and ``figures_label``, which says how far the figures can be
+  trusted (CPU figures are only good for ratios between formats of the same run);
+* ``rollout``: one row per (format, LoRA rank, batch) with throughput and latency;
+* ``memory``: one row per (format, LoRA rank) with weight bytes, peaks, KV-cache budget and how
+  they were measured;
+* ``e2e``: one row per format with GRPO step seconds per phase (``None`` without ``--e2e``);
+* ``regression``: the outcome of ``--baseline`` (``None`` without it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError
+
+SCHEMA = "qerl-bench/1"
+REPORT_NAME = "bench.json"
+MARKDOWN_NAME = "bench.md"
+REFERENCE_FORMAT = "bf16"
+
+# Metrics the regression gate watches: name -> +1 when higher is better, -1 when lower is better.
+ROLLOUT_GATED = {"output_tokens_per_s": +1, "prefill_tokens_per_s": +1}
+MEMORY_GATED = {"weight_bytes": -1, "peak_allocated_bytes": -1, "peak_reserved_bytes": -1}
+E2E_GATED = {"step_s": -1}
+# A baseline measured with other settings is not comparable; these must agree.
+COMPARABLE_SETTINGS = ("model", "engine", "prompt_len", "gen_len")
+E2E_PHASES = ("generation_s", "logprobs_s", "update_s", "sync_s")
+
+_VERSIONED_PACKAGES = (
+    "qerl", "torch", "transformers", "peft", "vllm", "compressed-tensors", "bitsandbytes", "triton",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+def package_versions() -> dict[str, str | None]:
+    """Installed versions from package metadata (no imports: vLLM must stay unimported here)."""
+    versions: dict[str, str | None] = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = platform.python_version()
+    return versions
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        info["ram_bytes"] = None
+    return info
+
+
+def gpu_info() -> dict[str, Any] | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "name": props.name,
+        "count": torch.cuda.device_count(),
+        "memory_bytes": props.total_memory,
+        "capability": f"{props.major}.{props.minor}",
+        "cuda": torch.version.cuda,
+    }
+
+
+def new_report(settings: dict[str, Any]) -> dict[str, Any]:
+    """The report skeleton: environment and settings, no figures yet."""
+    gpu = gpu_info()
+    device = "gpu" if gpu else "cpu"
+    label = (
+        f"GPU figures ({gpu['name']})"
+        if gpu
+        else "CPU figures: only the ratios between formats of this run mean anything; absolute "
+        "times say nothing about a GPU"
+    )
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "figures_label": label,
+        "machine": machine_info(),
+        "gpu": gpu,
+        "versions": package_versions(),
+        "settings": settings,
+        "rollout": [],
+        "memory": [],
+        "e2e": None,
+        "regression": None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Derived figures
+# --------------------------------------------------------------------------------------------
+def _key(row: dict[str, Any], *fields: str) -> tuple:
+    return tuple(row.get(f) for f in fields)
+
+
+def add_speedups(report: dict[str, Any]) -> None:
+    """``speedup_vs_bf16`` on every rollout and e2e row: ratios within this one run only."""
+    reference = {
+        _key(r, "lora_rank", "batch"): r for r in report["rollout"] if r["format"] == REFERENCE_FORMAT
+    }
+    for row in report["rollout"]:
+        ref = reference.get(_key(row, "lora_rank", "batch"))
+        row["speedup_vs_bf16"] = (
+            row["output_tokens_per_s"] / ref["output_tokens_per_s"]
+            if ref and ref.get("output_tokens_per_s")
+            else None
+        )
+    e2e = [r for r in report.get("e2e") or [] if "error" not in r]
+    ref_step = next((r["step_s"] for r in e2e if r["format"] == REFERENCE_FORMAT), None)
+    for row in e2e:
+        row["speedup_vs_bf16"] = ref_step / row["step_s"] if ref_step and row.get("step_s") else None
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+def write_json(report: dict[str, Any], out_dir: str | Path) -> Path:
+    path = Path(out_dir) / REPORT_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    """Read a ``bench.json`` (the baseline of ``--baseline``), checking it is one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / REPORT_NAME
+    if not path.is_file():
+        raise QerlError(f"baseline not found: {path} (give the bench.json of an earlier `qerl bench` run)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QerlError(f"{path} is not valid JSON ({exc}); give the bench.json of an earlier run") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise QerlError(f"{path} is not a qerl bench report (expected schema {SCHEMA!r})")
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# Regression gate
+# --------------------------------------------------------------------------------------------
+def _compare(
+    section: str,
+    new_rows: Iterable[dict[str, Any]],
+    old_rows: Iterable[dict[str, Any]],
+    key_fields: tuple[str, ...],
+    gated: dict[str, int],
+    tolerance: float,
+) -> tuple[list[str], int]:
+    old_by_key = {_key(r, *key_fields): r for r in old_rows}
+    failures, compared = [], 0
+    for row in new_rows:
+        old = old_by_key.get(_key(row, *key_fields))
+        if old is None:
+            continue
+        where = f"{section} " + " ".join(f"{f}={row.get(f)}" for f in key_fields)
+        for metric, direction in gated.items():
+            new_value, old_value = row.get(metric), old.get(metric)
+            numbers = isinstance(new_value, int | float) and isinstance(old_value, int | float)
+            if not numbers or old_value <= 0:
+                continue
+            compared += 1
+            change = new_value / old_value - 1.0
+            if direction > 0 and change < -tolerance:
+                failures.append(
+                    f"{where}: {metric} dropped {-change:.1%} ({new_value:.4g} vs baseline {old_value:.4g}, "
+                    f"tolerance {tolerance:.0%})"
+                )
+            elif direction < 0 and change > tolerance:
+                failures.append(
+                    f"{where}: {metric} rose {change:.1%} ({new_value:.4g} vs baseline {old_value:.4g}, "
+                    f"tolerance {tolerance:.0%})"
+                )
+    return failures, compared
+
+
+def check_regressions(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    """Compare a fresh report with a baseline; returns the ``regression`` section of the report.
+
+    Throughput may not drop, and memory and step time may not rise, by more than ``tolerance``
+    (a fraction). Raises ``QerlError`` when the two runs are not comparable at all, because a gate
+    that silently compares nothing would always pass.
+    """
+    if tolerance < 0:
+        raise QerlError(f"--tolerance must be >= 0 (a fraction, 0.1 = 10%), got {tolerance}")
+    mismatched = [
+        f"{name}: {baseline['settings'].get(name)!r} vs {report['settings'].get(name)!r}"
+        for name in COMPARABLE_SETTINGS
+        if baseline.get("settings", {}).get(name) != report["settings"].get(name)
+    ]
+    if baseline.get("device") != report["device"]:
+        mismatched.append(f"device: {baseline.get('device')!r} vs {report['device']!r}")
+    if mismatched:
+        raise QerlError(
+            "the baseline was measured with other settings (baseline vs now): "
+            + "; ".join(mismatched)
+            + ". Rerun the baseline with the same --model/--engine/--prompt-len/--gen-len "
+            "on the same kind of machine."
+        )
+    failures: list[str] = []
+    compared = 0
+    for section, key_fields, gated in (
+        ("rollout", ("format", "lora_rank", "batch"), ROLLOUT_GATED),
+        ("memory", ("format", "lora_rank"), MEMORY_GATED),
+        ("e2e", ("format",), E2E_GATED),
+    ):
+        found, n = _compare(
+            section, report.get(section) or [], baseline.get(section) or [], key_fields, gated, tolerance
+        )
+        failures.extend(found)
+        compared += n
+    if compared == 0:
+        raise QerlError(
+            "the baseline shares no measurement with this run (other formats, batches or LoRA rank); "
+            "run with the baseline's --formats and --batch"
+        )
+    return {"tolerance": tolerance, "compared": compared, "failures": failures, "passed": not failures}
+
+
+def gate_failures(report: dict[str, Any]) -> list[str]:
+    """The regression failures of a report (empty without ``--baseline`` or when it passed)."""
+    return list((report.get("regression") or {}).get("failures") or [])
+
+
+# --------------------------------------------------------------------------------------------
+# Human-readable renderings
+# --------------------------------------------------------------------------------------------
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+def _lora(rank: int) -> str:
+    return f"r{rank}" if rank else "none"
+
+
+def _speedup(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+ROLLOUT_COLUMNS = (
+    "format", "LoRA", "batch", "output tok/s", "vs BF16", "prefill tok/s", "decode ms/tok",
+)
+MEMORY_COLUMNS = (
+    "format", "LoRA", "weights", "peak allocated", "peak reserved", "KV cache", "measured by",
+)
+E2E_COLUMNS = ("format", "generation s", "logprobs s", "update s", "sync s", "step s", "vs BF16")
+
+
+def rollout_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [
+        (
+            r["format"],
+            _lora(r["lora_rank"]),
+            str(r["batch"]),
+            _fmt(r["output_tokens_per_s"]),
+            _speedup(r.get("speedup_vs_bf16")),
+            _fmt(r["prefill_tokens_per_s"]),
+            _fmt(r["decode_ms_per_token"], ".2f"),
+        )
+        for r in report["rollout"]
+    ]
+
+
+def memory_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [
+        (
+            r["format"],
+            _lora(r["lora_rank"]),
+            _bytes(r.get("weight_bytes")),
+            _bytes(r.get("peak_allocated_bytes")),
+            _bytes(r.get("peak_reserved_bytes")),
+            _bytes(r.get("kv_cache_bytes")),
+            str(r.get("method", "-")),
+        )
+        for r in report["memory"]
+    ]
+
+
+def e2e_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    return [
+        (r["format"], *(_fmt(r.get(p), ".2f") for p in E2E_PHASES), _fmt(r.get("step_s"), ".2f"),
+         _speedup(r.get("speedup_vs_bf16")))
+        for r in report.get("e2e") or []
+        if "error" not in r
+    ]
+
+
+def failed_cases(report: dict[str, Any]) -> list[str]:
+    """Cases that produced no figures, each with why (e.g. a format vLLM cannot serve here)."""
+    lines = [f"{e['format']} LoRA {_lora(e['lora_rank'])}: {e['error']}" for e in report.get("errors") or []]
+    lines += [f"e2e {r['format']}: {r['error']}" for r in report.get("e2e") or [] if "error" in r]
+    return lines
+
+
+def _title(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    return (
+        f"qerl bench: {s['model']} on {s['engine']}, prompt {s['prompt_len']} / gen {s['gen_len']} tokens, "
+        f"median of {s['repeats']}"
+    )
+
+
+def bench_table(report: dict[str, Any]):  # -> rich.console.Group
+    """Rich renderable: rollout, memory, e2e tables and the regression outcome."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [Text(_title(report), style="bold"), Text(report["figures_label"], style="yellow")]
+    for title, columns, rows in (
+        ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
+        ("Memory", MEMORY_COLUMNS, memory_rows(report)),
+        ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
+    ):
+        if not rows:
+            continue
+        table = Table(title=title, title_justify="left")
+        for i, column in enumerate(columns):
+            table.add_column(column, justify="left" if i < 2 else "right")
+        for row in rows:
+            table.add_row(*row)
+        parts.append(table)
+    failed = failed_cases(report)
+    if failed:
+        parts.append(Text("Cases without figures:", style="bold red"))
+        parts.extend(Text(f"  {line}", style="red") for line in failed)
+    regression = report.get("regression")
+    if regression:
+        if regression["passed"]:
+            passed = f"Regression gate passed ({regression['compared']} figures compared)."
+            parts.append(Text(passed, style="green"))
+        else:
+            parts.append(Text("Regression gate FAILED:", style="bold red"))
+            parts.extend(Text(f"  {f}", style="red") for f in regression["failures"])
+    return Group(*parts)
+
+
+def _markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines.extend("| " + " | ".join(row) + " |" for row in rows)
+    return [*lines, ""]
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    gpu = report.get("gpu")
+    versions = report["versions"]
+    lines = [
+        f"## {_title(report)}",
+        "",
+        f"**{report['figures_label']}**",
+        "",
+        f"Machine: {report['machine']['hostname']} ({report['machine']['cpu_count']} CPUs)"
+        + (f", GPU: {gpu['name']} x{gpu['count']}, CUDA {gpu['cuda']}" if gpu else ", no GPU"),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        "",
+    ]
+    for title, columns, rows in (
+        ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
+        ("Memory", MEMORY_COLUMNS, memory_rows(report)),
+        ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
+    ):
+        if rows:
+            lines += [f"### {title}", "", *_markdown_table(columns, rows)]
+    failed = failed_cases(report)
+    if failed:
+        lines += ["Cases without figures:", *[f"- {line}" for line in failed], ""]
+    regression = report.get("regression")
+    if regression:
+        if regression["passed"]:
+            lines.append(f"Regression gate: **passed** ({regression['compared']} figures compared).")
+        else:
+            lines.append("Regression gate: **FAILED**")
+            lines += [f"- {f}" for f in regression["failures"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_markdown(report: dict[str, Any], out_dir: str | Path) -> Path:
+    """``bench.md`` in the output folder, appended to ``$GITHUB_STEP_SUMMARY`` when set (CI)."""
+    text = to_markdown(report)
+    path = Path(out_dir) / MARKDOWN_NAME
+    path.write_text(text)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Charts
+# --------------------------------------------------------------------------------------------
+def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """PNG charts (throughput per batch, memory, e2e phases); none when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: CI runners and SSH sessions have no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = Path(out_dir)
+    written: list[Path] = []
+    suffix = " (CPU figures)" if report["device"] == "cpu" else ""
+
+    if report["rollout"]:
+        rows = report["rollout"]
+        series = sorted({(r["format"], r["lora_rank"]) for r in rows}, key=lambda s: (s[1], s[0]))
+        batches = sorted({r["batch"] for r in rows})
+        by_key = {(r["format"], r["lora_rank"], r["batch"]): r["output_tokens_per_s"] for r in rows}
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        width = 0.8 / len(series)
+        for i, (fmt, rank) in enumerate(series):
+            xs = [b_i + i * width for b_i in range(len(batches))]
+            heights = [by_key.get((fmt, rank, b), 0.0) for b in batches]
+            ax.bar(xs, heights, width, label=f"{fmt} LoRA {_lora(rank)}")
+        ax.set_xticks([b_i + 0.4 - width / 2 for b_i in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Rollout throughput" + suffix)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "throughput.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    if report["memory"]:
+        rows = report["memory"]
+        labels = [f"{r['format']}\n{_lora(r['lora_rank'])}" for r in rows]
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        xs = range(len(rows))
+        bars = ((-0.2, "weight_bytes", "weights"), (0.2, "peak_allocated_bytes", "peak allocated"))
+        for offset, metric, name in bars:
+            ax.bar([x + offset for x in xs], [(r.get(metric) or 0) / 1e9 for r in rows], 0.4, label=name)
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("GB")
+        ax.set_title("Memory" + suffix)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "memory.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    e2e_ok = [r for r in report.get("e2e") or [] if "error" not in r]
+    if e2e_ok:
+        rows = e2e_ok
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        bottoms = [0.0] * len(rows)
+        for phase in E2E_PHASES:
+            heights = [r.get(phase) or 0.0 for r in rows]
+            ax.bar([r["format"] for r in rows], heights, bottom=bottoms, label=phase.removesuffix("_s"))
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        ax.set_ylabel("seconds per GRPO step")
+        ax.set_title("End-to-end step" + suffix)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "e2e.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written

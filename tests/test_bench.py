@@ -1,0 +1,273 @@
+"""``qerl bench`` on CPU: the tiny shape end to end with the HF engine, bench.json's schema, the
+regression gate, the Markdown summary, exact-length prompts, the random LoRA adapter and --e2e."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from qerl_cli.bench import bench_table, gate_failures, run_bench
+from qerl_cli.bench.adapter import write_random_lora
+from qerl_cli.bench.memory import checkpoint_tensor_bytes
+from qerl_cli.bench.report import SCHEMA, check_regressions, read_report, to_markdown, write_markdown
+from qerl_cli.bench.rollout import PromptMaker
+from qerl_cli.config import BenchConfig
+from qerl_cli.errors import QerlError
+
+FORMATS = ["bf16", "nvfp4"]
+BATCHES = [1, 2]
+RANK = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models on shared cores: thread oversubscription makes them 10x slower, not faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qerl-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QERL_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def bench_run(cache_dir, tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("bench-out")
+    cfg = BenchConfig(model="tiny", formats=FORMATS, batch=BATCHES, prompt_len=8, gen_len=3, lora_rank=RANK,
+                      engine="hf", output=str(out))
+    return run_bench(cfg), out
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    from qerl_cli.modeling.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+# --------------------------------------------------------------------------------------------
+# End to end on the tiny shape
+# --------------------------------------------------------------------------------------------
+def test_tiny_shape_end_to_end_writes_every_figure(bench_run):
+    report, out = bench_run
+    on_disk = read_report(out / "bench.json")
+    assert on_disk["schema"] == SCHEMA
+    sections = ("machine", "gpu", "versions", "settings", "device", "figures_label", "rollout", "memory")
+    assert set(sections) <= set(on_disk) and on_disk["e2e"] is None
+    assert on_disk["device"] == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert on_disk["versions"]["torch"] and on_disk["versions"]["transformers"]
+    settings = on_disk["settings"]
+    assert settings["model"] == "tiny" and settings["engine"] == "hf"
+    assert (settings["temperature"], settings["top_p"], settings["ignore_eos"]) == (0.6, 0.95, True)
+
+    keys = {(r["format"], r["lora_rank"], r["batch"]) for r in on_disk["rollout"]}
+    assert keys == {(f, r, b) for f in FORMATS for r in (0, RANK) for b in BATCHES}
+    for row in on_disk["rollout"]:
+        assert row["output_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
+        assert row["decode_ms_per_token"] >= 0
+        assert len(row["generate_s"]) == 3 and len(row["prefill_s"]) == 3
+        assert row["generate_s_median"] == sorted(row["generate_s"])[1]
+        # Throughput is exactly batch x gen_len tokens over the median time.
+        assert row["output_tokens_per_s"] == pytest.approx(row["batch"] * 3 / row["generate_s_median"])
+        if row["format"] == "bf16":
+            assert row["speedup_vs_bf16"] == 1.0
+
+    memory = {(r["format"], r["lora_rank"]): r for r in on_disk["memory"]}
+    assert set(memory) == {(f, r) for f in FORMATS for r in (0, RANK)}
+    for row in memory.values():
+        assert row["method"].startswith("cpu-rss") or row["method"].startswith("torch.cuda")
+        assert row["peak_allocated_bytes"] > 0 and row["kv_cache_bytes"] > 0
+    # Packed 4-bit linears hold fewer bytes than BF16; the adapter adds bytes.
+    assert memory[("nvfp4", 0)]["weight_bytes"] < memory[("bf16", 0)]["weight_bytes"]
+    assert memory[("bf16", RANK)]["weight_bytes"] > memory[("bf16", 0)]["weight_bytes"]
+    assert memory[("nvfp4", 0)]["checkpoint_bytes"] < memory[("bf16", 0)]["checkpoint_bytes"]
+
+
+def test_table_and_markdown_show_speedups_and_label_cpu_figures(bench_run):
+    report, out = bench_run
+    console = Console(record=True, width=200)
+    console.print(bench_table(report))
+    text = console.export_text()
+    assert "vs BF16" in text and "nvfp4" in text and "Memory" in text
+    markdown = (out / "bench.md").read_text()
+    assert markdown == to_markdown(report)
+    assert "| format | LoRA | batch | output tok/s | vs BF16 |" in markdown
+    assert "| nvfp4 | r4 | 2 |" in markdown
+    if report["device"] == "cpu":
+        assert "CPU figures" in text and "CPU figures" in markdown
+
+
+def test_markdown_goes_to_github_step_summary(bench_run, tmp_path, monkeypatch):
+    report, _ = bench_run
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    write_markdown(report, tmp_path)
+    text = summary.read_text()
+    assert text.startswith("earlier step\n")  # appended, not overwritten
+    assert "### Rollout throughput" in text and "### Memory" in text
+
+
+def test_charts_are_written_when_matplotlib_is_present(bench_run):
+    pytest.importorskip("matplotlib")
+    report, out = bench_run
+    assert {Path(p).name for p in report["files"]["charts"]} == {"throughput.png", "memory.png"}
+    assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------------------------
+# Regression gate
+# --------------------------------------------------------------------------------------------
+def _row(report: dict, section: str, **match) -> dict:
+    return next(r for r in report[section] if all(r[k] == v for k, v in match.items()))
+
+
+def test_gate_passes_against_itself(bench_run):
+    report, _ = bench_run
+    outcome = check_regressions(report, copy.deepcopy(report), tolerance=0.1)
+    assert outcome["passed"] and outcome["failures"] == [] and outcome["compared"] > 0
+
+
+def test_gate_names_a_throughput_drop_and_a_memory_rise(bench_run):
+    report, _ = bench_run
+    baseline = copy.deepcopy(report)
+    _row(baseline, "rollout", format="nvfp4", lora_rank=0, batch=2)["output_tokens_per_s"] *= 1.5
+    _row(baseline, "memory", format="bf16", lora_rank=RANK)["peak_allocated_bytes"] /= 2
+    # Within tolerance: a 5% faster baseline is not a regression.
+    _row(baseline, "rollout", format="bf16", lora_rank=0, batch=1)["prefill_tokens_per_s"] *= 1.05
+    failures = check_regressions(report, baseline, tolerance=0.1)["failures"]
+    assert len(failures) == 2, failures
+    drop = next(f for f in failures if "output_tokens_per_s" in f)
+    assert "nvfp4" in drop and "batch=2" in drop and "dropped 33.3%" in drop
+    rise = next(f for f in failures if "peak_allocated_bytes" in f)
+    assert "bf16" in rise and f"lora_rank={RANK}" in rise and "rose 100.0%" in rise
+
+
+def test_gate_refuses_a_baseline_of_other_settings(bench_run):
+    report, _ = bench_run
+    baseline = copy.deepcopy(report)
+    baseline["settings"]["gen_len"] = 2048
+    with pytest.raises(QerlError, match="gen_len"):
+        check_regressions(report, baseline, tolerance=0.1)
+    with pytest.raises(QerlError, match="no measurement"):
+        check_regressions(report, {**copy.deepcopy(report), "rollout": [], "memory": [], "e2e": None}, 0.1)
+
+
+def test_run_bench_with_baseline_reports_failures(cache_dir, bench_run, tmp_path):
+    report, _ = bench_run
+    baseline = copy.deepcopy(report)
+    for row in baseline["rollout"]:
+        row["output_tokens_per_s"] *= 100  # an impossibly fast baseline: every row regresses
+    baseline_file = tmp_path / "baseline.json"
+    baseline_file.write_text(json.dumps(baseline))
+    cfg = BenchConfig(model="tiny", formats=["bf16"], batch=[1], prompt_len=8, gen_len=3, lora_rank=0,
+                      engine="hf", output=str(tmp_path / "out"), baseline=str(baseline_file), tolerance=0.1)
+    fresh = run_bench(cfg)
+    failures = gate_failures(fresh)
+    # CPU timings are noisy, so other figures may fail too; this one must.
+    assert any("output_tokens_per_s dropped" in f and "format=bf16" in f and "batch=1" in f for f in failures)
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["regression"]["passed"] is False
+
+
+def test_bad_baseline_and_settings_are_user_errors(tmp_path):
+    bad = tmp_path / "bench.json"
+    bad.write_text('{"schema": "something-else"}')
+    with pytest.raises(QerlError, match="not a qerl bench report"):
+        run_bench(BenchConfig(model="tiny", engine="hf", baseline=str(bad), output=str(tmp_path)))
+    with pytest.raises(QerlError, match="repeats"):
+        run_bench(BenchConfig(model="tiny", engine="hf", repeats=2, output=str(tmp_path)))
+    with pytest.raises(QerlError, match="unknown format"):
+        run_bench(BenchConfig(model="tiny", engine="hf", formats=["int3"], output=str(tmp_path)))
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+def _merging_tokenizer():
+    """A BPE tokenizer with merges, where decode -> encode does not round-trip token by token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the cat sat on the mat and the rat ate the hat", "four plus five is nine, nine minus two"] * 50
+    backend.train_from_iterator(corpus, trainer)
+    from tokenizers import decoders
+
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("length", [1, 7, 64])
+def test_prompts_have_exactly_the_requested_token_count(length):
+    from qerl_cli.modeling.tiny import build_tokenizer
+
+    for tokenizer in (build_tokenizer(), _merging_tokenizer()):
+        maker = PromptMaker(tokenizer, seed=3)
+        prompts = maker.batch(5, length, seed=1)
+        assert len(set(prompts)) > 1 or length == 1
+        for text in prompts:
+            assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) == length
+        assert maker.batch(5, length, seed=1) == prompts  # seeded
+
+
+def test_prompts_stay_inside_a_smaller_model_vocabulary():
+    from qerl_cli.modeling.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    maker = PromptMaker(tokenizer, vocab_size=100)
+    ids = tokenizer(maker.batch(4, 32, seed=0)[0], add_special_tokens=False)["input_ids"]
+    assert max(ids) < 100 and max(maker.pool) < 100
+
+
+def test_random_lora_loads_in_peft_and_changes_the_output(tiny_folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = write_random_lora(tiny_folder, tmp_path / "lora", rank=RANK, seed=1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    ids = torch.tensor([[72, 105, 33, 10]])
+    with torch.no_grad():
+        plain = base(ids).logits
+        model = PeftModel.from_pretrained(base, str(adapter))
+        adapted = model(ids).logits
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["peft_type"] == "LORA"
+    assert len(config["target_modules"]) == 7
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(bool(p.abs().sum() > 0) for p in lora_b)  # B is not PEFT's zero init
+    assert not torch.allclose(plain, adapted)
+
+
+def test_checkpoint_bytes_are_read_from_the_headers(tiny_folder):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tiny_folder / "model.safetensors"))
+    assert checkpoint_tensor_bytes(tiny_folder) == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
+    from qerl_cli.bench.e2e import run_e2e
+
+    cfg = BenchConfig(model=str(tiny_folder), formats=["bf16"], batch=[2], prompt_len=8, gen_len=4,
+                      lora_rank=RANK, e2e=True, e2e_generations=2)
+    (row,) = run_e2e(cfg, {"bf16": tiny_folder}, "hf", tmp_path)
+    assert "error" not in row, row.get("error")
+    assert row["format"] == "bf16" and row["steps_timed"] == 3 and row["sequences_per_step"] == 4
+    assert row["generation_s"] > 0 and row["update_s"] > 0
+    assert row["logprobs_s"] >= 0 and row["sync_s"] >= 0
+    phases = row["generation_s"] + row["logprobs_s"] + row["update_s"] + row["sync_s"]
+    assert row["step_s"] >= phases * 0.5  # medians of separate phases need not add up exactly
