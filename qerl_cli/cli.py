@@ -80,6 +80,8 @@ def quantize(
         str | None, typer.Option(help="Calibration dataset: hub id, .jsonl or .parquet.")
     ] = None,
     calib_field: Annotated[str | None, typer.Option(help="Field with chat messages or text.")] = None,
+    calib_split: Annotated[str | None, typer.Option(help="Split of a hub calibration dataset.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
     num_samples: Annotated[int | None, typer.Option(help="Calibration samples (default 256).")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per calibration sample (default 2048).")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o", help="Default ./<model>-<FORMAT>.")] = None,
@@ -102,6 +104,8 @@ def quantize(
         method=method,
         calib=calib,
         calib_field=calib_field,
+        calib_split=calib_split,
+        device=device,
         num_samples=num_samples,
         seq_len=seq_len,
         output=output,

@@ -1,0 +1,121 @@
+"""NVFP4 / MXFP4 through llm-compressor's ``oneshot``: AWQ smoothing, then weight-only FP4 rounding.
+
+Recipe (``--method awq``)::
+
+    AWQModifier()  # Qwen2/Llama mappings inferred by llm-compressor
+    QuantizationModifier(targets="Linear", scheme="NVFP4A16" | "MXFP4A16", ignore=["lm_head", ...])
+
+``--method rtn`` keeps only the QuantizationModifier (data-free round to nearest). The checkpoint is
+saved with ``save_compressed=True`` in compressed-tensors' ``nvfp4-pack-quantized`` /
+``mxfp4-pack-quantized`` layout, which transformers, vLLM and qerl's QuantLinear load.
+
+llm-compressor is imported lazily: the rest of qerl works without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_cli.errors import QerlError
+from qerl_cli.quantize.validate import ALWAYS_IGNORED
+
+SCHEMES = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+# AWQ needs a quantizer to search scales against. NF4 is not a compressed-tensors scheme, so for
+# --format nf4 --method awq the search runs against its closest one: symmetric 4-bit integers in
+# groups of 64 along the input dimension (NF4 uses absmax blocks of 64 too). Only the smoothing is
+# kept; the weights are then rounded to NF4 (see nf4.py).
+NF4_AWQ_PROXY = {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64},
+}
+
+
+def require_llmcompressor() -> None:
+    try:
+        import llmcompressor  # noqa: F401
+    except ImportError:
+        raise QerlError(
+            "NVFP4/MXFP4 quantization and AWQ need llm-compressor: pip install 'qerl[quantize]' "
+            "(or use --format nf4 --method rtn, which does not)"
+        ) from None
+
+
+@contextmanager
+def cpu_pin_memory_workaround() -> Iterator[None]:
+    """Let llm-compressor's AWQ run on a machine without an accelerator.
+
+    ``AWQModifier._apply_smoothing`` pins the cached activations of every mapping
+    (``IntermediatesCache.pin_memory``) to speed up host->device copies during the grid search.
+    Pinning needs an accelerator, so on a CPU-only machine it raises "Cannot access accelerator
+    device when none is available". Seen with llm-compressor 0.14.0.1 (compressed-tensors 0.19.0,
+    torch 2.13 CPU). Pinning is only an optimisation for copies that do not happen on CPU, so while
+    AWQ runs *and* no accelerator exists, that one method becomes a no-op. With a GPU nothing changes.
+    """
+    if torch.accelerator.is_available():
+        yield
+        return
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    original = IntermediatesCache.__dict__.get("pin_memory")
+    if original is None:  # a newer llm-compressor without the method: nothing to work around
+        yield
+        return
+
+    def _skip_pinning(self, batch_index: int, input_names: list[str] | None = None) -> None:
+        return None
+
+    IntermediatesCache.pin_memory = _skip_pinning
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = original
+
+
+def build_recipe(fmt: str, method: str, ignore: list[str]) -> list[Any]:
+    """The llm-compressor modifiers for ``fmt`` (nvfp4, mxfp4, or nf4's AWQ proxy) and ``method``."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    ignore = [*ALWAYS_IGNORED, *ignore]
+    if fmt == "nf4":
+        quant = QuantizationModifier(config_groups={"group_0": NF4_AWQ_PROXY}, ignore=ignore)
+    else:
+        quant = QuantizationModifier(targets="Linear", scheme=SCHEMES[fmt], ignore=ignore)
+    return [AWQModifier(), quant] if method == "awq" else [quant]
+
+
+def run_oneshot(model: torch.nn.Module, tokenizer, recipe: list[Any], calibration=None) -> None:
+    """Apply ``recipe`` to ``model`` in place (AWQ needs ``calibration``, a tokenized Dataset).
+
+    The model may sit on the CPU: llm-compressor's sequential pipeline onloads one decoder layer at
+    a time to the accelerator if there is one.
+    """
+    from llmcompressor import oneshot
+
+    kwargs: dict[str, Any] = {}
+    if calibration is not None:
+        kwargs.update(
+            dataset=calibration,
+            num_calibration_samples=len(calibration),
+            max_seq_length=max(len(ids) for ids in calibration["input_ids"]),
+            # qerl already shuffled with its own seed; a second shuffle would make runs irreproducible.
+            shuffle_calibration_samples=False,
+        )
+    with cpu_pin_memory_workaround():
+        oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **kwargs)
+
+
+def reference_weights(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """CPU copies of the weights about to be rounded (after AWQ smoothing, if any)."""
+    modules = dict(model.named_modules())
+    return {name: modules[name].weight.detach().to("cpu", copy=True) for name in names}
+
+
+def save_compressed(model: torch.nn.Module, out_dir: Path) -> None:
+    """compressed-tensors packed checkpoint (plus llm-compressor's recipe.yaml) into ``out_dir``."""
+    model.save_pretrained(out_dir, save_compressed=True)

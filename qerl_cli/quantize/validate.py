@@ -1,0 +1,159 @@
+"""Checks on `qerl quantize` input that must fail fast, before any model is loaded or written.
+
+Every failure is a :class:`~qerl_cli.errors.QerlError` whose message names the bad value and says
+what to do about it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qerl_cli.errors import QerlError
+
+SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4")
+SUPPORTED_METHODS = ("awq", "rtn")
+# Layers never quantized: the output head is kept in BF16, as in the paper and llm-compressor's examples.
+ALWAYS_IGNORED = ("lm_head",)
+
+
+def check_format(name: str) -> str:
+    key = name.strip().lower()
+    if key not in SUPPORTED_FORMATS:
+        raise QerlError(f"unknown format {name!r}: choose one of {', '.join(SUPPORTED_FORMATS)}")
+    return key
+
+
+def check_method(name: str) -> str:
+    key = name.strip().lower()
+    if key not in SUPPORTED_METHODS:
+        raise QerlError(f"unknown method {name!r}: choose awq (calibrated scales) or rtn (round to nearest)")
+    return key
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the BF16 model comes from: ``ref`` is what ``from_pretrained`` gets."""
+
+    ref: str
+    name: str  # last path component, used for the default output folder
+    is_local: bool
+
+
+def _looks_like_path(text: str) -> bool:
+    # A hub id is "name" or "org/name"; anything with a leading ./, /, ~ or several slashes is a path.
+    return text.startswith((".", "/", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+
+
+def resolve_model(model: str, revision: str | None = None, trust_remote_code: bool = False) -> ModelSource:
+    """A local folder with ``config.json``, or a hub id whose config the Hub serves.
+
+    Only the config is fetched here, so a typo or an unreachable Hub fails in seconds, not after a
+    multi-gigabyte download.
+    """
+    if not model:
+        raise QerlError("no model given: pass a hub id (e.g. Qwen/Qwen2.5-7B-Instruct) or a local folder")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QerlError(f"{path} has no config.json: pass a model folder saved by transformers")
+        return ModelSource(ref=str(path), name=path.resolve().name, is_local=True)
+    if path.exists() or _looks_like_path(model):
+        raise QerlError(f"model folder {model!r} not found: check the path")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # OSError, HTTP and offline errors all mean "cannot get it from here"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QerlError(
+            f"model {model!r} is not a local folder and the Hugging Face Hub could not provide it "
+            f"({reason}). Check the id, or, if the Hub is unreachable from this machine (offline, "
+            "firewall, HF_HUB_OFFLINE=1), download the model elsewhere and pass its local folder."
+        ) from None
+    return ModelSource(ref=model, name=model.rstrip("/").rsplit("/", 1)[-1], is_local=False)
+
+
+def default_output(source: ModelSource, fmt: str) -> Path:
+    """``./<model-name>-<FORMAT>``, e.g. ``./Qwen2.5-7B-Instruct-NVFP4``."""
+    return Path.cwd() / f"{source.name}-{fmt.upper()}"
+
+
+def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
+    output = output.expanduser()
+    if source.is_local and output.resolve() == Path(source.ref).resolve():
+        raise QerlError(f"output {output} is the input model folder: choose another --output")
+    if output.exists() and not output.is_dir():
+        raise QerlError(f"output {output} exists and is a file: remove it or choose another --output")
+    if output.exists() and not overwrite:
+        raise QerlError(f"output folder {output} already exists: pass --overwrite to replace it")
+    if not output.parent.exists():
+        raise QerlError(f"the parent folder of {output} does not exist: create it first")
+    return output
+
+
+def incompatible_layers(model: torch.nn.Module, block_size: int) -> list[str]:
+    """Linear layers (other than the ignored ones) whose input width is not a multiple of the block."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and name.rsplit(".", 1)[-1] not in ALWAYS_IGNORED
+        and module.in_features % block_size
+    ]
+
+
+def check_layers(model: torch.nn.Module, fmt: str, block_size: int, skip_incompatible: bool) -> list[str]:
+    """Names of layers to leave in BF16; raises when some do not fit and skipping was not asked for."""
+    bad = incompatible_layers(model, block_size)
+    if bad and not skip_incompatible:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise QerlError(
+            f"{len(bad)} layer(s) have an input width that is not a multiple of the {fmt} block size "
+            f"{block_size}: {shown}. Pass --skip-incompatible to leave them in BF16."
+        )
+    return bad
+
+
+def quantized_linear_names(model: torch.nn.Module, skipped: list[str]) -> list[str]:
+    """The linear layers that will be stored in 4 bits."""
+    skip = set(skipped)
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and name.rsplit(".", 1)[-1] not in ALWAYS_IGNORED
+        and name not in skip
+    ]
+
+
+@contextmanager
+def staged_output(output: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces ``output``, on failure it is removed.
+
+    The sibling lives on the same filesystem, so the final ``rename`` is atomic and nothing half-written
+    ever sits at ``output``. An existing output (allowed by ``overwrite``) is removed only once the new
+    one is complete.
+    """
+    staging = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.exists():
+        if not overwrite:  # created by someone else while we worked
+            shutil.rmtree(staging, ignore_errors=True)
+            raise QerlError(
+                f"output folder {output} appeared while quantizing: pass --overwrite to replace it"
+            )
+        shutil.rmtree(output)
+    staging.rename(output)
