@@ -274,7 +274,11 @@ class EvalConfig:
     generation_batch_size: int = 64
 
     def validate(self, where: str = "") -> None:
-        unknown = [b for b in self.benchmarks if b not in BENCHMARKS_ALL and b not in self.data_files]
+        unknown = [
+            b
+            for b in self.benchmarks
+            if b not in BENCHMARKS_ALL and b not in self.data_files and not b.startswith("synthetic-")
+        ]
         if unknown:
             raise QerlError(
                 f"unknown benchmark(s) {unknown}: choose from {BENCHMARKS_ALL} "

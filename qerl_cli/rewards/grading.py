@@ -1,0 +1,128 @@
+"""Answer correctness with math-verify: gold parsed first, then the extracted answer.
+
+The original QeRL GSM8K scorer compared the extracted answer with the gold one character at a
+time (``zip`` over two strings), so gold "12" matched the answer "1". Here both sides become
+SymPy objects (or normalised strings) and math-verify compares them: "1,000" = "1000",
+"\\frac{1}{2}" = "0.5" = "1/2", "25\\%" = "25", "\\dfrac{\\sqrt3}{2}" = "\\frac{\\sqrt{3}}{2}".
+
+:func:`grade` has no timeout of its own beyond math-verify's signal alarms (used only on the main
+thread); the hard limit is the worker pool in :mod:`qerl_cli.rewards.pool`, which kills a stuck
+worker. Call :func:`is_correct` directly only for a few trusted strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from qerl_cli.rewards.extract import Extraction, ExtractionMethod, clean_candidate, extract_structured
+
+# math-verify logs a warning when its own signal timeouts are off, and again for every parse
+# failure of malformed model output; neither helps a user reading training logs.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# math-verify's own alarm-based limit (seconds, whole numbers) when running on the main thread.
+SOFT_TIMEOUT_S = 5
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    correct: bool
+    # The answer text that was graded (after extraction); None when nothing was found.
+    extracted: str | None
+    method: ExtractionMethod
+    # Nothing parseable: no answer found, or math-verify could not read it.
+    extraction_failed: bool
+    timed_out: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def timeout(cls) -> GradeResult:
+        return cls(False, None, "none", extraction_failed=False, timed_out=True, error="grader timeout")
+
+
+def _soft_timeout() -> int | None:
+    # signal.alarm only works on the main thread; elsewhere math-verify would raise.
+    return SOFT_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str, *, anchored_only: bool = False) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    if anchored_only:
+        config = [
+            LatexExtractionConfig(try_extract_without_anchor=False, boxed_match_priority=-1),
+            ExprExtractionConfig(try_extract_without_anchor=False),
+        ]
+        return parse(text, extraction_config=config, parsing_timeout=_soft_timeout())
+    return parse(text, parsing_timeout=_soft_timeout())
+
+
+def _has_free_symbols(parsed: list) -> bool:
+    value = parsed[0] if parsed else None
+    return bool(getattr(value, "free_symbols", None))
+
+
+def parse_answer(text: str) -> list:
+    """Parse an extracted answer string (no delimiters needed): "\\frac{1}{2}", "1/2", "72 apples".
+
+    Wrapping in ``\\boxed{}`` makes math-verify read the whole string as LaTeX. Prose left in the
+    answer ("72 dollars") then parses into a product of one-letter symbols; in that case the plain
+    parse, which picks the expression out of the text, is used instead.
+    """
+    boxed = _parse(f"\\boxed{{{text}}}")
+    if boxed and not _has_free_symbols(boxed):
+        return boxed
+    plain = _parse(text)
+    return plain or boxed
+
+
+def parse_gold(gold: str) -> list:
+    """Parse a gold answer ("72", "\\frac{1}{2}", "$x^2$", "\\text{(C)}")."""
+    return parse_answer(clean_candidate(str(gold)))
+
+
+def _verify(gold_parsed: list, answer_parsed: list) -> bool:
+    from math_verify import verify
+
+    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=_soft_timeout()))
+
+
+def extract(completion: str) -> Extraction:
+    """The structured extraction, then math-verify's anchored phrases ("the answer is 7")."""
+    found = extract_structured(completion)
+    if found.method != "none":
+        return found
+    anchored = _parse(completion, anchored_only=True)
+    if anchored:
+        return Extraction(str(anchored[-1]), "anchor")
+    return Extraction(None, "none")
+
+
+def grade(completion: str, gold: str) -> GradeResult:
+    """Grade one completion against one gold answer (gold is parsed first)."""
+    gold_parsed = parse_gold(gold)
+    found = extract(completion)
+    if found.text is None:
+        return GradeResult(False, None, found.method, extraction_failed=True)
+    answer_parsed = parse_answer(found.text)
+    if not answer_parsed:
+        return GradeResult(False, found.text, found.method, extraction_failed=True)
+    if not gold_parsed:
+        # A gold answer math-verify cannot read is a data problem, not the model's failure to answer.
+        return GradeResult(False, found.text, found.method, False, error=f"unparseable gold answer {gold!r}")
+    return GradeResult(_verify(gold_parsed, answer_parsed), found.text, found.method, extraction_failed=False)
+
+
+def is_correct(completion: str, gold: str) -> bool:
+    """True when the completion's final answer equals ``gold`` mathematically.
+
+    In-process and without a hard timeout: training and evaluation grade through
+    :class:`qerl_cli.rewards.pool.Grader`, which runs this in killable worker processes.
+    """
+    return grade(completion, gold).correct

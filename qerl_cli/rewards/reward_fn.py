@@ -1,0 +1,94 @@
+"""The training reward: correctness (graded in the worker pool) + format + named extra functions.
+
+``build_reward_fn(cfg.reward)`` returns a callable
+``(completions, problems) -> (rewards, stats)`` with
+``reward = correctness_weight * correct + format_weight * format + sum(weight * fn(completion, problem))``
+where each extra ``fn`` is named by import path in ``reward.extra`` (``{"pkg.mod:fn": 0.5}``).
+Extra functions run in the trainer process: they are the user's own code, trusted to be quick.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from qerl_cli.config import RewardSection
+from qerl_cli.data.problem import Problem
+from qerl_cli.errors import QerlError
+from qerl_cli.rewards.format import format_reward
+from qerl_cli.rewards.grading import GradeResult
+from qerl_cli.rewards.pool import Grader, resolve_callable
+
+ExtraRewardFn = Callable[[str, Problem], float]
+
+
+class RewardFunction:
+    """Callable reward with a grader pool inside; close it (or use ``with``) when done."""
+
+    def __init__(self, cfg: RewardSection, grader: Grader | None = None) -> None:
+        self.cfg = cfg
+        self.extras: list[tuple[str, ExtraRewardFn, float]] = [
+            (path, resolve_callable(path), float(weight)) for path, weight in cfg.extra.items()
+        ]
+        self.grader = grader or Grader(workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
+        # Per-completion grades of the last call, for sample logging.
+        self.last_grades: list[GradeResult] = []
+
+    def __enter__(self) -> RewardFunction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.grader.close()
+
+    def __call__(
+        self, completions: Sequence[str], problems: Sequence[Problem]
+    ) -> tuple[list[float], dict[str, float]]:
+        if len(completions) != len(problems):
+            raise ValueError(f"{len(completions)} completions but {len(problems)} problems")
+        grades = self.grader.grade_many(completions, [p.answer for p in problems])
+        formats = [format_reward(c) for c in completions]
+        rewards = [
+            self.cfg.correctness_weight * float(g.correct) + self.cfg.format_weight * f
+            for g, f in zip(grades, formats, strict=True)
+        ]
+        extra_means: dict[str, float] = {}
+        for path, fn, weight in self.extras:
+            values = [_call_extra(path, fn, c, p) for c, p in zip(completions, problems, strict=True)]
+            rewards = [r + weight * v for r, v in zip(rewards, values, strict=True)]
+            extra_means[f"reward/{path}"] = _mean(values)
+        self.last_grades = grades
+        count = max(len(grades), 1)
+        stats = {
+            "accuracy": sum(g.correct for g in grades) / count,
+            "format_rate": sum(formats) / count,
+            "grader_timeouts": float(sum(g.timed_out for g in grades)),
+            "extraction_failures": float(sum(g.extraction_failed for g in grades)),
+            "extraction_failure_rate": sum(g.extraction_failed for g in grades) / count,
+            "reward_mean": _mean(rewards),
+            **extra_means,
+        }
+        return rewards, stats
+
+
+def _call_extra(path: str, fn: ExtraRewardFn, completion: str, problem: Problem) -> float:
+    try:
+        value = float(fn(completion, problem))
+    except Exception as exc:
+        raise QerlError(f"reward function '{path}' failed on problem {problem.id}: {exc!r}") from exc
+    if not math.isfinite(value):
+        raise QerlError(f"reward function '{path}' returned {value} on problem {problem.id}")
+    return value
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def build_reward_fn(reward_cfg: RewardSection, grader: Grader | None = None) -> RewardFunction:
+    """The reward for ``cfg.reward``; pass ``grader`` to share a pool (or to test with a fake one)."""
+    if reward_cfg.correctness_weight == 0 and reward_cfg.format_weight == 0 and not reward_cfg.extra:
+        raise QerlError("every reward weight is 0: set reward.correctness_weight or reward.format_weight")
+    return RewardFunction(reward_cfg, grader)
