@@ -13,6 +13,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton chooses interpreting vs compiling when it is imported, and bitsandbytes or transformers may
+# import it first: set the interpreter before any of them so the Triton kernels run on the CPU in
+# tests/test_kernels.py. CPU tensors still take the torch path unless QERL_TRITON_CPU=1.
+if _no_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 model folder (seed 0), shared read-only by the whole session."""

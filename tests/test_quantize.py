@@ -216,7 +216,14 @@ def test_nf4_rtn_equals_bitsandbytes_through_transformers(
     mine, theirs = load_file(rtn_nf4 / "model.safetensors"), load_file(tmp_path / "bnb" / "model.safetensors")
     assert mine.keys() == theirs.keys()
     different = [name for name, tensor in theirs.items() if not torch.equal(mine[name], tensor)]
-    assert different == []
+    # Everything is byte-identical except, possibly, the double-quantized 8-bit absmax codes:
+    # bitsandbytes' C++ CPU kernel searches its code table approximately and picks a neighbour of
+    # the nearest code for values within ~1e-6 of a midpoint (its CUDA kernel, like ours, takes the
+    # nearest; tests/test_formats.py checks ours is never farther). Those are rare one-code steps.
+    assert all(name.endswith(".weight.absmax") for name in different), different
+    for name in different:
+        step = (mine[name].long() - theirs[name].long()).abs()
+        assert int(step.max()) == 1 and float((step > 0).float().mean()) < 0.02, name
 
 
 def test_nf4_loads_into_quantlinear(rtn_nf4: Path) -> None:

@@ -1,0 +1,57 @@
+"""FP4 E2M1 element codes shared by NVFP4 and MXFP4.
+
+A 4-bit code is ``sign << 3 | magnitude_index`` with magnitudes ``E2M1_MAGNITUDES``. Two codes share a
+byte with the *even* column in the low nibble (compressed-tensors' and vLLM's packing).
+
+Rounding reproduces compressed-tensors 0.19 exactly: values are clamped to +-6 and rounded to the
+nearest magnitude with ties to the even code (0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0,
+2.5 -> 2.0, 3.5 -> 4.0, 5.0 -> 4.0). The sign bit is set for every value < 0, so a small negative
+value rounds to code 0x8 ("-0") while -0.0 itself gives code 0, as compressed-tensors packs them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+# (threshold, inclusive): magnitude index grows by one when |x| passes each threshold. Inclusive
+# thresholds are where the tie rounds *up* to the even code.
+_THRESHOLDS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+
+def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """Round already-scaled values to E2M1 and return their 4-bit codes (uint8, same shape)."""
+    magnitude = scaled.abs()
+    index = torch.zeros(scaled.shape, dtype=torch.uint8, device=scaled.device)
+    for threshold, inclusive in _THRESHOLDS:
+        passed = magnitude >= threshold if inclusive else magnitude > threshold
+        index += passed.to(torch.uint8)
+    return index | ((scaled < 0).to(torch.uint8) << 3)
+
+
+def e2m1_values(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode 4-bit codes (uint8) to their float values."""
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
+    magnitudes = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8).bool(), -magnitudes, magnitudes).to(dtype)
+
+
+def pack_low_first(codes: torch.Tensor) -> torch.Tensor:
+    """``[rows, cols]`` codes -> ``[rows, cols/2]`` bytes, even column in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_low_first(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_low_first`."""
+    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return pairs.flatten(-2)

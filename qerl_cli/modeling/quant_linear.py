@@ -1,0 +1,167 @@
+"""QuantLinear: a frozen linear layer that keeps its weight packed in 4 bits and still passes gradients.
+
+At rest the layer holds only the format's packed buffers (e.g. NVFP4: 0.5 byte per weight plus one
+FP8 scale per 16 weights) and an optional bias. Each forward dequantizes into a temporary dense weight
+in the compute dtype, multiplies, and drops it. The custom autograd function saves only the packed
+buffers, so backward re-dequantizes to produce the input gradient; the weight itself gets no gradient.
+That is what lets LoRA adapters train on top of a 4-bit base without a BF16 copy of the base weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qerl_cli import formats
+from qerl_cli.formats.base import QuantFormat
+from qerl_cli.kernels import dequantize as kernel_dequantize
+
+
+class _PackedLinearFunction(torch.autograd.Function):
+    """y = x @ W^T + b with W rebuilt from packed buffers in forward and again in backward.
+
+    The (frozen) bias goes into the same ``F.linear`` call so the result is rounded once, exactly like
+    a dense ``nn.Linear`` on the dequantized weight.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, fmt, out_features, in_features, names, *buffers):  # type: ignore[override]
+        weight = kernel_dequantize(
+            fmt, dict(zip(names, buffers, strict=True)), out_features, in_features, x.dtype
+        )
+        ctx.meta = (fmt, out_features, in_features, names)
+        ctx.save_for_backward(*buffers)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        fmt, out_features, in_features, names = ctx.meta
+        # Unpack once: under activation checkpointing a second ctx.saved_tensors access raises.
+        saved = ctx.saved_tensors
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            weight = kernel_dequantize(
+                fmt,
+                dict(zip(names, saved, strict=True)),
+                out_features,
+                in_features,
+                grad_output.dtype,
+            )
+            grad_input = grad_output.matmul(weight)
+        return (grad_input, None, None, None, None, None, *([None] * len(saved)))
+
+
+class QuantLinear(nn.Module):
+    """Drop-in, frozen replacement for ``nn.Linear`` whose weight stays packed in a 4-bit format.
+
+    ``compute_dtype`` is the dtype the matmul runs in; ``None`` follows the input's dtype.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: str | QuantFormat,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.fmt = formats.get(fmt) if isinstance(fmt, str) else fmt
+        if in_features % self.fmt.block_size:
+            raise ValueError(f"in_features {in_features} not a multiple of {self.fmt.name} block size")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
+        self._packed_names = tuple(self.fmt.buffer_specs(out_features, in_features))
+        for name, (shape, dtype) in self.fmt.buffer_specs(out_features, in_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+        self.register_buffer(
+            "bias", torch.empty(out_features, dtype=bias_dtype, device=device) if bias else None
+        )
+
+    # -- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        fmt: str | QuantFormat,
+        global_scale: torch.Tensor | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> QuantLinear:
+        """Quantize a dense ``nn.Linear`` (NVFP4 may take a shared ``global_scale``)."""
+        fmt = formats.get(fmt) if isinstance(fmt, str) else fmt
+        has_bias = linear.bias is not None
+        layer = cls(
+            linear.in_features, linear.out_features, fmt, bias=has_bias, device=linear.weight.device,
+            compute_dtype=compute_dtype, bias_dtype=linear.bias.dtype if has_bias else torch.bfloat16,
+        )  # fmt: skip
+        layer.load_checkpoint_tensors(fmt.quantize(linear.weight.detach(), global_scale=global_scale))
+        if has_bias:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    @torch.no_grad()
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Fill the packed buffers from checkpoint-named tensors (``weight_packed``, ``weight.absmax``...)."""
+        buffers = self.fmt.to_buffers(tensors)
+        for name in self._packed_names:
+            target = getattr(self, name)
+            source = buffers[name]
+            if tuple(source.shape) != tuple(target.shape) or source.dtype != target.dtype:
+                raise ValueError(
+                    f"{self.fmt.name} tensor {name}: checkpoint has {tuple(source.shape)} {source.dtype}, "
+                    f"layer expects {tuple(target.shape)} {target.dtype}"
+                )
+            target.copy_(source)
+
+    # -- use ----------------------------------------------------------------------------------------------
+
+    def packed_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._packed_names}
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed weight; PEFT reads its device to place LoRA adapters (as for GPTQ layers)."""
+        return self._buffers["weight_packed"]
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return kernel_dequantize(self.fmt, self.packed_buffers(), self.out_features, self.in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None and x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        return _PackedLinearFunction.apply(
+            x, self.bias, self.fmt, self.out_features, self.in_features, self._packed_names,
+            *self.packed_buffers().values(),
+        )  # fmt: skip
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)`` / ``.half()`` must not cast packed buffers: keep their dtype, follow the device."""
+        for name, buf in self._buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if name in self._packed_names and moved.dtype != buf.dtype:
+                moved = buf.to(device=moved.device)
+            self._buffers[name] = moved
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+def packed_nbytes(module: nn.Module) -> int:
+    """Bytes held by all QuantLinear packed buffers under ``module``."""
+    return sum(
+        buf.numel() * buf.element_size()
+        for layer in module.modules()
+        if isinstance(layer, QuantLinear)
+        for buf in layer.packed_buffers().values()
+    )
