@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 # (label, distribution name) in report order.
@@ -31,6 +32,11 @@ def package_version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def versions_of(dists: Iterable[str]) -> dict[str, str | None]:
+    """``{distribution: installed version or None}``, in the order given (each stage lists its own)."""
+    return {dist: package_version(dist) for dist in dists}
 
 
 def package_versions() -> dict[str, str | None]:

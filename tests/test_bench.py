@@ -154,6 +154,25 @@ def test_gate_names_a_throughput_drop_and_a_memory_rise(bench_run):
     assert "bf16" in rise and f"lora_rank={RANK}" in rise and "rose 100.0%" in rise
 
 
+def test_gate_fails_when_a_baseline_case_fails_now(bench_run):
+    """A format that worked in the baseline and errors now (vLLM cannot serve it any more) must not
+    pass the gate just because its rows are missing."""
+    report, _ = bench_run
+    broken = copy.deepcopy(report)
+    broken["rollout"] = [r for r in broken["rollout"] if r["format"] != "nvfp4"]
+    broken["memory"] = [r for r in broken["memory"] if r["format"] != "nvfp4"]
+    broken["errors"] = [{"format": "nvfp4", "lora_rank": 0, "error": "Marlin kernel crashed"}]
+    broken["e2e"] = [{"format": "nvfp4", "error": "out of memory"}]
+    baseline = {**copy.deepcopy(report), "e2e": [{"format": "nvfp4", "step_s": 1.0}]}
+    outcome = check_regressions(broken, baseline, tolerance=0.1)
+    assert not outcome["passed"]
+    assert any("nvfp4 LoRA none" in f and "Marlin kernel crashed" in f for f in outcome["failures"])
+    assert any("e2e nvfp4" in f and "out of memory" in f for f in outcome["failures"])
+    # Not asked for now (no error) is not a failure: a run may bench a subset of the formats.
+    subset = {**broken, "errors": [], "e2e": None}
+    assert check_regressions(subset, baseline, tolerance=10.0)["passed"]
+
+
 def test_gate_refuses_a_baseline_of_other_settings(bench_run):
     report, _ = bench_run
     baseline = copy.deepcopy(report)

@@ -255,23 +255,36 @@ def test_baseline_gives_paired_differences(tmp_path, files) -> None:
     assert "Δ vs baseline" in (Path(cfg.output) / "results.md").read_text()
 
 
-def test_run_eval_with_the_hf_engine_on_the_tiny_model(tmp_path, tiny_model_dir) -> None:
-    data = tmp_path / "arith.jsonl"
-    data.write_text(
-        "".join(json.dumps({"question": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(3))
+def write_arith(path: Path, addend: int, count: int) -> Path:
+    """``count`` problems "What is a + addend?" as a JSONL benchmark file."""
+    path.write_text(
+        "".join(
+            json.dumps({"question": f"What is {a} + {addend}?", "answer": str(a + addend)}) + "\n"
+            for a in range(count)
+        )
     )
-    cfg = EvalConfig(
-        model=str(tiny_model_dir),
+    return path
+
+
+def hf_eval_config(model_dir: Path, data: Path, output: Path, **overrides) -> EvalConfig:
+    """A CPU HF-engine eval of the ``arith`` file with two samples per problem."""
+    settings = dict(
+        model=str(model_dir),
         engine="hf",
         device="cpu",
         benchmarks=["arith"],
         data_files={"arith": str(data)},
         samples=2,
-        max_new_tokens=6,
         template="plain",
-        output=str(tmp_path / "hf"),
+        output=str(output),
         grader_workers=1,
     )
+    return EvalConfig(**{**settings, **overrides})
+
+
+def test_run_eval_with_the_hf_engine_on_the_tiny_model(tmp_path, tiny_model_dir) -> None:
+    data = write_arith(tmp_path / "arith.jsonl", addend=1, count=3)
+    cfg = hf_eval_config(tiny_model_dir, data, tmp_path / "hf", max_new_tokens=6)
     results = run_eval(cfg, log=quiet)
     bench = results["benchmarks"]["arith"]
     assert results["engine"] == "hf"
@@ -301,25 +314,10 @@ def test_the_adapter_is_applied_on_the_hf_engine(tmp_path, tiny_model_dir, monke
     adapter_dir = tmp_path / "adapter"
     lora.save_pretrained(adapter_dir)
 
-    data = tmp_path / "arith.jsonl"
-    data.write_text(
-        "".join(json.dumps({"question": f"What is {a} + 2?", "answer": str(a + 2)}) + "\n" for a in range(2))
-    )
+    data = write_arith(tmp_path / "arith.jsonl", addend=2, count=2)
 
     def run(name: str, adapter: str | None) -> list[list[str]]:
-        cfg = EvalConfig(
-            model=str(tiny_model_dir),
-            adapter=adapter,
-            engine="hf",
-            device="cpu",
-            benchmarks=["arith"],
-            data_files={"arith": str(data)},
-            samples=2,
-            max_new_tokens=8,
-            template="plain",
-            output=str(tmp_path / name),
-            grader_workers=1,
-        )
+        cfg = hf_eval_config(tiny_model_dir, data, tmp_path / name, max_new_tokens=8, adapter=adapter)
         run_eval(cfg, log=quiet)
         lines = (tmp_path / name / "samples_arith.jsonl").read_text().splitlines()
         return [json.loads(x)["completions"] for x in lines]

@@ -286,6 +286,25 @@ def test_existing_output_needs_overwrite(tmp_path, tiny_model_dir, calib_file) -
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
 
 
+def test_output_may_not_contain_the_input_or_the_working_folder(tmp_path, monkeypatch) -> None:
+    """--overwrite removes the old output folder: one holding the model or the cwd is refused."""
+    from qerl_cli.quantize.validate import ModelSource, check_output
+
+    model_dir = tmp_path / "models" / "qwen"
+    model_dir.mkdir(parents=True)
+    source = ModelSource(ref=str(model_dir), name="qwen", is_local=True)
+    for output in (model_dir, tmp_path / "models", tmp_path):
+        with pytest.raises(QerlError, match="input model"):
+            check_output(output, source, overwrite=True)
+    monkeypatch.chdir(model_dir)
+    hub = ModelSource(ref="org/model", name="model", is_local=False)
+    for output in (Path("."), model_dir.parent):
+        with pytest.raises(QerlError, match="current folder"):
+            check_output(output, hub, overwrite=True)
+    assert check_output(Path("sub"), hub, overwrite=True) == Path("sub")
+    assert model_dir.is_dir()
+
+
 def test_default_output_name(tmp_path, tiny_model_dir, calib_file, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     report = run_quantize(_config(tiny_model_dir, None, calib_file, output=None, format="nf4", method="rtn"))

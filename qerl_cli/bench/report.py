@@ -21,10 +21,11 @@ import platform
 import socket
 from collections.abc import Iterable
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from qerl_cli import files
+from qerl_cli.envinfo import versions_of
 from qerl_cli.errors import QerlError
 
 SCHEMA = "qerl-bench/1"
@@ -50,14 +51,7 @@ _VERSIONED_PACKAGES = (
 # --------------------------------------------------------------------------------------------
 def package_versions() -> dict[str, str | None]:
     """Installed versions from package metadata (no imports: vLLM must stay unimported here)."""
-    versions: dict[str, str | None] = {}
-    for name in _VERSIONED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    versions["python"] = platform.python_version()
-    return versions
+    return {**versions_of(_VERSIONED_PACKAGES), "python": platform.python_version()}
 
 
 def machine_info() -> dict[str, Any]:
@@ -144,10 +138,7 @@ def add_speedups(report: dict[str, Any]) -> None:
 # Files
 # --------------------------------------------------------------------------------------------
 def write_json(report: dict[str, Any], out_dir: str | Path) -> Path:
-    path = Path(out_dir) / REPORT_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
-    return path
+    return files.write_json(Path(out_dir) / REPORT_NAME, report)
 
 
 def read_report(path: str | Path) -> dict[str, Any]:
@@ -204,6 +195,25 @@ def _compare(
     return failures, compared
 
 
+def _lost_cases(report: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
+    """Cases the baseline measured that failed in this run: a format that stopped working is the
+    worst regression, and without this its missing rows would simply not be compared."""
+    failed_now = {(e["format"], e["lora_rank"]): e["error"] for e in report.get("errors") or []}
+    rows_before = [*(baseline.get("rollout") or []), *(baseline.get("memory") or [])]
+    measured_before = {(r["format"], r["lora_rank"]) for r in rows_before}
+    lost = [
+        f"{fmt} LoRA {_lora(rank)}: measured in the baseline, failed now ({failed_now[fmt, rank]})"
+        for fmt, rank in sorted(failed_now.keys() & measured_before)
+    ]
+    e2e_failed = {r["format"]: r["error"] for r in report.get("e2e") or [] if "error" in r}
+    e2e_before = {r["format"] for r in baseline.get("e2e") or [] if "error" not in r}
+    lost += [
+        f"e2e {fmt}: measured in the baseline, failed now ({e2e_failed[fmt]})"
+        for fmt in sorted(e2e_failed.keys() & e2e_before)
+    ]
+    return lost
+
+
 def check_regressions(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) -> dict[str, Any]:
     """Compare a fresh report with a baseline; returns the ``regression`` section of the report.
 
@@ -239,6 +249,9 @@ def check_regressions(report: dict[str, Any], baseline: dict[str, Any], toleranc
         )
         failures.extend(found)
         compared += n
+    lost = _lost_cases(report, baseline)
+    failures.extend(lost)
+    compared += len(lost)
     if compared == 0:
         raise QerlError(
             "the baseline shares no measurement with this run (other formats, batches or LoRA rank); "
@@ -331,6 +344,15 @@ def failed_cases(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _tables(report: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]]:
+    """(title, columns, rows) of every table, for both the terminal and the Markdown rendering."""
+    return [
+        ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
+        ("Memory", MEMORY_COLUMNS, memory_rows(report)),
+        ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
+    ]
+
+
 def _title(report: dict[str, Any]) -> str:
     s = report["settings"]
     return (
@@ -346,11 +368,7 @@ def bench_table(report: dict[str, Any]):  # -> rich.console.Group
     from rich.text import Text
 
     parts: list[Any] = [Text(_title(report), style="bold"), Text(report["figures_label"], style="yellow")]
-    for title, columns, rows in (
-        ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
-        ("Memory", MEMORY_COLUMNS, memory_rows(report)),
-        ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
-    ):
+    for title, columns, rows in _tables(report):
         if not rows:
             continue
         table = Table(title=title, title_justify="left")
@@ -394,11 +412,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         "",
     ]
-    for title, columns, rows in (
-        ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
-        ("Memory", MEMORY_COLUMNS, memory_rows(report)),
-        ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
-    ):
+    for title, columns, rows in _tables(report):
         if rows:
             lines += [f"### {title}", "", *_markdown_table(columns, rows)]
     failed = failed_cases(report)
@@ -420,10 +434,7 @@ def write_markdown(report: dict[str, Any], out_dir: str | Path) -> Path:
     text = to_markdown(report)
     path = Path(out_dir) / MARKDOWN_NAME
     path.write_text(text)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        with open(summary, "a", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+    files.append_step_summary(text)
     return path
 
 

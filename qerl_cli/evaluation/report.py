@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
@@ -135,14 +133,3 @@ def results_markdown(results: dict[str, Any]) -> str:
         lines.append(f"Baseline: `{results['baseline']['path']}`.")
         lines += [f"**Warning:** {warning}." for warning in baseline_warnings(results)]
     return "\n".join(lines) + "\n"
-
-
-def append_step_summary(markdown: str) -> Path | None:
-    """Append to ``$GITHUB_STEP_SUMMARY`` when it is set (GitHub Actions job summary)."""
-    target = os.environ.get("GITHUB_STEP_SUMMARY")
-    if not target:
-        return None
-    path = Path(target)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(markdown + "\n")
-    return path

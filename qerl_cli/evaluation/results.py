@@ -8,16 +8,15 @@ failure). ``--rescore`` and ``--baseline`` work from these files alone.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
-import tempfile
 from collections.abc import Iterable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.envinfo import versions_of
 from qerl_cli.errors import QerlError
+from qerl_cli.files import atomic_write_text, write_json
 
 RESULTS_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
@@ -40,33 +39,15 @@ def samples_path(out_dir: str | Path, benchmark: str) -> Path:
 
 def versions() -> dict[str, str | None]:
     """Installed versions of what decides the numbers (None: not installed)."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
+    found: dict[str, str | None] = {"python": platform.python_version(), **versions_of(_PACKAGES)}
     torch = sys.modules.get("torch")  # only if already imported: rescoring should stay light
     if torch is not None and torch.cuda.is_available():
         found["gpu"] = torch.cuda.get_device_name(0)
     return found
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write through a temporary file and rename, so an interrupted run never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_samples(path: Path, records: Iterable[dict[str, Any]]) -> None:
-    _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
@@ -98,9 +79,7 @@ def find_sample_files(directory: str | Path) -> dict[str, Path]:
 
 
 def write_results(out_dir: str | Path, results: dict[str, Any]) -> Path:
-    path = Path(out_dir) / RESULTS_NAME
-    _atomic_write(path, json.dumps(results, indent=2, ensure_ascii=False, default=str) + "\n")
-    return path
+    return write_json(Path(out_dir) / RESULTS_NAME, results, default=str)
 
 
 def read_results(path: str | Path) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.data.prompts import prompt_record, render_prompt
 from qerl_cli.errors import QerlError
 from qerl_cli.evaluation.metrics import benchmark_metrics, paired_difference, per_problem_counts
-from qerl_cli.evaluation.report import append_step_summary, results_markdown
+from qerl_cli.evaluation.report import results_markdown
 from qerl_cli.evaluation.results import (
     MARKDOWN_NAME,
     RESULTS_NAME,
@@ -34,6 +34,7 @@ from qerl_cli.evaluation.results import (
     write_results,
     write_samples,
 )
+from qerl_cli.files import append_step_summary
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader
 from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec

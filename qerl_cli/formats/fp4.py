@@ -11,7 +11,11 @@ value rounds to code 0x8 ("-0") while -0.0 itself gives code 0, as compressed-te
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
+
+from qerl_cli.formats.base import QuantFormat
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -55,3 +59,40 @@ def unpack_low_first(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_low_first`."""
     pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
     return pairs.flatten(-2)
+
+
+class PackedE2M1Format(QuantFormat):
+    """NVFP4 and MXFP4: E2M1 codes two per byte (``weight_packed``) and one scale per block of
+    ``block_size`` input columns (``weight_scale``, of ``scale_dtype``); nothing needs parsing, so the
+    checkpoint and buffer views coincide. Subclasses say how a block's stored scale becomes a multiplier.
+    """
+
+    scale_dtype: torch.dtype
+
+    @abstractmethod
+    def block_multipliers(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        """float32 ``[out, in/block_size]``: what each block's E2M1 values are multiplied by."""
+
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
+        packed = tensors["weight_packed"]
+        return self.dequantize_buffers(tensors, packed.shape[0], packed.shape[1] * 2, dtype)
+
+    def buffer_specs(
+        self, out_features: int, in_features: int
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {
+            "weight_packed": ((out_features, in_features // 2), torch.uint8),
+            "weight_scale": ((out_features, in_features // self.block_size), self.scale_dtype),
+        }
+
+    def to_buffers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: tensors[name] for name in self.checkpoint_names()}
+
+    def dequantize_buffers(
+        self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        values = e2m1_values(unpack_low_first(buffers["weight_packed"]))
+        blocks = values.unflatten(-1, (-1, self.block_size)) * self.block_multipliers(buffers).unsqueeze(-1)
+        return blocks.flatten(-2).to(dtype)

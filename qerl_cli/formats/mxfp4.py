@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from qerl_cli.formats.base import QuantFormat
-from qerl_cli.formats.fp4 import e2m1_codes, e2m1_values, pack_low_first, unpack_low_first
+from qerl_cli.formats.fp4 import PackedE2M1Format, e2m1_codes, pack_low_first
 
 E8M0_BIAS = 127
 # floor(log2(6)): the exponent offset that maps a block's max into E2M1's range.
@@ -60,9 +59,10 @@ def exponent_scale(exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(exponents.to(torch.float32) - E8M0_BIAS).to(dtype)
 
 
-class MXFP4Format(QuantFormat):
+class MXFP4Format(PackedE2M1Format):
     name = "mxfp4"
     block_size = 32
+    scale_dtype = torch.uint8
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("weight_packed", "weight_scale")
@@ -83,27 +83,5 @@ class MXFP4Format(QuantFormat):
         codes = e2m1_codes(weight.unflatten(-1, (-1, self.block_size)) / scale.unsqueeze(-1)).flatten(-2)
         return {"weight_packed": pack_low_first(codes), "weight_scale": stored}
 
-    def dequantize(
-        self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
-    ) -> torch.Tensor:
-        packed = tensors["weight_packed"]
-        return self.dequantize_buffers(tensors, packed.shape[0], packed.shape[1] * 2, dtype)
-
-    def buffer_specs(
-        self, out_features: int, in_features: int
-    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {
-            "weight_packed": ((out_features, in_features // 2), torch.uint8),
-            "weight_scale": ((out_features, in_features // self.block_size), torch.uint8),
-        }
-
-    def to_buffers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: tensors[name] for name in self.checkpoint_names()}
-
-    def dequantize_buffers(
-        self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        values = e2m1_values(unpack_low_first(buffers["weight_packed"]))
-        scale = exponent_scale(buffers["weight_scale"], torch.float32)
-        blocks = values.unflatten(-1, (-1, self.block_size)) * scale.unsqueeze(-1)
-        return blocks.flatten(-2).to(dtype)
+    def block_multipliers(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        return exponent_scale(buffers["weight_scale"], torch.float32)

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from qerl_cli.formats.base import QuantFormat
-from qerl_cli.formats.fp4 import E2M1_MAX, e2m1_codes, e2m1_values, pack_low_first, unpack_low_first
+from qerl_cli.formats.fp4 import E2M1_MAX, PackedE2M1Format, e2m1_codes, pack_low_first
 
 FP8_E4M3_MAX = 448.0
 # compressed-tensors replaces an all-zero block's scale by the FP8 "eps" so the division stays finite.
@@ -57,9 +56,10 @@ def shared_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
     return scale.to(torch.float32).reshape(1)
 
 
-class NVFP4Format(QuantFormat):
+class NVFP4Format(PackedE2M1Format):
     name = "nvfp4"
     block_size = 16
+    scale_dtype = torch.float8_e4m3fn
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("weight_packed", "weight_scale", "weight_global_scale")
@@ -89,28 +89,11 @@ class NVFP4Format(QuantFormat):
             "weight_global_scale": global_scale,
         }
 
-    def dequantize(
-        self, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
-    ) -> torch.Tensor:
-        packed = tensors["weight_packed"]
-        return self.dequantize_buffers(tensors, packed.shape[0], packed.shape[1] * 2, dtype)
-
     def buffer_specs(
         self, out_features: int, in_features: int
     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {
-            "weight_packed": ((out_features, in_features // 2), torch.uint8),
-            "weight_scale": ((out_features, in_features // self.block_size), torch.float8_e4m3fn),
-            "weight_global_scale": ((1,), torch.float32),
-        }
+        specs = super().buffer_specs(out_features, in_features)
+        return {**specs, "weight_global_scale": ((1,), torch.float32)}
 
-    def to_buffers(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: tensors[name] for name in self.checkpoint_names()}
-
-    def dequantize_buffers(
-        self, buffers: dict[str, torch.Tensor], out_features: int, in_features: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        values = e2m1_values(unpack_low_first(buffers["weight_packed"]))
-        effective = buffers["weight_scale"].float() / buffers["weight_global_scale"].float()
-        blocks = values.unflatten(-1, (-1, self.block_size)) * effective.unsqueeze(-1)
-        return blocks.flatten(-2).to(dtype)
+    def block_multipliers(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+        return buffers["weight_scale"].float() / buffers["weight_global_scale"].float()

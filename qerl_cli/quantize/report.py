@@ -10,13 +10,14 @@ effect against the untouched BF16 model.
 
 from __future__ import annotations
 
-import json
 import math
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from qerl_cli.envinfo import versions_of
+from qerl_cli.files import write_json
 
 REPORT_NAME = "qerl_quant.json"
 WORST_LAYERS = 5
@@ -24,13 +25,7 @@ VERSIONED_PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "bi
 
 
 def package_versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for package in VERSIONED_PACKAGES:
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    return found
+    return versions_of(VERSIONED_PACKAGES)
 
 
 def folder_bytes(path: Path, pattern: str = "*") -> int:
@@ -115,9 +110,7 @@ def perplexity(model: torch.nn.Module, samples: list[list[int]], device: torch.d
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
-    path = out_dir / REPORT_NAME
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    return write_json(out_dir / REPORT_NAME, report)
 
 
 def _gib(n: int | None) -> str:

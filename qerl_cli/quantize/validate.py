@@ -88,8 +88,22 @@ def default_output(source: ModelSource, fmt: str) -> Path:
 
 def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
     output = output.expanduser()
-    if source.is_local and output.resolve() == Path(source.ref).resolve():
-        raise QerlError(f"output {output} is the input model folder: choose another --output")
+    target = output.resolve()
+    if source.is_local:
+        model_dir = Path(source.ref).resolve()
+        if target == model_dir:
+            raise QerlError(f"output {output} is the input model folder: choose another --output")
+        # --overwrite removes the old output folder, and with it everything inside it.
+        if target in model_dir.parents:
+            raise QerlError(
+                f"output {output} contains the input model {source.ref}: replacing it would delete the "
+                "model; choose another --output"
+            )
+    if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise QerlError(
+            f"output {output} is the current folder or one above it; replacing it would delete your "
+            "working folder: choose a new sub-folder as --output"
+        )
     if output.exists() and not output.is_dir():
         raise QerlError(f"output {output} exists and is a file: remove it or choose another --output")
     if output.exists() and not overwrite:

@@ -1,0 +1,48 @@
+"""Writing the reports every stage leaves behind: JSON files and the CI job summary.
+
+One place so that every ``*.json`` a stage writes is complete or absent (never half written when a
+run is interrupted) and every stage appends to ``$GITHUB_STEP_SUMMARY`` the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write through a temporary file and rename, so an interrupted run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, data: Any, *, default: Callable[[Any], Any] | None = None) -> Path:
+    """``data`` as indented UTF-8 JSON with a trailing newline, written atomically.
+
+    ``default`` converts objects JSON cannot hold (e.g. ``str``); without it they raise TypeError.
+    """
+    return atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False, default=default) + "\n")
+
+
+def append_step_summary(markdown: str) -> Path | None:
+    """Append to ``$GITHUB_STEP_SUMMARY`` when it is set (GitHub Actions job summary), else nothing."""
+    target = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not target:
+        return None
+    path = Path(target)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(markdown + "\n")
+    return path
