@@ -8,6 +8,7 @@ soon as it is done, so a long run that dies keeps what it finished.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -276,7 +277,8 @@ def run_eval(
     suites = {
         name: load_benchmark(name, cfg.data_files.get(name), cfg.max_problems) for name in cfg.benchmarks
     }
-    with Grader(workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
+    with contextlib.ExitStack() as stack:
+        grader = stack.enter_context(Grader(workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s))
         grader.start()  # workers boot while the model loads
         tokenizer = tokenizer or getattr(engine, "tokenizer", None) or load_eval_tokenizer(cfg)
         if engine is None:
@@ -286,6 +288,8 @@ def run_eval(
             )
             engine = build_engine(cfg, tokenizer)
             engine_name = cfg.engine
+            # An engine built here is released here (vLLM holds most of the GPU until closed).
+            stack.callback(getattr(engine, "close", lambda: None))
         else:
             if cfg.adapter:
                 engine.sync_adapter(cfg.adapter)

@@ -30,6 +30,8 @@ class RewardFunction:
         self.extras: list[tuple[str, ExtraRewardFn, float]] = [
             (path, resolve_callable(path), float(weight)) for path, weight in cfg.extra.items()
         ]
+        # A grader passed in is shared: its owner closes it, not this reward.
+        self._owns_grader = grader is None
         self.grader = grader or Grader(workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s)
         # Per-completion grades of the last call, for sample logging.
         self.last_grades: list[GradeResult] = []
@@ -41,7 +43,8 @@ class RewardFunction:
         self.close()
 
     def close(self) -> None:
-        self.grader.close()
+        if self._owns_grader:
+            self.grader.close()
 
     def __call__(
         self, completions: Sequence[str], problems: Sequence[Problem]
