@@ -174,6 +174,8 @@ class TrainSection:
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999  # QeRL's scripts use 0.99
     max_grad_norm: float = 1.0
     gradient_checkpointing: bool = True
     seed: int = 0

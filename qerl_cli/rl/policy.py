@@ -1,0 +1,276 @@
+"""The trainable policy: a frozen base (4-bit packed or BF16) plus LoRA adapters.
+
+- The base comes from ``qerl_cli.modeling.loading.load_policy_model``: a qerl / compressed-tensors /
+  bitsandbytes 4-bit checkpoint keeps its packed weights (QuantLinear), a BF16 one is the LoRA
+  baseline of the paper.
+- LoRA goes on ``cfg.lora.target_modules`` (PEFT; ``qerl_cli.modeling.lora`` teaches PEFT about
+  QuantLinear). RMSNorm weights can be trained too (``lora.train_norms``); they are saved with the
+  adapter as PEFT ``modules_to_save``.
+- The KL reference is the same model with the adapters disabled (:meth:`Policy.reference`): the
+  base is frozen, so base == reference, and no second copy is ever loaded.
+
+:func:`completion_logprobs` is the one forward the trainer runs: per-token log-probabilities of the
+completion tokens at the sampling temperature, exactly comparable to the rollout engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_cli.config import TrainConfig
+from qerl_cli.errors import QerlError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QerlError(f"train.device={name} but this machine has no CUDA GPU; use train.device=cpu")
+    return device
+
+
+def load_base_model(path: str, fmt: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str]:
+    """(model, format name) for a base checkpoint; ``fmt`` "auto" accepts what the folder holds.
+
+    4-bit checkpoints load packed into QuantLinear layers (no dense copy), BF16 ones as they are.
+    """
+    from qerl_cli.modeling.loading import load_policy_model
+
+    model, found = load_policy_model(path, dtype=dtype, device=device)
+    if fmt not in ("auto", found):
+        raise QerlError(f"model.format={fmt} but {path} holds a {found} checkpoint; set model.format=auto")
+    return model, found
+
+
+def load_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Padding positions are masked everywhere; any id works, EOS is the conventional choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def norm_module_names(model: nn.Module) -> list[str]:
+    """Leaf names of the RMSNorm modules (``input_layernorm``, ``post_attention_layernorm``, ``norm``)."""
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
+    )
+
+
+def attach_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """Wrap ``model`` in a PEFT LoRA model per ``cfg.lora`` (on QuantLinear or nn.Linear layers)."""
+    from qerl_cli.modeling import lora as qerl_lora
+
+    targets = list(cfg.lora.target_modules)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise QerlError(
+            f"lora.target_modules {missing} are not modules of this model; it has e.g. "
+            f"{sorted(p for p in present if p.endswith('proj'))[:8]}"
+        )
+    peft_model = qerl_lora.attach_lora(
+        model, r=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, target_modules=targets
+    )
+    if cfg.lora.train_norms:
+        _make_norms_trainable(peft_model)
+    return peft_model
+
+
+def _make_norms_trainable(peft_model: nn.Module) -> None:
+    """Train the RMSNorm weights as PEFT ``modules_to_save``: PEFT then saves them with the adapter
+    and ``disable_adapter`` (the KL reference) falls back to the frozen originals."""
+    from peft.utils.other import set_additional_trainable_modules
+
+    config = peft_model.peft_config["default"]
+    config.modules_to_save = norm_module_names(peft_model)
+    set_additional_trainable_modules(peft_model, config, peft_model.base_model.model.config, "default")
+
+
+@dataclass
+class Policy:
+    model: nn.Module  # a PeftModel
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    base_format: str  # "bf16", "nvfp4", "mxfp4", "nf4"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.base_format != "bf16"
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """The KL reference: the frozen base, i.e. this model with its adapters switched off."""
+        with self.model.disable_adapter():
+            yield
+
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        out = Path(out_dir)
+        self.model.save_pretrained(out, safe_serialization=True)
+        return out
+
+
+def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy:
+    device = device or resolve_device(cfg.train.device)
+    dtype = DTYPES[cfg.model.dtype]
+    if dtype == torch.float16:
+        log.warning("float16 LoRA training can overflow; bfloat16 is the tested compute dtype")
+    base, fmt = load_base_model(cfg.model.path, cfg.model.format, dtype, device)
+    for param in base.parameters():
+        param.requires_grad_(False)
+    if cfg.train.gradient_checkpointing:
+        # Non-reentrant checkpointing works with a frozen base (no input-grad hook needed).
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
+    model = attach_lora(base, cfg)
+    model.to(device)
+    tokenizer = load_tokenizer(
+        cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise QerlError("the policy has no trainable parameter; check lora.target_modules")
+    return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, base_format=fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# Token batches and logprobs
+# --------------------------------------------------------------------------------------------
+@dataclass
+class TokenBatch:
+    """Prompts left-padded then completions right-padded, one row per completion.
+
+    ``input_ids``/``attention_mask`` are ``[B, P + C]``; ``completion_mask`` and
+    ``rollout_logprobs`` are ``[B, C]`` over the completion columns.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    prompt_width: int
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def rows(self, index: torch.Tensor | slice) -> TokenBatch:
+        return TokenBatch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.completion_mask[index],
+            self.rollout_logprobs[index],
+            self.prompt_width,
+        )
+
+
+def make_token_batch(
+    prompts: list[list[int]], completions: list[list[int]], rollout_logprobs: list[list[float]], pad_id: int
+) -> TokenBatch:
+    if not (len(prompts) == len(completions) == len(rollout_logprobs)):
+        raise QerlError("prompts, completions and rollout logprobs must have one row each")
+    width_p = max(len(p) for p in prompts)
+    width_c = max(1, max(len(c) for c in completions))
+    rows = len(prompts)
+    input_ids = torch.full((rows, width_p + width_c), pad_id, dtype=torch.long)
+    attention = torch.zeros((rows, width_p + width_c), dtype=torch.long)
+    completion_mask = torch.zeros((rows, width_c), dtype=torch.float32)
+    logprobs = torch.zeros((rows, width_c), dtype=torch.float32)
+    for r, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logprobs, strict=True)):
+        if len(lp) != len(c):
+            raise QerlError(f"row {r}: {len(c)} completion tokens but {len(lp)} rollout logprobs")
+        input_ids[r, width_p - len(p) : width_p] = torch.tensor(p)
+        attention[r, width_p - len(p) : width_p] = 1
+        if c:
+            input_ids[r, width_p : width_p + len(c)] = torch.tensor(c)
+            attention[r, width_p : width_p + len(c)] = 1
+            completion_mask[r, : len(c)] = 1
+            logprobs[r, : len(c)] = torch.tensor(lp)
+    return TokenBatch(input_ids, attention, completion_mask, logprobs, width_p)
+
+
+def completion_logprobs(
+    model: nn.Module, batch: TokenBatch, temperature: float, device: torch.device
+) -> torch.Tensor:
+    """``[B, C]`` float32 log p_T(completion token | prefix) for one micro-batch (grad if enabled).
+
+    Columns that are padding on every row are cut off before the forward (left padding of the
+    prompts, right padding of the completions) so a micro-batch of short rows stays cheap; the
+    result is padded back to the batch's width. Position ids follow the attention mask, as in
+    ``generate`` with left padding, so rollout and trainer logprobs agree.
+    """
+    mask = batch.attention_mask
+    used_cols = mask.any(dim=0).nonzero().flatten()
+    first = int(used_cols[0]) if used_cols.numel() else 0
+    first = min(first, batch.prompt_width - 1)
+    used_completion = (
+        int(batch.completion_mask.any(dim=0).nonzero().max()) + 1 if batch.completion_mask.any() else 1
+    )
+    last = batch.prompt_width + used_completion
+    input_ids = batch.input_ids[:, first:last].to(device)
+    attention = mask[:, first:last].to(device)
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    # Logits only where they predict a completion token: from the last prompt column on.
+    keep = used_completion + 1
+    outputs = model(
+        input_ids=input_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        logits_to_keep=keep,
+        use_cache=False,
+    )
+    logits = outputs.logits[:, :-1, :].float() / temperature
+    targets = input_ids[:, -used_completion:]
+    token_lp = torch.log_softmax(logits, dim=-1).gather(2, targets.unsqueeze(-1)).squeeze(-1)
+    if used_completion < batch.completion_width:
+        token_lp = torch.nn.functional.pad(token_lp, (0, batch.completion_width - used_completion))
+    return token_lp
+
+
+def batched_logprobs(
+    model: nn.Module,
+    batch: TokenBatch,
+    temperature: float,
+    device: torch.device,
+    micro_batch_size: int,
+    *,
+    reference: Policy | None = None,
+) -> torch.Tensor:
+    """No-grad :func:`completion_logprobs` over a whole batch (``reference``: adapters off)."""
+    parts = []
+    context = reference.reference() if reference is not None else nullcontext()
+    was_training = model.training
+    model.eval()  # no dropout in the fixed "old" / reference logprobs
+    try:
+        with torch.no_grad(), context:
+            for begin in range(0, batch.size, micro_batch_size):
+                rows = batch.rows(slice(begin, begin + micro_batch_size))
+                parts.append(completion_logprobs(model, rows, temperature, device).cpu())
+    finally:
+        model.train(was_training)
+    return torch.cat(parts)

@@ -1,0 +1,125 @@
+"""Where training metrics go: ``metrics.jsonl`` always, TensorBoard / Weights & Biases on request,
+and a PNG of reward, entropy and AQN sigma per step at the end.
+
+TensorBoard, wandb and matplotlib are optional and imported only when used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "training_curves.png"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep the information as text
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl``, in order."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Appends one JSON line per step; forwards numbers to TensorBoard / wandb when enabled.
+
+    ``resume_step``: records after that step (written by the interrupted run after its last
+    checkpoint) are dropped, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        resume_step: int | None = None,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "qerl",
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / METRICS_FILE
+        if resume_step is None:
+            self.path.write_text("")
+        else:
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._tb = self._open_tensorboard() if tensorboard else None
+        self._wandb = self._open_wandb(wandb_project, run_config or {}) if wandb else None
+
+    def _open_tensorboard(self) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise QerlError("output.tensorboard=true needs TensorBoard: pip install tensorboard") from None
+        return SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+
+    def _open_wandb(self, project: str, run_config: dict[str, Any]) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            raise QerlError("output.wandb=true needs Weights & Biases: pip install wandb") from None
+        return wandb.init(project=project, dir=str(self.out_dir), config=run_config, resume="allow")
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        step = int(record["step"])
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def plot_training_curves(records: list[dict[str, Any]], out_path: str | Path) -> Path | None:
+    """Reward (and accuracy), rollout entropy and AQN sigma per step; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: skipping %s (pip install matplotlib)", Path(out_path).name)
+        return None
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    axes[0].plot(steps, [r.get("reward_mean", float("nan")) for r in records], label="reward mean")
+    axes[0].plot(steps, [r.get("accuracy", float("nan")) for r in records], label="accuracy", alpha=0.7)
+    axes[0].set_ylabel("reward")
+    axes[0].legend(loc="lower right")
+    axes[1].plot(steps, [r.get("entropy", float("nan")) for r in records], color="tab:orange")
+    axes[1].set_ylabel("rollout entropy\n(nats/token)")
+    axes[2].plot(steps, [r.get("aqn_sigma", 0.0) for r in records], color="tab:green", drawstyle="steps-post")
+    axes[2].set_ylabel("AQN sigma")
+    axes[2].set_xlabel("training step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle("qerl training")
+    fig.tight_layout()
+    out = Path(out_path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,291 @@
+"""A short supervised warm start that gives a tiny random model something for RL to improve.
+
+A randomly initialised model never samples a correct answer, so its reward is 0 everywhere and
+GRPO has no signal (every group's advantage is 0). Real QeRL starts from a pretrained model that
+already solves some problems; for the tiny offline model we stand in for pretraining with a few
+steps of plain next-token training on worked synthetic problems (``reference_completion``), stopped
+early on purpose: the result answers in the right format but is right only part of the time when
+sampled at temperature 1, which is the regime RL improves. ``qerl demo`` says so in its output.
+
+``prepare_tiny_base`` writes the warm-started model as a BF16 folder and, optionally, as an NVFP4
+(compressed-tensors) folder: the same pipeline as for a real model (pretrained -> quantized -> RL).
+
+Run ``python -m qerl_cli.rl.warmstart OUT_DIR`` to build the base that ``recipes/tiny.yaml`` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qerl_cli.data.problem import Problem
+from qerl_cli.errors import QerlError
+
+DEFAULT_TASK = "synthetic-addition"
+DEFAULT_TEMPLATE = "plain"
+# A wrong worked answer is off by one of these: plausible slips, as in imperfect pretraining data.
+NOISE_OFFSETS = (-2, -1, 1, 2)
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    task: str = DEFAULT_TASK
+    template: str = DEFAULT_TEMPLATE
+    # Clean phase: stop as soon as the model, sampling at temperature 1, solves this share of a fixed
+    # probe set of training problems (checked every ``check_every`` steps), or after ``max_steps``.
+    # Tiny models learn this task abruptly (nothing, then most of it within ~100 steps), so a fixed
+    # step count would land anywhere between 0% and 90%.
+    target_accuracy: float = 0.7
+    max_steps: int = 800
+    check_every: int = 20
+    probe_size: int = 32
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    # Noisy phase: ``noisy_steps`` more steps where a share ``label_noise`` of the worked results are
+    # off by 1 or 2 (see the module docstring).
+    label_noise: float = 0.7
+    noisy_steps: int = 100
+    seed: int = 0
+
+
+class _Examples:
+    """Tokenized worked problems; a share ``label_noise`` of the draws carry a wrong result."""
+
+    def __init__(self, problems: list[Problem], tokenizer: Any, template: str, label_noise: float) -> None:
+        from qerl_cli.data.prompts import render_prompt
+
+        self.problems = problems
+        self.tokenizer = tokenizer
+        self.label_noise = label_noise
+        self.prompts = [
+            tokenizer(render_prompt(p.question, tokenizer, template=template), add_special_tokens=False)[
+                "input_ids"
+            ]
+            for p in problems
+        ]
+
+    def draw(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        from qerl_cli.data.synthetic import reference_completion
+
+        index = rng.randrange(len(self.problems))
+        problem = self.problems[index]
+        answer = None
+        if rng.random() < self.label_noise:
+            answer = str(int(problem.answer) + rng.choice(NOISE_OFFSETS))
+        completion = self.tokenizer(reference_completion(problem, answer), add_special_tokens=False)[
+            "input_ids"
+        ]
+        return self.prompts[index], [*completion, int(self.tokenizer.eos_token_id)]
+
+
+def sampled_accuracy(
+    model: nn.Module,
+    tokenizer: Any,
+    problems: list[Problem],
+    template: str,
+    *,
+    samples: int = 2,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+) -> float:
+    """Share of ``samples`` temperature-1 completions per problem that math-verify grades correct."""
+    from qerl_cli.data.prompts import render_prompt
+    from qerl_cli.rewards.grading import is_correct
+    from qerl_cli.rollout.base import SamplingSpec
+    from qerl_cli.rollout.hf import HFEngine
+
+    engine = HFEngine(model, tokenizer, generation_batch_size=128)
+    prompts = [render_prompt(p.question, tokenizer, template=template) for p in problems]
+    spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, seed=seed)
+    result = engine.generate(prompts, samples, spec)
+    # In-process grading is fine here: the answers are short integers the model wrote.
+    correct = sum(is_correct(c.text, problems[i].answer) for i, c in result.flat())
+    return correct / max(1, len(result.flat()))
+
+
+@dataclass
+class WarmStartResult:
+    losses: list[float]
+    clean_steps: int
+    noisy_steps: int
+    clean_accuracy: float  # probe accuracy when the clean phase ended
+    final_accuracy: float  # probe accuracy of the returned model
+
+
+def _batch_tensors(batch: list[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
+    width = max(len(p) + len(c) for p, c in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (p, c) in enumerate(batch):  # right padding: plain teacher forcing
+        ids[row, : len(p) + len(c)] = torch.tensor(p + c)
+        labels[row, len(p) : len(p) + len(c)] = torch.tensor(c)  # loss on the completion only
+        attention[row, : len(p) + len(c)] = 1
+    return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+
+
+def supervised_warm_start(
+    model: nn.Module, tokenizer: Any, problems: list[Problem], cfg: WarmStartConfig
+) -> WarmStartResult:
+    """Train ``model`` in place: clean worked problems until the probe accuracy reaches
+    ``cfg.target_accuracy`` (or ``cfg.max_steps``), then ``cfg.noisy_steps`` steps on worked problems
+    of which a share ``cfg.label_noise`` hold a slip."""
+    if not problems:
+        raise QerlError("the warm start needs at least one problem")
+    clean = _Examples(problems, tokenizer, cfg.template, 0.0)
+    noisy = _Examples(problems, tokenizer, cfg.template, cfg.label_noise)
+    probe = problems[: cfg.probe_size]
+    pad = int(tokenizer.pad_token_id)
+    rng = random.Random(cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    losses: list[float] = []
+
+    def step(examples: _Examples) -> None:
+        model.train()
+        batch = _batch_tensors([examples.draw(rng) for _ in range(cfg.batch_size)], pad)
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+
+    accuracy = 0.0
+    for n in range(1, cfg.max_steps + 1):
+        step(clean)
+        if n % cfg.check_every == 0 or n == cfg.max_steps:
+            accuracy = sampled_accuracy(model, tokenizer, probe, cfg.template, seed=cfg.seed + n)
+            if accuracy >= cfg.target_accuracy:
+                break
+    clean_steps = len(losses)
+    for _ in range(cfg.noisy_steps if cfg.label_noise > 0 else 0):
+        step(noisy)
+    final = (
+        sampled_accuracy(model, tokenizer, probe, cfg.template, seed=cfg.seed)
+        if len(losses) > clean_steps
+        else accuracy
+    )
+    model.eval()
+    return WarmStartResult(losses, clean_steps, len(losses) - clean_steps, accuracy, final)
+
+
+def prepare_tiny_base(
+    out_dir: str | Path, cfg: WarmStartConfig | None = None, *, formats: tuple[str, ...] = ("bf16", "nvfp4")
+) -> dict[str, Any]:
+    """Build the tiny model, warm-start it, and write ``out_dir/<format>`` for each format.
+
+    Returns ``{"paths": {format: folder}, "warm_start": {...}, "losses": [...], "seconds": ...}``.
+    """
+    from qerl_cli.data.synthetic import make_problems
+    from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
+
+    cfg = cfg or WarmStartConfig()
+    unknown = set(formats) - {"bf16", "nvfp4", "mxfp4", "nf4"}
+    if unknown:
+        raise QerlError(f"unknown formats {sorted(unknown)} for the tiny base")
+    start = time.perf_counter()
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(seed=cfg.seed).float()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        result = supervised_warm_start(model, tokenizer, make_problems(cfg.task, "train", seed=cfg.seed), cfg)
+    model = model.to(torch.bfloat16)
+    paths: dict[str, Path] = {}
+    bf16_dir = save_model_folder(model, tokenizer, out / "bf16")
+    record = {
+        **asdict(cfg),
+        "clean_steps": result.clean_steps,
+        "noisy_steps_run": result.noisy_steps,
+        "clean_accuracy": result.clean_accuracy,
+        "final_accuracy": result.final_accuracy,
+        "final_loss": result.losses[-1],
+    }
+    (bf16_dir / "warm_start.json").write_text(json.dumps(record, indent=2))
+    if "bf16" in formats:
+        paths["bf16"] = bf16_dir
+    for fmt in formats:
+        if fmt != "bf16":
+            paths[fmt] = quantize_folder(bf16_dir, out / fmt, fmt)
+    return {
+        "paths": paths,
+        "warm_start": record,
+        "losses": result.losses,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def quantize_folder(src: str | Path, dst: str | Path, fmt: str) -> Path:
+    """Round-to-nearest 4-bit copy of a (small) BF16 model folder in ``fmt``'s checkpoint layout.
+
+    Every ``nn.Linear`` weight except ``lm_head`` is quantized with qerl's bit-exact format code
+    (NVFP4 fused q/k/v and gate/up groups share a global scale, as vLLM requires); embeddings and
+    norms stay BF16. This is the in-memory path for tiny models; ``qerl quantize`` is the
+    calibrated (AWQ) path for real ones.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from qerl_cli import formats
+    from qerl_cli.formats.nvfp4 import fused_group_key, shared_global_scale
+    from qerl_cli.modeling.random_checkpoint import quantization_config
+
+    src, dst = Path(src), Path(dst)
+    qfmt = formats.get(fmt)
+    state = load_file(str(src / "model.safetensors"))
+    linear = {
+        k[: -len(".weight")]: v for k, v in state.items() if k.endswith("_proj.weight") and v.dim() == 2
+    }
+    scales: dict[str, torch.Tensor] = {}
+    if fmt == "nvfp4":
+        groups: dict[str, list[str]] = {}
+        for name in linear:
+            groups.setdefault(fused_group_key(name) or name, []).append(name)
+        for names in groups.values():
+            shared = shared_global_scale(linear[n] for n in names)
+            scales.update(dict.fromkeys(names, shared))
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        name = key[: -len(".weight")]
+        if name in linear:
+            for part, value in qfmt.quantize(tensor, global_scale=scales.get(name)).items():
+                out[f"{name}.{part}"] = value.clone()  # fused members share one scale tensor
+        else:
+            out[key] = tensor
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt)
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for file in src.iterdir():
+        if file.name not in ("model.safetensors", "config.json") and file.is_file():
+            shutil.copy(file, dst / file.name)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--max-steps", type=int, default=WarmStartConfig.max_steps)
+    parser.add_argument("--target-accuracy", type=float, default=WarmStartConfig.target_accuracy)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--formats", default="bf16,nvfp4")
+    args = parser.parse_args(argv)
+    result = prepare_tiny_base(
+        args.out_dir,
+        WarmStartConfig(max_steps=args.max_steps, target_accuracy=args.target_accuracy, seed=args.seed),
+        formats=tuple(args.formats.split(",")),
+    )
+    print(json.dumps({k: str(v) for k, v in result["paths"].items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Synthetic tasks, the tiny warm start and in-memory quantization, and (slow) ``qerl demo`` itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_cli.config import TrainConfig, load_config, to_dict
+from qerl_cli.data.synthetic import make_problems, reference_completion, task_names
+from qerl_cli.errors import QerlError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- synthetic tasks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", task_names())
+def test_synthetic_tasks_are_deterministic_with_disjoint_splits(name: str) -> None:
+    train = make_problems(name, "train", seed=3)
+    assert [p.question for p in make_problems(name, "train", 10, seed=3)] == [p.question for p in train[:10]]
+    assert [p.question for p in make_problems(name, "train", 10, seed=4)] != [p.question for p in train[:10]]
+    test = make_problems(name, "test", seed=3)
+    assert test and not {p.question for p in train} & {p.question for p in test}
+    assert len({p.id for p in train}) == len(train)
+
+
+def test_synthetic_answers_are_right_and_gradeable() -> None:
+    from qerl_cli.rewards import format_reward, is_correct
+
+    for problem in make_problems("synthetic-mixed", "test", 12, seed=0):
+        a, op, b = problem.meta["a"], problem.meta["op"], problem.meta["b"]
+        assert int(problem.answer) == {"+": a + b, "-": a - b, "*": a * b}[op]
+        completion = reference_completion(problem)
+        assert is_correct(completion, problem.answer)
+        assert format_reward(completion) == 1.0
+        assert not is_correct(reference_completion(problem, str(int(problem.answer) + 1)), problem.answer)
+
+
+def test_synthetic_errors_are_user_errors() -> None:
+    with pytest.raises(QerlError, match="unknown synthetic task"):
+        make_problems("synthetic-division")
+    with pytest.raises(QerlError, match="splits"):
+        make_problems("synthetic-addition", "validation")
+    with pytest.raises(QerlError, match="asked for"):
+        make_problems("synthetic-addition", "test", 10_000)
+
+
+def test_registered_through_load_problems() -> None:
+    from qerl_cli.data.datasets import load_problems
+
+    problems = load_problems("synthetic-addition", split="test", max_samples=5, seed=0)
+    assert len(problems) == 5 and all(p.meta["op"] == "+" for p in problems)
+
+
+# -- warm start and quantization --------------------------------------------------------------------
+def test_warm_start_lowers_the_loss_and_reports_its_phases() -> None:
+    from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer
+    from qerl_cli.rl.warmstart import WarmStartConfig, supervised_warm_start
+
+    model = build_tiny_model(0).float()
+    cfg = WarmStartConfig(max_steps=30, check_every=30, noisy_steps=5, batch_size=8, probe_size=4)
+    result = supervised_warm_start(
+        model, build_tokenizer(), make_problems("synthetic-addition", "train"), cfg
+    )
+    assert (result.clean_steps, result.noisy_steps) == (30, 5)
+    assert sum(result.losses[-5:]) < sum(result.losses[:5])
+    assert 0.0 <= result.final_accuracy <= 1.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_quantize_folder_loads_as_quant_linear(tiny_model_dir: Path, tmp_path: Path, fmt: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.modeling.loading import load_policy_model
+    from qerl_cli.modeling.quant_linear import QuantLinear
+    from qerl_cli.rl.warmstart import quantize_folder
+
+    folder = quantize_folder(tiny_model_dir, tmp_path / fmt, fmt)
+    model, found = load_policy_model(folder, dtype=torch.float32)
+    assert found == fmt
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 14  # 7 projections x 2 layers
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        quantized, dense = model(ids).logits, reference(ids).logits
+    # 4-bit weights move the logits a little, not a lot (a random tiny model's logits are ~1).
+    assert 0 < (quantized - dense).abs().max() < 0.5
+
+
+def test_demo_config_is_the_tiny_recipe() -> None:
+    from qerl_cli.demo import demo_train_config
+
+    recipe = load_config(TrainConfig, REPO / "recipes" / "tiny.yaml")
+    demo = demo_train_config(recipe.model.path, recipe.output.dir, steps=recipe.train.max_steps, seed=0)
+    differing = {
+        section: {
+            k: (v, getattr(getattr(recipe, section), k))
+            for k, v in to_dict(getattr(demo, section)).items()
+            if to_dict(getattr(recipe, section))[k] != v
+        }
+        for section in (f.name for f in dataclasses.fields(TrainConfig))
+    }
+    # Checkpointing differs on purpose (the demo keeps one at the end); everything else is the recipe.
+    assert {s: d for s, d in differing.items() if d and s != "output"} == {}
+
+
+# -- the demo (slow: about two minutes on 2 cores) ---------------------------------------------------
+@pytest.mark.slow
+def test_demo_runs_offline_in_under_five_minutes(tmp_path: Path) -> None:
+    from qerl_cli.demo import run_demo
+
+    start = time.monotonic()
+    result = run_demo(tmp_path / "demo")
+    assert time.monotonic() - start < 300
+    assert result["reward_last10"] - result["reward_first10"] >= 0.2
+    assert result["after"]["sampled_accuracy"] > result["before"]["sampled_accuracy"] + 0.1
+    assert (tmp_path / "demo" / "train" / "adapter" / "adapter_model.safetensors").is_file()
+    assert result["plot"] is None or Path(result["plot"]).is_file()

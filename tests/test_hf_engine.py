@@ -1,0 +1,171 @@
+"""The HF rollout engine: layout, logprobs that match a plain forward, seeding, AQN, factory."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from qerl_cli.errors import QerlError
+from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
+from qerl_cli.rollout.factory import make_engine
+from qerl_cli.rollout.hf import HFEngine
+
+PROMPTS = ["<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n", "Hi"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.rl.policy import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return model, load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture()
+def engine(model_and_tokenizer) -> HFEngine:
+    model, tokenizer = model_and_tokenizer
+    return HFEngine(model, tokenizer, generation_batch_size=4)
+
+
+def _forward_logprobs(
+    model, prompt_ids: list[int], completion_ids: list[int], temperature: float
+) -> torch.Tensor:
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(completion_ids)[:, None])[:, 0]
+
+
+def test_engine_satisfies_the_protocol(engine: HFEngine) -> None:
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_generate_layout_and_logprobs_match_an_unpadded_forward(
+    engine: HFEngine, model_and_tokenizer
+) -> None:
+    model, _ = model_and_tokenizer
+    spec = SamplingSpec(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
+    result = engine.generate(PROMPTS, 3, spec)
+    assert len(result.completions) == 2 and all(len(g) == 3 for g in result.completions)
+    assert [i for i, _ in result.flat()] == [0, 0, 0, 1, 1, 1]
+    # Prompts of different lengths share a left-padded batch (chunks of 4 rows): padding must not
+    # change the logprobs, and they are log_softmax(logits / T) untruncated by top-p.
+    for i, completion in result.flat():
+        assert len(completion.token_ids) == len(completion.logprobs) >= 1
+        expected = _forward_logprobs(model, result.prompt_token_ids[i], completion.token_ids, 0.7)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+    assert result.stats["rollout_tokens"] == result.num_generated_tokens > 0
+
+
+def test_finish_reason_length_without_eos(engine: HFEngine) -> None:
+    result = engine.generate(PROMPTS, 4, SamplingSpec(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=0))
+    for _, c in result.flat():
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in engine.eos_ids
+        else:
+            assert len(c.token_ids) == 6 and not set(c.token_ids) & set(engine.eos_ids)
+
+
+def test_finish_reason_stop_keeps_the_eos_token(model_and_tokenizer) -> None:
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    # Every token ends the sequence: each completion is exactly one token, finished by "EOS".
+    engine.eos_ids = list(range(model.config.vocab_size))
+    result = engine.generate(["abc"], 3, SamplingSpec(max_new_tokens=5, temperature=1.0, top_p=1.0, seed=0))
+    for _, c in result.flat():
+        assert c.finish_reason == "stop" and len(c.token_ids) == 1 and len(c.logprobs) == 1
+    # Benchmarks ignore EOS: the same engine then runs every completion to the limit.
+    forced = engine.generate(["abc"], 2, SamplingSpec(max_new_tokens=5, seed=0, ignore_eos=True))
+    assert all(len(c.token_ids) == 5 and c.finish_reason == "length" for _, c in forced.flat())
+
+
+def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(engine: HFEngine) -> None:
+    spec = SamplingSpec(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=11)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = engine.generate(PROMPTS, 2, spec)
+    assert torch.equal(torch.get_rng_state(), before)
+    b = engine.generate(PROMPTS, 2, spec)
+    c = engine.generate(PROMPTS, 2, SamplingSpec(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=12))
+    ids = [[x.token_ids for _, x in r.flat()] for r in (a, b, c)]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+def test_greedy_and_ignore_eos(engine: HFEngine) -> None:
+    greedy = SamplingSpec(max_new_tokens=7, temperature=0.0, ignore_eos=True)
+    a = engine.generate(PROMPTS, 2, greedy)
+    assert all(len(c.token_ids) == 7 and c.finish_reason == "length" for _, c in a.flat())
+    # Greedy: both samples of a prompt are identical.
+    assert a.completions[0][0].token_ids == a.completions[0][1].token_ids
+
+
+def test_aqn_noise_only_during_generation(engine: HFEngine, model_and_tokenizer) -> None:
+    model, _ = model_and_tokenizer
+    clean = {n: p.detach().clone() for n, p in model.named_parameters() if "norm" in n}
+    spec = SamplingSpec(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=5)
+    plain = engine.generate(PROMPTS, 2, spec)
+    assert engine.set_norm_noise(0.5, seed=1) == 5  # 2 layers x 2 norms + the final norm
+    noised = engine.generate(PROMPTS, 2, spec)
+    again = engine.generate(PROMPTS, 2, spec)
+    # Same (sigma, seed): the same noise every call; the trainer's weights are clean in between.
+    for name, param in model.named_parameters():
+        if name in clean:
+            assert torch.equal(param, clean[name]), name
+    lp = [[c.logprobs for _, c in r.flat()] for r in (plain, noised, again)]
+    assert lp[1] == lp[2] and lp[0] != lp[1]
+    assert noised.stats["aqn_sigma"] == 0.5 and noised.stats["aqn_changed_fraction"] > 0.9
+    assert engine.set_norm_noise(0.0, seed=1) == 0
+    assert [c.logprobs for _, c in engine.generate(PROMPTS, 2, spec).flat()] == lp[0]
+
+
+def test_aqn_without_norms_fails_loudly(model_and_tokenizer) -> None:
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    engine.noiser.modules = {}
+    with pytest.raises(QerlError, match="no RMSNorm"):
+        engine.set_norm_noise(1e-2, seed=0)
+    assert engine.set_norm_noise(0.0, seed=0) == 0
+
+
+def test_engine_always_uses_the_current_adapter(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.modeling.lora import attach_lora
+    from qerl_cli.rl.policy import load_tokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = attach_lora(base, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)))
+    spec = SamplingSpec(max_new_tokens=5, temperature=1.0, top_p=1.0, seed=0)
+    before = [c.logprobs for _, c in engine.generate(["abc"], 2, spec).flat()]
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    after = [c.logprobs for _, c in engine.generate(["abc"], 2, spec).flat()]
+    assert before != after
+    engine.sync_adapter(None)  # the base model: adapters off
+    base_lp = [c.logprobs for _, c in engine.generate(["abc"], 2, spec).flat()]
+    assert base_lp == before
+    engine.sleep()
+    engine.wake_up()
+
+
+def test_make_engine_hf_loads_a_folder(tiny_model_dir) -> None:
+    engine = make_engine("hf", tiny_model_dir, dtype="float32", device="cpu")
+    result = engine.generate(["abc"], 2, SamplingSpec(max_new_tokens=3, seed=0))
+    assert len(result.flat()) == 2
+
+
+def test_make_engine_errors() -> None:
+    with pytest.raises(QerlError, match="unknown rollout engine"):
+        make_engine("tgi", "x")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(QerlError, match=r'pip install "qerl\[vllm\]"'):
+            make_engine("vllm", "x")
+    with pytest.raises(QerlError, match="only apply to the vllm engine"):
+        make_engine("hf", "x", gpu_memory_utilization=0.5)

@@ -1,0 +1,413 @@
+"""The training loop: data stream, token batches, trainer logprobs, a full tiny run, exact resume,
+a hanging grader, divergence handling, and (slow) the reward rise of recipes/tiny.yaml."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_cli.config import TrainConfig, load_config
+from qerl_cli.data.problem import Problem
+from qerl_cli.errors import QerlError
+from qerl_cli.rl.checkpoint import list_checkpoints
+from qerl_cli.rl.policy import completion_logprobs, make_token_batch
+from qerl_cli.rl.trainer import PromptStream, _normalizer, derive_seed, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- hooks the grader worker processes import (module-level on purpose) -------------------------
+def hang_on_some_answers(completion: str, gold: str) -> bool:
+    """A grader that never returns for about half of the completions, like SymPy on a pathological
+    expression (which half depends only on the text, so the test is deterministic)."""
+    if sum(map(ord, completion)) % 2 == 0:
+        time.sleep(600)
+    return False
+
+
+def slow_length_reward(completion: str, problem: Problem) -> float:
+    """An extra reward for the CLI kill test: a rule on the text, slow enough to kill mid-run."""
+    time.sleep(0.25)
+    return float(len(completion) % 3 == 0)
+
+
+class FakeReward:
+    """Rewards by a rule on the text, in-process (fast and deterministic); records each batch."""
+
+    def __init__(self, value=None) -> None:
+        self.batches: list[list[str]] = []
+        self.value = value
+
+    def __call__(self, completions, problems):
+        self.batches.append([p.id for p in problems])
+        if self.value is not None:
+            rewards = [self.value] * len(completions)
+        else:  # any rule that varies within groups gives a learning signal
+            rewards = [float(len(c) % 3 == 0) for c in completions]
+        return rewards, {
+            "accuracy": sum(r > 0 for r in rewards) / len(rewards),
+            "format_rate": 0.0,
+            "grader_timeouts": 0.0,
+        }
+
+
+def tiny_cfg(model_dir: Path, out: Path, *overrides: str) -> TrainConfig:
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.dtype=float32",
+            "data.dataset=synthetic-addition",
+            "data.template=plain",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=8",
+            "rollout.max_prompt_length=64",
+            "train.prompts_per_step=2",
+            "train.max_steps=4",
+            "train.micro_batch_size=3",
+            "train.learning_rate=1e-2",
+            "train.device=cpu",
+            "train.gradient_checkpointing=false",
+            "lora.rank=4",
+            "lora.alpha=8",
+            f"output.dir={out}",
+            "output.save_steps=2",
+            "aqn.num_stages=2",
+            "reward.grader_workers=1",
+            *overrides,
+        ],
+    )
+
+
+# -- pieces ---------------------------------------------------------------------------------------
+def test_prompt_stream_is_seeded_epoched_and_resumable() -> None:
+    problems = [Problem(str(i), f"q{i}", str(i)) for i in range(5)]
+    a = PromptStream(problems, seed=1)
+    first = [p.id for p in a.take(7)]
+    assert sorted(first[:5]) == ["0", "1", "2", "3", "4"]  # an epoch is a permutation
+    b = PromptStream(problems, seed=1)
+    b.position = 4
+    assert [p.id for p in b.take(3)] == first[4:7]
+    assert [p.id for p in PromptStream(problems, seed=2).take(5)] != first[:5]
+    assert [p.id for p in PromptStream(problems, seed=1, shuffle=False).take(6)] == [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "0",
+    ]
+
+
+def test_derive_seed_is_stable_and_distinct() -> None:
+    assert derive_seed(0, "rollout", 3, 0) == derive_seed(0, "rollout", 3, 0)
+    assert len({derive_seed(0, "rollout", s, 0) for s in range(100)}) == 100
+    assert derive_seed(0, "aqn", 1) != derive_seed(0, "rollout", 1)
+    assert 0 <= derive_seed(5, "x") < 2**31
+
+
+def test_token_batch_layout() -> None:
+    batch = make_token_batch(
+        [[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], [[-0.1, -0.2], [-1.0, -2.0, -3.0]], pad_id=0
+    )
+    assert batch.input_ids.tolist() == [[1, 2, 3, 5, 6, 0], [0, 0, 4, 7, 8, 9]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert batch.rollout_logprobs[1].tolist() == [-1.0, -2.0, -3.0]
+    with pytest.raises(QerlError, match="rollout logprobs"):
+        make_token_batch([[1]], [[2, 3]], [[-1.0]], pad_id=0)
+
+
+def test_normalizers_make_micro_batches_add_up() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    assert _normalizer("grpo", mask, 16) == 2.0  # sequences with at least one token
+    assert _normalizer("dapo", mask, 16) == 5.0  # tokens
+    assert _normalizer("dr_grpo", mask, 16) == 48.0  # B x max completion length
+
+
+def test_trainer_logprobs_match_the_rollout_engine(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.rl.policy import load_tokenizer
+    from qerl_cli.rollout.base import SamplingSpec
+    from qerl_cli.rollout.hf import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    result = HFEngine(model, tokenizer).generate(
+        ["What is 1 + 2?", "Hi", "a much longer prompt than the others"],
+        2,
+        SamplingSpec(max_new_tokens=6, temperature=0.8, top_p=1.0, seed=0),
+    )
+    flat = result.flat()
+    batch = make_token_batch(
+        [result.prompt_token_ids[i] for i, _ in flat],
+        [c.token_ids for _, c in flat],
+        [c.logprobs for _, c in flat],
+        pad_id=tokenizer.pad_token_id,
+    )
+    with torch.no_grad():
+        whole = completion_logprobs(model, batch, 0.8, torch.device("cpu"))
+        parts = torch.cat(
+            [
+                completion_logprobs(model, batch.rows(slice(b, b + 2)), 0.8, torch.device("cpu"))
+                for b in range(0, batch.size, 2)
+            ]
+        )
+    mask = batch.completion_mask.bool()
+    assert torch.allclose(whole[mask], batch.rollout_logprobs[mask], atol=1e-4)
+    assert torch.allclose(parts[mask], whole[mask], atol=1e-5)
+
+
+# -- whole runs -----------------------------------------------------------------------------------
+def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = train(tiny_cfg(tiny_model_dir, out), progress=False, reward_fn=FakeReward())
+    assert result["steps"] == 4
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "format_rate",
+        "entropy",
+        "clip_fraction",
+        "tis_weight_mean",
+        "completion_length_mean",
+        "completion_length_max",
+        "truncation_rate",
+        "aqn_sigma",
+        "time_rollout_s",
+        "time_update_s",
+        "rollout_tokens_per_s",
+        "grad_norm",
+        "lr",
+    ):
+        assert key in records[-1], key
+    # AQN: K=2 stages over 4 steps: noise-free first half, then the single noisy stage (sigma_start).
+    assert [r["aqn_sigma"] for r in records] == [0.0, 0.0, 1e-2, 1e-2]
+    assert records[2]["aqn_perturbed_norms"] == 5
+    assert [s for s, _ in list_checkpoints(out)] == [2, 4]
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert (out / "config.yaml").is_file()
+    prompt = json.loads((out / "prompt.json").read_text())
+    assert prompt["name"] == "plain" and "What is" in prompt["example"] and prompt["template_hash"]
+    assert result["plot"] is None or Path(result["plot"]).is_file()
+    assert result["final"]["step"] == 4
+
+
+def test_resume_continues_with_the_same_next_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Uninterrupted 4 steps vs. killed after step 3 (checkpoint at 2) and resumed: same steps 3-4."""
+    straight = FakeReward()
+    train(tiny_cfg(tiny_model_dir, tmp_path / "a"), progress=False, reward_fn=straight)
+
+    class Killed(Exception):
+        pass
+
+    def kill_after_3(step: int, record: dict) -> None:
+        if step == 3:
+            raise Killed
+
+    first = FakeReward()
+    with pytest.raises(Killed):
+        train(tiny_cfg(tiny_model_dir, tmp_path / "b"), progress=False, reward_fn=first, on_step=kill_after_3)
+    assert [s for s, _ in list_checkpoints(tmp_path / "b")] == [2]
+    resumed = FakeReward()
+    result = train(
+        tiny_cfg(tiny_model_dir, tmp_path / "b"),
+        resume=str(tmp_path / "b"),
+        progress=False,
+        reward_fn=resumed,
+    )
+    assert result["resumed_from"].endswith("checkpoint-2") and result["steps"] == 4
+    # The resumed run's batches are the uninterrupted run's steps 3 and 4.
+    assert resumed.batches == straight.batches[2:]
+    a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # step 3 of the killed run was dropped and redone
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("reward_mean", "entropy", "loss", "grad_norm", "data_position", "aqn_sigma"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-7) for k in wa)
+
+
+def test_a_hanging_grader_does_not_stall_training(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from qerl_cli.config import RewardSection
+    from qerl_cli.rewards import Grader, build_reward_fn
+
+    grader = Grader(workers=2, timeout_s=0.5, grade_fn=hang_on_some_answers)
+    reward = build_reward_fn(RewardSection(grader_timeout_s=0.5), grader=grader)
+    cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "output.save_steps=0")
+    start = time.monotonic()
+    result = train(cfg, progress=False, reward_fn=reward)
+    assert result["steps"] == 1
+    # Some grades hung and were cut off after 0.5 s each; the others were graded normally.
+    assert 0 < result["final"]["grader_timeouts"] < 8
+    assert time.monotonic() - start < 120
+
+
+def test_divergence_stops_with_a_clear_error_and_no_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(QerlError, match="diverged at step 1"):
+        train(tiny_cfg(tiny_model_dir, out), progress=False, reward_fn=FakeReward(value=float("nan")))
+    assert list_checkpoints(out) == []
+    assert not (out / "adapter").exists()
+
+
+def test_every_algorithm_option_runs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """DAPO loss, dynamic sampling, overlong shaping, truncation masking, KL to the adapter-free
+    reference, several updates per batch and trainable norms, together."""
+    cfg = tiny_cfg(
+        tiny_model_dir,
+        tmp_path / "run",
+        "algorithm.loss_type=dapo",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sampling_rounds=2",
+        "algorithm.overlong_penalty=true",
+        "algorithm.overlong_cache_length=4",
+        "algorithm.mask_truncated=true",
+        "algorithm.beta=0.1",
+        "algorithm.num_iterations=2",
+        "lora.train_norms=true",
+        "train.max_steps=2",
+    )
+    result = train(cfg, progress=False, reward_fn=FakeReward())
+    final = result["final"]
+    assert final["kl"] >= 0 and "dynamic_sampling_rounds" in final
+    # The second update of a batch sees a moved policy: the ratio is no longer exactly 1.
+    assert final["ratio_max"] != 1.0 or final["ratio_min"] != 1.0
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert any("norm" in k for k in saved) and any("lora_A" in k for k in saved)
+
+
+def test_a_separate_engine_gets_the_adapter_and_a_staleness_probe(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from qerl_cli.rl.trainer import Trainer
+
+    class SeparateEngine:
+        """Stands in for vLLM: samples through the trainer's HF engine, records the syncs."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+            self.synced: list[str] = []
+            self.probes: list[tuple[list[int], list[float]]] = []
+
+        def generate(self, prompts, n, sampling):
+            return self.inner.generate(prompts, n, sampling)
+
+        def set_norm_noise(self, sigma, seed):
+            return self.inner.set_norm_noise(sigma, seed)
+
+        def sync_adapter(self, adapter_dir):
+            assert (Path(adapter_dir) / "adapter_model.safetensors").is_file()
+            self.synced.append(adapter_dir)
+
+        def check_staleness(self, probe, trainer_logprobs):
+            self.probes.append((list(probe), list(trainer_logprobs)))
+            return 0.0
+
+        def sleep(self):
+            pass
+
+        def wake_up(self):
+            pass
+
+    trainer = Trainer(tiny_cfg(tiny_model_dir, tmp_path / "run"), reward_fn=FakeReward())
+    engine = SeparateEngine(trainer.engine)
+    trainer.engine = engine
+    trainer.train_step()
+    trainer.train_step()
+    assert len(engine.synced) == 2 and len(engine.probes) == 2
+    probe, logprobs = engine.probes[-1]
+    assert len(logprobs) == len(probe) - 1 and all(lp <= 0 for lp in logprobs)
+
+
+def test_resume_without_checkpoint_is_a_user_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(QerlError, match="no complete checkpoint"):
+        train(
+            tiny_cfg(tiny_model_dir, tmp_path / "run"),
+            resume=str(tmp_path / "empty"),
+            progress=False,
+            reward_fn=FakeReward(),
+        )
+
+
+@pytest.mark.slow
+def test_cli_run_killed_after_a_checkpoint_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`qerl train` SIGKILLed during step 3 (checkpoint-2 on disk), then `qerl train --resume`: the
+    metrics of every step equal those of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    sets = [
+        f"model.path={tiny_model_dir}", "model.dtype=float32", "data.template=plain",
+        "rollout.num_generations=4", "rollout.max_completion_length=8", "train.prompts_per_step=2",
+        "train.max_steps=4", "train.micro_batch_size=4", "train.gradient_checkpointing=false",
+        "lora.rank=4", "lora.alpha=8", "train.learning_rate=1e-2", "output.save_steps=2",
+        "reward.correctness_weight=0.0", "reward.extra={test_trainer:slow_length_reward: 1.0}",
+    ]  # fmt: skip
+
+    def command(out: Path, *extra: str) -> list[str]:
+        args = [sys.executable, "-m", "qerl_cli.cli", "train", str(REPO / "recipes" / "tiny.yaml")]
+        for item in [*sets, f"output.dir={out}"]:
+            args += ["--set", item]
+        return args + list(extra)
+
+    subprocess.run(command(tmp_path / "a"), env=env, check=True, capture_output=True, timeout=600)
+    proc = subprocess.Popen(
+        command(tmp_path / "b"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "b" / "checkpoint-2").is_dir() and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "b" / "checkpoint-4").exists()
+    subprocess.run(command(tmp_path / "b", "--resume", str(tmp_path / "b")), env=env, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("reward_mean", "entropy", "loss", "grad_norm", "data_position"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+
+
+# -- acceptance (slow): the shipped tiny recipe learns ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from qerl_cli.rl.warmstart import prepare_tiny_base
+
+    return prepare_tiny_base(tmp_path_factory.mktemp("tiny-base"))["paths"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_tiny_recipe_reward_rises(tiny_base: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    cfg = load_config(
+        TrainConfig,
+        REPO / "recipes" / "tiny.yaml",
+        [f"model.path={tiny_base[fmt]}", f"output.dir={tmp_path / fmt}"],
+    )
+    assert cfg.aqn.enabled
+    result = train(cfg, progress=False)
+    assert result["reward_last10"] - result["reward_first10"] >= 0.3, result
