@@ -143,7 +143,25 @@ def train(
     result = run_train(
         conf, resume=None if resume is None else (conf.output.dir if resume == "auto" else resume)
     )
-    console.print(f"[green]done[/green]: {json.dumps(result, default=str)}")
+    console.print(_train_summary(result))
+
+
+def _train_summary(result: dict[str, Any]) -> Table:
+    table = Table(title="qerl train", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("steps", result.get("steps")),
+        ("resumed from", result.get("resumed_from") or "-"),
+        ("mean reward, first 10 steps", result.get("reward_first10")),
+        ("mean reward, last 10 steps", result.get("reward_last10")),
+        ("adapter", result.get("adapter")),
+        ("outputs", result.get("output_dir")),
+        ("plot", result.get("plot") or "-"),
+    ]
+    for label, value in rows:
+        table.add_row(label, f"{value:.3f}" if isinstance(value, float) else str(value))
+    return table
 
 
 @app.command("eval")
@@ -247,11 +265,15 @@ def demo(
     output: Annotated[
         str, typer.Option("--output", "-o", help="Where the demo writes its run.")
     ] = "runs/demo",
+    steps: Annotated[int, typer.Option(help="GRPO steps (the reward rise needs about 60).")] = 60,
+    seed: Annotated[int, typer.Option(help="Seed of the model, data and sampling.")] = 0,
 ) -> None:
     """Offline CPU demo: tiny model -> NVFP4 -> GRPO + AQN -> eval before/after, in minutes."""
     from qerl_cli.demo import run_demo
 
-    run_demo(output)
+    if steps < 1:
+        raise QerlError(f"--steps must be >= 1, got {steps}")
+    run_demo(output, steps=steps, seed=seed, console=console)
 
 
 @app.command()

@@ -68,38 +68,40 @@ def demo_train_config(model_path: str | Path, out_dir: str | Path, *, steps: int
 
 
 def evaluate(
-    model_path: Path, adapter: Path | None, *, seed: int, samples: int = EVAL_SAMPLES
+    model_path: Path, adapter: Path | None, out_dir: Path, *, seed: int, samples: int = EVAL_SAMPLES
 ) -> dict[str, float]:
-    """Accuracy on every held-out problem: sampled (temperature 1, ``samples`` each) and greedy,
-    graded by the training grader (math-verify in the worker pool)."""
-    from qerl_cli.data.prompts import render_prompt
-    from qerl_cli.data.synthetic import make_problems
-    from qerl_cli.rewards import Grader
-    from qerl_cli.rollout.base import SamplingSpec
-    from qerl_cli.rollout.factory import make_engine
+    """``qerl eval`` on every held-out problem of the demo task: sampled (temperature 1, ``samples``
+    each) and greedy pass@1, with the adapter applied when given."""
+    from qerl_cli.config import EvalConfig, load_config
+    from qerl_cli.evaluation import run_eval
 
-    problems = make_problems(DEMO_TASK, "test", seed=seed)
-    engine = make_engine(
-        "hf", model_path, adapter=adapter, dtype="float32", device="cpu", generation_batch_size=256
-    )
-    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
-    prompts = [render_prompt(p.question, tokenizer, template="plain") for p in problems]
-    sampled = engine.generate(
-        prompts, samples, SamplingSpec(max_new_tokens=48, temperature=1.0, top_p=1.0, seed=seed)
-    )
-    greedy = engine.generate(prompts, 1, SamplingSpec(max_new_tokens=48, temperature=0.0, seed=seed))
-    with Grader(workers=1) as grader:
+    def pass_at_1(name: str, temperature: float, n: int) -> float:
+        cfg = load_config(
+            EvalConfig,
+            None,
+            model=str(model_path),
+            adapter=str(adapter) if adapter else None,
+            benchmarks=[DEMO_TASK],
+            samples=n,
+            engine="hf",
+            output=str(out_dir / name),
+            temperature=temperature,
+            top_p=1.0,
+            max_new_tokens=48,
+            seed=seed,
+            template="plain",
+            grader_workers=1,
+            device="cpu",
+            dtype="float32",
+            generation_batch_size=256,
+        )
+        results = run_eval(cfg, log=lambda _message: None)
+        return float(results["benchmarks"][DEMO_TASK]["metrics"]["pass@1"])
 
-        def accuracy(result) -> float:
-            flat = result.flat()
-            grades = grader.grade_many([c.text for _, c in flat], [problems[i].answer for i, _ in flat])
-            return sum(g.correct for g in grades) / len(grades)
-
-        return {
-            "sampled_accuracy": accuracy(sampled),
-            "greedy_accuracy": accuracy(greedy),
-            "problems": float(len(problems)),
-        }
+    return {
+        "sampled_accuracy": pass_at_1("sampled", 1.0, samples),
+        "greedy_accuracy": pass_at_1("greedy", 0.0, 1),
+    }
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -137,15 +139,15 @@ def run_demo(
         "embeddings and lm_head stay BF16)"
     )
 
-    console.print("[bold]3/5[/bold] evaluating the NVFP4 base on held-out problems ...")
-    before = evaluate(nvfp4_dir, None, seed=seed)
+    console.print("[bold]3/5[/bold] qerl eval of the NVFP4 base on held-out problems ...")
+    before = evaluate(nvfp4_dir, None, out / "eval_before", seed=seed)
 
     console.print(f"[bold]4/5[/bold] training LoRA on the NVFP4 base: GRPO + AQN, {steps} steps ...")
     cfg = demo_train_config(nvfp4_dir, out / "train", steps=steps, seed=seed)
     result = train(cfg)
 
-    console.print("[bold]5/5[/bold] evaluating the trained adapter on the same held-out problems ...")
-    after = evaluate(nvfp4_dir, Path(result["adapter"]), seed=seed)
+    console.print("[bold]5/5[/bold] qerl eval of the trained adapter on the same held-out problems ...")
+    after = evaluate(nvfp4_dir, Path(result["adapter"]), out / "eval_after", seed=seed)
     seconds = time.perf_counter() - start
 
     table = Table(title="qerl demo: NVFP4 tiny Qwen2, GRPO + AQN on synthetic addition")

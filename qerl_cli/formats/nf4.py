@@ -24,6 +24,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import QuantFormat
+from qerl_cli.torch_utils import dtype_name
 
 # Quantiles of N(0, 1) normalised to [-1, 1] (QLoRA, arXiv 2305.14314), as float32.
 NF4_CODE = (
@@ -125,7 +126,7 @@ class NF4Format(QuantFormat):
         device = weight.device
         codes, absmax = _nf4_codes(weight.detach().reshape(-1).float(), self.block_size)
         packed = ((codes[0::2] << 4) | codes[1::2]).unsqueeze(1)
-        state = {"quant_type": "nf4", "blocksize": self.block_size, "dtype": _dtype_name(weight.dtype),
+        state = {"quant_type": "nf4", "blocksize": self.block_size, "dtype": dtype_name(weight.dtype),
                  "shape": list(weight.shape)}  # fmt: skip
         out = {"weight": packed, "weight.quant_map": nf4_code(device)}
         if self.double_quant:
@@ -216,7 +217,3 @@ def read_state(tensors: dict[str, torch.Tensor]) -> dict:
     if STATE_KEY not in tensors:
         raise QerlError(f"bitsandbytes checkpoint tensor '{STATE_KEY}' missing; only nf4 4-bit is supported")
     return json.loads(bytes(tensors[STATE_KEY].cpu().tolist()).decode())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

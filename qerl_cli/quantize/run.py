@@ -28,15 +28,7 @@ from qerl_cli.quantize.validate import (
     resolve_model,
     staged_output,
 )
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise QerlError(f"device {name!r} asked for but no CUDA GPU is visible: use --device cpu or auto")
-    return device
+from qerl_cli.torch_utils import resolve_device
 
 
 def _load_model(ref: str, trust_remote_code: bool):

@@ -27,20 +27,9 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.torch_utils import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise QerlError(f"train.device={name} but this machine has no CUDA GPU; use train.device=cpu")
-    return device
-
 
 def load_base_model(path: str, fmt: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str]:
     """(model, format name) for a base checkpoint; ``fmt`` "auto" accepts what the folder holds.

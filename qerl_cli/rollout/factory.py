@@ -13,6 +13,8 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.base import RolloutEngine
+from qerl_cli.torch_utils import DTYPES, resolve_device
+from qerl_cli.torch_utils import dtype_name as torch_dtype_name
 
 ENGINES = ("hf", "vllm")
 
@@ -20,7 +22,6 @@ ENGINES = ("hf", "vllm")
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    from qerl_cli.rl.policy import DTYPES
 
     if dtype not in DTYPES:
         raise QerlError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -52,7 +53,7 @@ def make_engine(
         return _make_vllm(model_path, adapter=adapter, dtype=dtype, model_format=model_format, **vllm_opts)
     if vllm_opts:
         raise QerlError(f"options {sorted(vllm_opts)} only apply to the vllm engine")
-    from qerl_cli.rl.policy import load_base_model, load_tokenizer, resolve_device
+    from qerl_cli.rl.policy import load_base_model, load_tokenizer
     from qerl_cli.rollout.hf import HFEngine
 
     torch_device = resolve_device(device) if isinstance(device, str) else device
@@ -133,7 +134,7 @@ def _make_vllm(
         raise QerlError("the vllm engine loads the model itself: pass model_path")
     from qerl_cli.rollout.vllm_engine import VLLMEngine
 
-    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    dtype_name = torch_dtype_name(dtype)
     engine = VLLMEngine(str(model_path), model_format=model_format, dtype=dtype_name, **vllm_opts)
     if adapter is not None:
         engine.sync_adapter(str(adapter))
