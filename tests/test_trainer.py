@@ -411,3 +411,33 @@ def test_tiny_recipe_reward_rises(tiny_base: dict[str, Path], tmp_path: Path, fm
     assert cfg.aqn.enabled
     result = train(cfg, progress=False)
     assert result["reward_last10"] - result["reward_first10"] >= 0.3, result
+
+
+def _cli_eval_pass_at_1(model: Path, adapter: Path | None, out: Path) -> float:
+    from qerl_cli.cli import main
+
+    argv = ["eval", str(model), "--benchmarks", "synthetic-addition", "--engine", "hf", "--samples", "2"]
+    argv += ["--max-new-tokens", "48", "--output", str(out)]
+    argv += [f"--set={kv}" for kv in ("template=plain", "device=cpu", "dtype=float32", "temperature=1.0")]
+    if adapter is not None:
+        argv += ["--adapter", str(adapter)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    return results["benchmarks"]["synthetic-addition"]["metrics"]["pass@1"]
+
+
+@pytest.mark.slow
+def test_trained_adapter_beats_the_base_under_qerl_eval(tiny_base: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 7's acceptance through the CLI: `qerl train` on the tiny task, then `qerl eval` of the
+    adapter over the NVFP4 base scores higher than the base alone on held-out problems."""
+    from qerl_cli.cli import main
+
+    recipe = REPO / "recipes" / "tiny.yaml"
+    run_dir = tmp_path / "run"
+    assert (
+        main(["train", str(recipe), f"--set=model.path={tiny_base['nvfp4']}", f"--set=output.dir={run_dir}"])
+        == 0
+    )
+    base = _cli_eval_pass_at_1(tiny_base["nvfp4"], None, tmp_path / "eval_base")
+    tuned = _cli_eval_pass_at_1(tiny_base["nvfp4"], run_dir / "adapter", tmp_path / "eval_tuned")
+    assert tuned > base + 0.1, (base, tuned)
