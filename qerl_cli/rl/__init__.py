@@ -1,1 +1,1 @@
-
+"""GRPO/DAPO: advantages, losses, importance sampling, dynamic sampling, policy, trainer, checkpoints."""
