@@ -7,6 +7,7 @@ without the optional extras (vLLM, llm-compressor).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -317,6 +318,10 @@ def tiny_model(
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors exit 2 in red, unexpected errors exit 1."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # peft imports bitsandbytes when it is installed; on AVX512-BF16 CPUs bitsandbytes then warns that
+    # an optional hub kernel is missing, which reads like a failure in every qerl run. qerl's CPU path
+    # never calls bitsandbytes' kernels (NF4 is dequantized by qerl's own code), so that one is muted.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         # standalone_mode=False returns click's exit code instead of calling sys.exit.
