@@ -46,3 +46,25 @@ def append_step_summary(markdown: str) -> Path | None:
     with path.open("a", encoding="utf-8") as handle:
         handle.write(markdown + "\n")
     return path
+
+
+def read_json_report(path: str | Path, file_name: str, what: str) -> dict[str, Any]:
+    """Read a report JSON object from ``path`` or from ``path/file_name`` when ``path`` is a folder.
+
+    ``what`` names the file in the messages (e.g. "the bench.json of an earlier `qerl bench` run").
+    Callers check the report's own shape; this only guarantees a JSON object.
+    """
+    from qerl_cli.errors import QerlError
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / file_name
+    if not path.is_file():
+        raise QerlError(f"{path} not found: give {what}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise QerlError(f"{path} is not valid JSON ({exc}): give {what}") from None
+    if not isinstance(data, dict):
+        raise QerlError(f"{path} holds no JSON object: give {what}")
+    return data

@@ -15,7 +15,6 @@ fresh report are the same kind of object. Its layout (``SCHEMA``):
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
@@ -143,16 +142,8 @@ def write_json(report: dict[str, Any], out_dir: str | Path) -> Path:
 
 def read_report(path: str | Path) -> dict[str, Any]:
     """Read a ``bench.json`` (the baseline of ``--baseline``), checking it is one."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / REPORT_NAME
-    if not path.is_file():
-        raise QerlError(f"baseline not found: {path} (give the bench.json of an earlier `qerl bench` run)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QerlError(f"{path} is not valid JSON ({exc}); give the bench.json of an earlier run") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+    data = files.read_json_report(path, REPORT_NAME, "the bench.json of an earlier `qerl bench` run")
+    if data.get("schema") != SCHEMA:
         raise QerlError(f"{path} is not a qerl bench report (expected schema {SCHEMA!r})")
     return data
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from qerl_cli.envinfo import versions_of
 from qerl_cli.errors import QerlError
-from qerl_cli.files import atomic_write_text, write_json
+from qerl_cli.files import atomic_write_text, read_json_report, write_json
 
 RESULTS_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
@@ -84,15 +84,7 @@ def write_results(out_dir: str | Path, results: dict[str, Any]) -> Path:
 
 def read_results(path: str | Path) -> dict[str, Any]:
     """A results.json (or the folder holding one)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / RESULTS_NAME
-    if not path.is_file():
-        raise QerlError(f"results file not found: {path}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise QerlError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or "benchmarks" not in data:
+    data = read_json_report(path, RESULTS_NAME, "the results.json of an earlier `qerl eval` run")
+    if "benchmarks" not in data:
         raise QerlError(f"{path} is not a qerl eval results file (no 'benchmarks')")
     return data
