@@ -15,7 +15,8 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.policy import completion_logprobs, make_token_batch
-from qerl_cli.rl.trainer import PromptStream, _normalizer, derive_seed, train
+from qerl_cli.rl.trainer import PromptStream, derive_seed, train
+from qerl_cli.rl.update import normalizer as _normalizer
 
 REPO = Path(__file__).resolve().parents[1]
 

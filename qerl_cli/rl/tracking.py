@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,44 @@ def plot_training_curves(records: list[dict[str, Any]], out_path: str | Path) ->
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def progress_bar(enabled: bool, total: int, done: int) -> Any:
+    """A context manager yielding ``update(record)``: a rich bar with ETA, or a no-op."""
+    if not enabled:
+        return nullcontext(lambda record: None)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    @contextmanager
+    def bar():
+        with Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.description}"),
+        ) as prog:
+            task = prog.add_task("", total=total, completed=done)
+
+            def update(record: dict[str, Any]) -> None:
+                prog.update(
+                    task,
+                    advance=1,
+                    description=(
+                        f"reward {record.get('reward_mean', 0):.3f} acc {record.get('accuracy', 0):.3f} "
+                        f"sigma {record.get('aqn_sigma', 0):.1e}"
+                    ),
+                )
+
+            yield update
+
+    return bar()

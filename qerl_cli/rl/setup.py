@@ -1,0 +1,141 @@
+"""Run setup: the pieces a :class:`~qerl_cli.rl.trainer.Trainer` is built from (rollout engine,
+optimizer and learning-rate schedule, AQN schedule, seeding) and the run's records written beside
+its outputs (the prompt template, a warning when a resume changes settings)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qerl_cli.config import TrainConfig, to_dict
+from qerl_cli.modeling.aqn import AQNSchedule
+from qerl_cli.rl.policy import Policy
+from qerl_cli.rollout.base import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+
+def make_engine(cfg: TrainConfig, policy: Policy, **extra_vllm: Any) -> RolloutEngine:
+    """The rollout engine of ``cfg.rollout.engine``: HF shares the policy's model, vLLM loads its own
+    copy of the base (the caller syncs the adapter). ``extra_vllm`` goes to the vLLM engine."""
+    from qerl_cli.rollout.factory import make_engine as factory
+
+    if cfg.rollout.engine == "hf":
+        return factory(
+            "hf",
+            cfg.model.path,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            device=policy.device,
+            generation_batch_size=cfg.rollout.generation_batch_size,
+        )
+    return factory(
+        "vllm",
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        model_format=cfg.model.format,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        enable_sleep_mode=cfg.rollout.enable_sleep_mode,
+        max_lora_rank=cfg.rollout.max_lora_rank,
+        max_model_len=cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length,
+        staleness_tolerance=cfg.rollout.staleness_tolerance,
+        seed=cfg.train.seed,
+        trust_remote_code=cfg.model.trust_remote_code,
+        revision=cfg.model.revision,
+        vllm_kwargs=dict(cfg.rollout.vllm_kwargs),
+        **extra_vllm,
+    )
+
+
+def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
+    aqn = cfg.aqn
+    if not aqn.enabled:
+        return None
+    return AQNSchedule(
+        total_steps=cfg.train.max_steps,
+        sigma_start=aqn.sigma_start,
+        sigma_end=aqn.sigma_end,
+        num_stages=aqn.num_stages,
+        kind=aqn.schedule,
+        first_stage_noise_free=aqn.first_stage_noise_free,
+    )
+
+
+def tis_enabled(cfg: TrainConfig, policy: Policy) -> bool:
+    mode = cfg.algorithm.tis
+    if mode != "auto":
+        return mode == "on"
+    # Rollout numerics differ from the trainer's forward: 4-bit base, AQN noise, or another engine.
+    return policy.is_quantized or cfg.aqn.enabled or cfg.rollout.engine != "hf"
+
+
+def make_optimizer(
+    cfg: TrainConfig, params: list[tuple[str, nn.Parameter]]
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    t = cfg.train
+    optimizer = torch.optim.AdamW(
+        [p for _, p in params],
+        lr=t.learning_rate,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    warmup, total, kind = cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.lr_scheduler
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def record_prompts(cfg: TrainConfig, tokenizer: Any, example: str, path: Path) -> None:
+    """The prompt template of the run (shared with ``qerl eval``) and its first prompt, verbatim."""
+    from qerl_cli.data.prompts import prompt_record
+
+    record = prompt_record(cfg.data.template, cfg.data.system_prompt, tokenizer)
+    record["example"] = example
+    path.write_text(json.dumps(record, indent=2))
+
+
+def warn_on_config_change(cfg: TrainConfig, saved: Path) -> None:
+    """A resumed run continues exactly only with the settings it started with; say what changed."""
+    if not saved.is_file():
+        return
+    import yaml
+
+    before = yaml.safe_load(saved.read_text()) or {}
+    now = to_dict(cfg)
+    changed = [
+        f"{section}.{key}: {before[section].get(key)!r} -> {value!r}"
+        for section, values in now.items()
+        if section != "output" and isinstance(values, dict) and isinstance(before.get(section), dict)
+        for key, value in values.items()
+        if before[section].get(key) != value
+    ]
+    if changed:
+        log.warning("resuming with settings that differ from the run's %s: %s", saved, "; ".join(changed))
