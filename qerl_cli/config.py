@@ -72,6 +72,9 @@ class RolloutSection:
     gpu_memory_utilization: float = 0.3
     enable_sleep_mode: bool = True
     max_lora_rank: int = 64
+    # vLLM engine: GPUs one rollout engine spans (tensor parallel), for bases whose rollout share does
+    # not fit one GPU (e.g. a 72B BF16 baseline). Single process only; torchrun ranks use 1 each.
+    tensor_parallel_size: int = 1
     # Stop with an error when vLLM's and the trainer's logprobs on a probe prompt differ by more
     # than this mean absolute gap (nats/token) after an adapter sync.
     staleness_tolerance: float = 0.5
@@ -84,7 +87,13 @@ class RolloutSection:
             max_prompt_length=self.max_prompt_length,
             max_completion_length=self.max_completion_length,
             generation_batch_size=self.generation_batch_size,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise QerlError(
+                f"{where}.tensor_parallel_size={self.tensor_parallel_size} needs {where}.engine=vllm "
+                "(the hf engine runs on one device)"
+            )
         if self.temperature <= 0:
             raise QerlError(f"{where}.temperature must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -369,9 +369,11 @@ def test_from_config_uses_rollout_section(tmp_path: Path, fake_vllm: types.Modul
     rollout = RolloutSection(
         engine="vllm", gpu_memory_utilization=0.2, enable_sleep_mode=False, max_lora_rank=16,
         max_prompt_length=100, max_completion_length=400, vllm_kwargs={"enforce_eager": True},
+        tensor_parallel_size=2,
     )  # fmt: skip
     engine = VLLMEngine.from_config(model, rollout, seed=3)
     kwargs = FakeLLM.instances[-1].kwargs
+    assert kwargs["tensor_parallel_size"] == 2
     assert kwargs["quantization"] == "bitsandbytes"
     assert kwargs["max_model_len"] == 500 and kwargs["seed"] == 3 and kwargs["enforce_eager"] is True
     assert kwargs["gpu_memory_utilization"] == 0.2 and kwargs["enable_sleep_mode"] is False

@@ -17,6 +17,7 @@ import torch
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.problem import Problem
 from qerl_cli.rl.advantages import group_reward_stats
+from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.sampling import DynamicSampler, overlong_penalty
 from qerl_cli.rl.stream import PromptStream, derive_seed
 from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec
@@ -45,28 +46,49 @@ class Rollouts:
 
 def rollout_stats(rollouts: Rollouts, max_completion_length: int) -> dict[str, float]:
     """Policy-side figures of every completion generated in a step."""
-    lengths = [len(c.token_ids) for c in rollouts.completions]
+    return completion_stats(row_summary(rollouts), max_completion_length)
+
+
+def row_summary(rollouts: Rollouts) -> dict[str, list[float]]:
+    """What the step's statistics and the dynamic sampler need of each row (small, to gather)."""
+    return {
+        "reward": list(rollouts.rewards),
+        "length": [float(len(c.token_ids)) for c in rollouts.completions],
+        "logprob_sum": [float(sum(c.logprobs)) for c in rollouts.completions],
+        "truncated": [float(c.finish_reason == "length") for c in rollouts.completions],
+    }
+
+
+def completion_stats(rows: dict[str, list[float]], max_completion_length: int) -> dict[str, float]:
+    lengths = rows["length"]
     tokens = sum(lengths)
-    logprob_sum = sum(sum(c.logprobs) for c in rollouts.completions)
     count = max(len(lengths), 1)
     return {
         # -E[log p] of sampled tokens: a Monte-Carlo estimate of the sampling policy's entropy.
-        "entropy": -logprob_sum / tokens if tokens else 0.0,
+        "entropy": -sum(rows["logprob_sum"]) / tokens if tokens else 0.0,
         "completion_length_mean": tokens / count,
         "completion_length_max": float(max(lengths, default=0)),
-        "truncation_rate": sum(c.finish_reason == "length" for c in rollouts.completions) / count,
+        "truncation_rate": sum(rows["truncated"]) / count,
         "max_completion_length": float(max_completion_length),
     }
 
 
-def sampling_spec(cfg: TrainConfig, step: int, round_index: int) -> SamplingSpec:
+def sampling_spec(
+    cfg: TrainConfig, step: int, round_index: int, rank: int = 0, world_size: int = 1
+) -> SamplingSpec:
+    """Sampling of one round. The seed is a function of (seed, step, round) and, with several
+    ranks, the rank, so ranks sample differently yet a run is reproducible; a single process keeps
+    the seeds it always had."""
     r = cfg.rollout
+    parts: tuple[object, ...] = (step, round_index)
+    if world_size > 1:
+        parts += ("rank", rank)
     return SamplingSpec(
         max_new_tokens=r.max_completion_length,
         temperature=r.temperature,
         top_p=r.top_p,
         top_k=-1,
-        seed=derive_seed(cfg.train.seed, "rollout", step, round_index),
+        seed=derive_seed(cfg.train.seed, "rollout", *parts),
     )
 
 
@@ -116,12 +138,19 @@ def collect(
     prompts: dict[str, str],
     stream: PromptStream,
     step: int,
+    dist: Distributed | None = None,
 ) -> tuple[Rollouts, Rollouts, dict[str, float]]:
-    """(generated, kept for training, stats) of one step, with dynamic sampling if on."""
+    """(generated, kept for training, stats) of one step, with dynamic sampling if on.
+
+    With several ranks, ``generated`` and ``kept`` are this rank's rows; the stats and the dynamic
+    sampler's choices are those of the whole step (every rank's rows, gathered in rank order).
+    """
+    dist = dist or Distributed()
     n = cfg.rollout.num_generations
     generated = Rollouts(group_size=n)
     kept = Rollouts(group_size=n)
     per_round: list[dict[str, float]] = []
+    everything: dict[str, list[float]] = {}
     sampler = (
         DynamicSampler(cfg.train.prompts_per_step, n, cfg.algorithm.max_sampling_rounds)
         if cfg.algorithm.dynamic_sampling
@@ -129,17 +158,23 @@ def collect(
     )
     round_index = 0
     while True:
-        problems = stream.take(cfg.train.prompts_per_step)
-        spec = sampling_spec(cfg, step, round_index)
-        rollouts, stats = rollout_round(cfg, engine, reward_fn, prompts, problems, spec)
-        per_round.append(stats)
+        problems = stream.take(cfg.train.prompts_per_step)  # the same prompts on every rank
+        mine = problems[dist.shard(len(problems))]  # whole prompts: every group lives on one rank
+        spec = sampling_spec(cfg, step, round_index, dist.rank, dist.world_size)
+        rollouts, stats = rollout_round(cfg, engine, reward_fn, prompts, mine, spec)
+        gathered = dist.all_gather_object((row_summary(rollouts), stats))
+        per_round.append(_merge_round([s for _, s in gathered], [len(r["reward"]) for r, _ in gathered]))
+        rows_of_round = {k: [v for r, _ in gathered for v in r[k]] for k in gathered[0][0]}
+        for key, values in rows_of_round.items():
+            everything.setdefault(key, []).extend(values)
         generated.extend(rollouts)
         round_index += 1
         if sampler is None:
             kept.extend(rollouts)
             break
-        rows = sampler.add(torch.tensor(rollouts.rewards))
-        kept.extend(rollouts, rows.tolist())
+        chosen = sampler.add(torch.tensor(rows_of_round["reward"])).tolist()  # global row indices
+        offset = sum(len(r["reward"]) for r, _ in gathered[: dist.rank])
+        kept.extend(rollouts, [i - offset for i in chosen if offset <= i < offset + len(rollouts)])
         if not sampler.needs_more:
             break
     stats = {
@@ -153,11 +188,30 @@ def collect(
         "rollout_tokens": sum(s["rollout_tokens"] for s in per_round),
     }
     stats["rollout_tokens_per_s"] = stats["rollout_tokens"] / max(stats["time_rollout_s"], 1e-9)
-    stats.update(group_reward_stats(torch.tensor(generated.rewards), n))
-    stats.update(rollout_stats(generated, cfg.rollout.max_completion_length))
+    if dist.enabled:
+        stats["rollout_tokens_per_s_per_rank"] = stats["rollout_tokens_per_s"] / dist.world_size
+    stats.update(group_reward_stats(torch.tensor(everything["reward"]), n))
+    stats.update(completion_stats(everything, cfg.rollout.max_completion_length))
     if sampler is not None:
         stats.update(sampler.stats())
     return generated, kept, stats
+
+
+def _merge_round(stats: list[dict[str, float]], rows: list[int]) -> dict[str, float]:
+    """One round's stats over ranks: row-weighted means of the reward function's rates, sums of
+    counts, the slowest rank's seconds (the step waits for it), rank 0's AQN figures (same noise)."""
+    if len(stats) == 1:
+        return stats[0]
+    total = sum(rows) or 1
+    merged = dict(stats[0])
+    for key in ("accuracy", "format_rate"):
+        if key in stats[0]:
+            merged[key] = sum(s.get(key, 0.0) * r for s, r in zip(stats, rows, strict=True)) / total
+    for key in ("grader_timeouts", "rollout_tokens"):
+        merged[key] = sum(s.get(key, 0.0) for s in stats)
+    for key in ("time_rollout_s", "time_reward_s"):
+        merged[key] = max(s[key] for s in stats)
+    return merged
 
 
 def _mean(values: list[float]) -> float:

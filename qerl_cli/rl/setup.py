@@ -17,16 +17,23 @@ import torch
 from torch import nn
 
 from qerl_cli.config import TrainConfig, to_dict
+from qerl_cli.errors import QerlError
 from qerl_cli.modeling.aqn import AQNSchedule
+from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.policy import Policy
 from qerl_cli.rollout.base import RolloutEngine
 
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: TrainConfig, policy: Policy, **extra_vllm: Any) -> RolloutEngine:
+def make_engine(cfg: TrainConfig, policy: Policy, *, distributed: bool = False) -> RolloutEngine:
     """The rollout engine of ``cfg.rollout.engine``: HF shares the policy's model, vLLM loads its own
-    copy of the base (the caller syncs the adapter). ``extra_vllm`` goes to the vLLM engine."""
+    copy of the base (the caller syncs the adapter).
+
+    ``distributed``: this process is one rank of a torchrun job. vLLM then runs in-process on the
+    rank's GPU through its ``external_launcher`` executor, which joins the existing process group
+    instead of starting workers of its own (a recipe's ``rollout.vllm_kwargs`` still win).
+    """
     from qerl_cli.rollout.factory import make_engine as factory
 
     if cfg.rollout.engine == "hf":
@@ -38,6 +45,9 @@ def make_engine(cfg: TrainConfig, policy: Policy, **extra_vllm: Any) -> RolloutE
             device=policy.device,
             generation_batch_size=cfg.rollout.generation_batch_size,
         )
+    vllm_kwargs = dict(cfg.rollout.vllm_kwargs)
+    if distributed:
+        vllm_kwargs = {"distributed_executor_backend": "external_launcher", **vllm_kwargs}
     return factory(
         "vllm",
         cfg.model.path,
@@ -51,9 +61,29 @@ def make_engine(cfg: TrainConfig, policy: Policy, **extra_vllm: Any) -> RolloutE
         seed=cfg.train.seed,
         trust_remote_code=cfg.model.trust_remote_code,
         revision=cfg.model.revision,
-        vllm_kwargs=dict(cfg.rollout.vllm_kwargs),
-        **extra_vllm,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        vllm_kwargs=vllm_kwargs,
     )
+
+
+def check_parallel_settings(cfg: TrainConfig, dist: Distributed) -> None:
+    """What a data-parallel job of ``dist.world_size`` ranks can run; clear errors for the rest."""
+    if not dist.enabled:
+        return
+    if cfg.train.prompts_per_step < dist.world_size:
+        raise QerlError(
+            f"train.prompts_per_step={cfg.train.prompts_per_step} is smaller than the {dist.world_size} "
+            "processes: every rank needs at least one prompt (whole groups are never split). Raise "
+            "train.prompts_per_step or start fewer processes"
+        )
+    if cfg.rollout.tensor_parallel_size > 1:
+        raise QerlError(
+            f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} with {dist.world_size} "
+            "torchrun processes is not supported: under torchrun every rank runs its own colocated vLLM "
+            "on its own GPU (tensor_parallel_size 1). Tensor-parallel rollouts run in a single process "
+            "(plain `qerl train`, without torchrun), where vLLM starts its own workers on "
+            "tensor_parallel_size GPUs"
+        )
 
 
 def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:

@@ -39,13 +39,15 @@ from qerl_cli.errors import QerlError
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
+from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
-from qerl_cli.rl.tracking import MetricsLogger, plot_training_curves, progress_bar, read_metrics
+from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
 from qerl_cli.rl.update import update_policy
 from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
+from qerl_cli.torch_utils import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +60,28 @@ __all__ = ["PromptStream", "Rollouts", "Trainer", "derive_seed", "train"]
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, *, reward_fn: Any = None, engine: RolloutEngine | None = None
+        self,
+        cfg: TrainConfig,
+        *,
+        reward_fn: Any = None,
+        engine: RolloutEngine | None = None,
+        dist: Distributed | None = None,
     ) -> None:
         self.cfg = cfg
+        self.dist = dist or init_distributed(cfg.train.device)
+        setup.check_parallel_settings(cfg, self.dist)
         self.out_dir = Path(cfg.output.dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        setup.seed_everything(cfg.train.seed)
-        self.policy: Policy = build_policy(cfg)
+        setup.seed_everything(cfg.train.seed)  # the same on every rank: the same LoRA init
+        device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
+        self.policy: Policy = build_policy(cfg, device)
         self.device = self.policy.device
         problems = load_training_problems(cfg)
         self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
         self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
         self.engine = engine or self._make_engine()
         self.params = self.policy.named_trainable_parameters()
+        self.dist.broadcast_parameters(self.params)  # every rank starts from rank 0's adapter
         self.optimizer, self.scheduler = setup.make_optimizer(cfg, self.params)
         self.schedule = setup.make_aqn_schedule(cfg)
         self.tis_on = setup.tis_enabled(cfg, self.policy)
@@ -80,10 +91,17 @@ class Trainer:
             reward_fn = build_reward_fn(cfg.reward)
         self.reward_fn = reward_fn
         self.step = 0
+        self._seed_rank_stream()
+
+    def _seed_rank_stream(self) -> None:
+        """Ranks other than 0 get their own global torch stream (dropout), still a function of the
+        seed and the step; rank 0 (and a single process) keeps the checkpointed one."""
+        if self.dist.rank > 0:
+            torch.manual_seed(derive_seed(self.cfg.train.seed, "rank-stream", self.step, self.dist.rank))
 
     # ---- the rollout engine ------------------------------------------------------------------
     def _make_engine(self) -> RolloutEngine:
-        engine = setup.make_engine(self.cfg, self.policy)
+        engine = setup.make_engine(self.cfg, self.policy, distributed=self.dist.enabled)
         self._sync_engine(engine)
         return engine
 
@@ -134,6 +152,7 @@ class Trainer:
         self.stream.position = state.data_position
         if self.schedule is not None and state.aqn:
             self.schedule.load_state_dict(state.aqn)
+        self._seed_rank_stream()  # the checkpoint holds rank 0's RNG states
         self._sync_engine()
         log.info("resumed from %s at step %d", found, self.step)
         return found
@@ -144,6 +163,15 @@ class Trainer:
         load_adapter_weights(self.policy.model, folder)
 
     def save(self) -> Path:
+        """Rank 0 writes ``checkpoint-N`` (every rank holds the same adapter and optimizer state);
+        the others wait until it is complete."""
+        path = self.out_dir / f"checkpoint-{self.step}"
+        if self.dist.is_main:
+            path = self._write_checkpoint()
+        self.dist.barrier()
+        return path
+
+    def _write_checkpoint(self) -> Path:
         state = ckpt.TrainingState(
             step=self.step,
             data_position=self.stream.position,
@@ -161,7 +189,8 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
     def sampling_spec(self, round_index: int) -> SamplingSpec:
-        return rl_rollouts.sampling_spec(self.cfg, self.step, round_index)
+        dist = self.dist
+        return rl_rollouts.sampling_spec(self.cfg, self.step, round_index, dist.rank, dist.world_size)
 
     def rollout_round(self, problems: list[Problem], round_index: int) -> tuple[Rollouts, dict[str, float]]:
         return rl_rollouts.rollout_round(
@@ -171,11 +200,13 @@ class Trainer:
     def collect(self) -> tuple[Rollouts, Rollouts, dict[str, float]]:
         """(generated, kept for training, stats) of one step, with dynamic sampling if on."""
         return rl_rollouts.collect(
-            self.cfg, self.engine, self.reward_fn, self.prompts, self.stream, self.step
+            self.cfg, self.engine, self.reward_fn, self.prompts, self.stream, self.step, self.dist
         )
 
     def update(self, batch: Rollouts) -> dict[str, float]:
-        return update_policy(self.cfg, self.policy, self.optimizer, self.params, batch, tis_on=self.tis_on)
+        return update_policy(
+            self.cfg, self.policy, self.optimizer, self.params, batch, tis_on=self.tis_on, dist=self.dist
+        )
 
     def train_step(self) -> dict[str, Any]:
         step_start = time.perf_counter()
@@ -192,9 +223,10 @@ class Trainer:
             "aqn_sigma": sigma,
             "aqn_perturbed_norms": float(perturbed),
             "data_position": self.stream.position,
+            "world_size": self.dist.world_size,
             **stats,
         }
-        if len(kept) == 0:
+        if self.dist.sum([float(len(kept))])[0] == 0:  # a rank may keep nothing while others do
             log.warning(
                 "step %d: no group with differing rewards after %d sampling rounds; no update",
                 self.step + 1,
@@ -229,39 +261,45 @@ def train(
     Returns a summary: output dir, adapter path, steps, first/last-10-step reward means, the plot
     path and the last step's metrics. ``on_step(step, record)`` is called after each step's metrics
     (and checkpoint) are written; ``reward_fn`` overrides the recipe's reward (tests).
+
+    Under torchrun every rank runs this function (see ``rl.distributed``); rank 0 alone writes the
+    run's files, and every rank returns the same summary.
     """
     out_dir = Path(cfg.output.dir)
     trainer = Trainer(cfg, reward_fn=reward_fn)
+    dist = trainer.dist
     try:
-        resumed_from = trainer.resume_from(resume) if resume else None
-        if resumed_from is not None:
-            setup.warn_on_config_change(cfg, resumed_from.parent / RESOLVED_CONFIG_NAME)
-        save_resolved_config(cfg, out_dir)
-        example = trainer.prompts[trainer.problems[0].id]
-        setup.record_prompts(cfg, trainer.policy.tokenizer, example, out_dir / PROMPTS_FILE)
-        log.info(
-            "policy: %s base, %d trainable tensors, TIS %s, AQN %s",
-            trainer.policy.base_format,
-            len(trainer.params),
-            "on" if trainer.tis_on else "off",
-            trainer.schedule.stage_sigmas() if trainer.schedule else "off",
-        )
-        _run_steps(
-            trainer, resume_step=trainer.step if resumed_from else None, on_step=on_step, progress=progress
-        )
+        try:
+            resumed_from = trainer.resume_from(resume) if resume else None
+            if dist.is_main:
+                _record_run(trainer, resumed_from)
+            _run_steps(
+                trainer,
+                resume_step=trainer.step if resumed_from else None,
+                on_step=on_step,
+                progress=progress and dist.is_main,
+            )
+        finally:
+            for resource in (trainer.reward_fn, trainer.engine):  # grader workers, a vLLM engine
+                close = getattr(resource, "close", None)
+                if close is not None:
+                    close()
+        adapter_dir = out_dir / ADAPTER_DIR
+        plot = None
+        if dist.is_main:
+            trainer.policy.save_adapter(adapter_dir)
+            records = read_metrics(out_dir / METRICS_FILE)
+            plot = plot_training_curves(records, out_dir / "training_curves.png") if records else None
+        dist.barrier()
+        records = read_metrics(out_dir / METRICS_FILE)
     finally:
-        for resource in (trainer.reward_fn, trainer.engine):  # grader workers, a vLLM engine
-            close = getattr(resource, "close", None)
-            if close is not None:
-                close()
-    adapter_dir = trainer.policy.save_adapter(out_dir / ADAPTER_DIR)
-    records = read_metrics(out_dir / "metrics.jsonl")
-    plot = plot_training_curves(records, out_dir / "training_curves.png") if records else None
+        dist.close()
     rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
     return {
         "output_dir": str(out_dir),
         "adapter": str(adapter_dir),
         "steps": trainer.step,
+        "world_size": dist.world_size,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "reward_first10": _mean(rewards[:10]),
         "reward_last10": _mean(rewards[-10:]),
@@ -270,18 +308,40 @@ def train(
     }
 
 
+def _record_run(trainer: Trainer, resumed_from: Path | None) -> None:
+    """The run's settings and prompt template beside its outputs (rank 0)."""
+    cfg, out_dir = trainer.cfg, trainer.out_dir
+    if resumed_from is not None:
+        setup.warn_on_config_change(cfg, resumed_from.parent / RESOLVED_CONFIG_NAME)
+    save_resolved_config(cfg, out_dir)
+    example = trainer.prompts[trainer.problems[0].id]
+    setup.record_prompts(cfg, trainer.policy.tokenizer, example, out_dir / PROMPTS_FILE)
+    log.info(
+        "policy: %s base, %d trainable tensors, TIS %s, AQN %s, %d process(es)",
+        trainer.policy.base_format,
+        len(trainer.params),
+        "on" if trainer.tis_on else "off",
+        trainer.schedule.stage_sigmas() if trainer.schedule else "off",
+        trainer.dist.world_size,
+    )
+
+
 def _run_steps(
     trainer: Trainer, *, resume_step: int | None, on_step: StepCallback | None, progress: bool
 ) -> None:
-    """The step loop: train, checkpoint every ``save_steps``, log, report."""
+    """The step loop: train, checkpoint every ``save_steps``, log (rank 0), report."""
     cfg, out_dir = trainer.cfg, trainer.out_dir
-    metrics = MetricsLogger(
-        out_dir,
-        resume_step=resume_step,
-        tensorboard=cfg.output.tensorboard,
-        wandb=cfg.output.wandb,
-        wandb_project=cfg.output.wandb_project,
-        run_config=to_dict(cfg),
+    metrics = (
+        MetricsLogger(
+            out_dir,
+            resume_step=resume_step,
+            tensorboard=cfg.output.tensorboard,
+            wandb=cfg.output.wandb,
+            wandb_project=cfg.output.wandb_project,
+            run_config=to_dict(cfg),
+        )
+        if trainer.dist.is_main
+        else None
     )
     try:
         with progress_bar(progress, cfg.train.max_steps, trainer.step) as bar:
@@ -300,12 +360,14 @@ def _run_steps(
                     t0 = time.perf_counter()
                     trainer.save()
                     record["time_checkpoint_s"] = time.perf_counter() - t0
-                metrics.log(record)
+                if metrics is not None:
+                    metrics.log(record)
                 bar(record)
                 if on_step is not None:
                     on_step(trainer.step, record)
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
 
 
 def _mean(values: list[float]) -> float:

@@ -16,6 +16,7 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.rl.advantages import group_advantages
+from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.losses import NonFiniteLossError, policy_loss
 from qerl_cli.rl.policy import Policy, TokenBatch, batched_logprobs, completion_logprobs, make_token_batch
 from qerl_cli.rl.rollouts import Rollouts
@@ -30,68 +31,90 @@ def update_policy(
     batch: Rollouts,
     *,
     tis_on: bool,
+    dist: Distributed | None = None,
 ) -> dict[str, Any]:
-    """Train on ``batch``; return the merged loss stats, grad norm and timings."""
+    """Train on ``batch``; return the merged loss stats, grad norm and timings.
+
+    With several ranks ``batch`` is this rank's share (whole groups, possibly none): the normaliser
+    counts every rank's rows, the gradients are summed over ranks before clipping, and the stats
+    are those of the whole batch, so every rank takes the single-process step on the same batch.
+    """
+    dist = dist or Distributed()
     a = cfg.algorithm
     model, device = policy.model, policy.device
     temperature = cfg.rollout.temperature
     micro = cfg.train.micro_batch_size
-    pad = int(policy.tokenizer.pad_token_id)
-    tokens = make_token_batch(
-        batch.prompt_ids,
-        [c.token_ids for c in batch.completions],
-        [c.logprobs for c in batch.completions],
-        pad,
-    )
-    advantages = group_advantages(
-        torch.tensor(batch.rewards), batch.group_size, scale_by_std=a.scale_rewards_by_std
-    )
-    mask = tokens.completion_mask
-    if a.mask_truncated:
-        mask = truncation_mask([c.finish_reason for c in batch.completions], mask)
     t0 = time.perf_counter()
-    old_lp = batched_logprobs(model, tokens, temperature, device, micro) if a.num_iterations > 1 else None
-    ref_lp = (
-        batched_logprobs(model, tokens, temperature, device, micro, reference=policy) if a.beta > 0 else None
-    )
+    if len(batch):
+        tokens = make_token_batch(
+            batch.prompt_ids,
+            [c.token_ids for c in batch.completions],
+            [c.logprobs for c in batch.completions],
+            int(policy.tokenizer.pad_token_id),
+        )
+        advantages = group_advantages(
+            torch.tensor(batch.rewards), batch.group_size, scale_by_std=a.scale_rewards_by_std
+        )
+        mask = tokens.completion_mask
+        if a.mask_truncated:
+            mask = truncation_mask([c.finish_reason for c in batch.completions], mask)
+        old_lp = ref_lp = None
+        if a.num_iterations > 1:
+            old_lp = batched_logprobs(model, tokens, temperature, device, micro)
+        if a.beta > 0:
+            ref_lp = batched_logprobs(model, tokens, temperature, device, micro, reference=policy)
+        count = normalizer_count(a.loss_type, mask, cfg.rollout.max_completion_length)
+    else:  # this rank kept no group this step; it still joins every collective
+        count = 0.0
     t1 = time.perf_counter()
-    norm = normalizer(a.loss_type, mask, cfg.rollout.max_completion_length)
+    norm = max(1.0, dist.sum([count])[0])
     model.train()
     parts: list[tuple[float, dict[str, float]]] = []
     grad_norms = []
     for _ in range(a.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        for begin in range(0, tokens.size, micro):
+        failure: str | None = None
+        for begin in range(0, len(batch), micro):
             rows = slice(begin, begin + micro)
             part: TokenBatch = tokens.rows(rows)
             lp = completion_logprobs(model, part, temperature, device)
             old = old_lp[rows].to(device) if old_lp is not None else lp.detach()
-            loss, stats = policy_loss(
-                lp,
-                old,
-                advantages[rows].to(device),
-                mask[rows].to(device),
-                loss_type=a.loss_type,
-                eps_low=a.eps_low,
-                eps_high=a.eps_high,
-                beta=a.beta,
-                ref_logprobs=ref_lp[rows].to(device) if ref_lp is not None else None,
-                rollout_logprobs=part.rollout_logprobs.to(device),
-                tis_cap=a.tis_cap if tis_on else None,
-                max_completion_length=cfg.rollout.max_completion_length,
-                normalizer=norm,
-            )
+            try:
+                loss, stats = policy_loss(
+                    lp,
+                    old,
+                    advantages[rows].to(device),
+                    mask[rows].to(device),
+                    loss_type=a.loss_type,
+                    eps_low=a.eps_low,
+                    eps_high=a.eps_high,
+                    beta=a.beta,
+                    ref_logprobs=ref_lp[rows].to(device) if ref_lp is not None else None,
+                    rollout_logprobs=part.rollout_logprobs.to(device),
+                    tis_cap=a.tis_cap if tis_on else None,
+                    max_completion_length=cfg.rollout.max_completion_length,
+                    normalizer=norm,
+                )
+            except NonFiniteLossError as exc:
+                failure = str(exc)
+                break
             loss.backward()
             parts.append((stats.get("num_tokens", 0.0), stats))
+        # Every rank learns of a failure on any rank before the gradient all-reduce (else the
+        # others would wait in it for ever).
+        if dist.any(failure is not None):
+            raise NonFiniteLossError(failure or "the loss of another rank was not finite")
+        dist.all_reduce_gradients(params)
         grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.train.max_grad_norm)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()}")
         grad_norms.append(float(grad_norm))
         optimizer.step()
     t2 = time.perf_counter()
-    merged = merge_stats(parts) if parts else {}
+    all_parts = [p for rank_parts in dist.all_gather_object(parts) for p in rank_parts]
+    merged = merge_stats(all_parts) if all_parts else {}
     merged["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    merged["num_sequences"] = float(tokens.size)
+    merged["num_sequences"] = dist.sum([float(len(batch))])[0]
     merged["time_logprobs_s"] = t1 - t0
     merged["time_update_s"] = t2 - t1
     if a.beta == 0:
@@ -120,8 +143,14 @@ def merge_stats(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]
 
 def normalizer(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
     """The whole batch's denominator, so micro-batches add up to the full-batch loss."""
+    return max(1.0, normalizer_count(loss_type, mask, max_completion_length))
+
+
+def normalizer_count(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
+    """The loss denominator's count over ``mask``'s rows, unclamped so that ranks can add theirs:
+    non-empty sequences (grpo), tokens (dapo), or rows x max completion length (dr_grpo)."""
     if loss_type == "grpo":
-        return float(max(1, int((mask.sum(dim=1) > 0).sum())))
+        return float(int((mask.sum(dim=1) > 0).sum()))
     if loss_type == "dapo":
-        return float(max(1.0, float(mask.sum())))
+        return float(mask.sum())
     return float(mask.shape[0] * max_completion_length)

@@ -317,6 +317,7 @@ class VLLMEngine:
         trust_remote_code: bool = False,
         revision: str | None = None,
         vllm_kwargs: dict[str, Any] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model_path = str(model_path)
         self.format = detect_checkpoint_format(self.model_path)
@@ -342,6 +343,7 @@ class VLLMEngine:
             # Temperature-scaled logprobs of the sampled token (the default "raw_logprobs" ignores
             # the temperature, which would bias truncated importance sampling at T != 1).
             "logprobs_mode": "processed_logprobs",
+            "tensor_parallel_size": tensor_parallel_size,
         }
         if revision is not None:
             kwargs["revision"] = revision
@@ -413,6 +415,7 @@ class VLLMEngine:
             staleness_tolerance=rollout.staleness_tolerance,
             seed=seed,
             vllm_kwargs=dict(rollout.vllm_kwargs),
+            tensor_parallel_size=rollout.tensor_parallel_size,
         )
 
     # ---- state ------------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""Data-parallel training over torch.distributed (gloo, 2 CPU processes, the tiny model):
+
+- the update of a batch split across 2 ranks equals the single-process update of the whole batch
+  (loss, LoRA gradient and the weights after the step, float32);
+- a 2-process run writes one metrics row per step (with world_size), rank 0 writes the checkpoint,
+  and a 1-process ``--resume`` of it continues with the same next batch;
+- the settings a data-parallel job cannot run fail clearly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from qerl_cli.config import TrainConfig, load_config
+from qerl_cli.errors import QerlError
+from qerl_cli.rl.distributed import Distributed
+
+WORLD = 2
+
+
+class FakeReward:
+    """Rewards by a rule on the text (varies within groups); records the problem ids it graded."""
+
+    def __init__(self, record: Path | None = None) -> None:
+        self.record = record
+
+    def __call__(self, completions: list[str], problems: list[Any]) -> tuple[list[float], dict[str, float]]:
+        if self.record is not None:
+            with self.record.open("a") as fh:
+                fh.write(json.dumps([p.id for p in problems]) + "\n")
+        rewards = [float(len(c) % 3 == 0) for c in completions]
+        return rewards, {"accuracy": sum(rewards) / len(rewards), "format_rate": 0.0, "grader_timeouts": 0.0}
+
+
+def tiny_cfg(model_dir: Path, out: Path, *overrides: str) -> TrainConfig:
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.dtype=float32",
+            "data.dataset=synthetic-addition",
+            "data.template=plain",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=8",
+            "rollout.max_prompt_length=64",
+            "train.prompts_per_step=3",  # 3 groups over 2 ranks: an uneven split (2 + 1)
+            "train.max_steps=3",
+            "train.micro_batch_size=3",
+            "train.learning_rate=1e-2",
+            "train.device=cpu",
+            "train.gradient_checkpointing=false",
+            "lora.rank=4",
+            "lora.alpha=8",
+            "algorithm.loss_type=dapo",  # the token-level normaliser must count every rank's tokens
+            f"output.dir={out}",
+            "output.save_steps=2",
+            "aqn.num_stages=2",
+            *overrides,
+        ],
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join(rank: int, port: int) -> None:
+    """What torchrun sets for each process."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+
+
+def _spawn(fn: Any, *args: Any) -> None:
+    mp.spawn(fn, args=(_free_port(), *args), nprocs=WORLD, join=True)
+
+
+# -- the update of a fixed batch ------------------------------------------------------------------
+def _update_worker(rank: int, port: int, model_dir: str, batch_file: str, out_dir: str) -> None:
+    _join(rank, port)
+    from qerl_cli.rl.trainer import Trainer
+
+    trainer = Trainer(tiny_cfg(Path(model_dir), Path(out_dir) / "run"), reward_fn=FakeReward())
+    batch = pickle.loads(Path(batch_file).read_bytes())
+    groups = len(batch) // batch.group_size
+    mine = trainer.dist.shard(groups)
+    part = type(batch)(group_size=batch.group_size)
+    part.extend(batch, list(range(mine.start * batch.group_size, mine.stop * batch.group_size)))
+    stats = trainer.update(part)
+    result = {
+        "stats": stats,
+        "rows": len(part),
+        "grads": {n: p.grad.clone() for n, p in trainer.params},
+        "weights": {n: p.detach().clone() for n, p in trainer.params},
+    }
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    trainer.dist.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_single_process_step(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from qerl_cli.rl.trainer import Trainer
+
+    single = Trainer(tiny_cfg(tiny_model_dir, tmp_path / "single"), reward_fn=FakeReward())
+    _, batch, _ = single.collect()
+    assert len(batch) == 12 and len(set(batch.rewards)) > 1
+    batch_file = tmp_path / "batch.pkl"
+    batch_file.write_bytes(pickle.dumps(batch))
+    expected = single.update(batch)
+
+    _spawn(_update_worker, str(tiny_model_dir), str(batch_file), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [r["rows"] for r in ranks] == [8, 4]  # whole groups: 2 on rank 0, 1 on rank 1
+    for result in ranks:
+        stats = result["stats"]
+        assert stats["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7)
+        assert stats["num_tokens"] == expected["num_tokens"]
+        assert stats["num_sequences"] == 12
+        assert stats["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+        for name, param in single.params:
+            assert torch.allclose(result["grads"][name], param.grad, rtol=1e-5, atol=1e-7), name
+            # Adam's first step is lr * g / (|g| + 1e-8): for a gradient near Adam's eps (float noise
+            # of ~1e-8) the step follows that noise, so compare the weights where |g| >> eps.
+            real = param.grad.abs() > 1e-6
+            moved, want = result["weights"][name][real], param.detach()[real]
+            assert torch.allclose(moved, want, rtol=1e-5, atol=1e-7), name
+    assert any(p.grad.abs().sum() > 0 for _, p in single.params)  # the comparison is not of zeros
+
+
+# -- a whole run, then a resume with another world size -------------------------------------------
+def _train_worker(rank: int, port: int, model_dir: str, out_dir: str, record_dir: str) -> None:
+    _join(rank, port)
+    from qerl_cli.rl.trainer import train
+
+    # 3 steps, a checkpoint after step 2 only: the resume below redoes step 3.
+    result = train(
+        tiny_cfg(Path(model_dir), Path(out_dir)),
+        progress=False,
+        reward_fn=FakeReward(Path(record_dir) / f"rank{rank}.jsonl"),
+    )
+    assert result["world_size"] == WORLD and not torch.distributed.is_initialized()
+
+
+@pytest.mark.slow
+def test_two_process_run_resumes_on_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from qerl_cli.rl.checkpoint import list_checkpoints
+    from qerl_cli.rl.trainer import train
+
+    out = tmp_path / "run"
+    _spawn(_train_worker, str(tiny_model_dir), str(out), str(tmp_path))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and {r["world_size"] for r in rows} == {2}
+    assert rows[-1]["data_position"] == 9 and rows[-1]["num_sequences"] == 12
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    # Each rank graded its own prompts; together they are the step's 3 prompts, in rank order.
+    per_rank = [
+        [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(WORLD)
+    ]
+    assert [len(batch) for batch in per_rank[0]] == [8] * 3 and [len(b) for b in per_rank[1]] == [4] * 3
+    step3 = per_rank[0][2] + per_rank[1][2]
+
+    resumed = FakeReward(tmp_path / "resumed.jsonl")
+    result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=resumed)
+    assert result["resumed_from"].endswith("checkpoint-2") and result["world_size"] == 1
+    # One process draws exactly the prompts the two processes drew for step 3.
+    assert json.loads((tmp_path / "resumed.jsonl").read_text().splitlines()[0]) == step3
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["world_size"] for r in rows] == [2, 2, 1]
+
+
+# -- settings ---------------------------------------------------------------------------------------
+def test_shards_are_contiguous_whole_and_cover_everything() -> None:
+    for world in (1, 2, 3, 4):
+        for count in range(world, 11):
+            blocks = [Distributed(rank=r, world_size=world).shard(count) for r in range(world)]
+            assert [i for b in blocks for i in range(b.start, b.stop)] == list(range(count))
+            assert max(b.stop - b.start for b in blocks) - min(b.stop - b.start for b in blocks) <= 1
+
+
+def test_single_process_is_a_world_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qerl_cli.rl.distributed import init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dist = init_distributed("cpu")
+    assert not dist.enabled and dist.is_main and dist.sum([2.0, 3.0]) == [2.0, 3.0]
+    assert dist.all_gather_object({"a": 1}) == [{"a": 1}]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(QerlError, match="torchrun"):
+        init_distributed("cpu")
+
+
+def test_settings_a_data_parallel_job_cannot_run(tmp_path: Path) -> None:
+    from qerl_cli.rl.setup import check_parallel_settings
+
+    two = Distributed(rank=0, world_size=2)
+    cfg = tiny_cfg(tmp_path, tmp_path / "out", "train.prompts_per_step=1")
+    with pytest.raises(QerlError, match="prompts_per_step=1 is smaller than the 2 processes"):
+        check_parallel_settings(cfg, two)
+    cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.tensor_parallel_size=2")
+    with pytest.raises(QerlError, match="tensor_parallel_size=2 with 2 torchrun processes"):
+        check_parallel_settings(cfg, two)
+    check_parallel_settings(cfg, Distributed())  # one process: vLLM spans the GPUs itself
+    with pytest.raises(QerlError, match="needs rollout.engine=vllm"):
+        tiny_cfg(tmp_path, tmp_path / "out", "rollout.tensor_parallel_size=2")
+    with pytest.raises(QerlError, match="tensor_parallel_size must be > 0"):
+        tiny_cfg(tmp_path, tmp_path / "out", "rollout.tensor_parallel_size=0")
+
+
+def test_vllm_under_torchrun_joins_the_process_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli.rl import setup
+    from qerl_cli.rollout import factory
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(factory, "make_engine", lambda kind, path, **kw: calls.append({"kind": kind, **kw}))
+    cfg = tiny_cfg(
+        tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={enforce_eager: 1}"
+    )
+    setup.make_engine(cfg, None, distributed=True)  # type: ignore[arg-type]
+    setup.make_engine(cfg, None)  # type: ignore[arg-type]
+    launcher = {"distributed_executor_backend": "external_launcher"}
+    assert calls[0]["vllm_kwargs"] == {**launcher, "enforce_eager": 1}
+    assert calls[1]["vllm_kwargs"] == {"enforce_eager": 1} and calls[1]["tensor_parallel_size"] == 1
