@@ -135,7 +135,10 @@ def train(
     ] = None,
     dry_run: DryRunOption = False,
 ) -> None:
-    """GRPO / DAPO on LoRA adapters over a frozen 4-bit (or BF16) base, with AQN."""
+    """GRPO / DAPO on LoRA adapters over a frozen 4-bit (or BF16) base, with AQN.
+
+    On N GPUs: torchrun --nproc-per-node N -m qerl_cli train RECIPE.yaml (data parallel).
+    """
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
     if _finish_config(conf, dry_run):
         return
@@ -144,7 +147,8 @@ def train(
     result = run_train(
         conf, resume=None if resume is None else (conf.output.dir if resume == "auto" else resume)
     )
-    console.print(_train_summary(result))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
+        console.print(_train_summary(result))
 
 
 def _train_summary(result: dict[str, Any]) -> Table:
