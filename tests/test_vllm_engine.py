@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout import vllm_engine
+from qerl_cli.rollout import vllm_engine, vllm_setup
 from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
 from qerl_cli.rollout.vllm_engine import VLLMEngine, detect_checkpoint_format, worker_set_norm_noise
 
@@ -252,7 +252,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     request.LoRARequest = FakeLoRARequest
     for name, mod in (("vllm", module), ("vllm.lora", lora), ("vllm.lora.request", request)):
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (9, 0))
     # Recorded so that the engine's setdefault is undone after each test.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "placeholder")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -330,7 +330,7 @@ SPEC = SamplingSpec(max_new_tokens=3, temperature=0.7, top_p=1.0, top_k=-1, seed
 # --------------------------------------------------------------------------------------------
 def test_missing_vllm_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (9, 0))
     with pytest.raises(QerlError, match=r'pip install "qerl\[vllm\]"'):
         make_engine(tmp_path)
 
@@ -397,11 +397,11 @@ def test_detect_checkpoint_format(
 
 
 def test_format_unsupported_on_old_gpu(tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch) -> None:
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: (7, 5))
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (7, 5))
     with pytest.raises(QerlError, match=r"NVFP4 .*8\.0\+.*Marlin.*sm75"):
         VLLMEngine(write_checkpoint(tmp_path / "fp4", NVFP4_CONFIG))
     VLLMEngine(write_checkpoint(tmp_path / "nf4", NF4_CONFIG))  # bitsandbytes runs on sm75
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: None)
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: None)
     with pytest.raises(QerlError, match="rollout.engine=hf"):
         VLLMEngine(write_checkpoint(tmp_path / "bf16"))
 

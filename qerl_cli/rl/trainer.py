@@ -43,6 +43,7 @@ from qerl_cli.modeling.aqn import AQNSchedule
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl.advantages import group_advantages, group_reward_stats
 from qerl_cli.rl.losses import NonFiniteLossError, policy_loss
+from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
 from qerl_cli.rl.policy import (
     Policy,
     TokenBatch,
@@ -222,6 +223,9 @@ class Trainer:
         _seed_everything(cfg.train.seed)
         self.policy: Policy = build_policy(cfg)
         self.device = self.policy.device
+        # Before vLLM starts: its "auto" share is what the loaded trainer leaves free.
+        self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
+        self.peaks = PeakTracker()
         problems = load_training_problems(cfg)
         self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
         self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
@@ -262,7 +266,8 @@ class Trainer:
             cfg.model.path,
             dtype=cfg.model.dtype,
             model_format=cfg.model.format,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            gpu_memory_utilization=self.memory.gpu_memory_utilization,
+            kv_cache_dtype=cfg.rollout.kv_cache_dtype,
             enable_sleep_mode=cfg.rollout.enable_sleep_mode,
             max_lora_rank=cfg.rollout.max_lora_rank,
             max_model_len=cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length,
@@ -290,6 +295,10 @@ class Trainer:
 
     def _tis_enabled(self) -> bool:
         mode = self.cfg.algorithm.tis
+        if self.cfg.rollout.kv_cache_dtype == "fp8":
+            if mode == "off":
+                log.warning("algorithm.tis=off overridden: an FP8 KV cache changes the rollout numerics")
+            return True
         if mode != "auto":
             return mode == "on"
         # Rollout numerics differ from the trainer's forward: 4-bit base, AQN noise, or another engine.
@@ -458,7 +467,8 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         model, device = self.policy.model, self.device
         temperature = cfg.rollout.temperature
-        micro = cfg.train.micro_batch_size
+        micro = self.memory.micro_batch_size
+        chunk = cfg.train.logprob_chunk_tokens
         pad = int(self.policy.tokenizer.pad_token_id)
         tokens = make_token_batch(
             batch.prompt_ids,
@@ -473,9 +483,17 @@ class Trainer:
         if a.mask_truncated:
             mask = truncation_mask([c.finish_reason for c in batch.completions], mask)
         t0 = time.perf_counter()
-        old_lp = batched_logprobs(model, tokens, temperature, device, micro) if a.num_iterations > 1 else None
+        # One update per batch: pi_old == pi_theta, so the update's own logprobs (detached) serve
+        # as the old ones and no extra forward pass is run.
+        old_lp = (
+            batched_logprobs(model, tokens, temperature, device, micro, chunk_tokens=chunk)
+            if a.num_iterations > 1
+            else None
+        )
         ref_lp = (
-            batched_logprobs(model, tokens, temperature, device, micro, reference=self.policy)
+            batched_logprobs(
+                model, tokens, temperature, device, micro, reference=self.policy, chunk_tokens=chunk
+            )
             if a.beta > 0
             else None
         )
@@ -489,7 +507,7 @@ class Trainer:
             for begin in range(0, tokens.size, micro):
                 rows = slice(begin, begin + micro)
                 part: TokenBatch = tokens.rows(rows)
-                lp = completion_logprobs(model, part, temperature, device)
+                lp = completion_logprobs(model, part, temperature, device, chunk)
                 old = old_lp[rows].to(device) if old_lp is not None else lp.detach()
                 loss, stats = policy_loss(
                     lp,
@@ -513,6 +531,7 @@ class Trainer:
                 raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()}")
             grad_norms.append(float(grad_norm))
             self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # LoRA gradients are not needed until the next update
         t2 = time.perf_counter()
         merged = _weighted(parts) if parts else {}
         merged["grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -525,12 +544,12 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         step_start = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        self.peaks.start_step()
         sigma = self.schedule.sigma(self.step) if self.schedule is not None else 0.0
         self.engine.wake_up()
         perturbed = self.engine.set_norm_noise(sigma, derive_seed(self.cfg.train.seed, "aqn", self.step))
         generated, kept, stats = self.collect()
+        self.peaks.sample()  # the rollout phase: vLLM awake
         self.engine.sleep()
         record: dict[str, Any] = {
             "step": self.step + 1,
@@ -552,7 +571,11 @@ class Trainer:
             record["skipped_update"] = 0.0
         self.scheduler.step()
         self.step += 1
+        self.peaks.sample()  # the update phase: activations still cached
+        # The adapter sync wakes vLLM (staleness probe): hand the update's cached blocks back first.
+        record.update(release_cached_memory())
         self._sync_engine()
+        record.update(self.peaks.metrics())
         if torch.cuda.is_available():
             record["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         record["time_step_s"] = time.perf_counter() - step_start
