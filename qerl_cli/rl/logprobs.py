@@ -35,10 +35,11 @@ class LinearLogprob(torch.autograd.Function):
         temperature: float,
         chunk: int,
     ) -> torch.Tensor:
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        acc = _softmax_dtype(weight)
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
         for begin in range(0, hidden.shape[0], chunk):
             end = begin + chunk
-            logits = F.linear(hidden[begin:end], weight).float() / temperature
+            logits = F.linear(hidden[begin:end], weight).to(acc) / temperature
             out[begin:end] = torch.log_softmax(logits, dim=-1).gather(1, targets[begin:end, None]).squeeze(1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -49,23 +50,29 @@ class LinearLogprob(torch.autograd.Function):
         hidden, weight, targets = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        acc = _softmax_dtype(weight)
+        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
         for begin in range(0, hidden.shape[0], ctx.chunk):
             end = begin + ctx.chunk
             h = hidden[begin:end]
-            logits = F.linear(h, weight).float() / ctx.temperature
+            logits = F.linear(h, weight).to(acc) / ctx.temperature
             # d logprob / d logits = onehot(target) - softmax; times the incoming gradient, / T.
             grad = torch.softmax(logits, dim=-1).mul_(-grad_out[begin:end, None])
             del logits
-            grad.scatter_add_(1, targets[begin:end, None], grad_out[begin:end, None].float())
+            grad.scatter_add_(1, targets[begin:end, None], grad_out[begin:end, None].to(acc))
             grad = grad.div_(ctx.temperature).to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[begin:end] = grad @ weight
             if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+                grad_weight += (grad.t() @ h).to(acc)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
+    """float32 for BF16/FP16/FP32 weights (as the model's ``logits.float()``), float64 for float64."""
+    return torch.promote_types(weight.dtype, torch.float32)
 
 
 def head_and_decoder(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
