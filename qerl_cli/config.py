@@ -328,7 +328,7 @@ class BenchConfig:
     # step takes; flags given explicitly win over it.
     e2e_generations: int = 8
     e2e_prompts_per_step: int = 0
-    e2e_gpu_memory_utilization: float | Literal["auto"] = 0.3
+    e2e_gpu_memory_utilization: float | Literal["auto"] | None = None  # None: the recipe's, else 0.3
     e2e_recipe: str | None = None
 
     def validate(self, where: str = "") -> None:
@@ -340,7 +340,8 @@ class BenchConfig:
             raise QerlError(
                 f"--prompts-per-step must be >= 0 (0: the largest --batch), got {self.e2e_prompts_per_step}"
             )
-        _fraction_or_auto("e2e_gpu_memory_utilization", self.e2e_gpu_memory_utilization)
+        if self.e2e_gpu_memory_utilization is not None:
+            _fraction_or_auto("e2e_gpu_memory_utilization", self.e2e_gpu_memory_utilization)
 
 
 # --------------------------------------------------------------------------------------------

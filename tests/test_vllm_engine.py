@@ -717,3 +717,49 @@ def test_staleness_without_any_adapter(tmp_path: Path, fake_vllm: types.ModuleTy
         engine.check_staleness(PROBE, trainer_logprobs(0.7))
     with pytest.raises(ValueError, match="len\\(probe\\) - 1"):
         engine.check_staleness(PROBE, trainer_logprobs(0.0)[:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# qerl bench: one engine per format
+# --------------------------------------------------------------------------------------------
+def test_bench_serves_a_formats_with_and_without_lora_cases_from_one_engine(
+    tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.machinery
+
+    from qerl_cli.bench import engines
+
+    # The factory's find_spec must see the stand-in.
+    monkeypatch.setattr(fake_vllm, "__spec__", importlib.machinery.ModuleSpec("vllm", None))
+    model = write_checkpoint(tmp_path / "model", NVFP4_CONFIG)
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_attention_heads=2, hidden_size=8, num_hidden_layers=2, vocab_size=300)
+    (model / "config.json").write_text(json.dumps(config))
+    adapter = write_adapter(tmp_path / "adapter", effect=0.3)
+    monkeypatch.setattr(FakeLLM, "get_tokenizer", lambda self: None, raising=False)
+    served: list[int | None] = []
+
+    def one_generate(engine, tokenizer, batches, settings, **kwargs):  # stands in for the timing loop
+        result = engine.generate(["ab"] * batches[0], 1, SamplingSpec(max_new_tokens=3))
+        served.append(engine.lora_request.lora_int_id if engine.lora_request else None)
+        return [{"batch": b, "output_tokens_per_s": float(result.num_generated_tokens)} for b in batches]
+
+    monkeypatch.setattr(engines, "measure_rollout", one_generate)
+    case = engines.Case(engine="vllm", format="nvfp4", model_dir=str(model), lora_rank=16,
+                        lora_dir=str(adapter), batches=[2], settings={"prompt_len": 2, "gen_len": 3},
+                        lora_phases=[0, 16])  # fmt: skip
+    result = engines.measure_case(case)
+    (llm,) = FakeLLM.instances  # one engine start for both cases
+    assert llm.kwargs["enable_lora"] is True
+    assert served == [None, 1]  # no adapter, then the random adapter through sync_adapter
+    order = [n for n in names(llm.calls) if n in ("generate", "add_lora")]
+    assert order == ["generate", "add_lora", "generate"]
+    assert [(r["lora_rank"], r["batch"]) for r in result["rollout"]] == [(0, 2), (16, 2)]
+    assert [(m["lora_rank"], m["engine_lora_enabled"]) for m in result["memory"]] == [(0, True), (16, True)]
+
+
+def test_kv_cache_dtype_reaches_vllm(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
+    make_engine(tmp_path, kv_cache_dtype="fp8")
+    make_engine(tmp_path / "b")
+    first, second = FakeLLM.instances
+    assert first.kwargs["kv_cache_dtype"] == "fp8" and "kv_cache_dtype" not in second.kwargs
