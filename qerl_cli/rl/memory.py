@@ -50,8 +50,11 @@ ACT_INTER_UNITS = 5
 # update on an H100-class GPU (the matmuls are already large): below it, checkpointing with a
 # larger micro-batch is preferred over no checkpointing with a tiny one.
 SATURATING_TOKENS = 4096
+# Tokens per micro-batch beyond which "auto" stops growing it: the matmuls gain nothing more and
+# every extra token is peak memory an estimate could get wrong.
+MAX_AUTO_TOKENS = 32768
 # Memory vLLM keeps while asleep at level 1 (CUDA-graph pools, sampler and LoRA buffers).
-VLLM_ASLEEP_RESERVE = int(2.0 * GIB)
+VLLM_ASLEEP_RESERVE = int(3.0 * GIB)
 # vLLM's non-KV, non-weight memory while awake: activation profile peak, CUDA graphs, LoRA slots.
 VLLM_OVERHEAD = int(4.0 * GIB)
 # Left free on the device in every phase (allocator fragmentation, NCCL, the CUDA context).
@@ -195,7 +198,7 @@ def choose_micro_batch(
     checkpointing with the largest micro-batch that fits. Raises QerlError, with the numbers, when
     not even one sequence fits.
     """
-    top = max(1, max_micro_batch)
+    top = max(1, min(max_micro_batch, MAX_AUTO_TOKENS // max(seq_len, 1)))
     sizes = [micro_batch] if micro_batch != "auto" else list(range(top, 0, -1))
     modes = [bool(checkpointing)] if checkpointing != "auto" else [False, True]
 
