@@ -227,6 +227,14 @@ def bench(
     lora_rank: Annotated[int | None, typer.Option()] = None,
     engine: Annotated[str | None, typer.Option(help="vllm | hf | auto")] = None,
     e2e: Annotated[bool | None, typer.Option("--e2e", help="Also time a whole GRPO step.")] = None,
+    e2e_recipe: Annotated[
+        str | None,
+        typer.Option(help="--e2e: a training recipe giving the step's shape and memory settings."),
+    ] = None,
+    prompts_per_step: Annotated[
+        int | None, typer.Option(help="--e2e: prompts per step (default: the largest --batch).")
+    ] = None,
+    generations: Annotated[int | None, typer.Option(help="--e2e: completions per prompt (8).")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o")] = None,
     baseline: Annotated[str | None, typer.Option(help="bench.json to gate against.")] = None,
     tolerance: Annotated[float | None, typer.Option(help="Allowed relative regression.")] = None,
@@ -236,6 +244,14 @@ def bench(
 ) -> None:
     """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 vs MXFP4; --e2e GRPO step time."""
     batches = _csv(batch)
+    shape: dict[str, Any] = {}
+    if e2e_recipe:  # the recipe's step shape, under the flags given explicitly
+        from qerl_cli.bench.e2e import recipe_shape
+
+        shape = recipe_shape(e2e_recipe)
+    given = {"prompt_len": prompt_len, "gen_len": gen_len, "lora_rank": lora_rank,
+             "e2e_generations": generations, "e2e_prompts_per_step": prompts_per_step}  # fmt: skip
+    shape.update({k: v for k, v in given.items() if v is not None})
     conf = cfg.load_config(
         cfg.BenchConfig,
         config,
@@ -243,25 +259,28 @@ def bench(
         model=model,
         formats=_csv(formats),
         batch=batches,
-        prompt_len=prompt_len,
-        gen_len=gen_len,
-        lora_rank=lora_rank,
         engine=engine,
         e2e=e2e,
+        e2e_recipe=e2e_recipe,
         output=output,
         baseline=baseline,
         tolerance=tolerance,
+        **shape,
     )
     if _finish_config(conf, dry_run):
         return
-    from qerl_cli.bench import bench_table, gate_failures, run_bench
+    from qerl_cli.bench import bench_table, failed_cases, gate_failures, run_bench
 
     report = run_bench(conf)
     console.print(bench_table(report))
+    failed = failed_cases(report)
+    for line in failed:  # a case without figures (vLLM cannot serve a format, OOM at wake-up, ...)
+        err_console.print(f"[red]failed[/red]: {line}")
     failures = gate_failures(report)
     if failures:  # --baseline regression gate: CI fails, naming each metric that regressed
         for line in failures:
             err_console.print(f"[red]regression[/red]: {line}")
+    if failures or failed:
         raise typer.Exit(1)
 
 

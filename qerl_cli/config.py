@@ -68,8 +68,12 @@ class RolloutSection:
     top_p: float = 1.0
     # HF engine: prompts generated per forward batch (memory knob).
     generation_batch_size: int = 64
-    # vLLM engine (colocated). Paper: 0.2 for 3B, 0.3 for 7B, 0.45 for 14B, 0.4 for 32B.
-    gpu_memory_utilization: float = 0.3
+    # vLLM engine (colocated). Paper: 0.2 for 3B, 0.3 for 7B, 0.45 for 14B, 0.4 for 32B. "auto":
+    # what is free once the trainer is loaded, less a margin (qerl_cli.rl.memory).
+    gpu_memory_utilization: float | Literal["auto"] = 0.3
+    # "fp8": vLLM keeps its KV cache in FP8 (twice the concurrent tokens). Rollout numerics then
+    # differ from the trainer's, so truncated importance sampling is forced on.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     enable_sleep_mode: bool = True
     max_lora_rank: int = 64
     # vLLM engine: GPUs one rollout engine spans (tensor parallel), for bases whose rollout share does
@@ -98,8 +102,7 @@ class RolloutSection:
             raise QerlError(f"{where}.temperature must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise QerlError(f"{where}.top_p must be in (0, 1], got {self.top_p}")
-        if not 0 < self.gpu_memory_utilization < 1:
-            raise QerlError(f"{where}.gpu_memory_utilization must be in (0, 1)")
+        _fraction_or_auto(f"{where}.gpu_memory_utilization", self.gpu_memory_utilization)
 
 
 @dataclass
@@ -179,14 +182,19 @@ class TrainSection:
     learning_rate: float = 1e-5
     max_steps: int = 100
     prompts_per_step: int = 16
-    micro_batch_size: int = 8  # sequences per forward/backward
+    # Sequences per forward/backward; "auto": the largest that fits the GPU (qerl_cli.rl.memory).
+    micro_batch_size: int | Literal["auto"] = 8
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999  # QeRL's scripts use 0.99
     max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = True
+    # "auto": off when a large enough micro-batch fits without it (a third less compute).
+    gradient_checkpointing: bool | Literal["auto"] = True
+    # Completion tokens per LM-head chunk when computing logprobs (0: the whole micro-batch's
+    # [rows, length, vocab] logits at once).
+    logprob_chunk_tokens: int = 1024
     seed: int = 0
     device: str = "auto"
 
@@ -196,8 +204,11 @@ class TrainSection:
             learning_rate=self.learning_rate,
             max_steps=self.max_steps,
             prompts_per_step=self.prompts_per_step,
-            micro_batch_size=self.micro_batch_size,
         )
+        if self.micro_batch_size != "auto":
+            _positive(where, micro_batch_size=self.micro_batch_size)
+        if self.logprob_chunk_tokens < 0:
+            raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking)")
 
 
 @dataclass
@@ -319,21 +330,38 @@ class BenchConfig:
     gpu_memory_utilization: float = 0.85
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
-    # --e2e: completions per prompt (prompts per step = the largest --batch) and vLLM's share of the
-    # GPU when colocated with the trainer (paper: 0.3 for 7B), the same for every format.
+    # --e2e: completions per prompt, prompts per step (0: the largest --batch) and vLLM's share of
+    # the GPU when colocated with the trainer (paper: 0.3 for 7B; "auto": rl.memory decides), the
+    # same for every format. ``e2e_recipe``: a training recipe whose step shape (prompts per step,
+    # generations, prompt and completion lengths, micro-batch, checkpointing, KV dtype) the e2e
+    # step takes; flags given explicitly win over it.
     e2e_generations: int = 8
-    e2e_gpu_memory_utilization: float = 0.3
+    e2e_prompts_per_step: int = 0
+    e2e_gpu_memory_utilization: float | Literal["auto"] | None = None  # None: the recipe's, else 0.3
+    e2e_recipe: str | None = None
 
     def validate(self, where: str = "") -> None:
         _positive(where or "bench", prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
         if not self.batch or any(b <= 0 for b in self.batch):
             raise QerlError(f"--batch needs positive integers, got {self.batch}")
+        _positive(where or "bench", e2e_generations=self.e2e_generations)
+        if self.e2e_prompts_per_step < 0:
+            raise QerlError(
+                f"--prompts-per-step must be >= 0 (0: the largest --batch), got {self.e2e_prompts_per_step}"
+            )
+        if self.e2e_gpu_memory_utilization is not None:
+            _fraction_or_auto("e2e_gpu_memory_utilization", self.e2e_gpu_memory_utilization)
 
 
 # --------------------------------------------------------------------------------------------
 # Machinery: dict -> dataclass with strict checking, overrides, dumping
 # --------------------------------------------------------------------------------------------
 C = TypeVar("C")
+
+
+def _fraction_or_auto(name: str, value: float | str) -> None:
+    if value != "auto" and not 0 < float(value) < 1:
+        raise QerlError(f"{name} must be in (0, 1) or auto, got {value}")
 
 
 def _positive(where: str, **values: float) -> None:

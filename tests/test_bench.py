@@ -290,3 +290,56 @@ def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
     assert row["logprobs_s"] >= 0 and row["sync_s"] >= 0
     phases = row["generation_s"] + row["logprobs_s"] + row["update_s"] + row["sync_s"]
     assert row["step_s"] >= phases * 0.5  # medians of separate phases need not add up exactly
+
+
+def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
+    cache_dir, tmp_path, monkeypatch, capsys
+):
+    from qerl_cli.cli import main
+    from qerl_cli.rl import trainer as trainer_module
+
+    seen = []
+
+    class OutOfMemoryTrainer:
+        def __init__(self, cfg, **kwargs):
+            seen.append(cfg)
+            raise RuntimeError("CUDA Error: out of memory at wake_up")
+
+    monkeypatch.setattr(trainer_module, "Trainer", OutOfMemoryTrainer)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k_7b.yaml"
+    rc = main(["bench", "--model", "tiny", "--engine", "hf", "--formats", "bf16", "--batch", "1",
+               "--lora-rank", "0", "--prompt-len", "8", "--gen-len", "3", "--e2e",
+               "--e2e-recipe", str(recipe), "--prompts-per-step", "3", "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "failed" in err and "e2e bf16" in err and "out of memory at wake_up" in err
+    (cfg,) = seen
+    # Flags given win; the recipe gives the rest of the shape and its memory settings.
+    assert (cfg.train.prompts_per_step, cfg.rollout.max_completion_length) == (3, 3)
+    assert cfg.rollout.num_generations == 8  # gsm8k_7b.yaml
+    assert cfg.rollout.max_prompt_length == 8 + 64
+    assert (cfg.train.micro_batch_size, cfg.train.gradient_checkpointing) == (8, True)
+    assert cfg.rollout.gpu_memory_utilization == 0.3  # the recipe's share
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["settings"]["e2e_shape"]["prompts_per_step"] == 3
+
+
+def test_e2e_config_without_a_recipe_pads_prompts_and_takes_the_flags():
+    from qerl_cli.bench.e2e import e2e_train_config, filler_system_prompt
+
+    cfg = BenchConfig(batch=[2, 8], prompt_len=256, gen_len=2048, e2e_generations=4, e2e_prompts_per_step=16,
+                      e2e_gpu_memory_utilization="auto")  # fmt: skip
+    train = e2e_train_config(cfg, "model", "vllm", "out")
+    assert (train.train.prompts_per_step, train.rollout.num_generations) == (16, 4)
+    assert train.rollout.gpu_memory_utilization == "auto" and train.rollout.max_completion_length == 2048
+    assert len(train.data.system_prompt) == 256 - 48 and filler_system_prompt(40) is None
+    assert e2e_train_config(BenchConfig(batch=[2, 8]), "m", "vllm", "o").train.prompts_per_step == 8
+
+
+def test_vllm_bench_starts_one_engine_per_format_hf_one_per_case(tmp_path):
+    from qerl_cli.bench import _cases
+
+    cfg = BenchConfig(batch=[2, 8])
+    (shared,) = _cases(cfg, "vllm", "nvfp4", tmp_path, [0, 16], tmp_path / "lora", {})
+    assert shared.phases() == [0, 16] and shared.lora_dir == str(tmp_path / "lora")
+    plain, lora = _cases(cfg, "hf", "nvfp4", tmp_path, [0, 16], tmp_path / "lora", {})
+    assert (plain.phases(), plain.lora_dir, lora.phases()) == ([0], None, [16])

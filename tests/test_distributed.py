@@ -233,8 +233,8 @@ def test_vllm_under_torchrun_joins_the_process_group(
     cfg = tiny_cfg(
         tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={enforce_eager: 1}"
     )
-    setup.make_engine(cfg, None, distributed=True)  # type: ignore[arg-type]
-    setup.make_engine(cfg, None)  # type: ignore[arg-type]
+    setup.make_engine(cfg, None, gpu_memory_utilization=0.3, distributed=True)  # type: ignore[arg-type]
+    setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
     launcher = {"distributed_executor_backend": "external_launcher"}
     assert calls[0]["vllm_kwargs"] == {**launcher, "enforce_eager": 1}
     assert calls[1]["vllm_kwargs"] == {"enforce_eager": 1} and calls[1]["tensor_parallel_size"] == 1

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout import vllm_engine
+from qerl_cli.rollout import vllm_engine, vllm_setup
 from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
 from qerl_cli.rollout.vllm_engine import VLLMEngine, detect_checkpoint_format, worker_set_norm_noise
 
@@ -252,7 +252,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     request.LoRARequest = FakeLoRARequest
     for name, mod in (("vllm", module), ("vllm.lora", lora), ("vllm.lora.request", request)):
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (9, 0))
     # Recorded so that the engine's setdefault is undone after each test.
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "placeholder")
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -330,7 +330,7 @@ SPEC = SamplingSpec(max_new_tokens=3, temperature=0.7, top_p=1.0, top_k=-1, seed
 # --------------------------------------------------------------------------------------------
 def test_missing_vllm_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: (9, 0))
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (9, 0))
     with pytest.raises(QerlError, match=r'pip install "qerl\[vllm\]"'):
         make_engine(tmp_path)
 
@@ -399,11 +399,11 @@ def test_detect_checkpoint_format(
 
 
 def test_format_unsupported_on_old_gpu(tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch) -> None:
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: (7, 5))
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (7, 5))
     with pytest.raises(QerlError, match=r"NVFP4 .*8\.0\+.*Marlin.*sm75"):
         VLLMEngine(write_checkpoint(tmp_path / "fp4", NVFP4_CONFIG))
     VLLMEngine(write_checkpoint(tmp_path / "nf4", NF4_CONFIG))  # bitsandbytes runs on sm75
-    monkeypatch.setattr(vllm_engine, "_cuda_capability", lambda: None)
+    monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: None)
     with pytest.raises(QerlError, match="rollout.engine=hf"):
         VLLMEngine(write_checkpoint(tmp_path / "bf16"))
 
@@ -719,3 +719,49 @@ def test_staleness_without_any_adapter(tmp_path: Path, fake_vllm: types.ModuleTy
         engine.check_staleness(PROBE, trainer_logprobs(0.7))
     with pytest.raises(ValueError, match="len\\(probe\\) - 1"):
         engine.check_staleness(PROBE, trainer_logprobs(0.0)[:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# qerl bench: one engine per format
+# --------------------------------------------------------------------------------------------
+def test_bench_serves_a_formats_with_and_without_lora_cases_from_one_engine(
+    tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.machinery
+
+    from qerl_cli.bench import engines
+
+    # The factory's find_spec must see the stand-in.
+    monkeypatch.setattr(fake_vllm, "__spec__", importlib.machinery.ModuleSpec("vllm", None))
+    model = write_checkpoint(tmp_path / "model", NVFP4_CONFIG)
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_attention_heads=2, hidden_size=8, num_hidden_layers=2, vocab_size=300)
+    (model / "config.json").write_text(json.dumps(config))
+    adapter = write_adapter(tmp_path / "adapter", effect=0.3)
+    monkeypatch.setattr(FakeLLM, "get_tokenizer", lambda self: None, raising=False)
+    served: list[int | None] = []
+
+    def one_generate(engine, tokenizer, batches, settings, **kwargs):  # stands in for the timing loop
+        result = engine.generate(["ab"] * batches[0], 1, SamplingSpec(max_new_tokens=3))
+        served.append(engine.lora_request.lora_int_id if engine.lora_request else None)
+        return [{"batch": b, "output_tokens_per_s": float(result.num_generated_tokens)} for b in batches]
+
+    monkeypatch.setattr(engines, "measure_rollout", one_generate)
+    case = engines.Case(engine="vllm", format="nvfp4", model_dir=str(model), lora_rank=16,
+                        lora_dir=str(adapter), batches=[2], settings={"prompt_len": 2, "gen_len": 3},
+                        lora_phases=[0, 16])  # fmt: skip
+    result = engines.measure_case(case)
+    (llm,) = FakeLLM.instances  # one engine start for both cases
+    assert llm.kwargs["enable_lora"] is True
+    assert served == [None, 1]  # no adapter, then the random adapter through sync_adapter
+    order = [n for n in names(llm.calls) if n in ("generate", "add_lora")]
+    assert order == ["generate", "add_lora", "generate"]
+    assert [(r["lora_rank"], r["batch"]) for r in result["rollout"]] == [(0, 2), (16, 2)]
+    assert [(m["lora_rank"], m["engine_lora_enabled"]) for m in result["memory"]] == [(0, True), (16, True)]
+
+
+def test_kv_cache_dtype_reaches_vllm(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
+    make_engine(tmp_path, kv_cache_dtype="fp8")
+    make_engine(tmp_path / "b")
+    first, second = FakeLLM.instances
+    assert first.kwargs["kv_cache_dtype"] == "fp8" and "kv_cache_dtype" not in second.kwargs

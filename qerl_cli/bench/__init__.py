@@ -18,6 +18,7 @@ from qerl_cli.bench.report import (
     add_speedups,
     bench_table,
     check_regressions,
+    failed_cases,
     gate_failures,
     new_report,
     read_report,
@@ -28,9 +29,16 @@ from qerl_cli.bench.report import (
 from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
 
-__all__ = ["bench_table", "gate_failures", "run_bench"]
+__all__ = ["bench_table", "failed_cases", "gate_failures", "run_bench"]
 
 log = logging.getLogger(__name__)
+
+
+def _e2e_shape(cfg: BenchConfig) -> dict[str, Any]:
+    from qerl_cli.bench.e2e import prompts_per_step
+
+    return {"prompts_per_step": prompts_per_step(cfg), "generations": cfg.e2e_generations,
+            "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "recipe": cfg.e2e_recipe}  # fmt: skip
 
 
 def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
@@ -55,8 +63,30 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
         "vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" else None,
         "e2e": cfg.e2e,
+        "e2e_shape": _e2e_shape(cfg) if cfg.e2e else None,
+        # vLLM: the without-LoRA rows come from the LoRA-enabled engine, with no adapter active.
+        "one_engine_per_format": engine == "vllm",
         "seed": cfg.seed,
     }
+
+
+def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[int], lora_dir: Any,
+           settings: dict[str, Any]) -> list[Any]:  # fmt: skip
+    """vLLM: one engine per format serves every rank in turn (an engine start is 1-3 minutes);
+    HF: one case per rank (a plain model without LoRA layers, then one with them)."""
+    from qerl_cli.bench.engines import Case
+
+    def case(rank: int, phases: list[int]) -> Case:
+        return Case(
+            engine=engine, format=fmt, model_dir=str(folder), lora_rank=rank,
+            lora_dir=str(lora_dir) if rank else None, batches=list(cfg.batch), settings=settings,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, vllm_kwargs=dict(cfg.vllm_kwargs),
+            lora_phases=phases,
+        )  # fmt: skip
+
+    if engine == "vllm":
+        return [case(max(ranks), ranks)]
+    return [case(rank, []) for rank in ranks]
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -68,7 +98,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
     """
     from qerl_cli.bench.adapter import write_random_lora
-    from qerl_cli.bench.engines import Case, run_case
+    from qerl_cli.bench.engines import run_case
     from qerl_cli.bench.models import (
         cache_root,
         default_model,
@@ -105,23 +135,20 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             else None
         )
         for fmt, folder in checkpoints.items():
-            for rank in ranks:
-                case = Case(
-                    engine=engine, format=fmt, model_dir=str(folder), lora_rank=rank,
-                    lora_dir=str(lora_dir) if rank else None, batches=list(cfg.batch), settings=settings,
-                    gpu_memory_utilization=cfg.gpu_memory_utilization, vllm_kwargs=dict(cfg.vllm_kwargs),
-                )
-                log.info("bench: %s, LoRA %s, batches %s", fmt, rank or "none", cfg.batch)
+            for case in _cases(cfg, engine, fmt, folder, ranks, lora_dir, settings):
+                log.info("bench: %s, LoRA %s, batches %s", fmt, case.phases(), cfg.batch)
                 try:
                     result = run_case(case, isolate=engine == "vllm")
-                except QerlError as exc:
+                except (QerlError, RuntimeError) as exc:
                     if engine != "vllm":
                         raise
                     # One format vLLM cannot serve here must not hide the others' figures.
-                    report["errors"].append({"format": fmt, "lora_rank": rank, "error": str(exc)})
+                    report["errors"] += [
+                        {"format": fmt, "lora_rank": r, "error": str(exc)} for r in case.phases()
+                    ]
                     continue
                 report["rollout"].extend(result["rollout"])
-                report["memory"].append(result["memory"])
+                report["memory"].extend(result["memory"])
 
     if cfg.e2e:
         from qerl_cli.bench.e2e import run_e2e

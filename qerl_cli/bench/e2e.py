@@ -1,9 +1,13 @@
 """``--e2e``: seconds of one GRPO step per phase, BF16 LoRA against each 4-bit format.
 
-Each format runs the same small GRPO job through the real trainer (``qerl_cli.rl.trainer.Trainer``):
-the same synthetic prompts, ``e2e_generations`` completions per prompt, the largest ``--batch``
-prompts per step, ``--gen-len`` completion tokens at most, LoRA of ``--lora-rank`` (16 when 0),
-and the same vLLM memory share (``e2e_gpu_memory_utilization``). Only the base format differs.
+Each format runs the same GRPO job through the real trainer (``qerl_cli.rl.trainer.Trainer``):
+the same synthetic prompts padded to about ``--prompt-len`` tokens (a filler system prompt; exact
+for the byte-level tokenizer of shape checkpoints), ``--generations`` completions per prompt,
+``--prompts-per-step`` prompts a step (default: the largest ``--batch``), ``--gen-len`` completion
+tokens at most, LoRA of ``--lora-rank`` (16 when 0), and the same vLLM memory share
+(``e2e_gpu_memory_utilization``). Only the base format differs. ``--e2e-recipe`` takes the step's
+shape from a training recipe (:func:`recipe_shape`, flags given explicitly win) and its memory
+settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
 
 Rewards are seeded random numbers instead of math grading: grading costs the same for every
 format, and random rewards give every group nonzero advantages, so each step does a real update.
@@ -68,32 +72,76 @@ class RandomReward:
         return [self.rng.random() for _ in texts], {}
 
 
+# Characters of a synthetic-addition question with the plain template, rounded up.
+QUESTION_ALLOWANCE = 48
+FILLER = "Add the two numbers and give only the sum. "
+
+
+def prompts_per_step(cfg: BenchConfig) -> int:
+    return cfg.e2e_prompts_per_step or max(cfg.batch)
+
+
+def recipe_shape(recipe: str) -> dict[str, Any]:
+    """BenchConfig values of a training recipe's step shape (for flags the user did not give)."""
+    train = _recipe(recipe, "")
+    r = train.rollout
+    return {"prompt_len": r.max_prompt_length, "gen_len": r.max_completion_length,
+            "e2e_generations": r.num_generations, "e2e_prompts_per_step": train.train.prompts_per_step,
+            "lora_rank": train.lora.rank}  # fmt: skip
+
+
+def _recipe(recipe: str, model_dir: str) -> TrainConfig:
+    from qerl_cli.config import load_config
+
+    return load_config(TrainConfig, recipe, [f"model.path={model_dir or 'unused'}"])
+
+
+def filler_system_prompt(prompt_len: int) -> str | None:
+    """A system prompt that brings a synthetic question to about ``prompt_len`` characters (tokens
+    for a byte-level tokenizer); None when the question alone is that long."""
+    room = prompt_len - QUESTION_ALLOWANCE
+    return (FILLER * (room // len(FILLER) + 1))[:room] if room > 0 else None
+
+
 def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
     """The same GRPO job for every format; only ``model_dir`` changes between formats."""
     steps = cfg.warmup + cfg.repeats
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
-    prompts = max(cfg.batch)
+    prompts = prompts_per_step(cfg)
+    recipe = _recipe(cfg.e2e_recipe, model_dir) if cfg.e2e_recipe else None
+    share = cfg.e2e_gpu_memory_utilization
+    if share is None:
+        share = recipe.rollout.gpu_memory_utilization if recipe else 0.3
+    train = TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.e2e_generations,
+                         seed=cfg.seed)  # fmt: skip
+    kv_cache_dtype = "auto"
+    if recipe is not None:  # the recipe's memory settings, so the step runs as training would
+        train.micro_batch_size = recipe.train.micro_batch_size
+        train.gradient_checkpointing = recipe.train.gradient_checkpointing
+        train.logprob_chunk_tokens = recipe.train.logprob_chunk_tokens
+        kv_cache_dtype = recipe.rollout.kv_cache_dtype
     return TrainConfig(
         model=ModelSection(path=model_dir),
         lora=LoraSection(rank=rank, alpha=2 * rank),
         rollout=RolloutSection(
             engine=engine,  # type: ignore[arg-type]
             num_generations=cfg.e2e_generations,
-            # A bound, not a length: the synthetic prompts (chat template included) must fit.
-            max_prompt_length=max(cfg.prompt_len, 1024),
+            # A bound: the padded synthetic prompts (chat template included) must fit.
+            max_prompt_length=cfg.prompt_len + 64,
             max_completion_length=cfg.gen_len,
             temperature=1.0,
             top_p=1.0,
             generation_batch_size=prompts * cfg.e2e_generations,
-            gpu_memory_utilization=cfg.e2e_gpu_memory_utilization,
+            gpu_memory_utilization=share,
+            kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             max_lora_rank=rank,
             vllm_kwargs=dict(cfg.vllm_kwargs),
         ),
         algorithm=AlgorithmSection(tis="on"),
         aqn=AQNSection(enabled=False),
-        data=DataSection(dataset=E2E_DATASET, max_samples=prompts * steps, shuffle=False),
-        train=TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.e2e_generations,
-                           seed=cfg.seed),
+        data=DataSection(dataset=E2E_DATASET, max_samples=prompts * steps, shuffle=False, template="plain",
+                         system_prompt=filler_system_prompt(cfg.prompt_len)),  # fmt: skip
+        train=train,
         output=OutputSection(dir=out_dir, save_steps=0, save_total_limit=None),
     )
 
@@ -138,7 +186,16 @@ def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_
     row["sync_s"] = median("time_sync_s")
     row["step_s"] = median("time_step_s")
     row["steps_timed"] = len(timed)
-    row["sequences_per_step"] = max(cfg.batch) * cfg.e2e_generations
+    row["sequences_per_step"] = prompts_per_step(cfg) * cfg.e2e_generations
+    row["micro_batch_size"] = trainer.memory.micro_batch_size
+    row["gradient_checkpointing"] = trainer.memory.gradient_checkpointing
+    row["gpu_memory_utilization"] = trainer.memory.gpu_memory_utilization
+    row["memory_plan"] = trainer.memory.figures
+    for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/device_peak_used_gib"):
+        values = [r[key] for r in timed if key in r]
+        row[key.split("/")[1]] = max(values) if values else None
+    row["steps"] = [{k: v for k, v in r.items() if k.startswith(("time_", "memory/", "rollout_tokens"))}
+                    for r in records]  # fmt: skip
     row["completion_tokens_per_step"] = median("rollout_tokens")
     peaks = [r["peak_gpu_memory_gb"] for r in timed if "peak_gpu_memory_gb" in r]
     row["peak_allocated_bytes"] = int(max(peaks) * 2**30) if peaks else None
@@ -159,8 +216,8 @@ def _measure_isolated(
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         proc = subprocess.run([sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env,
                               check=False)
-        if not out.is_file():
-            raise RuntimeError(f"the e2e worker for {fmt} exited with code {proc.returncode} and no result")
+        if not out.is_file():  # e.g. killed for memory: the report says so and qerl bench exits 1
+            return {"format": fmt, "error": f"the e2e worker exited with code {proc.returncode}, no result"}
         return json.loads(out.read_text())
 
 

@@ -1,9 +1,11 @@
 """Build the rollout engine for one bench case (format x LoRA), measure it, and free it.
 
-``without LoRA`` means an engine with no LoRA machinery at all (plain base model for HF, vLLM
-started without ``enable_lora``), because LoRA support costs time even with no adapter active and
-users compare against a plain model. ``with LoRA`` loads the random PEFT adapter through the
-engine's own ``sync_adapter``, the path training uses.
+HF: ``without LoRA`` is the plain base model, ``with LoRA`` a second case with LoRA layers.
+vLLM: one engine serves both (``Case.lora_phases`` = [0, rank]): it starts with LoRA enabled, is
+measured with no adapter active, then loads the random PEFT adapter through its own
+``sync_adapter`` (the path training uses) and is measured again. Starting an engine takes 1-3
+minutes, so this halves the bench's start-up time; the rows say ``engine_lora_enabled`` because an
+engine with LoRA enabled but no adapter active is a little slower than one started without LoRA.
 
 vLLM cases run in a fresh child process (``python -m qerl_cli.bench.worker``): an in-process
 ``vllm.LLM`` does not give all of its GPU memory back when deleted, so a second engine in the same
@@ -53,6 +55,11 @@ class Case:
     settings: dict[str, Any] = field(default_factory=dict)  # RolloutSettings fields
     gpu_memory_utilization: float = 0.85
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # LoRA ranks measured on this one engine, in order (0: no adapter active). Empty: [lora_rank].
+    lora_phases: list[int] = field(default_factory=list)
+
+    def phases(self) -> list[int]:
+        return list(self.lora_phases) or [self.lora_rank]
 
 
 def vllm_available() -> bool:
@@ -87,7 +94,8 @@ def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
         }
     else:
         engine = make_engine(
-            "vllm", case.model_dir, adapter=case.lora_dir, model_format=case.format,
+            "vllm", case.model_dir, adapter=case.lora_dir if case.phases()[0] else None,
+            model_format=case.format,
             gpu_memory_utilization=case.gpu_memory_utilization,
             # Sleep mode routes allocations through vLLM's own pool; the bench never sleeps.
             enable_sleep_mode=False,
@@ -152,32 +160,41 @@ def _vllm_info(engine: Any, case: Case) -> dict[str, Any]:
 # One case, in this process
 # --------------------------------------------------------------------------------------------
 def measure_case(case: Case) -> dict[str, Any]:
-    """{"rollout": rows, "memory": row} for one case, measured in this process."""
+    """{"rollout": rows, "memory": [one row per LoRA phase]} for one case, measured in this process."""
     settings = RolloutSettings(**case.settings)
     in_process = case.engine == "hf" or vllm_in_process()
     model_config = read_model_config(case.model_dir)
     probe = MemoryProbe(in_process=in_process)
     probe.start()
+    rollout_rows: list[dict[str, Any]] = []
+    memory_rows: list[dict[str, Any]] = []
     with open_engine(case) as (engine, tokenizer, info):
         probe.sample()
-        rows = measure_rollout(engine, tokenizer, case.batches, settings, on_sample=probe.sample,
-                               vocab_size=model_config.get("vocab_size"))
-        memory = probe.result()
+        _complete_kv_info(info, case, settings, model_config)
+        for rank in case.phases():
+            if rank and getattr(engine, "lora_request", True) is None:
+                engine.sync_adapter(case.lora_dir)  # the second phase of a shared vLLM engine
+            rows = measure_rollout(engine, tokenizer, case.batches, settings, on_sample=probe.sample,
+                                   vocab_size=model_config.get("vocab_size"))
+            shared = len(case.phases()) > 1
+            rollout_rows += [{"format": case.format, "lora_rank": rank, **row} for row in rows]
+            memory_rows.append({
+                "format": case.format, "lora_rank": rank,
+                "checkpoint_bytes": checkpoint_tensor_bytes(case.model_dir), **info, **probe.result(),
+                **({"engine_lora_enabled": True} if shared else {}),
+            })  # fmt: skip
+    return {"rollout": rollout_rows, "memory": memory_rows}
+
+
+def _complete_kv_info(
+    info: dict[str, Any], case: Case, settings: RolloutSettings, model_config: dict[str, Any]
+) -> None:
     if info.get("kv_cache_bytes") is None:
         # The HF engine has no preallocated cache: its budget is what the largest batch needs.
         tokens = max(case.batches) * (settings.prompt_len + settings.gen_len)
         info["kv_cache_tokens"] = tokens
         info["kv_cache_bytes"] = tokens * kv_bytes_per_token(model_config)
         info["kv_cache_source"] = "computed: largest batch x (prompt + gen) tokens x bytes per token"
-    memory_row = {
-        "format": case.format,
-        "lora_rank": case.lora_rank,
-        "checkpoint_bytes": checkpoint_tensor_bytes(case.model_dir),
-        **info,
-        **memory,
-    }
-    rollout_rows = [{"format": case.format, "lora_rank": case.lora_rank, **row} for row in rows]
-    return {"rollout": rollout_rows, "memory": memory_row}
 
 
 # --------------------------------------------------------------------------------------------

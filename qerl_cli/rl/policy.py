@@ -91,6 +91,12 @@ def _make_norms_trainable(peft_model: nn.Module) -> None:
     set_additional_trainable_modules(peft_model, config, peft_model.base_model.model.config, "default")
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing works with a frozen base (no input-grad hook needed)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 @dataclass
 class Policy:
     model: nn.Module  # a PeftModel
@@ -129,9 +135,8 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
     base, fmt = load_base_model(cfg.model.path, cfg.model.format, dtype, device)
     for param in base.parameters():
         param.requires_grad_(False)
-    if cfg.train.gradient_checkpointing:
-        # Non-reentrant checkpointing works with a frozen base (no input-grad hook needed).
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.train.gradient_checkpointing is True:  # "auto": decided by the memory plan (rl.memory)
+        enable_gradient_checkpointing(base)
     base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
     model = attach_lora(base, cfg)
     model.to(device)
@@ -204,7 +209,7 @@ def make_token_batch(
 
 
 def completion_logprobs(
-    model: nn.Module, batch: TokenBatch, temperature: float, device: torch.device
+    model: nn.Module, batch: TokenBatch, temperature: float, device: torch.device, chunk_tokens: int = 0
 ) -> torch.Tensor:
     """``[B, C]`` float32 log p_T(completion token | prefix) for one micro-batch (grad if enabled).
 
@@ -212,6 +217,10 @@ def completion_logprobs(
     prompts, right padding of the completions) so a micro-batch of short rows stays cheap; the
     result is padded back to the batch's width. Position ids follow the attention mask, as in
     ``generate`` with left padding, so rollout and trainer logprobs agree.
+
+    ``chunk_tokens`` > 0 runs the LM head on that many completion tokens at a time and only on
+    the scored ones (``rl.logprobs``): no [rows, length, vocab] logits, and zeros where the
+    completion mask is 0. 0 computes the whole micro-batch's logits at once.
     """
     mask = batch.attention_mask
     used_cols = mask.any(dim=0).nonzero().flatten()
@@ -224,6 +233,15 @@ def completion_logprobs(
     input_ids = batch.input_ids[:, first:last].to(device)
     attention = mask[:, first:last].to(device)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    if chunk_tokens > 0:
+        from qerl_cli.rl.logprobs import chunked_token_logprobs
+
+        score = batch.completion_mask[:, :used_completion].to(device)
+        token_lp = chunked_token_logprobs(
+            model, input_ids, attention, positions, score, temperature, chunk_tokens
+        )
+        if token_lp is not None:
+            return torch.nn.functional.pad(token_lp, (0, batch.completion_width - used_completion))
     # Logits only where they predict a completion token: from the last prompt column on.
     keep = used_completion + 1
     outputs = model(
@@ -249,6 +267,7 @@ def batched_logprobs(
     micro_batch_size: int,
     *,
     reference: Policy | None = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """No-grad :func:`completion_logprobs` over a whole batch (``reference``: adapters off)."""
     parts = []
@@ -259,7 +278,7 @@ def batched_logprobs(
         with torch.no_grad(), context:
             for begin in range(0, batch.size, micro_batch_size):
                 rows = batch.rows(slice(begin, begin + micro_batch_size))
-                parts.append(completion_logprobs(model, rows, temperature, device).cpu())
+                parts.append(completion_logprobs(model, rows, temperature, device, chunk_tokens).cpu())
     finally:
         model.train(was_training)
     return torch.cat(parts)

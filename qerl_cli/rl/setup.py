@@ -26,9 +26,12 @@ from qerl_cli.rollout.base import RolloutEngine
 log = logging.getLogger(__name__)
 
 
-def make_engine(cfg: TrainConfig, policy: Policy, *, distributed: bool = False) -> RolloutEngine:
+def make_engine(
+    cfg: TrainConfig, policy: Policy, *, gpu_memory_utilization: float, distributed: bool = False
+) -> RolloutEngine:
     """The rollout engine of ``cfg.rollout.engine``: HF shares the policy's model, vLLM loads its own
-    copy of the base (the caller syncs the adapter).
+    copy of the base (the caller syncs the adapter) and takes ``gpu_memory_utilization`` of the GPU
+    (the memory plan's resolution of the recipe's value, ``auto`` included).
 
     ``distributed``: this process is one rank of a torchrun job. vLLM then runs in-process on the
     rank's GPU through its ``external_launcher`` executor, which joins the existing process group
@@ -53,7 +56,8 @@ def make_engine(cfg: TrainConfig, policy: Policy, *, distributed: bool = False) 
         cfg.model.path,
         dtype=cfg.model.dtype,
         model_format=cfg.model.format,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_dtype=cfg.rollout.kv_cache_dtype,
         enable_sleep_mode=cfg.rollout.enable_sleep_mode,
         max_lora_rank=cfg.rollout.max_lora_rank,
         max_model_len=cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length,
@@ -102,6 +106,10 @@ def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
 
 def tis_enabled(cfg: TrainConfig, policy: Policy) -> bool:
     mode = cfg.algorithm.tis
+    if cfg.rollout.kv_cache_dtype == "fp8":
+        if mode == "off":
+            log.warning("algorithm.tis=off overridden: an FP8 KV cache changes the rollout numerics")
+        return True
     if mode != "auto":
         return mode == "on"
     # Rollout numerics differ from the trainer's forward: 4-bit base, AQN noise, or another engine.

@@ -41,6 +41,7 @@ from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
+from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
@@ -76,6 +77,9 @@ class Trainer:
         device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
         self.policy: Policy = build_policy(cfg, device)
         self.device = self.policy.device
+        # Before vLLM starts: its "auto" share is what the loaded trainer leaves free.
+        self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
+        self.peaks = PeakTracker()
         problems = load_training_problems(cfg)
         self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
         self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
@@ -101,7 +105,12 @@ class Trainer:
 
     # ---- the rollout engine ------------------------------------------------------------------
     def _make_engine(self) -> RolloutEngine:
-        engine = setup.make_engine(self.cfg, self.policy, distributed=self.dist.enabled)
+        engine = setup.make_engine(
+            self.cfg,
+            self.policy,
+            gpu_memory_utilization=self.memory.gpu_memory_utilization,
+            distributed=self.dist.enabled,
+        )
         self._sync_engine(engine)
         return engine
 
@@ -205,17 +214,24 @@ class Trainer:
 
     def update(self, batch: Rollouts) -> dict[str, float]:
         return update_policy(
-            self.cfg, self.policy, self.optimizer, self.params, batch, tis_on=self.tis_on, dist=self.dist
+            self.cfg,
+            self.policy,
+            self.optimizer,
+            self.params,
+            batch,
+            tis_on=self.tis_on,
+            micro_batch_size=self.memory.micro_batch_size,
+            dist=self.dist,
         )
 
     def train_step(self) -> dict[str, Any]:
         step_start = time.perf_counter()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        self.peaks.start_step()
         sigma = self.schedule.sigma(self.step) if self.schedule is not None else 0.0
         self.engine.wake_up()
         perturbed = self.engine.set_norm_noise(sigma, derive_seed(self.cfg.train.seed, "aqn", self.step))
         generated, kept, stats = self.collect()
+        self.peaks.sample()  # the rollout phase: vLLM awake
         self.engine.sleep()
         record: dict[str, Any] = {
             "step": self.step + 1,
@@ -238,7 +254,11 @@ class Trainer:
             record["skipped_update"] = 0.0
         self.scheduler.step()
         self.step += 1
+        self.peaks.sample()  # the update phase: activations still cached
+        # The adapter sync wakes vLLM (staleness probe): hand the update's cached blocks back first.
+        record.update(release_cached_memory())
         self._sync_engine()
+        record.update(self.peaks.metrics())
         if torch.cuda.is_available():
             record["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         record["time_step_s"] = time.perf_counter() - step_start

@@ -31,6 +31,7 @@ def update_policy(
     batch: Rollouts,
     *,
     tis_on: bool,
+    micro_batch_size: int | None = None,
     dist: Distributed | None = None,
 ) -> dict[str, Any]:
     """Train on ``batch``; return the merged loss stats, grad norm and timings.
@@ -38,12 +39,14 @@ def update_policy(
     With several ranks ``batch`` is this rank's share (whole groups, possibly none): the normaliser
     counts every rank's rows, the gradients are summed over ranks before clipping, and the stats
     are those of the whole batch, so every rank takes the single-process step on the same batch.
+    ``micro_batch_size``: the memory plan's resolution of ``train.micro_batch_size`` (``auto``).
     """
     dist = dist or Distributed()
     a = cfg.algorithm
     model, device = policy.model, policy.device
     temperature = cfg.rollout.temperature
-    micro = cfg.train.micro_batch_size
+    micro = micro_batch_size or int(cfg.train.micro_batch_size)
+    chunk = cfg.train.logprob_chunk_tokens
     t0 = time.perf_counter()
     if len(batch):
         tokens = make_token_batch(
@@ -58,11 +61,15 @@ def update_policy(
         mask = tokens.completion_mask
         if a.mask_truncated:
             mask = truncation_mask([c.finish_reason for c in batch.completions], mask)
+        # One update per batch: pi_old == pi_theta, so the update's own logprobs (detached) serve as
+        # the old ones and no extra forward pass is run.
         old_lp = ref_lp = None
         if a.num_iterations > 1:
-            old_lp = batched_logprobs(model, tokens, temperature, device, micro)
+            old_lp = batched_logprobs(model, tokens, temperature, device, micro, chunk_tokens=chunk)
         if a.beta > 0:
-            ref_lp = batched_logprobs(model, tokens, temperature, device, micro, reference=policy)
+            ref_lp = batched_logprobs(
+                model, tokens, temperature, device, micro, reference=policy, chunk_tokens=chunk
+            )
         count = normalizer_count(a.loss_type, mask, cfg.rollout.max_completion_length)
     else:  # this rank kept no group this step; it still joins every collective
         count = 0.0
@@ -77,7 +84,7 @@ def update_policy(
         for begin in range(0, len(batch), micro):
             rows = slice(begin, begin + micro)
             part: TokenBatch = tokens.rows(rows)
-            lp = completion_logprobs(model, part, temperature, device)
+            lp = completion_logprobs(model, part, temperature, device, chunk)
             old = old_lp[rows].to(device) if old_lp is not None else lp.detach()
             try:
                 loss, stats = policy_loss(
@@ -110,6 +117,7 @@ def update_policy(
             raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()}")
         grad_norms.append(float(grad_norm))
         optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # LoRA gradients are not needed until the next update
     t2 = time.perf_counter()
     all_parts = [p for rank_parts in dist.all_gather_object(parts) for p in rank_parts]
     merged = merge_stats(all_parts) if all_parts else {}

@@ -1,0 +1,411 @@
+"""GPU memory of colocated training: what the trainer holds, what vLLM may take, what to free when.
+
+A colocated step has two phases that share one GPU:
+
+* **rollout**: vLLM is awake (its weights, KV cache, CUDA graphs); the trainer holds only its
+  *static* memory: the frozen base, the LoRA parameters, their gradients' storage and AdamW's state;
+* **update**: vLLM sleeps (level 1: weights offloaded to CPU, KV cache dropped; a residue such as
+  CUDA-graph pools stays), the trainer adds activations and the logprob chunks.
+
+So vLLM's share is what is free once the trainer is loaded, minus a margin, and the trainer's
+activations must fit in that same free memory minus what a sleeping vLLM keeps. Neither works if the
+trainer keeps its activation blocks cached in PyTorch's allocator when vLLM wakes up (vLLM's
+``wake_up`` then fails with ``CUDA Error: out of memory``): :func:`release_cached_memory` gives them
+back first.
+
+The arithmetic is in pure functions of sizes (:func:`trainer_static_bytes`,
+:func:`update_activation_bytes`, :func:`choose_micro_batch`, :func:`vllm_memory_share`), tested
+on the CPU on given model shapes; :func:`plan_memory` feeds them the GPU's measured free memory.
+The activation figures are estimates (coefficients below, with margin); the per-step metrics
+(:class:`PeakTracker`) show the measured peaks next to them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qerl_cli.errors import QerlError
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+# Bytes per weight of a 4-bit linear layer, scales included: NVFP4 has one FP8 scale per 16
+# weights, MXFP4 one E8M0 scale per 32, NF4 one absmax per 64 (double-quantized: ~1 byte / 64).
+WEIGHT_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "nf4": 0.5 + 1 / 64}
+# PEFT keeps LoRA weights in float32; each has a float32 gradient and AdamW's two float32 moments.
+LORA_BYTES_PER_PARAM = 4 + 4 + 8
+# Activations kept for backward per token and decoder layer, in units of hidden / intermediate
+# size x 2 bytes (BF16). Counted from Qwen2's layer with LoRA on every projection: norm inputs
+# (kept in float32 by HF's RMSNorm), q/k/v and rotary outputs, SDPA outputs, LoRA inputs, the MLP's
+# gate/up/act/product; rounded up for temporaries.
+ACT_HIDDEN_UNITS = 18
+ACT_INTER_UNITS = 5
+# Sequences' tokens per micro-batch above which a larger micro-batch no longer speeds up an
+# update on an H100-class GPU (the matmuls are already large): below it, checkpointing with a
+# larger micro-batch is preferred over no checkpointing with a tiny one.
+SATURATING_TOKENS = 4096
+# Tokens per micro-batch beyond which "auto" stops growing it: the matmuls gain nothing more and
+# every extra token is peak memory an estimate could get wrong.
+MAX_AUTO_TOKENS = 32768
+# Memory vLLM keeps while asleep at level 1 (CUDA-graph pools, sampler and LoRA buffers).
+VLLM_ASLEEP_RESERVE = int(3.0 * GIB)
+# vLLM's non-KV, non-weight memory while awake: activation profile peak, CUDA graphs, LoRA slots.
+VLLM_OVERHEAD = int(4.0 * GIB)
+# Left free on the device in every phase (allocator fragmentation, NCCL, the CUDA context).
+DEFAULT_MARGIN = int(2.0 * GIB)
+# Tokens per logprob chunk: chunk x vocab float32 logits, plus softmax and gradient in backward.
+DEFAULT_LOGPROB_CHUNK = 1024
+KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+def gib(n: float | int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.1f} GiB"
+
+
+# --------------------------------------------------------------------------------------------
+# Model sizes
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide memory (from a transformers ``config.json`` dict)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            return cls(
+                hidden=hidden,
+                intermediate=int(config["intermediate_size"]),
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                vocab=int(config["vocab_size"]),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as exc:
+            raise QerlError(f"the model config has no {exc.args[0]}: cannot size its memory") from None
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of one decoder layer."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+    def decoder_linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
+
+    def dense_params(self) -> int:
+        """Parameters kept in BF16 in every format: embeddings, LM head, norms, q/k/v biases."""
+        embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        per_layer = 2 * self.hidden + self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
+        return embed + self.layers * per_layer + self.hidden
+
+    def kv_bytes_per_token(self, kv_dtype: str = "auto") -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * KV_DTYPE_BYTES.get(kv_dtype, 2)
+
+
+def weight_bytes(shape: ModelShape, fmt: str) -> int:
+    """Bytes of the base model's weights in ``fmt`` (bf16, nvfp4, mxfp4, nf4)."""
+    if fmt not in WEIGHT_BYTES:
+        raise QerlError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    return int(shape.decoder_linear_params() * WEIGHT_BYTES[fmt] + shape.dense_params() * 2)
+
+
+def lora_params(shape: ModelShape, rank: int, targets: list[str]) -> int:
+    linears = shape.linear_shapes()
+    return shape.layers * sum(rank * (a + b) for name, (a, b) in linears.items() if name in targets)
+
+
+def trainer_static_bytes(shape: ModelShape, fmt: str, rank: int, targets: list[str]) -> int:
+    """What the trainer holds in every phase: the frozen base, LoRA, its gradients, AdamW state."""
+    return weight_bytes(shape, fmt) + lora_params(shape, rank, targets) * LORA_BYTES_PER_PARAM
+
+
+def update_activation_bytes(
+    shape: ModelShape,
+    fmt: str,
+    micro_batch: int,
+    seq_len: int,
+    *,
+    checkpointing: bool,
+    logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+) -> int:
+    """Peak bytes the update adds to the static memory for one micro-batch of ``seq_len`` tokens.
+
+    With checkpointing, each layer keeps only its input and one layer's activations live again
+    during its backward; without, every layer keeps its own. The logprobs of ``logprob_chunk``
+    tokens at a time (0: the whole micro-batch) cost chunk x vocab float32 three times (logits,
+    softmax, gradient). A 4-bit layer dequantizes its weight to BF16 for the matmul (twice: the
+    forward of the recomputation and the backward).
+    """
+    tokens = micro_batch * seq_len
+    per_layer = tokens * (ACT_HIDDEN_UNITS * shape.hidden + ACT_INTER_UNITS * shape.intermediate) * 2
+    layer_input = tokens * shape.hidden * 2
+    # Checkpointing: every layer's input, plus one layer's activations during its recomputation.
+    layers = shape.layers * layer_input + per_layer if checkpointing else shape.layers * per_layer
+    chunk = tokens if logprob_chunk <= 0 else min(logprob_chunk, tokens)
+    logprobs = chunk * shape.vocab * 4 * 3 + 2 * layer_input
+    dequant = 0
+    if fmt != "bf16":
+        dequant = 2 * max(a * b for a, b in shape.linear_shapes().values()) * 2
+    return int(layers + logprobs + dequant)
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    activation_bytes: int
+
+
+def choose_micro_batch(
+    shape: ModelShape,
+    fmt: str,
+    seq_len: int,
+    budget_bytes: int,
+    *,
+    max_micro_batch: int,
+    checkpointing: bool | str = "auto",
+    micro_batch: int | str = "auto",
+    logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+) -> MicroBatchChoice:
+    """The micro-batch size and checkpointing for updates within ``budget_bytes`` of activations.
+
+    ``micro_batch`` / ``checkpointing`` given as values are kept (and checked); ``"auto"`` picks
+    the fastest that fits: no checkpointing (a third less compute) when a micro-batch of at least
+    ``SATURATING_TOKENS`` tokens (or all the step's sequences) fits without it, otherwise
+    checkpointing with the largest micro-batch that fits. Raises QerlError, with the numbers, when
+    not even one sequence fits.
+    """
+    top = max(1, min(max_micro_batch, MAX_AUTO_TOKENS // max(seq_len, 1)))
+    sizes = [micro_batch] if micro_batch != "auto" else list(range(top, 0, -1))
+    modes = [bool(checkpointing)] if checkpointing != "auto" else [False, True]
+
+    def need(m: int, ckpt: bool) -> int:
+        return update_activation_bytes(
+            shape, fmt, m, seq_len, checkpointing=ckpt, logprob_chunk=logprob_chunk
+        )
+
+    for ckpt in modes:
+        for m in sizes:
+            if need(m, ckpt) > budget_bytes:
+                continue
+            # A given micro-batch, checkpointing, or a micro-batch big enough: take it.
+            given = len(modes) == 1 or micro_batch != "auto"
+            if ckpt or given or m * seq_len >= SATURATING_TOKENS or m >= top:
+                return MicroBatchChoice(int(m), ckpt, need(m, ckpt))
+            break  # the largest fitting size without checkpointing is too small: try with it
+    smallest = need(min(sizes), modes[-1])
+    raise QerlError(
+        f"the update does not fit: one micro-batch of {min(sizes)} x {seq_len} tokens needs about "
+        f"{gib(smallest)} of activations{' even with gradient checkpointing' if modes[-1] else ''}, "
+        f"and only {gib(budget_bytes)} are "
+        "left for them. Lower rollout.max_prompt_length + max_completion_length, turn "
+        "train.gradient_checkpointing on, lower train.micro_batch_size, or use a GPU with more memory"
+    )
+
+
+def vllm_min_bytes(shape: ModelShape, fmt: str, max_model_len: int, kv_dtype: str = "auto") -> int:
+    """The least vLLM can run with: its weights, its overhead, and KV for one full-length sequence."""
+    return weight_bytes(shape, fmt) + VLLM_OVERHEAD + max_model_len * shape.kv_bytes_per_token(kv_dtype)
+
+
+def vllm_memory_share(
+    total_bytes: int, free_bytes: int, need_bytes: int, *, margin_bytes: int = DEFAULT_MARGIN
+) -> float:
+    """vLLM's ``gpu_memory_utilization`` (a fraction of the *whole* GPU, as vLLM defines it): what
+    is free after the trainer loaded (``free_bytes``) minus ``margin_bytes``.
+
+    vLLM refuses to start when less than utilization x total is free, and it sizes its KV cache
+    from that budget minus its own weights and activations, so the share must come from the free
+    memory (which also excludes other processes, e.g. a ballast capping the GPU), not the total.
+    """
+    if total_bytes <= 0:
+        raise QerlError("the GPU reports no memory")
+    available = free_bytes - margin_bytes
+    if available < need_bytes:
+        raise QerlError(
+            f"vLLM does not fit next to the trainer: it needs at least {gib(need_bytes)} (weights, "
+            f"overhead and the KV cache of one full-length sequence) but {gib(free_bytes)} of the GPU's "
+            f"{gib(total_bytes)} are free after loading the trainer, less a {gib(margin_bytes)} margin. "
+            "Use a 4-bit checkpoint, lower rollout.max_prompt_length + max_completion_length, set "
+            "rollout.kv_cache_dtype=fp8, or use a GPU with more memory"
+        )
+    return math.floor(available / total_bytes * 1000) / 1000
+
+
+@dataclass
+class MemoryPlan:
+    """The resolved settings of a run and the figures they came from (logged and in metrics)."""
+
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    gpu_memory_utilization: float
+    logprob_chunk: int
+    figures: dict[str, float] = field(default_factory=dict)
+
+
+def plan_memory(
+    *,
+    shape: ModelShape,
+    fmt: str,
+    lora_rank: int,
+    lora_targets: list[str],
+    seq_len: int,
+    sequences_per_step: int,
+    micro_batch: int | str,
+    checkpointing: bool | str,
+    gpu_memory_utilization: float | str,
+    logprob_chunk: int,
+    total_bytes: int | None,
+    free_bytes: int | None,
+    engine: str,
+    kv_dtype: str = "auto",
+    margin_bytes: int = DEFAULT_MARGIN,
+) -> MemoryPlan:
+    """Resolve the ``auto`` settings from sizes and the GPU's memory (``free_bytes`` is measured
+    after the trainer's model is loaded and before vLLM starts; None on a CPU)."""
+    figures: dict[str, float] = {"memory/trainer_static_estimate_gib": trainer_static_bytes(
+        shape, fmt, lora_rank, lora_targets) / GIB}  # fmt: skip
+    colocated = engine == "vllm"
+    if total_bytes is None or free_bytes is None:
+        # CPU: no device limit to plan against; the defaults of the recipe format.
+        micro = 8 if micro_batch == "auto" else int(micro_batch)
+        ckpt = True if checkpointing == "auto" else bool(checkpointing)
+        share = 0.3 if gpu_memory_utilization == "auto" else float(gpu_memory_utilization)
+        return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, logprob_chunk, figures)
+    figures["memory/gpu_total_gib"] = total_bytes / GIB
+    figures["memory/free_after_trainer_gib"] = free_bytes / GIB
+    reserve = VLLM_ASLEEP_RESERVE if colocated else 0
+    budget = free_bytes - reserve - margin_bytes
+    choice = choose_micro_batch(
+        shape, fmt, seq_len, budget, max_micro_batch=sequences_per_step, checkpointing=checkpointing,
+        micro_batch=micro_batch, logprob_chunk=logprob_chunk,
+    )  # fmt: skip
+    figures["memory/activation_estimate_gib"] = choice.activation_bytes / GIB
+    share = 0.0
+    if colocated:
+        if gpu_memory_utilization == "auto":
+            need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
+            share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=margin_bytes)
+        else:
+            share = float(gpu_memory_utilization)
+        figures["memory/vllm_budget_gib"] = share * total_bytes / GIB
+    return MemoryPlan(choice.micro_batch_size, choice.gradient_checkpointing, share, logprob_chunk, figures)
+
+
+# --------------------------------------------------------------------------------------------
+# Releasing and measuring
+# --------------------------------------------------------------------------------------------
+def release_cached_memory() -> dict[str, float]:
+    """Give PyTorch's cached (unused) blocks back to the driver before vLLM wakes up.
+
+    The caller drops its own references (activations, logits, losses) first: a block still
+    referenced cannot be released. Returns the device's free memory after, for the metrics.
+    """
+    gc.collect()  # reference cycles (autograd graphs kept alive by a traceback or a closure)
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    return {"memory/free_before_wake_gib": free / GIB}
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the current CUDA device, None without one."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return int(free), int(total)
+
+
+class PeakTracker:
+    """Per-step peaks: PyTorch's allocator (this process, vLLM in-process included) and the whole
+    device (``mem_get_info``: every process, e.g. a ballast too), sampled at phase ends."""
+
+    def __init__(self) -> None:
+        self.min_free: int | None = None
+        self.total: int | None = None
+
+    def start_step(self) -> None:
+        self.min_free = None
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self.sample()
+
+    def sample(self) -> None:
+        info = device_memory()
+        if info is None:
+            return
+        free, self.total = info
+        self.min_free = free if self.min_free is None else min(self.min_free, free)
+
+    def metrics(self) -> dict[str, float]:
+        if not torch.cuda.is_available():
+            return {}
+        self.sample()
+        out = {
+            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        }
+        if self.min_free is not None and self.total is not None:
+            out["memory/device_peak_used_gib"] = (self.total - self.min_free) / GIB
+            out["memory/device_total_gib"] = self.total / GIB
+        return out
+
+
+def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPlan:
+    """The memory plan of a training run (``cfg``: TrainConfig) for its loaded policy ``model``,
+    measured now (after the trainer loaded, before vLLM starts); turns checkpointing on if chosen."""
+    from qerl_cli.rl.policy import enable_gradient_checkpointing
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    shape = ModelShape.from_config(base.config.to_dict())
+    rollout, train = cfg.rollout, cfg.train
+    release_cached_memory()
+    info = device_memory()
+    plan = plan_memory(
+        shape=shape, fmt=base_format, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules),
+        seq_len=rollout.max_prompt_length + rollout.max_completion_length,
+        sequences_per_step=train.prompts_per_step * rollout.num_generations,
+        micro_batch=train.micro_batch_size, checkpointing=train.gradient_checkpointing,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, logprob_chunk=train.logprob_chunk_tokens,
+        total_bytes=info[1] if info else None, free_bytes=info[0] if info else None,
+        engine=rollout.engine, kv_dtype=rollout.kv_cache_dtype,
+    )  # fmt: skip
+    if train.gradient_checkpointing == "auto" and plan.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    auto = [name for name, value in (("micro_batch_size", train.micro_batch_size),
+            ("gradient_checkpointing", train.gradient_checkpointing),
+            ("gpu_memory_utilization", rollout.gpu_memory_utilization)) if value == "auto"]  # fmt: skip
+    log.info(
+        "memory plan%s: micro-batch %d, gradient checkpointing %s, vLLM share %.3f; %s",
+        f" (auto: {', '.join(auto)})" if auto else "",
+        plan.micro_batch_size,
+        "on" if plan.gradient_checkpointing else "off",
+        plan.gpu_memory_utilization,
+        ", ".join(f"{k.split('/')[-1]} {v:.1f}" for k, v in plan.figures.items()),
+    )
+    return plan

@@ -1,0 +1,119 @@
+"""vLLM outputs -> qerl's: completions, sampled-token and prompt logprobs, and the staleness
+check's figures and message. Part of the vLLM rollout engine (``rollout.vllm_engine``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from qerl_cli.rollout.base import Completion, FinishReason, RolloutResult
+
+
+def finish_reason(reason: str | None) -> FinishReason:
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop"
+    # "abort" (or None) means vLLM dropped the request, e.g. it was put to sleep mid-generation.
+    raise RuntimeError(f"vLLM returned an unfinished completion (finish_reason={reason!r})")
+
+
+def sampled_token_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
+    """Logprob of each sampled token from a CompletionOutput's ``logprobs``.
+
+    With ``logprobs=0`` vLLM returns exactly the sampled token per position, either as
+    ``FlatLogprobs`` (flat lists; read directly, no per-token dict is built) or as a list of
+    ``{token_id: Logprob}`` dicts.
+    """
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs although SamplingParams(logprobs=0) asked for them")
+    flat_ids = getattr(logprobs, "token_ids", None)
+    flat_values = getattr(logprobs, "logprobs", None)
+    if (
+        isinstance(flat_values, list)
+        and flat_ids is not None
+        and len(flat_values) == len(token_ids)
+        and list(flat_ids) == list(token_ids)
+    ):
+        return [float(v) for v in flat_values]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprob positions for {len(token_ids)} tokens")
+    return [float(position[token].logprob) for token, position in zip(token_ids, logprobs, strict=True)]
+
+
+def prompt_token_logprobs(token_ids: Sequence[int], prompt_logprobs: Any) -> list[float]:
+    """log p(token_i | tokens_<i) for i >= 1 from a RequestOutput's ``prompt_logprobs``
+    (position 0 is None: the first token has no context)."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no prompt logprobs for the staleness probe")
+    return [float(prompt_logprobs[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
+
+
+
+def mean_abs_gap(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
+
+
+
+def staleness_message(
+    gap: float,
+    tolerance: float,
+    lora_id: int | None,
+    engine_lp: list[float],
+    base_lp: list[float] | None,
+    trainer_lp: Sequence[float],
+) -> str:
+    """Why vLLM's logprobs are ``gap`` away from the trainer's, from the figures at hand: no adapter,
+    an adapter that changes nothing (the base model is sampled), or another adapter than the trainer's."""
+    head = (
+        f"vLLM's logprobs differ from the trainer's by {gap:.3f} nats/token on the probe prompt "
+        f"(rollout.staleness_tolerance={tolerance}): rollouts are not sampled from the policy being trained."
+    )
+    if lora_id is None:
+            return (
+            head + " No adapter is loaded in vLLM: call sync_adapter with the trainer's adapter after each "
+            "update."
+        )
+    adapter_effect = mean_abs_gap(engine_lp, base_lp or engine_lp)
+    base_gap = mean_abs_gap(base_lp or engine_lp, trainer_lp)
+    if adapter_effect < 1e-4:
+        cause = (
+            f"vLLM gives identical logprobs with and without adapter id {lora_id}: "
+            "rollouts are sampling the base model (the adapter's target modules are not applied)."
+        )
+    else:
+        cause = (
+            f"The adapter changes vLLM's logprobs by {adapter_effect:.3f} and the base model is "
+            f"{base_gap:.3f} from the trainer: the adapter vLLM loaded is not the one the trainer uses "
+            "(stale file, wrong folder or mismatched lora.alpha/rank)."
+        )
+    return (
+        f"{head} {cause} Check that the adapter saved after each update is the trained one; raise "
+        "rollout.staleness_tolerance only if the gap is explained by quantization numerics."
+    )
+
+
+def to_result(outputs: Sequence[Any], n: int) -> RolloutResult:
+    """Group vLLM RequestOutputs (n completions each, sorted by index) into a RolloutResult."""
+    prompt_ids: list[list[int]] = []
+    groups: list[list[Completion]] = []
+    for output in outputs:
+        if len(output.outputs) != n:
+            raise RuntimeError(
+                f"vLLM returned {len(output.outputs)} completions for a prompt, expected {n}"
+            )
+        prompt_ids.append(list(output.prompt_token_ids))
+        group = []
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            token_ids = list(completion.token_ids)
+            group.append(
+                Completion(
+                    token_ids=token_ids,
+                    text=completion.text,
+                    logprobs=sampled_token_logprobs(token_ids, completion.logprobs),
+                    finish_reason=finish_reason(completion.finish_reason),
+                )
+            )
+        groups.append(group)
+    return RolloutResult(prompt_token_ids=prompt_ids, completions=groups)

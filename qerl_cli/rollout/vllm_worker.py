@@ -1,0 +1,64 @@
+"""Functions that run inside vLLM's worker through ``LLM.apply_model``: AQN noise on vLLM's own
+RMSNorm weights. Module level so they pickle; part of the vLLM rollout engine (``rollout.vllm_engine``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.modeling.aqn import find_norm_modules, is_rms_norm, perturb_norm_weights
+
+# Attribute on vLLM's model (worker side) holding the clean norm weights, on CPU: CPU copies are
+# unaffected by sleep-mode offloading and cost ~0.4 MB for a 7B model.
+CLEAN_NORMS_ATTR = "_qerl_clean_norm_weights"
+
+
+def is_vllm_norm(name: str, module: nn.Module) -> bool:
+    """RMSNorm modules with a real weight (vLLM builds some with ``has_weight=False``)."""
+    return is_rms_norm(name, module) and bool(getattr(module, "has_weight", True))
+
+
+def worker_count_norms(model: nn.Module) -> int:
+    return len(find_norm_modules(model, is_vllm_norm))
+
+
+def worker_set_norm_noise(model: nn.Module, sigma: float, seed: int) -> tuple[int, float]:
+    """Set each norm weight to clean + N(0, sigma^2) (sigma 0: clean). Returns (modules perturbed,
+    fraction of elements that changed after casting to the weight dtype).
+
+    The clean copies are taken on the first call and kept on the model object, so every later
+    call (after any number of sleep/wake cycles) starts from them: noise never accumulates. The
+    noise is drawn on CPU from ``seed``, so a call is a pure function of (clean, sigma, seed).
+    """
+    modules = find_norm_modules(model, is_vllm_norm)
+    clean: dict[str, torch.Tensor] | None = getattr(model, CLEAN_NORMS_ATTR, None)
+    if clean is None:
+        if sigma == 0:
+            return 0, 0.0  # never perturbed: the weights are clean already
+        clean = {name: m.weight.detach().to("cpu", copy=True) for name, m in modules.items()}
+        setattr(model, CLEAN_NORMS_ATTR, clean)
+    if sigma == 0:
+        values = clean
+    else:
+        generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        values = perturb_norm_weights(clean, sigma, generator)
+    changed = total = 0
+    with torch.no_grad():
+        for name, module in modules.items():
+            module.weight.copy_(values[name])
+            if sigma > 0:
+                changed += int((values[name] != clean[name]).sum())
+                total += values[name].numel()
+    count = len(modules) if sigma > 0 else 0
+    return count, (changed / total if total else 0.0)
+
+
+
+def no_norms_error(model_path: str) -> QerlError:
+    return QerlError(
+        f"AQN is on but vLLM's model for {model_path} has no RMSNorm module with a weight to perturb; "
+        "turn AQN off (aqn.enabled=false) or use rollout.engine=hf for this architecture"
+    )
+
