@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qerl_cli import config as cfg
@@ -50,6 +51,19 @@ def _root(
 
 def _csv(value: str | None) -> list[str] | None:
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _positive_ints(value: str | None, flag: str) -> list[int] | None:
+    """``"2,8"`` -> [2, 8]; anything else names the element that is wrong."""
+    items = _csv(value)
+    if items is None:
+        return None
+    for item in items:
+        if not item.isdigit() or int(item) < 1:
+            raise QerlError(f"{flag} takes comma-separated positive integers (e.g. {flag} 2,8), got '{item}'")
+    if not items:
+        raise QerlError(f"{flag} takes comma-separated positive integers (e.g. {flag} 2,8), got '{value}'")
+    return [int(item) for item in items]
 
 
 def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
@@ -161,7 +175,7 @@ def _train_summary(result: dict[str, Any]) -> Table:
         ("plot", result.get("plot") or "-"),
     ]
     for label, value in rows:
-        table.add_row(label, f"{value:.3f}" if isinstance(value, float) else str(value))
+        table.add_row(label, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
     return table
 
 
@@ -231,7 +245,7 @@ def bench(
     dry_run: DryRunOption = False,
 ) -> None:
     """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 vs MXFP4; --e2e GRPO step time."""
-    batches = _csv(batch)
+    batches = _positive_ints(batch, "--batch")
     conf = cfg.load_config(
         cfg.BenchConfig,
         config,
@@ -257,7 +271,7 @@ def bench(
     failures = gate_failures(report)
     if failures:  # --baseline regression gate: CI fails, naming each metric that regressed
         for line in failures:
-            err_console.print(f"[red]regression[/red]: {line}")
+            err_console.print(f"[red]regression[/red]: {escape(line)}")
         raise typer.Exit(1)
 
 
@@ -312,7 +326,7 @@ def tiny_model(
     from qerl_cli.modeling.tiny import write_tiny_model
 
     path = write_tiny_model(out, seed=seed)
-    console.print(f"wrote tiny Qwen2 model to [bold]{path}[/bold]")
+    console.print(f"wrote tiny Qwen2 model to [bold]{escape(str(path))}[/bold]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     except QerlError as exc:
         if debug:
             err_console.print_exception()
-        err_console.print(f"[bold red]error:[/bold red] [red]{exc}[/red]")
+        err_console.print(f"[bold red]error:[/bold red] [red]{escape(str(exc))}[/red]")
         return 2
     except typer.Exit as exc:
         return exc.exit_code
@@ -348,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             err_console.print_exception()
         else:
-            err_console.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: {exc}")
+            err_console.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: " + escape(str(exc)))
             err_console.print("[dim]re-run with --debug for the traceback[/dim]")
         return 1
     return rc if isinstance(rc, int) else 0

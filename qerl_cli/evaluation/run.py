@@ -49,7 +49,7 @@ def _default_log() -> Log:
     from rich.console import Console
 
     console = Console(stderr=True)
-    return lambda message: console.print(message, highlight=False)
+    return lambda message: console.print(message, highlight=False, markup=False)  # paths hold [...]
 
 
 def samples_for(cfg: EvalConfig, benchmark: str) -> int:

@@ -27,6 +27,7 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class Policy:
     def save_adapter(self, out_dir: str | Path) -> Path:
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
-        return out
+        return honour_umask(out)  # safetensors writes 0600 files
 
 
 def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy:

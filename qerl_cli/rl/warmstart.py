@@ -29,6 +29,7 @@ from torch import nn
 
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
 
 DEFAULT_TASK = "synthetic-addition"
 DEFAULT_TEMPLATE = "plain"
@@ -268,7 +269,7 @@ def quantize_folder(src: str | Path, dst: str | Path, fmt: str) -> Path:
     for file in src.iterdir():
         if file.name not in ("model.safetensors", "config.json") and file.is_file():
             shutil.copy(file, dst / file.name)
-    return dst
+    return honour_umask(dst)
 
 
 def main(argv: list[str] | None = None) -> None:
