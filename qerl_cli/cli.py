@@ -317,6 +317,21 @@ def env(json_: Annotated[bool, typer.Option("--json", help="Machine-readable out
     console.print(table)
 
 
+@app.command("tiny-base")
+def tiny_base(
+    out: Annotated[Path, typer.Argument(help="Where bf16/ and nvfp4/ go.")] = Path("runs/tiny-base"),
+    formats: Annotated[str, typer.Option(help="Comma list of bf16,nvfp4,mxfp4,nf4.")] = "bf16,nvfp4",
+    seed: Annotated[int, typer.Option(help="Seed of the model and the warm start.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
+) -> None:
+    """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on a CPU)."""
+    from qerl_cli.rl.warmstart import build_tiny_base
+
+    paths = build_tiny_base(out, formats=tuple(_csv(formats) or ()), seed=seed, overwrite=overwrite)
+    for fmt, path in paths.items():
+        console.print(f"{fmt}: {path}", markup=False, highlight=False)
+
+
 @app.command("tiny-model")
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the model to.")],
@@ -362,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             err_console.print_exception()
         else:
-            err_console.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: " + escape(str(exc)))
+            message = escape(f"{type(exc).__name__}: {exc}")
+            err_console.print(f"[bold red]internal error:[/bold red] {message}")
             err_console.print("[dim]re-run with --debug for the traceback[/dim]")
         return 1
     return rc if isinstance(rc, int) else 0

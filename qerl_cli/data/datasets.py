@@ -266,6 +266,14 @@ def _hub_failure(failures: Sequence[_HubLoadError]) -> QerlError:
 def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
     import datasets
 
+    from qerl_cli.modeling.sources import hub_reachable
+
+    if not _offline() and not hub_reachable():  # datasets would retry for half a minute first
+        where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"
+        raise _HubLoadError(
+            f"{where}: the Hugging Face Hub cannot be reached (set HF_HUB_OFFLINE=1 to use a copy in "
+            "the local cache)"
+        )
     try:
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as exc:
