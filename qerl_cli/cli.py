@@ -6,6 +6,7 @@ without the optional extras (vLLM, llm-compressor).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -362,6 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except typer.Exit as exc:
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in _USER_OS_ERRORS:
+            return _internal_error(exc, debug)
+        # A full disk, a quota, a read-only or foreign folder: the user's to fix, so no traceback.
+        where = escape(f" {exc.filename}" if exc.filename else "")
+        err_console.print(
+            f"[bold red]error:[/bold red] [red]cannot write{where}: {escape(exc.strerror or str(exc))}[/red] "
+            "(free space or choose another output folder; a training run continues with --resume auto)"
+        )
+        return 2
     except typer.Abort:
         err_console.print("[red]aborted[/red]")
         return 130
@@ -374,14 +385,21 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, click.exceptions.ClickException):
             exc.show()
             return exc.exit_code
-        if debug:
-            err_console.print_exception()
-        else:
-            message = escape(f"{type(exc).__name__}: {exc}")
-            err_console.print(f"[bold red]internal error:[/bold red] {message}")
-            err_console.print("[dim]re-run with --debug for the traceback[/dim]")
-        return 1
+        return _internal_error(exc, debug)
     return rc if isinstance(rc, int) else 0
+
+
+_USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+
+
+def _internal_error(exc: BaseException, debug: bool) -> int:
+    if debug:
+        err_console.print_exception()
+    else:
+        message = escape(f"{type(exc).__name__}: {exc}")
+        err_console.print(f"[bold red]internal error:[/bold red] {message}")
+        err_console.print("[dim]re-run with --debug for the traceback[/dim]")
+    return 1
 
 
 if __name__ == "__main__":

@@ -46,6 +46,27 @@ def honour_umask(path: str | Path) -> Path:
     return path
 
 
+def ensure_output_dir(path: str | Path, what: str) -> Path:
+    """Create the output folder ``path`` (``what`` names its setting) and prove it is writable.
+
+    A file in the way, a parent that is a file, or a folder this process cannot write to is a
+    QerlError now, naming the path, instead of an OSError after minutes of work.
+    """
+    from qerl_cli.errors import QerlError
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise QerlError(f"{what} {path} is a file, not a folder: give another path or move the file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".qerl-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise QerlError(f"{what} {path} cannot be written: {exc.strerror or exc}") from None
+    return path
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write through a temporary file and rename, so an interrupted run never leaves half a file.
 

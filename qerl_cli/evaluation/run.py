@@ -35,7 +35,7 @@ from qerl_cli.evaluation.results import (
     write_results,
     write_samples,
 )
-from qerl_cli.files import append_step_summary
+from qerl_cli.files import append_step_summary, ensure_output_dir
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader
 from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec
@@ -283,8 +283,7 @@ def run_eval(
         )
     if cfg.adapter:
         check_adapter_folder(cfg.adapter)
-    out_dir = Path(cfg.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_output_dir(cfg.output, "--output")
     # Data next: a missing benchmark file should fail before minutes of model loading.
     suites = {
         name: load_benchmark(name, cfg.data_files.get(name), cfg.max_problems) for name in cfg.benchmarks

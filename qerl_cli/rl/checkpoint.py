@@ -208,13 +208,42 @@ def save_checkpoint(
     scheduler: Any,
     save_total_limit: int | None = None,
 ) -> Path:
-    """Write ``out_dir/checkpoint-<state.step>`` atomically; prune old ones beyond the limit."""
+    """Write ``out_dir/checkpoint-<state.step>`` atomically; prune old ones beyond the limit.
+
+    A write that fails (a full disk, a quota) removes the partial temp folder and is a QerlError
+    naming the newest intact checkpoint, which is left untouched.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = out / f"checkpoint-{state.step}"
     tmp = out / f".checkpoint-{state.step}.tmp"
     if tmp.exists():  # left by a run killed while saving
         shutil.rmtree(tmp)
+    try:
+        _write_checkpoint_files(tmp, state, save_adapter, optimizer, param_names, scheduler)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        good = newest_good_checkpoint(out)
+        raise QerlError(
+            f"could not write checkpoint-{state.step} in {out}: {exc.strerror or exc}. "
+            + (f"The last good checkpoint, {good}, is intact" if good else "No earlier checkpoint exists")
+            + "; free space (or fix the folder) and continue with --resume auto"
+        ) from exc
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune_checkpoints(out, save_total_limit)
+    return final
+
+
+def _write_checkpoint_files(
+    tmp: Path,
+    state: TrainingState,
+    save_adapter: Callable[[Path], Any],
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    scheduler: Any,
+) -> None:
     tmp.mkdir()
     save_adapter(tmp / ADAPTER_DIR)
     opt_tensors, opt_meta = optimizer_to_files(optimizer, param_names)
@@ -236,11 +265,6 @@ def save_checkpoint(
     )
     honour_umask(tmp)  # safetensors writes 0600 files; a checkpoint is readable like any output
     write_manifest(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    prune_checkpoints(out, save_total_limit)
-    return final
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:

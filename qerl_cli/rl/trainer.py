@@ -39,6 +39,7 @@ import torch
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
+from qerl_cli.files import ensure_output_dir
 from qerl_cli.modeling.aqn import AQNSchedule
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl.advantages import group_advantages, group_reward_stats
@@ -217,8 +218,7 @@ class Trainer:
         self, cfg: TrainConfig, *, reward_fn: Any = None, engine: RolloutEngine | None = None
     ) -> None:
         self.cfg = cfg
-        self.out_dir = Path(cfg.output.dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = ensure_output_dir(cfg.output.dir, "output.dir")
         _seed_everything(cfg.train.seed)
         self.policy: Policy = build_policy(cfg)
         self.device = self.policy.device
