@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         err_console.print("[red]aborted[/red]")
         return 130
     except KeyboardInterrupt:
-        err_console.print("[red]interrupted[/red]")
+        err_console.print(INTERRUPTED)
         return 130
     except Exception as exc:  # click usage errors are handled below; the rest are bugs
         import click
@@ -386,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
             exc.show()
             return exc.exit_code
         return _internal_error(exc, debug)
+    if rc == 130:  # typer turns Ctrl-C into a silent Exit(130) when not in standalone mode
+        err_console.print(INTERRUPTED)
     return rc if isinstance(rc, int) else 0
+
+
+INTERRUPTED = "[red]interrupted[/red] (qerl train continues from its last checkpoint with --resume auto)"
 
 
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
