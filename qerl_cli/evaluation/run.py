@@ -281,8 +281,8 @@ def run_eval(
             trust_remote_code=cfg.trust_remote_code,
             trust_hint="--set trust_remote_code=true",
         )
-    if cfg.adapter:
-        check_adapter_folder(cfg.adapter)
+        if cfg.adapter:  # a caller's engine syncs the adapter itself
+            check_adapter_folder(cfg.adapter)
     out_dir = ensure_output_dir(cfg.output, "--output")
     # Data next: a missing benchmark file should fail before minutes of model loading.
     suites = {
