@@ -6,6 +6,7 @@ without the optional extras (vLLM, llm-compressor).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qerl_cli import config as cfg
@@ -50,6 +52,19 @@ def _root(
 
 def _csv(value: str | None) -> list[str] | None:
     return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _positive_ints(value: str | None, flag: str) -> list[int] | None:
+    """``"2,8"`` -> [2, 8]; anything else names the element that is wrong."""
+    items = _csv(value)
+    if items is None:
+        return None
+    for item in items:
+        if not item.isdigit() or int(item) < 1:
+            raise QerlError(f"{flag} takes comma-separated positive integers (e.g. {flag} 2,8), got '{item}'")
+    if not items:
+        raise QerlError(f"{flag} takes comma-separated positive integers (e.g. {flag} 2,8), got '{value}'")
+    return [int(item) for item in items]
 
 
 def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
@@ -165,7 +180,7 @@ def _train_summary(result: dict[str, Any]) -> Table:
         ("plot", result.get("plot") or "-"),
     ]
     for label, value in rows:
-        table.add_row(label, f"{value:.3f}" if isinstance(value, float) else str(value))
+        table.add_row(label, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
     return table
 
 
@@ -243,7 +258,7 @@ def bench(
     dry_run: DryRunOption = False,
 ) -> None:
     """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 vs MXFP4; --e2e GRPO step time."""
-    batches = _csv(batch)
+    batches = _positive_ints(batch, "--batch")
     shape: dict[str, Any] = {}
     if e2e_recipe:  # the recipe's step shape, under the flags given explicitly
         from qerl_cli.bench.e2e import recipe_shape
@@ -275,11 +290,11 @@ def bench(
     console.print(bench_table(report))
     failed = failed_cases(report)
     for line in failed:  # a case without figures (vLLM cannot serve a format, OOM at wake-up, ...)
-        err_console.print(f"[red]failed[/red]: {line}")
+        err_console.print(f"[red]failed[/red]: {escape(line)}")
     failures = gate_failures(report)
     if failures:  # --baseline regression gate: CI fails, naming each metric that regressed
         for line in failures:
-            err_console.print(f"[red]regression[/red]: {line}")
+            err_console.print(f"[red]regression[/red]: {escape(line)}")
     if failures or failed:
         raise typer.Exit(1)
 
@@ -326,6 +341,21 @@ def env(json_: Annotated[bool, typer.Option("--json", help="Machine-readable out
     console.print(table)
 
 
+@app.command("tiny-base")
+def tiny_base(
+    out: Annotated[Path, typer.Argument(help="Where bf16/ and nvfp4/ go.")] = Path("runs/tiny-base"),
+    formats: Annotated[str, typer.Option(help="Comma list of bf16,nvfp4,mxfp4,nf4.")] = "bf16,nvfp4",
+    seed: Annotated[int, typer.Option(help="Seed of the model and the warm start.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
+) -> None:
+    """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on a CPU)."""
+    from qerl_cli.rl.warmstart import build_tiny_base
+
+    paths = build_tiny_base(out, formats=tuple(_csv(formats) or ()), seed=seed, overwrite=overwrite)
+    for fmt, path in paths.items():
+        console.print(f"{fmt}: {path}", markup=False, highlight=False)
+
+
 @app.command("tiny-model")
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the model to.")],
@@ -335,7 +365,7 @@ def tiny_model(
     from qerl_cli.modeling.tiny import write_tiny_model
 
     path = write_tiny_model(out, seed=seed)
-    console.print(f"wrote tiny Qwen2 model to [bold]{path}[/bold]")
+    console.print(f"wrote tiny Qwen2 model to [bold]{escape(str(path))}[/bold]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,15 +382,25 @@ def main(argv: list[str] | None = None) -> int:
     except QerlError as exc:
         if debug:
             err_console.print_exception()
-        err_console.print(f"[bold red]error:[/bold red] [red]{exc}[/red]")
+        err_console.print(f"[bold red]error:[/bold red] [red]{escape(str(exc))}[/red]")
         return 2
     except typer.Exit as exc:
         return exc.exit_code
+    except OSError as exc:
+        if exc.errno not in _USER_OS_ERRORS:
+            return _internal_error(exc, debug)
+        # A full disk, a quota, a read-only or foreign folder: the user's to fix, so no traceback.
+        where = escape(f" {exc.filename}" if exc.filename else "")
+        err_console.print(
+            f"[bold red]error:[/bold red] [red]cannot write{where}: {escape(exc.strerror or str(exc))}[/red] "
+            "(free space or choose another output folder; a training run continues with --resume auto)"
+        )
+        return 2
     except typer.Abort:
         err_console.print("[red]aborted[/red]")
         return 130
     except KeyboardInterrupt:
-        err_console.print("[red]interrupted[/red]")
+        err_console.print(INTERRUPTED)
         return 130
     except Exception as exc:  # click usage errors are handled below; the rest are bugs
         import click
@@ -368,13 +408,26 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, click.exceptions.ClickException):
             exc.show()
             return exc.exit_code
-        if debug:
-            err_console.print_exception()
-        else:
-            err_console.print(f"[bold red]internal error:[/bold red] {type(exc).__name__}: {exc}")
-            err_console.print("[dim]re-run with --debug for the traceback[/dim]")
-        return 1
+        return _internal_error(exc, debug)
+    if rc == 130:  # typer turns Ctrl-C into a silent Exit(130) when not in standalone mode
+        err_console.print(INTERRUPTED)
     return rc if isinstance(rc, int) else 0
+
+
+INTERRUPTED = "[red]interrupted[/red] (qerl train continues from its last checkpoint with --resume auto)"
+
+
+_USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+
+
+def _internal_error(exc: BaseException, debug: bool) -> int:
+    if debug:
+        err_console.print_exception()
+    else:
+        message = escape(f"{type(exc).__name__}: {exc}")
+        err_console.print(f"[bold red]internal error:[/bold red] {message}")
+        err_console.print("[dim]re-run with --debug for the traceback[/dim]")
+    return 1
 
 
 if __name__ == "__main__":

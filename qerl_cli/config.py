@@ -383,7 +383,13 @@ def _type_name(tp: Any) -> str:
 
 
 class _Mismatch(Exception):
-    """Raised internally when a value does not fit a type; turned into a QerlError with the key."""
+    """Raised internally when a value does not fit a type; turned into a QerlError with the key.
+
+    ``detail`` says which part of a list or mapping was wrong ("item 2 ('abc') is not int")."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(detail)
+        self.detail = detail
 
 
 def _coerce(value: Any, tp: Any) -> Any:
@@ -395,12 +401,13 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value
         raise _Mismatch
     if origin in (typing.Union, types.UnionType):
+        details = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg)
-            except _Mismatch:
-                continue
-        raise _Mismatch
+            except _Mismatch as exc:
+                details.append(exc.detail)
+        raise _Mismatch(next((d for d in details if d), ""))
     if tp is type(None):
         if value is None:
             return None
@@ -411,12 +418,24 @@ def _coerce(value: Any, tp: Any) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list | tuple):
             raise _Mismatch
-        return [_coerce(_scalar(v) if isinstance(v, str) else v, item) for v in value]
+        items = []
+        for index, v in enumerate(value, 1):
+            try:
+                items.append(_coerce(_scalar(v) if isinstance(v, str) else v, item))
+            except _Mismatch:
+                raise _Mismatch(f"item {index} ({v!r}) is not {_type_name(item)}") from None
+        return items
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             raise _Mismatch
-        return {_coerce(k, key_tp): _coerce(v, val_tp) for k, v in value.items()}
+        entries = {}
+        for k, v in value.items():
+            try:
+                entries[_coerce(k, key_tp)] = _coerce(v, val_tp)
+            except _Mismatch:
+                raise _Mismatch(f"entry {k!r}: {v!r} is not {_type_name(val_tp)}") from None
+        return entries
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -489,9 +508,11 @@ def from_dict(cls: type[C], data: dict[str, Any], *, _root: type | None = None, 
             continue
         try:
             kwargs[key] = _coerce(value, tp)
-        except _Mismatch:
+        except _Mismatch as exc:
+            detail = f": {exc.detail}" if exc.detail else ""
             raise QerlError(
-                f"config key '{path}' has value {value!r} ({type(value).__name__}); expected {_type_name(tp)}"
+                f"config key '{path}' has value {value!r} ({type(value).__name__}); "
+                f"expected {_type_name(tp)}{detail}"
             ) from None
     return cls(**kwargs)
 

@@ -113,6 +113,7 @@ def run_demo(
 ) -> dict:
     """Run the demo into ``out_dir``; returns the figures it prints."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from qerl_cli.rl.trainer import train
@@ -134,7 +135,7 @@ def run_demo(
     )
     bf16_dir, nvfp4_dir = out / "base" / "bf16", base["paths"]["nvfp4"]
     console.print(
-        f"[bold]2/5[/bold] quantized to NVFP4: {nvfp4_dir} "
+        f"[bold]2/5[/bold] quantized to NVFP4: {escape(str(nvfp4_dir))} "
         f"({_folder_bytes(bf16_dir) / 1e6:.2f} MB BF16 -> {_folder_bytes(nvfp4_dir) / 1e6:.2f} MB; "
         "embeddings and lm_head stay BF16)"
     )
@@ -168,9 +169,9 @@ def run_demo(
         f"{result['reward_last10']:.3f}",
     )
     console.print(table)
-    console.print(f"adapter: {result['adapter']}")
-    console.print(f"metrics: {Path(result['output_dir']) / 'metrics.jsonl'}")
-    console.print(f"plot:    {result['plot'] or 'skipped (pip install matplotlib)'}")
+    console.print(f"adapter: {result['adapter']}", markup=False)
+    console.print(f"metrics: {Path(result['output_dir']) / 'metrics.jsonl'}", markup=False)
+    console.print(f"plot:    {result['plot'] or 'skipped (pip install matplotlib)'}", markup=False)
     console.print(f"done in {seconds:.0f} s")
     return {
         "output_dir": str(out),

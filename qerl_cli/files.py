@@ -14,12 +14,69 @@ from pathlib import Path
 from typing import Any
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``/proc/self/status``)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: the only portable way is to set it and put it back
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | Path) -> Path:
+    """Give ``path`` (a file, or a folder and everything under it) the modes a plain ``open`` or
+    ``mkdir`` would: 0666 / 0777 minus the umask.
+
+    ``tempfile.mkstemp`` (and libraries that write through it, such as safetensors' ``save_file``
+    and so PEFT's ``save_pretrained``) create files 0600, which a rename keeps: on a shared machine
+    nobody else could read an adapter or a checkpoint. Every folder a stage hands to the user goes
+    through this once it is complete.
+    """
+    path = Path(path)
+    mask = current_umask()
+    targets = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for target in targets:
+        if target.is_symlink():
+            continue
+        os.chmod(target, (0o777 if target.is_dir() else 0o666) & ~mask)
+    return path
+
+
+def ensure_output_dir(path: str | Path, what: str) -> Path:
+    """Create the output folder ``path`` (``what`` names its setting) and prove it is writable.
+
+    A file in the way, a parent that is a file, or a folder this process cannot write to is a
+    QerlError now, naming the path, instead of an OSError after minutes of work.
+    """
+    from qerl_cli.errors import QerlError
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise QerlError(f"{what} {path} is a file, not a folder: give another path or move the file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".qerl-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise QerlError(f"{what} {path} cannot be written: {exc.strerror or exc}") from None
+    return path
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write through a temporary file and rename, so an interrupted run never leaves half a file."""
+    """Write through a temporary file and rename, so an interrupted run never leaves half a file.
+
+    The file gets the mode of a plain write (0666 minus the umask), not mkstemp's 0600.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
         os.replace(tmp, path)

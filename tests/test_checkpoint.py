@@ -119,6 +119,7 @@ def test_layout_is_safetensors_and_json_only(tmp_path: Path) -> None:
     files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
     assert files == [
         "adapter/adapter_model.safetensors",
+        "manifest.json",
         "optimizer.json",
         "optimizer.safetensors",
         "rng.safetensors",
@@ -136,7 +137,7 @@ def test_find_last_checkpoint_skips_incomplete_ones(tmp_path: Path) -> None:
     (tmp_path / ".checkpoint-8.tmp").mkdir()  # be robust to hand-made or foreign folders
     assert ckpt.find_last_checkpoint(tmp_path).name == "checkpoint-4"
     assert ckpt.find_last_checkpoint(tmp_path / "checkpoint-2").name == "checkpoint-2"
-    with pytest.raises(QerlError, match="no complete checkpoint"):
+    with pytest.raises(QerlError, match="manifest.json is missing.*newest good checkpoint is .*checkpoint-4"):
         ckpt.find_last_checkpoint(tmp_path / "checkpoint-6")
     with pytest.raises(QerlError, match="no such directory"):
         ckpt.find_last_checkpoint(tmp_path / "missing")

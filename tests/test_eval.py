@@ -368,8 +368,12 @@ def test_missing_benchmark_data_fails_before_loading_a_model(tmp_path, monkeypat
 
     monkeypatch.setattr("datasets.load_dataset", offline)
     monkeypatch.setattr(run_module, "build_engine", lambda *a: pytest.fail("model loaded before data"))
+    model = tmp_path / "m"  # passes the (cheap) path check that comes before the data
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
     with pytest.raises(QerlError, match="--data-file"):
-        run_eval(EvalConfig(model="m", benchmarks=["math500"], output=str(tmp_path / "x")), log=quiet)
+        run_eval(EvalConfig(model=str(model), benchmarks=["math500"], output=str(tmp_path / "x")), log=quiet)
 
 
 def test_baseline_with_other_settings_is_flagged(tmp_path, files) -> None:

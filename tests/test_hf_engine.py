@@ -19,7 +19,7 @@ PROMPTS = ["<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
 def model_and_tokenizer(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from qerl_cli.rl.policy import load_tokenizer
+    from qerl_cli.modeling.loading import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     return model, load_tokenizer(str(tiny_model_dir))
@@ -134,8 +134,8 @@ def test_aqn_without_norms_fails_loudly(model_and_tokenizer) -> None:
 def test_engine_always_uses_the_current_adapter(tiny_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
+    from qerl_cli.modeling.loading import load_tokenizer
     from qerl_cli.modeling.lora import attach_lora
-    from qerl_cli.rl.policy import load_tokenizer
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model = attach_lora(base, r=4, alpha=8, target_modules=["q_proj", "v_proj"])

@@ -134,7 +134,7 @@ def test_normalizers_make_micro_batches_add_up() -> None:
 def test_trainer_logprobs_match_the_rollout_engine(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from qerl_cli.rl.policy import load_tokenizer
+    from qerl_cli.modeling.loading import load_tokenizer
     from qerl_cli.rollout.base import SamplingSpec
     from qerl_cli.rollout.hf import HFEngine
 

@@ -122,8 +122,8 @@ def _hf_model(case: Case) -> Any:
 
     qerl's own LoRA wrapper is used because PEFT alone does not know QuantLinear layers.
     """
+    from qerl_cli.modeling.loading import load_base_model
     from qerl_cli.modeling.lora import attach_lora
-    from qerl_cli.rl.policy import load_base_model
     from qerl_cli.torch_utils import resolve_device
 
     model, found = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device("auto"))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import random
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.rewards.extract import extract_last_boxed
 
+log = logging.getLogger(__name__)
 GoldFormat = Literal["plain", "gsm8k", "auto"]
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SYNTHETIC_PREFIX = "synthetic"
@@ -266,6 +268,14 @@ def _hub_failure(failures: Sequence[_HubLoadError]) -> QerlError:
 def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
     import datasets
 
+    from qerl_cli.modeling.sources import hub_reachable
+
+    if not _offline() and not hub_reachable():  # datasets would retry for half a minute first
+        where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"
+        raise _HubLoadError(
+            f"{where}: the Hugging Face Hub cannot be reached (set HF_HUB_OFFLINE=1 to use a copy in "
+            "the local cache)"
+        )
     try:
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as exc:
@@ -325,10 +335,12 @@ def records_to_problems(
         id_field = None  # ids that repeat cannot key paired comparisons; fall back to the row index
     rule: GoldFormat = spec.gold if spec else "auto"
     problems = []
+    skipped: list[int] = []
     for index, row in enumerate(records):
         question, answer = row.get(q_field), row.get(a_field)
-        if question is None or answer is None:
-            continue  # a row without a question or an answer cannot be graded
+        if question is None or answer is None or not str(answer).strip() or not str(question).strip():
+            skipped.append(index)  # a row without a question or an answer cannot be graded
+            continue
         meta: dict[str, Any] = {"dataset": name, "source": source, "index": index}
         level = _level_of(row, spec)
         if level is not None:
@@ -341,6 +353,12 @@ def records_to_problems(
                 meta=meta,
             )
         )
+    if skipped:
+        log.warning(
+            "%s: skipped %d of %d rows with an empty or missing %s/%s (rows %s)",
+            source, len(skipped), len(records), q_field, a_field,
+            ", ".join(str(i) for i in skipped[:10]) + (" ..." if len(skipped) > 10 else ""),
+        )  # fmt: skip
     return problems
 
 

@@ -35,7 +35,7 @@ from qerl_cli.evaluation.results import (
     write_results,
     write_samples,
 )
-from qerl_cli.files import append_step_summary
+from qerl_cli.files import append_step_summary, ensure_output_dir
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader
 from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec
@@ -49,7 +49,7 @@ def _default_log() -> Log:
     from rich.console import Console
 
     console = Console(stderr=True)
-    return lambda message: console.print(message, highlight=False)
+    return lambda message: console.print(message, highlight=False, markup=False)  # paths hold [...]
 
 
 def samples_for(cfg: EvalConfig, benchmark: str) -> int:
@@ -100,11 +100,12 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
         device=cfg.device,
         tokenizer=tokenizer,
         generation_batch_size=cfg.generation_batch_size,
+        trust_remote_code=cfg.trust_remote_code,
     )
 
 
 def load_eval_tokenizer(cfg: EvalConfig) -> Any:
-    from qerl_cli.rl.policy import load_tokenizer
+    from qerl_cli.modeling.loading import load_tokenizer
 
     try:
         return load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -271,9 +272,19 @@ def run_eval(
     log = log or _default_log()
     if cfg.rescore:
         return rescore(cfg, log)
-    out_dir = Path(cfg.output)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Data first: a missing benchmark file should fail before minutes of model loading.
+    from qerl_cli.modeling.sources import check_adapter_folder, check_model_source
+
+    if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
+        check_model_source(
+            cfg.model,
+            what="model",
+            trust_remote_code=cfg.trust_remote_code,
+            trust_hint="--set trust_remote_code=true",
+        )
+        if cfg.adapter:  # a caller's engine syncs the adapter itself
+            check_adapter_folder(cfg.adapter)
+    out_dir = ensure_output_dir(cfg.output, "--output")
+    # Data next: a missing benchmark file should fail before minutes of model loading.
     suites = {
         name: load_benchmark(name, cfg.data_files.get(name), cfg.max_problems) for name in cfg.benchmarks
     }

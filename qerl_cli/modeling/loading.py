@@ -14,6 +14,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,10 @@ from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
 
 COMPRESSED_TENSORS_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+MISSING_MODEL_HINT = (
+    "write a 4-bit base with `qerl quantize MODEL`, or build recipes/tiny.yaml's offline base with "
+    "`qerl tiny-base` (run from the repository root)"
+)
 # Activation-quantization side tensors of W4A4 checkpoints: weight-only loading ignores them.
 _IGNORED_SUFFIXES = (".input_global_scale",)
 
@@ -119,16 +124,61 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def load_base_model(
+    path: str,
+    fmt: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    trust_remote_code: bool = False,
+    trust_hint: str = "--set model.trust_remote_code=true",
+) -> tuple[nn.Module, str]:
+    """(model, format name) for a base checkpoint; ``fmt`` "auto" accepts what the folder holds.
+
+    4-bit checkpoints load packed into QuantLinear layers (no dense copy), BF16 ones as they are.
+    The folder is checked first (:func:`~qerl_cli.modeling.sources.check_model_source`): a missing
+    folder, pickle-only weights or a model that needs its own code fail with what to do.
+    """
+    from qerl_cli.modeling.sources import check_model_source
+
+    check_model_source(
+        path,
+        what="model",
+        trust_remote_code=trust_remote_code,
+        trust_hint=trust_hint,
+        hint=MISSING_MODEL_HINT,
+    )
+    model, found = load_policy_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if fmt not in ("auto", found):
+        raise QerlError(f"model.format={fmt} but {path} holds a {found} checkpoint; set model.format=auto")
+    return model, found
+
+
+def load_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        # Padding positions are masked everywhere; any id works, EOS is the conventional choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_policy_model(
     path: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     compute_dtype: torch.dtype | None = None,
+    *,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, str]:
     """Load a causal LM folder; returns ``(model, detected_format)`` with format in bf16/nvfp4/mxfp4/nf4.
 
     Quantized linears become :class:`QuantLinear` (packed at rest); everything else is ``dtype``.
+    BF16 weights load from safetensors only, unless ``QERL_ALLOW_PICKLE=1`` opts in to pickle files.
     """
+    from qerl_cli.modeling.sources import pickle_allowed
+
     path = Path(path)
     config_dict = read_config(path)
     fmt_name = detect_format(config_dict)
@@ -136,7 +186,12 @@ def load_policy_model(
     if fmt_name == "bf16":
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            use_safetensors=None if pickle_allowed() else True,
+        )
         return model.to(device), fmt_name
     model = _build_quantized_skeleton(path, format_for(fmt_name, config_dict), dtype, device, compute_dtype)
     return model, fmt_name

@@ -18,6 +18,7 @@ from torch import nn
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
 from qerl_cli.formats.nvfp4 import fused_group_key, shared_global_scale
 
 CHECKPOINT_FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
@@ -149,6 +150,7 @@ class _ShardWriter:
         self.flush()
         if len(self.shards) == 1:
             self.shards[0][0].rename(self.out_dir / "model.safetensors")
+            honour_umask(self.out_dir)
             return
         weight_map = {}
         for i, (path, names) in enumerate(self.shards):
@@ -157,6 +159,7 @@ class _ShardWriter:
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        honour_umask(self.out_dir)  # safetensors writes 0600 files
 
 
 def _skeleton(config) -> nn.Module:

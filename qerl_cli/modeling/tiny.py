@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli.files import honour_umask
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2's pre-tokenizer split: the tokenizer below has Qwen2's exact structure (byte-level BPE), so
 # transformers' ``Qwen2Tokenizer`` and vLLM rebuild the same tokenizer from the saved files.
@@ -160,7 +162,7 @@ def save_model_folder(model, tokenizer, out_dir: str | Path) -> Path:
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    return out
+    return honour_umask(out)
 
 
 def write_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:

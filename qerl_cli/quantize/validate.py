@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
 
 SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4")
 SUPPORTED_METHODS = ("awq", "rtn")
@@ -170,4 +171,5 @@ def staged_output(output: Path, overwrite: bool) -> Iterator[Path]:
                 f"output folder {output} appeared while quantizing: pass --overwrite to replace it"
             )
         shutil.rmtree(output)
+    honour_umask(staging)  # safetensors writes 0600 files; a quantized model is for everyone to read
     staging.rename(output)

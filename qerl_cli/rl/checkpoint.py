@@ -12,14 +12,18 @@
   NumPy's generator states, the step, the data position, the AQN schedule state and the metrics
   needed to continue.
 
+- ``manifest.json``, written last: the size and SHA-256 of every other file.
+
 The directory is written as ``.checkpoint-N.tmp`` and renamed when complete; a rename is atomic,
 so a run killed mid-save leaves either the previous checkpoints or a complete new one, never a
-half-written ``checkpoint-N``. ``trainer_state.json`` is written last inside the temp directory and
-is the completeness marker :func:`find_last_checkpoint` checks.
+half-written ``checkpoint-N``. The manifest catches what the rename cannot: a file damaged after
+the save (a full disk during a copy, a truncated sync, bit rot). :func:`find_last_checkpoint`
+verifies it and falls back to the newest checkpoint that verifies, saying which it skipped and why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -36,11 +40,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
 ADAPTER_DIR = "adapter"
 FORMAT_VERSION = 1
 
@@ -148,6 +154,50 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> Path:
+    """``manifest.json``: size and SHA-256 of every file in ``folder`` (written last, after them)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    entries = {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+    }
+    path = folder / MANIFEST_FILE
+    _write_json(path, {"format_version": FORMAT_VERSION, "files": entries})
+    return path
+
+
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` cannot be resumed from (naming the file), or None when its manifest verifies."""
+    manifest = ckpt / MANIFEST_FILE
+    if not manifest.is_file():
+        return f"{MANIFEST_FILE} is missing (the save did not finish, or the folder was altered)"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+        if not isinstance(entries, dict):
+            raise TypeError("files is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST_FILE} is unreadable ({exc})"
+    for name, entry in sorted(entries.items()):
+        file = ckpt / name
+        if not file.is_file():
+            return f"{name} is missing"
+        size = file.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} has {size} bytes, the manifest says {entry.get('bytes')}"
+        if _sha256(file) != entry.get("sha256"):
+            return f"{name} does not match its checksum in the manifest"
+    if STATE_FILE not in entries:
+        return f"the manifest does not list {STATE_FILE}"
+    return None
+
+
 def save_checkpoint(
     out_dir: str | Path,
     state: TrainingState,
@@ -158,13 +208,42 @@ def save_checkpoint(
     scheduler: Any,
     save_total_limit: int | None = None,
 ) -> Path:
-    """Write ``out_dir/checkpoint-<state.step>`` atomically; prune old ones beyond the limit."""
+    """Write ``out_dir/checkpoint-<state.step>`` atomically; prune old ones beyond the limit.
+
+    A write that fails (a full disk, a quota) removes the partial temp folder and is a QerlError
+    naming the newest intact checkpoint, which is left untouched.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = out / f"checkpoint-{state.step}"
     tmp = out / f".checkpoint-{state.step}.tmp"
     if tmp.exists():  # left by a run killed while saving
         shutil.rmtree(tmp)
+    try:
+        _write_checkpoint_files(tmp, state, save_adapter, optimizer, param_names, scheduler)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        good = newest_good_checkpoint(out)
+        raise QerlError(
+            f"could not write checkpoint-{state.step} in {out}: {exc.strerror or exc}. "
+            + (f"The last good checkpoint, {good}, is intact" if good else "No earlier checkpoint exists")
+            + "; free space (or fix the folder) and continue with --resume auto"
+        ) from exc
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune_checkpoints(out, save_total_limit)
+    return final
+
+
+def _write_checkpoint_files(
+    tmp: Path,
+    state: TrainingState,
+    save_adapter: Callable[[Path], Any],
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    scheduler: Any,
+) -> None:
     tmp.mkdir()
     save_adapter(tmp / ADAPTER_DIR)
     opt_tensors, opt_meta = optimizer_to_files(optimizer, param_names)
@@ -184,15 +263,13 @@ def save_checkpoint(
             "rng": rng_meta,
         },
     )
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    prune_checkpoints(out, save_total_limit)
-    return final
+    honour_umask(tmp)  # safetensors writes 0600 files; a checkpoint is readable like any output
+    write_manifest(tmp)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``run_dir``, oldest first."""
+    """Checkpoint folders in ``run_dir`` with a state file, oldest first (not yet verified: see
+    :func:`checkpoint_problem`)."""
     run = Path(run_dir)
     if not run.is_dir():
         return []
@@ -211,11 +288,29 @@ def prune_checkpoints(run_dir: Path, save_total_limit: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def newest_good_checkpoint(run_dir: str | Path, *, skip: Path | None = None) -> Path | None:
+    """The newest checkpoint in ``run_dir`` whose manifest verifies (``skip`` excluded), or None."""
+    for _, candidate in reversed(list_checkpoints(run_dir)):
+        if candidate != skip and checkpoint_problem(candidate) is None:
+            return candidate
+    return None
+
+
 def find_last_checkpoint(path: str | Path) -> Path:
-    """``path`` itself when it is a complete checkpoint, else its last complete ``checkpoint-N``."""
+    """``path`` itself when it is a checkpoint that verifies, else the newest ``checkpoint-N`` inside
+    it that verifies; the damaged ones passed over are logged with the reason."""
     path = Path(path)
-    if CHECKPOINT_RE.match(path.name) and (path / STATE_FILE).is_file():
-        return path
+    if CHECKPOINT_RE.match(path.name) and path.is_dir():
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        good = newest_good_checkpoint(path.parent, skip=path)
+        hint = (
+            f"the newest good checkpoint is {good}: --resume {good}"
+            if good
+            else f"no other checkpoint in {path.parent} verifies"
+        )
+        raise QerlError(f"--resume {path}: the checkpoint is damaged: {problem}; {hint}")
     found = list_checkpoints(path)
     if not found:
         if not path.exists():
@@ -224,7 +319,18 @@ def find_last_checkpoint(path: str | Path) -> Path:
             f"--resume {path}: no complete checkpoint-N/ inside; nothing to resume from "
             "(checkpoints are written every output.save_steps steps)"
         )
-    return found[-1][1]
+    skipped = []
+    for _, candidate in reversed(found):
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            for name, why in skipped:
+                log.warning("--resume: skipped %s, which is damaged: %s", name, why)
+            if skipped:
+                log.warning("--resume: using %s, the newest checkpoint that verifies", candidate)
+            return candidate
+        skipped.append((candidate.name, problem))
+    reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
+    raise QerlError(f"--resume {path}: every checkpoint is damaged ({reasons}); start a new run")
 
 
 def load_checkpoint(
@@ -236,7 +342,39 @@ def load_checkpoint(
     load_adapter: Callable[[Path], Any],
     restore_rng_states: bool = True,
 ) -> TrainingState:
-    """Load every part of ``ckpt`` into the given live objects; return the trainer's state."""
+    """Load every part of ``ckpt`` into the given live objects; return the trainer's state.
+
+    A file that fails to parse (damaged after its manifest was checked, or a checkpoint written
+    before manifests) is a QerlError naming the file, never a raw safetensors/JSON error.
+    """
+    try:
+        return _load_checkpoint(
+            ckpt,
+            optimizer=optimizer,
+            param_names=param_names,
+            scheduler=scheduler,
+            load_adapter=load_adapter,
+            restore_rng_states=restore_rng_states,
+        )
+    except QerlError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # SafetensorError is an Exception
+        raise QerlError(f"cannot load the checkpoint {ckpt}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        raise QerlError(f"cannot load the checkpoint {ckpt}: a damaged safetensors file ({exc})") from exc
+
+
+def _load_checkpoint(
+    ckpt: Path,
+    *,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    scheduler: Any,
+    load_adapter: Callable[[Path], Any],
+    restore_rng_states: bool,
+) -> TrainingState:
     meta = json.loads((ckpt / STATE_FILE).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise QerlError(

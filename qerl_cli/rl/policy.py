@@ -27,32 +27,11 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
+from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
-
-def load_base_model(path: str, fmt: str, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str]:
-    """(model, format name) for a base checkpoint; ``fmt`` "auto" accepts what the folder holds.
-
-    4-bit checkpoints load packed into QuantLinear layers (no dense copy), BF16 ones as they are.
-    """
-    from qerl_cli.modeling.loading import load_policy_model
-
-    model, found = load_policy_model(path, dtype=dtype, device=device)
-    if fmt not in ("auto", found):
-        raise QerlError(f"model.format={fmt} but {path} holds a {found} checkpoint; set model.format=auto")
-    return model, found
-
-
-def load_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        # Padding positions are masked everywhere; any id works, EOS is the conventional choice.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
 
 def norm_module_names(model: nn.Module) -> list[str]:
     """Leaf names of the RMSNorm modules (``input_layernorm``, ``post_attention_layernorm``, ``norm``)."""
@@ -124,7 +103,7 @@ class Policy:
     def save_adapter(self, out_dir: str | Path) -> Path:
         out = Path(out_dir)
         self.model.save_pretrained(out, safe_serialization=True)
-        return out
+        return honour_umask(out)  # safetensors writes 0600 files
 
 
 def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy:
@@ -132,7 +111,9 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
     dtype = DTYPES[cfg.model.dtype]
     if dtype == torch.float16:
         log.warning("float16 LoRA training can overflow; bfloat16 is the tested compute dtype")
-    base, fmt = load_base_model(cfg.model.path, cfg.model.format, dtype, device)
+    base, fmt = load_base_model(
+        cfg.model.path, cfg.model.format, dtype, device, trust_remote_code=cfg.model.trust_remote_code
+    )
     for param in base.parameters():
         param.requires_grad_(False)
     if cfg.train.gradient_checkpointing is True:  # "auto": decided by the memory plan (rl.memory)

@@ -36,6 +36,7 @@ import torch
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
+from qerl_cli.files import ensure_output_dir
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
@@ -71,8 +72,7 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist or init_distributed(cfg.train.device)
         setup.check_parallel_settings(cfg, self.dist)
-        self.out_dir = Path(cfg.output.dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = ensure_output_dir(cfg.output.dir, "output.dir")
         setup.seed_everything(cfg.train.seed)  # the same on every rank: the same LoRA init
         device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
         self.policy: Policy = build_policy(cfg, device)

@@ -10,12 +10,11 @@ sampled at temperature 1, which is the regime RL improves. ``qerl demo`` says so
 ``prepare_tiny_base`` writes the warm-started model as a BF16 folder and, optionally, as an NVFP4
 (compressed-tensors) folder: the same pipeline as for a real model (pretrained -> quantized -> RL).
 
-Run ``python -m qerl_cli.rl.warmstart OUT_DIR`` to build the base that ``recipes/tiny.yaml`` uses.
+``qerl tiny-base [OUT_DIR]`` (:func:`build_tiny_base`) builds the base that ``recipes/tiny.yaml`` uses.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -29,6 +28,7 @@ from torch import nn
 
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
+from qerl_cli.files import honour_umask
 
 DEFAULT_TASK = "synthetic-addition"
 DEFAULT_TEMPLATE = "plain"
@@ -268,24 +268,28 @@ def quantize_folder(src: str | Path, dst: str | Path, fmt: str) -> Path:
     for file in src.iterdir():
         if file.name not in ("model.safetensors", "config.json") and file.is_file():
             shutil.copy(file, dst / file.name)
-    return dst
+    return honour_umask(dst)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir")
-    parser.add_argument("--max-steps", type=int, default=WarmStartConfig.max_steps)
-    parser.add_argument("--target-accuracy", type=float, default=WarmStartConfig.target_accuracy)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--formats", default="bf16,nvfp4")
-    args = parser.parse_args(argv)
-    result = prepare_tiny_base(
-        args.out_dir,
-        WarmStartConfig(max_steps=args.max_steps, target_accuracy=args.target_accuracy, seed=args.seed),
-        formats=tuple(args.formats.split(",")),
-    )
-    print(json.dumps({k: str(v) for k, v in result["paths"].items()}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+def build_tiny_base(
+    out_dir: str | Path,
+    *,
+    formats: tuple[str, ...] = ("bf16", "nvfp4"),
+    seed: int = 0,
+    overwrite: bool = False,
+    cfg: WarmStartConfig | None = None,
+) -> dict[str, Path]:
+    """``qerl tiny-base``: :func:`prepare_tiny_base` into ``out_dir``, refusing to replace an existing
+    base unless ``overwrite``. Returns ``{format: folder}``."""
+    out = Path(out_dir)
+    if not formats:
+        raise QerlError("--formats is empty: give e.g. bf16,nvfp4")
+    if out.exists() and not out.is_dir():
+        raise QerlError(f"{out} is a file; give a folder for the tiny base")
+    existing = sorted(p.name for p in out.glob("*") if p.is_dir()) if out.is_dir() else []
+    if existing and not overwrite:
+        raise QerlError(f"{out} already holds {', '.join(existing)}: pass --overwrite to rebuild it")
+    for name in existing:
+        shutil.rmtree(out / name)
+    result = prepare_tiny_base(out, cfg or WarmStartConfig(seed=seed), formats=formats)
+    return dict(result["paths"])

@@ -39,6 +39,7 @@ def make_engine(
     model: Any = None,
     generation_batch_size: int = 64,
     model_format: str = "auto",
+    trust_remote_code: bool = False,
     **vllm_opts: Any,
 ) -> RolloutEngine:
     """A :class:`~qerl_cli.rollout.base.RolloutEngine`.
@@ -50,17 +51,22 @@ def make_engine(
     if kind not in ENGINES:
         raise QerlError(f"unknown rollout engine '{kind}'; choose one of {', '.join(ENGINES)}")
     if kind == "vllm":
+        if trust_remote_code:
+            vllm_opts["trust_remote_code"] = True
         return _make_vllm(model_path, adapter=adapter, dtype=dtype, model_format=model_format, **vllm_opts)
     if vllm_opts:
         raise QerlError(f"options {sorted(vllm_opts)} only apply to the vllm engine")
-    from qerl_cli.rl.policy import load_base_model, load_tokenizer
+    from qerl_cli.modeling.loading import load_base_model, load_tokenizer
     from qerl_cli.rollout.hf import HFEngine
 
     torch_device = resolve_device(device) if isinstance(device, str) else device
     if model is None:
         if model_path is None:
             raise QerlError("make_engine('hf') needs a model_path or a loaded model")
-        model, _ = load_base_model(str(model_path), model_format, _torch_dtype(dtype), torch_device)
+        model, _ = load_base_model(
+            str(model_path), model_format, _torch_dtype(dtype), torch_device,
+            trust_remote_code=trust_remote_code, trust_hint="--set trust_remote_code=true",
+        )  # fmt: skip
         model.eval()
         if adapter is not None:
             model = attach_saved_adapter(model, adapter).eval()
@@ -71,7 +77,7 @@ def make_engine(
     if tokenizer is None:
         if model_path is None:
             raise QerlError("make_engine('hf') with a model object needs its tokenizer or a model_path")
-        tokenizer = load_tokenizer(str(model_path))
+        tokenizer = load_tokenizer(str(model_path), trust_remote_code=trust_remote_code)
     return HFEngine(model, tokenizer, generation_batch_size=generation_batch_size, device=torch_device)
 
 
