@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from qerl_cli.config import LORA_TARGETS_ALL, TrainConfig, load_config
 from qerl_cli.errors import QerlError
@@ -236,3 +238,32 @@ def test_chunked_logprobs_equal_full_logits_values_and_gradients(lora_tiny) -> N
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
     assert (full != 0).sum() == mask.sum()  # every scored token has a real logprob
     assert any(float(g.abs().sum()) > 0 for g in full_grads)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_materialized_adamw_state_is_what_the_first_step_creates(amsgrad: bool) -> None:
+    """The moments exist before the first update (so they are not carved out of the update's
+    activation blocks), and training is bit-identical to lazily created state."""
+    from qerl_cli.rl.setup import materialize_optimizer_state
+
+    def run(eager: bool) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+        opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.01, amsgrad=amsgrad)
+        if eager:
+            materialize_optimizer_state(opt)
+            assert all(len(opt.state[p]) == (4 if amsgrad else 3) for p in params)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (step + 1))
+            opt.step()
+        return [p.detach().clone() for p in params], opt.state_dict()
+
+    lazy_params, lazy_state = run(eager=False)
+    eager_params, eager_state = run(eager=True)
+    assert all(torch.equal(a, b) for a, b in zip(lazy_params, eager_params, strict=True))
+    for index, state in lazy_state["state"].items():
+        other = eager_state["state"][index]
+        assert state.keys() == other.keys()
+        for key, value in state.items():
+            assert value.dtype == other[key].dtype and torch.equal(value, other[key])

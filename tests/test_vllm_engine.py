@@ -765,3 +765,29 @@ def test_kv_cache_dtype_reaches_vllm(tmp_path: Path, fake_vllm: types.ModuleType
     make_engine(tmp_path / "b")
     first, second = FakeLLM.instances
     assert first.kwargs["kv_cache_dtype"] == "fp8" and "kv_cache_dtype" not in second.kwargs
+
+
+def test_wake_up_without_room_fails_with_the_numbers_before_vllm_allocates(
+    tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(tmp_path)
+    llm = FakeLLM.instances[-1]
+    free = iter([10 * 2**30, 60 * 2**30])
+    monkeypatch.setattr(vllm_engine, "_cuda_free_bytes", lambda: next(free))
+    engine.sleep()
+    # The update left 48 GiB in use: 20 GiB free where waking needs the 50 GiB sleep freed.
+    monkeypatch.setattr(vllm_engine, "_cuda_free_bytes", lambda: 20 * 2**30)
+    released: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 30 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 45 * 2**30)
+    llm.calls.clear()
+    expected = r"needs 50\.0 GiB back .* only 20\.0 GiB .* 30\.0 GiB in live tensors and 15\.0 GiB in blocks"
+    with pytest.raises(QerlError, match=expected):
+        engine.wake_up()
+    assert released == [True]  # PyTorch's cache was given back before giving up
+    assert ("wake_up", None) not in [c[:2] for c in llm.calls] and engine.is_sleeping
+    # Enough room (e.g. after the caller lowered its micro-batch): vLLM wakes.
+    monkeypatch.setattr(vllm_engine, "_cuda_free_bytes", lambda: 51 * 2**30)
+    engine.wake_up()
+    assert not engine.is_sleeping

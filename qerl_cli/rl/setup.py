@@ -129,6 +129,32 @@ def make_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's moments now, as the zeros its first step would create.
+
+    Colocated with vLLM this must happen before vLLM takes its share: created lazily inside the
+    first ``optimizer.step()``, the small moment tensors are carved out of the large cached blocks
+    that held the update's activations, pin them, and ``empty_cache`` can then not give those
+    blocks back before vLLM wakes up (seen on an H200: OOM at the second wake-up of a 7B run).
+    Identical numerics: ``AdamW`` skips its own initialisation for a parameter whose state is set.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            on_cpu = torch.tensor(0.0, dtype=scalar)
+            state["step"] = torch.zeros((), dtype=scalar, device=p.device) if on_device else on_cpu
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     warmup, total, kind = cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.lr_scheduler
 

@@ -77,16 +77,18 @@ class Trainer:
         device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
         self.policy: Policy = build_policy(cfg, device)
         self.device = self.policy.device
-        # Before vLLM starts: its "auto" share is what the loaded trainer leaves free.
+        self.params = self.policy.named_trainable_parameters()
+        self.dist.broadcast_parameters(self.params)  # every rank starts from rank 0's adapter
+        self.optimizer, self.scheduler = setup.make_optimizer(cfg, self.params)
+        setup.materialize_optimizer_state(self.optimizer)
+        # Before vLLM starts: its "auto" share is what the loaded trainer (optimizer state
+        # included) leaves free.
         self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
         self.peaks = PeakTracker()
         problems = load_training_problems(cfg)
         self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
         self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
         self.engine = engine or self._make_engine()
-        self.params = self.policy.named_trainable_parameters()
-        self.dist.broadcast_parameters(self.params)  # every rank starts from rank 0's adapter
-        self.optimizer, self.scheduler = setup.make_optimizer(cfg, self.params)
         self.schedule = setup.make_aqn_schedule(cfg)
         self.tis_on = setup.tis_enabled(cfg, self.policy)
         if reward_fn is None:

@@ -304,6 +304,7 @@ class VLLMEngine:
         """
         if not self._sleeping:
             return
+        self._check_room_to_wake()
         self.llm.wake_up()
         self._sleeping = False
         if self._has_pending:
@@ -312,6 +313,30 @@ class VLLMEngine:
         if self._noise_touched:
             self._apply_noise()
         self.llm.reset_prefix_cache()
+
+    def _check_room_to_wake(self) -> None:
+        """Fail with the numbers, not inside vLLM's allocator, when waking cannot fit.
+
+        Waking maps back exactly what sleeping freed. PyTorch's cached blocks are released first
+        (the caller should already have done so); what is still short is memory the trainer holds.
+        """
+        need = self.last_sleep_freed_bytes
+        free = _cuda_free_bytes()
+        if not need or free is None or free >= need:
+            return
+        torch.cuda.empty_cache()
+        free = _cuda_free_bytes() or 0
+        if free >= need:
+            return
+        gib = 2**30
+        held = torch.cuda.memory_allocated() / gib
+        cached = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / gib
+        raise QerlError(
+            f"vLLM cannot wake up: it needs {need / gib:.1f} GiB back (what its sleep freed) but only "
+            f"{free / gib:.1f} GiB of the GPU are free; this process holds {held:.1f} GiB in live tensors "
+            f"and {cached:.1f} GiB in blocks PyTorch cannot release. Lower rollout.gpu_memory_utilization "
+            f"(now {self.llm_kwargs.get('gpu_memory_utilization')}) or train.micro_batch_size"
+        )
 
     # ---- LoRA sync ----------------------------------------------------------------------------
     def _next_stage_dir(self) -> Path:
