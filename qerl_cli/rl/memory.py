@@ -59,6 +59,11 @@ VLLM_ASLEEP_RESERVE = int(3.0 * GIB)
 VLLM_OVERHEAD = int(4.0 * GIB)
 # Left free on the device in every phase (allocator fragmentation, NCCL, the CUDA context).
 DEFAULT_MARGIN = int(2.0 * GIB)
+# Left out of vLLM's share on top of that: what this process holds more at vLLM's wake-up than when
+# the share was measured, and empty_cache cannot return (blocks pinned by small tensors that vLLM's
+# rollout and the update leave behind). Measured on an H200 under an 80 GB cap, 32B NVFP4 step 1:
+# 3.2 GiB unreleasable, the wake-up 0.9 GiB short with a 2 GiB margin.
+WAKE_HEADROOM = int(5.0 * GIB)
 # Tokens per logprob chunk: chunk x vocab float32 logits, plus softmax and gradient in backward.
 DEFAULT_LOGPROB_CHUNK = 1024
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -308,7 +313,7 @@ def plan_memory(
     if colocated:
         if gpu_memory_utilization == "auto":
             need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
-            share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=margin_bytes)
+            share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=margin_bytes + WAKE_HEADROOM)
         else:
             share = float(gpu_memory_utilization)
         figures["memory/vllm_budget_gib"] = share * total_bytes / GIB
