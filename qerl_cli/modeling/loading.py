@@ -23,6 +23,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.modeling.sources import resolve_model_source
 
 COMPRESSED_TENSORS_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 # Activation-quantization side tensors of W4A4 checkpoints: weight-only loading ignores them.
@@ -129,7 +130,7 @@ def load_policy_model(
 
     Quantized linears become :class:`QuantLinear` (packed at rest); everything else is ``dtype``.
     """
-    path = Path(path)
+    path = Path(resolve_model_source(path))  # a .gguf file or alias becomes its converted folder
     config_dict = read_config(path)
     fmt_name = detect_format(config_dict)
     device = torch.device(device)

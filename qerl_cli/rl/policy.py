@@ -47,6 +47,9 @@ def load_base_model(path: str, fmt: str, dtype: torch.dtype, device: torch.devic
 def load_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    path = resolve_model_source(path)  # a .gguf file or alias: the tokenizer of its converted folder
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         # Padding positions are masked everywhere; any id works, EOS is the conventional choice.
