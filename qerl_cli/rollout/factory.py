@@ -125,6 +125,12 @@ def _make_vllm(
 ) -> RolloutEngine:
     import importlib.util
 
+    from qerl_cli.modeling.shapes import check_vllm_shapes
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    if model_path is not None:
+        model_path = resolve_model_source(model_path)
+        check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
             'rollout engine "vllm" needs vLLM, which is not installed: pip install "qerl[vllm]" '
@@ -132,12 +138,8 @@ def _make_vllm(
         )
     if model_path is None:
         raise QerlError("the vllm engine loads the model itself: pass model_path")
-    from qerl_cli.modeling.shapes import check_vllm_shapes
-    from qerl_cli.modeling.sources import resolve_model_source
     from qerl_cli.rollout.vllm_engine import VLLMEngine
 
-    model_path = resolve_model_source(model_path)
-    check_vllm_shapes(model_path)  # fail here, naming the layers, not deep inside vLLM's Marlin setup
     dtype_name = torch_dtype_name(dtype)
     engine = VLLMEngine(str(model_path), model_format=model_format, dtype=dtype_name, **vllm_opts)
     if adapter is not None:
