@@ -35,7 +35,8 @@ def test_summary_figures() -> None:
     runs = {
         "a": [{"seed": s, "reward": [0.0, 0.5, 1.0, 1.0], "entropy": [2.0, 1.0, 1.0, 1.0],
                "heldout": {"pass@1": p, "pass@1_se": 0.1}} for s, p in ((0, 0.5), (1, 0.7))],
-        "b": [{"seed": 0, "reward": [0.0] * 4, "entropy": [3.0] * 4, "heldout": {"pass@1": 0.2, "pass@1_se": 0.05}}],
+        "b": [{"seed": 0, "reward": [0.0] * 4, "entropy": [3.0] * 4,
+               "heldout": {"pass@1": 0.2, "pass@1_se": 0.05}}],
     }  # fmt: skip
     rows, threshold = arm_rows(runs, None)
     assert threshold == pytest.approx(0.5)  # halfway from the first reward (0) to the best final (1)
@@ -69,7 +70,8 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     for row in report["arms"]:
         assert row["seeds"] == 2 and row["steps"] == 3
         assert 0.0 <= row["heldout_accuracy"] <= 1.0 and row["early_entropy"] > 0
-    assert (out / "compare.png").stat().st_size > 0 and "| nvfp4-aqn | 2 |" in (out / "compare.md").read_text()
+    assert (out / "compare.png").stat().st_size > 0
+    assert "| nvfp4-aqn | 2 |" in (out / "compare.md").read_text()
     assert json.loads((out / "compare.json").read_text())["threshold"] == report["threshold"]
     nvfp4 = yaml.safe_load((out / "nvfp4-aqn" / "seed-1" / "config.yaml").read_text())
     assert nvfp4["model"]["path"] == str(out / "bases" / "nvfp4") and nvfp4["aqn"]["enabled"] is True
