@@ -36,10 +36,16 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
     return out / arm / f"seed-{seed}"
 
 
-def load_recipe(recipe: str | Path) -> tuple[dict[str, Any], CompareSettings]:
+def load_recipe(recipe: str | Path, sets: list[str] | None = None) -> tuple[dict[str, Any], CompareSettings]:
+    """The recipe without its compare: section, and that section (``--set compare.X=...`` applied)."""
     data = cfg.read_yaml(recipe)
+    data = cfg.apply_overrides(data, [s for s in sets or [] if s.startswith("compare.")], None)
     settings = read_settings(data.pop("compare", None))
     return data, settings
+
+
+def _train_sets(sets: list[str]) -> list[str]:
+    return [s for s in sets if not s.startswith("compare.")]
 
 
 def arm_config(
@@ -215,8 +221,9 @@ def run_compare(
         raise QerlError(f"--seeds must be >= 1, got {seeds}")
     if jobs < 1:
         raise QerlError(f"--jobs must be >= 1, got {jobs}")
-    data, settings = load_recipe(recipe)
-    sets = list(sets or [])
+    all_sets = list(sets or [])  # children get them all, compare.* included
+    data, settings = load_recipe(recipe, all_sets)
+    sets = _train_sets(all_sets)
     chosen = select_arms(settings, arms)
     out = Path(output) if output else Path("runs") / f"compare-{Path(recipe).stem}"
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +244,7 @@ def run_compare(
         if (arm, seed) not in todo:
             log.info("%s seed %d: finished before, skipped", arm, seed)
     if jobs > 1 and len(todo) > 1:
-        _run_parallel(todo, str(recipe), seeds, out, sets, jobs)
+        _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)
     else:
         for arm, seed in todo:
             log.info("%s seed %d: training", arm, seed)
