@@ -164,7 +164,7 @@ def evaluate_heldout(
         "benchmark": bench,
         "pass@1": metrics["pass@1"],
         "pass@1_se": metrics.get("pass@1_se"),
-        "problems": metrics.get("problems", settings.heldout_problems),
+        "problems": metrics["num_problems"],
         "samples": settings.heldout_samples,
     }
 
