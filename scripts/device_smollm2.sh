@@ -6,12 +6,12 @@
 # Prepare here first: bash scripts/device_smollm2_bundle.sh, then two device calls back to back:
 #   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/          carry: [".smol/p1"]
 #   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p2"]
-# Knobs (env): STEPS (default 60), SEEDS (3), JOBS (9), HELDOUT (128). Writes at most 8 files to $OUT:
+# Knobs (env): STEPS (default 40), SEEDS (3), JOBS (9), HELDOUT (128). Writes at most 8 files to $OUT:
 # compare.json/.md/.png, entropy.json, quant_quality.json/.md, summary.txt, runs.tar.gz.
 set -uo pipefail
 start=$(date +%s)
 out=${OUT:-/tmp/qerl-smol-out}; work=/tmp/qerl-smol; mkdir -p "$out" "$work"
-steps=${STEPS:-60}; seeds=${SEEDS:-3}; jobs=${JOBS:-9}; heldout=${HELDOUT:-128}
+steps=${STEPS:-40}; seeds=${SEEDS:-3}; jobs=${JOBS:-9}; heldout=${HELDOUT:-128}
 smol=${SMOL_DIR:-/tmp/smol}
 if [ -d "$smol/whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$smol"/whl/*.whl || exit 1
