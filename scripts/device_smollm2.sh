@@ -50,7 +50,10 @@ work, target = Path(sys.argv[1]), sys.argv[2]
 bf16 = resolve_model_source("smollm2-135m-instruct")
 nvfp4 = str(write_rtn_checkpoint(bf16, work / "entropy-nvfp4", "nvfp4"))
 tok = load_tokenizer(bf16)
-prompts = [render_prompt(p.question, tok, template="boxed") for p in make_problems("synthetic-wordproblems", "test", n=64)]
+from qerl_cli.config import TrainConfig, load_config
+data = load_config(TrainConfig, "recipes/smollm2_wordproblems.yaml").data  # the recipe's own prompt
+prompts = [render_prompt(p.question, tok, template=data.template, system_prompt=data.system_prompt)
+           for p in make_problems("synthetic-wordproblems", "test", n=64)]
 rows = {name: rollout_entropy(path, prompts, 8, 128, seed=0, device="cuda") for name, path in (("bf16", bf16), ("nvfp4", nvfp4))}
 rows["prompts"] = len(prompts); rows["samples_per_prompt"] = 8; rows["max_new_tokens"] = 128
 Path(target).write_text(json.dumps(rows, indent=2))
