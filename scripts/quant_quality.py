@@ -65,7 +65,8 @@ def make_row(row: str, source: str, out: Path, args: argparse.Namespace, bf16: s
             )
         )  # fmt: skip
         errors = report["weight_error"]
-        via = "qerl quantize" + (" (llm-compressor)" if fmt != "nf4" or method == "awq" else " (qerl's NF4 packing)")
+        packer = "llm-compressor" if fmt != "nf4" or method == "awq" else "qerl's NF4 packing"
+        via = f"qerl quantize ({packer})"
         return {"row": row, "via": via, "folder": str(target),
                 "mean_layer_error": errors["mean"], "max_layer_error": errors["max"],
                 "vllm_marlin_refused": len(report["vllm_marlin"]["refused_layers"]),
