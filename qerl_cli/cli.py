@@ -368,6 +368,49 @@ def tiny_model(
     console.print(f"wrote tiny Qwen2 model to [bold]{escape(str(path))}[/bold]")
 
 
+@app.command("models")
+def models_(json_: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Model aliases qerl finds offline (e.g. smollm2-135m-instruct), how to get each, and where it looks."""
+    from qerl_cli.modeling.sources import known_models
+
+    rows = known_models()
+    if json_:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = Table(title="qerl models (every command taking a model accepts an alias, a .gguf or a folder)")
+    for column in ("alias", "description", "get it", "status"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["alias"], row["description"], row["get_it"], row["status"])
+    console.print(table)
+    for row in rows:
+        console.print(f"[dim]{row['alias']} is looked for in: {row['looks_in']}[/dim]")
+
+
+@app.command()
+def compare(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML; its optional compare: section adds arms.")],
+    arms: Annotated[str, typer.Option(help="Comma list of arms.")] = "bf16-lora,nvfp4-lora,nvfp4-aqn",
+    seeds: Annotated[int, typer.Option(help="Seeds per arm (train.seed, +1, +2, ...).")] = 3,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Default runs/compare-RECIPE.")] = None,
+    jobs: Annotated[int, typer.Option(help="Runs at a time, each in its own process (1: in this one).")] = 1,
+    threshold: Annotated[float | None, typer.Option(help="Reward for 'steps to threshold'.")] = None,
+    only: Annotated[str | None, typer.Option(help="Comma list of ARM/SEED runs to do (no others).")] = None,
+    no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
+    set_: SetOption = None,
+) -> None:
+    """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
+    from qerl_cli.compare import compare_table, run_compare
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    report = run_compare(
+        recipe, _csv(arms) or [], seeds, output, sets=set_, only=_csv(only), jobs=jobs,
+        summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(),
+    )  # fmt: skip
+    if not no_summary:
+        console.print(compare_table(report))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors exit 2 in red, unexpected errors exit 1."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

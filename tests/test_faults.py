@@ -130,7 +130,7 @@ def test_a_model_that_needs_its_own_code_says_how_to_opt_in(
 
 
 def test_trust_remote_code_passes_the_check_when_asked(remote_code_model_dir: Path) -> None:
-    from qerl_cli.modeling.sources import check_model_source
+    from qerl_cli.modeling.source_checks import check_model_source
 
     check_model_source(remote_code_model_dir, trust_remote_code=True)  # no error: the user asked
 

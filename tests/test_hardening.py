@@ -133,7 +133,7 @@ def test_offline_hub_id_fails_fast(capsys, tmp_path: Path, monkeypatch: pytest.M
 
 def test_unreachable_hub_fails_fast_without_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from qerl_cli.data import datasets
-    from qerl_cli.modeling import sources
+    from qerl_cli.modeling import source_checks as sources
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.sources import cache_root  # noqa: F401 - re-exported for bench
 
 FORMATS = ("bf16", "nf4", "nvfp4", "mxfp4")
 GPU_DEFAULT_MODEL = "qwen2.5-7b"
@@ -29,12 +29,6 @@ CPU_DEFAULT_MODEL = "tiny"
 _COMPLETE = ".qerl-complete"  # written last: a folder without it is a crashed write
 
 
-def cache_root() -> Path:
-    """``$QERL_CACHE_DIR`` or ``$XDG_CACHE_HOME/qerl`` (``~/.cache/qerl``)."""
-    explicit = os.environ.get("QERL_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qerl"
 
 
 def shape_names() -> list[str]:
@@ -141,7 +135,9 @@ def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
 
 
 def _local_folder(model: str) -> Path:
-    path = Path(model).expanduser()
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    path = Path(resolve_model_source(model)).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise QerlError(f"{path} has no config.json; give a model folder, a hub id or a shape name")

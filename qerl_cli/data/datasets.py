@@ -268,7 +268,7 @@ def _hub_failure(failures: Sequence[_HubLoadError]) -> QerlError:
 def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
     import datasets
 
-    from qerl_cli.modeling.sources import hub_reachable
+    from qerl_cli.modeling.source_checks import hub_reachable
 
     if not _offline() and not hub_reachable():  # datasets would retry for half a minute first
         where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"

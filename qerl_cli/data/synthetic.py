@@ -1,8 +1,9 @@
 """Synthetic arithmetic tasks made in code, for tiny models, tests and ``qerl demo``.
 
 A task name is ``synthetic-<kind>`` (``synthetic-addition``, ``synthetic-subtraction``,
-``synthetic-multiplication``, ``synthetic-mixed``). Problems are a pure function of
-``(name, split, n, seed)``: the same call always returns the same list, offline.
+``synthetic-multiplication``, ``synthetic-mixed``, and ``synthetic-wordproblems``: two-digit additions
+told as a short story, for small pretrained chat models such as SmolLM2-135M-Instruct). Problems are
+a pure function of ``(name, split, n, seed)``: the same call always returns the same list, offline.
 
 Train and test never share a problem: every operand pair is assigned to one split by a hash of the
 pair, so a held-out evaluation really is held out. Gold answers are plain integers, which
@@ -43,10 +44,29 @@ TASKS: dict[str, ArithmeticTask] = {
     "multiplication": ArithmeticTask("*", range(13), range(13), lambda a, b: a * b),
 }
 MIXED = "mixed"
+WORD = "wordproblems"
+# (story, unit): "{name}" and the two numbers are filled in; the answer is always a + b.
+WORD_TEMPLATES = (
+    ("{name} has {a} apples and picks {b} more. How many apples does {name} have now?", "apples"),
+    ("A shelf holds {a} books. {name} puts {b} more books on it. How many books are on the shelf?", "books"),
+    ("{name} walked {a} minutes in the morning and {b} minutes in the evening. How many minutes did "
+     "{name} walk in total?", "minutes"),
+    ("There are {a} red marbles and {b} blue marbles in a bag. How many marbles are in the bag?", "marbles"),
+    ("{name} scored {a} points in the first game and {b} points in the second. What is the total score?",
+     "points"),
+    ("A farm has {a} chickens. It buys {b} more chickens. How many chickens does the farm have?",
+     "chickens"),
+    ("{name} saved {a} dollars in May and {b} dollars in June. How many dollars did {name} save?",
+     "dollars"),
+    ("A bus carries {a} people. At the next stop {b} more people get on and nobody gets off. How many "
+     "people are on the bus?", "people"),
+)  # fmt: skip
+WORD_NAMES = ("Mia", "Leo", "Ava", "Sam", "Noah", "Zoe", "Omar", "Lena")
+WORD_OPERANDS = range(10, 100)
 
 
 def task_names() -> list[str]:
-    return [PREFIX + kind for kind in (*TASKS, MIXED)]
+    return [PREFIX + kind for kind in (*TASKS, MIXED, WORD)]
 
 
 def is_synthetic(name: str) -> bool:
@@ -60,11 +80,27 @@ def _split_of(kind: str, a: int, b: int) -> str:
 
 
 def _pool(kind: str, split: str) -> list[tuple[str, int, int]]:
+    if kind == WORD:
+        return [(kind, a, b) for a in WORD_OPERANDS for b in WORD_OPERANDS if _split_of(kind, a, b) == split]
     task = TASKS[kind]
     return [(kind, a, b) for a in task.first for b in task.second if _split_of(kind, a, b) == split]
 
 
+def _word_problem(index: int, a: int, b: int, split: str) -> Problem:
+    # The story and the name are a function of the pair, so a problem never changes between runs.
+    digest = hashlib.sha256(f"{WORD}-story:{a}:{b}".encode()).digest()
+    story, unit = WORD_TEMPLATES[digest[1] % len(WORD_TEMPLATES)]
+    return Problem(
+        id=f"{WORD}-{split}-{index}",
+        question=story.format(name=WORD_NAMES[digest[2] % len(WORD_NAMES)], a=a, b=b),
+        answer=str(a + b),
+        meta={"task": WORD, "a": a, "b": b, "op": "+", "unit": unit},
+    )
+
+
 def _problem(index: int, kind: str, a: int, b: int, split: str) -> Problem:
+    if kind == WORD:
+        return _word_problem(index, a, b, split)
     task = TASKS[kind]
     return Problem(
         id=f"{kind}-{split}-{index}",
@@ -80,7 +116,7 @@ def make_problems(name: str, split: str = "train", n: int | None = None, seed: i
     if not is_synthetic(name):
         raise QerlError(f"'{name}' is not a synthetic task; choose one of {', '.join(task_names())}")
     kind = name[len(PREFIX) :]
-    if kind != MIXED and kind not in TASKS:
+    if kind not in (MIXED, WORD) and kind not in TASKS:
         raise QerlError(f"unknown synthetic task '{name}'; choose one of {', '.join(task_names())}")
     if split not in SPLITS:
         raise QerlError(f"synthetic tasks have splits {SPLITS}, got '{split}'")

@@ -272,7 +272,7 @@ def run_eval(
     log = log or _default_log()
     if cfg.rescore:
         return rescore(cfg, log)
-    from qerl_cli.modeling.sources import check_adapter_folder, check_model_source
+    from qerl_cli.modeling.source_checks import check_adapter_folder, check_model_source
 
     if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
         check_model_source(

@@ -24,6 +24,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.modeling.sources import resolve_model_source
 
 COMPRESSED_TENSORS_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
 MISSING_MODEL_HINT = (
@@ -136,10 +137,10 @@ def load_base_model(
     """(model, format name) for a base checkpoint; ``fmt`` "auto" accepts what the folder holds.
 
     4-bit checkpoints load packed into QuantLinear layers (no dense copy), BF16 ones as they are.
-    The folder is checked first (:func:`~qerl_cli.modeling.sources.check_model_source`): a missing
+    The folder is checked first (:func:`~qerl_cli.modeling.source_checks.check_model_source`): a missing
     folder, pickle-only weights or a model that needs its own code fail with what to do.
     """
-    from qerl_cli.modeling.sources import check_model_source
+    from qerl_cli.modeling.source_checks import check_model_source
 
     check_model_source(
         path,
@@ -157,6 +158,7 @@ def load_base_model(
 def load_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    path = resolve_model_source(path)  # a .gguf file or alias: the tokenizer of its converted folder
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         # Padding positions are masked everywhere; any id works, EOS is the conventional choice.
@@ -177,9 +179,9 @@ def load_policy_model(
     Quantized linears become :class:`QuantLinear` (packed at rest); everything else is ``dtype``.
     BF16 weights load from safetensors only, unless ``QERL_ALLOW_PICKLE=1`` opts in to pickle files.
     """
-    from qerl_cli.modeling.sources import pickle_allowed
+    from qerl_cli.modeling.source_checks import pickle_allowed
 
-    path = Path(path)
+    path = Path(resolve_model_source(path))  # a .gguf file or alias becomes its converted folder
     config_dict = read_config(path)
     fmt_name = detect_format(config_dict)
     device = torch.device(device)

