@@ -90,6 +90,20 @@ def _spawn(fn: Any, *args: Any) -> None:
 
 
 # -- the update of a fixed batch ------------------------------------------------------------------
+def _update_recording_grads(trainer: Any, batch: Any) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """``trainer.update(batch)`` and the LoRA gradients of its optimizer step (the update frees them
+    after the step)."""
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def step_recording_grads(*args: Any, **kwargs: Any) -> Any:
+        grads.update({n: p.grad.clone() for n, p in trainer.params})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = step_recording_grads
+    return trainer.update(batch), grads
+
+
 def _update_worker(rank: int, port: int, model_dir: str, batch_file: str, out_dir: str) -> None:
     _join(rank, port)
     from qerl_cli.rl.trainer import Trainer
@@ -100,11 +114,11 @@ def _update_worker(rank: int, port: int, model_dir: str, batch_file: str, out_di
     mine = trainer.dist.shard(groups)
     part = type(batch)(group_size=batch.group_size)
     part.extend(batch, list(range(mine.start * batch.group_size, mine.stop * batch.group_size)))
-    stats = trainer.update(part)
+    stats, grads = _update_recording_grads(trainer, part)
     result = {
         "stats": stats,
         "rows": len(part),
-        "grads": {n: p.grad.clone() for n, p in trainer.params},
+        "grads": grads,
         "weights": {n: p.detach().clone() for n, p in trainer.params},
     }
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -120,7 +134,7 @@ def test_two_ranks_take_the_single_process_step(tiny_model_dir: Path, tmp_path: 
     assert len(batch) == 12 and len(set(batch.rewards)) > 1
     batch_file = tmp_path / "batch.pkl"
     batch_file.write_bytes(pickle.dumps(batch))
-    expected = single.update(batch)
+    expected, expected_grads = _update_recording_grads(single, batch)
 
     _spawn(_update_worker, str(tiny_model_dir), str(batch_file), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
@@ -132,13 +146,14 @@ def test_two_ranks_take_the_single_process_step(tiny_model_dir: Path, tmp_path: 
         assert stats["num_sequences"] == 12
         assert stats["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
         for name, param in single.params:
-            assert torch.allclose(result["grads"][name], param.grad, rtol=1e-5, atol=1e-7), name
+            grad = expected_grads[name]
+            assert torch.allclose(result["grads"][name], grad, rtol=1e-5, atol=1e-7), name
             # Adam's first step is lr * g / (|g| + 1e-8): for a gradient near Adam's eps (float noise
             # of ~1e-8) the step follows that noise, so compare the weights where |g| >> eps.
-            real = param.grad.abs() > 1e-6
+            real = grad.abs() > 1e-6
             moved, want = result["weights"][name][real], param.detach()[real]
             assert torch.allclose(moved, want, rtol=1e-5, atol=1e-7), name
-    assert any(p.grad.abs().sum() > 0 for _, p in single.params)  # the comparison is not of zeros
+    assert any(g.abs().sum() > 0 for g in expected_grads.values())  # the comparison is not of zeros
 
 
 # -- a whole run, then a resume with another world size -------------------------------------------
