@@ -15,6 +15,7 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.policy import completion_logprobs, make_token_batch
+from qerl_cli.rl.tracking import read_metrics
 from qerl_cli.rl.trainer import PromptStream, derive_seed, train
 from qerl_cli.rl.update import normalizer as _normalizer
 
@@ -402,12 +403,12 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
-def test_tiny_recipe_reward_rises(tiny_base: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+def test_tiny_recipe_reward_rises_on_a_bf16_base(tiny_base: dict[str, Path], tmp_path: Path) -> None:
+    """The BF16 LoRA baseline learns too (the NVFP4 run is the CLI test below)."""
     cfg = load_config(
         TrainConfig,
         REPO / "recipes" / "tiny.yaml",
-        [f"model.path={tiny_base[fmt]}", f"output.dir={tmp_path / fmt}"],
+        [f"model.path={tiny_base['bf16']}", f"output.dir={tmp_path / 'bf16'}"],
     )
     assert cfg.aqn.enabled
     result = train(cfg, progress=False)
@@ -429,8 +430,9 @@ def _cli_eval_pass_at_1(model: Path, adapter: Path | None, out: Path) -> float:
 
 @pytest.mark.slow
 def test_trained_adapter_beats_the_base_under_qerl_eval(tiny_base: dict[str, Path], tmp_path: Path) -> None:
-    """Issue 7's acceptance through the CLI: `qerl train` on the tiny task, then `qerl eval` of the
-    adapter over the NVFP4 base scores higher than the base alone on held-out problems."""
+    """The shipped recipe through the CLI on the NVFP4 base with AQN: the training reward rises, and
+    `qerl eval` of the adapter over the NVFP4 base scores higher than the base alone on held-out
+    problems (issue 7's acceptance)."""
     from qerl_cli.cli import main
 
     recipe = REPO / "recipes" / "tiny.yaml"
@@ -439,6 +441,8 @@ def test_trained_adapter_beats_the_base_under_qerl_eval(tiny_base: dict[str, Pat
         main(["train", str(recipe), f"--set=model.path={tiny_base['nvfp4']}", f"--set=output.dir={run_dir}"])
         == 0
     )
+    rewards = [r["reward_mean"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.3, rewards
     base = _cli_eval_pass_at_1(tiny_base["nvfp4"], None, tmp_path / "eval_base")
     tuned = _cli_eval_pass_at_1(tiny_base["nvfp4"], run_dir / "adapter", tmp_path / "eval_tuned")
     assert tuned > base + 0.1, (base, tuned)
