@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_trainer import tiny_cfg as trainer_tiny_cfg
 
-from qerl_cli.config import TrainConfig, load_config
+from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.distributed import Distributed
 
@@ -42,31 +43,15 @@ class FakeReward:
 
 
 def tiny_cfg(model_dir: Path, out: Path, *overrides: str) -> TrainConfig:
-    return load_config(
-        TrainConfig,
-        None,
-        [
-            f"model.path={model_dir}",
-            "model.dtype=float32",
-            "data.dataset=synthetic-addition",
-            "data.template=plain",
-            "rollout.num_generations=4",
-            "rollout.max_completion_length=8",
-            "rollout.max_prompt_length=64",
-            "train.prompts_per_step=3",  # 3 groups over 2 ranks: an uneven split (2 + 1)
-            "train.max_steps=3",
-            "train.micro_batch_size=3",
-            "train.learning_rate=1e-2",
-            "train.device=cpu",
-            "train.gradient_checkpointing=false",
-            "lora.rank=4",
-            "lora.alpha=8",
-            "algorithm.loss_type=dapo",  # the token-level normaliser must count every rank's tokens
-            f"output.dir={out}",
-            "output.save_steps=2",
-            "aqn.num_stages=2",
-            *overrides,
-        ],
+    """test_trainer's tiny run, with 3 groups a step (an uneven split over 2 ranks: 2 + 1) and the
+    token-level loss (its normaliser must count every rank's tokens)."""
+    return trainer_tiny_cfg(
+        model_dir,
+        out,
+        "train.prompts_per_step=3",
+        "train.max_steps=3",
+        "algorithm.loss_type=dapo",
+        *overrides,
     )
 
 

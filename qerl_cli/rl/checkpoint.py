@@ -173,10 +173,23 @@ def write_manifest(folder: Path) -> Path:
     return path
 
 
+def is_legacy_checkpoint(ckpt: Path) -> bool:
+    """A checkpoint of qerl 0.1.0: no manifest, and a state file that does not promise one."""
+    if (ckpt / MANIFEST_FILE).is_file():
+        return False
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and "manifest" not in state
+
+
 def checkpoint_problem(ckpt: Path) -> str | None:
     """Why ``ckpt`` cannot be resumed from (naming the file), or None when its manifest verifies."""
     manifest = ckpt / MANIFEST_FILE
     if not manifest.is_file():
+        if is_legacy_checkpoint(ckpt):
+            return None  # written before manifests: nothing to verify against (loading still checks)
         return f"{MANIFEST_FILE} is missing (the save did not finish, or the folder was altered)"
     try:
         entries = json.loads(manifest.read_text())["files"]
@@ -261,6 +274,9 @@ def _write_checkpoint_files(
             "aqn": state.aqn,
             "extra": state.extra or {},
             "rng": rng_meta,
+            # A checkpoint that says it has a manifest but lacks one was altered; one that does not
+            # say so was written before manifests (qerl 0.1.0) and is resumed unverified.
+            "manifest": MANIFEST_FILE,
         },
     )
     honour_umask(tmp)  # safetensors writes 0600 files; a checkpoint is readable like any output
@@ -303,6 +319,7 @@ def find_last_checkpoint(path: str | Path) -> Path:
     if CHECKPOINT_RE.match(path.name) and path.is_dir():
         problem = checkpoint_problem(path)
         if problem is None:
+            _warn_if_legacy(path)
             return path
         good = newest_good_checkpoint(path.parent, skip=path)
         hint = (
@@ -327,10 +344,16 @@ def find_last_checkpoint(path: str | Path) -> Path:
                 log.warning("--resume: skipped %s, which is damaged: %s", name, why)
             if skipped:
                 log.warning("--resume: using %s, the newest checkpoint that verifies", candidate)
+            _warn_if_legacy(candidate)
             return candidate
         skipped.append((candidate.name, problem))
     reasons = "; ".join(f"{name}: {why}" for name, why in skipped)
     raise QerlError(f"--resume {path}: every checkpoint is damaged ({reasons}); start a new run")
+
+
+def _warn_if_legacy(ckpt: Path) -> None:
+    if is_legacy_checkpoint(ckpt):
+        log.warning("--resume: %s was written before checkpoint manifests; resuming it unverified", ckpt)
 
 
 def load_checkpoint(
