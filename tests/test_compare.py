@@ -96,3 +96,26 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     assert again["skipped_finished_runs"] == 3
     resumed = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
     assert resumed["steps"] == 3 and len(resumed["reward"]) == 3
+
+
+def test_vllm_runs_get_a_process_each_and_refuse_parallel_jobs(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    sets = [*TINY_SETS, "rollout.engine=vllm"]
+    with pytest.raises(QerlError, match="--jobs 2 with rollout.engine=vllm"):
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "a", sets=sets, jobs=2)
+    widths: list[int] = []
+    monkeypatch.setattr(runner, "_run_parallel", lambda todo, *args: widths.append(args[-1]))
+    # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "b", sets=sets, summarize=False)
+    assert widths == [1]
+
+
+def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    own = {"model.path": str(tmp_path / "elsewhere-nvfp4"), "model.format": "nvfp4"}
+    data = {"model": {"path": str(tiny_model_dir)}}
+    bases = runner.prepare_bases(data, {"mine": own}, TINY_SETS, tmp_path / "out")
+    assert bases == {"bf16": str(tiny_model_dir)}  # nothing quantized for an arm that brings its base
+    conf = runner.arm_config(data, own, TINY_SETS, 0, tmp_path / "out", "mine", bases)
+    assert conf.model.path == str(tmp_path / "elsewhere-nvfp4")

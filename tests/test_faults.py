@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors import SafetensorError
 from test_trainer import FakeReward, tiny_cfg
 
 from qerl_cli.cli import main
@@ -208,8 +209,11 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_good_one(
     real = ckpt.save_file
 
     def full_at_step_2(tensors, path, *args, **kwargs):
-        if ".checkpoint-2.tmp" in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        if ".checkpoint-2.tmp" in str(path):  # what safetensors raises on a full disk (not an OSError)
+            raise SafetensorError(
+                "Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                'message: "No space left on device" })'
+            )
         return real(tensors, path, *args, **kwargs)
 
     monkeypatch.setattr(ckpt, "save_file", full_at_step_2)

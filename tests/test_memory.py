@@ -267,3 +267,25 @@ def test_materialized_adamw_state_is_what_the_first_step_creates(amsgrad: bool) 
         assert state.keys() == other.keys()
         for key, value in state.items():
             assert value.dtype == other[key].dtype and torch.equal(value, other[key])
+
+
+def test_a_logit_transform_after_the_head_falls_back_to_full_logits(lora_tiny) -> None:
+    """Gemma-style soft-capping happens in ForCausalLM.forward: the chunked path must not skip it."""
+    config = lora_tiny.get_base_model().config
+    config.final_logit_softcapping = 30.0
+    try:
+        assert head_and_decoder(lora_tiny) is None
+    finally:
+        config.final_logit_softcapping = None
+    assert head_and_decoder(lora_tiny) is not None
+
+
+def test_without_sleep_mode_the_update_gets_what_vllm_leaves() -> None:
+    gib = mem.GIB
+    asleep = _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL, gpu_memory_utilization=0.3)
+    awake = _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL, gpu_memory_utilization=0.3, sleep_mode=False)
+    # vLLM's 0.3 share stays on the GPU through the update: a smaller micro-batch fits beside it.
+    assert awake.micro_batch_size < asleep.micro_batch_size
+    assert awake.figures["memory/activation_estimate_gib"] <= (H200_TOTAL * 0.7) / gib
+    with pytest.raises(QerlError, match="auto needs rollout.enable_sleep_mode=true"):
+        _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL, sleep_mode=False)

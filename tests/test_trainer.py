@@ -446,3 +446,31 @@ def test_trained_adapter_beats_the_base_under_qerl_eval(tiny_base: dict[str, Pat
     base = _cli_eval_pass_at_1(tiny_base["nvfp4"], None, tmp_path / "eval_base")
     tuned = _cli_eval_pass_at_1(tiny_base["nvfp4"], run_dir / "adapter", tmp_path / "eval_tuned")
     assert tuned > base + 0.1, (base, tuned)
+
+
+def test_a_failed_start_closes_what_it_opened_and_not_what_it_was_lent(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli import rewards
+    from qerl_cli.rl import setup
+    from qerl_cli.rl.trainer import Trainer
+
+    class Engine:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+        def __getattr__(self, name: str):  # the sync and probe calls of a start: no-ops
+            return lambda *args, **kwargs: None
+
+    made = Engine()
+    monkeypatch.setattr(setup, "make_engine", lambda *args, **kwargs: made)
+    monkeypatch.setattr(rewards, "build_reward_fn", lambda cfg: (_ for _ in ()).throw(QerlError("no grader")))
+    with pytest.raises(QerlError, match="no grader"):
+        Trainer(tiny_cfg(tiny_model_dir, tmp_path / "a"))
+    assert made.closed  # the engine it started is closed
+    lent = Engine()
+    with pytest.raises(QerlError, match="no grader"):
+        Trainer(tiny_cfg(tiny_model_dir, tmp_path / "b"), engine=lent)
+    assert not lent.closed  # the caller's engine is the caller's to close

@@ -60,7 +60,7 @@ def arm_config(
         merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None
     )
     fmt = str((merged.get("model") or {}).get("format", "auto"))
-    if fmt in bases:
+    if fmt in bases and "model.path" not in arm_overrides:  # an arm's own model.path wins
         merged["model"]["path"] = bases[fmt]
     conf = cfg.from_dict(cfg.TrainConfig, merged)
     cfg.validate(conf)
@@ -83,7 +83,7 @@ def prepare_bases(
     bases = {own: folder}
     for overrides in arms.values():
         fmt = str(overrides.get("model.format", "auto"))
-        if fmt in ("auto", *bases):
+        if fmt in ("auto", *bases) or "model.path" in overrides:
             continue
         if own != "bf16":
             raise QerlError(
@@ -243,7 +243,17 @@ def run_compare(
     for arm, seed in plan:
         if (arm, seed) not in todo:
             log.info("%s seed %d: finished before, skipped", arm, seed)
-    if jobs > 1 and len(todo) > 1:
+    engines = {arm_config(data, chosen[a], sets, s, out, a, bases).rollout.engine for a, s in todo}
+    if jobs > 1 and "vllm" in engines:
+        raise QerlError(
+            f"--jobs {jobs} with rollout.engine=vllm would start {jobs} colocated vLLM engines that each "
+            "size their share from the same free GPU memory; use --jobs 1 (each run then gets the GPU to "
+            "itself)"
+        )
+    if "vllm" in engines and len(todo) > 1:
+        # An in-process vLLM does not give its GPU memory back when closed: one child process per run.
+        _run_parallel(todo, str(recipe), seeds, out, all_sets, 1)
+    elif jobs > 1 and len(todo) > 1:
         _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)
     else:
         for arm, seed in todo:

@@ -234,11 +234,14 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     try:
         _write_checkpoint_files(tmp, state, save_adapter, optimizer, param_names, scheduler)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint, whatever failed
+        # safetensors reports a failed write (ENOSPC, EDQUOT) as SafetensorError, not OSError.
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
         good = newest_good_checkpoint(out)
         raise QerlError(
-            f"could not write checkpoint-{state.step} in {out}: {exc.strerror or exc}. "
+            f"could not write checkpoint-{state.step} in {out}: {getattr(exc, 'strerror', None) or exc}. "
             + (f"The last good checkpoint, {good}, is intact" if good else "No earlier checkpoint exists")
             + "; free space (or fix the folder) and continue with --resume auto"
         ) from exc

@@ -75,14 +75,23 @@ def _softmax_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
 
 
+# Config keys of models whose ``ForCausalLM.forward`` transforms the logits after the LM head
+# (Gemma's soft-capping, Cohere's and Granite's scaling): the chunked path, which applies the head
+# itself, would skip that transform.
+LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
 def head_and_decoder(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """(decoder stack, LM head) of a (PEFT-wrapped) causal LM when the chunked path applies: a plain
-    bias-free ``nn.Linear`` head (a LoRA-wrapped or biased head falls back to full logits)."""
+    bias-free ``nn.Linear`` head and no logit transform after it (else full logits are used)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
     decoder = getattr(base, "model", None)
     if type(head) is not nn.Linear or head.bias is not None or not isinstance(decoder, nn.Module):
+        return None
+    config = getattr(base, "config", None)
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORM_KEYS):
         return None
     return decoder, head
 

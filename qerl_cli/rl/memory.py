@@ -222,12 +222,16 @@ def choose_micro_batch(
                 return MicroBatchChoice(int(m), ckpt, need(m, ckpt))
             break  # the largest fitting size without checkpointing is too small: try with it
     smallest = need(min(sizes), modes[-1])
+    advice = ["lower rollout.max_prompt_length + max_completion_length"]
+    if not modes[-1]:
+        advice.append("set train.gradient_checkpointing to true or auto")
+    if micro_batch != "auto" and int(micro_batch) > 1:
+        advice.append(f"set train.micro_batch_size below {micro_batch}, or to auto")
+    advice.append("give vLLM a smaller rollout.gpu_memory_utilization or use a GPU with more memory")
     raise QerlError(
         f"the update does not fit: one micro-batch of {min(sizes)} x {seq_len} tokens needs about "
         f"{gib(smallest)} of activations{' even with gradient checkpointing' if modes[-1] else ''}, "
-        f"and only {gib(budget_bytes)} are "
-        "left for them. Lower rollout.max_prompt_length + max_completion_length, turn "
-        "train.gradient_checkpointing on, lower train.micro_batch_size, or use a GPU with more memory"
+        f"and only {gib(budget_bytes)} are left for them. To fix: " + "; ".join(advice)
     )
 
 
@@ -288,9 +292,19 @@ def plan_memory(
     engine: str,
     kv_dtype: str = "auto",
     margin_bytes: int = DEFAULT_MARGIN,
+    sleep_mode: bool = True,
 ) -> MemoryPlan:
     """Resolve the ``auto`` settings from sizes and the GPU's memory (``free_bytes`` is measured
-    after the trainer's model is loaded and before vLLM starts; None on a CPU)."""
+    after the trainer's model is loaded and before vLLM starts; None on a CPU).
+
+    Without ``sleep_mode`` vLLM keeps its whole share through the update, so the update's budget is
+    what the share leaves, and the share cannot be ``auto`` (it would leave the update nothing)."""
+    if engine == "vllm" and not sleep_mode and gpu_memory_utilization == "auto":
+        raise QerlError(
+            "rollout.gpu_memory_utilization=auto needs rollout.enable_sleep_mode=true: without sleep mode "
+            "vLLM holds its share during the update too. Set an explicit share (e.g. 0.3) or turn sleep "
+            "mode on"
+        )
     figures: dict[str, float] = {"memory/trainer_static_estimate_gib": trainer_static_bytes(
         shape, fmt, lora_rank, lora_targets) / GIB}  # fmt: skip
     colocated = engine == "vllm"
@@ -302,7 +316,9 @@ def plan_memory(
         return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, logprob_chunk, figures)
     figures["memory/gpu_total_gib"] = total_bytes / GIB
     figures["memory/free_after_trainer_gib"] = free_bytes / GIB
-    reserve = VLLM_ASLEEP_RESERVE if colocated else 0
+    reserve = 0
+    if colocated:
+        reserve = VLLM_ASLEEP_RESERVE if sleep_mode else int(float(gpu_memory_utilization) * total_bytes)
     budget = free_bytes - reserve - margin_bytes
     choice = choose_micro_batch(
         shape, fmt, seq_len, budget, max_micro_batch=sequences_per_step, checkpointing=checkpointing,
@@ -399,7 +415,7 @@ def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPl
         micro_batch=train.micro_batch_size, checkpointing=train.gradient_checkpointing,
         gpu_memory_utilization=rollout.gpu_memory_utilization, logprob_chunk=train.logprob_chunk_tokens,
         total_bytes=info[1] if info else None, free_bytes=info[0] if info else None,
-        engine=rollout.engine, kv_dtype=rollout.kv_cache_dtype,
+        engine=rollout.engine, kv_dtype=rollout.kv_cache_dtype, sleep_mode=rollout.enable_sleep_mode,
     )  # fmt: skip
     if train.gradient_checkpointing == "auto" and plan.gradient_checkpointing:
         enable_gradient_checkpointing(model)

@@ -71,33 +71,44 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.dist = dist or init_distributed(cfg.train.device)
-        setup.check_parallel_settings(cfg, self.dist)
-        self.out_dir = ensure_output_dir(cfg.output.dir, "output.dir")
-        setup.seed_everything(cfg.train.seed)  # the same on every rank: the same LoRA init
-        device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
-        self.policy: Policy = build_policy(cfg, device)
-        self.device = self.policy.device
-        self.params = self.policy.named_trainable_parameters()
-        self.dist.broadcast_parameters(self.params)  # every rank starts from rank 0's adapter
-        self.optimizer, self.scheduler = setup.make_optimizer(cfg, self.params)
-        setup.materialize_optimizer_state(self.optimizer)
-        # Before vLLM starts: its "auto" share is what the loaded trainer (optimizer state
-        # included) leaves free.
-        self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
-        self.peaks = PeakTracker()
-        problems = load_training_problems(cfg)
-        self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
-        self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
-        self.engine = engine or self._make_engine()
-        self.schedule = setup.make_aqn_schedule(cfg)
-        self.tis_on = setup.tis_enabled(cfg, self.policy)
-        if reward_fn is None:
-            from qerl_cli.rewards import build_reward_fn
+        lent = {"engine": engine is not None, "reward_fn": reward_fn is not None}
+        try:
+            setup.check_parallel_settings(cfg, self.dist)
+            self.out_dir = ensure_output_dir(cfg.output.dir, "output.dir")
+            setup.seed_everything(cfg.train.seed)  # the same on every rank: the same LoRA init
+            device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
+            self.policy: Policy = build_policy(cfg, device)
+            self.device = self.policy.device
+            self.params = self.policy.named_trainable_parameters()
+            self.dist.broadcast_parameters(self.params)  # every rank starts from rank 0's adapter
+            self.optimizer, self.scheduler = setup.make_optimizer(cfg, self.params)
+            setup.materialize_optimizer_state(self.optimizer)
+            # Before vLLM starts: its "auto" share is what the loaded trainer (optimizer state
+            # included) leaves free.
+            self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
+            self.peaks = PeakTracker()
+            problems = load_training_problems(cfg)
+            self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
+            self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
+            self.engine = engine or self._make_engine()
+            self.schedule = setup.make_aqn_schedule(cfg)
+            self.tis_on = setup.tis_enabled(cfg, self.policy)
+            if reward_fn is None:
+                from qerl_cli.rewards import build_reward_fn
 
-            reward_fn = build_reward_fn(cfg.reward)
-        self.reward_fn = reward_fn
-        self.step = 0
-        self._seed_rank_stream()
+                reward_fn = build_reward_fn(cfg.reward)
+            self.reward_fn = reward_fn
+            self.step = 0
+            self._seed_rank_stream()
+        except BaseException:
+            # A failed start leaves no vLLM engine, grader pool or process group behind (what the
+            # caller lent, it closes itself).
+            for name in ("reward_fn", "engine"):
+                close = None if lent[name] else getattr(getattr(self, name, None), "close", None)
+                if close is not None:
+                    close()
+            self.dist.close()
+            raise
 
     def _seed_rank_stream(self) -> None:
         """Ranks other than 0 get their own global torch stream (dropout), still a function of the
@@ -371,11 +382,11 @@ def _run_steps(
                 try:
                     record = trainer.train_step()
                 except NonFiniteLossError as exc:
-                    last = ckpt.list_checkpoints(out_dir)
+                    good = ckpt.newest_good_checkpoint(out_dir)
                     raise QerlError(
                         f"training diverged at step {trainer.step + 1}: {exc}. Nothing was saved for this "
                         "step; "
-                        + (f"the last good checkpoint is {last[-1][1]}. " if last else "")
+                        + (f"the last good checkpoint is {good}. " if good else "")
                         + "Lower train.learning_rate or train.max_grad_norm, or check the data."
                     ) from exc
                 if cfg.output.save_steps > 0 and trainer.step % cfg.output.save_steps == 0:

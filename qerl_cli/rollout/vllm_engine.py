@@ -334,8 +334,9 @@ class VLLMEngine:
         raise QerlError(
             f"vLLM cannot wake up: it needs {need / gib:.1f} GiB back (what its sleep freed) but only "
             f"{free / gib:.1f} GiB of the GPU are free; this process holds {held:.1f} GiB in live tensors "
-            f"and {cached:.1f} GiB in blocks PyTorch cannot release. Lower rollout.gpu_memory_utilization "
-            f"(now {self.llm_kwargs.get('gpu_memory_utilization')}) or train.micro_batch_size"
+            f"and {cached:.1f} GiB in blocks PyTorch cannot release. Set rollout.gpu_memory_utilization "
+            f"below {self.llm_kwargs.get('gpu_memory_utilization')} (the share this engine runs with, "
+            "whether given or chosen by auto), or lower train.micro_batch_size"
         )
 
     # ---- LoRA sync ----------------------------------------------------------------------------
