@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,3 +127,38 @@ def read_json_report(path: str | Path, file_name: str, what: str) -> dict[str, A
     if not isinstance(data, dict):
         raise QerlError(f"{path} holds no JSON object: give {what}")
     return data
+
+
+COMPLETE_MARKER = ".qerl-complete"  # written last: a folder without it is a crashed write
+
+
+def is_complete_folder(folder: str | Path) -> bool:
+    return (Path(folder) / COMPLETE_MARKER).is_file()
+
+
+def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Path:
+    """``target``, written by ``write(staging)`` into a sibling staging folder that is marked complete
+    and renamed, unless a complete ``target`` exists already (then it is returned as is).
+
+    A crash leaves no half folder under ``target``; several processes may ask for the same folder at
+    once (each stages under its own name, and the first rename wins).
+    """
+    target = Path(target)
+    if is_complete_folder(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        write(staging)
+        (staging / COMPLETE_MARKER).write_text("")
+        if target.exists() and not is_complete_folder(target):
+            shutil.rmtree(target)  # the leftover of a crash before this marker existed
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process finished the same folder first: use theirs
+            if not is_complete_folder(target):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.files import write_folder_once
 from qerl_cli.modeling.sources import cache_root  # noqa: F401 - re-exported for bench
 
 FORMATS = ("bf16", "nf4", "nvfp4", "mxfp4")
 GPU_DEFAULT_MODEL = "qwen2.5-7b"
 CPU_DEFAULT_MODEL = "tiny"
-_COMPLETE = ".qerl-complete"  # written last: a folder without it is a crashed write
 
 
 
@@ -84,24 +83,6 @@ def folder_format(folder: Path) -> str:
     return found
 
 
-def _finished(folder: Path) -> bool:
-    return (folder / _COMPLETE).is_file() and (folder / "config.json").is_file()
-
-
-def _write_atomically(target: Path, write) -> Path:  # write: Callable[[Path], object]
-    """Write into a sibling temp folder, mark it complete, then rename: a crash leaves no half folder."""
-    if _finished(target):
-        return target
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    write(tmp)
-    (tmp / _COMPLETE).write_text("")
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
-
-
 def shape_tokenizer() -> Path:
     """A tokenizer folder for the real-size shapes: qerl's byte-level tiny tokenizer.
 
@@ -112,12 +93,12 @@ def shape_tokenizer() -> Path:
     from qerl_cli.modeling.tiny import build_tokenizer
 
     target = cache_root() / "bench" / "tokenizer"
-    return _write_atomically(target, lambda tmp: _save_tokenizer(build_tokenizer(), tmp))
+    return write_folder_once(target, lambda tmp: _save_tokenizer(build_tokenizer(), tmp))
 
 
 def _save_tokenizer(tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
-    (folder / "config.json").write_text("{}")  # marks the folder complete for _finished
+    (folder / "config.json").write_text("{}")  # AutoTokenizer looks for a config beside the tokenizer
 
 
 def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
@@ -131,7 +112,7 @@ def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
     def write(tmp: Path) -> None:
         write_random_checkpoint(tmp, name, fmt, seed=seed, device=device, tokenizer_from=tokenizer_from)
 
-    return _write_atomically(cache_root() / "bench" / name / f"{fmt}-seed{seed}", write)
+    return write_folder_once(cache_root() / "bench" / name / f"{fmt}-seed{seed}", write)
 
 
 def _local_folder(model: str) -> Path:
@@ -166,7 +147,7 @@ def _rtn_checkpoint(source: Path, fmt: str) -> Path:
         config = QuantizeConfig(model=str(source), format=fmt, method="rtn", output=str(tmp), overwrite=True)
         run_quantize(config)
 
-    return _write_atomically(target, write)
+    return write_folder_once(target, write)
 
 
 def prepare_checkpoints(model: str, formats: list[str], seed: int = 0) -> dict[str, Path]:

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qerl_cli.errors import QerlError
+from qerl_cli.files import write_folder_once
 
 GGUF_SUFFIX = ".gguf"
-_COMPLETE = ".qerl-complete"  # written last: a cache folder without it is a crashed conversion
 SOURCE_RECORD = "qerl_source.json"
 
 
@@ -161,22 +161,7 @@ def converted_folder(gguf: Path) -> Path:
 
 def materialize_gguf(gguf: Path) -> Path:
     """The BF16 safetensors folder converted from ``gguf`` (converted now if not cached)."""
-    out = converted_folder(gguf)
-    if (out / _COMPLETE).is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        convert_gguf(gguf, staging)
-        (staging / _COMPLETE).write_text("")
-        try:
-            os.replace(staging, out)
-        except OSError:  # another process finished the same conversion first: use theirs
-            if not (out / _COMPLETE).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return write_folder_once(converted_folder(gguf), lambda staging: convert_gguf(gguf, staging))
 
 
 def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)

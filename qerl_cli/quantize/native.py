@@ -11,8 +11,6 @@ llm-compressor route to an equivalent checkpoint.
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -20,6 +18,7 @@ from torch import nn
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
+from qerl_cli.files import is_complete_folder, write_folder_once
 from qerl_cli.modeling.random_checkpoint import (
     _group_global_scales,
     _modules_with_tensors,
@@ -27,8 +26,6 @@ from qerl_cli.modeling.random_checkpoint import (
     quantization_config,
 )
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
-
-_COMPLETE = ".qerl-complete"
 
 
 def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> Path:
@@ -42,17 +39,15 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
     from qerl_cli.modeling.sources import resolve_model_source
 
     out = Path(out_dir)
-    if (out / _COMPLETE).is_file():
+    if is_complete_folder(out):
         return out
     folder = resolve_model_source(source)
     qfmt = formats.get(fmt)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     if getattr(model.config, "quantization_config", None):
         raise QerlError(f"{source} is already quantized: RTN needs the BF16 model")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
+
+    def write(staging: Path) -> None:
         _write_tensors(model, qfmt, fmt, staging)
         config = model.config.to_dict()
         config["dtype"] = "bfloat16"
@@ -60,15 +55,8 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         model.generation_config.save_pretrained(staging)
         AutoTokenizer.from_pretrained(folder).save_pretrained(staging)  # chat template included
-        (staging / _COMPLETE).write_text("")
-        try:
-            staging.rename(out)
-        except OSError:
-            if not (out / _COMPLETE).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+
+    return write_folder_once(out, write)
 
 
 @torch.no_grad()
