@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import pytest
@@ -113,12 +112,10 @@ def test_demo_config_is_the_tiny_recipe() -> None:
 
 # -- the demo (slow: about two minutes on 2 cores) ---------------------------------------------------
 @pytest.mark.slow
-def test_demo_runs_offline_in_under_five_minutes(tmp_path: Path) -> None:
+def test_demo_runs_offline(tmp_path: Path) -> None:
     from qerl_cli.demo import run_demo
 
-    start = time.monotonic()
     result = run_demo(tmp_path / "demo")
-    assert time.monotonic() - start < 300
     assert result["reward_last10"] - result["reward_first10"] >= 0.2
     assert result["after"]["sampled_accuracy"] > result["before"]["sampled_accuracy"] + 0.1
     assert (tmp_path / "demo" / "train" / "adapter" / "adapter_model.safetensors").is_file()
