@@ -109,7 +109,7 @@ def summary(name: str, gpus: int) -> dict:
             "step_s": mean("time_step_s"), "rollout_s": mean("time_rollout_s"), "update_s": mean("time_update_s"),
             "rollout_tokens_per_step": mean("rollout_tokens"), "rollout_tokens_per_s": rollout_tps,
             "rollout_tokens_per_s_per_gpu": rollout_tps / gpus,
-            "peak_gpu_memory_gb": max(float(r.get("peak_gpu_memory_gb", 0.0)) for r in rows)}
+            "device_peak_used_gib": max(float(r.get("memory/device_peak_used_gib", 0.0)) for r in rows)}
 
 one, two = summary("1gpu", 1), summary("2gpu", 2)
 report = {"engine": engine, "shape": "qwen2.5-7b", "format": "nvfp4", "global_batch": "16 prompts x 4",

@@ -197,8 +197,8 @@ def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_
     row["steps"] = [{k: v for k, v in r.items() if k.startswith(("time_", "memory/", "rollout_tokens"))}
                     for r in records]  # fmt: skip
     row["completion_tokens_per_step"] = median("rollout_tokens")
-    peaks = [r["peak_gpu_memory_gb"] for r in timed if "peak_gpu_memory_gb" in r]
-    row["peak_allocated_bytes"] = int(max(peaks) * 2**30) if peaks else None
+    peak = row["peak_allocated_gib"]
+    row["peak_allocated_bytes"] = int(peak * 2**30) if peak is not None else None
     return row
 
 

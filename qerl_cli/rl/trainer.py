@@ -272,8 +272,6 @@ class Trainer:
         record.update(release_cached_memory())
         self._sync_engine()
         record.update(self.peaks.metrics())
-        if torch.cuda.is_available():
-            record["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         record["time_step_s"] = time.perf_counter() - step_start
         return record
 

@@ -31,7 +31,7 @@ def update_policy(
     batch: Rollouts,
     *,
     tis_on: bool,
-    micro_batch_size: int | None = None,
+    micro_batch_size: int,
     dist: Distributed | None = None,
 ) -> dict[str, Any]:
     """Train on ``batch``; return the merged loss stats, grad norm and timings.
@@ -39,13 +39,13 @@ def update_policy(
     With several ranks ``batch`` is this rank's share (whole groups, possibly none): the normaliser
     counts every rank's rows, the gradients are summed over ranks before clipping, and the stats
     are those of the whole batch, so every rank takes the single-process step on the same batch.
-    ``micro_batch_size``: the memory plan's resolution of ``train.micro_batch_size`` (``auto``).
+    ``micro_batch_size``: the memory plan's resolution of ``train.micro_batch_size`` (it may be ``auto``).
     """
     dist = dist or Distributed()
     a = cfg.algorithm
     model, device = policy.model, policy.device
     temperature = cfg.rollout.temperature
-    micro = micro_batch_size or int(cfg.train.micro_batch_size)
+    micro = micro_batch_size
     chunk = cfg.train.logprob_chunk_tokens
     t0 = time.perf_counter()
     if len(batch):
