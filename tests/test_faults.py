@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors import SafetensorError
@@ -419,11 +420,17 @@ def _start(tmp_path: Path, tiny_model_dir: Path, patch: str) -> tuple[subprocess
     return proc, out
 
 
+def _uninterrupted_then_start(tmp_path: Path, model: Path, fault: str) -> tuple[FakeReward, Any, Path]:
+    """The batches of an uninterrupted run (what a resume must reproduce), then the run to interrupt,
+    started and waiting at its fault point."""
+    straight = FakeReward()
+    train(tiny_cfg(model, tmp_path / "straight"), progress=False, reward_fn=straight)
+    return (straight, *_start(tmp_path, model, fault))
+
+
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
-    straight = FakeReward()
-    train(tiny_cfg(tiny_model_dir, tmp_path / "straight"), progress=False, reward_fn=straight)
-    proc, out = _start(tmp_path, tiny_model_dir, SLOW_MANIFEST)
+    straight, proc, out = _uninterrupted_then_start(tmp_path, tiny_model_dir, SLOW_MANIFEST)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -438,9 +445,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tiny_model_dir: Path, tmp
 
 @pytest.mark.slow
 def test_sigint_during_a_rollout_exits_cleanly_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    straight = FakeReward()
-    train(tiny_cfg(tiny_model_dir, tmp_path / "straight"), progress=False, reward_fn=straight)
-    proc, out = _start(tmp_path, tiny_model_dir, SLOW_ROLLOUT)
+    straight, proc, out = _uninterrupted_then_start(tmp_path, tiny_model_dir, SLOW_ROLLOUT)
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
