@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from qerl_cli.errors import QerlError
@@ -28,3 +30,13 @@ def resolve_device(name: str, setting: str = "--device") -> torch.device:
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (strings pass through)."""
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def device_label(device: torch.device | str) -> str:
+    """What ran the numbers, for reports and figures: the GPU's name (``NVIDIA H200``) or ``CPU (x86_64)``."""
+    device = torch.device(device) if isinstance(device, str) and device != "auto" else device
+    if device == "auto":
+        device = resolve_device("auto")
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device.index or 0)
+    return f"{device.type.upper()} ({platform.machine() or 'unknown'})"

@@ -6,18 +6,22 @@
 # Prepare here first: bash scripts/device_smollm2_bundle.sh, then two device calls back to back:
 #   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/          carry: [".smol/p1"]
 #   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p2"]
-# Knobs (env): STEPS (default 40), SEEDS (3), JOBS (9), HELDOUT (128). Writes at most 8 files to $OUT:
+# Knobs (env): STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128), COMPARE_SETS (more --set for compare). Writes at most 8 files to $OUT:
 # compare.json/.md/.png, entropy.json, quant_quality.json/.md, summary.txt, runs.tar.gz.
 set -uo pipefail
 start=$(date +%s)
 out=${OUT:-/tmp/qerl-smol-out}; work=/tmp/qerl-smol; mkdir -p "$out" "$work"
-steps=${STEPS:-40}; seeds=${SEEDS:-3}; jobs=${JOBS:-9}; heldout=${HELDOUT:-128}
+steps=${STEPS:-30}; seeds=${SEEDS:-3}; jobs=${JOBS:-9}; heldout=${HELDOUT:-128}
 smol=${SMOL_DIR:-/tmp/smol}
 if [ -d "$smol/whl" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$smol"/whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} QERL_CACHE_DIR=$work/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Four torch threads for this script's own processes (compare's parent, entropy, quality): three of them
+# at 16 threads each on the 16 cores spent minutes on a 3-second RTN write (2026-11-23); compare
+# gives each of its runs its own share.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 mkdir -p "$QERL_CACHE_DIR"
 gguf=$QERL_CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$gguf" ]; then
@@ -32,7 +36,7 @@ log "GGUF converted"
 # (a) the ablation, in the background: 9 processes on the one GPU
 python3 -m qerl_cli.cli compare recipes/smollm2_wordproblems.yaml --arms bf16-lora,nvfp4-lora,nvfp4-aqn \
   --seeds "$seeds" --jobs "$jobs" --output "$work/compare" --set train.max_steps="$steps" \
-  --set output.save_steps=10 --set train.device=cuda --set compare.heldout_problems="$heldout" \
+  --set output.save_steps=10 --set train.device=cuda --set compare.heldout_problems="$heldout" ${COMPARE_SETS:-} \
   > "$work/compare.log" 2>&1 &
 compare_pid=$!
 

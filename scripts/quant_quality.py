@@ -146,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_samples": len(samples), "bf16_perplexity": perplexity(bf16, samples, device), "rows": [],
     }  # fmt: skip
     for row in [r.strip() for r in args.rows.split(",") if r.strip()]:
-        entry = make_row(row, args.model, out, args, bf16)
-        if "skipped" not in entry:
-            entry["perplexity"] = perplexity(entry["folder"], samples, device)
+        try:  # one row's failure (e.g. a package missing on a GPU image) must not lose the others
+            entry = make_row(row, args.model, out, args, bf16)
+            if "skipped" not in entry:
+                entry["perplexity"] = perplexity(entry["folder"], samples, device)
+        except Exception as exc:  # noqa: BLE001 - recorded in the table, then the next row
+            entry = {"row": row, "skipped": f"failed: {type(exc).__name__}: {str(exc)[:200]}"}
         result["rows"].append(entry)
         print(json.dumps(entry), flush=True)
     write_json(out / "quant_quality.json", result)

@@ -341,5 +341,42 @@ def test_vllm_bench_starts_one_engine_per_format_hf_one_per_case(tmp_path):
     cfg = BenchConfig(batch=[2, 8])
     (shared,) = _cases(cfg, "vllm", "nvfp4", tmp_path, [0, 16], tmp_path / "lora", {})
     assert shared.phases() == [0, 16] and shared.lora_dir == str(tmp_path / "lora")
+    # Only the batches measured get CUDA graphs (vLLM captures up to 2 x max_num_seqs); a user's wins.
+    assert shared.vllm_kwargs == {"max_num_seqs": 8}
+    cfg = BenchConfig(batch=[2, 8], vllm_kwargs={"max_num_seqs": 64, "attention_backend": "TRITON_ATTN"})
+    (shared,) = _cases(cfg, "vllm", "nvfp4", tmp_path, [0, 16], tmp_path / "lora", {})
+    assert shared.vllm_kwargs == {"max_num_seqs": 64, "attention_backend": "TRITON_ATTN"}
     plain, lora = _cases(cfg, "hf", "nvfp4", tmp_path, [0, 16], tmp_path / "lora", {})
     assert (plain.phases(), plain.lora_dir, lora.phases()) == ([0], None, [16])
+
+
+class _LengthRecorder:
+    """An engine that returns exactly what was asked for and remembers each call's length."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def generate(self, prompts, n, spec):
+        from qerl_cli.rollout.base import Completion, RolloutResult
+
+        self.lengths.append(spec.max_new_tokens)
+        done = [
+            [Completion([1] * spec.max_new_tokens, "", [0.0] * spec.max_new_tokens, "length")]
+            for _ in prompts
+        ]
+        return RolloutResult([[7] * 16 for _ in prompts], done)
+
+
+def test_warm_up_is_short_and_every_timed_pass_is_full_length() -> None:
+    from qerl_cli.bench.rollout import WARMUP_TOKENS, RolloutSettings, measure_batch
+    from qerl_cli.modeling.tiny import build_tokenizer
+
+    engine = _LengthRecorder()
+    maker = PromptMaker(build_tokenizer(), seed=0)
+    row = measure_batch(engine, maker, 2, RolloutSettings(prompt_len=16, gen_len=2048, warmup=1, repeats=3))
+    # warm-up (short, then a prefill), then three (full, prefill) pairs
+    assert engine.lengths == [WARMUP_TOKENS, 1, 2048, 1, 2048, 1, 2048, 1]
+    assert len(row["generate_s"]) == 3 and row["output_tokens_per_s"] > 0
+    engine = _LengthRecorder()
+    measure_batch(engine, maker, 2, RolloutSettings(prompt_len=16, gen_len=8, warmup=1, repeats=3))
+    assert engine.lengths[0] == 8  # never longer than the measured generation

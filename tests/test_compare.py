@@ -12,6 +12,7 @@ from qerl_cli.compare import arms as arms_mod
 from qerl_cli.compare import runner
 from qerl_cli.compare.summary import arm_rows, steps_to
 from qerl_cli.errors import QerlError
+from qerl_cli.torch_utils import device_label
 
 TINY_SETS = [
     "model.dtype=float32", "data.dataset=synthetic-addition", "data.template=plain",
@@ -70,9 +71,16 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     for row in report["arms"]:
         assert row["seeds"] == 2 and row["steps"] == 3
         assert 0.0 <= row["heldout_accuracy"] <= 1.0 and row["early_entropy"] > 0
+        assert 0.0 <= row["base_heldout_accuracy"] <= 1.0  # where the arm started, no adapter
+    # One evaluation per distinct base: the BF16 model and its NVFP4 counterpart.
+    base_evals = sorted(p.parent.name for p in (out / "base-heldout").glob("*/heldout.json"))
+    assert len(base_evals) == 2 and base_evals[1].startswith("nvfp4-"), base_evals
     assert (out / "compare.png").stat().st_size > 0
     assert "| nvfp4-aqn | 2 |" in (out / "compare.md").read_text()
     assert json.loads((out / "compare.json").read_text())["threshold"] == report["threshold"]
+    # Where the numbers came from: each run's result, the report, the table (the PNG's title too).
+    assert report["devices"] == [device_label("cpu")] and device_label("cpu").startswith("CPU (")
+    assert f"Ran on: {device_label('cpu')}." in (out / "compare.md").read_text()
     nvfp4 = yaml.safe_load((out / "nvfp4-aqn" / "seed-1" / "config.yaml").read_text())
     assert nvfp4["model"]["path"] == str(out / "bases" / "nvfp4") and nvfp4["aqn"]["enabled"] is True
     assert nvfp4["train"]["seed"] == 1
@@ -91,9 +99,19 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
         return original(conf, resume=resume, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "train", spy)
+    evaluated = []
+    original_eval = runner.evaluate_heldout
+    monkeypatch.setattr(
+        runner, "evaluate_heldout", lambda conf, st, adapter, target: evaluated.append(adapter)
+        or original_eval(conf, st, adapter, target),
+    )  # fmt: skip
     again = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
+    assert None not in evaluated  # the bases' evaluations were kept, not repeated
     assert calls == [(str(out / "nvfp4-aqn" / "seed-0"), str(out / "nvfp4-aqn" / "seed-0"))]
     assert again["skipped_finished_runs"] == 3
+    assert [r["base_heldout_accuracy"] for r in again["arms"]] == [
+        r["base_heldout_accuracy"] for r in report["arms"]
+    ]
     resumed = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
     assert resumed["steps"] == 3 and len(resumed["reward"]) == 3
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors import SafetensorError
 from test_trainer import FakeReward, tiny_cfg
 
@@ -320,6 +321,35 @@ def test_a_nan_loss_mid_run_stops_and_keeps_the_last_checkpoint(tiny_model_dir: 
     assert ckpt.checkpoint_problem(out / "checkpoint-2") is None
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=FakeReward())
     assert result["steps"] == 4
+
+
+class NanGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose gradient is not (as a GPU run once saw)."""
+
+    @staticmethod
+    def forward(ctx, loss):  # type: ignore[override]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * float("nan")
+
+
+def test_a_nan_gradient_under_a_finite_loss_names_the_tensors(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import qerl_cli.rl.update as update_mod
+
+    original = update_mod.policy_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
+        return NanGradient.apply(loss), stats
+
+    monkeypatch.setattr(update_mod, "policy_loss", poisoned)
+    every_tensor = r"\(non-finite gradients in (\d+) of \1 tensors: .*lora_[AB].*and \d+ more\)"
+    with pytest.raises(QerlError, match=r"diverged at step 1: the gradient norm is nan " + every_tensor):
+        train(tiny_cfg(tiny_model_dir, tmp_path / "run"), progress=False, reward_fn=FakeReward())
 
 
 # -- graders and data ---------------------------------------------------------------------------

@@ -61,13 +61,24 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "repeats": cfg.repeats,
         "statistic": "median",
         "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
-        "vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" else None,
+        "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,
         "e2e": cfg.e2e,
         "e2e_shape": _e2e_shape(cfg) if cfg.e2e else None,
         # vLLM: the without-LoRA rows come from the LoRA-enabled engine, with no adapter active.
         "one_engine_per_format": engine == "vllm",
         "seed": cfg.seed,
     }
+
+
+def rollout_vllm_kwargs(cfg: BenchConfig) -> dict[str, Any]:
+    """vLLM settings of the rollout cases: ``max_num_seqs`` is the largest ``--batch`` unless given.
+
+    vLLM captures a CUDA graph for every batch size up to twice ``max_num_seqs`` (at most 512): with its
+    default that is dozens of graphs per engine start, of which the bench uses two. The measured
+    batches run the same graphs either way. (The e2e step keeps vLLM's default: it runs far more
+    sequences at once.)
+    """
+    return {"max_num_seqs": max(cfg.batch), **cfg.vllm_kwargs}
 
 
 def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[int], lora_dir: Any,
@@ -80,7 +91,8 @@ def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[in
         return Case(
             engine=engine, format=fmt, model_dir=str(folder), lora_rank=rank,
             lora_dir=str(lora_dir) if rank else None, batches=list(cfg.batch), settings=settings,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, vllm_kwargs=dict(cfg.vllm_kwargs),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            vllm_kwargs=rollout_vllm_kwargs(cfg) if engine == "vllm" else dict(cfg.vllm_kwargs),
             lora_phases=phases,
         )  # fmt: skip
 

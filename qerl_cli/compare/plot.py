@@ -17,7 +17,7 @@ def _stack(series: list[list[float]]) -> tuple[list[float], list[float], list[fl
     return [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
 
 
-def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | None:
+def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path, device: str = "") -> Path | None:
     try:
         import matplotlib
 
@@ -38,7 +38,8 @@ def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path) -> Path | 
         ax.set_ylabel(f"{label} (trailing mean)")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("mean over seeds, band: min..max over seeds")
+    where = f" ({device})" if device else ""
+    fig.suptitle(f"mean over seeds, band: min..max over seeds{where}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@ Layout of ``--output DIR``::
     DIR/<arm>/seed-<s>/           one `qerl train` run (checkpoints, metrics.jsonl, adapter)
     DIR/<arm>/seed-<s>/heldout/   `qerl eval` of its adapter on the held-out split
     DIR/<arm>/seed-<s>/result.json   written last: a run with it is finished and skipped next time
+    DIR/base-heldout/<base>/      `qerl eval` of an untrained base (no adapter), once per distinct base
     DIR/compare.json, compare.md, compare.png
 
 A run without ``result.json`` but with a checkpoint resumes from it (``qerl train --resume``).
@@ -15,6 +16,8 @@ Runs are sequential in this process, or ``jobs`` child processes at a time (one 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -30,6 +33,7 @@ from qerl_cli.files import write_json
 
 log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"
+BASE_RESULT_NAME = "heldout.json"
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -103,6 +107,7 @@ def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress
     from qerl_cli.rl.checkpoint import list_checkpoints
     from qerl_cli.rl.tracking import read_metrics
     from qerl_cli.rl.trainer import train
+    from qerl_cli.torch_utils import device_label
 
     out = Path(conf.output.dir)
     done = out / RESULT_NAME
@@ -120,6 +125,7 @@ def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress
         "seed": conf.train.seed,
         "model": conf.model.path,
         "aqn": conf.aqn.enabled,
+        "device": device_label(conf.train.device),
         "steps": summary["steps"],
         "resumed_from": summary.get("resumed_from") or resume,
         "reward": [float(r.get("reward_mean", float("nan"))) for r in records],
@@ -144,9 +150,9 @@ def heldout_benchmark(conf: cfg.TrainConfig) -> str:
 
 
 def evaluate_heldout(
-    conf: cfg.TrainConfig, settings: CompareSettings, adapter: str, out: Path
+    conf: cfg.TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
 ) -> dict[str, Any]:
-    """pass@1 (with its standard error) of the trained adapter on the held-out split, via qerl eval."""
+    """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base)."""
     from qerl_cli.evaluation import run_eval
 
     bench = heldout_benchmark(conf)
@@ -167,6 +173,37 @@ def evaluate_heldout(
         "problems": metrics["num_problems"],
         "samples": settings.heldout_samples,
     }
+
+
+def evaluate_bases(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], seed: int, out: Path,
+    bases: dict[str, str], settings: CompareSettings,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """{arm: held-out pass@1 of its base before training}: where each arm started from.
+
+    Evaluated once per distinct base (arms differing only in AQN share one: evaluation adds no noise)
+    and kept in ``DIR/base-heldout`` so a resumed compare does not evaluate again.
+    """
+    from qerl_cli.torch_utils import device_label
+
+    by_path: dict[str, dict[str, Any]] = {}
+    found = {}
+    for arm, overrides in arms.items():
+        conf = arm_config(data, overrides, sets, seed, out, arm, bases)
+        path = conf.model.path
+        if path not in by_path:
+            digest = hashlib.sha1(path.encode()).hexdigest()[:8]
+            target = out / "base-heldout" / f"{Path(path).name}-{digest}"
+            done = target / BASE_RESULT_NAME
+            if done.is_file():
+                by_path[path] = json.loads(done.read_text())
+            else:
+                log.info("%s: evaluating its base %s before training", arm, path)
+                figures = evaluate_heldout(conf, settings, None, target)
+                by_path[path] = {"model": path, "device": device_label(conf.train.device), **figures}
+                write_json(done, by_path[path])
+        found[arm] = by_path[path]
+    return found
 
 
 def _child_command(
@@ -262,5 +299,6 @@ def run_compare(
             run_one(conf, settings, arm, progress)
     if not summarize:
         return {"output": str(out), "runs": len(plan), "ran": len(todo)}
+    start = evaluate_bases(data, chosen, sets, base_seed, out, bases, settings)
     return write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
-                        skipped=len(plan) - len(todo), recipe=str(recipe))  # fmt: skip
+                        skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start)  # fmt: skip

@@ -1,6 +1,7 @@
 """The ablation's table: per arm, over seeds, from each run's ``result.json``.
 
 - final reward: mean training reward over the last 10% of steps (at least one step);
+- base pass@1: the same held-out evaluation of the arm's base before training (no adapter);
 - held-out accuracy: pass@1 on the held-out split; its standard error is the spread over seeds
   (sd / sqrt(seeds)), which contains the evaluation's own sampling error; with one seed, the
   evaluation's standard error;
@@ -79,7 +80,10 @@ def load_results(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list
     return found
 
 
-def arm_rows(results: dict[str, list[dict[str, Any]]], threshold: float | None) -> tuple[list[dict], float]:
+def arm_rows(
+    results: dict[str, list[dict[str, Any]]], threshold: float | None,
+    base_heldout: dict[str, dict[str, Any]] | None = None,
+) -> tuple[list[dict], float]:  # fmt: skip
     figures = {arm: [run_figures(r) for r in runs] for arm, runs in results.items()}
     if threshold is None:
         start = _mean([f["first_reward"] for runs in figures.values() for f in runs]) or 0.0
@@ -91,6 +95,7 @@ def arm_rows(results: dict[str, list[dict[str, Any]]], threshold: float | None) 
         reached = [steps_to(r["reward"], threshold) for r in runs]
         heldout = [f["heldout"] for f in figs]
         se = _sd(heldout)
+        base = (base_heldout or {}).get(arm) or {}
         rows.append(
             {
                 "arm": arm,
@@ -98,6 +103,8 @@ def arm_rows(results: dict[str, list[dict[str, Any]]], threshold: float | None) 
                 "steps": max(len(r["reward"]) for r in runs),
                 "final_reward": _mean([f["final_reward"] for f in figs]),
                 "final_reward_sd": _sd([f["final_reward"] for f in figs]),
+                "base_heldout_accuracy": base.get("pass@1"),
+                "base_heldout_se": base.get("pass@1_se"),
                 "heldout_accuracy": _mean(heldout),
                 "heldout_se": se / math.sqrt(len(heldout)) if se is not None else figs[0]["heldout_se"],
                 "heldout_per_seed": heldout,
@@ -117,20 +124,26 @@ def _fmt(value: float | None, digits: int = 3, sd: float | None = None) -> str:
     return text + (f" ± {sd:.{digits}f}" if sd is not None else "")
 
 
+def _percent(value: float | None, se: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}% ± {100 * (se or 0):.1f}"
+
+
 def _cells(row: dict[str, Any]) -> list[str]:
-    acc = row["heldout_accuracy"]
-    se = row["heldout_se"]
     return [
         row["arm"],
         str(row["seeds"]),
         _fmt(row["final_reward"], sd=row["final_reward_sd"]),
-        "-" if acc is None else f"{100 * acc:.1f}% ± {100 * (se or 0):.1f}",
+        _percent(row.get("base_heldout_accuracy"), row.get("base_heldout_se")),
+        _percent(row["heldout_accuracy"], row["heldout_se"]),
         f"{_fmt(row['steps_to_threshold'], 1)} ({row['reached_threshold']})",
         _fmt(row["early_entropy"], sd=row["early_entropy_sd"]),
     ]
 
 
-HEADERS = ["arm", "seeds", "final reward", "held-out pass@1 ± SE", "steps to threshold", "early entropy"]
+HEADERS = [
+    "arm", "seeds", "final reward", "base pass@1 ± SE", "held-out pass@1 ± SE", "steps to threshold",
+    "early entropy",
+]  # fmt: skip
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -139,7 +152,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Threshold {report['threshold']:.3f} (trailing mean reward); final reward over the last 10% of "
         "steps; "
-        "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1).",
+        "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1; base pass@1: "
+        "the untrained base, the evaluation's own SE). "
+        f"Ran on: {', '.join(report.get('devices') or ['unrecorded device'])}.",
         "",
         "| " + " | ".join(HEADERS) + " |",
         "| " + " | ".join("---" for _ in HEADERS) + " |",
@@ -162,12 +177,14 @@ def compare_table(report: dict[str, Any]):  # -> rich.table.Table
 
 def write_report(
     out: Path, arms: dict[str, Any], seeds: list[int], settings: CompareSettings, threshold: float | None,
-    skipped: int = 0, recipe: str = "",
+    skipped: int = 0, recipe: str = "", base_heldout: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from qerl_cli.compare.plot import plot_curves
 
     results = load_results(out, list(arms), seeds)
-    rows, used = arm_rows(results, threshold if threshold is not None else settings.threshold)
+    rows, used = arm_rows(results, threshold if threshold is not None else settings.threshold, base_heldout)
+    unknown = "unrecorded device"
+    trained = {r.get("device") or unknown for runs in results.values() for r in runs}
     report = {
         "recipe": recipe or out.name,
         "output": str(out),
@@ -175,12 +192,14 @@ def write_report(
         "arms": rows,
         "overrides": {arm: arms[arm] for arm in results},
         "skipped_finished_runs": skipped,
+        # Runs written before result.json recorded its device say so rather than guess.
+        "devices": sorted(trained | {b.get("device") or unknown for b in (base_heldout or {}).values()}),
         "curves": {
             arm: [{"seed": r["seed"], "reward": r["reward"], "entropy": r["entropy"]} for r in runs]
             for arm, runs in results.items()
         },  # fmt: skip
     }
-    plot = plot_curves(results, out / "compare.png")
+    plot = plot_curves(results, out / "compare.png", ", ".join(sorted(trained)))  # the curves' own device
     report["plot"] = str(plot) if plot else None
     write_json(out / "compare.json", report)
     atomic_write_text(out / "compare.md", markdown(report))

@@ -114,7 +114,7 @@ def update_policy(
         dist.all_reduce_gradients(params)
         grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.train.max_grad_norm)
         if not torch.isfinite(grad_norm):
-            raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()}")
+            raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()} {_nonfinite_grads(params)}")
         grad_norms.append(float(grad_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # LoRA gradients are not needed until the next update
@@ -152,6 +152,15 @@ def merge_stats(parts: list[tuple[float, dict[str, float]]]) -> dict[str, float]
 def normalizer(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
     """The whole batch's denominator, so micro-batches add up to the full-batch loss."""
     return max(1.0, normalizer_count(loss_type, mask, max_completion_length))
+
+
+def _nonfinite_grads(params: list[tuple[str, nn.Parameter]], shown: int = 3) -> str:
+    """Which trainable tensors hold the NaN/inf gradients (the loss itself was finite), for the report."""
+    bad = [n for n, p in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if not bad:
+        return "(every gradient tensor is finite: the norm itself overflowed)"
+    more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+    return f"(non-finite gradients in {len(bad)} of {len(params)} tensors: {', '.join(bad[:shown])}{more})"
 
 
 def normalizer_count(loss_type: str, mask: torch.Tensor, max_completion_length: int) -> float:
