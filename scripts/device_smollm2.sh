@@ -6,7 +6,8 @@
 # Prepare here first: bash scripts/device_smollm2_bundle.sh, then two device calls back to back:
 #   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/          carry: [".smol/p1"]
 #   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p2"]
-# Knobs (env): STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128), COMPARE_SETS (more --set for compare). Writes at most 8 files to $OUT:
+# Knobs (env): STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128), COMPARE_SETS (more --set for
+# compare, e.g. "--set compare.base_method=awq" for AWQ NVFP4 bases). Writes at most 8 files to $OUT:
 # compare.json/.md/.png, entropy.json, quant_quality.json/.md, summary.txt, runs.tar.gz.
 set -uo pipefail
 start=$(date +%s)

@@ -137,3 +137,29 @@ def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path:
     assert bases == {"bf16": str(tiny_model_dir)}  # nothing quantized for an arm that brings its base
     conf = runner.arm_config(data, own, TINY_SETS, 0, tmp_path / "out", "mine", bases)
     assert conf.model.path == str(tmp_path / "elsewhere-nvfp4")
+
+
+def test_awq_bases_come_from_qerl_quantize_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("llmcompressor", reason="base_method=awq needs llm-compressor (qerl[quantize])")
+    from qerl_cli.files import is_complete_folder
+    from qerl_cli.modeling.loading import detect_format, read_config
+
+    data = {"model": {"path": str(tiny_model_dir)}}
+    arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
+    bases = runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method="awq")
+    awq = Path(bases["nvfp4"])
+    assert awq == tmp_path / "out" / "bases" / "nvfp4-awq" and is_complete_folder(awq)
+    assert detect_format(read_config(awq)) == "nvfp4"
+    report = json.loads((awq / "qerl_quant.json").read_text())
+    assert report["method"] == "awq" and report["calibration"]["source"] == "qerl-text", report["calibration"]
+    stamp = (awq / "config.json").stat().st_mtime_ns
+    assert runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method="awq") == bases
+    assert (awq / "config.json").stat().st_mtime_ns == stamp  # made once, then reused
+
+
+def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> None:
+    with pytest.raises(QerlError, match=r"base_methd \(did you mean base_method\?\)"):
+        arms_mod.read_settings({"base_methd": "awq"})
+    with pytest.raises(QerlError, match="compare.base_method must be one of rtn, awq, got 'gptq'"):
+        arms_mod.read_settings({"base_method": "gptq"})
+    assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"

@@ -22,6 +22,7 @@ counterpart is made once by round-to-nearest (``qerl_cli.quantize.native``) and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from typing import Any
 
 from qerl_cli.errors import QerlError
@@ -31,7 +32,10 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "nvfp4-lora": {"model.format": "nvfp4", "aqn.enabled": False},
     "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
 }
-SETTINGS_KEYS = ("threshold", "heldout_problems", "heldout_samples", "heldout_temperature", "arms")
+SETTINGS_KEYS = (
+    "threshold", "heldout_problems", "heldout_samples", "heldout_temperature", "base_method", "arms",
+)  # fmt: skip
+BASE_METHODS = ("rtn", "awq")
 
 
 @dataclass
@@ -40,6 +44,10 @@ class CompareSettings:
     heldout_problems: int = 64
     heldout_samples: int = 1
     heldout_temperature: float = 0.0  # greedy: the model's own answer, no sampling noise
+    # How a BF16 recipe model's 4-bit counterparts are made: round to nearest (qerl's own packing, seconds,
+    # no extra package) or AWQ through llm-compressor on the shipped qerl-text calibration set (the
+    # quantization `qerl quantize` uses by default, offline).
+    base_method: str = "rtn"
     arms: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BUILTIN_ARMS))
 
 
@@ -51,8 +59,14 @@ def read_settings(section: Any) -> CompareSettings:
         raise QerlError("the recipe's compare: section must be a mapping (threshold, arms, ...)")
     unknown = sorted(set(section) - set(SETTINGS_KEYS))
     if unknown:
-        raise QerlError(f"unknown compare: key(s) {unknown}; known: {', '.join(SETTINGS_KEYS)}")
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := get_close_matches(k, SETTINGS_KEYS, 1)) else k
+                 for k in unknown]  # fmt: skip
+        raise QerlError(f"unknown compare: key(s) {', '.join(hints)}; known: {', '.join(SETTINGS_KEYS)}")
     settings = CompareSettings(**{k: v for k, v in section.items() if k != "arms"})
+    if settings.base_method not in BASE_METHODS:
+        raise QerlError(
+            f"compare.base_method must be one of {', '.join(BASE_METHODS)}, got {settings.base_method!r}"
+        )
     for name, overrides in (section.get("arms") or {}).items():
         if not isinstance(overrides, dict):
             raise QerlError(f"compare.arms.{name} must map config keys to values, e.g. {{aqn.enabled: true}}")

@@ -72,9 +72,9 @@ def arm_config(
 
 
 def prepare_bases(
-    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], out: Path
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], out: Path, method: str = "rtn"
 ) -> dict[str, str]:
-    """{format: model folder} for every base format an arm asks for (RTN-quantized once if needed)."""
+    """{format: model folder} for every base format an arm asks for (quantized once with ``method``)."""
     from qerl_cli.modeling.loading import detect_format, read_config
     from qerl_cli.modeling.sources import resolve_model_source
 
@@ -94,12 +94,38 @@ def prepare_bases(
                 f"an arm needs a {fmt} base but the recipe's model {source} is {own}; point model.path at "
                 "the BF16 model (its 4-bit counterparts are made here), or give the arm its own model.path"
             )
-        from qerl_cli.quantize.native import write_rtn_checkpoint
+        target = out / "bases" / (fmt if method == "rtn" else f"{fmt}-{method}")
+        if method == "rtn":
+            from qerl_cli.quantize.native import write_rtn_checkpoint
 
-        target = out / "bases" / fmt
-        log.info("quantizing %s to %s (round to nearest) into %s", source, fmt, target)
-        bases[fmt] = str(write_rtn_checkpoint(folder, target, fmt))
+            log.info("quantizing %s to %s (round to nearest) into %s", source, fmt, target)
+            bases[fmt] = str(write_rtn_checkpoint(folder, target, fmt))
+        else:
+            log.info("quantizing %s to %s (AWQ on qerl-text) into %s", source, fmt, target)
+            bases[fmt] = str(_awq_base(folder, target, fmt, probe.train.device))
     return bases
+
+
+# AWQ calibration of `compare.base_method: awq`: the shipped text, as scripts/quant_quality.py uses it.
+AWQ_CALIB_SAMPLES = 48
+AWQ_CALIB_SEQ_LEN = 256
+
+
+def _awq_base(folder: str, target: Path, fmt: str, device: str) -> Path:
+    """``qerl quantize --method awq --calib qerl-text`` of ``folder`` into ``target``, once."""
+    from qerl_cli.files import write_folder_once
+    from qerl_cli.quantize import run_quantize
+
+    def write(staging: Path) -> None:
+        run_quantize(
+            cfg.QuantizeConfig(
+                model=folder, format=fmt, method="awq", calib="qerl-text", calib_field="text",
+                num_samples=AWQ_CALIB_SAMPLES, seq_len=AWQ_CALIB_SEQ_LEN, output=str(staging),
+                overwrite=True, device=device,
+            )
+        )  # fmt: skip
+
+    return write_folder_once(target, write)
 
 
 def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool) -> dict[str, Any]:
@@ -275,7 +301,7 @@ def run_compare(
             raise QerlError(
                 f"--only {sorted(wanted)} matches no run; runs are ARM/SEED like {arms[0]}/{base_seed}"
             )
-    bases = prepare_bases(data, chosen, sets, out)
+    bases = prepare_bases(data, chosen, sets, out, settings.base_method)
     todo = [(a, s) for a, s in plan if not (run_dir(out, a, s) / RESULT_NAME).is_file()]
     for arm, seed in plan:
         if (arm, seed) not in todo:
