@@ -12,11 +12,13 @@ train`` never sees::
     compare:
       threshold: 0.5             # reward for "steps to threshold" (default: see summary.py)
       heldout_problems: 64       # held-out split, greedy, pass@1 with its standard error
+      base_method: rtn           # or awq: how 4-bit bases are made from the recipe's BF16 model
       arms:
         mxfp4-aqn: {model.format: mxfp4, aqn.enabled: true}
 
 ``model.format`` names the base an arm needs; when the recipe's model is another format, its 4-bit
-counterpart is made once by round-to-nearest (``qerl_cli.quantize.native``) and shared by all runs.
+counterpart is made once (round to nearest by ``qerl_cli.quantize.native``, or AWQ by ``qerl quantize``)
+and shared by all runs.
 """
 
 from __future__ import annotations
