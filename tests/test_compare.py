@@ -163,3 +163,31 @@ def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> No
     with pytest.raises(QerlError, match="compare.base_method must be one of rtn, awq, got 'gptq'"):
         arms_mod.read_settings({"base_method": "gptq"})
     assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"
+
+
+def test_a_failed_run_costs_neither_the_others_nor_the_report(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on the H200: one of nine runs diverged; the rest must still run and be summarised."""
+    ran = []
+
+    def fake_run(conf, settings, arm, progress):
+        ran.append((arm, conf.train.seed))
+        if (arm, conf.train.seed) == ("nvfp4-aqn", 1):
+            raise QerlError("training diverged at step 2: the gradient norm is nan")
+        result = {"arm": arm, "seed": conf.train.seed, "device": "CPU (test)", "reward": [0.1, 0.3],
+                  "entropy": [1.0, 0.9], "heldout": {"pass@1": 0.5, "pass@1_se": 0.1}}  # fmt: skip
+        (Path(conf.output.dir) / "result.json").parent.mkdir(parents=True, exist_ok=True)
+        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(runner, "run_one", fake_run)
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    out = tmp_path / "cmp"
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    with pytest.raises(QerlError, match=r"1 of 4 runs failed: nvfp4-aqn/seed-1 \(training diverged.*"
+                       r"compare.md covers the 3 finished runs.*run the same command again"):  # fmt: skip
+        runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
+    assert ran == [("bf16-lora", 0), ("bf16-lora", 1), ("nvfp4-aqn", 0), ("nvfp4-aqn", 1)]
+    assert "| nvfp4-aqn | 1 |" in (out / "compare.md").read_text()  # the one finished seed
+    assert "| bf16-lora | 2 |" in (out / "compare.md").read_text()

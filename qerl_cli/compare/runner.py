@@ -244,8 +244,11 @@ def _child_command(
 
 def _run_parallel(
     jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int
-) -> None:
-    """One child process per run, ``width`` at a time; the CPU threads are shared out evenly."""
+) -> list[str]:
+    """One child process per run, ``width`` at a time; the CPU threads are shared out evenly.
+
+    Returns the runs that failed (each with where its log is); the others run to the end regardless.
+    """
     threads = max(1, (os.cpu_count() or 1) // width)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     pending = list(jobs)
@@ -268,8 +271,7 @@ def _run_parallel(
                 running.remove(item)
                 if proc.returncode:
                     failures.append(f"{name} (exit {proc.returncode}, see {out / name / 'compare.log'})")
-    if failures:
-        raise QerlError("some runs failed: " + "; ".join(failures))
+    return failures
 
 
 def run_compare(
@@ -313,18 +315,33 @@ def run_compare(
             "size their share from the same free GPU memory; use --jobs 1 (each run then gets the GPU to "
             "itself)"
         )
+    failures: list[str] = []
     if "vllm" in engines and len(todo) > 1:
         # An in-process vLLM does not give its GPU memory back when closed: one child process per run.
-        _run_parallel(todo, str(recipe), seeds, out, all_sets, 1)
+        failures = _run_parallel(todo, str(recipe), seeds, out, all_sets, 1)
     elif jobs > 1 and len(todo) > 1:
-        _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)
+        failures = _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)
     else:
         for arm, seed in todo:
             log.info("%s seed %d: training", arm, seed)
             conf = arm_config(data, chosen[arm], sets, seed, out, arm, bases)
-            run_one(conf, settings, arm, progress)
-    if not summarize:
+            try:
+                run_one(conf, settings, arm, progress)
+            except QerlError as exc:  # a diverged or broken run must not cost the others
+                log.error("%s seed %d failed: %s", arm, seed, exc)
+                failures.append(f"{arm}/seed-{seed} ({exc})")
+    finished = [(a, s) for a, s in plan if (run_dir(out, a, s) / RESULT_NAME).is_file()]
+    if not summarize or not finished:
+        if failures:
+            raise QerlError(f"{len(failures)} of {len(plan)} runs failed: " + "; ".join(failures))
         return {"output": str(out), "runs": len(plan), "ran": len(todo)}
     start = evaluate_bases(data, chosen, sets, base_seed, out, bases, settings)
-    return write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
-                        skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start)  # fmt: skip
+    report = write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
+                          skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start)  # fmt: skip
+    if failures:
+        raise QerlError(
+            f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. {out / 'compare.md'} covers "
+            f"the {len(finished)} finished runs (its seeds column says how many per arm); run the same "
+            "command again to resume the failed ones from their last checkpoints"
+        )
+    return report
