@@ -34,9 +34,8 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 def device_label(device: torch.device | str) -> str:
     """What ran the numbers, for reports and figures: the GPU's name (``NVIDIA H200``) or ``CPU (x86_64)``."""
-    device = torch.device(device) if isinstance(device, str) and device != "auto" else device
-    if device == "auto":
-        device = resolve_device("auto")
+    if isinstance(device, str):
+        device = resolve_device("auto") if device == "auto" else torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device.index or 0)
     return f"{device.type.upper()} ({platform.machine() or 'unknown'})"
