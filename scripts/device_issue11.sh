@@ -9,6 +9,8 @@
 #
 # CAP_GIB=79.2 (default for grpo32b, "none" elsewhere) caps the free GPU memory with a ballast
 # process; GEN_LEN / PROMPTS / GENERATIONS / STEPS override part (b)'s shape. Results: JSON in $OUT.
+# The JSON is written when a part ends; while it runs, the trainer's per-step rows (phase seconds, memory
+# peaks) are in /tmp/qerl-issue11/<part>/metrics.jsonl: copy that file to $OUT if device time runs short.
 set -uo pipefail
 PART=${1:?usage: device_issue11.sh e2e7b-bf16|e2e7b-nvfp4|grpo32b|batch}
 export PYTHONPATH="$PWD:/tmp/vllm-site" VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
