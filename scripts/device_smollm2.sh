@@ -19,9 +19,9 @@ if [ -d "$smol/whl" ]; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} QERL_CACHE_DIR=$work/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-# Four torch threads for this script's own processes (compare's parent, entropy, quality): three of them
-# at 16 threads each on the 16 cores spent minutes on a 3-second RTN write (2026-11-23); compare
-# gives each of its runs its own share.
+# Four torch threads for this script's own processes (compare's parent, entropy, quality): three jobs at 16
+# threads each on the 16 cores spent minutes on a 3-second RTN write (2026-11-23; likely oversubscription);
+# compare gives each of its runs its own share.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 mkdir -p "$QERL_CACHE_DIR"
 gguf=$QERL_CACHE_DIR/SmolLM2-135M-Instruct.Q4_1.gguf
