@@ -72,6 +72,7 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
         assert row["seeds"] == 2 and row["steps"] == 3
         assert 0.0 <= row["heldout_accuracy"] <= 1.0 and row["early_entropy"] > 0
         assert 0.0 <= row["base_heldout_accuracy"] <= 1.0  # where the arm started, no adapter
+        assert row["base_entropy"] > 0  # the untrained base's own entropy at T=1
     # One evaluation per distinct base: the BF16 model and its NVFP4 counterpart.
     base_evals = sorted(p.parent.name for p in (out / "base-heldout").glob("*/heldout.json"))
     assert len(base_evals) == 2 and base_evals[1].startswith("nvfp4-"), base_evals
@@ -183,6 +184,7 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
 
     monkeypatch.setattr(runner, "run_one", fake_run)
     monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
     out = tmp_path / "cmp"
     recipe = _recipe(tmp_path, tiny_model_dir)
     with pytest.raises(QerlError, match=r"1 of 4 runs failed: nvfp4-aqn/seed-1 \(training diverged.*"

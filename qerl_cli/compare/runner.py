@@ -226,10 +226,36 @@ def evaluate_bases(
             else:
                 log.info("%s: evaluating its base %s before training", arm, path)
                 figures = evaluate_heldout(conf, settings, None, target)
-                by_path[path] = {"model": path, "device": device_label(conf.train.device), **figures}
+                by_path[path] = {
+                    "model": path, "device": device_label(conf.train.device), **figures,
+                    "entropy": base_entropy(conf, settings),
+                }  # fmt: skip
                 write_json(done, by_path[path])
         found[arm] = by_path[path]
     return found
+
+
+# The paper's entropy claim, measured on each untrained base: held-out prompts x samples at temperature 1.
+ENTROPY_PROMPTS = 32
+ENTROPY_SAMPLES = 4
+
+
+def base_entropy(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+    """Rollout entropy of ``conf``'s base (no adapter, no noise) on the first held-out prompts."""
+    from qerl_cli.compare.entropy import rollout_entropy
+    from qerl_cli.data.benchmarks import load_benchmark
+    from qerl_cli.data.prompts import render_prompt
+    from qerl_cli.modeling.loading import load_tokenizer
+
+    problems = load_benchmark(heldout_benchmark(conf), None, min(ENTROPY_PROMPTS, settings.heldout_problems))
+    tokenizer = load_tokenizer(conf.model.path)
+    data = conf.data
+    prompts = [render_prompt(p.question, tokenizer, data.template, data.system_prompt) for p in problems]
+    figures = rollout_entropy(
+        conf.model.path, prompts, ENTROPY_SAMPLES, conf.rollout.max_completion_length, seed=conf.train.seed,
+        device=conf.train.device, dtype=conf.model.dtype,
+    )  # fmt: skip
+    return {"prompts": len(prompts), "samples_per_prompt": ENTROPY_SAMPLES, "temperature": 1.0, **figures}
 
 
 def _child_command(

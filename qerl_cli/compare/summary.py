@@ -9,6 +9,9 @@
   the threshold; averaged over the seeds that reach it ("k/n" says how many did). Default threshold:
   halfway between the mean reward of the first window (all runs) and the best arm's final reward;
 - early entropy: mean rollout entropy (-E[log p] of sampled tokens) over the first 20% of steps.
+- base entropy (T=1): the untrained base's mean next-token entropy over its own completions of the first
+  held-out prompts, sampled at temperature 1 with no adapter and no noise (``compare.entropy``): the
+  paper's "quantization raises entropy" claim, before any training.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def arm_rows(
                 "final_reward_sd": _sd([f["final_reward"] for f in figs]),
                 "base_heldout_accuracy": base.get("pass@1"),
                 "base_heldout_se": base.get("pass@1_se"),
+                "base_entropy": (base.get("entropy") or {}).get("exact_entropy"),
                 "heldout_accuracy": _mean(heldout),
                 "heldout_se": se / math.sqrt(len(heldout)) if se is not None else figs[0]["heldout_se"],
                 "heldout_per_seed": heldout,
@@ -137,12 +141,13 @@ def _cells(row: dict[str, Any]) -> list[str]:
         _percent(row["heldout_accuracy"], row["heldout_se"]),
         f"{_fmt(row['steps_to_threshold'], 1)} ({row['reached_threshold']})",
         _fmt(row["early_entropy"], sd=row["early_entropy_sd"]),
+        _fmt(row.get("base_entropy")),
     ]
 
 
 HEADERS = [
     "arm", "seeds", "final reward", "base pass@1 ± SE", "held-out pass@1 ± SE", "steps to threshold",
-    "early entropy",
+    "early entropy", "base entropy (T=1)",
 ]  # fmt: skip
 
 
