@@ -83,7 +83,6 @@ def pickle_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("pickle") / "model"
-    import torch
 
     model = build_tiny_model(seed=0)
     out.mkdir()
@@ -102,7 +101,6 @@ def test_pickle_only_weights_are_refused(capsys, pickle_model_dir: Path, tmp_pat
 
 
 def test_pickle_weights_load_when_the_user_opts_in(pickle_model_dir: Path, monkeypatch) -> None:
-    import torch
 
     from qerl_cli.modeling.loading import load_base_model
 
@@ -323,33 +321,27 @@ def test_a_nan_loss_mid_run_stops_and_keeps_the_last_checkpoint(tiny_model_dir: 
     assert result["steps"] == 4
 
 
-class NanGradient(torch.autograd.Function):
-    """Identity forward, NaN backward: a finite loss whose gradient is not (as a GPU run once saw)."""
-
-    @staticmethod
-    def forward(ctx, loss):  # type: ignore[override]
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad * float("nan")
-
-
 def test_a_nan_gradient_under_a_finite_loss_names_the_tensors(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import qerl_cli.rl.update as update_mod
+    """As on an H200 once: a finite loss, one tensor's gradient NaN. The message names that tensor only."""
+    from qerl_cli.rl.distributed import Distributed
 
-    original = update_mod.policy_loss
+    original = Distributed.all_reduce_gradients
+    poisoned_name = []
 
-    def poisoned(*args, **kwargs):
-        loss, stats = original(*args, **kwargs)
-        return NanGradient.apply(loss), stats
+    def poison_one(self, params):
+        original(self, params)
+        name, param = params[3]
+        param.grad.view(-1)[0] = float("nan")
+        poisoned_name.append(name)
 
-    monkeypatch.setattr(update_mod, "policy_loss", poisoned)
-    every_tensor = r"\(non-finite gradients in (\d+) of \1 tensors: .*lora_[AB].*and \d+ more\)"
-    with pytest.raises(QerlError, match=r"diverged at step 1: the gradient norm is nan " + every_tensor):
+    monkeypatch.setattr(Distributed, "all_reduce_gradients", poison_one)
+    with pytest.raises(QerlError) as caught:
         train(tiny_cfg(tiny_model_dir, tmp_path / "run"), progress=False, reward_fn=FakeReward())
+    message = str(caught.value)
+    assert "diverged at step 1: the gradient norm is nan (non-finite gradients in 1 of " in message
+    assert f"tensors: {poisoned_name[0]})" in message and "lora_" in poisoned_name[0]
 
 
 # -- graders and data ---------------------------------------------------------------------------

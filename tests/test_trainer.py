@@ -474,3 +474,25 @@ def test_a_failed_start_closes_what_it_opened_and_not_what_it_was_lent(
     with pytest.raises(QerlError, match="no grader"):
         Trainer(tiny_cfg(tiny_model_dir, tmp_path / "b"), engine=lent)
     assert not lent.closed  # the caller's engine is the caller's to close
+
+
+def test_gradients_are_clipped_to_max_grad_norm(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The optimizer sees gradients of norm <= train.max_grad_norm; the logged norm is the one before."""
+    seen: list[float] = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    out = tmp_path / "run"
+    train(tiny_cfg(tiny_model_dir, out, "train.max_grad_norm=1e-4", "train.max_steps=2"), progress=False,
+          reward_fn=FakeReward())  # fmt: skip
+    logged = [json.loads(line)["grad_norm"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    updated = [n for n in logged if n > 0]
+    assert updated and all(n > 1e-4 for n in updated)  # the norms before clipping are larger ...
+    assert seen and all(n <= 1e-4 * 1.001 for n in seen)  # ... and the optimizer got clipped ones

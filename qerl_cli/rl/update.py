@@ -112,9 +112,13 @@ def update_policy(
         if dist.any(failure is not None):
             raise NonFiniteLossError(failure or "the loss of another rank was not finite")
         dist.all_reduce_gradients(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.train.max_grad_norm)
+        # The norm first, then the check, then the clip: clipping by a NaN norm would make every
+        # gradient NaN and hide which tensors were bad.
+        grads = [p.grad for _, p in params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()} {_nonfinite_grads(params)}")
+        torch.nn.utils.clip_grads_with_norm_([p for _, p in params], cfg.train.max_grad_norm, grad_norm)
         grad_norms.append(float(grad_norm))
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # LoRA gradients are not needed until the next update
