@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     atomic_write_text(out / "quant_quality.md", text)
     print(text)
-    return 0
+    made = [r for r in result["rows"] if "skipped" not in r]
+    return 0 if made else 1  # a table of skipped rows only is a failed run
 
 
 if __name__ == "__main__":

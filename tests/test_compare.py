@@ -166,15 +166,13 @@ def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> No
     assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"
 
 
-def test_a_failed_run_costs_neither_the_others_nor_the_report(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As on the H200: one of nine runs diverged; the rest must still run and be summarised."""
+def _fake_runs(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int] | None = None) -> list:
+    """run_one without training: writes a result.json (or raises for ``fail``), records the runs."""
     ran = []
 
     def fake_run(conf, settings, arm, progress):
         ran.append((arm, conf.train.seed))
-        if (arm, conf.train.seed) == ("nvfp4-aqn", 1):
+        if (arm, conf.train.seed) == fail:
             raise QerlError("training diverged at step 2: the gradient norm is nan")
         result = {"arm": arm, "seed": conf.train.seed, "device": "CPU (test)", "reward": [0.1, 0.3],
                   "entropy": [1.0, 0.9], "heldout": {"pass@1": 0.5, "pass@1_se": 0.1}}  # fmt: skip
@@ -183,8 +181,16 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
         return result
 
     monkeypatch.setattr(runner, "run_one", fake_run)
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
     monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    return ran
+
+
+def test_a_failed_run_costs_neither_the_others_nor_the_report(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on the H200: one of nine runs diverged; the rest must still run and be summarised."""
+    ran = _fake_runs(monkeypatch, fail=("nvfp4-aqn", 1))
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
     out = tmp_path / "cmp"
     recipe = _recipe(tmp_path, tiny_model_dir)
     with pytest.raises(QerlError, match=r"1 of 4 runs failed: nvfp4-aqn/seed-1 \(training diverged.*"
@@ -193,3 +199,60 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
     assert ran == [("bf16-lora", 0), ("bf16-lora", 1), ("nvfp4-aqn", 0), ("nvfp4-aqn", 1)]
     assert "| nvfp4-aqn | 1 |" in (out / "compare.md").read_text()  # the one finished seed
     assert "| bf16-lora | 2 |" in (out / "compare.md").read_text()
+
+
+def test_a_base_that_cannot_be_evaluated_still_gets_a_report(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_runs(monkeypatch)
+
+    def evaluate(conf, settings, adapter, target):
+        if "nvfp4" in conf.model.path:
+            raise RuntimeError("CUDA out of memory")
+        return {"pass@1": 0.25, "pass@1_se": 0.05}
+
+    monkeypatch.setattr(runner, "evaluate_heldout", evaluate)
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    with pytest.raises(QerlError, match=r"Not evaluated: the base of nvfp4-aqn \(RuntimeError: CUDA out of"):
+        runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS)
+    table = (out / "compare.md").read_text()
+    assert "| bf16-lora | 1 | 0.300 | 25.0% ± 5.0 |" in table and "| nvfp4-aqn | 1 | 0.300 | - |" in table
+    assert len(list((out / "base-heldout").glob("*/heldout.json"))) == 1  # the failed one: retried next time
+
+
+def test_base_figures_are_made_again_when_their_settings_change(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_runs(monkeypatch)
+    evaluated = []
+    monkeypatch.setattr(
+        runner, "evaluate_heldout",
+        lambda conf, settings, adapter, target: evaluated.append(settings.heldout_problems)
+        or {"pass@1": 0.25, "pass@1_se": 0.05},
+    )  # fmt: skip
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
+    runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)  # kept
+    runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=[*TINY_SETS, "compare.heldout_problems=3"])
+    assert evaluated == [4, 3]
+
+
+def test_compare_settings_refuse_reserved_arm_names_and_odd_keys() -> None:
+    with pytest.raises(QerlError, match="compare.arms.bases: the output folder uses bases/ for itself"):
+        arms_mod.read_settings({"arms": {"bases": {"aqn.enabled": True}}})
+    with pytest.raises(QerlError, match=r"unknown compare: key\(s\) 1; known"):
+        arms_mod.read_settings({1: "x"})
+
+
+def test_runs_trained_on_another_base_are_flagged(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _fake_runs(monkeypatch)
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
+    done = out / "bf16-lora" / "seed-0" / "result.json"
+    done.write_text(json.dumps({**json.loads(done.read_text()), "model": "/old/base"}))  # e.g. an RTN base
+    with caplog.at_level("WARNING"):
+        runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
+    assert "bf16-lora seed 0 was trained on /old/base, but the arm's base is now" in caplog.text

@@ -61,7 +61,8 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "repeats": cfg.repeats,
         "statistic": "median",
         "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
-        "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,
+        "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,  # the rollout cases'
+        "e2e_vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" and cfg.e2e else None,
         "e2e": cfg.e2e,
         "e2e_shape": _e2e_shape(cfg) if cfg.e2e else None,
         # vLLM: the without-LoRA rows come from the LoRA-enabled engine, with no adapter active.

@@ -38,6 +38,7 @@ SETTINGS_KEYS = (
     "threshold", "heldout_problems", "heldout_samples", "heldout_temperature", "base_method", "arms",
 )  # fmt: skip
 BASE_METHODS = ("rtn", "awq")
+RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the arms' own
 
 
 @dataclass
@@ -59,10 +60,12 @@ def read_settings(section: Any) -> CompareSettings:
         return CompareSettings()
     if not isinstance(section, dict):
         raise QerlError("the recipe's compare: section must be a mapping (threshold, arms, ...)")
-    unknown = sorted(set(section) - set(SETTINGS_KEYS))
+    unknown = sorted(set(section) - set(SETTINGS_KEYS), key=str)
     if unknown:
-        hints = [f"{k} (did you mean {close[0]}?)" if (close := get_close_matches(k, SETTINGS_KEYS, 1)) else k
-                 for k in unknown]  # fmt: skip
+        hints = []
+        for key in map(str, unknown):
+            close = get_close_matches(key, SETTINGS_KEYS, 1)
+            hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
         raise QerlError(f"unknown compare: key(s) {', '.join(hints)}; known: {', '.join(SETTINGS_KEYS)}")
     settings = CompareSettings(**{k: v for k, v in section.items() if k != "arms"})
     if settings.base_method not in BASE_METHODS:
@@ -70,6 +73,10 @@ def read_settings(section: Any) -> CompareSettings:
             f"compare.base_method must be one of {', '.join(BASE_METHODS)}, got {settings.base_method!r}"
         )
     for name, overrides in (section.get("arms") or {}).items():
+        if str(name) in RESERVED_NAMES:
+            raise QerlError(
+                f"compare.arms.{name}: the output folder uses {name}/ for itself; give the arm another name"
+            )
         if not isinstance(overrides, dict):
             raise QerlError(f"compare.arms.{name} must map config keys to values, e.g. {{aqn.enabled: true}}")
         settings.arms[str(name)] = dict(overrides)

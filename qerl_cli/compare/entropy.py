@@ -34,12 +34,18 @@ def exact_token_entropy(
 
 def rollout_entropy(
     model_path: str, prompts: list[str], n: int, max_new_tokens: int, seed: int, device: str = "auto",
-    dtype: str = "bfloat16", batch: int = 128,
+    dtype: str = "bfloat16", batch: int = 128, trust_remote_code: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Sample ``n`` completions per prompt from ``model_path`` (no adapter, no noise) and measure entropy."""
+    """Sample ``n`` completions per prompt from ``model_path`` (no adapter, no noise) and measure entropy.
+
+    ``batch``: completions per generate call (the recipe's ``rollout.generation_batch_size``).
+    """
     from qerl_cli.rollout.factory import make_engine
 
-    engine = make_engine("hf", model_path, dtype=dtype, device=device, generation_batch_size=batch)
+    engine = make_engine(
+        "hf", model_path, dtype=dtype, device=device, generation_batch_size=batch,
+        trust_remote_code=trust_remote_code,
+    )  # fmt: skip
     spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, seed=seed)
     result = engine.generate(prompts, n, spec)
     pairs = result.flat()

@@ -103,6 +103,7 @@ def prepare_bases(
         else:
             log.info("quantizing %s to %s (AWQ on qerl-text) into %s", source, fmt, target)
             bases[fmt] = str(_awq_base(folder, target, fmt, probe.train.device))
+            free_accelerator_memory()  # before any run (or vLLM) measures what is free
     return bases
 
 
@@ -201,38 +202,69 @@ def evaluate_heldout(
     }
 
 
+def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+    """Everything an untrained base's held-out figures depend on: a change to any of it re-evaluates."""
+    d, r = conf.data, conf.rollout
+    return {
+        "model": conf.model.path, "dtype": conf.model.dtype, "dataset": d.dataset, "template": d.template,
+        "system_prompt": d.system_prompt, "max_completion_length": r.max_completion_length,
+        "seed": conf.train.seed, "heldout_problems": settings.heldout_problems,
+        "heldout_samples": settings.heldout_samples, "heldout_temperature": settings.heldout_temperature,
+        "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES,
+    }  # fmt: skip
+
+
 def evaluate_bases(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], seed: int, out: Path,
     bases: dict[str, str], settings: CompareSettings,
-) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """{arm: held-out pass@1 of its base before training}: where each arm started from.
+) -> tuple[dict[str, dict[str, Any]], list[str]]:  # fmt: skip
+    """({arm: held-out pass@1 and entropy of its base before training}, failures): where each arm started.
 
-    Evaluated once per distinct base (arms differing only in AQN share one: evaluation adds no noise)
-    and kept in ``DIR/base-heldout`` so a resumed compare does not evaluate again.
+    Evaluated once per distinct (base, evaluation settings): arms differing only in AQN share one
+    (evaluation adds no noise). Kept in ``DIR/base-heldout`` with the settings it was made with, so a
+    resumed compare does not evaluate again unless they changed. A base that cannot be evaluated is
+    reported as a failure; the others and the report go on.
     """
     from qerl_cli.torch_utils import device_label
 
-    by_path: dict[str, dict[str, Any]] = {}
-    found = {}
+    by_key: dict[str, dict[str, Any]] = {}
+    found, failures = {}, []
     for arm, overrides in arms.items():
         conf = arm_config(data, overrides, sets, seed, out, arm, bases)
-        path = conf.model.path
-        if path not in by_path:
-            digest = hashlib.sha1(path.encode()).hexdigest()[:8]
-            target = out / "base-heldout" / f"{Path(path).name}-{digest}"
+        key = _base_eval_key(conf, settings)
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+        if digest not in by_key:
+            target = out / "base-heldout" / f"{Path(conf.model.path).name}-{digest}"
             done = target / BASE_RESULT_NAME
             if done.is_file():
-                by_path[path] = json.loads(done.read_text())
+                by_key[digest] = json.loads(done.read_text())
             else:
-                log.info("%s: evaluating its base %s before training", arm, path)
-                figures = evaluate_heldout(conf, settings, None, target)
-                by_path[path] = {
-                    "model": path, "device": device_label(conf.train.device), **figures,
-                    "entropy": base_entropy(conf, settings),
-                }  # fmt: skip
-                write_json(done, by_path[path])
-        found[arm] = by_path[path]
-    return found
+                log.info("%s: evaluating its base %s before training", arm, conf.model.path)
+                try:
+                    figures = evaluate_heldout(conf, settings, None, target)
+                    entropy = base_entropy(conf, settings)
+                except Exception as exc:  # noqa: BLE001 - one base must not cost the report
+                    log.error("%s: its base could not be evaluated: %s", arm, exc)
+                    failures.append(f"the base of {arm} ({type(exc).__name__}: {exc})")
+                    by_key[digest] = {}
+                    free_accelerator_memory()
+                else:
+                    by_key[digest] = {"model": conf.model.path, "device": device_label(conf.train.device),
+                                      **figures, "entropy": entropy, "settings": key}  # fmt: skip
+                    write_json(done, by_key[digest])
+        found[arm] = by_key[digest]
+    return found, failures
+
+
+def free_accelerator_memory() -> None:
+    """What a finished or failed run, evaluation or quantization held on the GPU, back to the driver."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # The paper's entropy claim, measured on each untrained base: held-out prompts x samples at temperature 1.
@@ -253,8 +285,10 @@ def base_entropy(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, 
     prompts = [render_prompt(p.question, tokenizer, data.template, data.system_prompt) for p in problems]
     figures = rollout_entropy(
         conf.model.path, prompts, ENTROPY_SAMPLES, conf.rollout.max_completion_length, seed=conf.train.seed,
-        device=conf.train.device, dtype=conf.model.dtype,
+        device=conf.train.device, dtype=conf.model.dtype, batch=conf.rollout.generation_batch_size,
+        trust_remote_code=conf.model.trust_remote_code,
     )  # fmt: skip
+    free_accelerator_memory()
     return {"prompts": len(prompts), "samples_per_prompt": ENTROPY_SAMPLES, "temperature": 1.0, **figures}
 
 
@@ -353,21 +387,42 @@ def run_compare(
             conf = arm_config(data, chosen[arm], sets, seed, out, arm, bases)
             try:
                 run_one(conf, settings, arm, progress)
-            except QerlError as exc:  # a diverged or broken run must not cost the others
+            except Exception as exc:  # noqa: BLE001 - a diverged, broken or OOM run must not cost the others
                 log.error("%s seed %d failed: %s", arm, seed, exc)
-                failures.append(f"{arm}/seed-{seed} ({exc})")
+                why = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
+                failures.append(f"{arm}/seed-{seed} ({why})")
+                free_accelerator_memory()
     finished = [(a, s) for a, s in plan if (run_dir(out, a, s) / RESULT_NAME).is_file()]
     if not summarize or not finished:
         if failures:
             raise QerlError(f"{len(failures)} of {len(plan)} runs failed: " + "; ".join(failures))
         return {"output": str(out), "runs": len(plan), "ran": len(todo)}
-    start = evaluate_bases(data, chosen, sets, base_seed, out, bases, settings)
+    _warn_of_other_bases(data, chosen, sets, out, bases, finished)
+    start, base_failures = evaluate_bases(data, chosen, sets, base_seed, out, bases, settings)
     report = write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
                           skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start)  # fmt: skip
-    if failures:
+    if failures or base_failures:
+        runs = f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. " if failures else ""
+        evals = f"Not evaluated: {'; '.join(base_failures)}. " if base_failures else ""
         raise QerlError(
-            f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. {out / 'compare.md'} covers "
-            f"the {len(finished)} finished runs (its seeds column says how many per arm); run the same "
-            "command again to resume the failed ones from their last checkpoints"
+            f"{runs}{evals}{out / 'compare.md'} covers the {len(finished)} finished runs (its seeds column "
+            "says how many per arm); run the same command again to resume what failed"
         )
     return report
+
+
+def _warn_of_other_bases(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], out: Path,
+    bases: dict[str, str], finished: list[tuple[str, int]],
+) -> None:  # fmt: skip
+    """Finished runs trained on another base than their arm's now (e.g. compare.base_method changed
+    between two invocations on one output folder) would be reported side by side: say so."""
+    for arm, seed in finished:
+        result = json.loads((run_dir(out, arm, seed) / RESULT_NAME).read_text())
+        now = arm_config(data, arms[arm], sets, seed, out, arm, bases).model.path
+        if result.get("model") and result["model"] != now:
+            log.warning(
+                "%s seed %d was trained on %s, but the arm's base is now %s: the report mixes the two "
+                "(use another --output, or remove %s to train it again)", arm, seed, result["model"], now,
+                run_dir(out, arm, seed),
+            )  # fmt: skip
