@@ -256,3 +256,30 @@ def test_runs_trained_on_another_base_are_flagged(
     with caplog.at_level("WARNING"):
         runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
     assert "bf16-lora seed 0 was trained on /old/base, but the arm's base is now" in caplog.text
+
+
+def test_parallel_runs_report_a_failed_child_and_summarise_the_rest(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--jobs N: children are separate processes; one exiting 2 is named, the others are summarised."""
+    import sys
+
+    def child(recipe, arm, seed_count, only, out, sets):
+        seed = int(only.split("/")[1])
+        result = {"arm": arm, "seed": seed, "reward": [0.2, 0.4], "entropy": [1.0, 0.8],
+                  "heldout": {"pass@1": 0.5, "pass@1_se": 0.1}}  # fmt: skip
+        target = out / arm / f"seed-{seed}" / "result.json"
+        code = ("import sys; sys.exit(2)" if only == "bf16-lora/1"
+                else f"open({str(target)!r}, 'w').write({json.dumps(json.dumps(result))})")  # fmt: skip
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(runner, "_child_command", child)
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    out = tmp_path / "cmp"
+    failed = r"1 of 4 runs failed: bf16-lora/seed-1 \(exit 2, see .*compare.log\)"
+    with pytest.raises(QerlError, match=failed):
+        runner.run_compare(_recipe(tmp_path, tiny_model_dir), ["bf16-lora", "nvfp4-aqn"], 2, out,
+                           sets=TINY_SETS, jobs=2)  # fmt: skip
+    table = (out / "compare.md").read_text()
+    assert "| bf16-lora | 1 |" in table and "| nvfp4-aqn | 2 |" in table
