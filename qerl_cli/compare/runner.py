@@ -388,7 +388,8 @@ def run_compare(
             try:
                 run_one(conf, settings, arm, progress)
             except Exception as exc:  # noqa: BLE001 - a diverged, broken or OOM run must not cost the others
-                log.error("%s seed %d failed: %s", arm, seed, exc)
+                # A QerlError says what to do; anything else is unexpected: keep its traceback in the log.
+                log.error("%s seed %d failed: %s", arm, seed, exc, exc_info=not isinstance(exc, QerlError))
                 why = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
                 failures.append(f"{arm}/seed-{seed} ({why})")
                 free_accelerator_memory()
