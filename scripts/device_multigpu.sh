@@ -5,7 +5,8 @@
 # Writes $OUT/multigpu.json (step time, rollout tokens/s per GPU, scaling efficiency, TP=2 tokens/s) and
 # the runs' metrics.jsonl files; prints the JSON. Uses vLLM (colocated) when importable (see
 # ../shared/tools/device-vllm/README.md: export PYTHONPATH=/tmp/vllm-site first), else the HF engine with
-# shorter completions. Budget: under 8 minutes in total (each phase has its own timeout).
+# shorter completions. Never run yet, so its duration is unknown: the phases' timeouts add up to 650 s,
+# over one device command's 600 s, so start it with setsid, write $OUT to /tmp, and poll.
 set -euo pipefail
 # NVLink multicast must stay off on the lent machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -2,7 +2,7 @@
 # SmolLM2-135M-Instruct on one H200 (HF engine; torch + transformers + peft there, no vLLM, no Hub):
 #   (a) qerl compare: bf16-lora, nvfp4-lora, nvfp4-aqn x 3 seeds, the 9 runs as parallel processes
 #   (b) rollout entropy of BF16 vs NVFP4 (RTN) SmolLM2 on the same prompts, before any training
-#   (c) the quantization quality table (scripts/quant_quality.py; AWQ is skipped without llm-compressor)
+#   (c) the quantization quality table (scripts/quant_quality.py; the bundle carries llm-compressor for AWQ)
 # Prepare here first: bash scripts/device_smollm2_bundle.sh, then two device calls back to back:
 #   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/          carry: [".smol/p1"]
 #   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p2"]
@@ -50,7 +50,7 @@ from qerl_cli.data.prompts import render_prompt
 from qerl_cli.data.synthetic import make_problems
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize.native import write_rtn_checkpoint
-from qerl_cli.rl.policy import load_tokenizer
+from qerl_cli.modeling.loading import load_tokenizer
 work, target = Path(sys.argv[1]), sys.argv[2]
 bf16 = resolve_model_source("smollm2-135m-instruct")
 nvfp4 = str(write_rtn_checkpoint(bf16, work / "entropy-nvfp4", "nvfp4"))
@@ -61,12 +61,14 @@ prompts = [render_prompt(p.question, tok, template=data.template, system_prompt=
            for p in make_problems("synthetic-wordproblems", "test", n=64)]
 rows = {name: rollout_entropy(path, prompts, 8, 128, seed=0, device="cuda") for name, path in (("bf16", bf16), ("nvfp4", nvfp4))}
 rows["prompts"] = len(prompts); rows["samples_per_prompt"] = 8; rows["max_new_tokens"] = 128
+from qerl_cli.torch_utils import device_label
+rows["temperature"] = 1.0; rows["device"] = device_label("cuda")
 Path(target).write_text(json.dumps(rows, indent=2))
 print(json.dumps({k: {m: v[m] for m in ("sampled_entropy", "exact_entropy", "mean_length")} for k, v in rows.items() if isinstance(v, dict)}, indent=2))
 PY
 log "entropy done (rc $?)"; cat "$work/entropy.log" | tail -n 20 | tee -a "$out/summary.txt"
 
-# (c) quantization quality (RTN rows; AWQ needs llm-compressor, absent there)
+# (c) quantization quality (every row through qerl quantize; a row that fails is recorded, not fatal)
 python3 scripts/quant_quality.py smollm2-135m-instruct --out "$work/quality" --device cuda > "$work/quality.log" 2>&1
 log "quality done (rc $?)"; cp "$work"/quality/quant_quality.{json,md} "$out"/ 2>/dev/null; cat "$out/quant_quality.md" >> "$out/summary.txt"
 

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qerl_cli.files import atomic_write_text, write_json
     from qerl_cli.modeling.sources import resolve_model_source
-    from qerl_cli.torch_utils import resolve_device
+    from qerl_cli.torch_utils import device_label, resolve_device
 
     device = resolve_device(args.device)
     out = Path(args.out)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = resolve_model_source(args.model)
     samples, spec = held_out_ids(AutoTokenizer.from_pretrained(bf16), args.calib_samples, args.seq_len)
     result: dict[str, Any] = {
-        "model": args.model, "source": bf16, "device": str(device), "calibration": spec,
+        "model": args.model, "source": bf16, "device": device_label(device), "calibration": spec,
         "held_out_samples": len(samples), "bf16_perplexity": perplexity(bf16, samples, device), "rows": [],
     }  # fmt: skip
     for row in [r.strip() for r in args.rows.split(",") if r.strip()]:

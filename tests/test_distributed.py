@@ -184,6 +184,33 @@ def test_two_process_run_resumes_on_one_process(tiny_model_dir: Path, tmp_path: 
 
 
 # -- settings ---------------------------------------------------------------------------------------
+def _failing_write_worker(rank: int, port: int, out_dir: str) -> None:
+    _join(rank, port)
+    from qerl_cli.rl.distributed import init_distributed
+
+    dist = init_distributed("cpu")
+
+    def write() -> str:
+        raise QerlError("could not write checkpoint-1: no space left on device")
+
+    try:
+        dist.on_main(write, "write checkpoint-1")
+        message = "returned"
+    except QerlError as exc:
+        message = str(exc)
+    (Path(out_dir) / f"rank{rank}.txt").write_text(message)
+    dist.close()
+
+
+def test_a_failed_write_on_rank_0_stops_every_rank_with_its_reason(tmp_path: Path) -> None:
+    """Rank 0 writes checkpoints alone; when that fails the others must not wait for it in a collective
+    (under NCCL they would hang until the 30-minute timeout)."""
+    _spawn(_failing_write_worker, str(tmp_path))
+    assert (tmp_path / "rank0.txt").read_text() == "could not write checkpoint-1: no space left on device"
+    told = "rank 0 could not write checkpoint-1; its own error says why"
+    assert (tmp_path / "rank1.txt").read_text() == told
+
+
 def test_shards_are_contiguous_whole_and_cover_everything() -> None:
     for world in (1, 2, 3, 4):
         for count in range(world, 11):

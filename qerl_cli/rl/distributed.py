@@ -25,8 +25,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from torch import nn
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Long enough for a rank to finish a slow rollout round or checkpoint while the others wait.
 TIMEOUT = datetime.timedelta(minutes=30)
@@ -93,6 +95,21 @@ class Distributed:
     def barrier(self) -> None:
         if self.enabled:
             torch.distributed.barrier()
+
+    def on_main(self, work: Callable[[], T], what: str) -> T | None:
+        """``work()`` on rank 0 while the others wait; if it fails, every rank raises (rank 0 its own
+        error), so no rank is left waiting for one that has gone (NCCL would hang until its timeout)."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = work()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the others are told
+                error = exc
+        if self.any(error is not None):
+            if error is not None:
+                raise error
+            raise QerlError(f"rank 0 could not {what}; its own error says why")
+        return result
 
     def broadcast_parameters(self, params: list[tuple[str, nn.Parameter]]) -> None:
         """Rank 0's values for ``params`` on every rank (the LoRA init draws from the global RNG)."""

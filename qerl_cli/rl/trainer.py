@@ -186,12 +186,9 @@ class Trainer:
 
     def save(self) -> Path:
         """Rank 0 writes ``checkpoint-N`` (every rank holds the same adapter and optimizer state);
-        the others wait until it is complete."""
-        path = self.out_dir / f"checkpoint-{self.step}"
-        if self.dist.is_main:
-            path = self._write_checkpoint()
-        self.dist.barrier()
-        return path
+        the others wait until it is complete, and all stop if it could not be written."""
+        written = self.dist.on_main(self._write_checkpoint, f"write checkpoint-{self.step}")
+        return written or self.out_dir / f"checkpoint-{self.step}"
 
     def _write_checkpoint(self) -> Path:
         state = ckpt.TrainingState(
@@ -302,8 +299,7 @@ def train(
     try:
         try:
             resumed_from = trainer.resume_from(resume) if resume else None
-            if dist.is_main:
-                _record_run(trainer, resumed_from)
+            dist.on_main(lambda: _record_run(trainer, resumed_from), "record the run's settings")
             _run_steps(
                 trainer,
                 resume_step=trainer.step if resumed_from else None,
