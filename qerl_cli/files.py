@@ -137,8 +137,9 @@ def is_complete_folder(folder: str | Path) -> bool:
 
 
 def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Path:
-    """``target``, written by ``write(staging)`` into a sibling staging folder that is marked complete
-    and renamed, unless a complete ``target`` exists already (then it is returned as is).
+    """``target``, written by ``write(staging)`` into a sibling staging folder that is marked complete,
+    given the umask's modes and renamed, unless a complete ``target`` exists already (then it is
+    returned as is).
 
     A crash leaves no half folder under ``target``; several processes may ask for the same folder at
     once (each stages under its own name, and the first rename wins).
@@ -152,6 +153,7 @@ def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Pa
     try:
         write(staging)
         (staging / COMPLETE_MARKER).write_text("")
+        honour_umask(staging)  # safetensors (and mkstemp) write 0600 files: every cached folder is shared
         if target.exists() and not is_complete_folder(target):
             shutil.rmtree(target)  # the leftover of a crash before this marker existed
         try:

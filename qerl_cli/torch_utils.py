@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import platform
 
 import torch
@@ -39,3 +40,11 @@ def device_label(device: torch.device | str) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device.index or 0)
     return f"{device.type.upper()} ({platform.machine() or 'unknown'})"
+
+
+def free_accelerator_memory() -> None:
+    """Objects just dropped (a model, an engine, an optimizer) collected and PyTorch's cached GPU blocks
+    given back to the driver, so the next model, engine or process sees them as free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -242,6 +242,13 @@ def test_written_files_honour_the_umask(tmp_path: Path) -> None:
             assert _mode(file) == (0o755 if file.is_dir() else 0o644), file
         model = write_tiny_model(tmp_path / "tiny")
         assert _mode(model / "model.safetensors") == 0o644
+        # Cached folders (GGUF conversions, RTN bases, bench checkpoints) go through write_folder_once.
+        from safetensors.torch import save_file
+
+        from qerl_cli.files import write_folder_once
+
+        cached = write_folder_once(tmp_path / "c", lambda d: save_file({"w": torch.zeros(1)}, d / "w.st"))
+        assert _mode(cached / "w.st") == 0o644 and _mode(cached) == 0o755
         os.umask(0o077)
         assert _mode(write_json(tmp_path / "private.json", {})) == 0o600
     finally:

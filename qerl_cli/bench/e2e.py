@@ -23,7 +23,6 @@ and bookkeeping included).
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -36,8 +35,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from qerl_cli.config import (
     AlgorithmSection,
@@ -52,6 +49,7 @@ from qerl_cli.config import (
     TrainSection,
 )
 from qerl_cli.errors import QerlError
+from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +235,7 @@ def run_e2e(cfg: BenchConfig, checkpoints: dict[str, Path], engine: str, out: Pa
         except Exception as exc:  # noqa: BLE001 - shown in the report; the other formats still run
             log.exception("e2e step for %s failed", fmt)
             rows.append({"format": fmt, "error": f"{type(exc).__name__}: {exc}"})
-        gc.collect()  # the trainer of this format (model, optimizer) before the next one loads
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_accelerator_memory()  # the trainer of this format (model, optimizer) before the next one loads
     return rows
 
 

@@ -14,7 +14,6 @@ process would see less memory, and its peak figures would include the first engi
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import json
 import os
@@ -40,6 +39,7 @@ from qerl_cli.bench.memory import (
 )
 from qerl_cli.bench.rollout import RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
+from qerl_cli.torch_utils import free_accelerator_memory
 
 
 @dataclass
@@ -64,12 +64,6 @@ class Case:
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +108,7 @@ def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
         if callable(close):
             close()
         del engine
-        _free_memory()
+        free_accelerator_memory()
 
 
 def _hf_model(case: Case) -> Any:

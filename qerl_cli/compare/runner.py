@@ -30,6 +30,7 @@ from qerl_cli import config as cfg
 from qerl_cli.compare.arms import CompareSettings, as_set_strings, read_settings, select_arms
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
+from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"
@@ -254,17 +255,6 @@ def evaluate_bases(
                     write_json(done, by_key[digest])
         found[arm] = by_key[digest]
     return found, failures
-
-
-def free_accelerator_memory() -> None:
-    """What a finished or failed run, evaluation or quantization held on the GPU, back to the driver."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # The paper's entropy claim, measured on each untrained base: held-out prompts x samples at temperature 1.
