@@ -179,6 +179,10 @@ def test_gate_refuses_a_baseline_of_other_settings(bench_run):
     baseline["settings"]["gen_len"] = 2048
     with pytest.raises(QerlError, match="gen_len"):
         check_regressions(report, baseline, tolerance=0.1)
+    # A baseline from before one vLLM engine served both LoRA cases, or of another e2e step shape.
+    for name, value in (("one_engine_per_format", None), ("e2e_shape", {"prompts_per_step": 16})):
+        with pytest.raises(QerlError, match=name):
+            check_regressions(report, {**baseline, "settings": {**report["settings"], name: value}}, 0.1)
     with pytest.raises(QerlError, match="no measurement"):
         check_regressions(report, {**copy.deepcopy(report), "rollout": [], "memory": [], "e2e": None}, 0.1)
 
@@ -306,7 +310,14 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
             raise RuntimeError("CUDA Error: out of memory at wake_up")
 
     monkeypatch.setattr(trainer_module, "Trainer", OutOfMemoryTrainer)
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k_7b.yaml"
+    import yaml
+
+    # A shipped recipe with values no default has, so each assert below can only pass if it came from it.
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "gsm8k_7b.yaml").read_text())
+    data["rollout"].update(num_generations=6, gpu_memory_utilization=0.25)
+    data["train"].update(micro_batch_size=3, gradient_checkpointing=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data))
     rc = main(["bench", "--model", "tiny", "--engine", "hf", "--formats", "bf16", "--batch", "1",
                "--lora-rank", "0", "--prompt-len", "8", "--gen-len", "3", "--e2e",
                "--e2e-recipe", str(recipe), "--prompts-per-step", "3", "-o", str(tmp_path / "out")])
@@ -315,10 +326,10 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     (cfg,) = seen
     # Flags given win; the recipe gives the rest of the shape and its memory settings.
     assert (cfg.train.prompts_per_step, cfg.rollout.max_completion_length) == (3, 3)
-    assert cfg.rollout.num_generations == 8  # gsm8k_7b.yaml
+    assert cfg.rollout.num_generations == 6  # the recipe's
     assert cfg.rollout.max_prompt_length == 8 + 64
-    assert (cfg.train.micro_batch_size, cfg.train.gradient_checkpointing) == (8, True)
-    assert cfg.rollout.gpu_memory_utilization == 0.3  # the recipe's share
+    assert (cfg.train.micro_batch_size, cfg.train.gradient_checkpointing) == (3, False)
+    assert cfg.rollout.gpu_memory_utilization == 0.25  # the recipe's share
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert report["settings"]["e2e_shape"]["prompts_per_step"] == 3
 

@@ -128,7 +128,8 @@ def test_vllm_runs_get_a_process_each_and_refuse_parallel_jobs(
     monkeypatch.setattr(runner, "_run_parallel", lambda todo, *args: widths.append(args[-1]))
     # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
     runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "b", sets=sets, summarize=False)
-    assert widths == [1]
+    runner.run_compare(recipe, ["bf16-lora"], 1, tmp_path / "c", sets=sets, summarize=False)  # one run too
+    assert widths == [1, 1]
 
 
 def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -128,7 +128,6 @@ def test_32b_nvfp4_plan_on_an_80gb_cap() -> None:
     free = plan.figures["memory/free_after_trainer_gib"] * GIB
     assert vllm_budget <= free - mem.DEFAULT_MARGIN
     assert plan.gradient_checkpointing  # 32B activations at 5120 tokens need it within ~55 GiB
-    assert plan.micro_batch_size >= 1
     activations = plan.figures["memory/activation_estimate_gib"] * GIB
     assert activations <= free - mem.VLLM_ASLEEP_RESERVE - mem.DEFAULT_MARGIN
     # KV room for a few dozen 5120-token sequences at once.

@@ -37,7 +37,7 @@ ROLLOUT_GATED = {"output_tokens_per_s": +1, "prefill_tokens_per_s": +1}
 MEMORY_GATED = {"weight_bytes": -1, "peak_allocated_bytes": -1, "peak_reserved_bytes": -1}
 E2E_GATED = {"step_s": -1}
 # A baseline measured with other settings is not comparable; these must agree.
-COMPARABLE_SETTINGS = ("model", "engine", "prompt_len", "gen_len")
+COMPARABLE_SETTINGS = ("model", "engine", "prompt_len", "gen_len", "one_engine_per_format", "e2e_shape")
 E2E_PHASES = ("generation_s", "logprobs_s", "update_s", "sync_s")
 
 _VERSIONED_PACKAGES = (
@@ -225,8 +225,8 @@ def check_regressions(report: dict[str, Any], baseline: dict[str, Any], toleranc
         raise QerlError(
             "the baseline was measured with other settings (baseline vs now): "
             + "; ".join(mismatched)
-            + ". Rerun the baseline with the same --model/--engine/--prompt-len/--gen-len "
-            "on the same kind of machine."
+            + ". Rerun the baseline with the same --model/--engine/--prompt-len/--gen-len (and e2e shape) "
+            "on the same kind of machine and qerl version."
         )
     failures: list[str] = []
     compared = 0

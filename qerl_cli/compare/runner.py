@@ -366,8 +366,9 @@ def run_compare(
             "itself)"
         )
     failures: list[str] = []
-    if "vllm" in engines and len(todo) > 1:
-        # An in-process vLLM does not give its GPU memory back when closed: one child process per run.
+    if "vllm" in engines:
+        # An in-process vLLM does not give its GPU memory back when closed: one child process per run,
+        # even a single one (the bases' evaluation runs in this process afterwards).
         failures = _run_parallel(todo, str(recipe), seeds, out, all_sets, 1)
     elif jobs > 1 and len(todo) > 1:
         failures = _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
@@ -237,7 +238,7 @@ def save_checkpoint(
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint, whatever failed
         # safetensors reports a failed write (ENOSPC, EDQUOT) as SafetensorError, not OSError.
-        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+        if not isinstance(exc, OSError | SafetensorError):
             raise
         good = newest_good_checkpoint(out)
         raise QerlError(
@@ -384,12 +385,10 @@ def load_checkpoint(
         )
     except QerlError:
         raise
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # SafetensorError is an Exception
-        raise QerlError(f"cannot load the checkpoint {ckpt}: {type(exc).__name__}: {exc}") from exc
-    except Exception as exc:
-        if type(exc).__name__ != "SafetensorError":
-            raise
+    except SafetensorError as exc:
         raise QerlError(f"cannot load the checkpoint {ckpt}: a damaged safetensors file ({exc})") from exc
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise QerlError(f"cannot load the checkpoint {ckpt}: {type(exc).__name__}: {exc}") from exc
 
 
 def _load_checkpoint(

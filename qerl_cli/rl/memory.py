@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli.config import TrainSection
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ DEFAULT_MARGIN = int(2.0 * GIB)
 # rollout and the update leave behind). Measured on an H200 under an 80 GB cap, 32B NVFP4 step 1:
 # 3.2 GiB unreleasable, the wake-up 0.9 GiB short with a 2 GiB margin.
 WAKE_HEADROOM = int(5.0 * GIB)
-# Tokens per logprob chunk: chunk x vocab float32 logits, plus softmax and gradient in backward.
-DEFAULT_LOGPROB_CHUNK = 1024
+# Tokens per logprob chunk (the recipe's default): chunk x vocab float32 logits, plus softmax and
+# gradient in backward.
+DEFAULT_LOGPROB_CHUNK = TrainSection.logprob_chunk_tokens
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 
@@ -266,7 +268,8 @@ def vllm_memory_share(
 
 @dataclass
 class MemoryPlan:
-    """The resolved settings of a run and the figures they came from (logged and in metrics)."""
+    """The resolved settings of a run and the figures they came from (in the log, and in the bench's
+    e2e rows)."""
 
     micro_batch_size: int
     gradient_checkpointing: bool

@@ -44,11 +44,6 @@ class Rollouts:
         return len(self.completions)
 
 
-def rollout_stats(rollouts: Rollouts, max_completion_length: int) -> dict[str, float]:
-    """Policy-side figures of every completion generated in a step."""
-    return completion_stats(row_summary(rollouts), max_completion_length)
-
-
 def row_summary(rollouts: Rollouts) -> dict[str, list[float]]:
     """What the step's statistics and the dynamic sampler need of each row (small, to gather)."""
     return {

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
-from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
 from qerl_cli.rl import checkpoint as ckpt
@@ -48,7 +47,7 @@ from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
 from qerl_cli.rl.update import update_policy
-from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
+from qerl_cli.rollout.base import RolloutEngine
 from qerl_cli.torch_utils import resolve_device
 
 log = logging.getLogger(__name__)
@@ -207,15 +206,6 @@ class Trainer:
         )
 
     # ---- one step -----------------------------------------------------------------------------
-    def sampling_spec(self, round_index: int) -> SamplingSpec:
-        dist = self.dist
-        return rl_rollouts.sampling_spec(self.cfg, self.step, round_index, dist.rank, dist.world_size)
-
-    def rollout_round(self, problems: list[Problem], round_index: int) -> tuple[Rollouts, dict[str, float]]:
-        return rl_rollouts.rollout_round(
-            self.cfg, self.engine, self.reward_fn, self.prompts, problems, self.sampling_spec(round_index)
-        )
-
     def collect(self) -> tuple[Rollouts, Rollouts, dict[str, float]]:
         """(generated, kept for training, stats) of one step, with dynamic sampling if on."""
         return rl_rollouts.collect(
