@@ -146,6 +146,28 @@ def test_unreachable_hub_fails_fast_without_the_env(monkeypatch: pytest.MonkeyPa
         datasets.load_problems("nobody/no-such-dataset")
 
 
+def test_unreachable_hub_still_loads_a_cached_dataset(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A dataset already in the local cache loads without the network, as datasets always allowed."""
+    import datasets as hf_datasets
+    from huggingface_hub import constants
+
+    from qerl_cli.data import datasets
+    from qerl_cli.modeling import source_checks as sources
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    (tmp_path / "datasets--someone--cached-set").mkdir()
+    rows = [{"question": "1 + 1?", "answer": "2"}]
+    monkeypatch.setattr(hf_datasets, "load_dataset", lambda *a, **k: hf_datasets.Dataset.from_list(rows))
+    assert datasets.load_hub_records("someone/cached-set", None, "train") == rows
+    with pytest.raises(QerlError, match="cannot be reached"):  # not cached: still fails at once
+        datasets.load_hub_records("someone/not-cached", None, "train")
+
+
 # -- 4. damaged checkpoints -----------------------------------------------------------------------
 def _checkpoints(tmp_path: Path, steps=(2, 4)) -> dict[int, Path]:
     model = torch.nn.Linear(3, 2)

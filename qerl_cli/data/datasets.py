@@ -270,7 +270,9 @@ def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, 
 
     from qerl_cli.modeling.source_checks import hub_reachable
 
-    if not _offline() and not hub_reachable():  # datasets would retry for half a minute first
+    # An unreachable Hub fails at once (datasets would retry for half a minute) unless a copy of the
+    # dataset is in the local cache: then datasets loads it, as it always did.
+    if not _offline() and not _in_local_cache(hub_id) and not hub_reachable():
         where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"
         raise _HubLoadError(
             f"{where}: the Hugging Face Hub cannot be reached (set HF_HUB_OFFLINE=1 to use a copy in "
@@ -283,6 +285,16 @@ def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, 
         why = "offline (HF_HUB_OFFLINE=1) and not in the local cache" if _offline() else str(exc)
         raise _HubLoadError(f"{where}: {why}") from exc
     return ds.to_list()
+
+
+def _in_local_cache(hub_id: str) -> bool:
+    """Whether the Hub cache (or datasets' own, for older script datasets) holds a copy of ``hub_id``."""
+    import datasets
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").is_dir() or (
+        Path(datasets.config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")
+    ).is_dir()
 
 
 def load_hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
