@@ -168,6 +168,26 @@ def test_unreachable_hub_still_loads_a_cached_dataset(
         datasets.load_hub_records("someone/not-cached", None, "train")
 
 
+def test_a_failed_tiny_base_rebuild_keeps_the_old_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli.rl import warmstart
+
+    old = tmp_path / "base" / "bf16"
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_text("the old weights")
+
+    def crash(out_dir, cfg, formats):
+        (Path(out_dir) / "bf16").mkdir(parents=True)  # half a new base, then the failure
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(warmstart, "prepare_tiny_base", crash)
+    with pytest.raises(KeyboardInterrupt):
+        warmstart.build_tiny_base(tmp_path / "base", overwrite=True)
+    assert (old / "model.safetensors").read_text() == "the old weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base"]  # no staging folder left behind
+
+
 # -- 4. damaged checkpoints -----------------------------------------------------------------------
 def _checkpoints(tmp_path: Path, steps=(2, 4)) -> dict[int, Path]:
     model = torch.nn.Linear(3, 2)

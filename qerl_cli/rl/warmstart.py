@@ -16,9 +16,11 @@ sampled at temperature 1, which is the regime RL improves. ``qerl demo`` says so
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -289,7 +291,18 @@ def build_tiny_base(
     existing = sorted(p.name for p in out.glob("*") if p.is_dir()) if out.is_dir() else []
     if existing and not overwrite:
         raise QerlError(f"{out} already holds {', '.join(existing)}: pass --overwrite to rebuild it")
-    for name in existing:
-        shutil.rmtree(out / name)
-    result = prepare_tiny_base(out, cfg or WarmStartConfig(seed=seed), formats=formats)
-    return dict(result["paths"])
+    # Built beside the target and moved in once complete: a failed or interrupted rebuild leaves the
+    # old base as it was.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        built = prepare_tiny_base(staging, cfg or WarmStartConfig(seed=seed), formats=formats)["paths"]
+        out.mkdir(exist_ok=True)
+        for folder in built.values():
+            shutil.rmtree(out / folder.name, ignore_errors=True)
+            os.replace(folder, out / folder.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for name in set(existing) - {Path(f).name for f in built.values()}:
+        shutil.rmtree(out / name)  # formats of the old base that this one does not have
+    return {fmt: out / Path(folder).name for fmt, folder in built.items()}
