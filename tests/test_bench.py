@@ -346,6 +346,17 @@ def test_e2e_config_without_a_recipe_pads_prompts_and_takes_the_flags():
     assert e2e_train_config(BenchConfig(batch=[2, 8]), "m", "vllm", "o").train.prompts_per_step == 8
 
 
+def test_e2e_filler_is_sized_in_the_models_own_tokens():
+    """A BPE tokenizer packs several characters per token: the filler must be longer to reach the length."""
+    from qerl_cli.bench.e2e import QUESTION_ALLOWANCE, filler_system_prompt
+
+    tokenizer = _merging_tokenizer()
+    filler = filler_system_prompt(256, tokenizer)
+    tokens = len(tokenizer(filler, add_special_tokens=False)["input_ids"])
+    assert abs(tokens - (256 - QUESTION_ALLOWANCE)) <= 8, tokens
+    assert len(filler) > 256 - QUESTION_ALLOWANCE  # longer than the byte-level (characters) filler
+
+
 def test_vllm_bench_starts_one_engine_per_format_hf_one_per_case(tmp_path):
     from qerl_cli.bench import _cases
 

@@ -94,16 +94,33 @@ def _recipe(recipe: str, model_dir: str) -> TrainConfig:
     return load_config(TrainConfig, recipe, [f"model.path={model_dir or 'unused'}"])
 
 
-def filler_system_prompt(prompt_len: int) -> str | None:
-    """A system prompt that brings a synthetic question to about ``prompt_len`` characters (tokens
-    for a byte-level tokenizer); None when the question alone is that long."""
+def filler_system_prompt(prompt_len: int, tokenizer: Any = None) -> str | None:
+    """A system prompt that brings a synthetic question to about ``prompt_len`` tokens; None when the
+    question alone is that long. Characters are tokens for the shapes' byte-level tokenizer; with
+    another ``tokenizer`` the filler is stretched by its characters per token."""
     room = prompt_len - QUESTION_ALLOWANCE
-    return (FILLER * (room // len(FILLER) + 1))[:room] if room > 0 else None
+    if room <= 0:
+        return None
+    if tokenizer is not None:
+        sample = FILLER * 8
+        tokens = len(tokenizer(sample, add_special_tokens=False)["input_ids"])
+        room = round(room * len(sample) / max(1, tokens))
+    return (FILLER * (room // len(FILLER) + 1))[:room]
+
+
+def _folder_tokenizer(model_dir: str) -> Any:
+    """The tokenizer saved with ``model_dir``, or None when it has none (e.g. a name in a test)."""
+    if not (Path(model_dir) / "tokenizer_config.json").is_file():
+        return None
+    from qerl_cli.modeling.loading import load_tokenizer
+
+    return load_tokenizer(model_dir)
 
 
 def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
     """The same GRPO job for every format; only ``model_dir`` changes between formats."""
     steps = cfg.warmup + cfg.repeats
+    filler = filler_system_prompt(cfg.prompt_len, _folder_tokenizer(model_dir))
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
     prompts = prompts_per_step(cfg)
     recipe = _recipe(cfg.e2e_recipe, model_dir) if cfg.e2e_recipe else None
@@ -138,7 +155,7 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         algorithm=AlgorithmSection(tis="on"),
         aqn=AQNSection(enabled=False),
         data=DataSection(dataset=E2E_DATASET, max_samples=prompts * steps, shuffle=False, template="plain",
-                         system_prompt=filler_system_prompt(cfg.prompt_len)),  # fmt: skip
+                         system_prompt=filler),  # fmt: skip
         train=train,
         output=OutputSection(dir=out_dir, save_steps=0, save_total_limit=None),
     )
