@@ -257,7 +257,7 @@ def bench(
     set_: SetOption = None,
     dry_run: DryRunOption = False,
 ) -> None:
-    """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 vs MXFP4; --e2e GRPO step time."""
+    """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 (MXFP4 with --formats); --e2e GRPO step time."""
     batches = _positive_ints(batch, "--batch")
     shape: dict[str, Any] = {}
     if e2e_recipe:  # the recipe's step shape, under the flags given explicitly

@@ -318,10 +318,13 @@ class BenchConfig:
     # A SHAPE name (qwen2.5-0.5b ... qwen2.5-72b, tiny), a hub id or a local folder. Empty: qwen2.5-7b
     # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
     model: str = ""
-    formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4", "mxfp4"])
+    # Defaults sized for a CI job (issue 11: within 10 minutes on one H100): three engine starts, 512
+    # generated tokens. MXFP4 runs the same Marlin FP4 kernels as NVFP4 on Hopper (add it with
+    # --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
+    formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
     batch: list[int] = field(default_factory=lambda: [2, 8])
     prompt_len: int = 256
-    gen_len: int = 2048
+    gen_len: int = 512
     lora_rank: int = 16
     engine: EngineName | Literal["auto"] = "auto"
     e2e: bool = False

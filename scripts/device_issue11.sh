@@ -13,7 +13,7 @@
 # peaks) are in /tmp/qerl-issue11/<part>/metrics.jsonl: copy that file to $OUT if device time runs short.
 set -uo pipefail
 PART=${1:?usage: device_issue11.sh e2e7b-bf16|e2e7b-nvfp4|grpo32b|batch}
-export PYTHONPATH="$PWD:/tmp/vllm-site" VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+export PYTHONPATH="$PWD:/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
 export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache}
 OUT=${OUT:-/tmp/qerl-issue11-out}
 mkdir -p "$OUT" /tmp/qerl-issue11

@@ -249,7 +249,7 @@ def test_settings_a_data_parallel_job_cannot_run(tmp_path: Path) -> None:
         tiny_cfg(tmp_path, tmp_path / "out", "rollout.tensor_parallel_size=0")
 
 
-def test_vllm_under_torchrun_joins_the_process_group(
+def test_vllm_engine_joins_the_process_group_and_sizes_max_num_seqs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from qerl_cli.rl import setup
@@ -260,8 +260,18 @@ def test_vllm_under_torchrun_joins_the_process_group(
     cfg = tiny_cfg(
         tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={enforce_eager: 1}"
     )
-    setup.make_engine(cfg, None, gpu_memory_utilization=0.3, distributed=True)  # type: ignore[arg-type]
+    setup.make_engine(cfg, None, gpu_memory_utilization=0.3, distributed=True, world_size=2)  # type: ignore[arg-type]
     setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
     launcher = {"distributed_executor_backend": "external_launcher"}
-    assert calls[0]["vllm_kwargs"] == {**launcher, "enforce_eager": 1}
-    assert calls[1]["vllm_kwargs"] == {"enforce_eager": 1} and calls[1]["tensor_parallel_size"] == 1
+    n = cfg.rollout.num_generations
+    # 3 prompts a step: the larger rank share is 2 prompts, a single process rolls out all 3.
+    assert calls[0]["vllm_kwargs"] == {**launcher, "max_num_seqs": 2 * n, "enforce_eager": 1}
+    assert calls[1]["vllm_kwargs"] == {"max_num_seqs": 3 * n, "enforce_eager": 1}
+    assert calls[1]["tensor_parallel_size"] == 1
+    # A recipe's own max_num_seqs wins; a huge step is capped at vLLM's default.
+    calls.clear()
+    cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={max_num_seqs: 5}")
+    setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
+    cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "train.prompts_per_step=512")
+    setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
+    assert [c["vllm_kwargs"]["max_num_seqs"] for c in calls] == [5, setup.VLLM_DEFAULT_MAX_NUM_SEQS]

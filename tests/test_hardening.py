@@ -340,6 +340,12 @@ def test_gpu_workflow_installs_nf4_and_gates_on_a_baseline() -> None:
     assert any(u.startswith("actions/cache/save") for u in uses)
     save = next(s for s in steps if s.get("uses", "").startswith("actions/cache/save"))
     assert "refs/heads/main" in save["if"]  # only main's results become the baseline
+    # --baseline refuses another gen_len: a change of the default must also rename the baseline's key.
+    from qerl_cli.config import BenchConfig
+
+    assert save["with"]["key"].startswith(f"qerl-bench-baseline-gen{BenchConfig().gen_len}-")
+    # The checkpoint cache must outlive the workspace, which checkout cleans before every job.
+    assert "workspace" not in str(workflow["jobs"]["bench"].get("env", {}))
 
 
 # -- layering ---------------------------------------------------------------------------------------

@@ -122,6 +122,7 @@ class Trainer:
             self.policy,
             gpu_memory_utilization=self.memory.gpu_memory_utilization,
             distributed=self.dist.enabled,
+            world_size=self.dist.world_size,
         )
         self._sync_engine(engine)
         return engine
