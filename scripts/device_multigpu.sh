@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Device check of data-parallel training (issue 13) on the nvidia-h200-x2 machine: 3 GRPO steps of a
-# random-weight Qwen2.5-7B-shaped NVFP4 checkpoint on 1 GPU, then on 2 GPUs with torchrun, with the same
-# global batch (16 prompts x 4 completions), and a tensor-parallel-2 vLLM rollout figure.
-# Writes $OUT/multigpu.json (step time, rollout tokens/s per GPU, scaling efficiency, TP=2 tokens/s) and
-# the runs' metrics.jsonl files; prints the JSON. Uses vLLM (colocated) when importable (see
-# ../shared/tools/device-vllm/README.md: export PYTHONPATH=/tmp/vllm-site first), else the HF engine with
-# shorter completions. Never run yet, so its duration is unknown: the phases' timeouts add up to 650 s,
-# over one device command's 600 s, so start it with setsid, write $OUT to /tmp, and poll.
+# Device check of data-parallel training (issue 13) on an nvidia-h200-x2 or -x4 machine: 3 GRPO steps of a
+# random-weight Qwen2.5-7B-shaped NVFP4 checkpoint on 1 GPU, then with torchrun on every count in $GPUS
+# (default: 1 2 4, those the machine has), and a tensor-parallel-2 vLLM rollout figure.
+#   SCALING=weak (default): PROMPTS_PER_GPU (16) prompts per GPU, so the global batch grows with the GPUs
+#                           (how data parallelism is used to go faster per sample);
+#   SCALING=strong:         PROMPTS_PER_GPU x the largest count, the same global batch on every count.
+# GEN_LEN (256 with vLLM, 32 with the HF engine) and STEPS (3) set the shape.
+# Writes $OUT/multigpu.json (scripts/device_multigpu_report.py: step time, rollout tokens/s per GPU,
+# scaling efficiency, TP=2 tokens/s) and each run's metrics and log; prints the JSON and exits 1 when a
+# phase failed. Uses vLLM (colocated) when importable (see ../shared/tools/device-vllm/README.md: export
+# PYTHONPATH=/tmp/vllm-site first), else the HF engine. Never run yet, so its duration is unknown: each
+# phase has a 300 s timeout, so start it with setsid, write $OUT to /tmp, and poll.
 set -euo pipefail
 # NVLink multicast must stay off on the lent machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,11 +20,17 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 work=${QERL_DEVICE_WORKDIR:-/tmp/qerl-multigpu}
 out=${OUT:-$work/out}
 mkdir -p "$work" "$out"
-if python3 -c "import vllm" 2>/dev/null; then engine=vllm; gen_len=128; else engine=hf; gen_len=32; fi
-echo "engine: $engine, completion length $gen_len"
+if python3 -c "import vllm" 2>/dev/null; then engine=vllm; gen_len=${GEN_LEN:-256}; else engine=hf; gen_len=${GEN_LEN:-32}; fi
+have=$(nvidia-smi -L 2>/dev/null | wc -l)
+gpus=""
+for n in ${GPUS:-1 2 4}; do [ "$n" -le "$have" ] && gpus="$gpus $n"; done
+scaling=${SCALING:-weak}
+per_gpu=${PROMPTS_PER_GPU:-16}
+largest=$(echo $gpus | tr ' ' '\n' | sort -n | tail -1)
+echo "engine: $engine, completion length $gen_len, GPUs:$gpus of $have, $scaling scaling"
 
 # 1. the checkpoint (random weights, NVFP4 compressed-tensors, qerl's byte-level tokenizer)
-timeout 180 python3 - "$work" "$root/scripts" <<'PY'
+timeout 300 python3 - "$work" "$root/scripts" <<'PY'
 import sys
 from pathlib import Path
 
@@ -46,25 +56,33 @@ rollout:
   vllm_kwargs: {attention_backend: TRITON_ATTN}
 aqn: {enabled: true, num_stages: 3, sigma_start: 0.01, sigma_end: 0.005}
 data: {dataset: synthetic-addition, max_samples: 256}
-train: {max_steps: 3, prompts_per_step: 16, micro_batch_size: 8, learning_rate: 1.0e-5, seed: 0}
+train: {max_steps: ${STEPS:-3}, prompts_per_step: 16, micro_batch_size: 8, learning_rate: 1.0e-5, seed: 0}
 output: {save_steps: 0}
 reward: {grader_workers: 2}
 YAML
 
-# 2. one GPU, then two (same recipe, same global batch); a failed phase is reported, not fatal
-status1=0; status2=0
-CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m qerl_cli train "$work/recipe.yaml" \
-  --set output.dir="$work/run-1gpu" > "$out/run-1gpu.log" 2>&1 || status1=$?
-timeout 170 torchrun --standalone --nproc-per-node 2 -m qerl_cli train "$work/recipe.yaml" \
-  --set output.dir="$work/run-2gpu" > "$out/run-2gpu.log" 2>&1 || status2=$?
-cp "$work/run-1gpu/metrics.jsonl" "$out/metrics-1gpu.jsonl" 2>/dev/null || true
-cp "$work/run-2gpu/metrics.jsonl" "$out/metrics-2gpu.jsonl" 2>/dev/null || true
+# 2. each GPU count with the same recipe; a failed run is reported, not fatal
+statuses=()
+for n in $gpus; do
+  if [ "$scaling" = weak ]; then prompts=$((per_gpu * n)); else prompts=$((per_gpu * largest)); fi
+  status=0
+  if [ "$n" = 1 ]; then  # the one-GPU baseline is plain `qerl train`, as a one-GPU user runs it
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m qerl_cli train "$work/recipe.yaml" \
+      --set output.dir="$work/run-1gpu" --set train.prompts_per_step=$prompts > "$out/run-1gpu.log" 2>&1 || status=$?
+  else
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 300 torchrun --standalone --nproc-per-node "$n" \
+      -m qerl_cli train "$work/recipe.yaml" --set output.dir="$work/run-${n}gpu" \
+      --set train.prompts_per_step=$prompts > "$out/run-${n}gpu.log" 2>&1 || status=$?
+  fi
+  cp "$work/run-${n}gpu/metrics.jsonl" "$out/metrics-${n}gpu.jsonl" 2>/dev/null || true
+  statuses+=(--status "$n=$status")
+done
 
 # 3. tensor-parallel-2 vLLM rollouts (no LoRA, no training): tokens/s of one engine over both GPUs
 status3=skipped
-if [ "$engine" = vllm ]; then
+if [ "$engine" = vllm ] && [ "$have" -ge 2 ]; then
   status3=0
-  timeout 150 python3 - "$work" "$out/tp2.json" <<'PY' > "$out/tp2.log" 2>&1 || status3=$?
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 - "$work" "$out/tp2.json" <<'PY' > "$out/tp2.log" 2>&1 || status3=$?
 import json, sys, time
 from pathlib import Path
 
@@ -91,36 +109,6 @@ engine.close()
 PY
 fi
 
-# 4. the summary
-python3 - "$out" "$engine" "$status1" "$status2" "$status3" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-
-out, engine, s1, s2, s3 = Path(sys.argv[1]), sys.argv[2], *sys.argv[3:]
-
-def summary(name: str, gpus: int) -> dict:
-    path = out / f"metrics-{name}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    if not rows:
-        return {"gpus": gpus, "steps": 0}
-    timed = rows[1:] or rows  # step 1 holds one-off warm-up (CUDA graphs, autotuning)
-    mean = lambda key: statistics.mean(float(r.get(key, 0.0)) for r in timed)  # noqa: E731
-    rollout_tps = mean("rollout_tokens") / max(mean("time_rollout_s"), 1e-9)
-    return {"gpus": gpus, "steps": len(rows), "world_size": rows[-1].get("world_size"),
-            "step_s": mean("time_step_s"), "rollout_s": mean("time_rollout_s"), "update_s": mean("time_update_s"),
-            "rollout_tokens_per_step": mean("rollout_tokens"), "rollout_tokens_per_s": rollout_tps,
-            "rollout_tokens_per_s_per_gpu": rollout_tps / gpus,
-            "device_peak_used_gib": max(float(r.get("memory/device_peak_used_gib", 0.0)) for r in rows)}
-
-one, two = summary("1gpu", 1), summary("2gpu", 2)
-report = {"engine": engine, "shape": "qwen2.5-7b", "format": "nvfp4", "global_batch": "16 prompts x 4",
-          "exit_status": {"1gpu": s1, "2gpu": s2, "tp2": s3}, "one_gpu": one, "two_gpus": two}
-if one.get("step_s") and two.get("step_s"):
-    report["speedup_2gpu"] = one["step_s"] / two["step_s"]
-    report["scaling_efficiency_2gpu"] = report["speedup_2gpu"] / 2
-tp2 = out / "tp2.json"
-if tp2.is_file():
-    report["tp2_rollout"] = json.loads(tp2.read_text())
-(out / "multigpu.json").write_text(json.dumps(report, indent=2))
-print(json.dumps(report, indent=2))
-PY
+# 4. the summary (exits 1 when a phase failed)
+python3 "$root/scripts/device_multigpu_report.py" "$out" --gpus "$(echo $gpus | tr ' ' ',')" \
+  --scaling "$scaling" --engine "$engine" "${statuses[@]}" --status "tp2=$status3"
