@@ -319,8 +319,8 @@ class BenchConfig:
     # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
     model: str = ""
     # Defaults sized for a CI job (issue 11: within 10 minutes on one H100): three engine starts, 512
-    # generated tokens. MXFP4 runs the same Marlin FP4 kernels as NVFP4 on Hopper (add it with
-    # --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
+    # generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add it
+    # with --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
     formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
     batch: list[int] = field(default_factory=lambda: [2, 8])
     prompt_len: int = 256

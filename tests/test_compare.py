@@ -165,6 +165,17 @@ def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> No
     with pytest.raises(QerlError, match="compare.base_method must be one of rtn, awq, got 'gptq'"):
         arms_mod.read_settings({"base_method": "gptq"})
     assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"
+    # Values are typed and checked like every recipe key.
+    with pytest.raises(QerlError, match=r"'compare.heldout_problems' has value 'many' \(str\); expected int"):
+        arms_mod.read_settings({"heldout_problems": "many"})
+    with pytest.raises(QerlError, match="compare.heldout_problems and compare.heldout_samples must be > 0"):
+        arms_mod.read_settings({"heldout_problems": 0})
+    with pytest.raises(QerlError, match="compare.heldout_temperature must be >= 0"):
+        arms_mod.read_settings({"heldout_temperature": -0.5})
+    with pytest.raises(QerlError, match="compare.threshold must be a finite reward"):
+        arms_mod.read_settings({"threshold": float("nan")})
+    settings = arms_mod.read_settings({"threshold": 1, "heldout_temperature": 1})
+    assert settings.threshold == 1.0 and isinstance(settings.heldout_temperature, float)
 
 
 def _fake_runs(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int] | None = None) -> list:

@@ -23,10 +23,12 @@ and shared by all runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
 
+from qerl_cli.config import from_dict
 from qerl_cli.errors import QerlError
 
 BUILTIN_ARMS: dict[str, dict[str, Any]] = {
@@ -67,11 +69,24 @@ def read_settings(section: Any) -> CompareSettings:
             close = get_close_matches(key, SETTINGS_KEYS, 1)
             hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
         raise QerlError(f"unknown compare: key(s) {', '.join(hints)}; known: {', '.join(SETTINGS_KEYS)}")
-    settings = CompareSettings(**{k: v for k, v in section.items() if k != "arms"})
+    # Typed like every recipe key (a wrong type names key, value and expected type); arms are merged below.
+    values = {k: v for k, v in section.items() if k != "arms"}
+    settings = from_dict(CompareSettings, values, _prefix="compare.")
     if settings.base_method not in BASE_METHODS:
         raise QerlError(
             f"compare.base_method must be one of {', '.join(BASE_METHODS)}, got {settings.base_method!r}"
         )
+    if settings.heldout_problems <= 0 or settings.heldout_samples <= 0:
+        raise QerlError(
+            "compare.heldout_problems and compare.heldout_samples must be > 0, got "
+            f"{settings.heldout_problems} and {settings.heldout_samples}"
+        )
+    if not settings.heldout_temperature >= 0:
+        raise QerlError(
+            f"compare.heldout_temperature must be >= 0 (0: greedy), got {settings.heldout_temperature}"
+        )
+    if settings.threshold is not None and not math.isfinite(settings.threshold):
+        raise QerlError(f"compare.threshold must be a finite reward, got {settings.threshold}")
     for name, overrides in (section.get("arms") or {}).items():
         if str(name) in RESERVED_NAMES:
             raise QerlError(
