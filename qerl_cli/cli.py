@@ -284,10 +284,11 @@ def bench(
     )
     if _finish_config(conf, dry_run):
         return
-    from qerl_cli.bench import bench_table, failed_cases, gate_failures, run_bench
+    from qerl_cli.bench import bench_table, failed_cases, gate_failures, run_bench, wall_clock_line
 
     report = run_bench(conf)
     console.print(bench_table(report))
+    console.print(wall_clock_line(report))
     failed = failed_cases(report)
     for line in failed:  # a case without figures (vLLM cannot serve a format, OOM at wake-up, ...)
         err_console.print(f"[red]failed[/red]: {escape(line)}")

@@ -92,6 +92,11 @@ def test_tiny_shape_end_to_end_writes_every_figure(bench_run):
     assert memory[("nvfp4", 0)]["weight_bytes"] < memory[("bf16", 0)]["weight_bytes"]
     assert memory[("bf16", RANK)]["weight_bytes"] > memory[("bf16", 0)]["weight_bytes"]
     assert memory[("nvfp4", 0)]["checkpoint_bytes"] < memory[("bf16", 0)]["checkpoint_bytes"]
+    # Where the wall clock went (a CI budget): every format timed, the parts within the total.
+    timings = on_disk["timings"]
+    assert list(timings["formats_s"]) == FORMATS and timings["e2e_s"] is None
+    parts = timings["checkpoints_s"] + sum(timings["formats_s"].values())
+    assert 0 < parts <= timings["total_s"] and all(t > 0 for t in timings["formats_s"].values())
 
 
 def test_table_and_markdown_show_speedups_and_label_cpu_figures(bench_run):
@@ -104,6 +109,7 @@ def test_table_and_markdown_show_speedups_and_label_cpu_figures(bench_run):
     assert markdown == to_markdown(report)
     assert "| format | LoRA | batch | output tok/s | vs BF16 |" in markdown
     assert "| nvfp4 | r4 | 2 |" in markdown
+    assert f"Wall clock: {report['timings']['total_s']:.0f} s (random checkpoints" in markdown
     if report["device"] == "cpu":
         assert "CPU figures" in text and "CPU figures" in markdown
 
@@ -321,7 +327,8 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     rc = main(["bench", "--model", "tiny", "--engine", "hf", "--formats", "bf16", "--batch", "1",
                "--lora-rank", "0", "--prompt-len", "8", "--gen-len", "3", "--e2e",
                "--e2e-recipe", str(recipe), "--prompts-per-step", "3", "-o", str(tmp_path / "out")])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert rc == 1 and "failed" in err and "e2e bf16" in err and "out of memory at wake_up" in err
     (cfg,) = seen
     # Flags given win; the recipe gives the rest of the shape and its memory settings.
@@ -332,6 +339,7 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     assert cfg.rollout.gpu_memory_utilization == 0.25  # the recipe's share
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert report["settings"]["e2e_shape"]["prompts_per_step"] == 3
+    assert report["timings"]["e2e_s"] > 0 and "Wall clock:" in captured.out and "e2e " in captured.out
 
 
 def test_e2e_config_without_a_recipe_pads_prompts_and_takes_the_flags():

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench.charts import write_charts
 from qerl_cli.bench.report import (
     add_speedups,
     bench_table,
@@ -22,14 +24,14 @@ from qerl_cli.bench.report import (
     gate_failures,
     new_report,
     read_report,
-    write_charts,
+    wall_clock_line,
     write_json,
     write_markdown,
 )
 from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
 
-__all__ = ["bench_table", "failed_cases", "gate_failures", "run_bench"]
+__all__ = ["bench_table", "failed_cases", "gate_failures", "run_bench", "wall_clock_line"]
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,8 @@ def rollout_vllm_kwargs(cfg: BenchConfig) -> dict[str, Any]:
 
     vLLM captures a CUDA graph for every batch size up to twice ``max_num_seqs`` (at most 512): with its
     default that is dozens of graphs per engine start, of which the bench uses two. The measured
-    batches run the same graphs either way. (The e2e step keeps vLLM's default: it runs far more
-    sequences at once.)
+    batches run the same graphs either way. (The e2e step's engine is the trainer's, which sizes
+    ``max_num_seqs`` from the step's sequences: ``qerl_cli.rl.setup``.)
     """
     return {"max_num_seqs": max(cfg.batch), **cfg.vllm_kwargs}
 
@@ -133,9 +135,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
 
+    started = time.perf_counter()
     report = new_report(_settings(cfg, model, engine, formats))
     report["errors"] = []
     checkpoints = prepare_checkpoints(model, formats, cfg.seed)
+    # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
+    # (its engine start and cases), the e2e steps.
+    timings: dict[str, Any] = {"checkpoints_s": time.perf_counter() - started, "formats_s": {}, "e2e_s": None}
     ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
     settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
                 "repeats": cfg.repeats, "seed": cfg.seed}
@@ -148,6 +154,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             else None
         )
         for fmt, folder in checkpoints.items():
+            format_started = time.perf_counter()
             for case in _cases(cfg, engine, fmt, folder, ranks, lora_dir, settings):
                 log.info("bench: %s, LoRA %s, batches %s", fmt, case.phases(), cfg.batch)
                 try:
@@ -162,11 +169,16 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     continue
                 report["rollout"].extend(result["rollout"])
                 report["memory"].extend(result["memory"])
+            timings["formats_s"][fmt] = time.perf_counter() - format_started
 
     if cfg.e2e:
         from qerl_cli.bench.e2e import run_e2e
 
+        e2e_started = time.perf_counter()
         report["e2e"] = run_e2e(cfg, checkpoints, engine, out)
+        timings["e2e_s"] = time.perf_counter() - e2e_started
+    timings["total_s"] = time.perf_counter() - started
+    report["timings"] = timings
     add_speedups(report)
     if baseline is not None:
         report["regression"] = check_regressions(report, baseline, cfg.tolerance)

@@ -1,4 +1,4 @@
-"""Bench outputs: ``bench.json``, the rich table, Markdown, PNG charts and the regression gate.
+"""Bench outputs: ``bench.json``, the rich table, Markdown and the regression gate (charts: ``charts.py``).
 
 The report is a plain dict (what ``bench.json`` holds) so a baseline file read back from disk and a
 fresh report are the same kind of object. Its layout (``SCHEMA``):
@@ -10,7 +10,9 @@ fresh report are the same kind of object. Its layout (``SCHEMA``):
 * ``memory``: one row per (format, LoRA rank) with weight bytes, peaks, KV-cache budget and how
   they were measured;
 * ``e2e``: one row per format with GRPO step seconds per phase (``None`` without ``--e2e``);
-* ``regression``: the outcome of ``--baseline`` (``None`` without it).
+* ``regression``: the outcome of ``--baseline`` (``None`` without it);
+* ``timings``: seconds of the whole measurement, of writing the random checkpoints, of each format
+  (engine start and cases) and of ``--e2e``.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ def _lost_cases(report: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
     rows_before = [*(baseline.get("rollout") or []), *(baseline.get("memory") or [])]
     measured_before = {(r["format"], r["lora_rank"]) for r in rows_before}
     lost = [
-        f"{fmt} LoRA {_lora(rank)}: measured in the baseline, failed now ({failed_now[fmt, rank]})"
+        f"{fmt} LoRA {lora_label(rank)}: measured in the baseline, failed now ({failed_now[fmt, rank]})"
         for fmt, rank in sorted(failed_now.keys() & measured_before)
     ]
     e2e_failed = {r["format"]: r["error"] for r in report.get("e2e") or [] if "error" in r}
@@ -272,7 +274,7 @@ def _bytes(value: Any) -> str:
     return f"{value} B"
 
 
-def _lora(rank: int) -> str:
+def lora_label(rank: int) -> str:
     return f"r{rank}" if rank else "none"
 
 
@@ -293,7 +295,7 @@ def rollout_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     return [
         (
             r["format"],
-            _lora(r["lora_rank"]),
+            lora_label(r["lora_rank"]),
             str(r["batch"]),
             _fmt(r["output_tokens_per_s"]),
             _speedup(r.get("speedup_vs_bf16")),
@@ -308,7 +310,7 @@ def memory_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     return [
         (
             r["format"],
-            _lora(r["lora_rank"]),
+            lora_label(r["lora_rank"]),
             _bytes(r.get("weight_bytes")),
             _bytes(r.get("peak_allocated_bytes")),
             _bytes(r.get("peak_reserved_bytes")),
@@ -330,7 +332,8 @@ def e2e_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def failed_cases(report: dict[str, Any]) -> list[str]:
     """Cases that produced no figures, each with why (e.g. a format vLLM cannot serve here)."""
-    lines = [f"{e['format']} LoRA {_lora(e['lora_rank'])}: {e['error']}" for e in report.get("errors") or []]
+    errors = report.get("errors") or []
+    lines = [f"{e['format']} LoRA {lora_label(e['lora_rank'])}: {e['error']}" for e in errors]
     lines += [f"e2e {r['format']}: {r['error']}" for r in report.get("e2e") or [] if "error" in r]
     return lines
 
@@ -406,6 +409,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     for title, columns, rows in _tables(report):
         if rows:
             lines += [f"### {title}", "", *_markdown_table(columns, rows)]
+    wall = wall_clock_line(report)
+    if wall:
+        lines += [wall, ""]
     failed = failed_cases(report)
     if failed:
         lines += ["Cases without figures:", *[f"- {line}" for line in failed], ""]
@@ -420,6 +426,18 @@ def to_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def wall_clock_line(report: dict[str, Any]) -> str | None:
+    """Where the command's time went (``timings``), for a CI budget; None for reports without it."""
+    timings = report.get("timings")
+    if not timings:
+        return None
+    parts = [f"random checkpoints {timings['checkpoints_s']:.0f} s"]
+    parts += [f"{fmt} {seconds:.0f} s" for fmt, seconds in timings["formats_s"].items()]
+    if timings.get("e2e_s") is not None:
+        parts.append(f"e2e {timings['e2e_s']:.0f} s")
+    return f"Wall clock: {timings['total_s']:.0f} s ({', '.join(parts)}; start-up and imports not included)."
+
+
 def write_markdown(report: dict[str, Any], out_dir: str | Path) -> Path:
     """``bench.md`` in the output folder, appended to ``$GITHUB_STEP_SUMMARY`` when set (CI)."""
     text = to_markdown(report)
@@ -427,75 +445,3 @@ def write_markdown(report: dict[str, Any], out_dir: str | Path) -> Path:
     path.write_text(text)
     files.append_step_summary(text)
     return path
-
-
-# --------------------------------------------------------------------------------------------
-# Charts
-# --------------------------------------------------------------------------------------------
-def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """PNG charts (throughput per batch, memory, e2e phases); none when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: CI runners and SSH sessions have no display
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    out = Path(out_dir)
-    written: list[Path] = []
-    suffix = " (CPU figures)" if report["device"] == "cpu" else ""
-
-    if report["rollout"]:
-        rows = report["rollout"]
-        series = sorted({(r["format"], r["lora_rank"]) for r in rows}, key=lambda s: (s[1], s[0]))
-        batches = sorted({r["batch"] for r in rows})
-        by_key = {(r["format"], r["lora_rank"], r["batch"]): r["output_tokens_per_s"] for r in rows}
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        width = 0.8 / len(series)
-        for i, (fmt, rank) in enumerate(series):
-            xs = [b_i + i * width for b_i in range(len(batches))]
-            heights = [by_key.get((fmt, rank, b), 0.0) for b in batches]
-            ax.bar(xs, heights, width, label=f"{fmt} LoRA {_lora(rank)}")
-        ax.set_xticks([b_i + 0.4 - width / 2 for b_i in range(len(batches))], [f"batch {b}" for b in batches])
-        ax.set_ylabel("output tokens/s")
-        ax.set_title("Rollout throughput" + suffix)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        written.append(out / "throughput.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-
-    if report["memory"]:
-        rows = report["memory"]
-        labels = [f"{r['format']}\n{_lora(r['lora_rank'])}" for r in rows]
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        xs = range(len(rows))
-        bars = ((-0.2, "weight_bytes", "weights"), (0.2, "peak_allocated_bytes", "peak allocated"))
-        for offset, metric, name in bars:
-            ax.bar([x + offset for x in xs], [(r.get(metric) or 0) / 1e9 for r in rows], 0.4, label=name)
-        ax.set_xticks(list(xs), labels)
-        ax.set_ylabel("GB")
-        ax.set_title("Memory" + suffix)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        written.append(out / "memory.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-
-    e2e_ok = [r for r in report.get("e2e") or [] if "error" not in r]
-    if e2e_ok:
-        rows = e2e_ok
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        bottoms = [0.0] * len(rows)
-        for phase in E2E_PHASES:
-            heights = [r.get(phase) or 0.0 for r in rows]
-            ax.bar([r["format"] for r in rows], heights, bottom=bottoms, label=phase.removesuffix("_s"))
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-        ax.set_ylabel("seconds per GRPO step")
-        ax.set_title("End-to-end step" + suffix)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        written.append(out / "e2e.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-    return written

@@ -1,0 +1,77 @@
+"""PNG charts of a bench report: throughput per batch, memory, e2e phases (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.bench.report import E2E_PHASES, lora_label
+
+
+def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """PNG charts (throughput per batch, memory, e2e phases); none when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: CI runners and SSH sessions have no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = Path(out_dir)
+    written: list[Path] = []
+    suffix = " (CPU figures)" if report["device"] == "cpu" else ""
+
+    if report["rollout"]:
+        rows = report["rollout"]
+        series = sorted({(r["format"], r["lora_rank"]) for r in rows}, key=lambda s: (s[1], s[0]))
+        batches = sorted({r["batch"] for r in rows})
+        by_key = {(r["format"], r["lora_rank"], r["batch"]): r["output_tokens_per_s"] for r in rows}
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        width = 0.8 / len(series)
+        for i, (fmt, rank) in enumerate(series):
+            xs = [b_i + i * width for b_i in range(len(batches))]
+            heights = [by_key.get((fmt, rank, b), 0.0) for b in batches]
+            ax.bar(xs, heights, width, label=f"{fmt} LoRA {lora_label(rank)}")
+        ax.set_xticks([b_i + 0.4 - width / 2 for b_i in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Rollout throughput" + suffix)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "throughput.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    if report["memory"]:
+        rows = report["memory"]
+        labels = [f"{r['format']}\n{lora_label(r['lora_rank'])}" for r in rows]
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        xs = range(len(rows))
+        bars = ((-0.2, "weight_bytes", "weights"), (0.2, "peak_allocated_bytes", "peak allocated"))
+        for offset, metric, name in bars:
+            ax.bar([x + offset for x in xs], [(r.get(metric) or 0) / 1e9 for r in rows], 0.4, label=name)
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("GB")
+        ax.set_title("Memory" + suffix)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "memory.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+
+    e2e_ok = [r for r in report.get("e2e") or [] if "error" not in r]
+    if e2e_ok:
+        rows = e2e_ok
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        bottoms = [0.0] * len(rows)
+        for phase in E2E_PHASES:
+            heights = [r.get(phase) or 0.0 for r in rows]
+            ax.bar([r["format"] for r in rows], heights, bottom=bottoms, label=phase.removesuffix("_s"))
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        ax.set_ylabel("seconds per GRPO step")
+        ax.set_title("End-to-end step" + suffix)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        written.append(out / "e2e.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
