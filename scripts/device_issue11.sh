@@ -7,6 +7,9 @@
 #   bash scripts/device_issue11.sh grpo32b        # (b) recipes/bigmath_32b.yaml, 5 steps, 80 GB cap
 #   bash scripts/device_issue11.sh batch          # (c) qerl bench --batch 2,8, defaults, wall clock
 #
+# The batch part's NF4 case needs bitsandbytes, which the device lacks: unzip its wheel here (keeping only
+# libbitsandbytes_cuda130.so, ~4 MB), carry the folder, copy it to /tmp/bnb-site there and run the part
+# with PYTHONPATH=/tmp/bnb-site (this script keeps a PYTHONPATH it is given).
 # CAP_GIB=79.2 (default for grpo32b, "none" elsewhere) caps the free GPU memory with a ballast
 # process; GEN_LEN / PROMPTS / GENERATIONS / STEPS override part (b)'s shape. Results: JSON in $OUT.
 # The JSON is written when a part ends; while it runs, the trainer's per-step rows (phase seconds, memory
