@@ -21,9 +21,10 @@ work=${QERL_DEVICE_WORKDIR:-/tmp/qerl-multigpu}
 out=${OUT:-$work/out}
 mkdir -p "$work" "$out"
 if python3 -c "import vllm" 2>/dev/null; then engine=vllm; gen_len=${GEN_LEN:-256}; else engine=hf; gen_len=${GEN_LEN:-32}; fi
-have=$(nvidia-smi -L 2>/dev/null | wc -l)
+have=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l || true)
 gpus=""
 for n in ${GPUS:-1 2 4}; do [ "$n" -le "$have" ] && gpus="$gpus $n"; done
+if [ -z "$gpus" ]; then echo "no GPU count of '${GPUS:-1 2 4}' fits the $have GPU(s) here" >&2; exit 2; fi
 scaling=${SCALING:-weak}
 per_gpu=${PROMPTS_PER_GPU:-16}
 largest=$(echo $gpus | tr ' ' '\n' | sort -n | tail -1)
@@ -66,6 +67,7 @@ statuses=()
 for n in $gpus; do
   if [ "$scaling" = weak ]; then prompts=$((per_gpu * n)); else prompts=$((per_gpu * largest)); fi
   status=0
+  rm -rf "$work/run-${n}gpu"  # an earlier run's metrics must not stand in for a failed one
   if [ "$n" = 1 ]; then  # the one-GPU baseline is plain `qerl train`, as a one-GPU user runs it
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m qerl_cli train "$work/recipe.yaml" \
       --set output.dir="$work/run-1gpu" --set train.prompts_per_step=$prompts > "$out/run-1gpu.log" 2>&1 || status=$?

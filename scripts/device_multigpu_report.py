@@ -5,12 +5,13 @@
 
 reads ``OUT_DIR/metrics-<N>gpu.jsonl`` (one training run on N GPUs each) and ``OUT_DIR/tp2.json``, and
 writes ``OUT_DIR/multigpu.json``. Step 1 of each run is left out of the means (CUDA graphs, autotuning,
-vLLM's first sleep). Throughput is trained tokens per second of whole steps: rollout tokens of a step over
-its wall time, so a run that generates more (weak scaling: the same prompts per GPU) is compared fairly.
+vLLM's first sleep). Throughput is generated rollout tokens (summed over ranks) per second of whole steps,
+so runs that generate different amounts (weak scaling: the same prompts per GPU; completions that end at
+EOS) are compared fairly.
 
-Scaling efficiency of N GPUs, against the one-GPU run:
-* ``weak`` (prompts per step grow with N): throughput_N / (N x throughput_1);
-* ``strong`` (the same global batch): step_s_1 / (N x step_s_N).
+Scaling efficiency of N GPUs against the one-GPU run, for weak scaling (prompts per step grow with N) and
+strong scaling (the same global batch) alike: throughput_N / (N x throughput_1). With equal tokens per step
+(strong scaling) that is step_s_1 / (N x step_s_N).
 """
 
 from __future__ import annotations
@@ -53,16 +54,11 @@ def run_summary(metrics: Path, gpus: int) -> dict[str, Any]:
     }
 
 
-def scaling_efficiency(one: dict[str, Any], many: dict[str, Any], scaling: str) -> float | None:
+def scaling_efficiency(one: dict[str, Any], many: dict[str, Any]) -> float | None:
     """Efficiency of ``many`` against ``one`` (1.0 = linear); None when either run has no timed step."""
-    if not one.get("step_s") or not many.get("step_s"):
+    if not one.get("step_tokens_per_s") or not many.get("step_tokens_per_s"):
         return None
-    gpus = many["gpus"]
-    if scaling == "weak":
-        return many["step_tokens_per_s"] / (gpus * one["step_tokens_per_s"])
-    if scaling == "strong":
-        return one["step_s"] / (gpus * many["step_s"])
-    raise ValueError(f"scaling must be weak or strong, got {scaling!r}")
+    return many["step_tokens_per_s"] / (many["gpus"] * one["step_tokens_per_s"])
 
 
 def build_report(
@@ -72,7 +68,7 @@ def build_report(
     one = next((r for r in runs if r["gpus"] == 1), {})
     for run in runs:
         if run["gpus"] > 1:
-            run["scaling_efficiency"] = scaling_efficiency(one, run, scaling)
+            run["scaling_efficiency"] = scaling_efficiency(one, run)
     report: dict[str, Any] = {"engine": engine, "shape": "qwen2.5-7b", "format": "nvfp4", "scaling": scaling,
                               "exit_status": status, "runs": runs}  # fmt: skip
     tp2 = out / "tp2.json"

@@ -272,7 +272,7 @@ def test_vllm_engine_joins_the_process_group_and_sizes_max_num_seqs(
     calls.clear()
     cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={max_num_seqs: 5}")
     setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
-    cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "train.prompts_per_step=512")
+    cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "train.prompts_per_step=2048")
     setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
     assert [c["vllm_kwargs"]["max_num_seqs"] for c in calls] == [5, setup.VLLM_DEFAULT_MAX_NUM_SEQS]
 
@@ -314,8 +314,9 @@ def test_multigpu_device_report_arithmetic(tmp_path: Path) -> None:
     assert two["scaling_efficiency"] == pytest.approx((2000 / 11) / (2 * 100))
     assert four["scaling_efficiency"] == pytest.approx((4000 / 12.5) / (4 * 100))
     assert "scaling_efficiency" not in one and four["device_peak_used_gib"] == 34.0
-    # strong scaling: the same global batch, so only the step times count
-    assert report_mod.scaling_efficiency(one, four, "strong") == pytest.approx(10.0 / (4 * 12.5))
+    # strong scaling (the same tokens every step): the step times' ratio
+    strong = {"gpus": 4, "step_s": 2.5, "step_tokens_per_s": 1000.0 / 2.5}
+    assert report_mod.scaling_efficiency(one, strong) == pytest.approx(10.0 / (4 * 2.5))
     # a run that left no metrics has no efficiency, and a failed phase fails the script
     (tmp_path / "metrics-4gpu.jsonl").unlink()
     assert report_mod.build_report(tmp_path, [1, 4], "weak", "vllm", {})["runs"][1] == {

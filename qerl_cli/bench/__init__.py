@@ -64,6 +64,7 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "statistic": "median",
         "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
         "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,  # the rollout cases'
+        # The user's; the trainer adds max_num_seqs from the step's shape (recorded in e2e_shape).
         "e2e_vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" and cfg.e2e else None,
         "e2e": cfg.e2e,
         "e2e_shape": _e2e_shape(cfg) if cfg.e2e else None,
