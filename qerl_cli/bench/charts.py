@@ -8,6 +8,16 @@ from typing import Any
 from qerl_cli.bench.report import E2E_PHASES, lora_label
 
 
+def _save(plt: Any, fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> Path:
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """PNG charts (throughput per batch, memory, e2e phases); none when matplotlib is missing."""
     try:
@@ -33,13 +43,8 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
             heights = [by_key.get((fmt, rank, b), 0.0) for b in batches]
             ax.bar(xs, heights, width, label=f"{fmt} LoRA {lora_label(rank)}")
         ax.set_xticks([b_i + 0.4 - width / 2 for b_i in range(len(batches))], [f"batch {b}" for b in batches])
-        ax.set_ylabel("output tokens/s")
-        ax.set_title("Rollout throughput" + suffix)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        written.append(out / "throughput.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        title = "Rollout throughput" + suffix
+        written.append(_save(plt, fig, ax, "output tokens/s", title, out / "throughput.png"))
 
     if report["memory"]:
         rows = report["memory"]
@@ -50,13 +55,7 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         for offset, metric, name in bars:
             ax.bar([x + offset for x in xs], [(r.get(metric) or 0) / 1e9 for r in rows], 0.4, label=name)
         ax.set_xticks(list(xs), labels)
-        ax.set_ylabel("GB")
-        ax.set_title("Memory" + suffix)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        written.append(out / "memory.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(plt, fig, ax, "GB", "Memory" + suffix, out / "memory.png"))
 
     e2e_ok = [r for r in report.get("e2e") or [] if "error" not in r]
     if e2e_ok:
@@ -67,11 +66,6 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
             heights = [r.get(phase) or 0.0 for r in rows]
             ax.bar([r["format"] for r in rows], heights, bottom=bottoms, label=phase.removesuffix("_s"))
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-        ax.set_ylabel("seconds per GRPO step")
-        ax.set_title("End-to-end step" + suffix)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        written.append(out / "e2e.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        title = "End-to-end step" + suffix
+        written.append(_save(plt, fig, ax, "seconds per GRPO step", title, out / "e2e.png"))
     return written
