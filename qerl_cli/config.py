@@ -490,27 +490,32 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown_key(root: type, path: str) -> QerlError:
-    close = difflib.get_close_matches(path, _all_keys(root), n=1, cutoff=0.6)
+def _unknown_key(root: type, root_prefix: str, path: str) -> QerlError:
+    close = difflib.get_close_matches(path, _all_keys(root, root_prefix), n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else ""
     return QerlError(f"unknown config key '{path}'{hint}")
 
 
-def from_dict(cls: type[C], data: dict[str, Any], *, _root: type | None = None, _prefix: str = "") -> C:
-    """Build dataclass ``cls`` from a nested mapping, strictly (unknown keys and bad types fail)."""
-    root = _root or cls
+def from_dict(
+    cls: type[C], data: dict[str, Any], *, prefix: str = "", _root: tuple[type, str] | None = None
+) -> C:
+    """Build dataclass ``cls`` from a nested mapping, strictly (unknown keys and bad types fail).
+
+    ``prefix``: where the mapping sits in a larger file (``"compare."``), for the keys that errors name.
+    """
+    root = _root or (cls, prefix)
     if not isinstance(data, dict):
-        where = _prefix.rstrip(".") or "the recipe"
+        where = prefix.rstrip(".") or "the recipe"
         raise QerlError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
     types_ = _field_types(cls)
     kwargs = {}
     for key, value in data.items():
-        path = f"{_prefix}{key}"
+        path = f"{prefix}{key}"
         if key not in types_:
-            raise _unknown_key(root, path)
+            raise _unknown_key(*root, path)
         tp = types_[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = from_dict(tp, value if value is not None else {}, _root=root, _prefix=f"{path}.")
+            kwargs[key] = from_dict(tp, value if value is not None else {}, prefix=f"{path}.", _root=root)
             continue
         try:
             kwargs[key] = _coerce(value, tp)

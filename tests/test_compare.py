@@ -53,7 +53,7 @@ def test_arms_are_checked_and_recipes_add_their_own() -> None:
     assert set(settings.arms) == {"bf16-lora", "nvfp4-lora", "nvfp4-aqn", "mine"}
     with pytest.raises(QerlError, match="unknown arm"):
         arms_mod.select_arms(settings, ["bf16-lora", "nope"])
-    with pytest.raises(QerlError, match="unknown compare: key"):
+    with pytest.raises(QerlError, match=r"key 'compare.treshold'; did you mean compare.threshold\?"):
         arms_mod.read_settings({"treshold": 0.5})
     assert arms_mod.as_set_strings({"aqn.enabled": False, "model.format": "nvfp4"}) == [
         "aqn.enabled=false", "model.format=nvfp4",
@@ -160,7 +160,7 @@ def test_awq_bases_come_from_qerl_quantize_once(tiny_model_dir: Path, tmp_path: 
 
 
 def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> None:
-    with pytest.raises(QerlError, match=r"base_methd \(did you mean base_method\?\)"):
+    with pytest.raises(QerlError, match=r"'compare.base_methd'; did you mean compare.base_method\?"):
         arms_mod.read_settings({"base_methd": "awq"})
     with pytest.raises(QerlError, match="compare.base_method must be one of rtn, awq, got 'gptq'"):
         arms_mod.read_settings({"base_method": "gptq"})
@@ -252,8 +252,12 @@ def test_base_figures_are_made_again_when_their_settings_change(
 def test_compare_settings_refuse_reserved_arm_names_and_odd_keys() -> None:
     with pytest.raises(QerlError, match="compare.arms.bases: the output folder uses bases/ for itself"):
         arms_mod.read_settings({"arms": {"bases": {"aqn.enabled": True}}})
-    with pytest.raises(QerlError, match=r"unknown compare: key\(s\) 1; known"):
+    with pytest.raises(QerlError, match=r"unknown config key 'compare.1'"):
         arms_mod.read_settings({1: "x"})
+    with pytest.raises(QerlError, match="compare.arms must map arm names to overrides"):
+        arms_mod.read_settings({"arms": ["mine"]})
+    with pytest.raises(QerlError, match=r"compare.arms.mine must map config keys to values"):
+        arms_mod.read_settings({"arms": {"mine": "aqn.enabled=true"}})
 
 
 def test_runs_trained_on_another_base_are_flagged(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from difflib import get_close_matches
 from typing import Any
 
 from qerl_cli.config import from_dict
@@ -36,9 +35,6 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "nvfp4-lora": {"model.format": "nvfp4", "aqn.enabled": False},
     "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
 }
-SETTINGS_KEYS = (
-    "threshold", "heldout_problems", "heldout_samples", "heldout_temperature", "base_method", "arms",
-)  # fmt: skip
 BASE_METHODS = ("rtn", "awq")
 RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the arms' own
 
@@ -62,16 +58,11 @@ def read_settings(section: Any) -> CompareSettings:
         return CompareSettings()
     if not isinstance(section, dict):
         raise QerlError("the recipe's compare: section must be a mapping (threshold, arms, ...)")
-    unknown = sorted(set(section) - set(SETTINGS_KEYS), key=str)
-    if unknown:
-        hints = []
-        for key in map(str, unknown):
-            close = get_close_matches(key, SETTINGS_KEYS, 1)
-            hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
-        raise QerlError(f"unknown compare: key(s) {', '.join(hints)}; known: {', '.join(SETTINGS_KEYS)}")
-    # Typed like every recipe key (a wrong type names key, value and expected type); arms are merged below.
+    # Read like every recipe section: an unknown key names the closest one, a wrong type names key, value
+    # and expected type. The recipe's arms are added to the built-in ones below.
+    given_arms = section.get("arms") or {}
     values = {k: v for k, v in section.items() if k != "arms"}
-    settings = from_dict(CompareSettings, values, _prefix="compare.")
+    settings = from_dict(CompareSettings, values, prefix="compare.")
     if settings.base_method not in BASE_METHODS:
         raise QerlError(
             f"compare.base_method must be one of {', '.join(BASE_METHODS)}, got {settings.base_method!r}"
@@ -87,7 +78,9 @@ def read_settings(section: Any) -> CompareSettings:
         )
     if settings.threshold is not None and not math.isfinite(settings.threshold):
         raise QerlError(f"compare.threshold must be a finite reward, got {settings.threshold}")
-    for name, overrides in (section.get("arms") or {}).items():
+    if not isinstance(given_arms, dict):
+        raise QerlError("compare.arms must map arm names to overrides, e.g. {my-arm: {aqn.enabled: true}}")
+    for name, overrides in given_arms.items():
         if str(name) in RESERVED_NAMES:
             raise QerlError(
                 f"compare.arms.{name}: the output folder uses {name}/ for itself; give the arm another name"
