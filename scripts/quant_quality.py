@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qerl_cli.data.calib_text import SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN  # noqa: E402
 
 ROWS = ("nvfp4-rtn", "nvfp4-awq", "mxfp4-rtn", "nf4-rtn")
 
@@ -125,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     parser.add_argument("--out", default="runs/quant_quality")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--calib-samples", type=int, default=48)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--calib-samples", type=int, default=SMALL_CALIB_SAMPLES)
+    parser.add_argument("--seq-len", type=int, default=SMALL_CALIB_SEQ_LEN)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
 

@@ -108,21 +108,17 @@ def prepare_bases(
     return bases
 
 
-# AWQ calibration of `compare.base_method: awq`: the shipped text, as scripts/quant_quality.py uses it.
-AWQ_CALIB_SAMPLES = 48
-AWQ_CALIB_SEQ_LEN = 256
-
-
 def _awq_base(folder: str, target: Path, fmt: str, device: str) -> Path:
     """``qerl quantize --method awq --calib qerl-text`` of ``folder`` into ``target``, once."""
+    from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN
     from qerl_cli.files import write_folder_once
     from qerl_cli.quantize import run_quantize
 
     def write(staging: Path) -> None:
         run_quantize(
             cfg.QuantizeConfig(
-                model=folder, format=fmt, method="awq", calib="qerl-text", calib_field="text",
-                num_samples=AWQ_CALIB_SAMPLES, seq_len=AWQ_CALIB_SEQ_LEN, output=str(staging),
+                model=folder, format=fmt, method="awq", calib=BUILTIN_NAME, calib_field="text",
+                num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
                 overwrite=True, device=device,
             )
         )  # fmt: skip

@@ -12,6 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 BUILTIN_NAME = "qerl-text"
+# A calibration this set supports and a CPU runs in minutes: `qerl compare`'s AWQ bases and
+# scripts/quant_quality.py both use it.
+SMALL_CALIB_SAMPLES = 48
+SMALL_CALIB_SEQ_LEN = 256
 PARAGRAPHS = (
     "Rivers shape the land they cross. Over thousands of years a river cuts a valley, carries sand and "
     "silt downstream and drops it where the water slows, building plains and deltas where towns grow.",
