@@ -237,6 +237,14 @@ def bench(
     ] = None,
     formats: Annotated[str | None, typer.Option(help="Comma list of bf16,nf4,nvfp4,mxfp4.")] = None,
     batch: Annotated[str | None, typer.Option(help="Comma list of batch sizes, e.g. 2,8.")] = None,
+    concurrency: Annotated[
+        str | None,
+        typer.Option(help="Comma list of concurrent sequences, e.g. 8,32,128,256: each format on every "
+                     "linear backend, the roofline, and crossover.json for rollout.linear_backend=auto."),
+    ] = None,
+    backends: Annotated[
+        str | None, typer.Option(help="--concurrency: comma list of marlin,humming,fp8 (default all).")
+    ] = None,
     prompt_len: Annotated[int | None, typer.Option()] = None,
     gen_len: Annotated[int | None, typer.Option()] = None,
     lora_rank: Annotated[int | None, typer.Option()] = None,
@@ -274,6 +282,8 @@ def bench(
         model=model,
         formats=_csv(formats),
         batch=batches,
+        concurrency=_positive_ints(concurrency, "--concurrency"),
+        backends=_csv(backends),
         engine=engine,
         e2e=e2e,
         e2e_recipe=e2e_recipe,

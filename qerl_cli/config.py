@@ -82,6 +82,14 @@ class RolloutSection:
     # Stop with an error when vLLM's and the trainer's logprobs on a probe prompt differ by more
     # than this mean absolute gap (nats/token) after an adapter sync.
     staleness_tolerance: float = 0.5
+    # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
+    # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
+    # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
+    # once (the trainer keeps the 4-bit base; TIS on); "auto": per GPU and the round's concurrency, the
+    # fastest that fits, from crossover_table (qerl_cli.rollout.backends).
+    linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "auto"
+    # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
+    crossover_table: str | None = None
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, where: str) -> None:
@@ -93,6 +101,11 @@ class RolloutSection:
             generation_batch_size=self.generation_batch_size,
             tensor_parallel_size=self.tensor_parallel_size,
         )
+        if self.linear_backend in ("humming", "fp8") and self.engine != "vllm":
+            raise QerlError(
+                f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
+                "(the hf engine runs the trainer's own layers)"
+            )
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
             raise QerlError(
                 f"{where}.tensor_parallel_size={self.tensor_parallel_size} needs {where}.engine=vllm "
@@ -195,6 +208,13 @@ class TrainSection:
     # Completion tokens per LM-head chunk when computing logprobs (0: the whole micro-batch's
     # [rows, length, vocab] logits at once).
     logprob_chunk_tokens: int = 1024
+    # Fused RMSNorm / SwiGLU / RoPE kernels in the update (qerl_cli.modeling.fused_kernels). "auto":
+    # Liger's when liger-kernel is installed and the model trains on a GPU; "liger": insist on them.
+    fused_kernels: Literal["auto", "liger", "off"] = "auto"
+    # Concatenate a micro-batch's sequences into one row without padding (position ids restart at
+    # each sequence, the attention kept within it): no compute on padding. Pays with a variable-length
+    # attention (flash-attention); with SDPA the attention of a packed row is computed densely.
+    pack_sequences: bool = False
     seed: int = 0
     device: str = "auto"
 
@@ -289,6 +309,8 @@ class EvalConfig:
     grader_timeout_s: float = 5.0
     grader_workers: int = 2
     gpu_memory_utilization: float = 0.85
+    # The rollout model's linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends).
+    linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "auto"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     rescore: str | None = None
     baseline: str | None = None
@@ -345,11 +367,23 @@ class BenchConfig:
     e2e_prompts_per_step: int = 0
     e2e_gpu_memory_utilization: float | Literal["auto"] | None = None  # None: the recipe's, else 0.3
     e2e_recipe: str | None = None
+    # --e2e: rollout.linear_backend of the timed steps (the recipe's when it sets one).
+    e2e_linear_backend: Literal["auto", "marlin", "humming", "fp8"] | None = None
+    # --concurrency: sequences generated at once (instead of --batch), each measured on every linear
+    # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
+    # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.
+    concurrency: list[int] = field(default_factory=list)
+    backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
 
     def validate(self, where: str = "") -> None:
         _positive(where or "bench", prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
         if not self.batch or any(b <= 0 for b in self.batch):
             raise QerlError(f"--batch needs positive integers, got {self.batch}")
+        if any(c <= 0 for c in self.concurrency):
+            raise QerlError(f"--concurrency needs positive integers, got {self.concurrency}")
+        unknown = sorted(set(self.backends) - {"marlin", "humming", "fp8"})
+        if unknown:
+            raise QerlError(f"--backends: unknown {unknown}; choose from marlin, humming, fp8")
         _positive(where or "bench", e2e_generations=self.e2e_generations)
         if self.e2e_prompts_per_step < 0:
             raise QerlError(

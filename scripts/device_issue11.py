@@ -81,6 +81,7 @@ def e2e(args: argparse.Namespace, argv: list[str]) -> int:
         recipe = yaml.safe_load(Path(args.recipe).read_text())
         recipe["train"].update(micro_batch_size="auto", gradient_checkpointing="auto")
         recipe["rollout"]["gpu_memory_utilization"] = "auto"
+        recipe["train"]["fused_kernels"] = args.fused
         args.recipe = f"/tmp/qerl-issue11/{args.name}-recipe.yaml"
         Path(args.recipe).parent.mkdir(parents=True, exist_ok=True)
         Path(args.recipe).write_text(yaml.safe_dump(recipe))
@@ -96,7 +97,7 @@ def e2e(args: argparse.Namespace, argv: list[str]) -> int:
             gen_len=args.gen_len, lora_rank=16, engine="vllm", e2e=True, warmup=0, repeats=args.steps,
             vllm_kwargs=dict(TRITON), e2e_generations=args.generations, e2e_prompts_per_step=args.prompts,
             e2e_gpu_memory_utilization=args.share if args.share != "recipe" else None,
-            e2e_recipe=args.recipe,
+            e2e_recipe=args.recipe, e2e_linear_backend=args.backend,
         )  # fmt: skip
         run_dir = f"/tmp/qerl-issue11/{args.name}"
         payload["row"] = measure_format(cfg, args.format, str(folder), "vllm", run_dir)
@@ -143,6 +144,8 @@ def main(argv: list[str]) -> int:
     e.add_argument("--recipe", default=None)
     e.add_argument("--auto-memory", action="store_true", help="--recipe with its memory settings on auto")
     e.add_argument("--share", default="auto", help="vLLM's gpu_memory_utilization, auto, or recipe")
+    e.add_argument("--backend", default=None, help="rollout.linear_backend (default: the recipe's)")
+    e.add_argument("--fused", default="auto", help="train.fused_kernels with --auto-memory")
     e.add_argument("--out", required=True)
     c = sub.add_parser("batch")
     c.add_argument("--out", required=True)

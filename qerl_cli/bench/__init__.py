@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench.charts import write_charts
+from qerl_cli.bench.concurrency import add_roofline, write_crossover
 from qerl_cli.bench.report import (
     add_speedups,
     bench_table,
@@ -52,7 +53,9 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "model_source": describe_source(model),
         "engine": engine,
         "formats": formats,
-        "batch": list(cfg.batch),
+        "batch": list(cfg.concurrency or cfg.batch),
+        "concurrency": list(cfg.concurrency),
+        "backends": list(cfg.backends) if cfg.concurrency else None,
         "prompt_len": cfg.prompt_len,
         "gen_len": cfg.gen_len,
         "lora_rank": cfg.lora_rank,
@@ -82,27 +85,37 @@ def rollout_vllm_kwargs(cfg: BenchConfig) -> dict[str, Any]:
     batches run the same graphs either way. (The e2e step's engine is the trainer's, which sizes
     ``max_num_seqs`` from the step's sequences: ``qerl_cli.rl.setup``.)
     """
-    return {"max_num_seqs": max(cfg.batch), **cfg.vllm_kwargs}
+    return {"max_num_seqs": max(cfg.concurrency or cfg.batch), **cfg.vllm_kwargs}
 
 
 def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[int], lora_dir: Any,
            settings: dict[str, Any]) -> list[Any]:  # fmt: skip
-    """vLLM: one engine per format serves every rank in turn (an engine start is 1-3 minutes);
-    HF: one case per rank (a plain model without LoRA layers, then one with them)."""
+    """vLLM: one engine per format (and linear backend, with --concurrency) serves every rank in turn
+    (an engine start is 1-3 minutes); HF: one case per rank (a plain model, then one with LoRA)."""
+    from qerl_cli.bench.concurrency import backends_for
     from qerl_cli.bench.engines import Case
 
-    def case(rank: int, phases: list[int]) -> Case:
+    def case(rank: int, phases: list[int], backend: str = "marlin") -> Case:
         return Case(
             engine=engine, format=fmt, model_dir=str(folder), lora_rank=rank,
-            lora_dir=str(lora_dir) if rank else None, batches=list(cfg.batch), settings=settings,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            lora_dir=str(lora_dir) if rank else None, batches=list(cfg.concurrency or cfg.batch),
+            settings=settings, gpu_memory_utilization=cfg.gpu_memory_utilization,
             vllm_kwargs=rollout_vllm_kwargs(cfg) if engine == "vllm" else dict(cfg.vllm_kwargs),
-            lora_phases=phases,
+            lora_phases=phases, linear_backend=backend,
         )  # fmt: skip
 
     if engine == "vllm":
-        return [case(max(ranks), ranks)]
+        backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["marlin"]
+        return [case(max(ranks), ranks, backend) for backend in backends]
     return [case(rank, []) for rank in ranks]
+
+
+def _case_priority(case: Any) -> int:
+    """Each format on its default kernels first, then the 4-bit alternatives, then BF16's (a sweep cut
+    short keeps the comparisons that matter most)."""
+    if case.linear_backend in ("default", "marlin"):
+        return 0
+    return 2 if case.format == "bf16" else 1
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -118,6 +131,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from qerl_cli.bench.models import (
         cache_root,
         default_model,
+        model_config,
         normalize_formats,
         prepare_checkpoints,
         resolve_engine,
@@ -125,8 +139,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from qerl_cli.bench.rollout import MIN_REPEATS
 
     cfg.validate("bench")
-    if cfg.repeats < MIN_REPEATS:
-        raise QerlError(f"--repeats must be at least {MIN_REPEATS} so the median means something")
+    min_repeats = 1 if cfg.concurrency else MIN_REPEATS
+    if cfg.repeats < min_repeats:
+        raise QerlError(f"--repeats must be at least {min_repeats} so the median means something"
+                        + ("" if cfg.concurrency else " (1 is allowed with --concurrency)"))  # fmt: skip
     if cfg.lora_rank < 0:
         raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
     baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
@@ -145,7 +161,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     timings: dict[str, Any] = {"checkpoints_s": time.perf_counter() - started, "formats_s": {}, "e2e_s": None}
     ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
     settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
-                "repeats": cfg.repeats, "seed": cfg.seed}
+                "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}
     (cache_root() / "bench").mkdir(parents=True, exist_ok=True)
     # The adapter depends on the shape only; it lives beside the cache, not in the uploaded output.
     with tempfile.TemporaryDirectory(prefix="lora-", dir=cache_root() / "bench") as lora_tmp:
@@ -154,23 +170,30 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             if cfg.lora_rank
             else None
         )
-        for fmt, folder in checkpoints.items():
-            format_started = time.perf_counter()
-            for case in _cases(cfg, engine, fmt, folder, ranks, lora_dir, settings):
-                log.info("bench: %s, LoRA %s, batches %s", fmt, case.phases(), cfg.batch)
-                try:
-                    result = run_case(case, isolate=engine == "vllm")
-                except (QerlError, RuntimeError) as exc:
-                    if engine != "vllm":
-                        raise
-                    # One format vLLM cannot serve here must not hide the others' figures.
-                    report["errors"] += [
-                        {"format": fmt, "lora_rank": r, "error": str(exc)} for r in case.phases()
-                    ]
-                    continue
+        cases = [c for fmt, folder in checkpoints.items()
+                 for c in _cases(cfg, engine, fmt, folder, ranks, lora_dir, settings)]  # fmt: skip
+        for case in sorted(cases, key=_case_priority):
+            fmt = case.format
+            case_started = time.perf_counter()
+            log.info("bench: %s (%s), LoRA %s, batches %s", fmt, case.linear_backend, case.phases(),
+                     case.batches)  # fmt: skip
+            try:
+                result = run_case(case, isolate=engine == "vllm")
+            except (QerlError, RuntimeError) as exc:
+                if engine != "vllm":
+                    raise
+                # One format vLLM cannot serve here must not hide the others' figures.
+                report["errors"] += [
+                    {"format": fmt, "backend": case.linear_backend, "lora_rank": r, "error": str(exc)}
+                    for r in case.phases()
+                ]
+            else:
                 report["rollout"].extend(result["rollout"])
                 report["memory"].extend(result["memory"])
-            timings["formats_s"][fmt] = time.perf_counter() - format_started
+            label = fmt if case.linear_backend in ("default", "marlin") else f"{fmt}/{case.linear_backend}"
+            spent = time.perf_counter() - case_started
+            timings["formats_s"][label] = timings["formats_s"].get(label, 0.0) + spent
+            write_json({**report, "complete": False}, out)  # a run cut short keeps what it measured
 
     if cfg.e2e:
         from qerl_cli.bench.e2e import run_e2e
@@ -181,10 +204,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     timings["total_s"] = time.perf_counter() - started
     report["timings"] = timings
     add_speedups(report)
+    add_roofline(report, {fmt: model_config(folder) for fmt, folder in checkpoints.items()})
     if baseline is not None:
         report["regression"] = check_regressions(report, baseline, cfg.tolerance)
     report["files"] = {"json": str(write_json(report, out))}
     report["files"]["markdown"] = str(write_markdown(report, out))
     report["files"]["charts"] = [str(p) for p in write_charts(report, out)]
+    if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
+        report["files"]["crossover"] = str(write_crossover(report, out))
     write_json(report, out)  # again, now listing the files
     return report

@@ -68,4 +68,29 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
         title = "End-to-end step" + suffix
         written.append(_save(plt, fig, ax, "seconds per GRPO step", title, out / "e2e.png"))
+
+    roofline = [r for r in report["rollout"] if r.get("roofline")]
+    if roofline and report["settings"].get("concurrency"):
+        written.append(_roofline_chart(plt, roofline, report, out / "roofline.png"))
     return written
+
+
+def _roofline_chart(plt: Any, rows: list[dict[str, Any]], report: dict[str, Any], path: Path) -> Path:
+    """Tokens/s against concurrency per format x backend (LoRA rows when measured), each with its
+    roofline bound dashed in the same colour."""
+    from qerl_cli.bench.report import format_label
+
+    with_lora = [r for r in rows if r["lora_rank"]] or rows
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label in sorted({format_label(r) for r in with_lora}):
+        series = sorted((r for r in with_lora if format_label(r) == label), key=lambda r: r["batch"])
+        xs = [r["batch"] for r in series]
+        (line,) = ax.plot(xs, [r["output_tokens_per_s"] for r in series], marker="o", label=label)
+        ax.plot(xs, [r["roofline"]["bound_tokens_per_s"] for r in series], linestyle="--",
+                color=line.get_color(), alpha=0.6)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent sequences")
+    gpu = (report.get("gpu") or {}).get("name", "GPU")
+    lora = f", LoRA r{with_lora[0]['lora_rank']}" if with_lora[0]["lora_rank"] else ""
+    title = f"Rollout vs roofline (dashed) on {gpu}{lora}"
+    return _save(plt, fig, ax, "output tokens/s", title, path)

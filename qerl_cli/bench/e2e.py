@@ -129,12 +129,16 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         share = recipe.rollout.gpu_memory_utilization if recipe else 0.3
     train = TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.e2e_generations,
                          seed=cfg.seed)  # fmt: skip
-    kv_cache_dtype = "auto"
-    if recipe is not None:  # the recipe's memory settings, so the step runs as training would
+    kv_cache_dtype, backend, table = "auto", "auto", None
+    if recipe is not None:  # the recipe's memory and kernel settings, so the step runs as training would
         train.micro_batch_size = recipe.train.micro_batch_size
         train.gradient_checkpointing = recipe.train.gradient_checkpointing
         train.logprob_chunk_tokens = recipe.train.logprob_chunk_tokens
+        train.fused_kernels = recipe.train.fused_kernels
+        train.pack_sequences = recipe.train.pack_sequences
         kv_cache_dtype = recipe.rollout.kv_cache_dtype
+        backend, table = recipe.rollout.linear_backend, recipe.rollout.crossover_table
+    backend = cfg.e2e_linear_backend or backend
     return TrainConfig(
         model=ModelSection(path=model_dir),
         lora=LoraSection(rank=rank, alpha=2 * rank),
@@ -150,6 +154,8 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
             gpu_memory_utilization=share,
             kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             max_lora_rank=rank,
+            linear_backend=backend if engine == "vllm" else "auto",  # type: ignore[arg-type]
+            crossover_table=table,
             vllm_kwargs=dict(cfg.vllm_kwargs),
         ),
         algorithm=AlgorithmSection(tis="on"),

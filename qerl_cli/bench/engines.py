@@ -57,6 +57,8 @@ class Case:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     # LoRA ranks measured on this one engine, in order (0: no adapter active). Empty: [lora_rank].
     lora_phases: list[int] = field(default_factory=list)
+    # vLLM: the linear kernels (qerl_cli.rollout.backends); "default" for formats that have no choice.
+    linear_backend: str = "marlin"
 
     def phases(self) -> list[int]:
         return list(self.lora_phases) or [self.lora_rank]
@@ -97,6 +99,8 @@ def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
             max_lora_rank=max(case.lora_rank, 1),
             max_model_len=settings.prompt_len + settings.gen_len,
             seed=settings.seed,
+            linear_backend=case.linear_backend if case.linear_backend != "default" else "auto",
+            concurrency=max(case.batches),
             vllm_kwargs=case.vllm_kwargs,
         )
         tokenizer = engine.llm.get_tokenizer()
@@ -171,13 +175,23 @@ def measure_case(case: Case) -> dict[str, Any]:
             rows = measure_rollout(engine, tokenizer, case.batches, settings, on_sample=probe.sample,
                                    vocab_size=model_config.get("vocab_size"))
             shared = len(case.phases()) > 1
-            rollout_rows += [{"format": case.format, "lora_rank": rank, **row} for row in rows]
+            backend = _backend_label(engine, case)
+            labels = {"format": case.format, "backend": backend, "lora_rank": rank}
+            rollout_rows += [{**labels, **row} for row in rows]
             memory_rows.append({
-                "format": case.format, "lora_rank": rank,
+                "format": case.format, "backend": backend, "lora_rank": rank,
                 "checkpoint_bytes": checkpoint_tensor_bytes(case.model_dir), **info, **probe.result(),
                 **({"engine_lora_enabled": True} if shared else {}),
             })  # fmt: skip
     return {"rollout": rollout_rows, "memory": memory_rows}
+
+
+def _backend_label(engine: Any, case: Case) -> str:
+    """The backend the engine runs (the factory's choice under vLLM); HF runs the trainer's layers."""
+    choice = getattr(engine, "backend_choice", None)
+    if case.engine != "vllm" or choice is None:
+        return "default"
+    return str(choice.backend)
 
 
 def _complete_kv_info(

@@ -120,7 +120,9 @@ def _key(row: dict[str, Any], *fields: str) -> tuple:
 def add_speedups(report: dict[str, Any]) -> None:
     """``speedup_vs_bf16`` on every rollout and e2e row: ratios within this one run only."""
     reference = {
-        _key(r, "lora_rank", "batch"): r for r in report["rollout"] if r["format"] == REFERENCE_FORMAT
+        _key(r, "lora_rank", "batch"): r
+        for r in report["rollout"]
+        if r["format"] == REFERENCE_FORMAT and r.get("backend", "default") == "default"
     }
     for row in report["rollout"]:
         ref = reference.get(_key(row, "lora_rank", "batch"))
@@ -237,9 +239,8 @@ def check_regressions(report: dict[str, Any], baseline: dict[str, Any], toleranc
         ("memory", ("format", "lora_rank"), MEMORY_GATED),
         ("e2e", ("format",), E2E_GATED),
     ):
-        found, n = _compare(
-            section, report.get(section) or [], baseline.get(section) or [], key_fields, gated, tolerance
-        )
+        now, before = _gated_rows(report, section), _gated_rows(baseline, section)
+        found, n = _compare(section, now, before, key_fields, gated, tolerance)
         failures.extend(found)
         compared += n
     lost = _lost_cases(report, baseline)
@@ -251,6 +252,12 @@ def check_regressions(report: dict[str, Any], baseline: dict[str, Any], toleranc
             "run with the baseline's --formats and --batch"
         )
     return {"tolerance": tolerance, "compared": compared, "failures": failures, "passed": not failures}
+
+
+def _gated_rows(report: dict[str, Any], section: str) -> list[dict[str, Any]]:
+    """The rows the gate compares: each format on its default kernels (a --concurrency sweep's other
+    backends are measurements, not a contract)."""
+    return [r for r in report.get(section) or [] if r.get("backend") in (None, "default", "marlin")]
 
 
 def gate_failures(report: dict[str, Any]) -> list[str]:
@@ -278,6 +285,12 @@ def lora_label(rank: int) -> str:
     return f"r{rank}" if rank else "none"
 
 
+def format_label(row: dict[str, Any]) -> str:
+    """The format, with the linear backend when it is not the format's default (``nvfp4 / humming``)."""
+    backend = row.get("backend", "default")
+    return row["format"] + ("" if backend in ("default", "marlin") else f" / {backend}")
+
+
 def _speedup(value: Any) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -294,7 +307,7 @@ E2E_COLUMNS = ("format", "generation s", "logprobs s", "update s", "sync s", "st
 def rollout_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     return [
         (
-            r["format"],
+            format_label(r),
             lora_label(r["lora_rank"]),
             str(r["batch"]),
             _fmt(r["output_tokens_per_s"]),
@@ -340,8 +353,11 @@ def failed_cases(report: dict[str, Any]) -> list[str]:
 
 def _tables(report: dict[str, Any]) -> list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]]:
     """(title, columns, rows) of every table, for both the terminal and the Markdown rendering."""
+    from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
+
     return [
         ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
+        ("Rollout against the GPU's roofline", ROOFLINE_COLUMNS, roofline_rows(report)),
         ("Memory", MEMORY_COLUMNS, memory_rows(report)),
         ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
     ]

@@ -45,10 +45,12 @@ class RolloutSettings:
     warmup: int = 1
     repeats: int = MIN_REPEATS
     seed: int = 0
+    # A --concurrency sweep at RL lengths may time one generation per case (10-60 s each, steady).
+    min_repeats: int = MIN_REPEATS
 
     def check(self) -> None:
-        if self.repeats < MIN_REPEATS:
-            raise QerlError(f"--repeats must be at least {MIN_REPEATS} so the median means something")
+        if self.repeats < self.min_repeats:
+            raise QerlError(f"--repeats must be at least {self.min_repeats} so the median means something")
         if self.warmup < 0:
             raise QerlError(f"warmup must be >= 0, got {self.warmup}")
         if self.gen_len < 2:

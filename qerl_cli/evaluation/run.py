@@ -90,6 +90,7 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
             max_lora_rank=rank or 16,
             seed=cfg.seed,
             trust_remote_code=cfg.trust_remote_code,
+            linear_backend=cfg.linear_backend,
             vllm_kwargs=dict(cfg.vllm_kwargs),
         )
     return make_engine(

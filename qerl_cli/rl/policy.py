@@ -28,6 +28,7 @@ from torch import nn
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask
+from qerl_cli.modeling.fused_kernels import apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
@@ -83,6 +84,7 @@ class Policy:
     device: torch.device
     dtype: torch.dtype
     base_format: str  # "bf16", "nvfp4", "mxfp4", "nf4"
+    fused_kernels: str = "off"  # what train.fused_kernels resolved to ("liger" or "off")
 
     @property
     def is_quantized(self) -> bool:
@@ -116,6 +118,7 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
     )
     for param in base.parameters():
         param.requires_grad_(False)
+    fused = apply_fused_kernels(base, cfg.train.fused_kernels, on_gpu=device.type == "cuda")
     if cfg.train.gradient_checkpointing is True:  # "auto": decided by the memory plan (rl.memory)
         enable_gradient_checkpointing(base)
     base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
@@ -126,7 +129,8 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
     )
     if not any(p.requires_grad for p in model.parameters()):
         raise QerlError("the policy has no trainable parameter; check lora.target_modules")
-    return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, base_format=fmt)
+    return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, base_format=fmt,
+                  fused_kernels=fused)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,9 +194,17 @@ def make_token_batch(
 
 
 def completion_logprobs(
-    model: nn.Module, batch: TokenBatch, temperature: float, device: torch.device, chunk_tokens: int = 0
+    model: nn.Module,
+    batch: TokenBatch,
+    temperature: float,
+    device: torch.device,
+    chunk_tokens: int = 0,
+    *,
+    pack: bool = False,
 ) -> torch.Tensor:
     """``[B, C]`` float32 log p_T(completion token | prefix) for one micro-batch (grad if enabled).
+
+    ``pack``: the rows go through the model as one row without padding (:func:`packed_logprobs`).
 
     Columns that are padding on every row are cut off before the forward (left padding of the
     prompts, right padding of the completions) so a micro-batch of short rows stays cheap; the
@@ -203,6 +215,15 @@ def completion_logprobs(
     the scored ones (``rl.logprobs``): no [rows, length, vocab] logits, and zeros where the
     completion mask is 0. 0 computes the whole micro-batch's logits at once.
     """
+    with lora_compute(model, device):
+        if pack:
+            return packed_logprobs(model, batch, temperature, device, chunk_tokens)
+        return _padded_logprobs(model, batch, temperature, device, chunk_tokens)
+
+
+def _padded_logprobs(
+    model: nn.Module, batch: TokenBatch, temperature: float, device: torch.device, chunk_tokens: int
+) -> torch.Tensor:
     mask = batch.attention_mask
     used_cols = mask.any(dim=0).nonzero().flatten()
     first = int(used_cols[0]) if used_cols.numel() else 0
@@ -238,6 +259,67 @@ def completion_logprobs(
     if used_completion < batch.completion_width:
         token_lp = torch.nn.functional.pad(token_lp, (0, batch.completion_width - used_completion))
     return token_lp
+
+
+@contextmanager
+def lora_compute(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """LoRA's matmuls in the model's compute dtype on a GPU.
+
+    PEFT keeps the adapter in float32 (so AdamW's updates are not lost to BF16 rounding) and by default
+    casts every LoRA input to float32: on an H100 that ran the LoRA products as float32 GEMMs without
+    tensor cores, plus a cast and a float32 add per projection, about a third of a 7B update's time
+    (profile in benchmarks/h100-2026-11-24). Under autocast the float32 weights are cast per matmul
+    (they are small) and the activations stay BF16; gradients still reach the float32 weights.
+    """
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = getattr(getattr(embeddings, "weight", None), "dtype", torch.float32)
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    from peft.helpers import disable_input_dtype_casting
+
+    with torch.autocast("cuda", dtype=dtype), disable_input_dtype_casting(model):
+        yield
+
+
+def packed_logprobs(
+    model: nn.Module, batch: TokenBatch, temperature: float, device: torch.device, chunk_tokens: int = 0
+) -> torch.Tensor:
+    """:func:`completion_logprobs` with the micro-batch packed into one row: each sequence's real
+    tokens (prompt + completion, no padding) one after the other, position ids restarting at 0 for
+    each. transformers reads the restarts as packed sequences and keeps attention within each one
+    (block-diagonal causal mask; varlen kernels under flash-attention), so every logprob equals the
+    padded batch's while no token of padding is computed."""
+    from qerl_cli.rl.logprobs import LinearLogprob, head_and_decoder
+
+    prompt_lens = batch.attention_mask[:, : batch.prompt_width].sum(dim=1).tolist()
+    completion_lens = batch.completion_mask.sum(dim=1).long().tolist()
+    pieces, positions, predict_at = [], [], []
+    start = 0
+    for r, (p_len, c_len) in enumerate(zip(prompt_lens, completion_lens, strict=True)):
+        begin = batch.prompt_width - int(p_len)
+        pieces.append(batch.input_ids[r, begin : batch.prompt_width + c_len])
+        positions.append(torch.arange(int(p_len) + c_len))
+        # The hidden state before each completion token predicts it.
+        predict_at.append(start + int(p_len) - 1 + torch.arange(c_len))
+        start += int(p_len) + c_len
+    input_ids = torch.cat(pieces)[None].to(device)
+    position_ids = torch.cat(positions)[None].to(device)
+    at = torch.cat(predict_at).to(device)
+    targets = input_ids[0, at + 1]
+    parts = head_and_decoder(model)
+    if parts is not None:
+        decoder, head = parts
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state[0]
+        chunk = chunk_tokens if chunk_tokens > 0 else max(1, at.numel())
+        scored = LinearLogprob.apply(hidden[at], head.weight, targets, temperature, chunk)
+    else:  # a head with a logit transform (Gemma's soft-capping): the model's own logits
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0, at]
+        scored = torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, targets[:, None])[:, 0]
+    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=scored.device)
+    rows = torch.repeat_interleave(torch.arange(len(completion_lens)), torch.tensor(completion_lens))
+    cols = torch.cat([torch.arange(c) for c in completion_lens])
+    return out.index_put((rows.to(out.device), cols.to(out.device)), scored)
 
 
 def batched_logprobs(

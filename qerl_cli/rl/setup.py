@@ -82,6 +82,9 @@ def make_engine(
         trust_remote_code=cfg.model.trust_remote_code,
         revision=cfg.model.revision,
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        linear_backend=cfg.rollout.linear_backend,
+        concurrency=per_round,
+        crossover_table=cfg.rollout.crossover_table,
         vllm_kwargs=vllm_kwargs,
     )
 
@@ -122,9 +125,12 @@ def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
 
 def tis_enabled(cfg: TrainConfig, policy: Policy) -> bool:
     mode = cfg.algorithm.tis
-    if cfg.rollout.kv_cache_dtype == "fp8":
+    causes = (("an FP8 KV cache", cfg.rollout.kv_cache_dtype == "fp8"),
+              ("FP8 rollout weights", cfg.rollout.linear_backend == "fp8"))  # fmt: skip
+    fp8 = [what for what, on in causes if on]
+    if fp8:
         if mode == "off":
-            log.warning("algorithm.tis=off overridden: an FP8 KV cache changes the rollout numerics")
+            log.warning("algorithm.tis=off overridden: %s changes the rollout numerics", " and ".join(fp8))
         return True
     if mode != "auto":
         return mode == "on"

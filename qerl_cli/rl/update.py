@@ -84,7 +84,7 @@ def update_policy(
         for begin in range(0, len(batch), micro):
             rows = slice(begin, begin + micro)
             part: TokenBatch = tokens.rows(rows)
-            lp = completion_logprobs(model, part, temperature, device, chunk)
+            lp = completion_logprobs(model, part, temperature, device, chunk, pack=cfg.train.pack_sequences)
             old = old_lp[rows].to(device) if old_lp is not None else lp.detach()
             try:
                 loss, stats = policy_loss(

@@ -22,6 +22,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Marlin FP4 (the kernel vLLM uses for NVFP4/MXFP4 weights without native FP4 tensor cores) needs
 # Ampere; vLLM's bitsandbytes path needs Volta.
 MIN_CAPABILITY = {"nvfp4": (8, 0), "mxfp4": (8, 0), "nf4": (7, 0)}
+# vLLM's non-KV, non-weight memory while awake: activation profile peak, CUDA graphs, LoRA slots.
+VLLM_OVERHEAD = int(4.0 * 2**30)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""``qerl bench --concurrency 8,32,128,256``: rollout tokens/s per format x linear backend x LoRA at
+the concurrency RL runs, each figure against the GPU's roofline, and the crossover table that
+``rollout.linear_backend: auto`` reads (``crossover.json``).
+
+A vLLM engine is started per (format, backend): BF16 on its own GEMMs (and on vLLM's online FP8 when
+``fp8`` is among the backends), a 4-bit base on each of Marlin, Humming and its FP8 rollout copy
+(:mod:`qerl_cli.rollout.backends`). Every engine serves its without- and with-LoRA cases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, rollout_weight_format
+from qerl_cli.modeling.model_shape import ModelShape
+from qerl_cli.rollout.backends import FORMAT_BACKENDS, table_key
+
+CROSSOVER_FILE = "crossover.json"
+ROOFLINE_COLUMNS = ("format", "backend", "LoRA", "sequences", "output tok/s", "bound tok/s", "of bandwidth",
+                    "of tensor cores", "limited by")  # fmt: skip
+
+
+def backends_for(fmt: str, requested: list[str]) -> list[str]:
+    """The backends a ``fmt`` base is measured on: those of ``requested`` it has; BF16 and NF4 always
+    on their default kernels too."""
+    allowed = FORMAT_BACKENDS.get(fmt, ("default",))
+    chosen = [b for b in requested if b in allowed]
+    if "default" in allowed:
+        chosen = ["default", *[b for b in chosen if b != "default"]]
+    return chosen or [allowed[0]]
+
+
+def add_roofline(report: dict[str, Any], model_configs: dict[str, dict[str, Any]]) -> None:
+    """``roofline`` on every rollout row: its bounds on this GPU and the fractions measured."""
+    spec = gpu_spec((report.get("gpu") or {}).get("name"))
+    settings = report["settings"]
+    for row in report["rollout"]:
+        config = model_configs.get(row["format"])
+        if spec is None or config is None:
+            row["roofline"] = None  # a CPU run or a GPU the table does not know: no bound to state
+            continue
+        bound = decode_bound(
+            ModelShape.from_config(config), spec,
+            weight_format=rollout_weight_format(row["format"], row.get("backend", "default")),
+            concurrency=row["batch"], prompt_len=settings["prompt_len"], gen_len=settings["gen_len"],
+            lora_rank=row["lora_rank"],
+        )  # fmt: skip
+        row["roofline"] = {**bound, **fractions(row["output_tokens_per_s"], bound)}
+
+
+def crossover_table(report: dict[str, Any]) -> dict[str, Any]:
+    """``{"gpus": {GPU: {"nvfp4+lora": {backend: {concurrency: tokens/s}}}}}`` from the rollout rows,
+    with where it came from."""
+    gpu = (report.get("gpu") or {}).get("name") or "cpu"
+    entry: dict[str, dict[str, dict[str, float]]] = {}
+    for row in report["rollout"]:
+        key = table_key(row["format"], bool(row["lora_rank"]))
+        backend = row.get("backend", "default")
+        points = entry.setdefault(key, {}).setdefault(backend, {})
+        points[str(row["batch"])] = round(row["output_tokens_per_s"], 1)
+    settings = report["settings"]
+    return {
+        "gpus": {gpu: entry},
+        "measured": {"created": report.get("created"), "model": settings.get("model"),
+                     "prompt_len": settings.get("prompt_len"), "gen_len": settings.get("gen_len"),
+                     "lora_rank": settings.get("lora_rank"), "versions": report.get("versions")},
+    }  # fmt: skip
+
+
+def write_crossover(report: dict[str, Any], out_dir: str | Path) -> Path:
+    path = Path(out_dir) / CROSSOVER_FILE
+    path.write_text(json.dumps(crossover_table(report), indent=2))
+    return path
+
+
+def roofline_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    from qerl_cli.bench.report import lora_label
+
+    rows = []
+    for r in report["rollout"]:
+        roof = r.get("roofline")
+        if not roof:
+            continue
+        rows.append((r["format"], r.get("backend", "default"), lora_label(r["lora_rank"]), str(r["batch"]),
+                     f"{r['output_tokens_per_s']:.0f}", f"{roof['bound_tokens_per_s']:.0f}",
+                     f"{roof['of_bandwidth_bound']:.0%}", f"{roof['of_compute_bound']:.0%}",
+                     roof["limited_by"]))  # fmt: skip
+    return rows

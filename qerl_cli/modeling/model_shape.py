@@ -1,0 +1,77 @@
+"""The dimensions of a transformer that decide its memory: parameters by kind, weight bytes per format,
+KV-cache bytes per token. Pure arithmetic on a ``config.json`` dict, shared by the memory plan
+(``rl.memory``), the rollout backend choice (``rollout.backends``) and the benchmarks' roofline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qerl_cli.errors import QerlError
+
+# Bytes per weight of a 4-bit linear layer, scales included: NVFP4 has one FP8 scale per 16
+# weights, MXFP4 one E8M0 scale per 32, NF4 one absmax per 64 (double-quantized: ~1 byte / 64).
+# FP8: the per-channel E4M3 rollout copy of a 4-bit base (one float32 scale per row, negligible).
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "nf4": 0.5 + 1 / 64}
+KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide memory (from a transformers ``config.json`` dict)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            return cls(
+                hidden=hidden,
+                intermediate=int(config["intermediate_size"]),
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                vocab=int(config["vocab_size"]),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as exc:
+            raise QerlError(f"the model config has no {exc.args[0]}: cannot size its memory") from None
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection of one decoder layer."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+    def decoder_linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
+
+    def dense_params(self) -> int:
+        """Parameters kept in BF16 in every format: embeddings, LM head, norms, q/k/v biases."""
+        embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+        per_layer = 2 * self.hidden + self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
+        return embed + self.layers * per_layer + self.hidden
+
+    def kv_bytes_per_token(self, kv_dtype: str = "auto") -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * KV_DTYPE_BYTES.get(kv_dtype, 2)
+
+
+def weight_bytes(shape: ModelShape, fmt: str) -> int:
+    """Bytes of the base model's weights in ``fmt`` (bf16, nvfp4, mxfp4, nf4)."""
+    if fmt not in WEIGHT_BYTES:
+        raise QerlError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    return int(shape.decoder_linear_params() * WEIGHT_BYTES[fmt] + shape.dense_params() * 2)
+
+

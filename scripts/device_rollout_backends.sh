@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Rollout kernels and the update phase on a lent GPU, one PART per call, each started in the background
+# (setsid) from a snapshot of the repository so later edits of the working tree cannot reach it. vLLM
+# must be installed first (../shared/tools/device-vllm/README.md); this script exports its settings.
+#
+#   bash scripts/device_rollout_backends.sh profile   # update phase: BF16 / NVFP4 x Liger off / on, MFU
+#   bash scripts/device_rollout_backends.sh sweep     # qerl bench --concurrency 8,32,128,256, 2048 tokens
+#   bash scripts/device_rollout_backends.sh e2e NAME FORMAT BACKEND PROMPTS [RECIPE]
+#                                                     # GRPO steps at PROMPTS x 8 x (256 + 2048)
+#   bash scripts/device_rollout_backends.sh status    # what has finished; the tail of the running log
+#
+# Results land in /tmp/qerl-dev/out (copy them to $OUT from a later call: `... status` does).
+set -uo pipefail
+PART=${1:?usage: device_rollout_backends.sh profile|sweep|e2e|status}
+RUN=/tmp/qerl-dev
+mkdir -p "$RUN/out"
+export PYTHONPATH="$RUN/repo:/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}" VLLM_USE_FLASHINFER_SAMPLER=0
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PYTHONUNBUFFERED=1
+TRITON='vllm_kwargs={attention_backend: TRITON_ATTN}'
+
+snapshot() {  # the code this part runs, frozen now
+  rm -rf "$RUN/repo" && mkdir -p "$RUN/repo" && cp -r qerl_cli scripts recipes "$RUN/repo/"
+}
+
+start() {  # start NAME 'COMMAND': detached, logged, exit code recorded
+  local name=$1 command=$2
+  nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$RUN/out/nvidia-smi-$name.txt"
+  echo "$command" > "$RUN/out/$name.cmd"
+  (cd "$RUN/repo" && setsid bash -c "$command > $RUN/out/$name.log 2>&1; echo \$? > $RUN/out/$name.rc" &)
+  echo "started $name: $command"
+}
+
+case "$PART" in
+  profile)
+    snapshot
+    start profile "python scripts/device_update_profile.py --model qwen2.5-7b --formats bf16,nvfp4 \
+      --fused off,liger --sequences ${SEQUENCES:-32} --profile --out $RUN/out/update_profile.json" ;;
+  sweep)
+    SWEEP=${SWEEP:-sweep}
+    snapshot
+    start "$SWEEP" "python -m qerl_cli bench --model qwen2.5-7b --formats ${FORMATS:-bf16,nvfp4} \
+      --concurrency ${CONCURRENCY:-8,32,128,256} --backends ${BACKENDS:-marlin,fp8,humming} \
+      --prompt-len 256 --gen-len ${GEN_LEN:-2048} --lora-rank 16 --set repeats=1 --set '$TRITON' \
+      -o $RUN/out/$SWEEP" ;;
+  e2e)
+    NAME=${2:?name} FMT=${3:?format} BACKEND=${4:?backend} PROMPTS=${5:?prompts} RECIPE=${6:-recipes/gsm8k_7b.yaml}
+    snapshot
+    # BEFORE: commands to run first in the same detached job, so the GPU runs one job at a time. By
+    # default, on a machine that has not measured it yet, the Humming sweep (NVFP4 x humming).
+    if [ -z "${BEFORE+x}" ] && [ ! -e "$RUN/out/sweep-humming" ]; then
+      mkdir -p "$RUN/out/sweep-humming"
+      BEFORE="python -m qerl_cli bench --model qwen2.5-7b --formats nvfp4 --concurrency 8,32,128,256 \
+        --backends humming --prompt-len 256 --gen-len 2048 --lora-rank 16 --set repeats=1 \
+        --set '$TRITON' -o $RUN/out/sweep-humming > $RUN/out/sweep-humming.txt 2>&1"
+    fi
+    start "e2e-$NAME" "${BEFORE:+$BEFORE; }python scripts/device_issue11.py e2e --name $NAME --model ${MODEL:-qwen2.5-7b} \
+      --format $FMT --backend $BACKEND --fused ${FUSED:-auto} --prompt-len 256 --gen-len 2048 \
+      --prompts $PROMPTS --generations 8 --steps ${STEPS:-2} --recipe $RECIPE --auto-memory \
+      --share recipe --out $RUN/out/e2e-$NAME.json" ;;
+  stop)  # stop a running part: stop NAME
+    pkill -f "out/${2:?name}" ; sleep 3; pkill -9 -f "qerl_cli.bench.worker"
+    rm -rf "$RUN/out/$2.rc" "$RUN/out/$2.log" "$RUN/out/$2"
+    echo "stopped $2" ;;
+  status)
+    for f in "$RUN"/out/*.rc; do [ -f "$f" ] && echo "$(basename "$f" .rc): exit $(cat "$f")"; done
+    for f in "$RUN"/out/*.log; do
+      [ -f "$f" ] || continue
+      [ -f "${f%.log}.rc" ] && continue
+      echo "== running: $(basename "$f")"; tail -n "${LINES:-6}" "$f"
+    done
+    if [ -f "$RUN/out/sweep-humming.txt" ] && [ ! -f "$RUN/out/sweep-humming/bench.md" ]; then
+      echo "== running first (BEFORE): sweep-humming"; tail -n "${LINES:-6}" "$RUN/out/sweep-humming.txt"
+    fi
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    # Everything so far, as one file ($OUT brings back at most 8).
+    [ -n "${OUT:-}" ] && tar czf "$OUT/dev-out.tgz" -C "$RUN" out
+    true ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac

@@ -1,0 +1,341 @@
+"""Rollout linear backends: the choice (pinned, auto from a crossover table and memory), its errors, what
+reaches vLLM, the FP8 rollout copy of a 4-bit base, and the bench's crossover table and roofline."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qerl_cli.bench.concurrency import add_roofline, backends_for, crossover_table
+from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, update_flops
+from qerl_cli.errors import QerlError
+from qerl_cli.formats import fp8
+from qerl_cli.modeling.model_shape import ModelShape
+from qerl_cli.rollout import backends
+from qerl_cli.rollout.backends import BackendChoice, Environment, choose_backend, interpolate
+
+H100 = "NVIDIA H100 80GB HBM3"
+TABLE = {
+    "gpus": {
+        "NVIDIA H100 80GB HBM3": {
+            "nvfp4+lora": {
+                "marlin": {"8": 1500.0, "32": 4000.0, "128": 7000.0, "256": 8000.0},
+                "humming": {"8": 1300.0, "32": 3800.0, "128": 7600.0, "256": 9500.0},
+                "fp8": {"8": 1200.0, "32": 3900.0, "128": 8200.0, "256": 11000.0},
+            }
+        }
+    }
+}
+
+
+def env(**overrides) -> Environment:
+    values = dict(gpu_name=H100, capability=(9, 0), humming_installed=True, vllm_version=(0, 26))
+    values.update(overrides)
+    return Environment(**values)
+
+
+# --------------------------------------------------------------------------------------------
+# The choice
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("concurrency", "expected"), [(8, "marlin"), (32, "marlin"), (128, "fp8"), (256, "fp8")]
+)
+def test_auto_takes_the_fastest_measured_backend_at_the_runs_concurrency(
+    concurrency: int, expected: str
+) -> None:
+    choice = choose_backend("auto", "nvfp4", concurrency=concurrency, env=env(), table=TABLE)
+    assert choice.backend == expected
+    assert choice.predicted_tokens_per_s == max(v for v in choice.candidates.values() if v)
+
+
+def test_interpolation_is_linear_in_log_concurrency_and_clamped() -> None:
+    points = {"8": 1000.0, "32": 3000.0}
+    assert interpolate(points, 16) == pytest.approx(2000.0)  # halfway in log2
+    assert interpolate(points, 2) == 1000.0 and interpolate(points, 512) == 3000.0
+    assert interpolate({}, 16) is None
+
+
+def test_auto_skips_a_backend_that_is_not_installed() -> None:
+    choice = choose_backend(
+        "auto", "nvfp4", concurrency=256, env=env(humming_installed=False, capability=(8, 0)), table=TABLE
+    )
+    assert choice.backend == "marlin"  # fp8 needs sm89+, humming is not installed
+    assert set(choice.candidates) == {"marlin"}
+
+
+def test_auto_weighs_the_kv_room_each_backends_weights_leave() -> None:
+    gib = 2**30
+    sizes = {"marlin": 5 * gib, "humming": 5 * gib, "fp8": 9 * gib}
+    # 12 GiB for vLLM, 1 GiB a sequence: fp8 leaves room for 3 sequences, Marlin for 7.
+    tight = env(vllm_budget_bytes=12 * gib, kv_bytes_per_sequence=gib)
+    choice = choose_backend("auto", "nvfp4", concurrency=256, env=tight, table=TABLE, weight_bytes=sizes)
+    assert choice.backend == "marlin"
+    assert choice.candidates["fp8"] == pytest.approx(interpolate(TABLE["gpus"][H100]["nvfp4+lora"]["fp8"], 3))
+    roomy = env(vllm_budget_bytes=600 * gib, kv_bytes_per_sequence=gib)
+    assert (
+        choose_backend("auto", "nvfp4", concurrency=256, env=roomy, table=TABLE, weight_bytes=sizes).backend
+        == "fp8"
+    )
+
+
+def test_auto_without_measurements_keeps_vllms_default() -> None:
+    choice = choose_backend(
+        "auto", "nvfp4", concurrency=128, env=env(gpu_name="NVIDIA A100-SXM4-80GB"), table=TABLE
+    )
+    assert choice.backend == "marlin" and "no crossover measurements" in choice.reason
+    assert choose_backend("auto", "bf16", concurrency=128, env=env(), table=TABLE).backend == "default"
+
+
+def test_a_pinned_backend_is_kept_and_checked() -> None:
+    assert choose_backend("humming", "nvfp4", concurrency=8, env=env(), table={}).backend == "humming"
+    with pytest.raises(QerlError, match=r'pip install "qerl\[humming\]"'):
+        choose_backend("humming", "nvfp4", concurrency=8, env=env(humming_installed=False), table={})
+    with pytest.raises(QerlError, match=r"vLLM 0\.26\+"):
+        choose_backend("humming", "nvfp4", concurrency=8, env=env(vllm_version=(0, 11)), table={})
+    with pytest.raises(QerlError, match="compute capability 8.9"):
+        choose_backend("fp8", "nvfp4", concurrency=8, env=env(capability=(8, 0)), table={})
+    gib = 2**30
+    with pytest.raises(QerlError, match="leave no room for one full-length sequence"):
+        choose_backend(
+            "fp8",
+            "nvfp4",
+            concurrency=8,
+            env=env(vllm_budget_bytes=10 * gib, kv_bytes_per_sequence=gib, overhead_bytes=2 * gib),
+            table={},
+            weight_bytes={"fp8": 8 * gib},
+        )
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    with pytest.raises(QerlError, match="auto, marlin, humming, fp8"):
+        choose_backend("cutlass", "nvfp4", concurrency=8, env=env(), table={})
+
+
+def test_fp4_kernels_pinned_for_a_bf16_base_keep_its_default() -> None:
+    # One recipe pins humming for its NVFP4 arm; its BF16 arm has no FP4 weights to run it on.
+    choice = choose_backend("humming", "bf16", concurrency=8, env=env(), table={})
+    assert choice.backend == "default" and choice.vllm_kwargs() == {}
+
+
+def test_what_each_choice_asks_of_vllm() -> None:
+    assert BackendChoice("humming", "nvfp4", "").vllm_kwargs() == {"linear_backend": "humming"}
+    assert BackendChoice("marlin", "nvfp4", "").vllm_kwargs() == {}
+    assert BackendChoice("fp8", "bf16", "").vllm_kwargs() == {"quantization": "fp8"}
+    assert (
+        BackendChoice("fp8", "nvfp4", "").needs_fp8_copy
+        and not BackendChoice("fp8", "bf16", "").needs_fp8_copy
+    )
+
+
+def test_a_crossover_table_file_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(QerlError, match="does not exist"):
+        backends.load_table(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(QerlError, match="not a crossover table"):
+        backends.load_table(bad)
+    assert "gpus" in backends.load_table(None)  # the shipped one (possibly without any GPU yet)
+
+
+def test_the_gpu_is_found_by_a_name_contained_in_the_devices() -> None:
+    table = {"gpus": {"H100": {"x": 1}}}
+    assert backends.gpu_entry(table, H100) == {"x": 1}
+    assert backends.gpu_entry(table, "NVIDIA A100") is None
+
+
+# --------------------------------------------------------------------------------------------
+# Through the engine factory (a stand-in vLLM)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_llm(monkeypatch: pytest.MonkeyPatch):
+    from qerl_cli.rollout import factory, vllm_setup
+
+    seen: list[dict] = []
+
+    class FakeEngine:
+        def __init__(self, model_path: str, **kwargs) -> None:
+            seen.append({"model": model_path, **kwargs})
+            self.backend_choice = None
+
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    monkeypatch.setitem(__import__("sys").modules, "vllm", module)
+    monkeypatch.setattr("qerl_cli.rollout.vllm_engine.VLLMEngine", FakeEngine)
+    monkeypatch.setattr(vllm_setup, "_cuda_total_bytes", lambda: 80 * 2**30)
+    monkeypatch.setattr(factory, "current_environment", lambda **kw: env(**kw))
+    return seen
+
+
+def nvfp4_base() -> Path:
+    from qerl_cli.bench.models import shape_checkpoint
+
+    return shape_checkpoint("tiny", "nvfp4")
+
+
+def test_factory_hands_vllm_the_backend_and_the_fp8_copy(
+    fake_llm: list[dict], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from qerl_cli.rollout import factory
+    from qerl_cli.rollout.factory import make_engine
+
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
+    base = nvfp4_base()
+    engine = make_engine("vllm", base, linear_backend="humming", gpu_memory_utilization=0.5, max_model_len=64)
+    assert fake_llm[-1]["vllm_kwargs"]["linear_backend"] == "humming" and fake_llm[-1]["model"] == str(base)
+    assert engine.backend_choice.backend == "humming"
+    make_engine(
+        "vllm",
+        base,
+        linear_backend="fp8",
+        gpu_memory_utilization=0.5,
+        max_model_len=64,
+        vllm_kwargs={"max_num_seqs": 8},
+    )
+    served = Path(fake_llm[-1]["model"])
+    assert (
+        served.parent == tmp_path / "cache" / "fp8-rollout" and (served / "qerl_fp8_rollout.json").is_file()
+    )
+    assert fake_llm[-1]["model_format"] == "auto" and fake_llm[-1]["vllm_kwargs"] == {"max_num_seqs": 8}
+    monkeypatch.setattr(factory, "current_environment", lambda **kw: env(humming_installed=False, **kw))
+    with pytest.raises(QerlError, match=r"qerl\[humming\]"):
+        make_engine("vllm", base, linear_backend="humming", gpu_memory_utilization=0.5, max_model_len=64)
+
+
+def test_unknown_backend_in_a_recipe_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from qerl_cli.cli import main
+
+    rc = main(["train", "recipes/tiny.yaml", "--set", "rollout.linear_backend=cutlass", "--dry-run"])
+    assert rc == 2 and "linear_backend" in capsys.readouterr().err
+    rc = main(["train", "recipes/tiny.yaml", "--set", "rollout.linear_backend=fp8", "--dry-run"])
+    assert rc == 2 and "engine=vllm" in " ".join(capsys.readouterr().err.split())
+
+
+# --------------------------------------------------------------------------------------------
+# The FP8 rollout copy
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp8_copy_equals_the_dequantized_4bit_weights_within_fp8_rounding(fmt: str, tmp_path: Path) -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from qerl_cli import formats
+    from qerl_cli.bench.models import shape_checkpoint
+    from qerl_cli.modeling.fp8_rollout import write_fp8_checkpoint
+
+    source = shape_checkpoint("tiny", fmt)
+    out = write_fp8_checkpoint(source, tmp_path / "fp8")
+    four = {k: v for f in source.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    eight = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    qfmt = formats.get(fmt)
+    prefixes = sorted(k.removesuffix(".weight_packed") for k in four if k.endswith(".weight_packed"))
+    assert prefixes
+    for prefix in prefixes:
+        dense = qfmt.dequantize({n: four[f"{prefix}.{n}"] for n in qfmt.checkpoint_names()}, torch.float32)
+        codes, scale = eight[f"{prefix}.weight"], eight[f"{prefix}.weight_scale"]
+        assert codes.dtype == torch.float8_e4m3fn and scale.shape == (dense.shape[0], 1)
+        error = (fp8.dequantize_per_channel(codes, scale) - dense).abs()
+        assert bool((error <= fp8.rounding_bound(dense, scale) + 1e-12).all()), prefix
+    untouched = [k for k in four if not any(k.startswith(p + ".") for p in prefixes)]
+    assert untouched and all(torch.equal(four[k], eight[k]) for k in untouched)
+    config = json.loads((out / "config.json").read_text())
+    parsed = QuantizationConfig.model_validate(config["quantization_config"])
+    assert parsed.format == "float-quantized" and "lm_head" in parsed.ignore
+    assert (out / "tokenizer_config.json").is_file()
+
+
+def test_fp8_rounding_bound_is_tight() -> None:
+    weight = torch.randn(64, 128)
+    codes, scale = fp8.quantize_per_channel(weight)
+    error = (fp8.dequantize_per_channel(codes, scale) - weight).abs()
+    bound = fp8.rounding_bound(weight, scale)
+    assert bool((error <= bound).all()) and float((error / bound).max()) > 0.5
+    zero_codes, zero_scale = fp8.quantize_per_channel(torch.zeros(2, 16))
+    assert torch.equal(zero_scale, torch.ones(2, 1)) and not zero_codes.float().any()
+
+
+def test_fp8_copy_of_a_bf16_base_is_refused_with_the_alternative(tmp_path: Path) -> None:
+    from qerl_cli.bench.models import shape_checkpoint
+    from qerl_cli.modeling.fp8_rollout import write_fp8_checkpoint
+
+    with pytest.raises(QerlError, match="quantization: fp8"):
+        write_fp8_checkpoint(shape_checkpoint("tiny", "bf16"), tmp_path / "fp8")
+
+
+# --------------------------------------------------------------------------------------------
+# Roofline and the crossover table
+# --------------------------------------------------------------------------------------------
+TOY = ModelShape(hidden=1000, intermediate=2000, layers=2, heads=10, kv_heads=2, vocab=5000, head_dim=100)
+
+
+def test_decode_bound_by_hand() -> None:
+    spec = gpu_spec(H100)
+    assert spec is not None and spec.name == "H100 SXM"
+    bound = decode_bound(TOY, spec, weight_format="bf16", concurrency=4, prompt_len=100, gen_len=200)
+    linear = 2 * (2 * 1000 * 1000 + 2 * 1000 * 200 + 3 * 1000 * 2000)  # q,o + k,v + gate,up,down per layer
+    weights = 2 * linear + 2 * 5000 * 1000
+    kv = (
+        4 * 200 * (2 * 2 * 2 * 100 * 2)
+    )  # sequences x average context x K/V x layers x kv heads x dim x bytes
+    assert bound["bytes_per_step"] == pytest.approx(weights + kv)
+    assert bound["bandwidth_tokens_per_s"] == pytest.approx(4 / ((weights + kv) / 3.35e12))
+    flops = 4 * (2 * (linear + 5000 * 1000) + 4 * 200 * 10 * 100 * 2)
+    assert bound["compute_tokens_per_s"] == pytest.approx(4 / (flops / 989.4e12))
+    assert bound["limited_by"] == "memory"
+    assert fractions(bound["bound_tokens_per_s"] / 2, bound)["of_roofline"] == pytest.approx(0.5)
+    fp8_bound = decode_bound(TOY, spec, weight_format="fp8", concurrency=4, prompt_len=100, gen_len=200)
+    assert fp8_bound["compute_peak"] == "fp8" and fp8_bound["bytes_per_step"] < bound["bytes_per_step"]
+
+
+def test_gpu_names_and_unknown_gpus() -> None:
+    assert gpu_spec("NVIDIA H200").bandwidth == 4.8e12
+    assert gpu_spec("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert gpu_spec("cpu") is None and gpu_spec(None) is None
+
+
+def test_update_flops_by_hand() -> None:
+    linear = 2 * (2 * 1000 * 1000 + 2 * 1000 * 200 + 3 * 1000 * 2000)
+    expected = 4 * linear * 2 * 10 + 4 * 5000 * 1000 * 2 * 6 + 3 * 2 * 2 * 10 * 10 * 1000 * 2
+    assert update_flops(TOY, 2, 10, completion_len=6) == pytest.approx(expected)
+
+
+def test_crossover_table_and_roofline_from_rows() -> None:
+    from qerl_cli.modeling.random_checkpoint import SHAPES
+
+    rows = [
+        {"format": f, "backend": b, "lora_rank": r, "batch": c, "output_tokens_per_s": 1000.0 * c}
+        for f, b in (("bf16", "default"), ("nvfp4", "marlin"), ("nvfp4", "fp8"))
+        for r in (0, 16)
+        for c in (8, 128)
+    ]
+    report = {
+        "gpu": {"name": H100},
+        "created": "now",
+        "versions": {},
+        "settings": {"prompt_len": 256, "gen_len": 2048, "model": "qwen2.5-7b", "lora_rank": 16},
+        "rollout": rows,
+    }
+    table = crossover_table(report)
+    assert table["gpus"][H100]["nvfp4+lora"]["fp8"] == {"8": 8000.0, "128": 128000.0}
+    assert set(table["gpus"][H100]) == {"bf16", "bf16+lora", "nvfp4", "nvfp4+lora"}
+    # The table is what auto reads.
+    assert choose_backend("auto", "nvfp4", concurrency=64, env=env(), table=table).backend in (
+        "marlin",
+        "fp8",
+    )
+    add_roofline(report, {"bf16": SHAPES["qwen2.5-7b"], "nvfp4": SHAPES["qwen2.5-7b"]})
+    fp8_row = next(r for r in rows if r["backend"] == "fp8" and r["batch"] == 128)
+    assert fp8_row["roofline"]["compute_peak"] == "fp8" and fp8_row["roofline"]["of_bandwidth_bound"] > 0
+    cpu = {**report, "gpu": None, "rollout": [dict(rows[0])]}
+    add_roofline(cpu, {"bf16": SHAPES["qwen2.5-7b"]})
+    assert cpu["rollout"][0]["roofline"] is None
+
+
+def test_bench_measures_each_format_on_its_backends() -> None:
+    assert backends_for("nvfp4", ["marlin", "fp8", "humming"]) == ["marlin", "fp8", "humming"]
+    assert backends_for("bf16", ["marlin", "fp8", "humming"]) == ["default", "fp8"]
+    assert backends_for("nf4", ["humming"]) == ["default"]
