@@ -47,12 +47,24 @@ case "$PART" in
     snapshot
     # BEFORE: commands to run first in the same detached job, so the GPU runs one job at a time. By
     # default, on a machine that has not measured it yet, the Humming sweep (NVFP4 x humming).
-    if [ -z "${BEFORE+x}" ] && [ ! -e "$RUN/out/sweep-humming" ]; then
-      mkdir -p "$RUN/out/sweep-humming"
-      BEFORE="python -m qerl_cli bench --model qwen2.5-7b --formats nvfp4 --concurrency 8,32,128,256 \
-        --backends humming --prompt-len 256 --gen-len 2048 --lora-rank 16 --set repeats=1 \
-        --set '$TRITON' -o $RUN/out/sweep-humming > $RUN/out/sweep-humming.txt 2>&1"
+    # default, on a machine that has not measured them yet, NVFP4 on the FP8 copy and Humming (the first
+    # machine's sweep ran out of time before them). Then every crossover.json measured here is merged into
+    # the snapshot's table, so rollout.linear_backend=auto sees them.
+    MISSING=$(cd "$RUN/repo" && python -c '
+import torch
+from qerl_cli.rollout.backends import gpu_entry, load_table
+have = (gpu_entry(load_table(None), torch.cuda.get_device_name()) or {}).get("nvfp4+lora", {})
+print(",".join(b for b in ("fp8", "humming") if b not in have))' 2>/dev/null)
+    if [ -z "${BEFORE+x}" ] && [ ! -e "$RUN/out/sweep-more" ] && [ -n "$MISSING" ]; then
+      mkdir -p "$RUN/out/sweep-more"
+      BEFORE="python -m qerl_cli bench --model qwen2.5-7b --formats nvfp4 --concurrency ${MORE_CONCURRENCY:-8,128} \
+        --backends $MISSING --prompt-len 256 --gen-len 2048 --lora-rank 16 --set repeats=1 \
+        --set '$TRITON' -o $RUN/out/sweep-more > $RUN/out/sweep-more.txt 2>&1"
     fi
+    MERGE="python -c 'import glob, json; from qerl_cli.rollout.backends import load_table, merge_tables; \
+t = merge_tables(load_table(None), *map(load_table, sorted(glob.glob(\"$RUN/out/*/crossover.json\")))); \
+open(\"qerl_cli/rollout/crossover.json\", \"w\").write(json.dumps(t, indent=2))'"
+    BEFORE="${BEFORE:+$BEFORE; }$MERGE"
     start "e2e-$NAME" "${BEFORE:+$BEFORE; }python scripts/device_issue11.py e2e --name $NAME --model ${MODEL:-qwen2.5-7b} \
       --format $FMT --backend $BACKEND --fused ${FUSED:-auto} --prompt-len 256 --gen-len 2048 \
       --prompts $PROMPTS --generations 8 --steps ${STEPS:-2} --recipe $RECIPE --auto-memory \
@@ -68,8 +80,8 @@ case "$PART" in
       [ -f "${f%.log}.rc" ] && continue
       echo "== running: $(basename "$f")"; tail -n "${LINES:-6}" "$f"
     done
-    if [ -f "$RUN/out/sweep-humming.txt" ] && [ ! -f "$RUN/out/sweep-humming/bench.md" ]; then
-      echo "== running first (BEFORE): sweep-humming"; tail -n "${LINES:-6}" "$RUN/out/sweep-humming.txt"
+    if [ -f "$RUN/out/sweep-more.txt" ] && [ ! -f "$RUN/out/sweep-more/bench.md" ]; then
+      echo "== running first (BEFORE): sweep-more"; tail -n "${LINES:-6}" "$RUN/out/sweep-more.txt"
     fi
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
     # Everything so far, as one file ($OUT brings back at most 8).

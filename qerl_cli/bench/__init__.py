@@ -194,6 +194,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             spent = time.perf_counter() - case_started
             timings["formats_s"][label] = timings["formats_s"].get(label, 0.0) + spent
             write_json({**report, "complete": False}, out)  # a run cut short keeps what it measured
+            if cfg.concurrency and engine == "vllm":
+                write_crossover(report, out)
 
     if cfg.e2e:
         from qerl_cli.bench.e2e import run_e2e

@@ -120,6 +120,21 @@ def load_table(path: str | Path | None = None) -> dict[str, Any]:
     return table
 
 
+def merge_tables(*tables: dict[str, Any]) -> dict[str, Any]:
+    """One table from several (sweeps of other backends or machines): later measurements of the same
+    GPU, format, backend and concurrency win."""
+    merged: dict[str, Any] = {"gpus": {}}
+    for table in tables:
+        for gpu, entry in table.get("gpus", {}).items():
+            for key, by_backend in entry.items():
+                for backend, points in by_backend.items():
+                    into = merged["gpus"].setdefault(gpu, {}).setdefault(key, {})
+                    into.setdefault(backend, {}).update(points)
+        if "measured" in table:
+            merged.setdefault("measured", []).append(table["measured"])
+    return merged
+
+
 def gpu_entry(table: dict[str, Any], gpu_name: str | None) -> dict[str, Any] | None:
     """The table's measurements for ``gpu_name``: an exact name, else one contained in it (``H100``)."""
     if not gpu_name:
