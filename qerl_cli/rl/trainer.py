@@ -180,9 +180,9 @@ class Trainer:
         return found
 
     def _load_adapter(self, folder: Path) -> None:
-        from qerl_cli.rollout.hf import load_adapter_weights
+        from qerl_cli.modeling.adapter import load_weights
 
-        load_adapter_weights(self.policy.model, folder)
+        load_weights(self.policy.model, folder)
 
     def save(self) -> Path:
         """Rank 0 writes ``checkpoint-N`` (every rank holds the same adapter and optimizer state);

@@ -22,13 +22,13 @@ import gc
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
 from qerl_cli.rollout.base import Completion, RolloutResult, SamplingSpec
 
@@ -164,7 +164,7 @@ class HFEngine:
             self._adapter_disabled = hasattr(self.model, "disable_adapter")
             return
         self._adapter_disabled = False
-        load_adapter_weights(self.model, adapter_dir)
+        adapter_folder.load_weights(self.model, adapter_dir)
 
     def sleep(self) -> None:
         # The HF engine has no persistent KV cache: generate's cache dies with the call. What is
@@ -295,26 +295,4 @@ class HFEngine:
             finish = "stop"
         return Completion(
             token_ids=ids, text=text, logprobs=logprobs[: len(ids)].tolist(), finish_reason=finish
-        )
-
-
-def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> None:
-    """Load a saved PEFT adapter's weights into a PEFT model's active adapter (safetensors only)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    path = Path(adapter_dir) / "adapter_model.safetensors"
-    if not path.is_file():
-        raise QerlError(f"{adapter_dir} holds no adapter_model.safetensors; pass a PEFT adapter folder")
-    if not hasattr(model, "peft_config"):
-        raise QerlError(
-            "the rollout model has no LoRA adapter to load weights into; build it with an adapter"
-        )
-    result = set_peft_model_state_dict(model, load_file(str(path)))
-    unexpected = list(getattr(result, "unexpected_keys", None) or [])
-    missing = [k for k in getattr(result, "missing_keys", None) or [] if "lora_" in k]
-    if unexpected or missing:
-        raise QerlError(
-            f"adapter {adapter_dir} does not match the model (unexpected keys {unexpected[:3]}, missing LoRA "
-            f"keys {missing[:3]}): was it trained on another base or with other lora settings?"
         )

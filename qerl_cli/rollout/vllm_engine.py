@@ -18,7 +18,7 @@ the old weights) makes each sync observable, and the staleness check proves it w
 vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it.
 
 The engine is split by responsibility: ``vllm_setup`` (checkpoint format, GPU check, start-up
-arguments and errors), ``vllm_adapters`` (adapter folder checks), ``vllm_worker`` (functions run in
+arguments and errors), ``modeling.adapter`` (adapter folder checks), ``vllm_worker`` (functions run in
 vLLM's worker: AQN noise) and ``vllm_outputs`` (output mapping, logprobs, staleness figures). The
 names tests and callers import stay importable from here.
 """
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.rollout.base import RolloutResult, SamplingSpec
-from qerl_cli.rollout.vllm_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, validate_adapter_folder
 from qerl_cli.rollout.vllm_outputs import (
     mean_abs_gap,
     prompt_token_logprobs,
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from qerl_cli.config import ModelSection, RolloutSection
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "CLEAN_NORMS_ATTR", "MIN_CAPABILITY", "VLLM_LORA_RANKS",
+    "CLEAN_NORMS_ATTR", "MIN_CAPABILITY", "VLLM_LORA_RANKS",
     "CheckpointFormat", "VLLMEngine", "check_gpu_supports", "detect_checkpoint_format", "is_vllm_norm",
     "sampled_token_logprobs", "worker_count_norms", "worker_set_norm_noise",
 ]  # fmt: skip
@@ -354,22 +354,18 @@ class VLLMEngine:
             return
         source = Path(adapter_dir)
         self._validate_adapter(source)
-        staged = self._next_stage_dir()
-        staged.mkdir(parents=True)
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            shutil.copyfile(source / name, staged / name)
+        staged = adapter_folder.copy_folder(source, self._next_stage_dir())
         self._load(staged)
 
     def sync_peft_model(self, peft_model: Any) -> None:
         """Save a PEFT model's adapter straight to tmpfs (no round trip through the output folder)
         and serve it like :meth:`sync_adapter`."""
-        staged = self._next_stage_dir()
-        peft_model.save_pretrained(str(staged), safe_serialization=True)
+        staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
         self._validate_adapter(staged)
         self._load(staged)
 
     def _validate_adapter(self, folder: Path) -> None:
-        validate_adapter_folder(folder, enable_lora=self.enable_lora, max_lora_rank=self.max_lora_rank)
+        adapter_folder.check_servable(folder, enable_lora=self.enable_lora, max_lora_rank=self.max_lora_rank)
 
     def _load(self, staged: Path | None) -> None:
         request = None
