@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +30,19 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
-from qerl_cli.rollout.base import Completion, RolloutResult, SamplingSpec
+from qerl_cli.rollout.base import (
+    COMPLETIONS,
+    GENERATED_TOKENS,
+    NOISE_CHANGED_FRACTION,
+    NOISE_SIGMA,
+    NORM_MODULES,
+    PERTURBED_NORMS,
+    SECONDS,
+    TOKENS_PER_S,
+    Completion,
+    RolloutResult,
+    SamplingSpec,
+)
 
 
 class _SampledLogprobRecorder:
@@ -166,6 +178,32 @@ class HFEngine:
         self._adapter_disabled = False
         adapter_folder.load_weights(self.model, adapter_dir)
 
+    def sync_policy(self, peft_model: Any) -> None:
+        """Nothing to do for the trainer's own model, which this engine generates with; another
+        PEFT model's adapter weights are copied into this engine's model."""
+        self._adapter_disabled = False
+        if peft_model is self.model:
+            return
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.model, get_peft_model_state_dict(peft_model))
+
+    def check_staleness(
+        self, probe_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+    ) -> float | None:
+        """None: the engine's weights are the trainer's (or copied from them), nothing can be stale."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {
+            NORM_MODULES: float(self.noiser.num_modules),
+            NOISE_SIGMA: self._sigma,
+            PERTURBED_NORMS: float(self.noiser.num_modules if self._sigma > 0 else 0),
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the caller."""
+
     def sleep(self) -> None:
         # The HF engine has no persistent KV cache: generate's cache dies with the call. What is
         # left to free is the allocator's cache, so the update phase can use that memory.
@@ -198,11 +236,12 @@ class HFEngine:
         result = RolloutResult(prompt_token_ids=prompt_ids, completions=grouped)
         tokens = result.num_generated_tokens
         result.stats = {
-            "rollout_seconds": seconds,
-            "rollout_tokens": float(tokens),
-            "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "aqn_sigma": self._sigma,
-            "aqn_changed_fraction": self.noiser.last_changed_fraction if self._sigma > 0 else 0.0,
+            SECONDS: seconds,
+            GENERATED_TOKENS: float(tokens),
+            TOKENS_PER_S: tokens / seconds if seconds > 0 else 0.0,
+            COMPLETIONS: float(len(rows)),
+            NOISE_SIGMA: self._sigma,
+            NOISE_CHANGED_FRACTION: self.noiser.last_changed_fraction if self._sigma > 0 else 0.0,
         }
         return result
 

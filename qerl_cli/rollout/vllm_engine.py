@@ -5,7 +5,7 @@ One ``vllm.LLM`` lives in the trainer's process and shares its GPU. A training s
 1. ``generate`` samples n completions per prompt with the current adapter and noise;
 2. ``sleep`` (vLLM sleep mode, level 1) offloads its weights and drops its KV cache so the
    update phase gets the memory back;
-3. after the update, ``wake_up`` restores it, then ``sync_adapter`` (or ``sync_peft_model``) loads
+3. after the update, ``wake_up`` restores it, then ``sync_adapter`` (or ``sync_policy``) loads
    the new adapter under a *new* LoRA id without merging it into the 4-bit base, and
    ``check_staleness`` compares vLLM's logprobs on a probe prompt with the trainer's;
 4. ``set_norm_noise`` sets vLLM's own RMSNorm weights to clean + N(0, sigma^2) (AQN).
@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +41,19 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
-from qerl_cli.rollout.base import RolloutResult, SamplingSpec
+from qerl_cli.rollout.base import (
+    COMPLETIONS,
+    GENERATED_TOKENS,
+    NOISE_CHANGED_FRACTION,
+    NOISE_SIGMA,
+    NORM_MODULES,
+    PERTURBED_NORMS,
+    SECONDS,
+    STALENESS_GAP,
+    TOKENS_PER_S,
+    RolloutResult,
+    SamplingSpec,
+)
 from qerl_cli.rollout.vllm_outputs import (
     mean_abs_gap,
     prompt_token_logprobs,
@@ -80,6 +92,7 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
+LORA_ID = "rollout/lora_id"  # the vLLM LoRA id generate serves (0: the base model)
 
 
 class VLLMEngine:
@@ -204,17 +217,17 @@ class VLLMEngine:
     def stats(self) -> dict[str, float]:
         """Engine-level figures for logs (per-rollout figures are in RolloutResult.stats)."""
         out: dict[str, float] = {
-            "vllm/load_seconds": self.load_seconds,
-            "vllm/lora_id": float(self._lora.lora_int_id if self._lora is not None else 0),
-            "vllm/syncs": float(self.num_syncs),
-            "vllm/norm_modules": float(self.num_norms),
-            "vllm/perturbed_norms": float(self.last_perturbed_count),
-            "vllm/noise_sigma": self._noise_sigma,
+            "rollout/load_seconds": self.load_seconds,
+            LORA_ID: float(self._lora.lora_int_id if self._lora is not None else 0),
+            "rollout/syncs": float(self.num_syncs),
+            NORM_MODULES: float(self.num_norms),
+            PERTURBED_NORMS: float(self.last_perturbed_count),
+            NOISE_SIGMA: self._noise_sigma,
         }
         if self.last_staleness_gap is not None:
-            out["vllm/staleness_gap"] = self.last_staleness_gap
+            out[STALENESS_GAP] = self.last_staleness_gap
         if self.last_sleep_freed_bytes is not None:
-            out["vllm/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
+            out["rollout/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
         return out
 
     # ---- generation ---------------------------------------------------------------------------
@@ -252,7 +265,7 @@ class VLLMEngine:
             log.info("generate() called while vLLM sleeps; waking it up first")
             self.wake_up()
         if not prompts:
-            return RolloutResult(prompt_token_ids=[], completions=[], stats={"rollout/seconds": 0.0})
+            return RolloutResult(prompt_token_ids=[], completions=[], stats={SECONDS: 0.0})
         if sampling.seed is None:
             params: Any = self.sampling_params(n, sampling)
         else:
@@ -273,12 +286,13 @@ class VLLMEngine:
         tokens = result.num_generated_tokens
         result.stats.update(
             {
-                "rollout/seconds": seconds,
-                "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-                "rollout/generated_tokens": float(tokens),
-                "rollout/completions": float(len(prompts) * n),
-                "rollout/noise_sigma": self._noise_sigma,
-                "rollout/lora_id": float(self._lora.lora_int_id if self._lora is not None else 0),
+                SECONDS: seconds,
+                TOKENS_PER_S: tokens / seconds if seconds > 0 else 0.0,
+                GENERATED_TOKENS: float(tokens),
+                COMPLETIONS: float(len(prompts) * n),
+                NOISE_SIGMA: self._noise_sigma,
+                NOISE_CHANGED_FRACTION: self.last_changed_fraction if self._noise_sigma > 0 else 0.0,
+                LORA_ID: float(self._lora.lora_int_id if self._lora is not None else 0),
             }
         )
         return result
@@ -357,9 +371,9 @@ class VLLMEngine:
         staged = adapter_folder.copy_folder(source, self._next_stage_dir())
         self._load(staged)
 
-    def sync_peft_model(self, peft_model: Any) -> None:
-        """Save a PEFT model's adapter straight to tmpfs (no round trip through the output folder)
-        and serve it like :meth:`sync_adapter`."""
+    def sync_policy(self, peft_model: Any) -> None:
+        """Save the trainer's PEFT model's adapter straight to tmpfs (no round trip through the output
+        folder) and serve it like :meth:`sync_adapter`."""
         staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
         self._validate_adapter(staged)
         self._load(staged)
@@ -425,16 +439,22 @@ class VLLMEngine:
         )
         return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
 
-    def check_staleness(self, probe_prompt_ids: Sequence[int], trainer_logprobs: Sequence[float]) -> float:
+    def check_staleness(
+        self, probe_prompt_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+    ) -> float:
         """Mean |vLLM - trainer| logprob gap (nats/token) on a probe prompt after a sync.
 
-        ``trainer_logprobs[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1]) at
-        temperature 1 without AQN noise; the check lifts vLLM's noise for the probe. A small gap
-        (the 4-bit kernels' numerics) is logged; a gap above ``staleness_tolerance`` raises, since
-        it means rollouts do not come from the policy being trained.
+        ``trainer_logprobs(probe)[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1])
+        at temperature 1 without AQN noise, taken first (while vLLM may still sleep); the check
+        lifts vLLM's noise for the probe. A small gap (the 4-bit kernels' numerics) is logged; a
+        gap above ``staleness_tolerance`` raises, since it means rollouts do not come from the
+        policy being trained.
         """
-        if len(probe_prompt_ids) < 2 or len(trainer_logprobs) != len(probe_prompt_ids) - 1:
-            raise ValueError("check_staleness needs >= 2 probe tokens and len(probe) - 1 trainer logprobs")
+        if len(probe_prompt_ids) < 2:
+            raise ValueError("check_staleness needs a probe of >= 2 tokens")
+        trainer_lp = list(trainer_logprobs(probe_prompt_ids))
+        if len(trainer_lp) != len(probe_prompt_ids) - 1:
+            raise ValueError("check_staleness needs len(probe) - 1 trainer logprobs")
         if self._sleeping:  # the adapter synced during the update is activated by wake_up
             self.wake_up()
         noised = self._noise_sigma > 0
@@ -442,7 +462,7 @@ class VLLMEngine:
             self._apply_noise(sigma=0.0)
         try:
             engine_lp = self.prompt_logprobs(probe_prompt_ids)
-            gap = mean_abs_gap(engine_lp, trainer_logprobs)
+            gap = mean_abs_gap(engine_lp, trainer_lp)
             base_lp = (
                 self.prompt_logprobs(probe_prompt_ids, with_adapter=False)
                 if (gap > self.staleness_tolerance and self._lora is not None)
@@ -457,7 +477,7 @@ class VLLMEngine:
         if gap > self.staleness_tolerance:
             raise QerlError(
                 staleness_message(
-                    gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_logprobs
+                    gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp
                 )
             )
         return gap
