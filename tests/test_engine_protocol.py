@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_trainer import FakeReward, tiny_cfg
 
 from qerl_cli.rollout import base
@@ -135,3 +136,30 @@ def test_the_probe_check_sees_isinstance_and_getattr(tmp_path: Path) -> None:
         "    return isinstance(engine, HFEngine), getattr(engine, 'close', None), hasattr(x, 'y')\n"
     )
     assert len(_engine_probes(source)) == 2
+
+
+def test_the_hf_engine_copies_another_models_adapter_and_has_nothing_to_check(tiny_model_dir: Path) -> None:
+    import torch
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.modeling.loading import load_tokenizer
+    from qerl_cli.modeling.lora import attach_lora
+    from qerl_cli.rollout.hf import HFEngine
+
+    def lora_model():
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        return attach_lora(base, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+
+    trained, served = lora_model(), lora_model()
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    engine = HFEngine(served, load_tokenizer(str(tiny_model_dir)))
+    engine.sync_policy(trained)
+    want, got = get_peft_model_state_dict(trained), get_peft_model_state_dict(served)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert engine.check_staleness([1, 2, 3], lambda ids: pytest.fail("no trainer forward needed")) is None
+    assert set(engine.stats()) == {base.NORM_MODULES, base.NOISE_SIGMA, base.PERTURBED_NORMS}
+    engine.close()
