@@ -11,7 +11,8 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,73 @@ def is_complete_folder(folder: str | Path) -> bool:
     return (Path(folder) / COMPLETE_MARKER).is_file()
 
 
+EXISTING = ("replace", "refuse", "keep", "merge")
+
+
+class TargetExistsError(FileExistsError):
+    """A folder appeared at a staged write's target while it was being written (``existing="refuse"``)."""
+
+
+@contextmanager
+def staged_folder(
+    target: str | Path, *, existing: str = "replace", staging: str | Path | None = None
+) -> Iterator[Path]:
+    """Write a folder under a sibling staging name and rename it to ``target`` once complete.
+
+    Yields the fresh, empty staging folder. When the block finishes, the folder is given the
+    umask's modes (safetensors and ``mkstemp`` write 0600 files; an output is for everyone to read)
+    and renamed to ``target``; if the block raises, it is removed and the error goes on. The
+    sibling lives on the same filesystem, so the rename is atomic: nothing half written ever sits
+    at ``target``, and an interrupted write leaves at most the staging folder.
+
+    ``existing`` says what a folder already at ``target`` at rename time means: ``replace`` (it is
+    removed, only now that the new one is complete), ``refuse`` (TargetExistsError, for the caller
+    to word), ``keep`` (another writer finished first: theirs stays, this copy is dropped) or
+    ``merge`` (each entry of the staging folder replaces its namesake in ``target``, one rename
+    each; the rest of ``target`` stays).
+    ``staging`` fixes the staging folder's path, for a single writer that clears its own leftovers
+    (one left there by a killed run is removed first); by default each call stages under its own
+    name, so concurrent writers never share one.
+    """
+    if existing not in EXISTING:
+        raise ValueError(f"existing must be one of {EXISTING}, got {existing!r}")
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(staging) if staging else target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir()
+    try:
+        yield stage
+        honour_umask(stage)
+        _publish(stage, target, existing)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publish(stage: Path, target: Path, existing: str) -> None:
+    if existing == "merge":
+        target.mkdir(exist_ok=True)
+        for entry in sorted(stage.iterdir()):
+            old = target / entry.name
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            elif old.exists() or old.is_symlink():
+                old.unlink()
+            os.replace(entry, old)
+        return
+    if target.exists():
+        if existing == "refuse":
+            raise TargetExistsError(f"{target} appeared while it was being written")
+        if existing == "replace":
+            shutil.rmtree(target)
+    try:
+        os.replace(stage, target)
+    except OSError:  # "keep": another writer renamed a complete folder there first
+        if existing != "keep" or not target.exists():
+            raise
+
+
 def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Path:
     """``target``, written by ``write(staging)`` into a sibling staging folder that is marked complete,
     given the umask's modes and renamed, unless a complete ``target`` exists already (then it is
@@ -147,20 +215,9 @@ def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Pa
     target = Path(target)
     if is_complete_folder(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
+    with staged_folder(target, existing="keep") as staging:
         write(staging)
         (staging / COMPLETE_MARKER).write_text("")
-        honour_umask(staging)  # safetensors (and mkstemp) write 0600 files: every cached folder is shared
         if target.exists() and not is_complete_folder(target):
             shutil.rmtree(target)  # the leftover of a crash before this marker existed
-        try:
-            os.replace(staging, target)
-        except OSError:  # another process finished the same folder first: use theirs
-            if not is_complete_folder(target):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target

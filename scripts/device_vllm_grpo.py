@@ -195,11 +195,10 @@ def trainer_probe_logprobs(policy: Any, probe: list[int]) -> list[float]:
 
 
 def staleness(trainer: Any, probe: list[int]) -> dict[str, float]:
-    engine = trainer.engine
-    if not hasattr(engine, "check_staleness"):
-        return {}
     started = time.perf_counter()
-    gap = engine.check_staleness(probe, trainer_probe_logprobs(trainer.policy, probe))
+    gap = trainer.engine.check_staleness(probe, lambda ids: trainer_probe_logprobs(trainer.policy, list(ids)))
+    if gap is None:  # the HF engine shares the trainer's weights: nothing to check
+        return {}
     return {"staleness_gap": gap, "time_staleness_check_s": time.perf_counter() - started}
 
 
@@ -316,7 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["vllm_load_s"] = getattr(engine, "load_seconds", None)
     report["vllm_kwargs"] = {k: repr(v) for k, v in getattr(engine, "llm_kwargs", {}).items()}
     report["gpu_used_after_build_gib"] = gpu_used_gib()
-    timer = PhaseTimer(engine, ["wake_up", "sleep", "sync_peft_model", "sync_adapter", "set_norm_noise"])
+    timer = PhaseTimer(engine, ["wake_up", "sleep", "sync_policy", "sync_adapter", "set_norm_noise"])
     probe = list(trainer.policy.tokenizer(trainer.prompts[trainer.problems[0].id])["input_ids"])[:128]
     report["initial"] = staleness(trainer, probe)  # the adapter as synced at start-up (LoRA B = 0)
 
@@ -325,8 +324,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         record = trainer.train_step()
         record.update(timer.take())
         record.update(staleness(trainer, probe))  # wakes vLLM, activating the adapter synced asleep
-        engine_stats = engine.stats() if hasattr(engine, "stats") else {}
-        record.update({f"engine_{k.split('/')[-1]}": v for k, v in engine_stats.items()})
+        record.update({f"engine_{k.split('/')[-1]}": v for k, v in engine.stats().items()})
         steps.append({k: v for k, v in record.items() if isinstance(v, int | float | str)})
         log.info("step %s: %s", record["step"], json.dumps(steps[-1], default=str))
     report["steps"] = steps

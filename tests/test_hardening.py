@@ -350,14 +350,15 @@ def test_gpu_workflow_installs_nf4_and_gates_on_a_baseline() -> None:
 
 # -- layering ---------------------------------------------------------------------------------------
 # Lower layers never import higher ones, and packages of one level never import each other. From the
-# bottom: the base modules, formats, kernels, modeling, then data/rewards/rollout, then
-# rl/evaluation/quantize, then bench/compare/demo, then the CLI.
+# bottom: the base modules, formats, kernels, modeling, rewards (text in, grade out), then
+# data/rollout, then rl/evaluation/quantize, then bench/compare/demo, then the CLI.
 BASE = {"errors", "torch_utils", "files", "config", "envinfo"}  # import nothing of qerl but each other
 LEVELS = [
     {"formats"},
     {"kernels"},
     {"modeling"},
-    {"data", "rewards", "rollout"},
+    {"rewards"},  # below data: datasets read gold answers with rewards.extract
+    {"data", "rollout"},
     {"rl", "evaluation", "quantize"},
     {"bench", "compare", "demo"},
     {"cli"},
@@ -368,8 +369,6 @@ ALSO_FORBIDDEN = {
     "data": {"rollout"},  # datasets are plain data; generation uses them
     "quantize": {"rollout"},  # quantization never generates
 }
-# Same-level edges that exist on purpose.
-ALLOWED_SIBLINGS = {("rewards", "data"), ("data", "rewards"), ("compare", "demo")}
 
 
 def _forbidden(layer: str) -> set[str]:
@@ -377,7 +376,7 @@ def _forbidden(layer: str) -> set[str]:
         return {name for level in LEVELS for name in level} | (BASE - BASE_MAY_IMPORT)
     index = next(i for i, level in enumerate(LEVELS) if layer in level)
     higher = {name for level in LEVELS[index + 1 :] for name in level}
-    siblings = {name for name in LEVELS[index] if (layer, name) not in ALLOWED_SIBLINGS} - {layer}
+    siblings = set(LEVELS[index]) - {layer}
     return higher | siblings | ALSO_FORBIDDEN.get(layer, set())
 
 
@@ -419,3 +418,59 @@ def test_the_layering_check_sees_lazy_imports(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from qerl_cli.rl.policy import Policy\n    import qerl_cli.bench\n")
     assert _imports(source) == {"rl", "bench"}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """qerl module -> the qerl modules it imports (lazy imports included). ``from pkg import sub``
+    names the submodule, so a package that re-exports its own modules is no circle."""
+    files = {}
+    for file in PACKAGE.rglob("*.py"):
+        parts = file.relative_to(REPO).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    graph: dict[str, set[str]] = {}
+    for module, file in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in files:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & files.keys()
+                targets |= subs or {node.module}
+                if len(subs) < len(node.names):
+                    targets.add(node.module)
+        graph[module] = targets - {module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while (member := stack.pop()) != node:
+                group.append(member)
+            if group:
+                found.append(sorted([node, *group]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_two_modules_import_each_other() -> None:
+    assert _circles(_module_graph()) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -58,7 +58,8 @@ def test_generate_layout_and_logprobs_match_an_unpadded_forward(
         assert len(completion.token_ids) == len(completion.logprobs) >= 1
         expected = _forward_logprobs(model, result.prompt_token_ids[i], completion.token_ids, 0.7)
         assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
-    assert result.stats["rollout_tokens"] == result.num_generated_tokens > 0
+    assert result.stats["rollout/generated_tokens"] == result.num_generated_tokens > 0
+    assert result.stats["rollout/completions"] == 6
 
 
 def test_finish_reason_length_without_eos(engine: HFEngine) -> None:
@@ -117,7 +118,7 @@ def test_aqn_noise_only_during_generation(engine: HFEngine, model_and_tokenizer)
             assert torch.equal(param, clean[name]), name
     lp = [[c.logprobs for _, c in r.flat()] for r in (plain, noised, again)]
     assert lp[1] == lp[2] and lp[0] != lp[1]
-    assert noised.stats["aqn_sigma"] == 0.5 and noised.stats["aqn_changed_fraction"] > 0.9
+    assert noised.stats["rollout/noise_sigma"] == 0.5 and noised.stats["rollout/noise_changed_fraction"] > 0.9
     assert engine.set_norm_noise(0.0, seed=1) == 0
     assert [c.logprobs for _, c in engine.generate(PROMPTS, 2, spec).flat()] == lp[0]
 

@@ -301,11 +301,12 @@ def test_a_separate_engine_gets_the_adapter_and_a_staleness_probe(
     from qerl_cli.rl.trainer import Trainer
 
     class SeparateEngine:
-        """Stands in for vLLM: samples through the trainer's HF engine, records the syncs."""
+        """Stands in for vLLM: samples through the trainer's HF engine, saves each synced adapter to a
+        folder of its own and records the staleness probes."""
 
-        def __init__(self, inner) -> None:
-            self.inner = inner
-            self.synced: list[str] = []
+        def __init__(self, inner, folder: Path) -> None:
+            self.inner, self.folder = inner, folder
+            self.synced: list[Path] = []
             self.probes: list[tuple[list[int], list[float]]] = []
 
         def generate(self, prompts, n, sampling):
@@ -315,12 +316,19 @@ def test_a_separate_engine_gets_the_adapter_and_a_staleness_probe(
             return self.inner.set_norm_noise(sigma, seed)
 
         def sync_adapter(self, adapter_dir):
-            assert (Path(adapter_dir) / "adapter_model.safetensors").is_file()
-            self.synced.append(adapter_dir)
+            raise AssertionError("the trainer syncs its live model (sync_policy)")
+
+        def sync_policy(self, peft_model):
+            from qerl_cli.modeling.adapter import check_folder, save_peft_model
+
+            self.synced.append(check_folder(save_peft_model(peft_model, self.folder / str(len(self.synced)))))
 
         def check_staleness(self, probe, trainer_logprobs):
-            self.probes.append((list(probe), list(trainer_logprobs)))
+            self.probes.append((list(probe), list(trainer_logprobs(probe))))
             return 0.0
+
+        def stats(self):
+            return {"rollout/staleness_gap": 0.0}
 
         def sleep(self):
             pass
@@ -328,8 +336,11 @@ def test_a_separate_engine_gets_the_adapter_and_a_staleness_probe(
         def wake_up(self):
             pass
 
+        def close(self):
+            pass
+
     trainer = Trainer(tiny_cfg(tiny_model_dir, tmp_path / "run"), reward_fn=FakeReward())
-    engine = SeparateEngine(trainer.engine)
+    engine = SeparateEngine(trainer.engine, tmp_path / "synced")
     trainer.engine = engine
     trainer.train_step()
     trainer.train_step()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -537,14 +538,14 @@ def test_sync_rejects_bad_adapters(tmp_path: Path, fake_vllm: types.ModuleType) 
         no_lora.sync_adapter(write_adapter(tmp_path / "ok"))
 
 
-def test_sync_peft_model_saves_straight_to_tmpfs(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
+def test_sync_policy_saves_straight_to_tmpfs(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
     from peft import LoraConfig, get_peft_model
 
     base = nn.Sequential()
     base.add_module("q_proj", nn.Linear(8, 8))
     peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"]))
     engine = make_engine(tmp_path)
-    engine.sync_peft_model(peft_model)
+    engine.sync_policy(peft_model)
     staged = Path(engine.lora_request.lora_path)
     assert staged.parent == engine._stage_root
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in staged.iterdir()}
@@ -614,7 +615,7 @@ def test_sleep_wake_order_reapplies_noise_and_pending_adapter(
         engine.sleep()
     engine.sleep()  # idempotent
     assert engine.is_sleeping and engine.last_sleep_freed_bytes == 50 * 2**30
-    assert engine.stats()["vllm/sleep_freed_gib"] == 50
+    assert engine.stats()["rollout/sleep_freed_gib"] == 50
     # The update phase: a new adapter and the next step's sigma arrive while vLLM sleeps.
     llm.calls.clear()
     engine.sync_adapter(write_adapter(tmp_path / "a2"))
@@ -659,8 +660,9 @@ def test_generate_while_asleep_wakes_first(tmp_path: Path, fake_vllm: types.Modu
 PROBE = [5, 9, 13, 17, 21]
 
 
-def trainer_logprobs(effect: float) -> list[float]:
-    return [-1.0 - 0.01 * t + effect for t in PROBE[1:]]
+def trainer_logprobs(effect: float) -> Callable[[Sequence[int]], list[float]]:
+    """The trainer's side of the check: a function of the probe, as the engine calls it."""
+    return lambda probe: [-1.0 - 0.01 * t + effect for t in probe[1:]]
 
 
 def test_staleness_gap_small_when_adapter_served(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
@@ -673,7 +675,7 @@ def test_staleness_gap_small_when_adapter_served(tmp_path: Path, fake_vllm: type
     # The probe ran on clean norms (the noise would add a gap of its own), with the adapter ...
     probe_call = next(c for c in llm.calls if c[0] == "generate")
     assert probe_call[1] == 1 and probe_call[2] == 0.0 and probe_call[3][0].prompt_logprobs == 0
-    assert gap == pytest.approx(0.0, abs=1e-9) and engine.stats()["vllm/staleness_gap"] == gap
+    assert gap == pytest.approx(0.0, abs=1e-9) and engine.stats()["rollout/staleness_gap"] == gap
     # ... and the noise is back afterwards.
     assert same(llm.model.norm_weights(), noisy)
 
@@ -718,7 +720,7 @@ def test_staleness_without_any_adapter(tmp_path: Path, fake_vllm: types.ModuleTy
     with pytest.raises(QerlError, match="No adapter is loaded"):
         engine.check_staleness(PROBE, trainer_logprobs(0.7))
     with pytest.raises(ValueError, match="len\\(probe\\) - 1"):
-        engine.check_staleness(PROBE, trainer_logprobs(0.0)[:-1])
+        engine.check_staleness(PROBE, lambda probe: trainer_logprobs(0.0)(probe)[:-1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,7 @@
 
 Building it through ``peft.get_peft_model`` would need the base model in memory (15 GB for a 7B
 shape); the adapter only depends on the linear layers' shapes, which ``config.json`` gives. The
-folder is what PEFT, the HF engine and vLLM load: ``adapter_config.json`` written by peft's own
-``LoraConfig`` (so its fields match the installed peft) and ``adapter_model.safetensors``.
+folder is what PEFT, the HF engine and vLLM load, written by ``modeling.adapter.write_tensors``.
 
 B is nonzero on purpose: PEFT initialises B to zeros, and an all-zero adapter could let an engine
 skip the LoRA path and make the "with LoRA" figure meaningless.
@@ -18,9 +17,7 @@ from typing import Any
 import torch
 
 from qerl_cli.config import LORA_TARGETS_ALL
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+from qerl_cli.modeling.adapter import write_tensors
 
 
 def linear_shapes(model_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -59,9 +56,6 @@ def write_random_lora(
     A ~ U(-1/sqrt(in), 1/sqrt(in)) like PEFT's Kaiming init; B ~ N(0, 0.01^2): small enough that the
     outputs stay finite, nonzero so the adapter does real work.
     """
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     targets = list(target_modules or LORA_TARGETS_ALL)
     shapes = linear_shapes(model_config)
@@ -76,16 +70,6 @@ def write_random_lora(
             lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
             tensors[f"{prefix}.lora_A.weight"] = lora_a.to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = lora_b.to(dtype)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        lora_dropout=0.0,
-        target_modules=targets,
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=str(model_dir),
-    ).save_pretrained(str(out))
-    save_file(tensors, str(out / ADAPTER_WEIGHTS))
-    return out
+    return write_tensors(
+        out_dir, tensors, rank=rank, alpha=2 * rank, target_modules=targets, base_model=str(model_dir)
+    )

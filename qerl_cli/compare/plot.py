@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.summary import FINAL_FRACTION, _window, trailing_mean
+from qerl_cli.compare.curves import FINAL_FRACTION, trailing_mean, window
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,8 @@ def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path, device: st
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key, ax, label in (("reward", axes[0], "training reward"), ("entropy", axes[1], "rollout entropy")):
         for arm, runs in results.items():
-            window = _window(min(len(r[key]) for r in runs), FINAL_FRACTION)
-            mean, low, high = _stack([trailing_mean(r[key], window) for r in runs])
+            steps_window = window(min(len(r[key]) for r in runs), FINAL_FRACTION)
+            mean, low, high = _stack([trailing_mean(r[key], steps_window) for r in runs])
             steps = list(range(1, len(mean) + 1))
             (line,) = ax.plot(steps, mean, label=f"{arm} (n={len(runs)})")
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)

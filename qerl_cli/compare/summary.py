@@ -22,15 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare.arms import CompareSettings
+from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mean
+from qerl_cli.compare.curves import window as _window
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
-
-EARLY_FRACTION = 0.2
-FINAL_FRACTION = 0.1
-
-
-def _window(steps: int, fraction: float) -> int:
-    return max(1, math.ceil(steps * fraction))
 
 
 def _mean(values: list[float]) -> float | None:
@@ -44,14 +39,6 @@ def _sd(values: list[float]) -> float | None:
         return None
     m = sum(values) / len(values)
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
-
-
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    out = []
-    for i in range(len(values)):
-        part = values[max(0, i - window + 1) : i + 1]
-        out.append(sum(part) / len(part))
-    return out
 
 
 def steps_to(rewards: list[float], threshold: float) -> int | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -62,22 +61,12 @@ def samples_for(cfg: EvalConfig, benchmark: str) -> int:
 # --------------------------------------------------------------------------------------------
 # Engine and tokenizer
 # --------------------------------------------------------------------------------------------
-def _adapter_rank(adapter: str | None) -> int | None:
-    if not adapter:
-        return None
-    config = Path(adapter) / "adapter_config.json"
-    if not config.is_file():
-        raise QerlError(f"--adapter {adapter} is not a PEFT adapter folder (no adapter_config.json)")
-    data = json.loads(config.read_text())
-    ranks = [int(data.get("r") or 0), *(int(v) for v in (data.get("rank_pattern") or {}).values())]
-    return max(ranks) or None
-
-
 def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
     """The engine for ``cfg.engine`` with the adapter applied (through the rollout factory)."""
+    from qerl_cli.modeling.adapter import rank as adapter_rank
     from qerl_cli.rollout.factory import make_engine
 
-    rank = _adapter_rank(cfg.adapter)
+    rank = adapter_rank(cfg.adapter)
     if cfg.engine == "vllm":
         return make_engine(
             "vllm",
@@ -273,7 +262,8 @@ def run_eval(
     log = log or _default_log()
     if cfg.rescore:
         return rescore(cfg, log)
-    from qerl_cli.modeling.source_checks import check_adapter_folder, check_model_source
+    from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+    from qerl_cli.modeling.source_checks import check_model_source
 
     if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
         check_model_source(

@@ -45,10 +45,10 @@ def rounding_bound(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.maximum(weight.float().abs() * FP8_RELATIVE_STEP / 2, scale * FP8_SUBNORMAL_STEP / 2)
 
 
-def quantization_config(ignore: list[str], version: str) -> dict:
+def quantization_config(ignore: list[str]) -> dict:
     """config.json ``quantization_config`` of a compressed-tensors ``FP8_DYNAMIC`` checkpoint: static
-    per-channel FP8 weights, dynamic per-token FP8 activations (what llm-compressor writes);
-    ``version``: the compressed-tensors version the other qerl checkpoints name."""
+    per-channel FP8 weights, dynamic per-token FP8 activations (what llm-compressor writes)."""
+    from qerl_cli.formats.checkpoint import COMPRESSED_TENSORS_VERSION
 
     def args(strategy: str, dynamic: bool) -> dict:
         return {
@@ -65,5 +65,5 @@ def quantization_config(ignore: list[str], version: str) -> dict:
         "config_groups": {"group_0": group}, "format": "float-quantized", "global_compression_ratio": None,
         "ignore": list(ignore), "kv_cache_scheme": None, "quant_method": "compressed-tensors",
         "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
-        "version": version,
+        "version": COMPRESSED_TENSORS_VERSION,
     }  # fmt: skip

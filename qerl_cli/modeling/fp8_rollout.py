@@ -23,6 +23,7 @@ import torch
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
 from qerl_cli.formats import fp8
+from qerl_cli.formats.checkpoint import ShardWriter
 from qerl_cli.modeling.loading import (
     checkpoint_keys,
     detect_format,
@@ -62,8 +63,6 @@ def write_fp8_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
     """Write the FP8 rollout copy of the 4-bit checkpoint ``source`` into ``out_dir`` (see module doc)."""
     from safetensors import safe_open
 
-    from qerl_cli.modeling.random_checkpoint import COMPRESSED_TENSORS_VERSION, _ShardWriter
-
     source, out = Path(source), Path(out_dir)
     config = read_config(source)
     fmt_name = detect_format(config)
@@ -78,7 +77,7 @@ def write_fp8_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
     prefixes = set(quantized_prefixes(checkpoint_keys(files), qfmt))
     quant_names = set(qfmt.checkpoint_names())
     out.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(out, SHARD_BYTES)
+    writer = ShardWriter(out, SHARD_BYTES)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # a module's 4-bit tensors may span shards
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -96,9 +95,7 @@ def write_fp8_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
             f"{source}: incomplete 4-bit tensors for {sorted(pending)[:3]}; is the checkpoint whole?"
         )
     writer.finish()
-    config["quantization_config"] = fp8.quantization_config(
-        _ignored_linears(config), COMPRESSED_TENSORS_VERSION
-    )
+    config["quantization_config"] = fp8.quantization_config(_ignored_linears(config))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for name in SIDE_FILES:
         if (source / name).is_file():

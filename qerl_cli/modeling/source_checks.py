@@ -1,7 +1,8 @@
-"""Check a model or adapter location before anything slow happens, and say what is wrong with it.
+"""Check a model location before anything slow happens, and say what is wrong with it.
 
 What a model argument may name (folders, hub ids, GGUF files, aliases) and how it becomes a folder
-is :mod:`qerl_cli.modeling.sources`; this module judges the result.
+is :mod:`qerl_cli.modeling.sources`; this module judges the result (adapter folders:
+:mod:`qerl_cli.modeling.adapter`).
 
 Every stage takes "a hub id or a local folder". Before minutes of dataset downloads or model
 loading, :func:`check_model_source` answers the cheap questions with a QerlError that names the
@@ -140,21 +141,4 @@ def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hi
             "code from the file, so qerl loads safetensors only. Convert the model to safetensors "
             "(model.save_pretrained(DIR, safe_serialization=True)), or, if you trust the file, "
             f"opt in with {ALLOW_PICKLE_ENV}=1"
-        )
-
-
-def check_adapter_folder(path: str | Path, what: str = "--adapter") -> None:
-    """A PEFT LoRA adapter folder (``adapter_config.json`` + safetensors weights), or a QerlError."""
-    folder = Path(path).expanduser()
-    if not folder.exists():
-        raise QerlError(f"{what} {path}: no such folder")
-    if not folder.is_dir():
-        raise QerlError(f"{what} {path} is a file; give the adapter folder (e.g. OUTPUT/adapter)")
-    if not (folder / "adapter_config.json").is_file():
-        raise QerlError(f"{what} {path} is not a PEFT adapter folder (no adapter_config.json)")
-    if not (folder / "adapter_model.safetensors").is_file():
-        pickles = [p.name for p in folder.glob("adapter_model.bin")]
-        raise QerlError(
-            f"{what} {path} has no adapter_model.safetensors"
-            + (" (only a pickle adapter_model.bin, which qerl does not load)" if pickles else "")
         )

@@ -1,6 +1,6 @@
 """Round-to-nearest 4-bit checkpoints written by qerl's own format code, without llm-compressor.
 
-The same packing as ``qerl_cli.modeling.random_checkpoint`` (compressed-tensors ``nvfp4-pack-quantized`` /
+The packer and writer of ``qerl_cli.formats.checkpoint`` (compressed-tensors ``nvfp4-pack-quantized`` /
 ``mxfp4-pack-quantized``, bitsandbytes NF4), applied to a real BF16 model's weights: NVFP4 shares one
 global scale across each fused group (q/k/v, gate/up), as llm-compressor does, so vLLM can fuse them.
 Used where llm-compressor is absent (the GPU machine of ``scripts/device_smollm2.sh``) and by
@@ -10,21 +10,15 @@ llm-compressor route to an equivalent checkpoint.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from qerl_cli import formats
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder, write_folder_once
-from qerl_cli.modeling.random_checkpoint import (
-    _group_global_scales,
-    _modules_with_tensors,
-    _ShardWriter,
-    quantization_config,
-)
+from qerl_cli.formats.checkpoint import ModuleGroup, check_checkpoint_format, module_groups, write_checkpoint
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
 
@@ -41,45 +35,32 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
     out = Path(out_dir)
     if is_complete_folder(out):
         return out
+    check_checkpoint_format(fmt)
     folder = resolve_model_source(source)
-    qfmt = formats.get(fmt)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     if getattr(model.config, "quantization_config", None):
         raise QerlError(f"{source} is already quantized: RTN needs the BF16 model")
 
     def write(staging: Path) -> None:
-        _write_tensors(model, qfmt, fmt, staging)
-        config = model.config.to_dict()
-        config["dtype"] = "bfloat16"
-        config["quantization_config"] = quantization_config(fmt)
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        write_checkpoint(staging, _groups(model), fmt, model.config.to_dict())
         model.generation_config.save_pretrained(staging)
         AutoTokenizer.from_pretrained(folder).save_pretrained(staging)  # chat template included
 
     return write_folder_once(out, write)
 
 
-@torch.no_grad()
-def _write_tensors(model: nn.Module, qfmt, fmt: str, out: Path) -> None:
+def _groups(model: nn.Module) -> Iterator[tuple[ModuleGroup, set[str]]]:
+    """The model's tensors one parent at a time, with the linears to quantize (all but lm_head)."""
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    writer = _ShardWriter(out, 2 * 1024**3)
-    by_parent: dict[str, list[tuple[str, nn.Module]]] = {}
-    for name, module in _modules_with_tensors(model):
-        by_parent.setdefault(name.rpartition(".")[0], []).append((name, module))
-    for members in by_parent.values():
-        dense = {
+    for members in module_groups(model):
+        group = {
             name: {p: t.detach() for p, t in module.named_parameters(recurse=False)}
             for name, module in members
             if not (tied and name == "lm_head")
         }
-        scales = _group_global_scales(dense, members) if fmt == "nvfp4" else {}
-        for name, module in members:
-            if name not in dense:
-                continue
-            tensors = dense.pop(name)
-            leaf = name.rsplit(".", 1)[-1]
-            if isinstance(module, nn.Linear) and leaf not in ALWAYS_IGNORED:
-                tensors = {**qfmt.quantize(tensors.pop("weight"), global_scale=scales.get(name)), **tensors}
-            for tensor_name, tensor in tensors.items():
-                writer.add(f"{name}.{tensor_name}", tensor)
-    writer.finish()
+        linears = {
+            name
+            for name, module in members
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in ALWAYS_IGNORED
+        }
+        yield group, linears

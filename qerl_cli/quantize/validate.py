@@ -7,8 +7,6 @@ what to do about it.
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +15,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask
+from qerl_cli.files import TargetExistsError, staged_folder
 
 SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4")
 SUPPORTED_METHODS = ("awq", "rtn")
@@ -154,25 +152,13 @@ def quantized_linear_names(model: torch.nn.Module, skipped: list[str]) -> list[s
 
 @contextmanager
 def staged_output(output: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces ``output``, on failure it is removed.
-
-    The sibling lives on the same filesystem, so the final ``rename`` is atomic and nothing half-written
-    ever sits at ``output``. An existing output (allowed by ``overwrite``) is removed only once the new
-    one is complete.
-    """
-    staging = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    """Yield a temporary sibling folder; on success it replaces ``output``, on failure it is removed
+    (``files.staged_folder``). An existing output (allowed by ``overwrite``) is removed only once the
+    new one is complete; one that appears meanwhile without ``overwrite`` is refused."""
     try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if output.exists():
-        if not overwrite:  # created by someone else while we worked
-            shutil.rmtree(staging, ignore_errors=True)
-            raise QerlError(
-                f"output folder {output} appeared while quantizing: pass --overwrite to replace it"
-            )
-        shutil.rmtree(output)
-    honour_umask(staging)  # safetensors writes 0600 files; a quantized model is for everyone to read
-    staging.rename(output)
+        with staged_folder(output, existing="replace" if overwrite else "refuse") as staging:
+            yield staging
+    except TargetExistsError as exc:  # created by someone else while we worked
+        raise QerlError(
+            f"output folder {output} appeared while quantizing: pass --overwrite to replace it"
+        ) from exc

@@ -11,13 +11,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from qerl_cli.config import RewardSection
-from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.rewards.format import format_reward
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader, resolve_callable
+
+
+class Problem(Protocol):
+    """What grading needs of a problem (``data.problem.Problem`` has it). Rewards sit below data in
+    the layers (datasets read gold answers with :mod:`qerl_cli.rewards.extract`), so they name
+    the fields they read rather than import the dataclass."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def answer(self) -> str: ...
+
 
 ExtraRewardFn = Callable[[str, Problem], float]
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -41,7 +40,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask
+from qerl_cli.files import honour_umask, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -230,25 +229,20 @@ def save_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final = out / f"checkpoint-{state.step}"
-    tmp = out / f".checkpoint-{state.step}.tmp"
-    if tmp.exists():  # left by a run killed while saving
-        shutil.rmtree(tmp)
+    # A fixed staging name: one left by a run killed while saving is cleared by the next save.
+    # Re-saving the same step (e.g. after a resume) replaces the old folder whole.
+    staging = out / f".checkpoint-{state.step}.tmp"
     try:
-        _write_checkpoint_files(tmp, state, save_adapter, optimizer, param_names, scheduler)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave half a checkpoint, whatever failed
-        # safetensors reports a failed write (ENOSPC, EDQUOT) as SafetensorError, not OSError.
-        if not isinstance(exc, OSError | SafetensorError):
-            raise
+        with staged_folder(final, existing="replace", staging=staging) as tmp:
+            _write_checkpoint_files(tmp, state, save_adapter, optimizer, param_names, scheduler)
+    # safetensors reports a failed write (ENOSPC, EDQUOT) as SafetensorError, not OSError.
+    except (OSError, SafetensorError) as exc:
         good = newest_good_checkpoint(out)
         raise QerlError(
             f"could not write checkpoint-{state.step} in {out}: {getattr(exc, 'strerror', None) or exc}. "
             + (f"The last good checkpoint, {good}, is intact" if good else "No earlier checkpoint exists")
             + "; free space (or fix the folder) and continue with --resume auto"
         ) from exc
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
     prune_checkpoints(out, save_total_limit)
     return final
 
@@ -261,7 +255,6 @@ def _write_checkpoint_files(
     param_names: list[str],
     scheduler: Any,
 ) -> None:
-    tmp.mkdir()
     save_adapter(tmp / ADAPTER_DIR)
     opt_tensors, opt_meta = optimizer_to_files(optimizer, param_names)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))

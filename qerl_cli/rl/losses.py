@@ -114,30 +114,17 @@ def policy_loss(
     rollout logprobs, ``tis_weight_mean``/``tis_weight_max``/``tis_raw_weight_max``/
     ``tis_capped_fraction``. Raises :class:`NonFiniteLossError` on a NaN/inf loss term.
     """
-    if loss_type not in LOSS_TYPES:
-        raise QerlError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
-    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
-        raise QerlError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0; got {eps_low}, {eps_high}")
-    if beta != 0.0 and ref_logprobs is None:
-        raise QerlError("beta != 0 adds a KL penalty, which needs ref_logprobs from the reference model")
-    for name, other in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
-                        ("rollout_logprobs", rollout_logprobs)):
-        if other is not None and other.shape != logprobs.shape:
-            raise QerlError(f"{name} has shape {tuple(other.shape)}, expected {tuple(logprobs.shape)}")
+    _check_inputs(logprobs, old_logprobs, mask, ref_logprobs, rollout_logprobs,
+                  loss_type=loss_type, eps_low=eps_low, eps_high=eps_high, beta=beta)  # fmt: skip
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     advantages = advantages.detach().float().expand(logprobs.shape)
-
     keep = mask.bool()
     mask_f = keep.float()
-    zeros = torch.zeros_like(logprobs, dtype=torch.float32)
-
     # Padding may hold anything (even -inf); zero it *before* any exp so that neither the forward
     # value nor the backward pass (0 * inf = nan through torch.where) can be poisoned by it.
-    lp = torch.where(keep, logprobs.float(), zeros)
-    old = torch.where(keep, old_logprobs.detach().float(), zeros)
-
-    ratio = torch.exp(lp - old)
+    lp = _masked(logprobs.float(), keep)
+    ratio = torch.exp(lp - _masked(old_logprobs.detach().float(), keep))
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token_pg = -torch.min(ratio * advantages, clipped_ratio * advantages)
 
@@ -151,45 +138,76 @@ def policy_loss(
             # constant (no gradient flows through it). The KL regulariser below stays unweighted,
             # as in TRL's vLLM importance-sampling correction.
             per_token_pg = per_token_pg * weights
-    per_token_pg = per_token_pg * mask_f
 
     agg_kwargs = {"max_completion_length": max_completion_length, "normalizer": normalizer}
-    pg_term = aggregate(per_token_pg, keep, loss_type, **agg_kwargs)
+    pg_term = aggregate(per_token_pg * mask_f, keep, loss_type, **agg_kwargs)
     _check_finite(pg_term, "policy-gradient",
                   "logprobs, old_logprobs or advantages contain NaN/inf, or the ratio overflowed "
                   "(old and new log-probabilities differ by > 80 nats); check the rollout batch")
     loss = pg_term
-
     kl_mean = 0.0
     if ref_logprobs is not None:
-        ref = torch.where(keep, ref_logprobs.detach().float(), zeros)
-        delta = ref - lp
-        per_token_kl = (torch.exp(delta) - delta - 1.0) * mask_f
+        per_token_kl = k3_kl(lp, _masked(ref_logprobs.detach().float(), keep)) * mask_f
         if beta != 0.0:
             kl_term = aggregate(per_token_kl, keep, loss_type, **agg_kwargs)
             _check_finite(kl_term, "KL",
                           "ref_logprobs or logprobs contain NaN/inf or differ too much to exponentiate")
             loss = loss + beta * kl_term
-        with torch.no_grad():
-            kl_mean = (per_token_kl.sum() / mask_f.sum().clamp(min=1.0)).item()
-
-    with torch.no_grad():
-        n = mask_f.sum().item()
-        low = ((ratio < 1.0 - eps_low) & (advantages < 0) & keep).sum().item()
-        high = ((ratio > 1.0 + eps_high) & (advantages > 0) & keep).sum().item()
-        kept_ratio = ratio[keep]
-        stats.update(
-            {
-                "loss": loss.item(),
-                "policy_loss": pg_term.item(),
-                "kl": kl_mean,
-                "clip_fraction_low": low / n if n else 0.0,
-                "clip_fraction_high": high / n if n else 0.0,
-                "clip_fraction": (low + high) / n if n else 0.0,
-                "ratio_mean": kept_ratio.mean().item() if n else 0.0,
-                "ratio_min": kept_ratio.min().item() if n else 0.0,
-                "ratio_max": kept_ratio.max().item() if n else 0.0,
-                "num_tokens": n,
-            }
-        )
+        kl_mean = (per_token_kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item()
+    stats.update(loss=loss.item(), policy_loss=pg_term.item(), kl=kl_mean)
+    stats.update(ratio_stats(ratio.detach(), advantages, keep, eps_low, eps_high))
     return loss, stats
+
+
+def _check_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor | None,
+    *,
+    loss_type: str,
+    eps_low: float,
+    eps_high: float,
+    beta: float,
+) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise QerlError(f"unknown loss_type {loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+    if not 0.0 <= eps_low < 1.0 or eps_high < 0.0:
+        raise QerlError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0; got {eps_low}, {eps_high}")
+    if beta != 0.0 and ref_logprobs is None:
+        raise QerlError("beta != 0 adds a KL penalty, which needs ref_logprobs from the reference model")
+    for name, other in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
+                        ("rollout_logprobs", rollout_logprobs)):
+        if other is not None and other.shape != logprobs.shape:
+            raise QerlError(f"{name} has shape {tuple(other.shape)}, expected {tuple(logprobs.shape)}")
+
+
+def _masked(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, values, torch.zeros_like(values))
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0, unbiased)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+@torch.no_grad()
+def ratio_stats(
+    ratio: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, eps_low: float, eps_high: float
+) -> dict[str, float]:
+    """Clip fractions (a token is clipped when the clip cuts its gradient) and the ratio's spread."""
+    n = keep.sum().item()
+    low = ((ratio < 1.0 - eps_low) & (advantages < 0) & keep).sum().item()
+    high = ((ratio > 1.0 + eps_high) & (advantages > 0) & keep).sum().item()
+    kept_ratio = ratio[keep]
+    return {
+        "clip_fraction_low": low / n if n else 0.0,
+        "clip_fraction_high": high / n if n else 0.0,
+        "clip_fraction": (low + high) / n if n else 0.0,
+        "ratio_mean": kept_ratio.mean().item() if n else 0.0,
+        "ratio_min": kept_ratio.min().item() if n else 0.0,
+        "ratio_max": kept_ratio.max().item() if n else 0.0,
+        "num_tokens": float(n),
+    }

@@ -27,7 +27,7 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask
+from qerl_cli.modeling.adapter import save_peft_model
 from qerl_cli.modeling.fused_kernels import apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.torch_utils import DTYPES, resolve_device
@@ -103,9 +103,7 @@ class Policy:
             yield
 
     def save_adapter(self, out_dir: str | Path) -> Path:
-        out = Path(out_dir)
-        self.model.save_pretrained(out, safe_serialization=True)
-        return honour_umask(out)  # safetensors writes 0600 files
+        return save_peft_model(self.model, out_dir)
 
 
 def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy:

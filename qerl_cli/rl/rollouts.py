@@ -9,6 +9,7 @@ enough groups with differing rewards are kept, up to ``max_sampling_rounds``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,16 @@ from qerl_cli.rl.advantages import group_reward_stats
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.sampling import DynamicSampler, overlong_penalty
 from qerl_cli.rl.stream import PromptStream, derive_seed
-from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec
+from qerl_cli.rollout.base import (
+    ADDITIVE_STATS,
+    GENERATED_TOKENS,
+    SECONDS,
+    STATS_PREFIX,
+    TOKENS_PER_S,
+    Completion,
+    RolloutEngine,
+    SamplingSpec,
+)
 
 
 @dataclass
@@ -115,10 +125,9 @@ def rollout_round(
         rewards = [r + float(s) for r, s in zip(rewards, shaping, strict=True)]
     rollouts.rewards = [float(r) for r in rewards]
     t2 = time.perf_counter()
-    engine_stats = {k: v for k, v in result.stats.items() if k.startswith("aqn_") and k != "aqn_sigma"}
     stats = {
         **reward_stats,
-        **engine_stats,
+        **result.stats,  # every engine figure (rollout/...) reaches the step's metrics
         "time_rollout_s": t1 - t0,
         "time_reward_s": t2 - t1,
         "rollout_tokens": float(result.num_generated_tokens),
@@ -176,7 +185,7 @@ def collect(
         # Every round rolls out the same number of prompts: the mean over rounds is the row mean.
         "accuracy": _mean([s.get("accuracy", 0.0) for s in per_round]),
         "format_rate": _mean([s.get("format_rate", 0.0) for s in per_round]),
-        **{k: v for k, v in per_round[0].items() if k.startswith("aqn_")},
+        **engine_stats(per_round, add=sum),
         "grader_timeouts": sum(s.get("grader_timeouts", 0.0) for s in per_round),
         "time_rollout_s": sum(s["time_rollout_s"] for s in per_round),
         "time_reward_s": sum(s["time_reward_s"] for s in per_round),
@@ -198,7 +207,7 @@ def _merge_round(stats: list[dict[str, float]], rows: list[int]) -> dict[str, fl
     if len(stats) == 1:
         return stats[0]
     total = sum(rows) or 1
-    merged = dict(stats[0])
+    merged = {**stats[0], **engine_stats(stats, add=sum, seconds=max)}
     for key in ("accuracy", "format_rate"):
         if key in stats[0]:
             merged[key] = sum(s.get(key, 0.0) * r for s, r in zip(stats, rows, strict=True)) / total
@@ -206,6 +215,25 @@ def _merge_round(stats: list[dict[str, float]], rows: list[int]) -> dict[str, fl
         merged[key] = sum(s.get(key, 0.0) for s in stats)
     for key in ("time_rollout_s", "time_reward_s"):
         merged[key] = max(s[key] for s in stats)
+    return merged
+
+
+def engine_stats(
+    parts: list[dict[str, float]],
+    *,
+    add: Callable[[list[float]], float],
+    seconds: Callable[[list[float]], float] | None = None,
+) -> dict[str, float]:
+    """The engine's figures (``rollout/...``) of several rounds or ranks as one: counts combined by
+    ``add``, seconds by ``seconds`` (default ``add``), tokens/s recomputed from the two, and every
+    other figure (noise sigma, changed fraction, LoRA id: the same everywhere) from the first part."""
+    merged = {k: v for k, v in parts[0].items() if k.startswith(STATS_PREFIX)}
+    for key in ADDITIVE_STATS:
+        values = [p[key] for p in parts if key in p]
+        if values:
+            merged[key] = (seconds or add)(values) if key == SECONDS else add(values)
+    if TOKENS_PER_S in merged and merged.get(SECONDS):
+        merged[TOKENS_PER_S] = merged.get(GENERATED_TOKENS, 0.0) / merged[SECONDS]
     return merged
 
 

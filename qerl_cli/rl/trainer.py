@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +102,10 @@ class Trainer:
         except BaseException:
             # A failed start leaves no vLLM engine, grader pool or process group behind (what the
             # caller lent, it closes itself).
-            for name in ("reward_fn", "engine"):
-                close = None if lent[name] else getattr(getattr(self, name, None), "close", None)
-                if close is not None:
-                    close()
+            if not lent["reward_fn"]:
+                _close_reward(reward_fn)
+            if not lent["engine"] and "engine" in vars(self):
+                self.engine.close()
             self.dist.close()
             raise
 
@@ -124,34 +124,27 @@ class Trainer:
             distributed=self.dist.enabled,
             world_size=self.dist.world_size,
         )
-        self._sync_engine(engine)
+        try:
+            self._sync_engine(engine)
+        except BaseException:
+            engine.close()  # not yet the trainer's: nobody else would close it
+            raise
         return engine
 
     def _sync_engine(self, engine: RolloutEngine | None = None) -> None:
-        """Give a separate engine (vLLM) the current adapter; the HF engine shares the model."""
+        """Give the engine the current adapter (nothing to do for the HF engine, which shares the
+        model), then let it prove that it samples from the policy being trained."""
         engine = engine or self.engine
-        from qerl_cli.rollout.hf import HFEngine
-
-        if isinstance(engine, HFEngine):
-            return
-        sync = getattr(engine, "sync_peft_model", None)
-        if sync is not None:
-            sync(self.policy.model)
-        else:
-            path = self.out_dir / ".rollout_adapter"
-            self.policy.save_adapter(path)
-            engine.sync_adapter(str(path))
-        check = getattr(engine, "check_staleness", None)
-        if check is not None:  # prove the engine now samples from the policy being trained
-            probe = self._probe_ids()
-            check(probe, self._prompt_logprobs(probe))
+        engine.sync_policy(self.policy.model)
+        engine.check_staleness(self._probe_ids(), self._prompt_logprobs)
 
     def _probe_ids(self, max_tokens: int = 128) -> list[int]:
         text = self.prompts[self.problems[0].id]
         return list(self.policy.tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
 
-    def _prompt_logprobs(self, ids: list[int]) -> list[float]:
+    def _prompt_logprobs(self, probe: Sequence[int]) -> list[float]:
         """The trainer's log p(ids[i + 1] | ids[: i + 1]) at temperature 1, adapters on, no noise."""
+        ids = list(probe)
         pad = int(self.policy.tokenizer.pad_token_id)
         batch = make_token_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], pad)
         return batched_logprobs(self.policy.model, batch, 1.0, self.device, 1)[0].tolist()
@@ -180,9 +173,9 @@ class Trainer:
         return found
 
     def _load_adapter(self, folder: Path) -> None:
-        from qerl_cli.rollout.hf import load_adapter_weights
+        from qerl_cli.modeling.adapter import load_weights
 
-        load_adapter_weights(self.policy.model, folder)
+        load_weights(self.policy.model, folder)
 
     def save(self) -> Path:
         """Rank 0 writes ``checkpoint-N`` (every rank holds the same adapter and optimizer state);
@@ -259,6 +252,7 @@ class Trainer:
         # The adapter sync wakes vLLM (staleness probe): hand the update's cached blocks back first.
         record.update(release_cached_memory())
         self._sync_engine()
+        record.update(self.engine.stats())  # the engine's state after the sync (staleness gap)
         record.update(self.peaks.metrics())
         record["time_step_s"] = time.perf_counter() - step_start
         return record
@@ -298,10 +292,8 @@ def train(
                 progress=progress and dist.is_main,
             )
         finally:
-            for resource in (trainer.reward_fn, trainer.engine):  # grader workers, a vLLM engine
-                close = getattr(resource, "close", None)
-                if close is not None:
-                    close()
+            _close_reward(trainer.reward_fn)  # grader workers
+            trainer.engine.close()  # a vLLM engine and its GPU memory
         adapter_dir = out_dir / ADAPTER_DIR
         plot = None
         if dist.is_main:
@@ -390,3 +382,10 @@ def _run_steps(
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def _close_reward(reward_fn: Any) -> None:
+    """Stop a reward's grader workers; a plain function (or a test's stand-in) has none."""
+    close = getattr(reward_fn, "close", None)
+    if close is not None:
+        close()

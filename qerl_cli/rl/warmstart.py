@@ -16,11 +16,10 @@ sampled at temperature 1, which is the regime RL improves. ``qerl demo`` says so
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
-import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from torch import nn
 
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask
+from qerl_cli.files import honour_umask, staged_folder
 
 DEFAULT_TASK = "synthetic-addition"
 DEFAULT_TEMPLATE = "plain"
@@ -234,43 +233,26 @@ def quantize_folder(src: str | Path, dst: str | Path, fmt: str) -> Path:
     norms stay BF16. This is the in-memory path for tiny models; ``qerl quantize`` is the
     calibrated (AWQ) path for real ones.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    from qerl_cli import formats
-    from qerl_cli.formats.nvfp4 import fused_group_key, shared_global_scale
-    from qerl_cli.modeling.random_checkpoint import quantization_config
+    from qerl_cli.formats.checkpoint import state_dict_groups, write_checkpoint
 
     src, dst = Path(src), Path(dst)
-    qfmt = formats.get(fmt)
     state = load_file(str(src / "model.safetensors"))
-    linear = {
-        k[: -len(".weight")]: v for k, v in state.items() if k.endswith("_proj.weight") and v.dim() == 2
-    }
-    scales: dict[str, torch.Tensor] = {}
-    if fmt == "nvfp4":
-        groups: dict[str, list[str]] = {}
-        for name in linear:
-            groups.setdefault(fused_group_key(name) or name, []).append(name)
-        for names in groups.values():
-            shared = shared_global_scale(linear[n] for n in names)
-            scales.update(dict.fromkeys(names, shared))
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        name = key[: -len(".weight")]
-        if name in linear:
-            for part, value in qfmt.quantize(tensor, global_scale=scales.get(name)).items():
-                out[f"{name}.{part}"] = value.clone()  # fused members share one scale tensor
-        else:
-            out[key] = tensor
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt)
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+    def groups() -> Iterator[tuple[dict[str, dict[str, torch.Tensor]], list[str]]]:
+        for group in state_dict_groups(state):  # the *_proj linears; embeddings and norms stay BF16
+            yield group, [n for n, p in group.items() if n.endswith("_proj") and _is_matrix(p.get("weight"))]
+
+    write_checkpoint(dst, groups(), fmt, json.loads((src / "config.json").read_text()))
     for file in src.iterdir():
         if file.name not in ("model.safetensors", "config.json") and file.is_file():
             shutil.copy(file, dst / file.name)
     return honour_umask(dst)
+
+
+def _is_matrix(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.dim() == 2
 
 
 def build_tiny_base(
@@ -292,17 +274,11 @@ def build_tiny_base(
     if existing and not overwrite:
         raise QerlError(f"{out} already holds {', '.join(existing)}: pass --overwrite to rebuild it")
     # Built beside the target and moved in once complete: a failed or interrupted rebuild leaves the
-    # old base as it was.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
+    # old base as it was. Each format folder replaces its namesake; the rest of the folder stays.
+    with staged_folder(out, existing="merge") as staging:
         built = prepare_tiny_base(staging, cfg or WarmStartConfig(seed=seed), formats=formats)["paths"]
-        out.mkdir(exist_ok=True)
-        for folder in built.values():
-            shutil.rmtree(out / folder.name, ignore_errors=True)
-            os.replace(folder, out / folder.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for folder in set(staging.iterdir()) - set(built.values()):
+            shutil.rmtree(folder)  # bf16 is always built (the others are quantized from it); not asked for
     for name in set(existing) - {Path(f).name for f in built.values()}:
         shutil.rmtree(out / name)  # formats of the old base that this one does not have
     return {fmt: out / Path(folder).name for fmt, folder in built.items()}

@@ -8,10 +8,26 @@ the sampling distribution. The HF engine (``rollout.hf``) and the vLLM engine
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length"]
+
+# One naming scheme for every engine's figures, in ``RolloutResult.stats`` (per generate call) and
+# ``RolloutEngine.stats()`` (the engine's state): ``rollout/<what>``. The trainer logs them all.
+STATS_PREFIX = "rollout/"
+SECONDS = "rollout/seconds"
+GENERATED_TOKENS = "rollout/generated_tokens"
+TOKENS_PER_S = "rollout/tokens_per_s"
+COMPLETIONS = "rollout/completions"
+NOISE_SIGMA = "rollout/noise_sigma"  # the AQN sigma the rollouts were sampled with
+NOISE_CHANGED_FRACTION = "rollout/noise_changed_fraction"  # share of norm weights the noise moved
+PERTURBED_NORMS = "rollout/perturbed_norms"
+NORM_MODULES = "rollout/norm_modules"
+STALENESS_GAP = "rollout/staleness_gap"  # nats/token, engine vs trainer, after the last sync
+# Figures that add up over rounds and ranks; every other figure is the same on each (rank 0's is kept).
+ADDITIVE_STATS = (SECONDS, GENERATED_TOKENS, COMPLETIONS)
 
 
 @dataclass(frozen=True)
@@ -89,4 +105,32 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         """Undo ``sleep`` before the next rollout."""
+        ...
+
+    def sync_policy(self, peft_model: Any) -> None:
+        """Sample from the trainer's live PEFT model's current adapter from the next ``generate`` on.
+
+        An engine that generates with that very model (HF in training) has nothing to do; one with
+        its own copy of the weights (vLLM) loads the adapter.
+        """
+        ...
+
+    def check_staleness(
+        self, probe_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+    ) -> float | None:
+        """After a sync, prove that the engine samples from the policy being trained.
+
+        ``trainer_logprobs(probe_ids)[i]`` is the trainer's log p(probe[i + 1] | probe[:i + 1]) at
+        temperature 1 without noise. Returns the mean |engine - trainer| gap (nats/token) and
+        raises ``QerlError`` above the engine's tolerance; an engine that shares the trainer's
+        weights returns None without calling ``trainer_logprobs`` (nothing can be stale).
+        """
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """The engine's state for the step's metrics (names: ``rollout/<what>``, as above)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds (vLLM, its GPU memory, staged adapters). Idempotent."""
         ...

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.rollout.backends import (
     FORMAT_BACKENDS,
     BackendChoice,
@@ -79,56 +80,14 @@ def make_engine(
         )  # fmt: skip
         model.eval()
         if adapter is not None:
-            model = attach_saved_adapter(model, adapter).eval()
+            model = adapter_folder.attach_to_base(model, adapter).eval()
     elif adapter is not None:
-        from qerl_cli.rollout.hf import load_adapter_weights
-
-        load_adapter_weights(model, adapter)
+        adapter_folder.load_weights(model, adapter)
     if tokenizer is None:
         if model_path is None:
             raise QerlError("make_engine('hf') with a model object needs its tokenizer or a model_path")
         tokenizer = load_tokenizer(str(model_path), trust_remote_code=trust_remote_code)
     return HFEngine(model, tokenizer, generation_batch_size=generation_batch_size, device=torch_device)
-
-
-def attach_saved_adapter(model: Any, adapter: str | Path) -> Any:
-    """Wrap a base model (QuantLinear or nn.Linear layers) with the saved PEFT LoRA adapter.
-
-    PEFT's own ``PeftModel.from_pretrained`` does not know QuantLinear, so the LoRA layers are
-    created by qerl's ``attach_lora`` from the adapter's config and the weights loaded after.
-    """
-    import json
-
-    from qerl_cli.modeling.lora import attach_lora
-    from qerl_cli.rollout.hf import load_adapter_weights
-
-    folder = Path(adapter)
-    config_file = folder / "adapter_config.json"
-    if not config_file.is_file():
-        raise QerlError(f"{folder} is not a PEFT adapter folder (no adapter_config.json)")
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise QerlError(
-            f"{folder} holds a {config.get('peft_type')} adapter; only LoRA adapters are supported"
-        )
-    targets = config.get("target_modules") or []
-    peft_model = attach_lora(
-        model,
-        r=int(config["r"]),
-        alpha=int(config["lora_alpha"]),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        target_modules=sorted(targets) if isinstance(targets, list | set) else targets,
-    )
-    if config.get("modules_to_save"):  # trained norms (lora.train_norms)
-        from peft.utils.other import set_additional_trainable_modules
-
-        peft_config = peft_model.peft_config["default"]
-        peft_config.modules_to_save = list(config["modules_to_save"])
-        set_additional_trainable_modules(
-            peft_model, peft_config, peft_model.base_model.model.config, "default"
-        )
-    load_adapter_weights(peft_model, folder)
-    return peft_model
 
 
 def _make_vllm(

@@ -20,17 +20,29 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
-from qerl_cli.rollout.base import Completion, RolloutResult, SamplingSpec
+from qerl_cli.rollout.base import (
+    COMPLETIONS,
+    GENERATED_TOKENS,
+    NOISE_CHANGED_FRACTION,
+    NOISE_SIGMA,
+    NORM_MODULES,
+    PERTURBED_NORMS,
+    SECONDS,
+    TOKENS_PER_S,
+    Completion,
+    RolloutResult,
+    SamplingSpec,
+)
 
 
 class _SampledLogprobRecorder:
@@ -164,7 +176,33 @@ class HFEngine:
             self._adapter_disabled = hasattr(self.model, "disable_adapter")
             return
         self._adapter_disabled = False
-        load_adapter_weights(self.model, adapter_dir)
+        adapter_folder.load_weights(self.model, adapter_dir)
+
+    def sync_policy(self, peft_model: Any) -> None:
+        """Nothing to do for the trainer's own model, which this engine generates with; another
+        PEFT model's adapter weights are copied into this engine's model."""
+        self._adapter_disabled = False
+        if peft_model is self.model:
+            return
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.model, get_peft_model_state_dict(peft_model))
+
+    def check_staleness(
+        self, probe_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+    ) -> float | None:
+        """None: the engine's weights are the trainer's (or copied from them), nothing can be stale."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {
+            NORM_MODULES: float(self.noiser.num_modules),
+            NOISE_SIGMA: self._sigma,
+            PERTURBED_NORMS: float(self.noiser.num_modules if self._sigma > 0 else 0),
+        }
+
+    def close(self) -> None:
+        """Nothing to release: the model belongs to the caller."""
 
     def sleep(self) -> None:
         # The HF engine has no persistent KV cache: generate's cache dies with the call. What is
@@ -198,11 +236,12 @@ class HFEngine:
         result = RolloutResult(prompt_token_ids=prompt_ids, completions=grouped)
         tokens = result.num_generated_tokens
         result.stats = {
-            "rollout_seconds": seconds,
-            "rollout_tokens": float(tokens),
-            "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "aqn_sigma": self._sigma,
-            "aqn_changed_fraction": self.noiser.last_changed_fraction if self._sigma > 0 else 0.0,
+            SECONDS: seconds,
+            GENERATED_TOKENS: float(tokens),
+            TOKENS_PER_S: tokens / seconds if seconds > 0 else 0.0,
+            COMPLETIONS: float(len(rows)),
+            NOISE_SIGMA: self._sigma,
+            NOISE_CHANGED_FRACTION: self.noiser.last_changed_fraction if self._sigma > 0 else 0.0,
         }
         return result
 
@@ -295,26 +334,4 @@ class HFEngine:
             finish = "stop"
         return Completion(
             token_ids=ids, text=text, logprobs=logprobs[: len(ids)].tolist(), finish_reason=finish
-        )
-
-
-def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> None:
-    """Load a saved PEFT adapter's weights into a PEFT model's active adapter (safetensors only)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    path = Path(adapter_dir) / "adapter_model.safetensors"
-    if not path.is_file():
-        raise QerlError(f"{adapter_dir} holds no adapter_model.safetensors; pass a PEFT adapter folder")
-    if not hasattr(model, "peft_config"):
-        raise QerlError(
-            "the rollout model has no LoRA adapter to load weights into; build it with an adapter"
-        )
-    result = set_peft_model_state_dict(model, load_file(str(path)))
-    unexpected = list(getattr(result, "unexpected_keys", None) or [])
-    missing = [k for k in getattr(result, "missing_keys", None) or [] if "lora_" in k]
-    if unexpected or missing:
-        raise QerlError(
-            f"adapter {adapter_dir} does not match the model (unexpected keys {unexpected[:3]}, missing LoRA "
-            f"keys {missing[:3]}): was it trained on another base or with other lora settings?"
         )

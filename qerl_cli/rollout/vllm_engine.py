@@ -5,7 +5,7 @@ One ``vllm.LLM`` lives in the trainer's process and shares its GPU. A training s
 1. ``generate`` samples n completions per prompt with the current adapter and noise;
 2. ``sleep`` (vLLM sleep mode, level 1) offloads its weights and drops its KV cache so the
    update phase gets the memory back;
-3. after the update, ``wake_up`` restores it, then ``sync_adapter`` (or ``sync_peft_model``) loads
+3. after the update, ``wake_up`` restores it, then ``sync_adapter`` (or ``sync_policy``) loads
    the new adapter under a *new* LoRA id without merging it into the 4-bit base, and
    ``check_staleness`` compares vLLM's logprobs on a probe prompt with the trainer's;
 4. ``set_norm_noise`` sets vLLM's own RMSNorm weights to clean + N(0, sigma^2) (AQN).
@@ -18,7 +18,7 @@ the old weights) makes each sync observable, and the staleness check proves it w
 vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it.
 
 The engine is split by responsibility: ``vllm_setup`` (checkpoint format, GPU check, start-up
-arguments and errors), ``vllm_adapters`` (adapter folder checks), ``vllm_worker`` (functions run in
+arguments and errors), ``modeling.adapter`` (adapter folder checks), ``vllm_worker`` (functions run in
 vLLM's worker: AQN noise) and ``vllm_outputs`` (output mapping, logprobs, staleness figures). The
 names tests and callers import stay importable from here.
 """
@@ -33,15 +33,27 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.base import RolloutResult, SamplingSpec
-from qerl_cli.rollout.vllm_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, validate_adapter_folder
+from qerl_cli.modeling import adapter as adapter_folder
+from qerl_cli.rollout.base import (
+    COMPLETIONS,
+    GENERATED_TOKENS,
+    NOISE_CHANGED_FRACTION,
+    NOISE_SIGMA,
+    NORM_MODULES,
+    PERTURBED_NORMS,
+    SECONDS,
+    STALENESS_GAP,
+    TOKENS_PER_S,
+    RolloutResult,
+    SamplingSpec,
+)
 from qerl_cli.rollout.vllm_outputs import (
     mean_abs_gap,
     prompt_token_logprobs,
@@ -74,12 +86,13 @@ if TYPE_CHECKING:
     from qerl_cli.config import ModelSection, RolloutSection
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "CLEAN_NORMS_ATTR", "MIN_CAPABILITY", "VLLM_LORA_RANKS",
+    "CLEAN_NORMS_ATTR", "MIN_CAPABILITY", "VLLM_LORA_RANKS",
     "CheckpointFormat", "VLLMEngine", "check_gpu_supports", "detect_checkpoint_format", "is_vllm_norm",
     "sampled_token_logprobs", "worker_count_norms", "worker_set_norm_noise",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
+LORA_ID = "rollout/lora_id"  # the vLLM LoRA id generate serves (0: the base model)
 
 
 class VLLMEngine:
@@ -206,17 +219,17 @@ class VLLMEngine:
     def stats(self) -> dict[str, float]:
         """Engine-level figures for logs (per-rollout figures are in RolloutResult.stats)."""
         out: dict[str, float] = {
-            "vllm/load_seconds": self.load_seconds,
-            "vllm/lora_id": float(self._lora.lora_int_id if self._lora is not None else 0),
-            "vllm/syncs": float(self.num_syncs),
-            "vllm/norm_modules": float(self.num_norms),
-            "vllm/perturbed_norms": float(self.last_perturbed_count),
-            "vllm/noise_sigma": self._noise_sigma,
+            "rollout/load_seconds": self.load_seconds,
+            LORA_ID: float(self._lora.lora_int_id if self._lora is not None else 0),
+            "rollout/syncs": float(self.num_syncs),
+            NORM_MODULES: float(self.num_norms),
+            PERTURBED_NORMS: float(self.last_perturbed_count),
+            NOISE_SIGMA: self._noise_sigma,
         }
         if self.last_staleness_gap is not None:
-            out["vllm/staleness_gap"] = self.last_staleness_gap
+            out[STALENESS_GAP] = self.last_staleness_gap
         if self.last_sleep_freed_bytes is not None:
-            out["vllm/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
+            out["rollout/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
         return out
 
     # ---- generation ---------------------------------------------------------------------------
@@ -254,7 +267,7 @@ class VLLMEngine:
             log.info("generate() called while vLLM sleeps; waking it up first")
             self.wake_up()
         if not prompts:
-            return RolloutResult(prompt_token_ids=[], completions=[], stats={"rollout/seconds": 0.0})
+            return RolloutResult(prompt_token_ids=[], completions=[], stats={SECONDS: 0.0})
         if sampling.seed is None:
             params: Any = self.sampling_params(n, sampling)
         else:
@@ -275,12 +288,13 @@ class VLLMEngine:
         tokens = result.num_generated_tokens
         result.stats.update(
             {
-                "rollout/seconds": seconds,
-                "rollout/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-                "rollout/generated_tokens": float(tokens),
-                "rollout/completions": float(len(prompts) * n),
-                "rollout/noise_sigma": self._noise_sigma,
-                "rollout/lora_id": float(self._lora.lora_int_id if self._lora is not None else 0),
+                SECONDS: seconds,
+                TOKENS_PER_S: tokens / seconds if seconds > 0 else 0.0,
+                GENERATED_TOKENS: float(tokens),
+                COMPLETIONS: float(len(prompts) * n),
+                NOISE_SIGMA: self._noise_sigma,
+                NOISE_CHANGED_FRACTION: self.last_changed_fraction if self._noise_sigma > 0 else 0.0,
+                LORA_ID: float(self._lora.lora_int_id if self._lora is not None else 0),
             }
         )
         return result
@@ -356,22 +370,18 @@ class VLLMEngine:
             return
         source = Path(adapter_dir)
         self._validate_adapter(source)
-        staged = self._next_stage_dir()
-        staged.mkdir(parents=True)
-        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-            shutil.copyfile(source / name, staged / name)
+        staged = adapter_folder.copy_folder(source, self._next_stage_dir())
         self._load(staged)
 
-    def sync_peft_model(self, peft_model: Any) -> None:
-        """Save a PEFT model's adapter straight to tmpfs (no round trip through the output folder)
-        and serve it like :meth:`sync_adapter`."""
-        staged = self._next_stage_dir()
-        peft_model.save_pretrained(str(staged), safe_serialization=True)
+    def sync_policy(self, peft_model: Any) -> None:
+        """Save the trainer's PEFT model's adapter straight to tmpfs (no round trip through the output
+        folder) and serve it like :meth:`sync_adapter`."""
+        staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
         self._validate_adapter(staged)
         self._load(staged)
 
     def _validate_adapter(self, folder: Path) -> None:
-        validate_adapter_folder(folder, enable_lora=self.enable_lora, max_lora_rank=self.max_lora_rank)
+        adapter_folder.check_servable(folder, enable_lora=self.enable_lora, max_lora_rank=self.max_lora_rank)
 
     def _load(self, staged: Path | None) -> None:
         request = None
@@ -431,16 +441,22 @@ class VLLMEngine:
         )
         return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
 
-    def check_staleness(self, probe_prompt_ids: Sequence[int], trainer_logprobs: Sequence[float]) -> float:
+    def check_staleness(
+        self, probe_prompt_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+    ) -> float:
         """Mean |vLLM - trainer| logprob gap (nats/token) on a probe prompt after a sync.
 
-        ``trainer_logprobs[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1]) at
-        temperature 1 without AQN noise; the check lifts vLLM's noise for the probe. A small gap
-        (the 4-bit kernels' numerics) is logged; a gap above ``staleness_tolerance`` raises, since
-        it means rollouts do not come from the policy being trained.
+        ``trainer_logprobs(probe)[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1])
+        at temperature 1 without AQN noise, taken first (while vLLM may still sleep); the check
+        lifts vLLM's noise for the probe. A small gap (the 4-bit kernels' numerics) is logged; a
+        gap above ``staleness_tolerance`` raises, since it means rollouts do not come from the
+        policy being trained.
         """
-        if len(probe_prompt_ids) < 2 or len(trainer_logprobs) != len(probe_prompt_ids) - 1:
-            raise ValueError("check_staleness needs >= 2 probe tokens and len(probe) - 1 trainer logprobs")
+        if len(probe_prompt_ids) < 2:
+            raise ValueError("check_staleness needs a probe of >= 2 tokens")
+        trainer_lp = list(trainer_logprobs(probe_prompt_ids))
+        if len(trainer_lp) != len(probe_prompt_ids) - 1:
+            raise ValueError("check_staleness needs len(probe) - 1 trainer logprobs")
         if self._sleeping:  # the adapter synced during the update is activated by wake_up
             self.wake_up()
         noised = self._noise_sigma > 0
@@ -448,7 +464,7 @@ class VLLMEngine:
             self._apply_noise(sigma=0.0)
         try:
             engine_lp = self.prompt_logprobs(probe_prompt_ids)
-            gap = mean_abs_gap(engine_lp, trainer_logprobs)
+            gap = mean_abs_gap(engine_lp, trainer_lp)
             base_lp = (
                 self.prompt_logprobs(probe_prompt_ids, with_adapter=False)
                 if (gap > self.staleness_tolerance and self._lora is not None)
@@ -463,7 +479,7 @@ class VLLMEngine:
         if gap > self.staleness_tolerance:
             raise QerlError(
                 staleness_message(
-                    gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_logprobs
+                    gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp
                 )
             )
         return gap

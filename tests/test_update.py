@@ -1,0 +1,81 @@
+"""``rl.update.update_policy`` on a fixed batch: its stats describe one pass over the batch whatever
+``algorithm.num_iterations``, and the policy ratio compares logprobs taken in one dropout state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qerl_cli.config import TrainConfig, load_config
+from qerl_cli.data.problem import Problem
+from qerl_cli.rl.policy import build_policy
+from qerl_cli.rl.rollouts import Rollouts
+from qerl_cli.rl.update import update_policy
+from qerl_cli.rollout.base import Completion
+
+GROUP = 4
+
+
+def _cfg(model_dir: Path, *overrides: str) -> TrainConfig:
+    return load_config(
+        TrainConfig,
+        None,
+        [
+            f"model.path={model_dir}",
+            "model.dtype=float32",
+            "rollout.num_generations=4",
+            "rollout.max_completion_length=8",
+            "train.device=cpu",
+            "train.gradient_checkpointing=false",
+            "lora.rank=4",
+            "lora.alpha=8",
+            *overrides,
+        ],
+    )
+
+
+def _batch(vocab: int) -> Rollouts:
+    """Two groups of four fixed completions (6 tokens each: 48 completion tokens), rewards varying."""
+    generator = torch.Generator().manual_seed(0)
+    batch = Rollouts(group_size=GROUP)
+    for row in range(2 * GROUP):
+        tokens = torch.randint(3, vocab, (6,), generator=generator).tolist()
+        batch.problems.append(Problem(id=str(row // GROUP), question="q", answer="1"))
+        batch.prompt_ids.append(torch.randint(3, vocab, (5,), generator=generator).tolist())
+        batch.completions.append(Completion(tokens, "x", [-1.0] * len(tokens), "stop"))
+        batch.rewards.append(float(row % 2))
+    return batch
+
+
+def _update(model_dir: Path, *overrides: str, lr: float = 0.0) -> dict[str, float]:
+    cfg = _cfg(model_dir, *overrides)
+    torch.manual_seed(0)
+    policy = build_policy(cfg, torch.device("cpu"))
+    with torch.no_grad():  # PEFT starts B at zero, where LoRA dropout changes nothing
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    params = policy.named_trainable_parameters()
+    optimizer = torch.optim.SGD([p for _, p in params], lr=lr)
+    batch = _batch(policy.model.config.vocab_size)
+    return update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+
+
+def test_stats_describe_one_pass_whatever_the_iterations(tiny_model_dir: Path) -> None:
+    once = _update(tiny_model_dir, "algorithm.num_iterations=1")
+    twice = _update(tiny_model_dir, "algorithm.num_iterations=2")
+    assert once["num_tokens"] == twice["num_tokens"] == 48  # not 96: the batch is counted once
+    # lr 0: both iterations see the same policy, so the mean over iterations is one pass's loss
+    assert twice["loss"] == pytest.approx(once["loss"], rel=1e-4, abs=1e-6)
+    assert twice["policy_loss"] == pytest.approx(once["policy_loss"], rel=1e-4, abs=1e-6)
+
+
+def test_the_ratio_compares_logprobs_taken_without_dropout(tiny_model_dir: Path) -> None:
+    # With LoRA dropout 0.5 and no parameter change, old and new logprobs differ only if they are
+    # taken in different dropout states: the ratio must be 1 and nothing clipped.
+    stats = _update(tiny_model_dir, "algorithm.num_iterations=2", "lora.dropout=0.5")
+    assert stats["ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["clip_fraction"] == 0.0
