@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.bench.report import E2E_PHASES, lora_label
+from qerl_cli.bench.labels import format_label, lora_label
+from qerl_cli.bench.report import E2E_PHASES
 
 
 def _save(plt: Any, fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> Path:
@@ -78,8 +79,6 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
 def _roofline_chart(plt: Any, rows: list[dict[str, Any]], report: dict[str, Any], path: Path) -> Path:
     """Tokens/s against concurrency per format x backend (LoRA rows when measured), each with its
     roofline bound dashed in the same colour."""
-    from qerl_cli.bench.report import format_label
-
     with_lora = [r for r in rows if r["lora_rank"]] or rows
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label in sorted({format_label(r) for r in with_lora}):

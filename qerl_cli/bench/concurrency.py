@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench.labels import lora_label
 from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, rollout_weight_format
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.rollout.backends import FORMAT_BACKENDS, table_key
@@ -76,8 +77,6 @@ def write_crossover(report: dict[str, Any], out_dir: str | Path) -> Path:
 
 
 def roofline_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    from qerl_cli.bench.report import lora_label
-
     rows = []
     for r in report["rollout"]:
         roof = r.get("roofline")

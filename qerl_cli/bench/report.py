@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
+from qerl_cli.bench.labels import format_label, lora_label
 from qerl_cli.envinfo import versions_of
 from qerl_cli.errors import QerlError
 
@@ -279,16 +280,6 @@ def _bytes(value: Any) -> str:
         if value >= size:
             return f"{value / size:.2f} {unit}"
     return f"{value} B"
-
-
-def lora_label(rank: int) -> str:
-    return f"r{rank}" if rank else "none"
-
-
-def format_label(row: dict[str, Any]) -> str:
-    """The format, with the linear backend when it is not the format's default (``nvfp4 / humming``)."""
-    backend = row.get("backend", "default")
-    return row["format"] + ("" if backend in ("default", "marlin") else f" / {backend}")
 
 
 def _speedup(value: Any) -> str:

@@ -33,7 +33,6 @@ from qerl_cli.modeling.loading import (
     safetensors_files,
 )
 
-SHARD_BYTES = 4 * 2**30
 # Files that describe the model rather than hold its weights: copied into the FP8 folder as they are.
 SIDE_FILES = (
     "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -77,7 +76,7 @@ def write_fp8_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
     prefixes = set(quantized_prefixes(checkpoint_keys(files), qfmt))
     quant_names = set(qfmt.checkpoint_names())
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(out, SHARD_BYTES)
+    writer = ShardWriter(out)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # a module's 4-bit tensors may span shards
     for file in files:
         with safe_open(str(file), framework="pt") as f:
