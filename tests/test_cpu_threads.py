@@ -122,3 +122,10 @@ def test_every_cpu_path_chooses_its_threads(
     assert main(argv) == 2
     assert "QERL_NUM_THREADS must be a positive whole number" in " ".join(capsys.readouterr().err.split())
     assert list(tmp_path.iterdir()) == []  # nothing was built or written
+
+
+def test_tiny_base_help_says_what_it_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tiny-base", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "about a minute on 2 free cores" in text and "one of 2 cores busy" in text
+    assert "QERL_NUM_THREADS" in text
