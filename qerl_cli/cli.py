@@ -79,6 +79,16 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
     return out
 
 
+def _use_free_cpu_threads() -> None:
+    """Entry of a CPU path: torch runs on the cores free now (on all of them beside a busy process its
+    threads stall each other tenfold); says so when that is fewer than torch's own count."""
+    from qerl_cli.torch_utils import use_free_cpu_threads
+
+    choice = use_free_cpu_threads()
+    if choice.lowered:
+        err_console.print(f"[dim]{escape(choice.reason)}[/dim]")
+
+
 def _finish_config(config: Any, dry_run: bool) -> bool:
     """Print the resolved config for --dry-run; returns True when the command should stop."""
     if dry_run:  # plain YAML, not rich markup, so the output can be saved and reused as a recipe
@@ -158,7 +168,10 @@ def train(
     if _finish_config(conf, dry_run):
         return
     from qerl_cli.rl.trainer import train as run_train
+    from qerl_cli.torch_utils import runs_on_cpu
 
+    if runs_on_cpu(conf.train.device):
+        _use_free_cpu_threads()
     result = run_train(
         conf, resume=None if resume is None else (conf.output.dir if resume == "auto" else resume)
     )
@@ -225,7 +238,10 @@ def eval_(
     if _finish_config(conf, dry_run):
         return
     from qerl_cli.evaluation import eval_table, run_eval
+    from qerl_cli.torch_utils import runs_on_cpu
 
+    if conf.engine == "hf" and runs_on_cpu(conf.device):
+        _use_free_cpu_threads()
     results = run_eval(conf)
     console.print(eval_table(results))
 
@@ -323,6 +339,7 @@ def demo(
 
     if steps < 1:
         raise QerlError(f"--steps must be >= 1, got {steps}")
+    _use_free_cpu_threads()
     run_demo(output, steps=steps, seed=seed, console=console)
 
 
@@ -359,9 +376,15 @@ def tiny_base(
     seed: Annotated[int, typer.Option(help="Seed of the model and the warm start.")] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
 ) -> None:
-    """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on a CPU)."""
+    """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on 2 free cores).
+
+    It needs about 76 s of CPU time. Beside other CPU-bound work it runs on the cores left free: with one
+    of 2 cores busy, one thread, about 1.5 min (two threads there stalled each other: 13 min 38 s); on 2
+    cores loaded 10 deep, 5.3 min. QERL_NUM_THREADS=N sets the thread count.
+    """
     from qerl_cli.rl.warmstart import build_tiny_base
 
+    _use_free_cpu_threads()
     paths = build_tiny_base(out, formats=tuple(_csv(formats) or ()), seed=seed, overwrite=overwrite)
     for fmt, path in paths.items():
         console.print(f"{fmt}: {path}", markup=False, highlight=False)
@@ -412,8 +435,11 @@ def compare(
 ) -> None:
     """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
     from qerl_cli.compare import compare_table, run_compare
+    from qerl_cli.torch_utils import runs_on_cpu
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)
+        _use_free_cpu_threads()
     report = run_compare(
         recipe, _csv(arms) or [], seeds, output, sets=set_, only=_csv(only), jobs=jobs,
         summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(),

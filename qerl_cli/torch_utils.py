@@ -1,9 +1,18 @@
-"""Device and dtype names from configs, resolved in one place for every stage."""
+"""Device and dtype names from configs, resolved in one place for every stage, and the CPU thread count
+of the CPU paths (demo, tiny-base, CPU training and evaluation)."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import math
+import os
 import platform
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -48,3 +57,116 @@ def free_accelerator_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# -- CPU threads ------------------------------------------------------------------------------------
+# torch runs one OpenMP thread per physical core and its threads wait for each other at the end of every
+# parallel op. When another process holds a core, the thread sharing it stalls all the others: on a
+# 2-core machine beside one CPU-bound process, a loop of 256x256 matmuls took 21.4 s on 2 threads and
+# 0.7 s on 1. So the CPU paths run on the cores that are free now, never more than torch would.
+THREADS_ENV = "QERL_NUM_THREADS"
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpuLoad:
+    """What the machine looks like when a CPU path starts (read by :func:`read_cpu_load`)."""
+
+    cores: int  # CPUs this process may run on (its affinity set)
+    quota_cores: float | None  # the cgroup's CPU quota in cores; None when unlimited
+    load_1min: float  # /proc/loadavg's one-minute average, for the whole machine
+    runnable_others: int  # threads of other processes runnable right now (median of a few samples)
+    torch_default: int  # what torch would use (its physical-core count, or OMP_NUM_THREADS)
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    default: int  # torch's own count, for comparison
+    reason: str
+
+    @property
+    def lowered(self) -> bool:
+        return self.threads < self.default
+
+
+def choose_cpu_threads(load: CpuLoad, env: Mapping[str, str]) -> ThreadChoice:
+    """The thread count for a CPU path: ``QERL_NUM_THREADS`` when set, torch's own count when
+    ``OMP_NUM_THREADS`` is set (torch has already read it), else the cores free now.
+
+    Free cores are the usable ones (affinity, capped by a cgroup quota) less the busiest reading of
+    other work: the one-minute load average (which lags a process that just started) or the runnable
+    threads seen now (which miss one that just paused). A core counts as free when at least 3/4 of it
+    is: one thread too many costs tenfold, one too few at most the share of that core.
+    """
+    explicit = env.get(THREADS_ENV, "").strip()
+    if explicit:
+        if not explicit.isdigit() or int(explicit) < 1:
+            raise QerlError(f"{THREADS_ENV} must be a positive whole number of threads, got {explicit!r}")
+        return ThreadChoice(int(explicit), load.torch_default, f"{explicit} CPU threads ({THREADS_ENV})")
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return ThreadChoice(
+            load.torch_default, load.torch_default, f"{load.torch_default} CPU threads (OMP_NUM_THREADS)"
+        )
+    usable = float(load.cores)
+    busy = max(load.load_1min, float(load.runnable_others))
+    if load.quota_cores is not None and load.quota_cores < load.cores:
+        # A container: the load figures describe the whole host, of which this cgroup has a share.
+        busy *= load.quota_cores / load.cores
+        usable = load.quota_cores
+    ceiling = max(1, min(load.torch_default, math.floor(usable)))
+    threads = max(1, min(ceiling, math.floor(usable - busy + 0.25)))
+    reason = (
+        f"{threads} CPU thread{'s' if threads > 1 else ''}: {usable:g} usable cores, {busy:.1f} busy with "
+        f"other work ({THREADS_ENV}=N chooses)"
+    )
+    return ThreadChoice(threads, load.torch_default, reason)
+
+
+def _cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this container in cores (cgroup v2 ``cpu.max`` or v1 ``cfs_quota_us``)."""
+    try:
+        if (root / "cpu.max").is_file():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def read_cpu_load(samples: int = 5, interval_s: float = 0.02) -> CpuLoad:
+    """Read the machine's load now (about 0.1 s); without /proc (not Linux) nothing counts as busy."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load_1min, running = 0.0, []
+    for index in range(samples):
+        try:
+            fields = Path("/proc/loadavg").read_text().split()
+        except OSError:
+            break
+        load_1min = float(fields[0])
+        running.append(int(fields[3].split("/")[0]) - 1)  # less this thread, which is reading
+        if index + 1 < samples:
+            time.sleep(interval_s)
+    others = max(0, round(statistics.median(running))) if running else 0
+    return CpuLoad(cores, _cgroup_quota_cores(), load_1min, others, torch.get_num_threads())
+
+
+_chosen: ThreadChoice | None = None
+
+
+def use_free_cpu_threads(env: Mapping[str, str] | None = None) -> ThreadChoice:
+    """Set torch's CPU thread count by :func:`choose_cpu_threads`, once per process (the first CPU
+    path decides: a later reading would count this process's own threads as other work)."""
+    global _chosen
+    if _chosen is None:
+        _chosen = choose_cpu_threads(read_cpu_load(), os.environ if env is None else env)
+        torch.set_num_threads(_chosen.threads)
+        _LOG.info("%s", _chosen.reason)
+    return _chosen
+
+
+def runs_on_cpu(device_name: str) -> bool:
+    """Whether a config's device setting (``auto``, ``cpu``, ``cuda:1``) means the CPU on this machine."""
+    return device_name.split(":")[0] == "cpu" or (device_name == "auto" and not torch.cuda.is_available())

@@ -65,7 +65,7 @@ print(",".join(b for b in ("fp8", "humming") if b not in have))' 2>/dev/null)
 t = merge_tables(load_table(None), *map(load_table, sorted(glob.glob(\"$RUN/out/*/crossover.json\")))); \
 open(\"qerl_cli/rollout/crossover.json\", \"w\").write(json.dumps(t, indent=2))'"
     BEFORE="${BEFORE:+$BEFORE; }$MERGE"
-    start "e2e-$NAME" "${BEFORE:+$BEFORE; }python scripts/device_issue11.py e2e --name $NAME --model ${MODEL:-qwen2.5-7b} \
+    start "e2e-$NAME" "${BEFORE:+$BEFORE; }python scripts/device_e2e.py e2e --name $NAME --model ${MODEL:-qwen2.5-7b} \
       --format $FMT --backend $BACKEND --fused ${FUSED:-auto} --prompt-len 256 --gen-len 2048 \
       --prompts $PROMPTS --generations 8 --steps ${STEPS:-2} --recipe $RECIPE --auto-memory \
       --share recipe --out $RUN/out/e2e-$NAME.json" ;;

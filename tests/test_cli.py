@@ -17,11 +17,28 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
+COMMANDS = {
+    "quantize", "train", "eval", "bench", "compare", "demo", "env", "models", "tiny-model", "tiny-base",
+}  # fmt: skip
+
+
 def test_help_lists_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    """The exact set of commands, read from the rows of --help's Commands panel (a word such as
+    "train" elsewhere in the help does not count): deleting or renaming a command fails here."""
     rc, out, _ = run(capsys, "--help")
     assert rc == 0
-    for command in ("quantize", "train", "eval", "bench", "env", "demo", "tiny-model"):
-        assert command in out
+    panel = out.split("Commands", 1)[1].split("╰", 1)[0]
+    rows = [
+        line.strip("│ ").split()[0]
+        for line in panel.splitlines()
+        if line.startswith("│ ") and not line.startswith("│  ")  # continuation lines are indented further
+    ]
+    assert sorted(rows) == sorted(COMMANDS)
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    assert set(get_command(app).commands) == COMMANDS  # registered, help text or not
 
 
 def test_env_json_is_valid(capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,6 +84,7 @@ def smol_nvfp4(smol_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 
 @pytest.mark.slow
+@pytest.mark.network
 def test_gguf_load_equals_transformers_own(smol_bf16: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -108,6 +109,7 @@ def test_gguf_load_equals_transformers_own(smol_bf16: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.network
 def test_quantize_gguf_then_eval_offline(smol_nvfp4: tuple[Path, dict], tmp_path: Path) -> None:
     from qerl_cli.config import EvalConfig
     from qerl_cli.evaluation import run_eval
@@ -131,6 +133,7 @@ def test_quantize_gguf_then_eval_offline(smol_nvfp4: tuple[Path, dict], tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.network
 def test_train_one_grpo_step_on_nvfp4_smollm2(smol_nvfp4: tuple[Path, dict], tmp_path: Path) -> None:
     from qerl_cli.cli import main
 

@@ -1,6 +1,9 @@
-"""Device checks of issue 11 (memory plan, 32B on an 80 GB cap, e2e at real lengths, bench wall time).
+"""End-to-end device checks: the memory plan, 32B on an 80 GB cap, GRPO at real lengths, bench wall time.
 
-Run through ``scripts/device_issue11.sh PART`` (it installs nothing; vLLM must be installed as
+First written for issue 11 as ``scripts/device_issue11.py``; the figures in benchmarks/h200-2026-11-23 came
+from it under that name.
+
+Run through ``scripts/device_e2e.sh PART`` (it installs nothing; vLLM must be installed as
 /work/shared/tools/device-vllm/README.md says, and it starts and stops the ballast). Subcommands:
 
 * ``ballast --cap-gib 79.2 --ready FILE``: hold GPU memory so that only ``cap`` GiB stay free (an
@@ -44,7 +47,7 @@ def device_info() -> dict[str, Any]:
 
 def header(argv: list[str]) -> dict[str, Any]:
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "command": " ".join(["python", "scripts/device_issue11.py", *argv]),
+            "command": " ".join(["python", "scripts/device_e2e.py", *argv]),
             "torch": torch.__version__, "before": device_info()}  # fmt: skip
 
 
@@ -82,7 +85,7 @@ def e2e(args: argparse.Namespace, argv: list[str]) -> int:
         recipe["train"].update(micro_batch_size="auto", gradient_checkpointing="auto")
         recipe["rollout"]["gpu_memory_utilization"] = "auto"
         recipe["train"]["fused_kernels"] = args.fused
-        args.recipe = f"/tmp/qerl-issue11/{args.name}-recipe.yaml"
+        args.recipe = f"/tmp/qerl-device-e2e/{args.name}-recipe.yaml"
         Path(args.recipe).parent.mkdir(parents=True, exist_ok=True)
         Path(args.recipe).write_text(yaml.safe_dump(recipe))
         payload["recipe"] = recipe
@@ -99,7 +102,7 @@ def e2e(args: argparse.Namespace, argv: list[str]) -> int:
             e2e_gpu_memory_utilization=args.share if args.share != "recipe" else None,
             e2e_recipe=args.recipe, e2e_linear_backend=args.backend,
         )  # fmt: skip
-        run_dir = f"/tmp/qerl-issue11/{args.name}"
+        run_dir = f"/tmp/qerl-device-e2e/{args.name}"
         payload["row"] = measure_format(cfg, args.format, str(folder), "vllm", run_dir)
         payload["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - recorded, then a non-zero exit
@@ -113,13 +116,13 @@ def e2e(args: argparse.Namespace, argv: list[str]) -> int:
 def batch(args: argparse.Namespace, argv: list[str]) -> int:
     payload = header(argv)
     cli = "import sys; from qerl_cli.cli import main; sys.exit(main(sys.argv[1:]))"
-    command = [sys.executable, "-c", cli, "bench", "--batch", "2,8", "-o", "/tmp/qerl-issue11/bench",
+    command = [sys.executable, "-c", cli, "bench", "--batch", "2,8", "-o", "/tmp/qerl-device-e2e/bench",
                "--set", "vllm_kwargs={attention_backend: TRITON_ATTN}"]  # fmt: skip
     payload["bench_command"] = "qerl " + " ".join(command[3:])
     started = time.perf_counter()
     proc = subprocess.run(command, check=False, env=dict(os.environ))
     payload.update(wall_s=time.perf_counter() - started, rc=proc.returncode, ok=proc.returncode == 0)
-    report = Path("/tmp/qerl-issue11/bench/bench.json")
+    report = Path("/tmp/qerl-device-e2e/bench/bench.json")
     if report.is_file():
         payload["bench"] = json.loads(report.read_text())
     write(args.out, payload)
@@ -127,7 +130,7 @@ def batch(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="device_issue11")
+    parser = argparse.ArgumentParser(prog="device_e2e")
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("ballast")
     b.add_argument("--cap-gib", type=float, default=79.2)

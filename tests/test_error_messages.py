@@ -1,0 +1,54 @@
+"""User-facing errors: messages printed verbatim (brackets included), list values naming the bad element."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qerl_cli.cli import main
+from qerl_cli.errors import QerlError
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, " ".join(err.split())  # rich wraps long lines
+
+
+# -- messages are printed verbatim, brackets included -------------------------------------------
+def test_yaml_error_keeps_the_bracketed_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    recipe = tmp_path / "[runs]" / "r.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("model: [unclosed\n")
+    rc, _, err = run(capsys, "train", str(recipe), "--dry-run")
+    assert rc == 2
+    assert "[unclosed" in err and "[runs]" in err
+
+
+def test_vllm_hint_keeps_the_extra_name(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    import qerl_cli.envinfo
+
+    def boom() -> dict:
+        raise QerlError('rollout engine "vllm" needs vLLM: pip install "qerl[vllm]"')
+
+    monkeypatch.setattr(qerl_cli.envinfo, "collect", boom)
+    rc, _, err = run(capsys, "env")
+    assert rc == 2 and 'pip install "qerl[vllm]"' in err
+
+
+# -- list values: say which element is wrong -----------------------------------------------------
+def test_bench_batch_names_the_bad_element(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "bench", "--batch", "2,abc", "--dry-run")
+    assert rc == 2 and "--batch takes comma-separated positive integers" in err and "'abc'" in err
+    rc, _, err = run(capsys, "bench", "--batch", "0", "--dry-run")
+    assert rc == 2 and "got '0'" in err
+
+
+def test_config_list_and_dict_errors_name_the_element(capsys, tmp_path: Path) -> None:
+    rc, _, err = run(capsys, "bench", "--set", "batch=[1, x]", "--dry-run")
+    assert rc == 2 and "item 2 ('x') is not int" in err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {path: m}\nreward: {extra: {'a.b:c': lots}}\ndata: {levels: [3, high]}\n")
+    rc, _, err = run(capsys, "train", str(recipe), "--dry-run")
+    assert rc == 2 and "'a.b:c'" in err and "is not float" in err
