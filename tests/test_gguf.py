@@ -303,7 +303,7 @@ def real_gemma_gguf() -> Path:
 
 @pytest.mark.slow
 def test_real_gemma3_270m_tokenizer_rebuilt_and_logits_equal(real_gemma_gguf: Path) -> None:
-    """~4 min on 2 cores: transformers' conversion is character-level; qerl's is the model's tokenizer."""
+    """Minutes: transformers' conversion is near character-level; qerl's is the model's own tokenizer."""
     from transformers import AutoTokenizer
 
     from qerl_cli.modeling.loading import load_policy_model
@@ -311,15 +311,15 @@ def test_real_gemma3_270m_tokenizer_rebuilt_and_logits_equal(real_gemma_gguf: Pa
     folder = Path(sources.resolve_model_source("gemma3-270m"))
     assert json.loads((folder / sources.SOURCE_RECORD).read_text())["tokenizer"].startswith("rebuilt")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    reference, broken = sources.load_gguf(real_gemma_gguf, dtype=torch.float32)
+    reference, broken = sources.load_gguf(real_gemma_gguf)  # BF16, as qerl converts it
     text = "Mia has 23 apples and picks 45 more. How many apples does Mia have now?"
     assert _tokens(tokenizer, text)[:7] == ["Mia", "▁has", "▁", "2", "3", "▁apples", "▁and"]
     assert _tokens(broken, text)[:3] == ["Mia", "▁h", "as"]
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     assert ids.tolist() == [[2, 818, 5279, 529, 7001, 563]]
-    ours, _ = load_policy_model(str(folder), dtype=torch.float32)
+    ours, _ = load_policy_model(str(folder))
     with torch.no_grad():
-        assert torch.allclose(ours(ids).logits, reference(ids).logits, atol=0.1)
+        assert torch.equal(ours(ids).logits, reference(ids).logits)  # identical, not merely close
 
         def nll_per_char(tok) -> float:  # the model's loss on the text as each tokenizer splits it
             batch = tok(text, return_tensors="pt").input_ids
