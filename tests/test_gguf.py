@@ -179,6 +179,35 @@ def test_converted_folder_logits_equal_transformers_own_gguf_load(
         assert torch.allclose(original(ids).logits, float32(ids).logits, atol=1e-5)
 
 
+def test_gemma3_nvfp4_base_loads_in_the_trainer_and_270m_passes_marlin(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Gemma path past the GGUF: qerl's RTN NVFP4 writer, QuantLinear loading, vLLM's width check."""
+    from qerl_cli.modeling.loading import load_policy_model
+    from qerl_cli.modeling.quant_linear import QuantLinear
+    from qerl_cli.modeling.shapes import checkpoint_shapes, marlin_refusals
+    from qerl_cli.quantize.native import write_rtn_checkpoint
+
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
+    nvfp4 = write_rtn_checkpoint(str(tiny_gguf), tmp_path / "nvfp4", "nvfp4")
+    fmt, shapes = checkpoint_shapes(nvfp4)
+    assert fmt == "nvfp4" and len(shapes) == 2 * 7  # every projection of both layers, no embedding
+    quantized, fmt = load_policy_model(str(nvfp4), dtype=torch.float32)
+    dense, _ = load_policy_model(str(tiny_gguf), dtype=torch.float32)
+    assert fmt == "nvfp4" and sum(isinstance(m, QuantLinear) for m in quantized.modules()) == 14
+    ids = torch.tensor([[2, 300, 301, 302, 303]])
+    with torch.no_grad():
+        a, b = quantized(ids).logits, dense(ids).logits
+    # Random weights: 4-bit error compounds to ~0.3 of the logits' norm; a misloaded layer gives ~1.4.
+    assert float((a - b).norm() / b.norm()) < 0.5
+    assert float(torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.9
+    # Gemma 3 270M (hidden 640, 4 heads x 256, 1 KV head, MLP 2048): Marlin's FP4 kernels take every layer.
+    layer = {"q_proj": (640, 1024), "k_proj": (640, 256), "v_proj": (640, 256), "o_proj": (1024, 640),
+             "gate_proj": (640, 2048), "up_proj": (640, 2048), "down_proj": (2048, 640)}  # fmt: skip
+    shapes_270m = {f"model.layers.{i}.{n}": s for i in range(18) for n, s in layer.items()}
+    assert marlin_refusals(shapes_270m) == []
+
+
 def test_tokenizer_problem_flags_character_level_and_lossy_tokenizers() -> None:
     from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
