@@ -220,3 +220,107 @@ def test_bf16_rounding_swallows_tiny_sigmas() -> None:
     assert noiser.last_changed_fraction < 0.01
     noiser.apply(1e-2, torch.Generator().manual_seed(0))
     assert noiser.last_changed_fraction > 0.5
+
+
+# ---------------------------------------------------------------- Gemma norms: scale 1 + w
+
+
+def _tiny_gemma3() -> nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, sliding_window=8, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(config).eval()  # norms initialised at 0, as Gemma's are: scale exactly 1
+
+
+def test_gemma3_norms_are_found_and_noise_lands_on_the_scale_one_plus_w() -> None:
+    model = _tiny_gemma3()
+    noiser = NormNoiser(model)
+    # Per layer: input, post-attention, pre- and post-feedforward norms, q_norm and k_norm; plus the final.
+    assert noiser.num_modules == 6 * model.config.num_hidden_layers + 1
+    assert all(type(m).__name__ == "Gemma3RMSNorm" for m in noiser.modules.values())
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(3, 32)
+    normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+    ids = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        clean_logits = model(ids).logits
+        assert torch.allclose(norm(x), normalized, atol=1e-6)  # stored 0: scale 1
+        with noiser.noised(0.05, torch.Generator().manual_seed(0)):
+            z = norm.weight.detach().clone()  # clean is 0, so the stored weight is the noise itself
+            assert 0.03 < float(z.std()) < 0.07
+            # The norm now scales channel c by 1 + z_c: additive noise on the scale it applies,
+            # as the paper's w + z on a Qwen norm (a multiplicative w * (1 + z) would leave 0 unchanged).
+            assert torch.allclose(norm(x), normalized * (1.0 + z), atol=1e-6)
+            noisy_logits = model(ids).logits
+        assert torch.equal(model(ids).logits, clean_logits)  # restored exactly
+    assert not torch.allclose(noisy_logits, clean_logits)
+    assert all(float(m.weight.detach().abs().max()) == 0.0 for m in noiser.modules.values())
+
+
+class GemmaRMSNorm(nn.Module):
+    """Shaped like vLLM 0.26's GemmaRMSNorm: weight zeros(hidden), forward x * (1 + w) in float32."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=torch.bfloat16))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return x * (self.weight.float() + 1.0)
+
+
+class VLLMRMSNorm(nn.Module):
+    """vLLM's RMSNorm built with has_weight=False: a plain ones tensor, never perturbed."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.has_weight = False
+        self.weight = torch.ones(size)
+
+
+def _fake_vllm_gemma3(layers: int = 2, hidden: int = 16, head_dim: int = 8) -> nn.Module:
+    """vLLM's Gemma3ForCausalLM module tree: model.layers[i].{self_attn.{q,k}_norm, 4 norms}, model.norm."""
+    root, model = nn.Module(), nn.Module()
+    model.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer, attn = nn.Module(), nn.Module()
+        attn.qkv_proj = nn.Linear(hidden, 3 * hidden)
+        attn.q_norm, attn.k_norm = GemmaRMSNorm(head_dim), GemmaRMSNorm(head_dim)
+        layer.self_attn = attn
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, GemmaRMSNorm(hidden))
+        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            setattr(layer, name, GemmaRMSNorm(hidden))
+        layer.unweighted = VLLMRMSNorm(hidden)
+        model.layers.append(layer)
+    model.norm = GemmaRMSNorm(hidden)
+    root.model = model
+    return root
+
+
+def test_vllm_worker_perturbs_gemma_norms_on_their_effective_scale() -> None:
+    from qerl_cli.rollout.vllm_worker import CLEAN_NORMS_ATTR, worker_count_norms, worker_set_norm_noise
+
+    model = _fake_vllm_gemma3()
+    assert worker_count_norms(model) == 6 * 2 + 1  # the has_weight=False norm is skipped
+    count, changed = worker_set_norm_noise(model, sigma=0.02, seed=7)
+    # bf16 spacing near 0 is fine: (nearly) every element of a Gemma norm keeps its noise.
+    assert count == 13 and changed > 0.99
+    final = model.model.norm
+    z = final.weight.detach().float().clone()
+    assert 0.01 < float(z.std()) < 0.04
+    x = torch.randn(4, 16)
+    normalized = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(final(x), normalized * (1.0 + z), atol=1e-6)  # scale 1 + w + z
+    assert torch.equal(model.model.layers[0].unweighted.weight, torch.ones(16))
+    again, _ = worker_set_norm_noise(model, sigma=0.02, seed=7)  # redrawn from the clean copy
+    assert again == 13 and torch.equal(final.weight.float(), z)
+    assert worker_set_norm_noise(model, sigma=0.0, seed=0) == (0, 0.0)
+    assert all(float(w.abs().max()) == 0 for w in getattr(model, CLEAN_NORMS_ATTR).values())
+    assert float(final.weight.detach().abs().max()) == 0.0

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from qerl_cli.compare import arms as arms_mod
-from qerl_cli.compare import runner
+from qerl_cli.compare import runner, summary
 from qerl_cli.compare.summary import arm_rows, steps_to
 from qerl_cli.errors import QerlError
 from qerl_cli.torch_utils import device_label
@@ -20,6 +20,7 @@ TINY_SETS = [
     "train.prompts_per_step=2", "train.max_steps=3", "train.micro_batch_size=8", "train.learning_rate=1e-2",
     "train.device=cpu", "train.gradient_checkpointing=false", "lora.rank=4", "lora.alpha=8",
     "output.save_steps=2", "aqn.num_stages=2", "reward.grader_workers=1",
+    "compare.base_method=rtn",  # AWQ is the default; RTN keeps these tests to seconds
 ]  # fmt: skip
 
 
@@ -77,7 +78,13 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     base_evals = sorted(p.parent.name for p in (out / "base-heldout").glob("*/heldout.json"))
     assert len(base_evals) == 2 and base_evals[1].startswith("nvfp4-"), base_evals
     assert (out / "compare.png").stat().st_size > 0
-    assert "| nvfp4-aqn | 2 |" in (out / "compare.md").read_text()
+    md = (out / "compare.md").read_text()
+    assert "| nvfp4-aqn | nvfp4 RTN | 2 |" in md and "| bf16-lora | bf16 | 2 |" in md
+    assert "4-bit bases made here: RTN (round to nearest" in md
+    for row in report["arms"]:  # where GRPO's signal started: from the runs' own first steps
+        assert 0.0 <= row["start_reward"] <= 1.0 and 0.0 <= row["start_no_spread_fraction"] <= 1.0
+    first = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
+    assert len(first["zero_std_group_fraction"]) == 3
     assert json.loads((out / "compare.json").read_text())["threshold"] == report["threshold"]
     # Where the numbers came from: each run's result, the report, the table (the PNG's title too).
     assert report["devices"] == [device_label("cpu")] and device_label("cpu").startswith("CPU (")
@@ -162,7 +169,7 @@ def test_awq_bases_come_from_qerl_quantize_once(tiny_model_dir: Path, tmp_path: 
 def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> None:
     with pytest.raises(QerlError, match=r"'compare.base_methd'; did you mean compare.base_method\?"):
         arms_mod.read_settings({"base_methd": "awq"})
-    with pytest.raises(QerlError, match="compare.base_method must be one of rtn, awq, got 'gptq'"):
+    with pytest.raises(QerlError, match="compare.base_method must be one of awq, rtn, got 'gptq'"):
         arms_mod.read_settings({"base_method": "gptq"})
     assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"
     # Values are typed and checked like every recipe key.
@@ -209,8 +216,8 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
                        r"compare.md covers the 3 finished runs.*run the same command again"):  # fmt: skip
         runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
     assert ran == [("bf16-lora", 0), ("bf16-lora", 1), ("nvfp4-aqn", 0), ("nvfp4-aqn", 1)]
-    assert "| nvfp4-aqn | 1 |" in (out / "compare.md").read_text()  # the one finished seed
-    assert "| bf16-lora | 2 |" in (out / "compare.md").read_text()
+    assert "| nvfp4-aqn | nvfp4 RTN | 1 |" in (out / "compare.md").read_text()  # the one finished seed
+    assert "| bf16-lora | bf16 | 2 |" in (out / "compare.md").read_text()
 
 
 def test_a_base_that_cannot_be_evaluated_still_gets_a_report(
@@ -228,7 +235,8 @@ def test_a_base_that_cannot_be_evaluated_still_gets_a_report(
     with pytest.raises(QerlError, match=r"Not evaluated: the base of nvfp4-aqn \(RuntimeError: CUDA out of"):
         runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS)
     table = (out / "compare.md").read_text()
-    assert "| bf16-lora | 1 | 0.300 | 25.0% ± 5.0 |" in table and "| nvfp4-aqn | 1 | 0.300 | - |" in table
+    assert "| bf16-lora | bf16 | 1 | 0.300 | 25.0% ± 5.0 |" in table
+    assert "| nvfp4-aqn | nvfp4 RTN | 1 | 0.300 | - |" in table
     assert len(list((out / "base-heldout").glob("*/heldout.json"))) == 1  # the failed one: retried next time
 
 
@@ -298,4 +306,75 @@ def test_parallel_runs_report_a_failed_child_and_summarise_the_rest(
         runner.run_compare(_recipe(tmp_path, tiny_model_dir), ["bf16-lora", "nvfp4-aqn"], 2, out,
                            sets=TINY_SETS, jobs=2)  # fmt: skip
     table = (out / "compare.md").read_text()
-    assert "| bf16-lora | 1 |" in table and "| nvfp4-aqn | 2 |" in table
+    assert "| bf16-lora | bf16 | 1 |" in table and "| nvfp4-aqn | nvfp4 RTN | 2 |" in table
+
+
+def test_awq_is_the_default_base_method_and_its_absence_is_explained(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+    import inspect
+
+    from qerl_cli.compare import bases as bases_mod
+
+    assert arms_mod.read_settings(None).base_method == "awq"
+    assert arms_mod.read_settings({"threshold": 0.5}).base_method == "awq"
+    assert inspect.signature(runner.prepare_bases).parameters["method"].default == "awq"
+    assert arms_mod.read_settings({"base_method": "rtn"}).base_method == "rtn"  # still an option
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    for name in ("smollm2_wordproblems.yaml", "gemma3_270m_wordproblems.yaml"):  # the real-model recipes
+        assert runner.load_recipe(recipes / name)[1].base_method == "awq", name
+        # Their documented quantize step makes an AWQ base (qerl quantize's default method).
+        assert "--format nvfp4 --calib qerl-text -o" in (recipes / name).read_text(), name
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llmcompressor" else real_find_spec(name, *a),
+    )
+    data = {"model": {"path": str(tiny_model_dir)}}
+    arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
+    with pytest.raises(QerlError, match=r"base_method is awq \(the default\).*needs llm-compressor.*"
+                       r"--set compare.base_method=rtn"):  # fmt: skip
+        bases_mod.prepare_bases(data, arms, [], tmp_path / "out")
+    labels = bases_mod.base_labels({"a": str(tiny_model_dir)}, {"bf16": str(tiny_model_dir)}, tmp_path, "awq")
+    assert labels == {"a": "bf16"}
+
+
+def test_start_signal_columns_and_the_starving_base_warning(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The tiny model's compare with runs whose first steps had (almost) no groups with a reward spread."""
+    no_spread = {"bf16-lora": [0.5, 0.75, 0.75], "nvfp4-aqn": [1.0, 0.5, 0.25]}
+
+    def fake_run(conf, settings, arm, progress):
+        result = {
+            "arm": arm, "seed": conf.train.seed, "reward": [0.1, 0.3, 0.5], "entropy": [1.0, 0.9, 0.8],
+            "zero_std_group_fraction": no_spread[arm], "heldout": {"pass@1": 0.5, "pass@1_se": 0.1},
+        }  # fmt: skip
+        (Path(conf.output.dir) / "result.json").parent.mkdir(parents=True, exist_ok=True)
+        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result))
+        return result
+
+    monkeypatch.setattr(runner, "run_one", fake_run)
+    monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    with caplog.at_level("WARNING"):
+        report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS)
+    bf16, nvfp4 = report["arms"]
+    # The first 10% of 3 steps is the first step: its reward and its share of groups without a spread.
+    assert bf16["start_reward"] == pytest.approx(0.1) and bf16["start_no_spread_fraction"] == 0.5
+    assert nvfp4["start_no_spread_fraction"] == 1.0 and nvfp4["base"] == "nvfp4 RTN"
+    (warning,) = report["warnings"]
+    assert warning.startswith("nvfp4-aqn (base nvfp4 RTN) starts with too little signal for GRPO: 0.0% of")
+    assert "an AWQ base (compare.base_method=awq)" in warning and warning in caplog.text
+    md = (out / "compare.md").read_text()
+    assert "| 0.100 | 50.0% |" in md and "| 0.100 | 100.0% |" in md and "**Warning**: nvfp4-aqn" in md
+    assert json.loads((out / "compare.json").read_text())["base_method"] == "rtn"
+    # A base whose groups mostly carry a spread is not warned about, and an AWQ base gets no AWQ hint.
+    rows = [{"arm": "x", "base": "nvfp4 AWQ", "start_no_spread_fraction": 0.97, "start_reward": 0.0}]
+    (only,) = summary.signal_warnings(rows)
+    assert "3.0% of its groups" in only and "AWQ base" not in only
+    assert summary.signal_warnings([{**rows[0], "start_no_spread_fraction": 0.9}]) == []
+    assert summary.signal_warnings([{**rows[0], "start_no_spread_fraction": None}]) == []  # older results

@@ -12,13 +12,15 @@ train`` never sees::
     compare:
       threshold: 0.5             # reward for "steps to threshold" (default: see summary.py)
       heldout_problems: 64       # held-out split, greedy, pass@1 with its standard error
-      base_method: rtn           # or awq: how 4-bit bases are made from the recipe's BF16 model
+      base_method: awq           # (default) or rtn: how 4-bit bases are made from the recipe's BF16 model
       arms:
         mxfp4-aqn: {model.format: mxfp4, aqn.enabled: true}
 
 ``model.format`` names the base an arm needs; when the recipe's model is another format, its 4-bit
-counterpart is made once (round to nearest by ``qerl_cli.quantize.native``, or AWQ by ``qerl quantize``)
-and shared by all runs.
+counterpart is made once and shared by all runs: AWQ by ``qerl quantize`` on the shipped qerl-text
+calibration set (the default, as the paper calibrates its bases; needs llm-compressor), or round to
+nearest by ``qerl_cli.quantize.native`` (``base_method: rtn``: seconds, no extra package). The report
+names the method of every base.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "nvfp4-lora": {"model.format": "nvfp4", "aqn.enabled": False},
     "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
 }
-BASE_METHODS = ("rtn", "awq")
+BASE_METHODS = ("awq", "rtn")
+DEFAULT_BASE_METHOD = "awq"
 RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the arms' own
 
 
@@ -45,10 +48,11 @@ class CompareSettings:
     heldout_problems: int = 64
     heldout_samples: int = 1
     heldout_temperature: float = 0.0  # greedy: the model's own answer, no sampling noise
-    # How a BF16 recipe model's 4-bit counterparts are made: round to nearest (qerl's own packing, seconds,
-    # no extra package) or AWQ through llm-compressor on the shipped qerl-text calibration set (the
-    # quantization `qerl quantize` uses by default, offline).
-    base_method: str = "rtn"
+    # How a BF16 recipe model's 4-bit counterparts are made: AWQ through llm-compressor on the shipped
+    # qerl-text calibration set (the quantization `qerl quantize` uses by default and the paper's bases
+    # have, offline) or round to nearest (qerl's own packing, seconds, no extra package). AWQ by default:
+    # RTN bases of small models can start with too little reward signal for GRPO (issue 22).
+    base_method: str = DEFAULT_BASE_METHOD
     arms: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BUILTIN_ARMS))
 
 

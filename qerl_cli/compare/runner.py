@@ -2,7 +2,7 @@
 
 Layout of ``--output DIR``::
 
-    DIR/bases/<format>/           the 4-bit counterpart of a BF16 base (RTN), made once
+    DIR/bases/<format>-awq/       the 4-bit counterpart of a BF16 base (AWQ; RTN: <format>/), made once
     DIR/<arm>/seed-<s>/           one `qerl train` run (checkpoints, metrics.jsonl, adapter)
     DIR/<arm>/seed-<s>/heldout/   `qerl eval` of its adapter on the held-out split
     DIR/<arm>/seed-<s>/result.json   written last: a run with it is finished and skipped next time
@@ -28,6 +28,7 @@ from typing import Any
 
 from qerl_cli import config as cfg
 from qerl_cli.compare.arms import CompareSettings, as_set_strings, read_settings, select_arms
+from qerl_cli.compare.bases import base_labels, prepare_bases
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -72,60 +73,6 @@ def arm_config(
     return conf
 
 
-def prepare_bases(
-    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], out: Path, method: str = "rtn"
-) -> dict[str, str]:
-    """{format: model folder} for every base format an arm asks for (quantized once with ``method``)."""
-    from qerl_cli.modeling.loading import detect_format, read_config
-    from qerl_cli.modeling.sources import resolve_model_source
-
-    probe = cfg.from_dict(cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), list(sets), None))
-    source = probe.model.path
-    if not source:
-        raise QerlError("the recipe has no model.path: set it or pass --set model.path=...")
-    folder = resolve_model_source(source)
-    own = detect_format(read_config(Path(folder)))
-    bases = {own: folder}
-    for overrides in arms.values():
-        fmt = str(overrides.get("model.format", "auto"))
-        if fmt in ("auto", *bases) or "model.path" in overrides:
-            continue
-        if own != "bf16":
-            raise QerlError(
-                f"an arm needs a {fmt} base but the recipe's model {source} is {own}; point model.path at "
-                "the BF16 model (its 4-bit counterparts are made here), or give the arm its own model.path"
-            )
-        target = out / "bases" / (fmt if method == "rtn" else f"{fmt}-{method}")
-        if method == "rtn":
-            from qerl_cli.quantize.native import write_rtn_checkpoint
-
-            log.info("quantizing %s to %s (round to nearest) into %s", source, fmt, target)
-            bases[fmt] = str(write_rtn_checkpoint(folder, target, fmt))
-        else:
-            log.info("quantizing %s to %s (AWQ on qerl-text) into %s", source, fmt, target)
-            bases[fmt] = str(_awq_base(folder, target, fmt, probe.train.device))
-            free_accelerator_memory()  # before any run (or vLLM) measures what is free
-    return bases
-
-
-def _awq_base(folder: str, target: Path, fmt: str, device: str) -> Path:
-    """``qerl quantize --method awq --calib qerl-text`` of ``folder`` into ``target``, once."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN
-    from qerl_cli.files import write_folder_once
-    from qerl_cli.quantize import run_quantize
-
-    def write(staging: Path) -> None:
-        run_quantize(
-            cfg.QuantizeConfig(
-                model=folder, format=fmt, method="awq", calib=BUILTIN_NAME, calib_field="text",
-                num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
-                overwrite=True, device=device,
-            )
-        )  # fmt: skip
-
-    return write_folder_once(target, write)
-
-
 def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool) -> dict[str, Any]:
     """Train (or resume) one run, evaluate it on the held-out split, write its result.json."""
     from qerl_cli.rl.checkpoint import list_checkpoints
@@ -154,6 +101,8 @@ def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress
         "resumed_from": summary.get("resumed_from") or resume,
         "reward": [float(r.get("reward_mean", float("nan"))) for r in records],
         "entropy": [float(r.get("entropy", float("nan"))) for r in records],
+        # Per step, the share of groups whose rewards were all equal (no GRPO signal from them).
+        "zero_std_group_fraction": [float(r.get("zero_std_group_fraction", float("nan"))) for r in records],
         "heldout": heldout,
         "seconds": time.perf_counter() - start,
     }
@@ -387,8 +336,13 @@ def run_compare(
         return {"output": str(out), "runs": len(plan), "ran": len(todo)}
     _warn_of_other_bases(data, chosen, sets, out, bases, finished)
     start, base_failures = evaluate_bases(data, chosen, sets, base_seed, out, bases, settings)
+    paths = {a: arm_config(data, chosen[a], sets, base_seed, out, a, bases).model.path for a in chosen}
+    labels = base_labels(paths, bases, out, settings.base_method)
     report = write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
-                          skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start)  # fmt: skip
+                          skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start,
+                          base_labels=labels)  # fmt: skip
+    for warning in report["warnings"]:
+        log.warning("%s", warning)
     if failures or base_failures:
         runs = f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. " if failures else ""
         evals = f"Not evaluated: {'; '.join(base_failures)}. " if base_failures else ""

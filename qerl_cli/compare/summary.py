@@ -12,6 +12,15 @@
 - base entropy (T=1): the untrained base's mean next-token entropy over its own completions of the first
   held-out prompts, sampled at temperature 1 with no adapter and no noise (``compare.entropy``): the
   paper's "quantization raises entropy" claim, before any training.
+- start reward and no-spread groups: the mean training reward, and the share of prompt groups whose
+  rewards were all equal, over the first 10% of steps (at least one). They come from the runs' own
+  ``metrics.jsonl`` rather than from the base's held-out evaluation, because that evaluation is greedy
+  (one answer a problem) while GRPO learns only from groups of ``rollout.num_generations`` samples at
+  the training temperature that differ in reward: the training's first steps are that measurement.
+  AQN's first stage is noise-free, so those steps see the base as it is. An arm whose groups have a
+  reward spread in fewer than :data:`MIN_SIGNAL_FRACTION` of cases is named in ``warnings``: its
+  base starts with too little signal for GRPO.
+- base: the format of the arm's base and how it was quantized (AWQ or RTN), in every report.
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ from qerl_cli.compare.curves import window as _window
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
 
+START_FRACTION = FINAL_FRACTION  # the first steps: start reward, no-spread groups
+# Below this share of groups with a reward spread GRPO has (almost) nothing to learn from: SmolLM2's
+# NVFP4 RTN base had 1.6% against 21.9% for BF16, and learned a quarter as much (issue 22).
+MIN_SIGNAL_FRACTION = 0.05
 
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and not math.isnan(v)]
@@ -49,9 +62,12 @@ def steps_to(rewards: list[float], threshold: float) -> int | None:
 def run_figures(result: dict[str, Any]) -> dict[str, Any]:
     rewards, entropy = result["reward"], result["entropy"]
     steps = len(rewards)
+    no_spread = result.get("zero_std_group_fraction") or []  # absent in results of older qerl
     return {
         "final_reward": _mean(rewards[-_window(steps, FINAL_FRACTION) :]),
         "first_reward": _mean(rewards[: _window(steps, FINAL_FRACTION)]),
+        "start_reward": _mean(rewards[: _window(steps, START_FRACTION)]),
+        "start_no_spread": _mean(no_spread[: _window(steps, START_FRACTION)]),
         "early_entropy": _mean(entropy[: _window(steps, EARLY_FRACTION)]),
         "heldout": result["heldout"]["pass@1"],
         "heldout_se": result["heldout"].get("pass@1_se"),
@@ -72,7 +88,7 @@ def load_results(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list
 
 def arm_rows(
     results: dict[str, list[dict[str, Any]]], threshold: float | None,
-    base_heldout: dict[str, dict[str, Any]] | None = None,
+    base_heldout: dict[str, dict[str, Any]] | None = None, base_labels: dict[str, str] | None = None,
 ) -> tuple[list[dict], float]:  # fmt: skip
     figures = {arm: [run_figures(r) for r in runs] for arm, runs in results.items()}
     if threshold is None:
@@ -89,6 +105,7 @@ def arm_rows(
         rows.append(
             {
                 "arm": arm,
+                "base": (base_labels or {}).get(arm),
                 "seeds": len(runs),
                 "steps": max(len(r["reward"]) for r in runs),
                 "final_reward": _mean([f["final_reward"] for f in figs]),
@@ -103,9 +120,30 @@ def arm_rows(
                 "reached_threshold": f"{sum(s is not None for s in reached)}/{len(runs)}",
                 "early_entropy": _mean([f["early_entropy"] for f in figs]),
                 "early_entropy_sd": _sd([f["early_entropy"] for f in figs]),
+                "start_reward": _mean([f["start_reward"] for f in figs]),
+                "start_no_spread_fraction": _mean([f["start_no_spread"] for f in figs]),
             }
         )
     return rows, threshold
+
+
+def signal_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per arm whose first steps had a reward spread in under MIN_SIGNAL_FRACTION of groups."""
+    out = []
+    for row in rows:
+        no_spread = row.get("start_no_spread_fraction")
+        if no_spread is None or 1.0 - no_spread >= MIN_SIGNAL_FRACTION:
+            continue
+        base = row.get("base") or ""
+        awq = "an AWQ base (compare.base_method=awq), " if "RTN" in base else ""
+        out.append(
+            f"{row['arm']}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
+            f"{100 * (1 - no_spread):.1f}% of its groups had a reward spread over the first steps (under "
+            f"{100 * MIN_SIGNAL_FRACTION:.0f}%), start reward {_fmt(row.get('start_reward'))}. Try {awq}more "
+            "samples per prompt (rollout.num_generations), a higher rollout.temperature, or a prompt the "
+            "base answers more often"
+        )
+    return out
 
 
 def _fmt(value: float | None, digits: int = 3, sd: float | None = None) -> str:
@@ -120,8 +158,10 @@ def _percent(value: float | None, se: float | None) -> str:
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
+    no_spread = row.get("start_no_spread_fraction")
     return [
         row["arm"],
+        row.get("base") or "-",
         str(row["seeds"]),
         _fmt(row["final_reward"], sd=row["final_reward_sd"]),
         _percent(row.get("base_heldout_accuracy"), row.get("base_heldout_se")),
@@ -129,12 +169,14 @@ def _cells(row: dict[str, Any]) -> list[str]:
         f"{_fmt(row['steps_to_threshold'], 1)} ({row['reached_threshold']})",
         _fmt(row["early_entropy"], sd=row["early_entropy_sd"]),
         _fmt(row.get("base_entropy")),
+        _fmt(row.get("start_reward")),
+        "-" if no_spread is None else f"{100 * no_spread:.1f}%",
     ]
 
 
 HEADERS = [
-    "arm", "seeds", "final reward", "base pass@1 ± SE", "held-out pass@1 ± SE", "steps to threshold",
-    "early entropy", "base entropy (T=1)",
+    "arm", "base", "seeds", "final reward", "base pass@1 ± SE", "held-out pass@1 ± SE", "steps to threshold",
+    "early entropy", "base entropy (T=1)", "start reward", "no-spread groups (start)",
 ]  # fmt: skip
 
 
@@ -145,14 +187,25 @@ def markdown(report: dict[str, Any]) -> str:
         f"Threshold {report['threshold']:.3f} (trailing mean reward); final reward over the last 10% of "
         "steps; "
         "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1; base pass@1: "
-        "the untrained base, the evaluation's own SE). "
+        "the untrained base, the evaluation's own SE). Start reward and no-spread groups (all rewards of "
+        "a prompt's group equal: no GRPO signal) over the first 10% of steps. "
+        f"4-bit bases made here: {_method_text(report.get('base_method'))}. "
         f"Ran on: {', '.join(report.get('devices') or ['unrecorded device'])}.",
         "",
         "| " + " | ".join(HEADERS) + " |",
         "| " + " | ".join("---" for _ in HEADERS) + " |",
     ]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in report["arms"]]
+    warnings = report.get("warnings") or []
+    lines += ["", *(f"**Warning**: {w}." for w in warnings)] if warnings else []
     return "\n".join(lines) + "\n"
+
+
+def _method_text(method: str | None) -> str:
+    return {
+        "awq": "AWQ (llm-compressor, qerl-text calibration)",
+        "rtn": "RTN (round to nearest, no calibration)",
+    }.get(method or "", "method unrecorded")
 
 
 def compare_table(report: dict[str, Any]):  # -> rich.table.Table
@@ -163,18 +216,24 @@ def compare_table(report: dict[str, Any]):  # -> rich.table.Table
         table.add_column(header, justify="left" if header == "arm" else "right")
     for row in report["arms"]:
         table.add_row(*_cells(row))
-    table.caption = f"{report['output']}: compare.json, compare.md, compare.png"
+    table.caption = (
+        f"4-bit bases made here: {_method_text(report.get('base_method'))}. "
+        f"{report['output']}: compare.json, compare.md, compare.png"
+    )
     return table
 
 
 def write_report(
     out: Path, arms: dict[str, Any], seeds: list[int], settings: CompareSettings, threshold: float | None,
     skipped: int = 0, recipe: str = "", base_heldout: dict[str, dict[str, Any]] | None = None,
+    base_labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     from qerl_cli.compare.plot import plot_curves
 
     results = load_results(out, list(arms), seeds)
-    rows, used = arm_rows(results, threshold if threshold is not None else settings.threshold, base_heldout)
+    rows, used = arm_rows(
+        results, threshold if threshold is not None else settings.threshold, base_heldout, base_labels
+    )
     unknown = "unrecorded device"
     trained = {r.get("device") or unknown for runs in results.values() for r in runs}
     report = {
@@ -182,6 +241,8 @@ def write_report(
         "output": str(out),
         "threshold": used,
         "arms": rows,
+        "base_method": settings.base_method,
+        "warnings": signal_warnings(rows),
         "overrides": {arm: arms[arm] for arm in results},
         "skipped_finished_runs": skipped,
         # Runs written before result.json recorded its device say so rather than guess.

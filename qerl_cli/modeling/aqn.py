@@ -7,6 +7,13 @@ Because an RMSNorm scale multiplies the input of the following linear layers, th
 row-wise multiplicative noise ``(1 + z / w)`` on those (quantized) weights, without touching the
 4-bit kernels.
 
+Gemma's norms (HF ``Gemma3RMSNorm``, vLLM ``GemmaRMSNorm``) store ``w`` but scale by ``1 + w``. Adding
+``z`` to the stored ``w`` gives the channel scale ``(1 + w) + z``: the same additive N(0, sigma^2) on
+the scale the norm applies as ``w + z`` is for a Llama/Qwen norm, so no special case is needed (a
+multiplicative ``w * (1 + z)`` would be wrong there: Gemma's stored weights sit near 0). One difference
+in effect: a stored bf16 weight near 0 has a fine spacing, so on Gemma even small sigmas survive the
+cast (on Qwen, ``w`` near 1.0 rounds sigmas below ~4e-3 mostly away, see below).
+
 Schedule (matching NVlabs/QeRL ``trl_trainer/noise_scheduler.py`` and ``grpo_trainer.py``): the
 training steps are split into ``num_stages`` (K) equal stages; stage 0 is noise-free (only the
 quantization noise acts) and stages 1..K-1 use K-1 sigma values going from ``sigma_start`` to
@@ -152,7 +159,8 @@ class AQNSchedule:
 
 def is_rms_norm(name: str, module: nn.Module) -> bool:
     """Default norm predicate: the module's class name ends with ``RMSNorm`` (Qwen2RMSNorm,
-    LlamaRMSNorm, Qwen3RMSNorm, vLLM's RMSNorm, ...) and it has a weight tensor."""
+    LlamaRMSNorm, Qwen3RMSNorm, Gemma3RMSNorm, vLLM's RMSNorm and GemmaRMSNorm, ...) and it has a
+    weight tensor."""
     has_weight = isinstance(getattr(module, "weight", None), torch.Tensor)
     return has_weight and type(module).__name__.endswith("RMSNorm")
 

