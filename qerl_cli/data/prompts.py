@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.prompt_tokens import encode_prompt, has_chat_template
 
 Placement = Literal["system", "user_suffix", "none"]
 
@@ -80,10 +81,6 @@ def build_messages(question: str, template: str = "qerl", system_prompt: str | N
     return messages
 
 
-def _has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def render_prompt(
     question: str, tokenizer: Any, template: str = "qerl", system_prompt: str | None = None
 ) -> str:
@@ -94,7 +91,7 @@ def render_prompt(
     user message.
     """
     messages = build_messages(question, template, system_prompt)
-    if tokenizer is None or not _has_chat_template(tokenizer):
+    if tokenizer is None or not has_chat_template(tokenizer):
         return "\n\n".join(m["content"] for m in messages)
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -103,6 +100,14 @@ def render_prompt(
             raise QerlError(f"the tokenizer's chat template failed on a prompt: {exc}") from exc
         merged = [{"role": "user", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}]
         return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(
+    question: str, tokenizer: Any, template: str = "qerl", system_prompt: str | None = None
+) -> list[int]:
+    """The prompt's token ids as the model expects them: :func:`render_prompt`, then BOS exactly once
+    (:func:`qerl_cli.modeling.prompt_tokens.encode_prompt`, which the engines use on the same text)."""
+    return encode_prompt(render_prompt(question, tokenizer, template, system_prompt), tokenizer)
 
 
 def template_hash(template: str = "qerl", system_prompt: str | None = None) -> str:

@@ -148,7 +148,9 @@ class Trainer:
 
     def _probe_ids(self, max_tokens: int = 128) -> list[int]:
         text = self.prompts[self.problems[0].id]
-        return list(self.policy.tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+        from qerl_cli.modeling.prompt_tokens import encode_prompt
+
+        return encode_prompt(text, self.policy.tokenizer)[:max_tokens]  # as the engines tokenise it
 
     def _prompt_logprobs(self, ids: list[int]) -> list[float]:
         """The trainer's log p(ids[i + 1] | ids[: i + 1]) at temperature 1, adapters on, no noise."""
