@@ -95,7 +95,7 @@ class Trainer:
             if reward_fn is None:
                 from qerl_cli.rewards import build_reward_fn
 
-                reward_fn = build_reward_fn(cfg.reward)
+                reward_fn = build_reward_fn(cfg.reward, data=cfg.data)  # its prompt's format
             self.reward_fn = reward_fn
             self.step = 0
             self._seed_rank_stream()
