@@ -89,3 +89,69 @@ def test_hashes_are_stable_and_sensitive(tokenizer) -> None:
 def test_unknown_template_is_a_user_error(tokenizer) -> None:
     with pytest.raises(QerlError, match="choose one of"):
         render_prompt("Q?", tokenizer, "fancy")
+
+
+# -- issue 22: a template for base models, and the answer format each template asks for ------------
+def test_fewshot_template_shows_worked_examples_and_ends_at_answer(tokenizer) -> None:
+    from qerl_cli.data.prompts import FEWSHOT_EXAMPLES, FEWSHOT_STOP
+
+    class BaseModelTokenizer:  # no chat template: the text goes to the model as it is
+        chat_template = None
+
+    text = render_prompt(
+        "Mia has 23 apples and picks 45 more. How many apples?", BaseModelTokenizer(), "qerl-fewshot"
+    )
+    assert text.startswith("Question: Tom has 12 marbles")
+    assert text.count("The answer is ") == 3 and text.count("Question: ") == 4
+    assert text.endswith("\n\nQuestion: Mia has 23 apples and picks 45 more. How many apples?\nAnswer:")
+    # the examples' answers are right: a base model copies what it is shown
+    assert "12 + 7 = 19" in FEWSHOT_EXAMPLES and "45 - 18 = 27" in FEWSHOT_EXAMPLES
+    assert "6 * 4 = 24" in FEWSHOT_EXAMPLES
+    # a chat model gets the same text as its user turn
+    chat = render_prompt("Q?", tokenizer, "qerl-fewshot")
+    assert (
+        "<|im_start|>user\nQuestion: Tom has 12 marbles" in chat and "Question: Q?\nAnswer:<|im_end|>" in chat
+    )
+    tpl = TEMPLATES["qerl-fewshot"]
+    assert tpl.stop == FEWSHOT_STOP and tpl.answer_format == "answer_is"
+    assert prompt_record("qerl-fewshot")["stop"] == ["\nQuestion:"]
+
+
+def test_existing_template_hashes_are_unchanged() -> None:
+    # Runs recorded before answer formats and stop strings existed still compare as the same prompt.
+    assert template_hash("qerl") == "d9097b431ec33dc3"
+    assert template_hash("plain") == "e6862193f7bab6d7"
+
+
+def test_fewshot_is_a_template_train_and_eval_accept(tmp_path) -> None:
+    from qerl_cli.config import EvalConfig, TrainConfig
+    from qerl_cli.rl.rollouts import sampling_spec
+
+    cfg = TrainConfig()
+    cfg.data.template = "qerl-fewshot"
+    assert sampling_spec(cfg, step=1, round_index=0).stop == ("\nQuestion:",)
+    cfg.data.template = "qerl"
+    assert sampling_spec(cfg, step=1, round_index=0).stop == ()
+    EvalConfig(model="m", template="qerl-fewshot").validate()
+
+
+@pytest.mark.parametrize(
+    ("template", "system_prompt", "expected"),
+    [
+        ("qerl", None, "think_answer"),
+        ("qerl", "You are terse.", "think_answer"),  # the instruction moves to the user turn: still asked
+        ("boxed", None, "boxed"),
+        ("qerl-fewshot", None, "answer_is"),
+        ("plain", None, "any"),
+        # the SmolLM2 recipe: template plain, the format asked in the system prompt
+        ("plain", "Solve the math word problem. Show the sum, then end with: The answer is N.", "answer_is"),
+        ("plain", "Put the final answer within \\boxed{}.", "boxed"),
+        ("plain", "Answer in <think></think><answer></answer> tags.", "think_answer"),
+        ("plain", "Be brief.", "any"),
+    ],
+)
+def test_expected_answer_format(template: str, system_prompt: str | None, expected: str) -> None:
+    from qerl_cli.data.prompts import expected_answer_format
+
+    assert expected_answer_format(template, system_prompt) == expected
+    assert prompt_record(template, system_prompt)["answer_format"] == expected

@@ -477,7 +477,10 @@ def test_a_failed_start_closes_what_it_opened_and_not_what_it_was_lent(
 
     made = Engine()
     monkeypatch.setattr(setup, "make_engine", lambda *args, **kwargs: made)
-    monkeypatch.setattr(rewards, "build_reward_fn", lambda cfg: (_ for _ in ()).throw(QerlError("no grader")))
+    def no_grader(cfg, **kwargs):
+        raise QerlError("no grader")
+
+    monkeypatch.setattr(rewards, "build_reward_fn", no_grader)
     with pytest.raises(QerlError, match="no grader"):
         Trainer(tiny_cfg(tiny_model_dir, tmp_path / "a"))
     assert made.closed  # the engine it started is closed

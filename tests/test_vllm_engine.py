@@ -141,6 +141,17 @@ class FakeLLMEngine:
         return set(self.loras)
 
 
+class ByteTokenizer:
+    """vLLM's tokenizer stand-in: one id per UTF-8 byte, no chat template, no special tokens."""
+
+    chat_template = None
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        texts = [text] if isinstance(text, str) else text
+        ids = [list(t.encode()) for t in texts]
+        return {"input_ids": ids[0] if isinstance(text, str) else ids}
+
+
 class FakeLLM:
     """Records calls; generates deterministic outputs; runs apply_model on a real torch module."""
 
@@ -158,6 +169,9 @@ class FakeLLM:
         self.llm_engine = FakeLLMEngine(self)
         self.sleeping = False
         FakeLLM.instances.append(self)
+
+    def get_tokenizer(self) -> Any:
+        return self.opts.tokenizer
 
     # -- weights
     def apply_model(self, func: Any) -> list[Any]:
@@ -247,6 +261,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
         flat=True,
         wake_resets_weights=True,
         finish_reason=None,
+        tokenizer=ByteTokenizer(),
     )
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")
@@ -471,6 +486,19 @@ def test_generate_maps_ids_logprobs_and_finish_reasons(
     first = params[0]
     assert (first.n, first.temperature, first.top_p, first.top_k, first.max_tokens) == (2, 0.7, 1.0, 0, 3)
     assert first.logprobs == 0 and first.stop == ["</answer>"] and first.ignore_eos is False
+
+
+def test_generate_passes_token_ids_with_bos_exactly_once(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
+    # vLLM adds special tokens to a text prompt; the engine hands it ids with BOS already right.
+    from test_prompt_tokens import bos_tokenizer
+
+    tokenizer = bos_tokenizer()
+    fake_vllm.options.tokenizer = tokenizer
+    engine = make_engine(tmp_path)
+    result = engine.generate(["ab", "<|endoftext|>ab"], n=1, sampling=SPEC)
+    bos = tokenizer.bos_token_id
+    # (text prompts would come back as their bytes: no BOS on the first, "<|endoftext|>" spelled out)
+    assert result.prompt_token_ids == [[bos, 97, 98], [bos, 97, 98]]
 
 
 def test_generate_without_seed_shares_one_params(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
@@ -740,7 +768,6 @@ def test_bench_serves_a_formats_with_and_without_lora_cases_from_one_engine(
     config.update(num_attention_heads=2, hidden_size=8, num_hidden_layers=2, vocab_size=300)
     (model / "config.json").write_text(json.dumps(config))
     adapter = write_adapter(tmp_path / "adapter", effect=0.3)
-    monkeypatch.setattr(FakeLLM, "get_tokenizer", lambda self: None, raising=False)
     served: list[int | None] = []
 
     def one_generate(engine, tokenizer, batches, settings, **kwargs):  # stands in for the timing loop

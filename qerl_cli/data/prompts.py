@@ -13,6 +13,14 @@ Templates
 ``boxed``: the question followed by "Please reason step by step, and put your final answer within
     \\boxed{}." in the user message (the DeepSeek-R1 / Qwen math evaluation convention).
 ``plain``: the question alone (synthetic tasks for tiny models).
+``qerl-fewshot``: three worked word problems ("Question: ... / Answer: ... The answer is N."), then
+    the question and "Answer:", for base models without a chat template (Gemma 3 270M): a base
+    model continues a document, so it needs to be shown what an answer looks like. Generation stops
+    at the next "Question:" the model starts on its own.
+
+Each template names the answer format it asks for (:mod:`qerl_cli.rewards.format`): the format
+reward and ``format_rate`` check that one. ``plain`` asks for none, so a ``system_prompt`` given
+with it decides (:func:`expected_answer_format`).
 
 An explicit ``system_prompt`` becomes the system message; a ``qerl`` instruction then moves to the
 end of the user message, so it is never silently dropped.
@@ -22,12 +30,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.prompt_tokens import encode_prompt, has_chat_template
 
-Placement = Literal["system", "user_suffix", "none"]
+if TYPE_CHECKING:
+    from qerl_cli.config import DataSection
+    from qerl_cli.rewards.format import AnswerFormat
+
+Placement = Literal["system", "user_suffix", "fewshot", "none"]
 
 QERL_INSTRUCTION = (
     "Solve the following math problem step by step. The reasoning process and direct answer are "
@@ -36,6 +50,17 @@ QERL_INSTRUCTION = (
     "<think>\n...\n</think>\n<answer>\n...\n</answer>"
 )
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# Worked examples in the shape of GSM8K and the synthetic word problems, one operation each, so a
+# base model sees the arithmetic written out and the closing sentence the grader reads.
+FEWSHOT_EXAMPLES = (
+    "Question: Tom has 12 marbles and finds 7 more. How many marbles does Tom have now?\n"
+    "Answer: 12 + 7 = 19. The answer is 19.\n\n"
+    "Question: A baker made 45 rolls and sold 18 of them. How many rolls are left?\n"
+    "Answer: 45 - 18 = 27. The answer is 27.\n\n"
+    "Question: Each box holds 6 pens. How many pens are in 4 boxes?\n"
+    "Answer: 6 * 4 = 24. The answer is 24."
+)
+FEWSHOT_STOP = ("\nQuestion:",)
 
 
 @dataclass(frozen=True)
@@ -44,17 +69,38 @@ class PromptTemplate:
     instruction: str | None
     placement: Placement
     source: str
+    # The answer shape the prompt asks for, checked by the format reward and format_rate.
+    answer_format: AnswerFormat = "any"
+    # Where generation ends besides EOS: a base model goes on to write the next example.
+    stop: tuple[str, ...] = ()
 
     def record(self) -> dict[str, Any]:
-        return {"name": self.name, "instruction": self.instruction, "placement": self.placement}
+        record = {"name": self.name, "instruction": self.instruction, "placement": self.placement}
+        if self.stop:  # only when set, so the hashes of the templates that have none stay as they were
+            record["stop"] = list(self.stop)
+        return record
 
 
 TEMPLATES: dict[str, PromptTemplate] = {
     "qerl": PromptTemplate(
-        "qerl", QERL_INSTRUCTION, "system", "NVlabs/QeRL utils/data.py and eval/gsm8k.py (system message)"
+        "qerl",
+        QERL_INSTRUCTION,
+        "system",
+        "NVlabs/QeRL utils/data.py and eval/gsm8k.py (system message)",
+        answer_format="think_answer",
     ),
-    "boxed": PromptTemplate("boxed", BOXED_INSTRUCTION, "user_suffix", "DeepSeek-R1 / Qwen math eval"),
+    "boxed": PromptTemplate(
+        "boxed", BOXED_INSTRUCTION, "user_suffix", "DeepSeek-R1 / Qwen math eval", answer_format="boxed"
+    ),
     "plain": PromptTemplate("plain", None, "none", "question only, for synthetic tasks"),
+    "qerl-fewshot": PromptTemplate(
+        "qerl-fewshot",
+        FEWSHOT_EXAMPLES,
+        "fewshot",
+        "three worked examples, for base models (no chat template)",
+        answer_format="answer_is",
+        stop=FEWSHOT_STOP,
+    ),
 }
 
 
@@ -70,7 +116,9 @@ def build_messages(question: str, template: str = "qerl", system_prompt: str | N
     tpl = get_template(template)
     user = question.strip()
     system = system_prompt
-    if tpl.instruction is not None:
+    if tpl.placement == "fewshot":
+        user = f"{tpl.instruction}\n\nQuestion: {user}\nAnswer:"
+    elif tpl.instruction is not None:
         if tpl.placement == "system" and system is None:
             system = tpl.instruction
         else:
@@ -80,8 +128,25 @@ def build_messages(question: str, template: str = "qerl", system_prompt: str | N
     return messages
 
 
-def _has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+# What a system prompt asks the answer to look like, for templates that ask nothing themselves.
+_ASKS_FOR = (
+    ("think_answer", re.compile(r"<answer>")),
+    ("boxed", re.compile(r"\\boxed")),
+    ("answer_is", re.compile(r"\banswer\s+is\b", re.IGNORECASE)),
+)
+
+
+def expected_answer_format(template: str = "qerl", system_prompt: str | None = None) -> AnswerFormat:
+    """The answer shape the prompt asks for: the template's own, or, for a template that asks for
+    none (``plain``), what the system prompt asks for ("... end with: The answer is N." ->
+    ``answer_is``); ``any`` when nothing asks."""
+    tpl = get_template(template)
+    if tpl.answer_format != "any" or not system_prompt:
+        return tpl.answer_format
+    for name, pattern in _ASKS_FOR:
+        if pattern.search(system_prompt):
+            return name  # type: ignore[return-value]
+    return "any"
 
 
 def render_prompt(
@@ -94,7 +159,7 @@ def render_prompt(
     user message.
     """
     messages = build_messages(question, template, system_prompt)
-    if tokenizer is None or not _has_chat_template(tokenizer):
+    if tokenizer is None or not has_chat_template(tokenizer):
         return "\n\n".join(m["content"] for m in messages)
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -103,6 +168,14 @@ def render_prompt(
             raise QerlError(f"the tokenizer's chat template failed on a prompt: {exc}") from exc
         merged = [{"role": "user", "content": f"{messages[0]['content']}\n\n{messages[1]['content']}"}]
         return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(
+    question: str, tokenizer: Any, template: str = "qerl", system_prompt: str | None = None
+) -> list[int]:
+    """The prompt's token ids as the model expects them: :func:`render_prompt`, then BOS exactly once
+    (:func:`qerl_cli.modeling.prompt_tokens.encode_prompt`, which the engines use on the same text)."""
+    return encode_prompt(render_prompt(question, tokenizer, template, system_prompt), tokenizer)
 
 
 def template_hash(template: str = "qerl", system_prompt: str | None = None) -> str:
@@ -128,7 +201,18 @@ def prompt_record(template: str = "qerl", system_prompt: str | None = None, toke
     return {
         **tpl.record(),
         "source": tpl.source,
+        "answer_format": expected_answer_format(template, system_prompt),
         "system_prompt": system_prompt,
         "template_hash": template_hash(template, system_prompt),
         "chat_template_hash": chat_template_hash(tokenizer) if tokenizer is not None else None,
+    }
+
+
+def reward_settings(data: DataSection) -> dict[str, Any]:
+    """What the reward needs of the run's prompt, for
+    ``build_reward_fn(cfg.reward, **reward_settings(cfg.data))``: the answer format it asks for and the
+    template's stop strings."""
+    return {
+        "answer_format": expected_answer_format(data.template, data.system_prompt),
+        "stop": get_template(data.template).stop,
     }

@@ -19,7 +19,7 @@ from typing import Any
 from qerl_cli.config import BENCHMARKS_ALL, EvalConfig
 from qerl_cli.data.benchmarks import benchmark_source, default_samples, load_benchmark
 from qerl_cli.data.problem import Problem
-from qerl_cli.data.prompts import prompt_record, render_prompt
+from qerl_cli.data.prompts import get_template, prompt_record, render_prompt
 from qerl_cli.errors import QerlError
 from qerl_cli.evaluation.metrics import benchmark_metrics, paired_difference, per_problem_counts
 from qerl_cli.evaluation.report import results_markdown
@@ -298,7 +298,11 @@ def run_eval(
             engine_name = type(engine).__name__
         results = _header(cfg, tokenizer, engine_name)
         sampling = SamplingSpec(
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=cfg.seed,
+            stop=get_template(cfg.template).stop,  # as in training
         )
         for name, problems in suites.items():
             n = samples_for(cfg, name)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.prompt_tokens import encode_prompt
 
 DEFAULT_CALIB = "open-thoughts/OpenThoughts-114k"
 # Field names tried, in order, when --calib-field is not given.
@@ -158,8 +159,9 @@ def _tokenized(
         text, kind = render(record, field_name, tokenizer)
         if not text.strip():
             continue
-        # The chat template already adds the special tokens; plain text gets none (like pretraining).
-        ids = tokenizer(text, add_special_tokens=False, truncation=True, max_length=seq_len)["input_ids"]
+        # The chat template already writes the special tokens; plain text gets the tokenizer's own
+        # leading ones (BOS for Gemma or Llama), as a document in pretraining and a prompt in training.
+        ids = encode_prompt(text, tokenizer, from_chat_template=kind == "chat_template")[:seq_len]
         if ids:
             how.append(kind)
             yield list(ids)

@@ -17,7 +17,13 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from qerl_cli.rewards.extract import Extraction, ExtractionMethod, clean_candidate, extract_structured
+from qerl_cli.rewards.extract import (
+    Extraction,
+    ExtractionMethod,
+    clean_candidate,
+    extract_structured,
+    normalize_prose,
+)
 
 # math-verify logs a warning when its own signal timeouts are off, and again for every parse
 # failure of malformed model output; neither helps a user reading training logs.
@@ -98,9 +104,11 @@ def extract(completion: str) -> Extraction:
     found = extract_structured(completion)
     if found.method != "none":
         return found
-    anchored = _parse(completion, anchored_only=True)
+    anchored = _parse(normalize_prose(completion), anchored_only=True)
     if anchored:
-        return Extraction(str(anchored[-1]), "anchor")
+        # math-verify's matched text can carry what follows the number ("72**." before the prose
+        # was normalised, "72." at a sentence end): cleaned like any other extracted answer.
+        return Extraction(clean_candidate(str(anchored[-1])) or None, "anchor")
     return Extraction(None, "none")
 
 

@@ -1,10 +1,15 @@
 """The training reward: correctness (graded in the worker pool) + format + named extra functions.
 
-``build_reward_fn(cfg.reward)`` returns a callable
+``build_reward_fn(cfg.reward, **reward_settings(cfg.data))`` (``qerl_cli.data.prompts``) returns a callable
 ``(completions, problems) -> (rewards, stats)`` with
 ``reward = correctness_weight * correct + format_weight * format + sum(weight * fn(completion, problem))``
 where each extra ``fn`` is named by import path in ``reward.extra`` (``{"pkg.mod:fn": 0.5}``).
 Extra functions run in the trainer process: they are the user's own code, trusted to be quick.
+
+``format`` (and the ``format_rate`` metric) checks the answer shape the run's prompt asks for
+(:func:`qerl_cli.data.prompts.expected_answer_format`): the QeRL tags for the ``qerl`` template,
+"The answer is N" for the few-shot one or a system prompt asking for it. Completions are cut at the
+template's stop strings first, which one engine keeps at the end of the text and another drops.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Protocol
 
 from qerl_cli.config import RewardSection
 from qerl_cli.errors import QerlError
-from qerl_cli.rewards.format import format_reward
+from qerl_cli.rewards.format import AnswerFormat, format_reward
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader, resolve_callable
 
@@ -38,8 +43,17 @@ ExtraRewardFn = Callable[[str, Problem], float]
 class RewardFunction:
     """Callable reward with a grader pool inside; close it (or use ``with``) when done."""
 
-    def __init__(self, cfg: RewardSection, grader: Grader | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RewardSection,
+        grader: Grader | None = None,
+        *,
+        answer_format: AnswerFormat = "think_answer",
+        stop: tuple[str, ...] = (),
+    ) -> None:
         self.cfg = cfg
+        self.answer_format = answer_format
+        self.stop = stop
         self.extras: list[tuple[str, ExtraRewardFn, float]] = [
             (path, resolve_callable(path), float(weight)) for path, weight in cfg.extra.items()
         ]
@@ -64,8 +78,9 @@ class RewardFunction:
     ) -> tuple[list[float], dict[str, float]]:
         if len(completions) != len(problems):
             raise ValueError(f"{len(completions)} completions but {len(problems)} problems")
+        completions = [_cut_at_stop(c, self.stop) for c in completions]
         grades = self.grader.grade_many(completions, [p.answer for p in problems])
-        formats = [format_reward(c) for c in completions]
+        formats = [format_reward(c, self.answer_format) for c in completions]
         rewards = [
             self.cfg.correctness_weight * float(g.correct) + self.cfg.format_weight * f
             for g, f in zip(grades, formats, strict=True)
@@ -89,6 +104,14 @@ class RewardFunction:
         return rewards, stats
 
 
+def _cut_at_stop(completion: str, stop: tuple[str, ...]) -> str:
+    for marker in stop:
+        cut = completion.find(marker)
+        if cut >= 0:
+            completion = completion[:cut]
+    return completion
+
+
 def _call_extra(path: str, fn: ExtraRewardFn, completion: str, problem: Problem) -> float:
     try:
         value = float(fn(completion, problem))
@@ -103,8 +126,18 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def build_reward_fn(reward_cfg: RewardSection, grader: Grader | None = None) -> RewardFunction:
-    """The reward for ``cfg.reward``; pass ``grader`` to share a pool (or to test with a fake one)."""
+def build_reward_fn(
+    reward_cfg: RewardSection,
+    grader: Grader | None = None,
+    *,
+    answer_format: AnswerFormat = "think_answer",
+    stop: tuple[str, ...] = (),
+) -> RewardFunction:
+    """The reward for ``cfg.reward``; pass ``grader`` to share a pool (or to test with a fake one).
+
+    ``answer_format`` and ``stop``: what the run's prompt asks for and where its completions end
+    (``qerl_cli.data.prompts.reward_settings(cfg.data)``); by default the QeRL ``<think>/<answer>`` format.
+    """
     if reward_cfg.correctness_weight == 0 and reward_cfg.format_weight == 0 and not reward_cfg.extra:
         raise QerlError("every reward weight is 0: set reward.correctness_weight or reward.format_weight")
-    return RewardFunction(reward_cfg, grader)
+    return RewardFunction(reward_cfg, grader, answer_format=answer_format, stop=stop)

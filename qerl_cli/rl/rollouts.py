@@ -17,6 +17,7 @@ import torch
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.problem import Problem
+from qerl_cli.data.prompts import get_template
 from qerl_cli.rl.advantages import group_reward_stats
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.sampling import DynamicSampler, overlong_penalty
@@ -94,6 +95,7 @@ def sampling_spec(
         top_p=r.top_p,
         top_k=-1,
         seed=derive_seed(cfg.train.seed, "rollout", *parts),
+        stop=get_template(cfg.data.template).stop,  # a few-shot prompt ends where the next example starts
     )
 
 

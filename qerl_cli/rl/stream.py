@@ -79,12 +79,13 @@ def render_prompts(
     """Chat-formatted prompts by problem id; problems whose prompt exceeds ``max_prompt_length``
     tokens are left out (truncating would cut the question)."""
     from qerl_cli.data.prompts import render_prompt
+    from qerl_cli.modeling.prompt_tokens import encode_prompts
 
     texts = [
         render_prompt(p.question, tokenizer, template=cfg.data.template, system_prompt=cfg.data.system_prompt)
         for p in problems
     ]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    lengths = [len(ids) for ids in encode_prompts(texts, tokenizer)]  # as the engines tokenise them
     limit = cfg.rollout.max_prompt_length
     prompts: dict[str, str] = {}
     kept: list[Problem] = []

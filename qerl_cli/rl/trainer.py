@@ -93,9 +93,10 @@ class Trainer:
             self.schedule = setup.make_aqn_schedule(cfg)
             self.tis_on = setup.tis_enabled(cfg, self.policy)
             if reward_fn is None:
+                from qerl_cli.data.prompts import reward_settings
                 from qerl_cli.rewards import build_reward_fn
 
-                reward_fn = build_reward_fn(cfg.reward)
+                reward_fn = build_reward_fn(cfg.reward, **reward_settings(cfg.data))  # its prompt's format
             self.reward_fn = reward_fn
             self.step = 0
             self._seed_rank_stream()
@@ -140,7 +141,9 @@ class Trainer:
 
     def _probe_ids(self, max_tokens: int = 128) -> list[int]:
         text = self.prompts[self.problems[0].id]
-        return list(self.policy.tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens]
+        from qerl_cli.modeling.prompt_tokens import encode_prompt
+
+        return encode_prompt(text, self.policy.tokenizer)[:max_tokens]  # as the engines tokenise it
 
     def _prompt_logprobs(self, probe: Sequence[int]) -> list[float]:
         """The trainer's log p(ids[i + 1] | ids[: i + 1]) at temperature 1, adapters on, no noise."""

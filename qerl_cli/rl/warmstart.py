@@ -62,17 +62,12 @@ class _Examples:
     """Tokenized worked problems; a share ``label_noise`` of the draws carry a wrong result."""
 
     def __init__(self, problems: list[Problem], tokenizer: Any, template: str, label_noise: float) -> None:
-        from qerl_cli.data.prompts import render_prompt
+        from qerl_cli.data.prompts import prompt_token_ids
 
         self.problems = problems
         self.tokenizer = tokenizer
         self.label_noise = label_noise
-        self.prompts = [
-            tokenizer(render_prompt(p.question, tokenizer, template=template), add_special_tokens=False)[
-                "input_ids"
-            ]
-            for p in problems
-        ]
+        self.prompts = [prompt_token_ids(p.question, tokenizer, template=template) for p in problems]
 
     def draw(self, rng: random.Random) -> tuple[list[int], list[int]]:
         from qerl_cli.data.synthetic import reference_completion

@@ -30,6 +30,7 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
+from qerl_cli.modeling.prompt_tokens import encode_prompts
 from qerl_cli.rollout.base import (
     COMPLETIONS,
     GENERATED_TOKENS,
@@ -222,7 +223,7 @@ class HFEngine:
         if sampling.temperature < 0:
             raise QerlError(f"temperature must be >= 0, got {sampling.temperature}")
         start = time.perf_counter()
-        prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        prompt_ids = encode_prompts(prompts, self.tokenizer)  # BOS as the model expects it
         if any(len(ids) == 0 for ids in prompt_ids):
             raise QerlError("an empty prompt cannot be generated from; every prompt needs at least one token")
         rows = [i for i in range(len(prompts)) for _ in range(n)]  # prompt-major: groups contiguous

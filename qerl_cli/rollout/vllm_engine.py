@@ -41,6 +41,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
+from qerl_cli.modeling.prompt_tokens import encode_prompts
 from qerl_cli.rollout.base import (
     COMPLETIONS,
     GENERATED_TOKENS,
@@ -274,9 +275,13 @@ class VLLMEngine:
             # vLLM seeds the n samples of a request with seed + j; spacing prompts n apart keeps
             # every sample's stream distinct while the batch stays reproducible.
             params = [self.sampling_params(n, sampling, sampling.seed + i * n) for i in range(len(prompts))]
+        # Token ids, not text: vLLM adds the tokenizer's special tokens to a text prompt, which
+        # doubles BOS after a chat template that writes it. The ids are the HF engine's and the
+        # trainer's (qerl_cli.modeling.prompt_tokens).
+        inputs = [{"prompt_token_ids": ids} for ids in encode_prompts(prompts, self.llm.get_tokenizer())]
         started = time.perf_counter()
         try:
-            outputs = self.llm.generate(prompts, params, lora_request=self._lora, use_tqdm=False)
+            outputs = self.llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
         except ValueError as exc:
             raise QerlError(
                 f"vLLM rejected the rollout batch: {exc}. If a prompt is too long, raise "

@@ -1,0 +1,132 @@
+"""Issue 22: a correct answer is graded correct however it is written, and a wrong one stays wrong.
+
+Each kind of writing (sentence punctuation, markdown marks, thousands separators) has cases in each
+place an answer is found (answer tag, box, anchored phrase, bare answer) and negatives next to them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qerl_cli.rewards import grade
+from qerl_cli.rewards.extract import clean_candidate, normalize_prose, normalize_thousands
+
+THIN_SPACE = "\u2009"
+NARROW_NO_BREAK_SPACE = "\u202f"
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        # trailing sentence punctuation (math-verify reads "72." as text)
+        ("<answer>72.</answer>", "72"),
+        ("<answer>-3.</answer>", "-3"),
+        ("<answer>0.5.</answer>", "\\frac{1}{2}"),
+        ("<answer>72 apples.</answer>", "72"),
+        ("<answer>x = 72;</answer>", "72"),
+        ("72.", "72"),  # bare
+        ("\\boxed{72.}", "72"),
+        # markdown emphasis and code marks
+        ("<answer>**72**</answer>", "72"),
+        ("<answer>*72*</answer>", "72"),
+        ("<answer>__72__</answer>", "72"),
+        ("<answer>`72`</answer>", "72"),
+        ("<answer>**$72$**.</answer>", "72"),  # nested, in whichever order
+        ("<answer>**72.**</answer>", "72"),
+        ("**72**", "72"),  # bare
+        ("The answer is **72**.", "72"),  # anchored phrase: math-verify alone reads "72**."
+        ("The answer is *72*.", "72"),
+        ("The answer is `72`.", "72"),
+        ("**Answer:** 72", "72"),
+        # thousands separators: LaTeX spacing, thin spaces, plain spaces, commas, {,}
+        ("\\boxed{1\\,000}", "1000"),  # math-verify alone reads 0
+        ("<answer>1\\ 000</answer>", "1000"),
+        ("<answer>1{,}000</answer>", "1000"),
+        (f"<answer>1{THIN_SPACE}000</answer>", "1000"),
+        (f"<answer>1{NARROW_NO_BREAK_SPACE}000{NARROW_NO_BREAK_SPACE}000</answer>", "1000000"),
+        ("<answer>1 000</answer>", "1000"),
+        ("<answer>12 345</answer>", "12345"),
+        ("<answer>1,000,000</answer>", "1000000"),
+        ("<answer>$1\\,000$</answer>", "1000"),
+        ("<answer>-1\\,000.5</answer>", "-1000.5"),
+        ("1 000", "1000"),  # bare
+        ("The answer is 1\\,000.", "1000"),  # math-verify alone reads 1
+        (f"The answer is 1{THIN_SPACE}000.", "1000"),
+        ("The answer is 1,000.", "1000"),
+        ("The answer is **1\\,000**.", "1000"),
+    ],
+)
+def test_a_correct_answer_is_correct_however_it_is_written(completion: str, gold: str) -> None:
+    result = grade(completion, gold)
+    assert result.correct, result
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        ("<answer>72.5</answer>", "72"),  # a decimal point followed by digits is part of the number
+        ("<answer>72.5.</answer>", "72"),
+        ("<answer>**72.5**</answer>", "72"),
+        ("<answer>72!</answer>", "72"),  # "!" is a factorial, not punctuation
+        ("<answer>**73**</answer>", "72"),
+        ("The answer is **73**.", "72"),
+        ("<answer>7 2</answer>", "72"),  # two numbers, neither 72 ...
+        ("<answer>7 2</answer>", "14"),  # ... nor their product
+        ("<answer>1,2</answer>", "12"),  # a list, not twelve
+        ("<answer>1,00</answer>", "100"),  # groups of three digits only
+        ("<answer>1,000 000</answer>", "1000000"),  # one kind of separator per number
+        ("<answer>12,3456</answer>", "123456"),
+        ("\\boxed{1\\,000}", "1"),
+        ("\\boxed{1\\,000}", "0"),
+        ("The answer is 1\\,000.", "1"),
+        ("The answer is 1\\,0000.", "10000"),  # not a thousands group: left alone, not read as 10000
+    ],
+)
+def test_a_wrong_answer_stays_wrong(completion: str, gold: str) -> None:
+    result = grade(completion, gold)
+    assert not result.correct, result
+
+
+def test_factorial_and_lists_keep_their_meaning() -> None:
+    assert grade("<answer>5!</answer>", "120").correct
+    assert grade("<answer>1,2</answer>", "1,2").correct
+    assert grade("<answer>3*4*5</answer>", "60").correct  # single stars between digits are products
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("72.", "72"),
+        ("72.5", "72.5"),
+        ("72...", "72"),
+        ("**`72`**", "72"),
+        ("$72$.", "72"),
+        ("\\frac{1}{2};", "\\frac{1}{2}"),
+        ("72\\,", "72\\,"),  # a trailing LaTeX space is not a comma to strip
+        ("z^*", "z^*"),  # a conjugate's star is not markdown
+        ("1\\;000", "1000"),
+        ("1~000", "1000"),
+        ("\\$1,000", "\\$1000"),
+        ("1 000\\%", "1000\\%"),
+        ("7 2", "7 2"),
+        ("1,2,3", "1,2,3"),
+        ("(1,000)", "(1,000)"),
+    ],
+)
+def test_clean_candidate(text: str, expected: str) -> None:
+    assert clean_candidate(text) == expected
+
+
+def test_thousands_need_one_separator_and_groups_of_three() -> None:
+    assert normalize_thousands("1,234,567") == "1234567"
+    assert normalize_thousands("1,234 567") == "1,234 567"
+    assert normalize_thousands("1234,567") == "1234,567"
+    assert normalize_thousands("-12 345.25") == "-12345.25"
+
+
+def test_prose_keeps_products_and_plain_spaces() -> None:
+    assert normalize_prose("so 3*4*5 = 60 and a_1_b") == "so 3*4*5 = 60 and a_1_b"
+    assert normalize_prose("The answer is **72**.") == "The answer is 72."
+    # a plain space in prose can separate two numbers ("add 12 345 times"): left to math-verify
+    assert normalize_prose("from 12 345 up") == "from 12 345 up"
+    assert normalize_prose("has 1\\,000\\,000 and 2\\,5") == "has 1000000 and 2\\,5"
