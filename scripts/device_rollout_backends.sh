@@ -30,13 +30,34 @@ start() {  # start NAME 'COMMAND': detached, logged, exit code recorded
   echo "started $name: $command"
 }
 
+running() {  # parts started and not finished
+  for f in "$RUN"/out/*.log; do [ -f "$f" ] && [ ! -f "${f%.log}.rc" ] && basename "$f" .log; done
+}
+
+one_at_a_time() {  # the GPU runs one part at a time: a second one waits for the first to finish
+  local busy
+  busy=$(running | tr '\n' ' ')
+  if [ -n "$busy" ]; then echo "busy: $busy still running; start $PART when it has finished"; exit 0; fi
+}
+
+e2e_command() {  # e2e_command NAME FORMAT BACKEND PROMPTS [RECIPE]
+  echo "python scripts/device_e2e.py e2e --name $1 --model ${MODEL:-qwen2.5-7b} --format $2 --backend $3 \
+    --fused ${FUSED:-auto} --prompt-len 256 --gen-len 2048 --prompts $4 --generations 8 --steps ${STEPS:-2} \
+    --recipe ${5:-recipes/gsm8k_7b.yaml} --auto-memory --share recipe --out $RUN/out/e2e-$1.json"
+}
+
 case "$PART" in
+  queue)  # queue AFTER NAME FORMAT BACKEND PROMPTS [RECIPE]: an e2e part that starts when part AFTER ends
+    AFTER=${2:?part to wait for}; shift 2
+    start "e2e-$1" "while [ ! -f $RUN/out/$AFTER.rc ]; do sleep 2; done; $(e2e_command "$@")" ;;
   profile)
+    one_at_a_time
     snapshot
     start profile "python scripts/device_update_profile.py --model qwen2.5-7b --formats bf16,nvfp4 \
       --fused off,liger --sequences ${SEQUENCES:-32} --profile --out $RUN/out/update_profile.json" ;;
   sweep)
     SWEEP=${SWEEP:-sweep}
+    one_at_a_time
     snapshot
     start "$SWEEP" "python -m qerl_cli bench --model qwen2.5-7b --formats ${FORMATS:-bf16,nvfp4} \
       --concurrency ${CONCURRENCY:-8,32,128,256} --backends ${BACKENDS:-marlin,fp8,humming} \
@@ -44,6 +65,7 @@ case "$PART" in
       -o $RUN/out/$SWEEP" ;;
   e2e)
     NAME=${2:?name} FMT=${3:?format} BACKEND=${4:?backend} PROMPTS=${5:?prompts} RECIPE=${6:-recipes/gsm8k_7b.yaml}
+    one_at_a_time
     snapshot
     # BEFORE: commands to run first in the same detached job, so the GPU runs one job at a time. By
     # default, on a machine that has not measured it yet, the Humming sweep (NVFP4 x humming).
@@ -65,10 +87,7 @@ print(",".join(b for b in ("fp8", "humming") if b not in have))' 2>/dev/null)
 t = merge_tables(load_table(None), *map(load_table, sorted(glob.glob(\"$RUN/out/*/crossover.json\")))); \
 open(\"qerl_cli/rollout/crossover.json\", \"w\").write(json.dumps(t, indent=2))'"
     BEFORE="${BEFORE:+$BEFORE; }$MERGE"
-    start "e2e-$NAME" "${BEFORE:+$BEFORE; }python scripts/device_e2e.py e2e --name $NAME --model ${MODEL:-qwen2.5-7b} \
-      --format $FMT --backend $BACKEND --fused ${FUSED:-auto} --prompt-len 256 --gen-len 2048 \
-      --prompts $PROMPTS --generations 8 --steps ${STEPS:-2} --recipe $RECIPE --auto-memory \
-      --share recipe --out $RUN/out/e2e-$NAME.json" ;;
+    start "e2e-$NAME" "${BEFORE:+$BEFORE; }$(e2e_command "$NAME" "$FMT" "$BACKEND" "$PROMPTS" "$RECIPE")" ;;
   stop)  # stop a running part: stop NAME
     pkill -f "out/${2:?name}" ; sleep 3; pkill -9 -f "qerl_cli.bench.worker"
     rm -rf "$RUN/out/$2.rc" "$RUN/out/$2.log" "$RUN/out/$2"

@@ -60,7 +60,10 @@ class ProtocolOnlyEngine:
         self._synced.append(peft_model)
 
     def check_staleness(
-        self, probe_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+        self,
+        probe_ids: Sequence[int],
+        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
+        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
     ) -> float | None:
         self._calls.append("check_staleness")
         self._probes.append((list(probe_ids), list(trainer_logprobs(probe_ids))))

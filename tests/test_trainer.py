@@ -323,7 +323,7 @@ def test_a_separate_engine_gets_the_adapter_and_a_staleness_probe(
 
             self.synced.append(check_folder(save_peft_model(peft_model, self.folder / str(len(self.synced)))))
 
-        def check_staleness(self, probe, trainer_logprobs):
+        def check_staleness(self, probe, trainer_logprobs, reference_logprobs=None):
             self.probes.append((list(probe), list(trainer_logprobs(probe))))
             return 0.0
 

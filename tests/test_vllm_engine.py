@@ -223,7 +223,8 @@ class FakeLLM:
             ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(prompt.encode())
             prompt_logprobs = None
             if sp.prompt_logprobs is not None:
-                offset = self._adapter_effect(lora_request) + 10.0 * self._norm_shift()
+                offset = (self._adapter_effect(lora_request) + 10.0 * self._norm_shift()
+                          + self.opts.numerics_shift)  # fmt: skip
                 prompt_logprobs = [None] + [{t: Logprob(logprob=-1.0 - 0.01 * t + offset)} for t in ids[1:]]
             completions = []
             for j in range(sp.n):
@@ -262,6 +263,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
         wake_resets_weights=True,
         finish_reason=None,
         tokenizer=ByteTokenizer(),
+        numerics_shift=0.0,  # what other rollout weights (an FP8 copy) add to every logprob
     )
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")
@@ -820,3 +822,34 @@ def test_wake_up_without_room_fails_with_the_numbers_before_vllm_allocates(
     monkeypatch.setattr(vllm_engine, "_cuda_free_bytes", lambda: 51 * 2**30)
     engine.wake_up()
     assert not engine.is_sleeping
+
+
+def trainer_reference(probe: Sequence[int]) -> list[float]:
+    """The trainer with its adapter off: the base model's logprobs."""
+    return trainer_logprobs(0.0)(probe)
+
+
+def test_a_gap_the_rollout_numerics_explain_passes_a_stale_adapter_does_not(
+    tmp_path: Path, fake_vllm: types.ModuleType
+) -> None:
+    fake_vllm.options.numerics_shift = 0.4  # an FP8 rollout copy: every logprob 0.4 off the trainer's
+    engine = make_engine(tmp_path, staleness_tolerance=0.25)
+    engine.sync_adapter(write_adapter(tmp_path / "a", effect=0.3))
+    # The adapter moves both sides alike: the 0.4 gap is the numerics, within twice the tolerance.
+    assert engine.check_staleness(PROBE, trainer_logprobs(0.3), trainer_reference) == pytest.approx(0.4)
+    assert engine.stats()["rollout/numerics_gap"] == pytest.approx(0.4)
+    # Without the reference the same gap cannot be told from staleness.
+    with pytest.raises(QerlError, match="rollouts are not sampled from the policy"):
+        engine.check_staleness(PROBE, trainer_logprobs(0.3))
+    # A stale adapter is still caught under the shift: vLLM applies nothing, the trainer's moves 0.3.
+    fake_vllm.options.ignore_adapters = True
+    with pytest.raises(QerlError, match="sampling the base model"):
+        engine.check_staleness(PROBE, trainer_logprobs(0.3), trainer_reference)
+
+
+def test_rollout_numerics_too_far_for_tis_stop_the_run(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
+    fake_vllm.options.numerics_shift = 0.7
+    engine = make_engine(tmp_path, staleness_tolerance=0.25)
+    engine.sync_adapter(write_adapter(tmp_path / "a", effect=0.0))  # a fresh LoRA: B is zero
+    with pytest.raises(QerlError, match="linear_backend=marlin"):
+        engine.check_staleness(PROBE, trainer_logprobs(0.0), trainer_reference)

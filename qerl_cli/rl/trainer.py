@@ -137,7 +137,7 @@ class Trainer:
         model), then let it prove that it samples from the policy being trained."""
         engine = engine or self.engine
         engine.sync_policy(self.policy.model)
-        engine.check_staleness(self._probe_ids(), self._prompt_logprobs)
+        engine.check_staleness(self._probe_ids(), self._prompt_logprobs, self._reference_logprobs)
 
     def _probe_ids(self, max_tokens: int = 128) -> list[int]:
         text = self.prompts[self.problems[0].id]
@@ -145,12 +145,17 @@ class Trainer:
 
         return encode_prompt(text, self.policy.tokenizer)[:max_tokens]  # as the engines tokenise it
 
-    def _prompt_logprobs(self, probe: Sequence[int]) -> list[float]:
-        """The trainer's log p(ids[i + 1] | ids[: i + 1]) at temperature 1, adapters on, no noise."""
+    def _prompt_logprobs(self, probe: Sequence[int], *, adapter: bool = True) -> list[float]:
+        """The trainer's log p(ids[i + 1] | ids[: i + 1]) at temperature 1, no noise, adapters on (or off)."""
         ids = list(probe)
         pad = int(self.policy.tokenizer.pad_token_id)
         batch = make_token_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], pad)
-        return batched_logprobs(self.policy.model, batch, 1.0, self.device, 1)[0].tolist()
+        reference = None if adapter else self.policy
+        logprobs = batched_logprobs(self.policy.model, batch, 1.0, self.device, 1, reference=reference)
+        return logprobs[0].tolist()
+
+    def _reference_logprobs(self, probe: Sequence[int]) -> list[float]:
+        return self._prompt_logprobs(probe, adapter=False)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def resume_from(self, path: str | Path) -> Path:

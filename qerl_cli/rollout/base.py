@@ -26,6 +26,8 @@ NOISE_CHANGED_FRACTION = "rollout/noise_changed_fraction"  # share of norm weigh
 PERTURBED_NORMS = "rollout/perturbed_norms"
 NORM_MODULES = "rollout/norm_modules"
 STALENESS_GAP = "rollout/staleness_gap"  # nats/token, engine vs trainer, after the last sync
+# nats/token, the engine's base model vs the trainer's (adapters off), when a gap was checked against it
+NUMERICS_GAP = "rollout/numerics_gap"
 # Figures that add up over rounds and ranks; every other figure is the same on each (rank 0's is kept).
 ADDITIVE_STATS = (SECONDS, GENERATED_TOKENS, COMPLETIONS)
 
@@ -116,12 +118,17 @@ class RolloutEngine(Protocol):
         ...
 
     def check_staleness(
-        self, probe_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+        self,
+        probe_ids: Sequence[int],
+        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
+        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
     ) -> float | None:
         """After a sync, prove that the engine samples from the policy being trained.
 
         ``trainer_logprobs(probe_ids)[i]`` is the trainer's log p(probe[i + 1] | probe[:i + 1]) at
-        temperature 1 without noise. Returns the mean |engine - trainer| gap (nats/token) and
+        temperature 1 without noise; ``reference_logprobs`` the same with the adapter off, so that a
+        gap the rollout weights' own numerics explain (an FP8 rollout copy) is told from a stale
+        adapter. Returns the mean |engine - trainer| gap (nats/token) and
         raises ``QerlError`` above the engine's tolerance; an engine that shares the trainer's
         weights returns None without calling ``trainer_logprobs`` (nothing can be stale).
         """

@@ -190,7 +190,10 @@ class HFEngine:
         set_peft_model_state_dict(self.model, get_peft_model_state_dict(peft_model))
 
     def check_staleness(
-        self, probe_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+        self,
+        probe_ids: Sequence[int],
+        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
+        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
     ) -> float | None:
         """None: the engine's weights are the trainer's (or copied from them), nothing can be stale."""
         return None

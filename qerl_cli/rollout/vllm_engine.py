@@ -48,6 +48,7 @@ from qerl_cli.rollout.base import (
     NOISE_CHANGED_FRACTION,
     NOISE_SIGMA,
     NORM_MODULES,
+    NUMERICS_GAP,
     PERTURBED_NORMS,
     SECONDS,
     STALENESS_GAP,
@@ -57,6 +58,7 @@ from qerl_cli.rollout.base import (
 )
 from qerl_cli.rollout.vllm_outputs import (
     mean_abs_gap,
+    numerics_explain,
     prompt_token_logprobs,
     sampled_token_logprobs,
     staleness_message,
@@ -170,6 +172,7 @@ class VLLMEngine:
         self._warned_truncated_logprobs = False
         self._flat_logprobs = True
         self.last_staleness_gap: float | None = None
+        self.last_numerics_gap: float | None = None  # vLLM's base vs the trainer's, when it was measured
         self.last_sleep_freed_bytes: int | None = None
         self.last_perturbed_count = 0
         self.last_changed_fraction = 0.0
@@ -229,6 +232,8 @@ class VLLMEngine:
         }
         if self.last_staleness_gap is not None:
             out[STALENESS_GAP] = self.last_staleness_gap
+        if self.last_numerics_gap is not None:
+            out[NUMERICS_GAP] = self.last_numerics_gap
         if self.last_sleep_freed_bytes is not None:
             out["rollout/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
         return out
@@ -447,15 +452,21 @@ class VLLMEngine:
         return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
 
     def check_staleness(
-        self, probe_prompt_ids: Sequence[int], trainer_logprobs: Callable[[Sequence[int]], Sequence[float]]
+        self,
+        probe_prompt_ids: Sequence[int],
+        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
+        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
     ) -> float:
         """Mean |vLLM - trainer| logprob gap (nats/token) on a probe prompt after a sync.
 
         ``trainer_logprobs(probe)[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1])
         at temperature 1 without AQN noise, taken first (while vLLM may still sleep); the check
-        lifts vLLM's noise for the probe. A small gap (the 4-bit kernels' numerics) is logged; a
-        gap above ``staleness_tolerance`` raises, since it means rollouts do not come from the
-        policy being trained.
+        lifts vLLM's noise for the probe. A small gap (the 4-bit kernels' numerics) is logged. A gap
+        above ``staleness_tolerance`` raises, since it means rollouts do not come from the policy
+        being trained, unless the rollout weights' own numerics explain it (an FP8 rollout copy):
+        with ``reference_logprobs`` (the trainer with its adapter off) the adapter's effect in vLLM
+        must then match its effect in the trainer, and the two base models be within twice the
+        tolerance (:func:`~qerl_cli.rollout.vllm_outputs.numerics_explain`).
         """
         if len(probe_prompt_ids) < 2:
             raise ValueError("check_staleness needs a probe of >= 2 tokens")
@@ -467,12 +478,15 @@ class VLLMEngine:
         noised = self._noise_sigma > 0
         if noised:
             self._apply_noise(sigma=0.0)
+        # With the trainer's adapter-off logprobs the adapter's effect is compared on both sides, every
+        # time: a shift of the rollout weights (an FP8 copy) could otherwise hide a stale adapter.
+        compare_effects = reference_logprobs is not None and self._lora is not None
         try:
             engine_lp = self.prompt_logprobs(probe_prompt_ids)
             gap = mean_abs_gap(engine_lp, trainer_lp)
             base_lp = (
                 self.prompt_logprobs(probe_prompt_ids, with_adapter=False)
-                if (gap > self.staleness_tolerance and self._lora is not None)
+                if (compare_effects or gap > self.staleness_tolerance) and self._lora is not None
                 else None
             )
         finally:
@@ -480,14 +494,23 @@ class VLLMEngine:
                 self._apply_noise()
         self.last_staleness_gap = gap
         lora_id = self._lora.lora_int_id if self._lora is not None else 0
-        log.info("staleness check (LoRA id %d): vLLM vs trainer logprob gap %.4f nats/token", lora_id, gap)
-        if gap > self.staleness_tolerance:
-            raise QerlError(
-                staleness_message(
-                    gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp
-                )
+        explained = None
+        if compare_effects and base_lp is not None:
+            reference_lp = list(reference_logprobs(probe_prompt_ids))  # type: ignore[misc]
+            tolerance = self.staleness_tolerance
+            explained = numerics_explain(engine_lp, base_lp, trainer_lp, reference_lp, tolerance)
+            self.last_numerics_gap = explained.base_gap
+        detail = "" if explained is None else (
+            f"; base models {explained.base_gap:.4f} apart, adapter effects {explained.effect_gap:.4f}")
+        log.info("staleness check (LoRA id %d): vLLM vs trainer logprob gap %.4f nats/token%s", lora_id, gap,
+                 detail)  # fmt: skip
+        if (explained.ok if explained is not None else gap <= self.staleness_tolerance):
+            return gap
+        raise QerlError(
+            staleness_message(
+                gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp, explained
             )
-        return gap
+        )
 
     # ---- AQN ----------------------------------------------------------------------------------
     def set_norm_noise(self, sigma: float, seed: int) -> int:

@@ -5,6 +5,7 @@ check's figures and message. Part of the vLLM rollout engine (``rollout.vllm_eng
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from qerl_cli.rollout.base import Completion, FinishReason, RolloutResult
@@ -56,6 +57,40 @@ def mean_abs_gap(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 
+@dataclass(frozen=True)
+class NumericsCheck:
+    """Whether a staleness gap is the rollout weights' numerics: ``base_gap``, vLLM's base model vs the
+    trainer's (adapter off on both); ``effect_gap``, how far the adapter's effect in vLLM is from its
+    effect in the trainer."""
+
+    base_gap: float
+    effect_gap: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        # Twice the tolerance for the bases: TIS corrects rollouts a little off the policy, not far off.
+        return self.effect_gap <= self.tolerance and self.base_gap <= 2 * self.tolerance
+
+
+def numerics_explain(
+    engine_lp: Sequence[float],
+    engine_base_lp: Sequence[float],
+    trainer_lp: Sequence[float],
+    trainer_base_lp: Sequence[float],
+    tolerance: float,
+) -> NumericsCheck:
+    """Compare the adapter's effect (with minus without) in vLLM and in the trainer: a served adapter
+    moves both alike even when the rollout weights (an FP8 copy) shift every logprob."""
+    effect = [(e - b) - (t - r) for e, b, t, r in zip(engine_lp, engine_base_lp, trainer_lp, trainer_base_lp,
+                                                      strict=True)]  # fmt: skip
+    return NumericsCheck(
+        base_gap=mean_abs_gap(engine_base_lp, trainer_base_lp),
+        effect_gap=sum(abs(x) for x in effect) / max(1, len(effect)),
+        tolerance=tolerance,
+    )
+
+
 def staleness_message(
     gap: float,
     tolerance: float,
@@ -63,6 +98,7 @@ def staleness_message(
     engine_lp: list[float],
     base_lp: list[float] | None,
     trainer_lp: Sequence[float],
+    numerics: NumericsCheck | None = None,
 ) -> str:
     """Why vLLM's logprobs are ``gap`` away from the trainer's, from the figures at hand: no adapter,
     an adapter that changes nothing (the base model is sampled), or another adapter than the trainer's."""
@@ -77,6 +113,13 @@ def staleness_message(
         )
     adapter_effect = mean_abs_gap(engine_lp, base_lp or engine_lp)
     base_gap = mean_abs_gap(base_lp or engine_lp, trainer_lp)
+    if numerics is not None and numerics.effect_gap <= numerics.tolerance:
+        return (
+            f"{head} The adapter acts alike in vLLM and the trainer, but vLLM's base model is "
+            f"{numerics.base_gap:.3f} nats/token from the trainer's, past twice the tolerance: the rollout "
+            "model's numerics (rollout.linear_backend, KV-cache dtype) are too far off for truncated "
+            "importance sampling. Use rollout.linear_backend=marlin (the 4-bit weights as they are)"
+        )
     if adapter_effect < 1e-4:
         cause = (
             f"vLLM gives identical logprobs with and without adapter id {lora_id}: "
