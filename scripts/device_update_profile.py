@@ -95,7 +95,7 @@ def run_case(args: argparse.Namespace, fmt: str, folder: Path, fused: str) -> di
                           micro_batch_size=plan.micro_batch_size)  # fmt: skip
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    flops = update_flops(shape, args.sequences, seq_len, lora_rank=16)
+    flops = update_flops(shape, args.sequences, seq_len, lora_rank=16, completion_len=args.gen_len)
     spec = gpu_spec(torch.cuda.get_device_name())
     row = {
         "format": fmt, "fused_kernels": policy.fused_kernels, "pack_sequences": args.pack,

@@ -380,16 +380,25 @@ def test_constructor_passes_recipe_settings_and_vllm_kwargs(
     assert isinstance(engine, RolloutEngine)
 
 
-def test_from_config_uses_rollout_section(tmp_path: Path, fake_vllm: types.ModuleType) -> None:
-    from qerl_cli.config import ModelSection, RolloutSection
+def test_the_recipes_rollout_section_reaches_vllm(
+    tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.machinery
 
+    from qerl_cli.config import ModelSection, RolloutSection, TrainConfig
+    from qerl_cli.rl.setup import make_engine as engine_for_run
+
+    monkeypatch.setattr(fake_vllm, "__spec__", importlib.machinery.ModuleSpec("vllm", None))
     model = ModelSection(path=str(write_checkpoint(tmp_path / "m", NF4_CONFIG)))
     rollout = RolloutSection(
         engine="vllm", gpu_memory_utilization=0.2, enable_sleep_mode=False, max_lora_rank=16,
         max_prompt_length=100, max_completion_length=400, vllm_kwargs={"enforce_eager": True},
         tensor_parallel_size=2,
     )  # fmt: skip
-    engine = VLLMEngine.from_config(model, rollout, seed=3)
+    cfg = TrainConfig(model=model, rollout=rollout)
+    cfg.train.seed = 3
+    # The one path from a recipe to an engine (the vLLM branch needs no policy).
+    engine = engine_for_run(cfg, None, gpu_memory_utilization=0.2)  # type: ignore[arg-type]
     kwargs = FakeLLM.instances[-1].kwargs
     assert kwargs["tensor_parallel_size"] == 2
     assert kwargs["quantization"] == "bitsandbytes"

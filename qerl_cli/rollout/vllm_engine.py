@@ -86,7 +86,7 @@ from qerl_cli.rollout.vllm_worker import (
 )
 
 if TYPE_CHECKING:
-    from qerl_cli.config import ModelSection, RolloutSection
+    pass
 
 __all__ = [
     "CLEAN_NORMS_ATTR", "MIN_CAPABILITY", "VLLM_LORA_RANKS",
@@ -180,35 +180,6 @@ class VLLMEngine:
         self.num_norms = int(min(self.llm.apply_model(worker_count_norms)))
         self._stage_root = Path(tempfile.mkdtemp(prefix="qerl-lora-", dir=tmpfs_dir()))
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._stage_root, True)
-
-    @classmethod
-    def from_config(
-        cls,
-        model: ModelSection,
-        rollout: RolloutSection,
-        *,
-        seed: int = 0,
-        enable_lora: bool = True,
-        max_model_len: int | None = None,
-    ) -> VLLMEngine:
-        """Build from the recipe's ``model`` (ModelSection) and ``rollout`` (RolloutSection)."""
-        return cls(
-            model.path,
-            model_format=model.format,
-            dtype=model.dtype,
-            revision=model.revision,
-            trust_remote_code=model.trust_remote_code,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            enable_sleep_mode=rollout.enable_sleep_mode,
-            enable_lora=enable_lora,
-            max_lora_rank=rollout.max_lora_rank,
-            max_model_len=max_model_len or rollout.max_prompt_length + rollout.max_completion_length,
-            staleness_tolerance=rollout.staleness_tolerance,
-            seed=seed,
-            kv_cache_dtype=rollout.kv_cache_dtype,
-            vllm_kwargs=dict(rollout.vllm_kwargs),
-            tensor_parallel_size=rollout.tensor_parallel_size,
-        )
 
     # ---- state ------------------------------------------------------------------------------
     @property
