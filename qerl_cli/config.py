@@ -309,8 +309,10 @@ class EvalConfig:
     grader_timeout_s: float = 5.0
     grader_workers: int = 2
     gpu_memory_utilization: float = 0.85
-    # The rollout model's linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends).
-    linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "auto"
+    # The linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends). "marlin" by
+    # default: an evaluation scores the 4-bit weights exactly as trained; "auto" / "fp8" may serve the FP8
+    # copy (faster at high concurrency, one more rounding of every weight).
+    linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "marlin"
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     rescore: str | None = None
     baseline: str | None = None

@@ -339,3 +339,9 @@ def test_bench_measures_each_format_on_its_backends() -> None:
     assert backends_for("nvfp4", ["marlin", "fp8", "humming"]) == ["marlin", "fp8", "humming"]
     assert backends_for("bf16", ["marlin", "fp8", "humming"]) == ["default", "fp8"]
     assert backends_for("nf4", ["humming"]) == ["default"]
+
+
+def test_an_alternative_is_chosen_only_against_a_measured_default() -> None:
+    partial = {"gpus": {H100: {"nvfp4+lora": {"fp8": {"128": 9000.0}}}}}
+    choice = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=partial)
+    assert choice.backend == "marlin" and "was not measured" in choice.reason

@@ -240,9 +240,10 @@ def choose_backend(
             continue
         candidates[backend] = interpolate(measured[backend], min(concurrency, fits or concurrency))
     scored = {b: v for b, v in candidates.items() if v is not None}
-    if not scored:
+    if default not in scored:  # an alternative is only chosen against a measured default
         what = f"{fmt}{' + LoRA' if lora else ''} on {env.gpu_name or 'this GPU'}"
-        why = f"no crossover measurements for {what}" if not measured else "no measured backend is available"
+        why = (f"no crossover measurements for {what}" if not measured
+               else f"vLLM's default ({default}) was not measured for {what}")  # fmt: skip
         reason = f"{why}: vLLM's default ({default})"
         return BackendChoice(default, fmt, reason, concurrency, None, candidates)
     best = max(scored, key=lambda b: scored[b])
