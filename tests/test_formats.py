@@ -209,3 +209,20 @@ def test_nf4_state_json_round_trip() -> None:
     assert state["quant_type"] == "nf4" and state["blocksize"] == 64 and state["shape"] == [32, 128]
     assert state["dtype"] == "bfloat16" and state["nested_blocksize"] == 256
     assert tensors["weight"].shape == (32 * 128 // 2, 1)
+
+
+def test_format_traits_live_on_the_registry_and_the_config_literals_follow_it() -> None:
+    import typing
+
+    from qerl_cli import config, formats
+    from qerl_cli.modeling.shapes import MARLIN_FORMATS
+    from qerl_cli.rollout.backends import FORMAT_BACKENDS
+    from qerl_cli.rollout.vllm_setup import MIN_CAPABILITY
+
+    assert set(typing.get_args(config.QuantFormat)) == set(formats.names())
+    assert set(typing.get_args(config.ModelFormat)) == {"auto", "bf16", *formats.names()}
+    assert formats.fp4_names() == MARLIN_FORMATS == ("nvfp4", "mxfp4")
+    for name, fmt in formats.FORMATS.items():
+        assert MIN_CAPABILITY[name] == fmt.vllm_min_capability
+        assert FORMAT_BACKENDS[name] == fmt.rollout_backends
+    assert formats.get("nf4").vllm_quantization == "bitsandbytes" and not formats.get("nf4").fp4

@@ -22,6 +22,11 @@ def names() -> list[str]:
     return list(FORMATS)
 
 
+def fp4_names() -> tuple[str, ...]:
+    """The formats of E2M1 elements (served by Marlin on GPUs without native FP4)."""
+    return tuple(name for name, fmt in FORMATS.items() if fmt.fp4)
+
+
 def get(name: str) -> QuantFormat:
     """The format called ``name`` (case-insensitive); raises QerlError listing the choices otherwise."""
     key = name.strip().lower()
@@ -37,6 +42,7 @@ __all__ = [
     "NF4Format",
     "NVFP4Format",
     "QuantFormat",
+    "fp4_names",
     "fused_group_key",
     "get",
     "names",

@@ -25,6 +25,16 @@ class QuantFormat(ABC):
 
     name: str
     block_size: int
+    # Traits every layer reads from here, never from the format's name:
+    # E2M1 (FP4) elements: vLLM serves them with Marlin on GPUs without native FP4 (its width rules apply).
+    fp4: bool = False
+    # vLLM's ``quantization`` argument for the checkpoint (None: vLLM reads ``quantization_config`` itself).
+    vllm_quantization: str | None = None
+    # The compute capability vLLM's kernels for this format need.
+    vllm_min_capability: tuple[int, int] = (7, 0)
+    # The rollout linear backends this format can be served with, vLLM's default first
+    # (qerl_cli.rollout.backends).
+    rollout_backends: tuple[str, ...] = ("default",)
 
     @abstractmethod
     def quantize(

@@ -21,6 +21,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask
+from qerl_cli.formats import fp4_names
 from qerl_cli.formats.nvfp4 import fused_group_key, shared_global_scale
 
 CHECKPOINT_FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
@@ -39,7 +40,7 @@ def check_checkpoint_format(fmt: str) -> str:
 def quantization_config(fmt: str) -> dict | None:
     """The config.json ``quantization_config`` vLLM and transformers expect for ``fmt``."""
     check_checkpoint_format(fmt)
-    if fmt in ("nvfp4", "mxfp4"):
+    if fmt in fp4_names():
         nvfp4 = fmt == "nvfp4"
         ct_format = f"{fmt}-pack-quantized"
         weights = {

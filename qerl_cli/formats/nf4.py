@@ -106,6 +106,9 @@ def _blockwise_values(
 class NF4Format(QuantFormat):
     name = "nf4"
     block_size = 64
+    vllm_quantization = "bitsandbytes"  # vLLM's bitsandbytes loader differs from its default one
+    vllm_min_capability = (7, 0)
+    rollout_backends = ("default", "fp8")
 
     def __init__(self, double_quant: bool = True) -> None:
         self.double_quant = double_quant

@@ -66,7 +66,7 @@ def triton_dequantize(
     out = torch.empty((out_features, in_features), dtype=dtype, device=packed.device)
     n_bytes = packed.numel()
     grid = (-(-n_bytes // BYTES_PER_PROGRAM),)
-    if fmt.name in ("nvfp4", "mxfp4"):
+    if fmt.fp4:
         nvfp4 = fmt.name == "nvfp4"
         scale = buffers["weight_scale"].view(torch.uint8)
         global_scale = buffers["weight_global_scale"] if nvfp4 else scale  # unused pointer for MXFP4

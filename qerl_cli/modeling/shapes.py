@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.errors import QerlError
 
 MARLIN_IN_MULTIPLE = 128
 MARLIN_OUT_MULTIPLE = 64
 NATIVE_FP4_CAPABILITY = (10, 0)
-MARLIN_FORMATS = ("nvfp4", "mxfp4")  # NF4 goes through bitsandbytes' own kernels in vLLM
+MARLIN_FORMATS = formats.fp4_names()  # NF4 goes through bitsandbytes' own kernels in vLLM
 # vLLM's fused projections: (merged name, members). Input widths are shared, output widths add up.
 MERGED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 

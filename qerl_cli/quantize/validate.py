@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.errors import QerlError
 from qerl_cli.files import TargetExistsError, staged_folder
 
-SUPPORTED_FORMATS = ("nvfp4", "mxfp4", "nf4")
+SUPPORTED_FORMATS = tuple(formats.names())
 SUPPORTED_METHODS = ("awq", "rtn")
 # Layers never quantized: the output head is kept in BF16, as in the paper and llm-compressor's examples.
 ALWAYS_IGNORED = ("lm_head",)

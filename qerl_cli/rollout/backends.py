@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qerl_cli import formats
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,7 @@ BACKENDS = ("auto", "marlin", "humming", "fp8")
 # Pinning a 4-bit FP kernel (marlin, humming) for a base that has no such weights keeps its default, so
 # one recipe serves the BF16 and the 4-bit arms of a comparison.
 FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
-    "nvfp4": ("marlin", "humming", "fp8"),
-    "mxfp4": ("marlin", "humming", "fp8"),
-    "nf4": ("default", "fp8"),
+    **{name: fmt.rollout_backends for name, fmt in formats.FORMATS.items()},
     "bf16": ("default", "fp8"),
 }
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.errors import QerlError
 
 # vLLM's LoRAConfig only accepts these ranks; a recipe's value is rounded up to the next one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Marlin FP4 (the kernel vLLM uses for NVFP4/MXFP4 weights without native FP4 tensor cores) needs
 # Ampere; vLLM's bitsandbytes path needs Volta.
-MIN_CAPABILITY = {"nvfp4": (8, 0), "mxfp4": (8, 0), "nf4": (7, 0)}
+MIN_CAPABILITY = {name: fmt.vllm_min_capability for name, fmt in formats.FORMATS.items()}
 # vLLM's non-KV, non-weight memory while awake: activation profile peak, CUDA graphs, LoRA slots.
 VLLM_OVERHEAD = int(4.0 * 2**30)
 
@@ -77,7 +78,7 @@ def detect_checkpoint_format(model_path: str | Path) -> CheckpointFormat:
         if not qcfg.get("load_in_4bit", False) or qcfg.get("bnb_4bit_quant_type", "nf4") != "nf4":
             return CheckpointFormat("other", "bitsandbytes", "bitsandbytes (not 4-bit NF4)")
         # vLLM needs to be told: its bitsandbytes loader differs from the default loader.
-        return CheckpointFormat("nf4", "bitsandbytes", method)
+        return CheckpointFormat("nf4", formats.get("nf4").vllm_quantization, method)
     return CheckpointFormat("other", None, method)
 
 
@@ -111,7 +112,7 @@ def check_gpu_supports(fmt: CheckpointFormat) -> None:
         )
     need = MIN_CAPABILITY.get(fmt.name)
     if need is not None and capability < need:
-        kernel = "Marlin FP4 kernels" if fmt.name in ("nvfp4", "mxfp4") else "bitsandbytes kernels"
+        kernel = "Marlin FP4 kernels" if formats.get(fmt.name).fp4 else "bitsandbytes kernels"
         raise QerlError(
             f"this {fmt.name.upper()} checkpoint needs a GPU with compute capability "
             f"{need[0]}.{need[1]}+ for vLLM's {kernel}; this GPU is sm{capability[0]}{capability[1]}. "
