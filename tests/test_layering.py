@@ -34,7 +34,8 @@ ALSO_FORBIDDEN = {
 
 def _forbidden(layer: str) -> set[str]:
     if layer in BASE:
-        return {name for level in LEVELS for name in level} | (BASE - BASE_MAY_IMPORT)
+        # A base package (config) may import its own modules.
+        return {name for level in LEVELS for name in level} | (BASE - BASE_MAY_IMPORT - {layer})
     index = next(i for i, level in enumerate(LEVELS) if layer in level)
     higher = {name for level in LEVELS[index + 1 :] for name in level}
     siblings = set(LEVELS[index]) - {layer}

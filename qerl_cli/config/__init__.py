@@ -1,0 +1,45 @@
+"""Typed configuration for every stage: recipe YAML + ``--set a.b=value`` overrides, validated.
+
+A recipe is a YAML mapping of sections (``model:``, ``train:``, ...) onto the dataclasses below.
+Loading is strict: an unknown key fails with the closest valid name, a wrong type names the key,
+the value and the expected type. Values are converted to the field's type where that is lossless
+and unsurprising (``"2e-5"`` -> 2e-5 for a float field, since YAML 1.1 reads ``2e-5`` as a string).
+"""
+
+from qerl_cli.config.loading import (
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_config,
+    read_yaml,
+    save_resolved_config,
+    to_dict,
+    validate,
+)
+from qerl_cli.config.sections import (
+    BENCHMARKS_ALL,
+    LORA_TARGETS_ALL,
+    RESOLVED_CONFIG_NAME,
+    AlgorithmSection,
+    AQNSection,
+    DataSection,
+    EngineName,
+    LoraSection,
+    ModelFormat,
+    ModelSection,
+    OutputSection,
+    QuantFormat,
+    RewardSection,
+    RolloutSection,
+    TrainConfig,
+    TrainSection,
+)
+from qerl_cli.config.stages import BenchConfig, EvalConfig, QuantizeConfig
+
+__all__ = [
+    "BENCHMARKS_ALL", "LORA_TARGETS_ALL", "RESOLVED_CONFIG_NAME", "AQNSection", "AlgorithmSection",
+    "BenchConfig", "DataSection", "EngineName", "EvalConfig", "LoraSection", "ModelFormat", "ModelSection",
+    "OutputSection", "QuantFormat", "QuantizeConfig", "RewardSection", "RolloutSection", "TrainConfig",
+    "TrainSection", "apply_overrides", "dump_yaml", "from_dict", "load_config", "read_yaml",
+    "save_resolved_config", "to_dict", "validate",
+]  # fmt: skip

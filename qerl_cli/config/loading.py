@@ -1,0 +1,246 @@
+"""Loading a config: YAML and ``--set a.b=value`` onto the dataclasses, strictly (closest-key hints, typed
+conversion), and writing the resolved config back."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from qerl_cli.config.sections import RESOLVED_CONFIG_NAME
+from qerl_cli.errors import QerlError
+
+# --------------------------------------------------------------------------------------------
+# Machinery: dict -> dataclass with strict checking, overrides, dumping
+# --------------------------------------------------------------------------------------------
+C = TypeVar("C")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{origin.__name__}[{args}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+class _Mismatch(Exception):
+    """Raised internally when a value does not fit a type; turned into a QerlError with the key.
+
+    ``detail`` says which part of a list or mapping was wrong ("item 2 ('abc') is not int")."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise _Mismatch
+    if origin in (typing.Union, types.UnionType):
+        details = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg)
+            except _Mismatch as exc:
+                details.append(exc.detail)
+        raise _Mismatch(next((d for d in details if d), ""))
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):  # --set train.batch=2,8 and CLI lists
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise _Mismatch
+        items = []
+        for index, v in enumerate(value, 1):
+            try:
+                items.append(_coerce(_scalar(v) if isinstance(v, str) else v, item))
+            except _Mismatch:
+                raise _Mismatch(f"item {index} ({v!r}) is not {_type_name(item)}") from None
+        return items
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise _Mismatch
+        entries = {}
+        for k, v in value.items():
+            try:
+                entries[_coerce(k, key_tp)] = _coerce(v, val_tp)
+            except _Mismatch:
+                raise _Mismatch(f"entry {k!r}: {v!r} is not {_type_name(val_tp)}") from None
+        return entries
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+                return float(value)
+            except ValueError:
+                raise _Mismatch from None
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)  # e.g. a numeric revision or dataset split name
+        raise _Mismatch
+    raise TypeError(f"unsupported config type {tp!r}")
+
+
+def _scalar(text: str) -> Any:
+    """Parse one ``--set`` value the way YAML would (``true``, ``3``, ``[1, 2]``, ``null``)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, tp in _field_types(cls).items():
+        path = f"{prefix}{name}"
+        keys.append(path)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, f"{path}."))
+    return keys
+
+
+def _unknown_key(root: type, root_prefix: str, path: str) -> QerlError:
+    close = difflib.get_close_matches(path, _all_keys(root, root_prefix), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return QerlError(f"unknown config key '{path}'{hint}")
+
+
+def from_dict(
+    cls: type[C], data: dict[str, Any], *, prefix: str = "", _root: tuple[type, str] | None = None
+) -> C:
+    """Build dataclass ``cls`` from a nested mapping, strictly (unknown keys and bad types fail).
+
+    ``prefix``: where the mapping sits in a larger file (``"compare."``), for the keys that errors name.
+    """
+    root = _root or (cls, prefix)
+    if not isinstance(data, dict):
+        where = prefix.rstrip(".") or "the recipe"
+        raise QerlError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
+    types_ = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in types_:
+            raise _unknown_key(*root, path)
+        tp = types_[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value if value is not None else {}, prefix=f"{path}.", _root=root)
+            continue
+        try:
+            kwargs[key] = _coerce(value, tp)
+        except _Mismatch as exc:
+            detail = f": {exc.detail}" if exc.detail else ""
+            raise QerlError(
+                f"config key '{path}' has value {value!r} ({type(value).__name__}); "
+                f"expected {_type_name(tp)}{detail}"
+            ) from None
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], root: type) -> dict[str, Any]:
+    """Apply ``a.b=value`` strings to a nested mapping (validated later by ``from_dict``)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise QerlError(f"--set expects KEY=VALUE (e.g. train.learning_rate=2e-5), got '{item}'")
+        parts = key.split(".")
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise QerlError(f"--set {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _scalar(raw)
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise QerlError(f"recipe file not found: {path} (recipes/ holds the shipped ones)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise QerlError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise QerlError(f"{path} must hold a mapping of sections (model:, train:, ...)")
+    return data
+
+
+def validate(config: Any, prefix: str = "") -> None:
+    """Run ``validate(where)`` on the config and every nested section that defines one."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value, f"{prefix}{f.name}.")
+    check = getattr(config, "validate", None)
+    if check is not None:
+        check(prefix.rstrip(".") or type(config).__name__)
+
+
+def load_config(
+    cls: type[C], recipe: str | Path | None = None, overrides: list[str] | None = None, **values: Any
+) -> C:
+    """Recipe file (optional) < keyword values (CLI flags, None = not given) < ``--set`` overrides."""
+    data = read_yaml(recipe) if recipe else {}
+    for key, value in values.items():
+        if value is not None:
+            data[key] = value
+    data = apply_overrides(data, list(overrides or []), cls)
+    config = from_dict(cls, data)
+    validate(config)
+    return config
+
+
+def dump_yaml(config: Any) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)
+
+
+def save_resolved_config(config: Any, out_dir: str | Path) -> Path:
+    """Every run keeps the exact configuration it ran with beside its outputs."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESOLVED_CONFIG_NAME
+    path.write_text(dump_yaml(config))
+    return path

@@ -1,0 +1,145 @@
+"""The settings of the other stages: ``qerl quantize``, ``qerl eval`` and ``qerl bench``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
+from qerl_cli.config.checks import positive as _positive
+from qerl_cli.config.sections import BENCHMARKS_ALL, EngineName, QuantFormat
+from qerl_cli.errors import QerlError
+
+
+# --------------------------------------------------------------------------------------------
+# Quantize, eval, bench
+# --------------------------------------------------------------------------------------------
+@dataclass
+class QuantizeConfig:
+    model: str = ""
+    format: QuantFormat = "nvfp4"
+    method: Literal["awq", "rtn"] = "awq"
+    calib: str = "open-thoughts/OpenThoughts-114k"
+    calib_split: str = "train"
+    # Field holding chat messages (rendered with the model's chat template) or plain text.
+    calib_field: str | None = None
+    num_samples: int = 256
+    seq_len: int = 2048
+    output: str | None = None  # default ./<model-name>-<FORMAT>
+    overwrite: bool = False
+    skip_incompatible: bool = False
+    eval_ppl: bool = False
+    seed: int = 42
+    device: str = "auto"
+    trust_remote_code: bool = False
+
+    def validate(self, where: str = "") -> None:
+        if not self.model:
+            raise QerlError("no model given: pass a hub id or a local folder")
+        _positive(where or "quantize", num_samples=self.num_samples, seq_len=self.seq_len)
+
+
+@dataclass
+class EvalConfig:
+    model: str = ""
+    adapter: str | None = None
+    benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS_ALL))
+    # Samples per problem; 0 takes the benchmark's default (4 for gsm8k/math500, 16 for aime/amc).
+    samples: int = 0
+    engine: EngineName = "vllm"
+    data_files: dict[str, str] = field(default_factory=dict)
+    output: str = "eval_results"
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_new_tokens: int = 4096
+    max_problems: int | None = None
+    seed: int = 0
+    template: str = "qerl"
+    system_prompt: str | None = None
+    grader_timeout_s: float = 5.0
+    grader_workers: int = 2
+    gpu_memory_utilization: float = 0.85
+    # The linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends). "marlin" by
+    # default: an evaluation scores the 4-bit weights exactly as trained; "auto" / "fp8" may serve the FP8
+    # copy (faster at high concurrency, one more rounding of every weight).
+    linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "marlin"
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    rescore: str | None = None
+    baseline: str | None = None
+    trust_remote_code: bool = False
+    # HF engine: device ("auto": CUDA when present), compute dtype, sequences per generate call.
+    device: str = "auto"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    generation_batch_size: int = 64
+
+    def validate(self, where: str = "") -> None:
+        unknown = [
+            b
+            for b in self.benchmarks
+            if b not in BENCHMARKS_ALL and b not in self.data_files and not b.startswith("synthetic-")
+        ]
+        if unknown:
+            raise QerlError(
+                f"unknown benchmark(s) {unknown}: choose from {BENCHMARKS_ALL} "
+                "or give a file with --data-file NAME=PATH"
+            )
+        if not self.rescore and not self.model:
+            raise QerlError("no model given: pass a hub id or a local folder (or --rescore DIR)")
+
+
+@dataclass
+class BenchConfig:
+    # A SHAPE name (qwen2.5-0.5b ... qwen2.5-72b, tiny), a hub id or a local folder. Empty: qwen2.5-7b
+    # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
+    model: str = ""
+    # Defaults sized for a CI job (issue 11: within 10 minutes on one H100): three engine starts, 512
+    # generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add it
+    # with --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
+    formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
+    batch: list[int] = field(default_factory=lambda: [2, 8])
+    prompt_len: int = 256
+    gen_len: int = 512
+    lora_rank: int = 16
+    engine: EngineName | Literal["auto"] = "auto"
+    e2e: bool = False
+    output: str = "bench_results"
+    baseline: str | None = None
+    tolerance: float = 0.1
+    warmup: int = 1
+    repeats: int = 3
+    gpu_memory_utilization: float = 0.85
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    # --e2e: completions per prompt, prompts per step (0: the largest --batch) and vLLM's share of
+    # the GPU when colocated with the trainer (paper: 0.3 for 7B; "auto": rl.memory decides), the
+    # same for every format. ``e2e_recipe``: a training recipe whose step shape (prompts per step,
+    # generations, prompt and completion lengths, micro-batch, checkpointing, KV dtype) the e2e
+    # step takes; flags given explicitly win over it.
+    e2e_generations: int = 8
+    e2e_prompts_per_step: int = 0
+    e2e_gpu_memory_utilization: float | Literal["auto"] | None = None  # None: the recipe's, else 0.3
+    e2e_recipe: str | None = None
+    # --e2e: rollout.linear_backend of the timed steps (the recipe's when it sets one).
+    e2e_linear_backend: Literal["auto", "marlin", "humming", "fp8"] | None = None
+    # --concurrency: sequences generated at once (instead of --batch), each measured on every linear
+    # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
+    # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.
+    concurrency: list[int] = field(default_factory=list)
+    backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
+
+    def validate(self, where: str = "") -> None:
+        _positive(where or "bench", prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
+        if not self.batch or any(b <= 0 for b in self.batch):
+            raise QerlError(f"--batch needs positive integers, got {self.batch}")
+        if any(c <= 0 for c in self.concurrency):
+            raise QerlError(f"--concurrency needs positive integers, got {self.concurrency}")
+        unknown = sorted(set(self.backends) - {"marlin", "humming", "fp8"})
+        if unknown:
+            raise QerlError(f"--backends: unknown {unknown}; choose from marlin, humming, fp8")
+        _positive(where or "bench", e2e_generations=self.e2e_generations)
+        if self.e2e_prompts_per_step < 0:
+            raise QerlError(
+                f"--prompts-per-step must be >= 0 (0: the largest --batch), got {self.e2e_prompts_per_step}"
+            )
+        if self.e2e_gpu_memory_utilization is not None:
+            _fraction_or_auto("e2e_gpu_memory_utilization", self.e2e_gpu_memory_utilization)
