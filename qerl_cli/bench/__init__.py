@@ -118,24 +118,8 @@ def _case_priority(case: Any) -> int:
     return 2 if case.format == "bf16" else 1
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    """Measure every format (with and without LoRA), write ``bench.json``, ``bench.md`` and PNG
-    charts to ``cfg.output``, and return the report.
-
-    With ``cfg.baseline`` the report's ``regression`` section says whether throughput dropped or
-    memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
-    exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
-    """
-    from qerl_cli.bench.adapter import write_random_lora
-    from qerl_cli.bench.engines import run_case
-    from qerl_cli.bench.models import (
-        cache_root,
-        default_model,
-        model_config,
-        normalize_formats,
-        prepare_checkpoints,
-        resolve_engine,
-    )
+def _check_settings(cfg: BenchConfig) -> int:
+    """Refuse settings that cannot give a meaningful figure; returns the fewest timed repeats allowed."""
     from qerl_cli.bench.rollout import MIN_REPEATS
 
     cfg.validate("bench")
@@ -145,23 +129,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                         + ("" if cfg.concurrency else " (1 is allowed with --concurrency)"))  # fmt: skip
     if cfg.lora_rank < 0:
         raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
-    baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
-    engine = resolve_engine(cfg.engine)
-    model = cfg.model or default_model(engine)
-    formats = normalize_formats(cfg.formats)
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    return min_repeats
 
-    started = time.perf_counter()
-    report = new_report(_settings(cfg, model, engine, formats))
-    report["errors"] = []
-    checkpoints = prepare_checkpoints(model, formats, cfg.seed)
-    # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
-    # (its engine start and cases), the e2e steps.
-    timings: dict[str, Any] = {"checkpoints_s": time.perf_counter() - started, "formats_s": {}, "e2e_s": None}
+
+def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path], report: dict[str, Any],
+                      timings: dict[str, Any], settings: dict[str, Any], out: Path) -> None:  # fmt: skip
+    """Every rollout case (format x linear backend, with and without LoRA), default kernels first; the
+    report (and the crossover table) is rewritten after each, so a run cut short keeps what it measured."""
+    from qerl_cli.bench.adapter import write_random_lora
+    from qerl_cli.bench.engines import run_case
+    from qerl_cli.bench.models import cache_root
+
     ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
-    settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
-                "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}
     (cache_root() / "bench").mkdir(parents=True, exist_ok=True)
     # The adapter depends on the shape only; it lives beside the cache, not in the uploaded output.
     with tempfile.TemporaryDirectory(prefix="lora-", dir=cache_root() / "bench") as lora_tmp:
@@ -193,10 +172,54 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             label = fmt if case.linear_backend in ("default", "marlin") else f"{fmt}/{case.linear_backend}"
             spent = time.perf_counter() - case_started
             timings["formats_s"][label] = timings["formats_s"].get(label, 0.0) + spent
-            write_json({**report, "complete": False}, out)  # a run cut short keeps what it measured
+            write_json({**report, "complete": False}, out)
             if cfg.concurrency and engine == "vllm":
                 write_crossover(report, out)
 
+
+def _write_outputs(cfg: BenchConfig, engine: str, report: dict[str, Any], out: Path) -> None:
+    report["files"] = {"json": str(write_json(report, out))}
+    report["files"]["markdown"] = str(write_markdown(report, out))
+    report["files"]["charts"] = [str(p) for p in write_charts(report, out)]
+    if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
+        report["files"]["crossover"] = str(write_crossover(report, out))
+    write_json(report, out)  # again, now listing the files
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure every format (with and without LoRA), write ``bench.json``, ``bench.md`` and PNG
+    charts to ``cfg.output``, and return the report.
+
+    With ``cfg.baseline`` the report's ``regression`` section says whether throughput dropped or
+    memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
+    exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
+    """
+    from qerl_cli.bench.models import (
+        default_model,
+        model_config,
+        normalize_formats,
+        prepare_checkpoints,
+        resolve_engine,
+    )
+
+    min_repeats = _check_settings(cfg)
+    baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
+    engine = resolve_engine(cfg.engine)
+    model = cfg.model or default_model(engine)
+    formats = normalize_formats(cfg.formats)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    report = new_report(_settings(cfg, model, engine, formats))
+    report["errors"] = []
+    checkpoints = prepare_checkpoints(model, formats, cfg.seed)
+    # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
+    # (its engine start and cases), the e2e steps.
+    timings: dict[str, Any] = {"checkpoints_s": time.perf_counter() - started, "formats_s": {}, "e2e_s": None}
+    settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
+                "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}  # fmt: skip
+    _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out)
     if cfg.e2e:
         from qerl_cli.bench.e2e import run_e2e
 
@@ -209,10 +232,5 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     add_roofline(report, {fmt: model_config(folder) for fmt, folder in checkpoints.items()})
     if baseline is not None:
         report["regression"] = check_regressions(report, baseline, cfg.tolerance)
-    report["files"] = {"json": str(write_json(report, out))}
-    report["files"]["markdown"] = str(write_markdown(report, out))
-    report["files"]["charts"] = [str(p) for p in write_charts(report, out)]
-    if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
-        report["files"]["crossover"] = str(write_crossover(report, out))
-    write_json(report, out)  # again, now listing the files
+    _write_outputs(cfg, engine, report, out)
     return report
