@@ -68,9 +68,8 @@ case "$PART" in
     one_at_a_time
     snapshot
     # BEFORE: commands to run first in the same detached job, so the GPU runs one job at a time. By
-    # default, on a machine that has not measured it yet, the Humming sweep (NVFP4 x humming).
-    # default, on a machine that has not measured them yet, NVFP4 on the FP8 copy and Humming (the first
-    # machine's sweep ran out of time before them). Then every crossover.json measured here is merged into
+    # default, the NVFP4 backends the shipped crossover table lacks for this GPU (fp8, humming), at
+    # MORE_CONCURRENCY. Then every crossover.json measured here is merged into
     # the snapshot's table, so rollout.linear_backend=auto sees them.
     MISSING=$(cd "$RUN/repo" && python -c '
 import torch

@@ -121,7 +121,8 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
     ) -> None:
         self.model_path = str(model_path)
-        # The linear backend the factory chose (qerl_cli.rollout.backends), for the run's records.
+        # The linear backend the factory chose (qerl_cli.rollout.backends; also logged), which the bench's
+        # rows name.
         self.backend_choice: Any = None
         self.format = detect_checkpoint_format(self.model_path)
         if model_format not in ("auto", self.format.name) and self.format.name != "other":
