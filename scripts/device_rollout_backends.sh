@@ -7,7 +7,16 @@
 #   bash scripts/device_rollout_backends.sh sweep     # qerl bench --concurrency 8,32,128,256, 2048 tokens
 #   bash scripts/device_rollout_backends.sh e2e NAME FORMAT BACKEND PROMPTS [RECIPE]
 #                                                     # GRPO steps at PROMPTS x 8 x (256 + 2048)
+#   bash scripts/device_rollout_backends.sh queue AFTER NAME FORMAT BACKEND PROMPTS [RECIPE]
+#                                                     # an e2e part that starts when part AFTER has ended
+#   bash scripts/device_rollout_backends.sh batch [AFTER]
+#                                                     # qerl bench --batch 2,8 with its defaults, wall clock
+#                                                     # (NF4 needs bitsandbytes: carry .device/bnb, below)
 #   bash scripts/device_rollout_backends.sh status    # what has finished; the tail of the running log
+#
+# bitsandbytes for the batch part's NF4 case (the device lacks it), built here once:
+#   mkdir -p .device/bnb && (cd .device/bnb && unzip -q bitsandbytes-0.50.2-*.whl
+#     && find . -name '*.so' ! -name '*cuda130*' -delete)          # 4.4 MB; carry [".device/bnb"]
 #
 # Results land in /tmp/qerl-dev/out (copy them to $OUT from a later call: `... status` does).
 set -uo pipefail
@@ -50,6 +59,12 @@ case "$PART" in
   queue)  # queue AFTER NAME FORMAT BACKEND PROMPTS [RECIPE]: an e2e part that starts when part AFTER ends
     AFTER=${2:?part to wait for}; shift 2
     start "e2e-$1" "while [ ! -f $RUN/out/$AFTER.rc ]; do sleep 2; done; $(e2e_command "$@")" ;;
+  batch)  # batch [AFTER]: the bench defaults, after part AFTER if given
+    WAIT=${2:+while [ ! -f $RUN/out/$2.rc ]; do sleep 2; done; }
+    [ -z "${2:-}" ] && { one_at_a_time; snapshot; }
+    [ -d .device/bnb ] && rm -rf /tmp/bnb-site && cp -r .device/bnb /tmp/bnb-site
+    start batch "${WAIT}PYTHONPATH=/tmp/bnb-site:\$PYTHONPATH python scripts/device_e2e.py batch \
+      --out $RUN/out/bench-batch.json" ;;
   profile)
     one_at_a_time
     snapshot
