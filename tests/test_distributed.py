@@ -255,8 +255,8 @@ def test_vllm_engine_joins_the_process_group_and_sizes_max_num_seqs(
     from qerl_cli.rl import setup
     from qerl_cli.rollout import factory
 
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(factory, "make_engine", lambda kind, path, **kw: calls.append({"kind": kind, **kw}))
+    calls: list[factory.EngineRequest] = []
+    monkeypatch.setattr(factory, "make_engine", calls.append)
     cfg = tiny_cfg(
         tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={enforce_eager: 1}"
     )
@@ -265,16 +265,20 @@ def test_vllm_engine_joins_the_process_group_and_sizes_max_num_seqs(
     launcher = {"distributed_executor_backend": "external_launcher"}
     n = cfg.rollout.num_generations
     # 3 prompts a step: the larger rank share is 2 prompts, a single process rolls out all 3.
-    assert calls[0]["vllm_kwargs"] == {**launcher, "max_num_seqs": 2 * n, "enforce_eager": 1}
-    assert calls[1]["vllm_kwargs"] == {"max_num_seqs": 3 * n, "enforce_eager": 1}
-    assert calls[1]["tensor_parallel_size"] == 1
+    vllm_kwargs = [factory.requested_vllm_kwargs(request) for request in calls]
+    assert vllm_kwargs[0] == {**launcher, "max_num_seqs": 2 * n, "enforce_eager": 1}
+    assert vllm_kwargs[1] == {"max_num_seqs": 3 * n, "enforce_eager": 1}
+    assert calls[1].tensor_parallel_size == 1
     # A recipe's own max_num_seqs wins; a huge step is capped at vLLM's default.
     calls.clear()
     cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "rollout.vllm_kwargs={max_num_seqs: 5}")
     setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
     cfg = tiny_cfg(tmp_path, tmp_path / "out", "rollout.engine=vllm", "train.prompts_per_step=2048")
     setup.make_engine(cfg, None, gpu_memory_utilization=0.3)  # type: ignore[arg-type]
-    assert [c["vllm_kwargs"]["max_num_seqs"] for c in calls] == [5, setup.VLLM_DEFAULT_MAX_NUM_SEQS]
+    assert [factory.requested_vllm_kwargs(c)["max_num_seqs"] for c in calls] == [
+        5,
+        setup.VLLM_DEFAULT_MAX_NUM_SEQS,
+    ]
 
 
 def test_multigpu_device_report_arithmetic(tmp_path: Path) -> None:

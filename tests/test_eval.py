@@ -328,9 +328,9 @@ def test_the_adapter_is_applied_on_the_hf_engine(tmp_path, tiny_model_dir, monke
 
     real_make_engine = factory.make_engine
 
-    def spy(kind, model_path, **kwargs):
-        seen.update(kwargs, kind=kind)
-        return real_make_engine(kind, model_path, **kwargs)
+    def spy(request):
+        seen.update(vars(request))
+        return real_make_engine(request)
 
     # build_engine imports the factory function at call time, so patching the module attribute works
     monkeypatch.setattr(factory, "make_engine", spy)
@@ -348,12 +348,10 @@ def test_vllm_engine_wiring_passes_the_adapter_and_its_rank(tmp_path, monkeypatc
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 32, "rank_pattern": {"q_proj": 48}}))
     seen = {}
-    monkeypatch.setattr(
-        factory, "make_engine", lambda kind, path, **kw: seen.update(kw, kind=kind, path=path)
-    )
+    monkeypatch.setattr(factory, "make_engine", lambda request: seen.update(vars(request)))
     cfg = EvalConfig(model="Qwen/Qwen2.5-7B-Instruct", adapter=str(adapter), engine="vllm", seed=3)
     run_module.build_engine(cfg, tokenizer=None)
-    assert seen["kind"] == "vllm" and seen["path"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert seen["kind"] == "vllm" and seen["model_path"] == "Qwen/Qwen2.5-7B-Instruct"
     assert seen["adapter"] == str(adapter) and seen["enable_lora"] is True
     assert seen["max_lora_rank"] == 48 and seen["seed"] == 3 and seen["enable_sleep_mode"] is False
     run_module.build_engine(EvalConfig(model="m", engine="vllm"), tokenizer=None)

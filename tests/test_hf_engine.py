@@ -9,7 +9,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
-from qerl_cli.rollout.factory import make_engine
+from qerl_cli.rollout.factory import EngineRequest, make_engine
 from qerl_cli.rollout.hf import HFEngine
 
 PROMPTS = ["<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n", "Hi"]
@@ -157,16 +157,16 @@ def test_engine_always_uses_the_current_adapter(tiny_model_dir) -> None:
 
 
 def test_make_engine_hf_loads_a_folder(tiny_model_dir) -> None:
-    engine = make_engine("hf", tiny_model_dir, dtype="float32", device="cpu")
+    engine = make_engine(EngineRequest("hf", tiny_model_dir, dtype="float32", device="cpu"))
     result = engine.generate(["abc"], 2, SamplingSpec(max_new_tokens=3, seed=0))
     assert len(result.flat()) == 2
 
 
 def test_make_engine_errors() -> None:
     with pytest.raises(QerlError, match="unknown rollout engine"):
-        make_engine("tgi", "x")
+        make_engine(EngineRequest("tgi", "x"))
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(QerlError, match=r'pip install "qerl\[vllm\]"'):
-            make_engine("vllm", "x")
+            make_engine(EngineRequest("vllm", "x"))
     with pytest.raises(QerlError, match="only apply to the vllm engine"):
-        make_engine("hf", "x", gpu_memory_utilization=0.5)
+        make_engine(EngineRequest("hf", "x", gpu_memory_utilization=0.5))

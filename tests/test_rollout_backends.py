@@ -182,20 +182,25 @@ def test_factory_hands_vllm_the_backend_and_the_fp8_copy(
     fake_llm: list[dict], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from qerl_cli.rollout import factory
-    from qerl_cli.rollout.factory import make_engine
+    from qerl_cli.rollout.factory import EngineRequest, make_engine
 
     monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
     base = nvfp4_base()
-    engine = make_engine("vllm", base, linear_backend="humming", gpu_memory_utilization=0.5, max_model_len=64)
+    humming = EngineRequest(
+        "vllm", base, linear_backend="humming", gpu_memory_utilization=0.5, max_model_len=64
+    )
+    engine = make_engine(humming)
     assert fake_llm[-1]["vllm_kwargs"]["linear_backend"] == "humming" and fake_llm[-1]["model"] == str(base)
     assert engine.backend_choice.backend == "humming"
     make_engine(
-        "vllm",
-        base,
-        linear_backend="fp8",
-        gpu_memory_utilization=0.5,
-        max_model_len=64,
-        vllm_kwargs={"max_num_seqs": 8},
+        EngineRequest(
+            "vllm",
+            base,
+            linear_backend="fp8",
+            gpu_memory_utilization=0.5,
+            max_model_len=64,
+            vllm_kwargs={"max_num_seqs": 8},
+        )
     )
     served = Path(fake_llm[-1]["model"])
     assert (
@@ -204,7 +209,7 @@ def test_factory_hands_vllm_the_backend_and_the_fp8_copy(
     assert fake_llm[-1]["model_format"] == "auto" and fake_llm[-1]["vllm_kwargs"] == {"max_num_seqs": 8}
     monkeypatch.setattr(factory, "current_environment", lambda **kw: env(humming_installed=False, **kw))
     with pytest.raises(QerlError, match=r"qerl\[humming\]"):
-        make_engine("vllm", base, linear_backend="humming", gpu_memory_utilization=0.5, max_model_len=64)
+        make_engine(humming)
 
 
 def test_unknown_backend_in_a_recipe_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,8 +58,8 @@ def test_check_names_layers_on_hopper_only(smol_nvfp4: Path, tiny_model_dir: Pat
 
 
 def test_vllm_engine_fails_before_vllm(smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from qerl_cli.rollout.factory import make_engine
+    from qerl_cli.rollout.factory import EngineRequest, make_engine
 
     monkeypatch.setattr(shapes, "_capability", lambda: (9, 0))
     with pytest.raises(QerlError, match="Marlin NVFP4"):
-        make_engine("vllm", smol_nvfp4)
+        make_engine(EngineRequest("vllm", smol_nvfp4))

@@ -73,23 +73,23 @@ def vllm_available() -> bool:
 # --------------------------------------------------------------------------------------------
 @contextmanager
 def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
-    """(engine, tokenizer, memory info) from ``make_engine``; the engine is freed on exit."""
-    from qerl_cli.rollout.factory import make_engine
+    """(engine, tokenizer, memory info) from the rollout factory; the engine is freed on exit."""
+    from qerl_cli.rollout import factory
 
     settings = RolloutSettings(**case.settings)
     if case.engine == "hf":
         model = _hf_model(case)
-        engine: Any = make_engine(
+        engine: Any = factory.make_engine(factory.EngineRequest(
             "hf", case.model_dir, model=model, adapter=case.lora_dir, model_format=case.format,
             device=next(model.parameters()).device, generation_batch_size=max(case.batches),
-        )
+        ))  # fmt: skip
         tokenizer = engine.tokenizer
         info: dict[str, Any] = {
             "weight_bytes": module_tensor_bytes(engine.model),
             "weight_bytes_source": "model tensors (in memory)",
         }
     else:
-        engine = make_engine(
+        engine = factory.make_engine(factory.EngineRequest(
             "vllm", case.model_dir, adapter=case.lora_dir if case.phases()[0] else None,
             model_format=case.format,
             gpu_memory_utilization=case.gpu_memory_utilization,
@@ -101,8 +101,11 @@ def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
             seed=settings.seed,
             linear_backend=case.linear_backend if case.linear_backend != "default" else "auto",
             concurrency=max(case.batches),
+            # The largest batch: vLLM captures CUDA graphs for the batch sizes measured, not dozens more
+            # (``case.vllm_kwargs`` says the same unless the user set max_num_seqs, and it wins).
+            max_num_seqs=max(case.batches),
             vllm_kwargs=case.vllm_kwargs,
-        )
+        ))  # fmt: skip
         tokenizer = engine.llm.get_tokenizer()
         info = _vllm_info(engine, case)
     try:

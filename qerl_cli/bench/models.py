@@ -73,7 +73,7 @@ def normalize_formats(formats: list[str]) -> list[str]:
 
 def folder_format(folder: Path) -> str:
     """bf16 / nvfp4 / mxfp4 / nf4 from a checkpoint's ``quantization_config``."""
-    from qerl_cli.rollout.vllm_engine import detect_checkpoint_format
+    from qerl_cli.rollout.vllm_setup import detect_checkpoint_format
 
     found = detect_checkpoint_format(folder).name
     if found == "other":

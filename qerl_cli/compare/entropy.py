@@ -40,12 +40,12 @@ def rollout_entropy(
 
     ``batch``: completions per generate call (the recipe's ``rollout.generation_batch_size``).
     """
-    from qerl_cli.rollout.factory import make_engine
+    from qerl_cli.rollout import factory
 
-    engine = make_engine(
+    engine = factory.make_engine(factory.EngineRequest(
         "hf", model_path, dtype=dtype, device=device, generation_batch_size=batch,
         trust_remote_code=trust_remote_code,
-    )  # fmt: skip
+    ))  # fmt: skip
     spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, seed=seed)
     result = engine.generate(prompts, n, spec)
     pairs = result.flat()

@@ -64,11 +64,11 @@ def samples_for(cfg: EvalConfig, benchmark: str) -> int:
 def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
     """The engine for ``cfg.engine`` with the adapter applied (through the rollout factory)."""
     from qerl_cli.modeling.adapter import rank as adapter_rank
-    from qerl_cli.rollout.factory import make_engine
+    from qerl_cli.rollout import factory
 
     rank = adapter_rank(cfg.adapter)
     if cfg.engine == "vllm":
-        return make_engine(
+        request = factory.EngineRequest(
             "vllm",
             cfg.model,
             adapter=cfg.adapter,
@@ -82,16 +82,18 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
             linear_backend=cfg.linear_backend,
             vllm_kwargs=dict(cfg.vllm_kwargs),
         )
-    return make_engine(
-        "hf",
-        cfg.model,
-        adapter=cfg.adapter,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        tokenizer=tokenizer,
-        generation_batch_size=cfg.generation_batch_size,
-        trust_remote_code=cfg.trust_remote_code,
-    )
+    else:
+        request = factory.EngineRequest(
+            "hf",
+            cfg.model,
+            adapter=cfg.adapter,
+            dtype=cfg.dtype,
+            device=cfg.device,
+            tokenizer=tokenizer,
+            generation_batch_size=cfg.generation_batch_size,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    return factory.make_engine(request)
 
 
 def load_eval_tokenizer(cfg: EvalConfig) -> Any:

@@ -52,10 +52,10 @@ def make_engine(
     captured CUDA graphs for 51 batch sizes up to 512 at start-up (48 s, 1.6 GiB of a tight 80 GB
     budget) for a step of 8 sequences. A recipe's ``rollout.vllm_kwargs.max_num_seqs`` wins.
     """
-    from qerl_cli.rollout.factory import make_engine as factory
+    from qerl_cli.rollout import factory
 
     if cfg.rollout.engine == "hf":
-        return factory(
+        request = factory.EngineRequest(
             "hf",
             cfg.model.path,
             model=policy.model,
@@ -63,11 +63,9 @@ def make_engine(
             device=policy.device,
             generation_batch_size=cfg.rollout.generation_batch_size,
         )
+        return factory.make_engine(request)
     per_round = -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.num_generations
-    vllm_kwargs = {"max_num_seqs": min(per_round, VLLM_DEFAULT_MAX_NUM_SEQS), **cfg.rollout.vllm_kwargs}
-    if distributed:
-        vllm_kwargs = {"distributed_executor_backend": "external_launcher", **vllm_kwargs}
-    return factory(
+    request = factory.EngineRequest(
         "vllm",
         cfg.model.path,
         dtype=cfg.model.dtype,
@@ -85,8 +83,11 @@ def make_engine(
         linear_backend=cfg.rollout.linear_backend,
         concurrency=per_round,
         crossover_table=cfg.rollout.crossover_table,
-        vllm_kwargs=vllm_kwargs,
+        max_num_seqs=min(per_round, VLLM_DEFAULT_MAX_NUM_SEQS),
+        external_launcher=distributed,
+        vllm_kwargs=dict(cfg.rollout.vllm_kwargs),
     )
+    return factory.make_engine(request)
 
 
 def check_parallel_settings(cfg: TrainConfig, dist: Distributed) -> None:

@@ -96,10 +96,13 @@ def sampled_accuracy(
     """Share of ``samples`` temperature-1 completions per problem that math-verify grades correct."""
     from qerl_cli.data.prompts import render_prompt
     from qerl_cli.rewards.grading import is_correct
+    from qerl_cli.rollout import factory
     from qerl_cli.rollout.base import SamplingSpec
-    from qerl_cli.rollout.hf import HFEngine
 
-    engine = HFEngine(model, tokenizer, generation_batch_size=128)
+    engine = factory.make_engine(factory.EngineRequest(
+        "hf", model=model, tokenizer=tokenizer, device=next(model.parameters()).device,
+        generation_batch_size=128,
+    ))  # fmt: skip
     prompts = [render_prompt(p.question, tokenizer, template=template) for p in problems]
     spec = SamplingSpec(max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, seed=seed)
     result = engine.generate(prompts, samples, spec)

@@ -1,13 +1,21 @@
-"""Build a rollout engine by name: ``hf`` (transformers, any device) or ``vllm`` (GPU, optional).
+"""The one factory of rollout engines: a stage describes the engine it needs in an
+:class:`EngineRequest` and :func:`make_engine` builds it, ``hf`` (transformers, any device) or ``vllm``
+(GPU, optional).
 
-Training passes its live PEFT model (``model=``) so the HF engine generates with the current
-adapter; evaluation and benchmarks pass a path and let the factory load the model.
+Every stage maps its own settings onto a request (``rl/setup.make_engine``, ``evaluation/run.build_engine``,
+``bench/engines.open_engine``); only this module turns a request into an engine class, chooses the vLLM
+linear backend and writes vLLM's keyword arguments. Training passes its live PEFT model (``model``) so
+the HF engine generates with the current adapter; evaluation and benchmarks pass a path and let the
+factory load the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +38,86 @@ ENGINES = ("hf", "vllm")
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """The rollout engine a stage needs, in qerl's terms (never vLLM's keyword arguments).
+
+    The defaults are the vLLM engine's own (``rollout.vllm_engine.VLLMEngine``), so a field a stage
+    leaves out behaves as it did when the stage called the engine itself.
+    """
+
+    kind: str  # one of ENGINES
+    model_path: str | Path | None = None  # a folder, hub id or alias (resolved by modeling.sources)
+    adapter: str | Path | None = None  # a PEFT adapter folder to serve from the start
+    model_format: str = "auto"  # what the recipe says the checkpoint holds; checked against it
+    dtype: str | torch.dtype = "bfloat16"
+    trust_remote_code: bool = False
+
+    # -- the HF engine ---------------------------------------------------------------------------
+    model: Any = None  # a live (PEFT) model to generate with (training); None: load model_path
+    tokenizer: Any = None  # None: model_path's
+    device: str | torch.device = "auto"
+    generation_batch_size: int = 64  # sequences per generate call
+
+    # -- the vLLM engine (an HF request leaves these at their defaults) ----------------------------
+    gpu_memory_utilization: float = 0.3  # vLLM's share of the GPU
+    enable_sleep_mode: bool = True  # off where nothing else needs the GPU between rollouts
+    enable_lora: bool = True
+    max_lora_rank: int = 64  # rounded up to a rank vLLM accepts
+    max_model_len: int | None = None  # prompt + completion tokens; None: the model's own
+    kv_cache_dtype: str = "auto"
+    staleness_tolerance: float = 0.5  # nats/token, engine vs trainer after a sync
+    seed: int = 0
+    revision: str | None = None
+    tensor_parallel_size: int = 1
+    linear_backend: str = "auto"  # rollout.linear_backend (rollout.backends)
+    # Sequences one rollout round submits, which the backend choice is weighed for (0: max_num_seqs,
+    # else 256).
+    concurrency: int = 0
+    crossover_table: str | None = None  # None: the shipped crossover table
+    # vLLM's max_num_seqs (None: vLLM's default): sized to a round, vLLM captures CUDA graphs only for
+    # batch sizes the stage submits.
+    max_num_seqs: int | None = None
+    # This process is one rank of a torchrun job: vLLM joins its process group (``external_launcher``)
+    # instead of starting workers of its own.
+    external_launcher: bool = False
+    vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the recipe's own; they win
+
+
+# Fields the HF engine reads; every other field is the vLLM engine's.
+_HF_FIELDS = frozenset(
+    {"kind", "model_path", "adapter", "model_format", "dtype", "trust_remote_code", "model", "tokenizer",
+     "device", "generation_batch_size"}
+)  # fmt: skip
+
+
+def _default(spec: dataclasses.Field[Any]) -> Any:
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def vllm_only_settings(request: EngineRequest) -> list[str]:
+    """The vLLM-only fields a request sets to other than their defaults (an HF request must set none:
+    silently ignoring them would hide a stage's mistake)."""
+    return sorted(
+        spec.name
+        for spec in dataclasses.fields(request)
+        if spec.name not in _HF_FIELDS and getattr(request, spec.name) != _default(spec)
+    )
+
+
+def requested_vllm_kwargs(request: EngineRequest) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments a request adds to the engine's own: the executor of a torchrun
+    rank, ``max_num_seqs``, then the recipe's ``vllm_kwargs``, which win over both."""
+    kwargs: dict[str, Any] = {}
+    if request.external_launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if request.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = request.max_num_seqs
+    return {**kwargs, **request.vllm_kwargs}
+
+
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -39,44 +127,36 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def make_engine(
-    kind: str,
-    model_path: str | Path | None,
-    *,
-    adapter: str | Path | None = None,
-    dtype: str | torch.dtype = "bfloat16",
-    device: str | torch.device = "auto",
-    tokenizer: Any = None,
-    model: Any = None,
-    generation_batch_size: int = 64,
-    model_format: str = "auto",
-    trust_remote_code: bool = False,
-    **vllm_opts: Any,
-) -> RolloutEngine:
-    """A :class:`~qerl_cli.rollout.base.RolloutEngine`.
+def make_engine(request: EngineRequest) -> RolloutEngine:
+    """The :class:`~qerl_cli.rollout.base.RolloutEngine` a stage's request describes.
 
-    ``hf``: uses ``model`` (and ``tokenizer``) when given, else loads ``model_path`` with qerl's
-    4-bit-aware loader, plus the PEFT ``adapter`` folder if any. ``vllm``: starts a colocated vLLM
-    engine on ``model_path`` (``vllm_opts`` go to ``VLLMEngine``); it loads the adapter itself.
+    ``hf``: uses ``request.model`` (and its tokenizer) when given, else loads ``model_path`` with qerl's
+    4-bit-aware loader, plus the PEFT ``adapter`` folder if any. ``vllm``: starts a colocated vLLM engine
+    on ``model_path`` with the linear backend chosen for it; it loads the adapter itself.
     """
-    if kind not in ENGINES:
-        raise QerlError(f"unknown rollout engine '{kind}'; choose one of {', '.join(ENGINES)}")
-    if kind == "vllm":
-        if trust_remote_code:
-            vllm_opts["trust_remote_code"] = True
-        return _make_vllm(model_path, adapter=adapter, dtype=dtype, model_format=model_format, **vllm_opts)
-    if vllm_opts:
-        raise QerlError(f"options {sorted(vllm_opts)} only apply to the vllm engine")
+    if request.kind not in ENGINES:
+        raise QerlError(f"unknown rollout engine '{request.kind}'; choose one of {', '.join(ENGINES)}")
+    if request.kind == "vllm":
+        return _make_vllm(request)
+    misplaced = vllm_only_settings(request)
+    if misplaced:
+        raise QerlError(f"options {misplaced} only apply to the vllm engine")
+    return _make_hf(request)
+
+
+def _make_hf(request: EngineRequest) -> RolloutEngine:
     from qerl_cli.modeling.loading import load_base_model, load_tokenizer
     from qerl_cli.rollout.hf import HFEngine
 
+    device, model_path, adapter = request.device, request.model_path, request.adapter
     torch_device = resolve_device(device) if isinstance(device, str) else device
+    model, tokenizer = request.model, request.tokenizer
     if model is None:
         if model_path is None:
-            raise QerlError("make_engine('hf') needs a model_path or a loaded model")
+            raise QerlError("an hf engine request needs a model_path or a loaded model")
         model, _ = load_base_model(
-            str(model_path), model_format, _torch_dtype(dtype), torch_device,
-            trust_remote_code=trust_remote_code, trust_hint="--set trust_remote_code=true",
+            str(model_path), request.model_format, _torch_dtype(request.dtype), torch_device,
+            trust_remote_code=request.trust_remote_code, trust_hint="--set trust_remote_code=true",
         )  # fmt: skip
         model.eval()
         if adapter is not None:
@@ -85,22 +165,14 @@ def make_engine(
         adapter_folder.load_weights(model, adapter)
     if tokenizer is None:
         if model_path is None:
-            raise QerlError("make_engine('hf') with a model object needs its tokenizer or a model_path")
-        tokenizer = load_tokenizer(str(model_path), trust_remote_code=trust_remote_code)
-    return HFEngine(model, tokenizer, generation_batch_size=generation_batch_size, device=torch_device)
+            raise QerlError("an hf engine request with a model object needs its tokenizer or a model_path")
+        tokenizer = load_tokenizer(str(model_path), trust_remote_code=request.trust_remote_code)
+    return HFEngine(
+        model, tokenizer, generation_batch_size=request.generation_batch_size, device=torch_device
+    )
 
 
-def _make_vllm(
-    model_path: str | Path | None,
-    *,
-    adapter: str | Path | None,
-    dtype: str | torch.dtype,
-    model_format: str,
-    linear_backend: str = "auto",
-    concurrency: int = 0,
-    crossover_table: str | None = None,
-    **vllm_opts: Any,
-) -> RolloutEngine:
+def _make_vllm(request: EngineRequest) -> RolloutEngine:
     """A colocated vLLM engine on ``model_path`` whose linear layers run the backend that
     ``linear_backend`` resolves to (:mod:`qerl_cli.rollout.backends`) for a round of ``concurrency``
     sequences (0: ``max_num_seqs`` of the vLLM settings, else 256)."""
@@ -109,6 +181,7 @@ def _make_vllm(
     from qerl_cli.modeling.shapes import check_vllm_shapes
     from qerl_cli.modeling.sources import resolve_model_source
 
+    model_path = request.model_path
     if model_path is not None:
         model_path = resolve_model_source(model_path)
         check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
@@ -121,27 +194,34 @@ def _make_vllm(
         raise QerlError("the vllm engine loads the model itself: pass model_path")
     from qerl_cli.rollout.vllm_engine import VLLMEngine
 
-    user_kwargs = dict(vllm_opts.pop("vllm_kwargs", None) or {})
-    concurrency = concurrency or int(user_kwargs.get("max_num_seqs") or 256)
+    user_kwargs = requested_vllm_kwargs(request)
+    concurrency = request.concurrency or int(user_kwargs.get("max_num_seqs") or 256)
     choice = choose_rollout_backend(
-        str(model_path), linear_backend, concurrency=concurrency, crossover_table=crossover_table,
-        lora=bool(vllm_opts.get("enable_lora", True)), max_model_len=vllm_opts.get("max_model_len"),
-        gpu_memory_utilization=vllm_opts.get("gpu_memory_utilization"),
-        kv_cache_dtype=str(vllm_opts.get("kv_cache_dtype", "auto")),
+        str(model_path), request.linear_backend, concurrency=concurrency,
+        crossover_table=request.crossover_table, lora=request.enable_lora,
+        max_model_len=request.max_model_len, gpu_memory_utilization=request.gpu_memory_utilization,
+        kv_cache_dtype=request.kv_cache_dtype,
     )  # fmt: skip
-    served = str(model_path)
+    served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
         from qerl_cli.modeling.fp8_rollout import fp8_rollout_checkpoint
         from qerl_cli.modeling.sources import cache_root
 
         served = str(fp8_rollout_checkpoint(model_path, cache_root()))
         model_format = "auto"  # vLLM serves the FP8 copy; the trainer keeps the 4-bit base
-    vllm_opts["vllm_kwargs"] = {**choice.vllm_kwargs(), **user_kwargs}  # the recipe's vllm_kwargs win
-    dtype_name = torch_dtype_name(dtype)
-    engine = VLLMEngine(served, model_format=model_format, dtype=dtype_name, **vllm_opts)
+    engine = VLLMEngine(
+        served, model_format=model_format, dtype=torch_dtype_name(request.dtype),
+        gpu_memory_utilization=request.gpu_memory_utilization,
+        enable_sleep_mode=request.enable_sleep_mode, enable_lora=request.enable_lora,
+        max_lora_rank=request.max_lora_rank, max_model_len=request.max_model_len,
+        staleness_tolerance=request.staleness_tolerance, seed=request.seed,
+        trust_remote_code=request.trust_remote_code, revision=request.revision,
+        kv_cache_dtype=request.kv_cache_dtype, tensor_parallel_size=request.tensor_parallel_size,
+        vllm_kwargs={**choice.vllm_kwargs(), **user_kwargs},  # the recipe's vllm_kwargs win
+    )  # fmt: skip
     engine.backend_choice = choice
-    if adapter is not None:
-        engine.sync_adapter(str(adapter))
+    if request.adapter is not None:
+        engine.sync_adapter(str(request.adapter))
     return engine
 
 

@@ -10,37 +10,29 @@ One ``vllm.LLM`` lives in the trainer's process and shares its GPU. A training s
    ``check_staleness`` compares vLLM's logprobs on a probe prompt with the trainer's;
 4. ``set_norm_noise`` sets vLLM's own RMSNorm weights to clean + N(0, sigma^2) (AQN).
 
-Why a new LoRA id every step: vLLM caches adapters by id, so re-adding an id it already holds is
-a silent no-op and rollouts keep sampling the *old* adapter (or the base model). A fresh id plus
-``remove_lora`` of the previous one and a prefix-cache reset (cached KV blocks were computed with
-the old weights) makes each sync observable, and the staleness check proves it worked.
+vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it. Stages
+never build this class themselves: they ask :func:`qerl_cli.rollout.factory.make_engine` for an engine.
 
-vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it.
-
-The engine is split by responsibility: ``vllm_setup`` (checkpoint format, GPU check, start-up
-arguments and errors), ``modeling.adapter`` (adapter folder checks), ``vllm_worker`` (functions run in
-vLLM's worker: AQN noise) and ``vllm_outputs`` (output mapping, logprobs, staleness figures). The
-names tests and callers import stay importable from here.
+The engine is split by responsibility. Here: start-up, generation, sleep / wake and AQN noise. Beside
+it: ``vllm_setup`` (checkpoint format, GPU check, ``vllm.LLM`` keyword arguments, start-up errors),
+``vllm_lora`` (LoRA sync under a new id every step), ``vllm_staleness`` (the staleness check),
+``vllm_worker`` (functions run in vLLM's worker: AQN noise), ``vllm_outputs`` (output mapping,
+logprobs, staleness figures) and ``modeling.adapter`` (adapter folder checks). The names tests and
+callers import stay importable from here.
 """
-
 
 from __future__ import annotations
 
 import functools
 import logging
 import math
-import shutil
-import tempfile
 import time
-import weakref
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.prompt_tokens import encode_prompts
 from qerl_cli.rollout.base import (
     COMPLETIONS,
@@ -56,14 +48,8 @@ from qerl_cli.rollout.base import (
     RolloutResult,
     SamplingSpec,
 )
-from qerl_cli.rollout.vllm_outputs import (
-    mean_abs_gap,
-    numerics_explain,
-    prompt_token_logprobs,
-    sampled_token_logprobs,
-    staleness_message,
-    to_result,
-)
+from qerl_cli.rollout.vllm_lora import AdapterSync
+from qerl_cli.rollout.vllm_outputs import sampled_token_logprobs, to_result
 from qerl_cli.rollout.vllm_setup import (
     MIN_CAPABILITY,
     VLLM_LORA_RANKS,
@@ -75,8 +61,8 @@ from qerl_cli.rollout.vllm_setup import (
     check_gpu_supports,
     detect_checkpoint_format,
     llm_kwargs,
-    tmpfs_dir,
 )
+from qerl_cli.rollout.vllm_staleness import StalenessCheck
 from qerl_cli.rollout.vllm_worker import (
     CLEAN_NORMS_ATTR,
     is_vllm_norm,
@@ -84,9 +70,6 @@ from qerl_cli.rollout.vllm_worker import (
     worker_count_norms,
     worker_set_norm_noise,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "CLEAN_NORMS_ATTR", "MIN_CAPABILITY", "VLLM_LORA_RANKS",
@@ -98,7 +81,7 @@ log = logging.getLogger(__name__)
 LORA_ID = "rollout/lora_id"  # the vLLM LoRA id generate serves (0: the base model)
 
 
-class VLLMEngine:
+class VLLMEngine(AdapterSync, StalenessCheck):
     """A :class:`~qerl_cli.rollout.base.RolloutEngine` backed by a colocated ``vllm.LLM``."""
 
     def __init__(
@@ -151,6 +134,25 @@ class VLLMEngine:
         self.enable_lora = bool(kwargs.get("enable_lora", False))
         self.max_lora_rank = int(kwargs.get("max_lora_rank", self.max_lora_rank))
 
+        self._start(kwargs, gpu_memory_utilization)
+
+        self._sleeping = False
+        self._noise_sigma = 0.0
+        self._noise_seed = 0
+        self._noise_touched = False  # the worker holds clean copies once noise was applied
+        self._warned_truncated_logprobs = False
+        self._flat_logprobs = True
+        self.last_staleness_gap: float | None = None
+        self.last_numerics_gap: float | None = None  # vLLM's base vs the trainer's, when it was measured
+        self.last_sleep_freed_bytes: int | None = None
+        self.last_perturbed_count = 0
+        self.last_changed_fraction = 0.0
+        self.num_norms = int(min(self.llm.apply_model(worker_count_norms)))
+        # Last: a vLLM that failed to start leaves no staging folder behind.
+        self._init_adapter_state()
+
+    def _start(self, kwargs: dict[str, Any], gpu_memory_utilization: float) -> None:
+        """``vllm.LLM(**kwargs)``, its memory errors rephrased as advice on the recipe's settings."""
         log.info("starting vLLM for %s (%s): %s", self.model_path, self.format.name, kwargs)
         started = time.perf_counter()
         try:
@@ -162,41 +164,16 @@ class VLLMEngine:
             raise rephrased from exc
         self.load_seconds = time.perf_counter() - started
 
-        self._sleeping = False
-        self._lora: Any = None  # the active LoRARequest
-        self._pending_lora: Any = None  # loaded by sync while asleep; activated at wake_up
-        self._has_pending = False
-        self._next_lora_id = 1
-        self._noise_sigma = 0.0
-        self._noise_seed = 0
-        self._noise_touched = False  # the worker holds clean copies once noise was applied
-        self._warned_truncated_logprobs = False
-        self._flat_logprobs = True
-        self.last_staleness_gap: float | None = None
-        self.last_numerics_gap: float | None = None  # vLLM's base vs the trainer's, when it was measured
-        self.last_sleep_freed_bytes: int | None = None
-        self.last_perturbed_count = 0
-        self.last_changed_fraction = 0.0
-        self.num_syncs = 0
-        self.num_norms = int(min(self.llm.apply_model(worker_count_norms)))
-        self._stage_root = Path(tempfile.mkdtemp(prefix="qerl-lora-", dir=tmpfs_dir()))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self._stage_root, True)
-
     # ---- state ------------------------------------------------------------------------------
     @property
     def is_sleeping(self) -> bool:
         return self._sleeping
 
-    @property
-    def lora_request(self) -> Any:
-        """The LoRARequest generate uses now (None: the base model)."""
-        return self._lora
-
     def stats(self) -> dict[str, float]:
         """Engine-level figures for logs (per-rollout figures are in RolloutResult.stats)."""
         out: dict[str, float] = {
             "rollout/load_seconds": self.load_seconds,
-            LORA_ID: float(self._lora.lora_int_id if self._lora is not None else 0),
+            LORA_ID: float(self._lora_id),
             "rollout/syncs": float(self.num_syncs),
             NORM_MODULES: float(self.num_norms),
             PERTURBED_NORMS: float(self.last_perturbed_count),
@@ -276,7 +253,7 @@ class VLLMEngine:
                 COMPLETIONS: float(len(prompts) * n),
                 NOISE_SIGMA: self._noise_sigma,
                 NOISE_CHANGED_FRACTION: self.last_changed_fraction if self._noise_sigma > 0 else 0.0,
-                LORA_ID: float(self._lora.lora_int_id if self._lora is not None else 0),
+                LORA_ID: float(self._lora_id),
             }
         )
         return result
@@ -305,9 +282,7 @@ class VLLMEngine:
         self._check_room_to_wake()
         self.llm.wake_up()
         self._sleeping = False
-        if self._has_pending:
-            self._activate(self._pending_lora)
-            self._pending_lora, self._has_pending = None, False
+        self._activate_pending()
         if self._noise_touched:
             self._apply_noise()
         self.llm.reset_prefix_cache()
@@ -335,153 +310,6 @@ class VLLMEngine:
             f"and {cached:.1f} GiB in blocks PyTorch cannot release. Set rollout.gpu_memory_utilization "
             f"below {self.llm_kwargs.get('gpu_memory_utilization')} (the share this engine runs with, "
             "whether given or chosen by auto), or lower train.micro_batch_size"
-        )
-
-    # ---- LoRA sync ----------------------------------------------------------------------------
-    def _next_stage_dir(self) -> Path:
-        path = self._stage_root / f"adapter-{self._next_lora_id}"
-        if path.exists():
-            shutil.rmtree(path)
-        return path
-
-    def sync_adapter(self, adapter_dir: str | Path | None) -> None:
-        """Copy the PEFT adapter in ``adapter_dir`` to tmpfs and serve it from the next generate on,
-        under a new LoRA id; ``None`` serves the base model."""
-        if adapter_dir is None:
-            self._load(None)
-            return
-        source = Path(adapter_dir)
-        self._validate_adapter(source)
-        staged = adapter_folder.copy_folder(source, self._next_stage_dir())
-        self._load(staged)
-
-    def sync_policy(self, peft_model: Any) -> None:
-        """Save the trainer's PEFT model's adapter straight to tmpfs (no round trip through the output
-        folder) and serve it like :meth:`sync_adapter`."""
-        staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
-        self._validate_adapter(staged)
-        self._load(staged)
-
-    def _validate_adapter(self, folder: Path) -> None:
-        adapter_folder.check_servable(folder, enable_lora=self.enable_lora, max_lora_rank=self.max_lora_rank)
-
-    def _load(self, staged: Path | None) -> None:
-        request = None
-        if staged is not None:
-            lora_id = self._next_lora_id
-            self._next_lora_id += 1
-            request = self._vllm.LoRARequest(
-                lora_name=f"qerl-adapter-{lora_id}", lora_int_id=lora_id, lora_path=str(staged)
-            )
-        self.num_syncs += 1
-        if self._sleeping:
-            # Loading writes into the LoRA slots, which sleep mode has offloaded: defer to wake_up.
-            if self._has_pending and self._pending_lora is not None:
-                self._drop_stage(self._pending_lora)
-            self._pending_lora, self._has_pending = request, True
-            return
-        self._activate(request)
-
-    def _activate(self, request: Any) -> None:
-        engine = self.llm.llm_engine
-        previous = self._lora
-        if previous is not None:
-            # Removed first: with max_loras=1 the new adapter takes its slot.
-            engine.remove_lora(previous.lora_int_id)
-            self._drop_stage(previous)
-        self._lora = None
-        if request is not None:
-            try:
-                added = engine.add_lora(request)
-            except (ValueError, RuntimeError) as exc:
-                raise QerlError(
-                    f"vLLM could not load the adapter {request.lora_path}: {exc}. Check that "
-                    "lora.target_modules are linear layers vLLM supports for this model and that "
-                    "rollout.max_lora_rank >= lora.rank"
-                ) from exc
-            if not added:
-                raise QerlError(f"vLLM refused the adapter {request.lora_path} (add_lora returned False)")
-            self._lora = request
-        # Cached KV blocks were computed with the previous adapter.
-        self.llm.reset_prefix_cache()
-
-    def _drop_stage(self, request: Any) -> None:
-        path = Path(request.lora_path)
-        if path.parent == self._stage_root:
-            shutil.rmtree(path, ignore_errors=True)
-
-    # ---- staleness check ----------------------------------------------------------------------
-    def prompt_logprobs(self, token_ids: Sequence[int], *, with_adapter: bool = True) -> list[float]:
-        """vLLM's log p(token_i | tokens_<i), i >= 1, at temperature 1, with the current adapter
-        (or the base model) and the current norm weights."""
-        if self._sleeping:
-            self.wake_up()
-        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        request = self._lora if with_adapter else None
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(token_ids)}], params, lora_request=request, use_tqdm=False
-        )
-        return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
-
-    def check_staleness(
-        self,
-        probe_prompt_ids: Sequence[int],
-        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
-        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
-    ) -> float:
-        """Mean |vLLM - trainer| logprob gap (nats/token) on a probe prompt after a sync.
-
-        ``trainer_logprobs(probe)[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1])
-        at temperature 1 without AQN noise, taken first (while vLLM may still sleep); the check
-        lifts vLLM's noise for the probe. A small gap (the 4-bit kernels' numerics) is logged. A gap
-        above ``staleness_tolerance`` raises, since it means rollouts do not come from the policy
-        being trained, unless the rollout weights' own numerics explain it (an FP8 rollout copy):
-        with ``reference_logprobs`` (the trainer with its adapter off) the adapter's effect in vLLM
-        must then match its effect in the trainer, and the two base models be within twice the
-        tolerance (:func:`~qerl_cli.rollout.vllm_outputs.numerics_explain`).
-        """
-        if len(probe_prompt_ids) < 2:
-            raise ValueError("check_staleness needs a probe of >= 2 tokens")
-        trainer_lp = list(trainer_logprobs(probe_prompt_ids))
-        if len(trainer_lp) != len(probe_prompt_ids) - 1:
-            raise ValueError("check_staleness needs len(probe) - 1 trainer logprobs")
-        if self._sleeping:  # the adapter synced during the update is activated by wake_up
-            self.wake_up()
-        noised = self._noise_sigma > 0
-        if noised:
-            self._apply_noise(sigma=0.0)
-        # With the trainer's adapter-off logprobs the adapter's effect is compared on both sides, every
-        # time: a shift of the rollout weights (an FP8 copy) could otherwise hide a stale adapter.
-        compare_effects = reference_logprobs is not None and self._lora is not None
-        try:
-            engine_lp = self.prompt_logprobs(probe_prompt_ids)
-            gap = mean_abs_gap(engine_lp, trainer_lp)
-            base_lp = (
-                self.prompt_logprobs(probe_prompt_ids, with_adapter=False)
-                if (compare_effects or gap > self.staleness_tolerance) and self._lora is not None
-                else None
-            )
-        finally:
-            if noised:
-                self._apply_noise()
-        self.last_staleness_gap = gap
-        lora_id = self._lora.lora_int_id if self._lora is not None else 0
-        explained = None
-        if compare_effects and base_lp is not None:
-            reference_lp = list(reference_logprobs(probe_prompt_ids))  # type: ignore[misc]
-            tolerance = self.staleness_tolerance
-            explained = numerics_explain(engine_lp, base_lp, trainer_lp, reference_lp, tolerance)
-            self.last_numerics_gap = explained.base_gap
-        detail = "" if explained is None else (
-            f"; base models {explained.base_gap:.4f} apart, adapter effects {explained.effect_gap:.4f}")
-        log.info("staleness check (LoRA id %d): vLLM vs trainer logprob gap %.4f nats/token%s", lora_id, gap,
-                 detail)  # fmt: skip
-        if (explained.ok if explained is not None else gap <= self.staleness_tolerance):
-            return gap
-        raise QerlError(
-            staleness_message(
-                gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp, explained
-            )
         )
 
     # ---- AQN ----------------------------------------------------------------------------------
@@ -528,4 +356,3 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -1,0 +1,135 @@
+"""The staleness check of the colocated vLLM engine: after a sync, prove that vLLM samples from the
+policy being trained by comparing its logprobs on a probe prompt with the trainer's.
+
+Part of the vLLM rollout engine (:class:`qerl_cli.rollout.vllm_engine.VLLMEngine` mixes this in); the
+figures and the error message are :mod:`qerl_cli.rollout.vllm_outputs`'.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from qerl_cli.errors import QerlError
+from qerl_cli.rollout.vllm_outputs import (
+    mean_abs_gap,
+    numerics_explain,
+    prompt_token_logprobs,
+    staleness_message,
+)
+
+log = logging.getLogger("qerl_cli.rollout.vllm_engine")  # the engine's logger: one place to read its log
+
+
+class StalenessCheck:
+    """``prompt_logprobs`` and ``check_staleness`` of the vLLM engine."""
+
+    # The engine's state this mixin reads (set in VLLMEngine.__init__).
+    llm: Any
+    _vllm: Any  # the vLLM names rollout.vllm_setup._import_vllm returns
+    _sleeping: bool
+    _lora: Any  # the active LoRARequest (rollout.vllm_lora)
+    _noise_sigma: float
+    staleness_tolerance: float
+    last_staleness_gap: float | None
+    last_numerics_gap: float | None
+
+    if TYPE_CHECKING:  # the engine's own methods, which the check calls
+
+        def wake_up(self) -> None: ...
+
+        def _apply_noise(self, sigma: float | None = None) -> int: ...
+
+        @property
+        def _lora_id(self) -> int: ...
+
+    def prompt_logprobs(self, token_ids: Sequence[int], *, with_adapter: bool = True) -> list[float]:
+        """vLLM's log p(token_i | tokens_<i), i >= 1, at temperature 1, with the current adapter
+        (or the base model) and the current norm weights."""
+        if self._sleeping:
+            self.wake_up()
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        request = self._lora if with_adapter else None
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(token_ids)}], params, lora_request=request, use_tqdm=False
+        )
+        return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
+
+    def check_staleness(
+        self,
+        probe_prompt_ids: Sequence[int],
+        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
+        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
+    ) -> float:
+        """Mean |vLLM - trainer| logprob gap (nats/token) on a probe prompt after a sync.
+
+        ``trainer_logprobs(probe)[i]`` is the trainer policy's log p(probe[i + 1] | probe[:i + 1])
+        at temperature 1 without AQN noise, taken first (while vLLM may still sleep); the check
+        lifts vLLM's noise for the probe. A small gap (the 4-bit kernels' numerics) is logged. A gap
+        above ``staleness_tolerance`` raises, since it means rollouts do not come from the policy
+        being trained, unless the rollout weights' own numerics explain it (an FP8 rollout copy):
+        with ``reference_logprobs`` (the trainer with its adapter off) the adapter's effect in vLLM
+        must then match its effect in the trainer, and the two base models be within twice the
+        tolerance (:func:`~qerl_cli.rollout.vllm_outputs.numerics_explain`).
+        """
+        if len(probe_prompt_ids) < 2:
+            raise ValueError("check_staleness needs a probe of >= 2 tokens")
+        trainer_lp = list(trainer_logprobs(probe_prompt_ids))
+        if len(trainer_lp) != len(probe_prompt_ids) - 1:
+            raise ValueError("check_staleness needs len(probe) - 1 trainer logprobs")
+        if self._sleeping:  # the adapter synced during the update is activated by wake_up
+            self.wake_up()
+        # With the trainer's adapter-off logprobs the adapter's effect is compared on both sides, every
+        # time: a shift of the rollout weights (an FP8 copy) could otherwise hide a stale adapter.
+        compare_effects = reference_logprobs is not None and self._lora is not None
+        engine_lp, base_lp = self._probe_logprobs(probe_prompt_ids, trainer_lp, compare_effects)
+        gap = mean_abs_gap(engine_lp, trainer_lp)
+        self.last_staleness_gap = gap
+        lora_id = self._lora_id
+        explained = None
+        if compare_effects and base_lp is not None:
+            reference_lp = list(reference_logprobs(probe_prompt_ids))  # type: ignore[misc]
+            tolerance = self.staleness_tolerance
+            explained = numerics_explain(engine_lp, base_lp, trainer_lp, reference_lp, tolerance)
+            self.last_numerics_gap = explained.base_gap
+        detail = ""
+        if explained is not None:
+            detail = (
+                f"; base models {explained.base_gap:.4f} apart, adapter effects {explained.effect_gap:.4f}"
+            )
+        log.info(
+            "staleness check (LoRA id %d): vLLM vs trainer logprob gap %.4f nats/token%s",
+            lora_id,
+            gap,
+            detail,
+        )
+        if explained.ok if explained is not None else gap <= self.staleness_tolerance:
+            return gap
+        raise QerlError(
+            staleness_message(
+                gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp, explained
+            )
+        )
+
+    def _probe_logprobs(
+        self, probe_prompt_ids: Sequence[int], trainer_lp: list[float], compare_effects: bool
+    ) -> tuple[list[float], list[float] | None]:
+        """vLLM's probe logprobs with the adapter, and without it when the check needs them (the
+        adapter's effect is compared, or the gap is too large and the message must say why), all on
+        clean norms: AQN noise would add a gap of its own, so it is lifted for the probe."""
+        noised = self._noise_sigma > 0
+        if noised:
+            self._apply_noise(sigma=0.0)
+        try:
+            engine_lp = self.prompt_logprobs(probe_prompt_ids)
+            gap = mean_abs_gap(engine_lp, trainer_lp)
+            base_lp = (
+                self.prompt_logprobs(probe_prompt_ids, with_adapter=False)
+                if (compare_effects or gap > self.staleness_tolerance) and self._lora is not None
+                else None
+            )
+        finally:
+            if noised:
+                self._apply_noise()
+        return engine_lp, base_lp
