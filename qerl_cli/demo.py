@@ -96,7 +96,7 @@ def evaluate(
             generation_batch_size=256,
         )
         results = run_eval(cfg, log=lambda _message: None)
-        return float(results["benchmarks"][DEMO_TASK]["metrics"]["pass@1"])
+        return float(results.benchmarks[DEMO_TASK].metrics.pass_at_1)
 
     return {
         "sampled_accuracy": pass_at_1("sampled", 1.0, samples),
@@ -148,7 +148,7 @@ def run_demo(
     result = train(cfg)
 
     console.print("[bold]5/5[/bold] qerl eval of the trained adapter on the same held-out problems ...")
-    after = evaluate(nvfp4_dir, Path(result["adapter"]), out / "eval_after", seed=seed)
+    after = evaluate(nvfp4_dir, Path(result.adapter), out / "eval_after", seed=seed)
     seconds = time.perf_counter() - start
 
     table = Table(title="qerl demo: NVFP4 tiny Qwen2, GRPO + AQN on synthetic addition")
@@ -165,22 +165,22 @@ def run_demo(
     )
     table.add_row(
         "training reward (first / last 10 steps)",
-        f"{result['reward_first10']:.3f}",
-        f"{result['reward_last10']:.3f}",
+        f"{result.reward_first10:.3f}",
+        f"{result.reward_last10:.3f}",
     )
     console.print(table)
-    console.print(f"adapter: {result['adapter']}", markup=False)
-    console.print(f"metrics: {Path(result['output_dir']) / 'metrics.jsonl'}", markup=False)
-    console.print(f"plot:    {result['plot'] or 'skipped (pip install matplotlib)'}", markup=False)
+    console.print(f"adapter: {result.adapter}", markup=False)
+    console.print(f"metrics: {Path(result.output_dir) / 'metrics.jsonl'}", markup=False)
+    console.print(f"plot:    {result.plot or 'skipped (pip install matplotlib)'}", markup=False)
     console.print(f"done in {seconds:.0f} s")
     return {
         "output_dir": str(out),
         "warm_start": ws,
         "before": before,
         "after": after,
-        "reward_first10": result["reward_first10"],
-        "reward_last10": result["reward_last10"],
-        "adapter": result["adapter"],
-        "plot": result["plot"],
+        "reward_first10": result.reward_first10,
+        "reward_last10": result.reward_last10,
+        "adapter": result.adapter,
+        "plot": result.plot,
         "seconds": seconds,
     }

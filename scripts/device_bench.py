@@ -22,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+from qerl_cli.bench.result import BenchResult
 from qerl_cli.config import BenchConfig
 
 DEVICE_VLLM = {"attention_backend": "TRITON_ATTN"}
@@ -55,12 +56,12 @@ def _prepare(shape: str, formats: list[str]) -> None:
         print(f"{shape} {fmt}: {folder}")
 
 
-def _compare_with_raw(report: dict) -> list[str]:
+def _compare_with_raw(report: BenchResult) -> list[str]:
     lines = [
         "| weights | LoRA | batch | qerl bench tok/s | raw vLLM tok/s | ratio | within 10% |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in report["rollout"]:
+    for row in report.rollout:
         raw = RAW_VLLM.get((row["format"], row["lora_rank"]), {}).get(row["batch"])
         if raw is None:
             continue
@@ -99,7 +100,8 @@ def main(step: str) -> int:
         comparison = _compare_with_raw(report)
         print("\n".join(comparison))
         (out / "vs_raw_vllm.md").write_text("\n".join(comparison) + "\n")
-    print(json.dumps({"errors": report.get("errors"), "files": report.get("files")}, indent=1))
+    files = report.files.to_dict() if report.files else None
+    print(json.dumps({"errors": report.errors, "files": files}, indent=1))
     return 0
 
 

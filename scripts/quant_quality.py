@@ -65,12 +65,12 @@ def make_row(row: str, source: str, out: Path, args: argparse.Namespace, bf16: s
                 device=args.device,
             )
         )  # fmt: skip
-        errors = report["weight_error"]
+        errors = report.weight_error
         packer = "llm-compressor" if fmt != "nf4" or method == "awq" else "qerl's NF4 packing"
         via = f"qerl quantize ({packer})"
         return {"row": row, "via": via, "folder": str(target),
-                "mean_layer_error": errors["mean"], "max_layer_error": errors["max"],
-                "vllm_marlin_refused": len(report["vllm_marlin"]["refused_layers"]),
+                "mean_layer_error": errors.mean, "max_layer_error": errors.max,
+                "vllm_marlin_refused": len(report.vllm_marlin.refused_layers),
                 "seconds": time.perf_counter() - start}  # fmt: skip
     if method != "rtn":
         return {"row": row, "skipped": "llm-compressor is not installed (AWQ needs it)"}

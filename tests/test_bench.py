@@ -4,6 +4,7 @@ regression gate, the Markdown summary, exact-length prompts, the random LoRA ada
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,8 +14,10 @@ from rich.console import Console
 
 from qerl_cli.bench import bench_table, gate_failures, run_bench
 from qerl_cli.bench.adapter import write_random_lora
+from qerl_cli.bench.gate import check_regressions
 from qerl_cli.bench.memory import checkpoint_tensor_bytes
-from qerl_cli.bench.report import SCHEMA, check_regressions, read_report, to_markdown, write_markdown
+from qerl_cli.bench.report import to_markdown, write_markdown
+from qerl_cli.bench.result import SCHEMA, BenchResult, read_report
 from qerl_cli.bench.rollout import PromptMaker
 from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
@@ -42,10 +45,18 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bench_run(cache_dir, tmp_path_factory) -> tuple[dict, Path]:
+def bench_run(cache_dir, tmp_path_factory) -> tuple[BenchResult, Path]:
     out = tmp_path_factory.mktemp("bench-out")
-    cfg = BenchConfig(model="tiny", formats=FORMATS, batch=BATCHES, prompt_len=8, gen_len=3, lora_rank=RANK,
-                      engine="hf", output=str(out))
+    cfg = BenchConfig(
+        model="tiny",
+        formats=FORMATS,
+        batch=BATCHES,
+        prompt_len=8,
+        gen_len=3,
+        lora_rank=RANK,
+        engine="hf",
+        output=str(out),
+    )
     return run_bench(cfg), out
 
 
@@ -61,7 +72,7 @@ def tiny_folder(tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------------------------
 def test_tiny_shape_end_to_end_writes_every_figure(bench_run):
     report, out = bench_run
-    on_disk = read_report(out / "bench.json")
+    on_disk = json.loads((out / "bench.json").read_text())
     assert on_disk["schema"] == SCHEMA
     sections = ("machine", "gpu", "versions", "settings", "device", "figures_label", "rollout", "memory")
     assert set(sections) <= set(on_disk) and on_disk["e2e"] is None
@@ -109,8 +120,8 @@ def test_table_and_markdown_show_speedups_and_label_cpu_figures(bench_run):
     assert markdown == to_markdown(report)
     assert "| format | LoRA | batch | output tok/s | vs BF16 |" in markdown
     assert "| nvfp4 | r4 | 2 |" in markdown
-    assert f"Wall clock: {report['timings']['total_s']:.0f} s (random checkpoints" in markdown
-    if report["device"] == "cpu":
+    assert f"Wall clock: {report.timings.total_s:.0f} s (random checkpoints" in markdown
+    if report.device == "cpu":
         assert "CPU figures" in text and "CPU figures" in markdown
 
 
@@ -128,21 +139,49 @@ def test_markdown_goes_to_github_step_summary(bench_run, tmp_path, monkeypatch):
 def test_charts_are_written_when_matplotlib_is_present(bench_run):
     pytest.importorskip("matplotlib")
     report, out = bench_run
-    assert {Path(p).name for p in report["files"]["charts"]} == {"throughput.png", "memory.png"}
+    assert {Path(p).name for p in report.files.charts} == {"throughput.png", "memory.png"}
     assert (out / "throughput.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # --------------------------------------------------------------------------------------------
 # Regression gate
 # --------------------------------------------------------------------------------------------
-def _row(report: dict, section: str, **match) -> dict:
-    return next(r for r in report[section] if all(r[k] == v for k, v in match.items()))
+def _row(report: BenchResult, section: str, **match) -> dict:
+    rows = report.rollout if section == "rollout" else report.memory
+    return next(r for r in rows if all(r[k] == v for k, v in match.items()))
+
+
+def test_the_report_is_bench_json_key_for_key(bench_run):
+    """bench.json is read by other tools and committed: the typed report writes and reads it unchanged."""
+    report, out = bench_run
+    on_disk = json.loads((out / "bench.json").read_text())
+    assert json.dumps(report.to_dict()) == json.dumps(on_disk)  # same keys, same order, same values
+    assert read_report(out) == report and json.dumps(read_report(out).to_dict()) == json.dumps(on_disk)
+    assert list(on_disk) == [
+        "schema", "created", "device", "figures_label", "machine", "gpu", "versions", "settings", "rollout",
+        "memory", "e2e", "regression", "errors", "timings", "files",
+    ]  # fmt: skip
+    # While measuring, the file says it is not complete yet (and has no timings or files).
+    partial = dataclasses.replace(report, complete=False, timings=None, files=None).to_dict()
+    assert list(partial)[-2:] == ["errors", "complete"] and partial["complete"] is False
+
+
+def test_committed_bench_reports_read_back_key_for_key():
+    """Every bench.json kept in benchmarks/ (each of its qerl version's layout) round-trips exactly."""
+    files = (Path(__file__).resolve().parents[1] / "benchmarks").rglob("*.json")
+    found = {path: json.loads(path.read_text()) for path in files}
+    reports = {
+        path: data for path, data in found.items() if isinstance(data, dict) and data.get("schema") == SCHEMA
+    }
+    assert len(reports) >= 5
+    for path, data in reports.items():
+        assert json.dumps(read_report(path).to_dict()) == json.dumps(data), path
 
 
 def test_gate_passes_against_itself(bench_run):
     report, _ = bench_run
     outcome = check_regressions(report, copy.deepcopy(report), tolerance=0.1)
-    assert outcome["passed"] and outcome["failures"] == [] and outcome["compared"] > 0
+    assert outcome.passed and outcome.failures == [] and outcome.compared > 0
 
 
 def test_gate_names_a_throughput_drop_and_a_memory_rise(bench_run):
@@ -152,7 +191,7 @@ def test_gate_names_a_throughput_drop_and_a_memory_rise(bench_run):
     _row(baseline, "memory", format="bf16", lora_rank=RANK)["peak_allocated_bytes"] /= 2
     # Within tolerance: a 5% faster baseline is not a regression.
     _row(baseline, "rollout", format="bf16", lora_rank=0, batch=1)["prefill_tokens_per_s"] *= 1.05
-    failures = check_regressions(report, baseline, tolerance=0.1)["failures"]
+    failures = check_regressions(report, baseline, tolerance=0.1).failures
     assert len(failures) == 2, failures
     drop = next(f for f in failures if "output_tokens_per_s" in f)
     assert "nvfp4" in drop and "batch=2" in drop and "dropped 33.3%" in drop
@@ -165,43 +204,55 @@ def test_gate_fails_when_a_baseline_case_fails_now(bench_run):
     pass the gate just because its rows are missing."""
     report, _ = bench_run
     broken = copy.deepcopy(report)
-    broken["rollout"] = [r for r in broken["rollout"] if r["format"] != "nvfp4"]
-    broken["memory"] = [r for r in broken["memory"] if r["format"] != "nvfp4"]
-    broken["errors"] = [{"format": "nvfp4", "lora_rank": 0, "error": "Marlin kernel crashed"}]
-    broken["e2e"] = [{"format": "nvfp4", "error": "out of memory"}]
-    baseline = {**copy.deepcopy(report), "e2e": [{"format": "nvfp4", "step_s": 1.0}]}
+    broken.rollout = [r for r in broken.rollout if r["format"] != "nvfp4"]
+    broken.memory = [r for r in broken.memory if r["format"] != "nvfp4"]
+    broken.errors = [{"format": "nvfp4", "lora_rank": 0, "error": "Marlin kernel crashed"}]
+    broken.e2e = [{"format": "nvfp4", "error": "out of memory"}]
+    baseline = dataclasses.replace(copy.deepcopy(report), e2e=[{"format": "nvfp4", "step_s": 1.0}])
     outcome = check_regressions(broken, baseline, tolerance=0.1)
-    assert not outcome["passed"]
-    assert any("nvfp4 LoRA none" in f and "Marlin kernel crashed" in f for f in outcome["failures"])
-    assert any("e2e nvfp4" in f and "out of memory" in f for f in outcome["failures"])
+    assert not outcome.passed
+    assert any("nvfp4 LoRA none" in f and "Marlin kernel crashed" in f for f in outcome.failures)
+    assert any("e2e nvfp4" in f and "out of memory" in f for f in outcome.failures)
     # Not asked for now (no error) is not a failure: a run may bench a subset of the formats.
-    subset = {**broken, "errors": [], "e2e": None}
-    assert check_regressions(subset, baseline, tolerance=10.0)["passed"]
+    subset = dataclasses.replace(broken, errors=[], e2e=None)
+    assert check_regressions(subset, baseline, tolerance=10.0).passed
 
 
 def test_gate_refuses_a_baseline_of_other_settings(bench_run):
     report, _ = bench_run
     baseline = copy.deepcopy(report)
-    baseline["settings"]["gen_len"] = 2048
+    baseline.settings["gen_len"] = 2048
     with pytest.raises(QerlError, match="gen_len"):
         check_regressions(report, baseline, tolerance=0.1)
     # A baseline from before one vLLM engine served both LoRA cases, or of another e2e step shape.
     for name, value in (("one_engine_per_format", None), ("e2e_shape", {"prompts_per_step": 16})):
         with pytest.raises(QerlError, match=name):
-            check_regressions(report, {**baseline, "settings": {**report["settings"], name: value}}, 0.1)
+            other = dataclasses.replace(baseline, settings={**report.settings, name: value})
+            check_regressions(report, other, 0.1)
     with pytest.raises(QerlError, match="no measurement"):
-        check_regressions(report, {**copy.deepcopy(report), "rollout": [], "memory": [], "e2e": None}, 0.1)
+        empty = dataclasses.replace(copy.deepcopy(report), rollout=[], memory=[], e2e=None)
+        check_regressions(report, empty, 0.1)
 
 
 def test_run_bench_with_baseline_reports_failures(cache_dir, bench_run, tmp_path):
     report, _ = bench_run
     baseline = copy.deepcopy(report)
-    for row in baseline["rollout"]:
+    for row in baseline.rollout:
         row["output_tokens_per_s"] *= 100  # an impossibly fast baseline: every row regresses
     baseline_file = tmp_path / "baseline.json"
-    baseline_file.write_text(json.dumps(baseline))
-    cfg = BenchConfig(model="tiny", formats=["bf16"], batch=[1], prompt_len=8, gen_len=3, lora_rank=0,
-                      engine="hf", output=str(tmp_path / "out"), baseline=str(baseline_file), tolerance=0.1)
+    baseline_file.write_text(json.dumps(baseline.to_dict()))
+    cfg = BenchConfig(
+        model="tiny",
+        formats=["bf16"],
+        batch=[1],
+        prompt_len=8,
+        gen_len=3,
+        lora_rank=0,
+        engine="hf",
+        output=str(tmp_path / "out"),
+        baseline=str(baseline_file),
+        tolerance=0.1,
+    )
     fresh = run_bench(cfg)
     failures = gate_failures(fresh)
     # CPU timings are noisy, so other figures may fail too; this one must.
@@ -230,8 +281,9 @@ def _merging_tokenizer():
 
     backend = Tokenizer(models.BPE(unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["[UNK]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     corpus = ["the cat sat on the mat and the rat ate the hat", "four plus five is nine, nine minus two"] * 50
     backend.train_from_iterator(corpus, trainer)
     from tokenizers import decoders
@@ -291,8 +343,16 @@ def test_checkpoint_bytes_are_read_from_the_headers(tiny_folder):
 def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
     from qerl_cli.bench.e2e import run_e2e
 
-    cfg = BenchConfig(model=str(tiny_folder), formats=["bf16"], batch=[2], prompt_len=8, gen_len=4,
-                      lora_rank=RANK, e2e=True, e2e_generations=2)
+    cfg = BenchConfig(
+        model=str(tiny_folder),
+        formats=["bf16"],
+        batch=[2],
+        prompt_len=8,
+        gen_len=4,
+        lora_rank=RANK,
+        e2e=True,
+        e2e_generations=2,
+    )
     (row,) = run_e2e(cfg, {"bf16": tiny_folder}, "hf", tmp_path)
     assert "error" not in row, row.get("error")
     assert row["format"] == "bf16" and row["steps_timed"] == 3 and row["sequences_per_step"] == 4
@@ -324,9 +384,32 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     data["train"].update(micro_batch_size=3, gradient_checkpointing=False)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    rc = main(["bench", "--model", "tiny", "--engine", "hf", "--formats", "bf16", "--batch", "1",
-               "--lora-rank", "0", "--prompt-len", "8", "--gen-len", "3", "--e2e",
-               "--e2e-recipe", str(recipe), "--prompts-per-step", "3", "-o", str(tmp_path / "out")])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--engine",
+            "hf",
+            "--formats",
+            "bf16",
+            "--batch",
+            "1",
+            "--lora-rank",
+            "0",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "3",
+            "--e2e",
+            "--e2e-recipe",
+            str(recipe),
+            "--prompts-per-step",
+            "3",
+            "-o",
+            str(tmp_path / "out"),
+        ]
+    )
     captured = capsys.readouterr()
     err = captured.err
     assert rc == 1 and "failed" in err and "e2e bf16" in err and "out of memory at wake_up" in err

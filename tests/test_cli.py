@@ -101,3 +101,76 @@ def test_unexpected_errors_exit_1_without_traceback(
     rc, _, err = run(capsys, "env")
     assert rc == 1
     assert "kaboom" in err and "Traceback" not in err
+
+
+# -- each stage's typed result, rendered by the CLI -------------------------------------------------
+# As qerl printed it when train returned a dict (rich pads the title line; compared without it).
+TRAIN_TABLE = [
+    "                   qerl train",
+    "┌─────────────────────────────┬────────────────┐",
+    "│ steps                       │ 4              │",
+    "│ resumed from                │ -              │",
+    "│ mean reward, first 10 steps │ 0.125          │",
+    "│ mean reward, last 10 steps  │ 0.500          │",
+    "│ adapter                     │ runs/x/adapter │",
+    "│ outputs                     │ runs/x         │",
+    "│ plot                        │ -              │",
+    "└─────────────────────────────┴────────────────┘",
+]
+
+
+def test_train_renders_its_summary(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import qerl_cli.rl.trainer as trainer_mod
+    from qerl_cli.rl.result import TrainResult
+
+    result = TrainResult(
+        output_dir="runs/x", adapter="runs/x/adapter", steps=4, world_size=1, resumed_from=None,
+        reward_first10=0.125, reward_last10=0.5, plot=None, final={"step": 4},
+    )  # fmt: skip
+    seen = []
+    monkeypatch.setattr(trainer_mod, "train", lambda conf, resume=None: seen.append(resume) or result)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  path: m\ntrain:\n  device: cuda\noutput:\n  dir: {tmp_path / 'run'}\n")
+    rc, out, _ = run(capsys, "train", str(recipe), "--resume", "auto")
+    assert rc == 0 and seen == [str(tmp_path / "run")]
+    assert [line.rstrip() for line in out.splitlines()] == TRAIN_TABLE
+
+
+def test_bench_renders_its_report_and_exits_1_on_a_regression(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    import qerl_cli.bench as bench_mod
+    from qerl_cli.bench.result import RegressionOutcome, read_report
+
+    report = read_report(REPO / "benchmarks" / "h100-2026-11-24" / "sweep-fp8-humming" / "bench.json")
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf: report)
+    rc, out, err = run(capsys, "bench")
+    assert rc == 0 and "Rollout throughput" in out and "Wall clock:" in out and err == ""
+    failures = ["rollout format=nvfp4: slower"]
+    regressed = dataclasses.replace(report, regression=RegressionOutcome(0.1, 3, failures, passed=False))
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf: regressed)
+    rc, out, err = run(capsys, "bench")
+    assert rc == 1 and "Regression gate FAILED" in out and "regression: rollout format=nvfp4: slower" in err
+
+
+def test_compare_renders_its_report(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    import qerl_cli.compare as compare_mod
+    from qerl_cli.compare.results import CompareReport, CompareResult
+
+    data = json.loads((REPO / "benchmarks" / "smollm2-h200-2026-11-23" / "compare.json").read_text())
+    report = CompareReport.from_dict(data)
+    results = iter([CompareResult(output="out", runs=9, ran=0, report=report), CompareResult("out", 9, 0)])
+    monkeypatch.setattr(compare_mod, "run_compare", lambda *a, **k: next(results))
+    recipe = str(REPO / "recipes" / "tiny.yaml")
+    rc, out, _ = run(capsys, "compare", recipe)
+    assert rc == 0 and "qerl compare (threshold 0.216)" in out and "compare.json, compare.md" in out
+    rc, out, _ = run(capsys, "compare", recipe, "--no-summary")  # nothing to render
+    assert rc == 0 and out == ""

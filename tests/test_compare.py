@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 
 from qerl_cli.compare import arms as arms_mod
 from qerl_cli.compare import runner, summary
+from qerl_cli.compare.results import BaseHeldout, CompareReport, HeldoutScore, RunResult
 from qerl_cli.compare.summary import arm_rows, steps_to
 from qerl_cli.errors import QerlError
 from qerl_cli.torch_utils import device_label
@@ -35,18 +37,21 @@ def test_summary_figures() -> None:
     assert steps_to([0.0] * 10 + [1.0] * 10, 0.5) == 11  # trailing mean of steps 10-11: (0 + 1) / 2
     assert steps_to([0.0] * 5, 0.5) is None
     runs = {
-        "a": [{"seed": s, "reward": [0.0, 0.5, 1.0, 1.0], "entropy": [2.0, 1.0, 1.0, 1.0],
-               "heldout": {"pass@1": p, "pass@1_se": 0.1}} for s, p in ((0, 0.5), (1, 0.7))],
-        "b": [{"seed": 0, "reward": [0.0] * 4, "entropy": [3.0] * 4,
-               "heldout": {"pass@1": 0.2, "pass@1_se": 0.05}}],
+        "a": [RunResult("a", s, [0.0, 0.5, 1.0, 1.0], [2.0, 1.0, 1.0, 1.0], _score(p, 0.1))
+              for s, p in ((0, 0.5), (1, 0.7))],
+        "b": [RunResult("b", 0, [0.0] * 4, [3.0] * 4, _score(0.2, 0.05))],
     }  # fmt: skip
     rows, threshold = arm_rows(runs, None)
     assert threshold == pytest.approx(0.5)  # halfway from the first reward (0) to the best final (1)
     a, b = rows
-    assert a["final_reward"] == 1.0 and a["early_entropy"] == 2.0 and a["reached_threshold"] == "2/2"
-    assert a["heldout_accuracy"] == pytest.approx(0.6)
-    assert a["heldout_se"] == pytest.approx(0.1)  # sd over seeds (0.1414) / sqrt(2)
-    assert b["heldout_se"] == 0.05 and b["reached_threshold"] == "0/1"  # one seed: the eval's own SE
+    assert a.final_reward == 1.0 and a.early_entropy == 2.0 and a.reached_threshold == "2/2"
+    assert a.heldout_accuracy == pytest.approx(0.6)
+    assert a.heldout_se == pytest.approx(0.1)  # sd over seeds (0.1414) / sqrt(2)
+    assert b.heldout_se == 0.05 and b.reached_threshold == "0/1"  # one seed: the eval's own SE
+
+
+def _score(pass_at_1: float, se: float) -> HeldoutScore:
+    return HeldoutScore("synthetic-addition", pass_at_1, se, problems=4, samples=1)
 
 
 def test_arms_are_checked_and_recipes_add_their_own() -> None:
@@ -67,13 +72,13 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
 ) -> None:
     recipe = _recipe(tmp_path, tiny_model_dir)
     out = tmp_path / "cmp"
-    report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
-    assert [row["arm"] for row in report["arms"]] == ["bf16-lora", "nvfp4-aqn"]
-    for row in report["arms"]:
-        assert row["seeds"] == 2 and row["steps"] == 3
-        assert 0.0 <= row["heldout_accuracy"] <= 1.0 and row["early_entropy"] > 0
-        assert 0.0 <= row["base_heldout_accuracy"] <= 1.0  # where the arm started, no adapter
-        assert row["base_entropy"] > 0  # the untrained base's own entropy at T=1
+    report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS).report
+    assert [row.arm for row in report.arms] == ["bf16-lora", "nvfp4-aqn"]
+    for row in report.arms:
+        assert row.seeds == 2 and row.steps == 3
+        assert 0.0 <= row.heldout_accuracy <= 1.0 and row.early_entropy > 0
+        assert 0.0 <= row.base_heldout_accuracy <= 1.0  # where the arm started, no adapter
+        assert row.base_entropy > 0  # the untrained base's own entropy at T=1
     # One evaluation per distinct base: the BF16 model and its NVFP4 counterpart.
     base_evals = sorted(p.parent.name for p in (out / "base-heldout").glob("*/heldout.json"))
     assert len(base_evals) == 2 and base_evals[1].startswith("nvfp4-"), base_evals
@@ -81,13 +86,16 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     md = (out / "compare.md").read_text()
     assert "| nvfp4-aqn | nvfp4 RTN | 2 |" in md and "| bf16-lora | bf16 | 2 |" in md
     assert "4-bit bases made here: RTN (round to nearest" in md
-    for row in report["arms"]:  # where GRPO's signal started: from the runs' own first steps
-        assert 0.0 <= row["start_reward"] <= 1.0 and 0.0 <= row["start_no_spread_fraction"] <= 1.0
+    for row in report.arms:  # where GRPO's signal started: from the runs' own first steps
+        assert 0.0 <= row.start_reward <= 1.0 and 0.0 <= row.start_no_spread_fraction <= 1.0
     first = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
     assert len(first["zero_std_group_fraction"]) == 3
-    assert json.loads((out / "compare.json").read_text())["threshold"] == report["threshold"]
+    assert json.dumps(RunResult.from_dict(first).to_dict()) == json.dumps(first)  # the file's layout, kept
+    on_disk = json.loads((out / "compare.json").read_text())
+    assert on_disk["threshold"] == report.threshold and on_disk == report.to_dict()
+    assert json.dumps(CompareReport.from_dict(on_disk).to_dict()) == json.dumps(on_disk)
     # Where the numbers came from: each run's result, the report, the table (the PNG's title too).
-    assert report["devices"] == [device_label("cpu")] and device_label("cpu").startswith("CPU (")
+    assert report.devices == [device_label("cpu")] and device_label("cpu").startswith("CPU (")
     assert f"Ran on: {device_label('cpu')}." in (out / "compare.md").read_text()
     nvfp4 = yaml.safe_load((out / "nvfp4-aqn" / "seed-1" / "config.yaml").read_text())
     assert nvfp4["model"]["path"] == str(out / "bases" / "nvfp4") and nvfp4["aqn"]["enabled"] is True
@@ -116,9 +124,9 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     again = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
     assert None not in evaluated  # the bases' evaluations were kept, not repeated
     assert calls == [(str(out / "nvfp4-aqn" / "seed-0"), str(out / "nvfp4-aqn" / "seed-0"))]
-    assert again["skipped_finished_runs"] == 3
-    assert [r["base_heldout_accuracy"] for r in again["arms"]] == [
-        r["base_heldout_accuracy"] for r in report["arms"]
+    assert (again.runs, again.ran, again.report.skipped_finished_runs) == (4, 1, 3)
+    assert [r.base_heldout_accuracy for r in again.report.arms] == [
+        r.base_heldout_accuracy for r in report.arms
     ]
     resumed = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
     assert resumed["steps"] == 3 and len(resumed["reward"]) == 3
@@ -193,10 +201,11 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int] | None = N
         ran.append((arm, conf.train.seed))
         if (arm, conf.train.seed) == fail:
             raise QerlError("training diverged at step 2: the gradient norm is nan")
-        result = {"arm": arm, "seed": conf.train.seed, "device": "CPU (test)", "reward": [0.1, 0.3],
-                  "entropy": [1.0, 0.9], "heldout": {"pass@1": 0.5, "pass@1_se": 0.1}}  # fmt: skip
+        result = RunResult(
+            arm, conf.train.seed, [0.1, 0.3], [1.0, 0.9], _score(0.5, 0.1), device="CPU (test)"
+        )
         (Path(conf.output.dir) / "result.json").parent.mkdir(parents=True, exist_ok=True)
-        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result))
+        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result.to_dict()))
         return result
 
     monkeypatch.setattr(runner, "run_one", fake_run)
@@ -209,7 +218,7 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
 ) -> None:
     """As on the H200: one of nine runs diverged; the rest must still run and be summarised."""
     ran = _fake_runs(monkeypatch, fail=("nvfp4-aqn", 1))
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out = tmp_path / "cmp"
     recipe = _recipe(tmp_path, tiny_model_dir)
     with pytest.raises(QerlError, match=r"1 of 4 runs failed: nvfp4-aqn/seed-1 \(training diverged.*"
@@ -228,7 +237,7 @@ def test_a_base_that_cannot_be_evaluated_still_gets_a_report(
     def evaluate(conf, settings, adapter, target):
         if "nvfp4" in conf.model.path:
             raise RuntimeError("CUDA out of memory")
-        return {"pass@1": 0.25, "pass@1_se": 0.05}
+        return _score(0.25, 0.05)
 
     monkeypatch.setattr(runner, "evaluate_heldout", evaluate)
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
@@ -248,7 +257,7 @@ def test_base_figures_are_made_again_when_their_settings_change(
     monkeypatch.setattr(
         runner, "evaluate_heldout",
         lambda conf, settings, adapter, target: evaluated.append(settings.heldout_problems)
-        or {"pass@1": 0.25, "pass@1_se": 0.05},
+        or _score(0.25, 0.05),
     )  # fmt: skip
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
@@ -272,7 +281,7 @@ def test_runs_trained_on_another_base_are_flagged(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _fake_runs(monkeypatch)
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
     done = out / "bf16-lora" / "seed-0" / "result.json"
@@ -298,7 +307,7 @@ def test_parallel_runs_report_a_failed_child_and_summarise_the_rest(
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(runner, "_child_command", child)
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
     out = tmp_path / "cmp"
     failed = r"1 of 4 runs failed: bf16-lora/seed-1 \(exit 2, see .*compare.log\)"
@@ -348,33 +357,62 @@ def test_start_signal_columns_and_the_starving_base_warning(
     no_spread = {"bf16-lora": [0.5, 0.75, 0.75], "nvfp4-aqn": [1.0, 0.5, 0.25]}
 
     def fake_run(conf, settings, arm, progress):
-        result = {
-            "arm": arm, "seed": conf.train.seed, "reward": [0.1, 0.3, 0.5], "entropy": [1.0, 0.9, 0.8],
-            "zero_std_group_fraction": no_spread[arm], "heldout": {"pass@1": 0.5, "pass@1_se": 0.1},
-        }  # fmt: skip
+        result = RunResult(arm, conf.train.seed, [0.1, 0.3, 0.5], [1.0, 0.9, 0.8], _score(0.5, 0.1),
+                           zero_std_group_fraction=no_spread[arm])  # fmt: skip
         (Path(conf.output.dir) / "result.json").parent.mkdir(parents=True, exist_ok=True)
-        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result))
+        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result.to_dict()))
         return result
 
     monkeypatch.setattr(runner, "run_one", fake_run)
     monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: {"pass@1": 0.25, "pass@1_se": 0.05})
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     with caplog.at_level("WARNING"):
-        report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS)
-    bf16, nvfp4 = report["arms"]
+        report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS).report
+    bf16, nvfp4 = report.arms
     # The first 10% of 3 steps is the first step: its reward and its share of groups without a spread.
-    assert bf16["start_reward"] == pytest.approx(0.1) and bf16["start_no_spread_fraction"] == 0.5
-    assert nvfp4["start_no_spread_fraction"] == 1.0 and nvfp4["base"] == "nvfp4 RTN"
-    (warning,) = report["warnings"]
+    assert bf16.start_reward == pytest.approx(0.1) and bf16.start_no_spread_fraction == 0.5
+    assert nvfp4.start_no_spread_fraction == 1.0 and nvfp4.base == "nvfp4 RTN"
+    (warning,) = report.warnings
     assert warning.startswith("nvfp4-aqn (base nvfp4 RTN) starts with too little signal for GRPO: 0.0% of")
     assert "an AWQ base (compare.base_method=awq)" in warning and warning in caplog.text
     md = (out / "compare.md").read_text()
     assert "| 0.100 | 50.0% |" in md and "| 0.100 | 100.0% |" in md and "**Warning**: nvfp4-aqn" in md
-    assert json.loads((out / "compare.json").read_text())["base_method"] == "rtn"
+    on_disk = json.loads((out / "compare.json").read_text())
+    assert on_disk["base_method"] == "rtn" and on_disk == report.to_dict()
+    assert json.dumps(CompareReport.from_dict(on_disk).to_dict()) == json.dumps(on_disk)  # key for key
     # A base whose groups mostly carry a spread is not warned about, and an AWQ base gets no AWQ hint.
-    rows = [{"arm": "x", "base": "nvfp4 AWQ", "start_no_spread_fraction": 0.97, "start_reward": 0.0}]
-    (only,) = summary.signal_warnings(rows)
+    row = dataclasses.replace(
+        nvfp4, arm="x", base="nvfp4 AWQ", start_no_spread_fraction=0.97, start_reward=0.0
+    )
+    (only,) = summary.signal_warnings([row])
     assert "3.0% of its groups" in only and "AWQ base" not in only
-    assert summary.signal_warnings([{**rows[0], "start_no_spread_fraction": 0.9}]) == []
-    assert summary.signal_warnings([{**rows[0], "start_no_spread_fraction": None}]) == []  # older results
+    assert summary.signal_warnings([dataclasses.replace(row, start_no_spread_fraction=0.9)]) == []
+    older = dataclasses.replace(row, start_no_spread_fraction=None)  # results of an older qerl
+    assert summary.signal_warnings([older]) == []
+
+
+def test_compare_files_read_back_key_for_key(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compare.json, each base's heldout.json and each run's result.json keep their layout through the
+    typed results; the files of an earlier qerl (committed in benchmarks/) still read."""
+    _fake_runs(monkeypatch)
+    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    result = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
+    assert (result.output, result.runs, result.ran) == (str(out), 1, 1)
+    (heldout,) = (out / "base-heldout").glob("*/heldout.json")
+    files = {heldout: BaseHeldout, out / "bf16-lora" / "seed-0" / "result.json": RunResult,
+             out / "compare.json": CompareReport}  # fmt: skip
+    for path, kind in files.items():
+        data = json.loads(path.read_text())
+        assert json.dumps(kind.from_dict(data).to_dict()) == json.dumps(data), path
+    assert list(json.loads(heldout.read_text())) == [
+        "model", "device", "benchmark", "pass@1", "pass@1_se", "problems", "samples", "entropy", "settings",
+    ]  # fmt: skip
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "smollm2-h200-2026-11-23"
+    old = CompareReport.from_dict(json.loads((committed / "compare.json").read_text()))
+    assert old.arms[0].base is None and old.arms[0].heldout_accuracy is not None  # no base column yet
+    for path in (committed / "base-heldout").glob("*/heldout.json"):
+        assert 0.0 <= BaseHeldout.from_dict(json.loads(path.read_text())).heldout.pass_at_1 <= 1.0

@@ -152,7 +152,7 @@ def _train_worker(rank: int, port: int, model_dir: str, out_dir: str, record_dir
         progress=False,
         reward_fn=FakeReward(Path(record_dir) / f"rank{rank}.jsonl"),
     )
-    assert result["world_size"] == WORLD and not torch.distributed.is_initialized()
+    assert result.world_size == WORLD and not torch.distributed.is_initialized()
 
 
 @pytest.mark.slow
@@ -176,7 +176,7 @@ def test_two_process_run_resumes_on_one_process(tiny_model_dir: Path, tmp_path: 
 
     resumed = FakeReward(tmp_path / "resumed.jsonl")
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=resumed)
-    assert result["resumed_from"].endswith("checkpoint-2") and result["world_size"] == 1
+    assert result.resumed_from.endswith("checkpoint-2") and result.world_size == 1
     # One process draws exactly the prompts the two processes drew for step 3.
     assert json.loads((tmp_path / "resumed.jsonl").read_text().splitlines()[0]) == step3
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from qerl_cli.config import EvalConfig
 from qerl_cli.data.prompts import template_hash
-from qerl_cli.evaluation import eval_table, run_eval
+from qerl_cli.evaluation import EvalResult, eval_table, run_eval
 from qerl_cli.evaluation import run as run_module
 from qerl_cli.modeling.tiny import build_tokenizer
 from qerl_cli.rewards import Grader
@@ -145,18 +145,20 @@ def test_run_eval_grades_fixtures_and_writes_every_file(tmp_path, files, monkeyp
     assert prompts[0].startswith("<|im_start|>system\nSolve the following math problem step by step.")
     assert prompts[0].endswith("<|im_start|>assistant\n")
 
-    m = results["benchmarks"]["gsm8k"]["metrics"]
+    m = results.benchmarks["gsm8k"].metrics
     # per problem: 3/4 (12: "1" is wrong), 2/4 (2,500: "250" wrong, no answer), 3/4 (truncated)
-    assert m["pass@1"] == pytest.approx((3 / 4 + 2 / 4 + 3 / 4) / 3)
-    assert m["pass@1_se"] is not None and m["pass@1_se"] > 0
-    assert m["truncation_rate"] == pytest.approx(1 / 12)
-    assert m["extraction_failure_rate"] == pytest.approx(2 / 12)  # "I am not sure", truncated think
-    assert m["grader_timeouts"] == 0
-    assert set(m["pass@k"]) == {"1", "2", "4"}
-    assert results["benchmarks"]["gsm8k"]["per_problem"] == {"0": [3, 4], "1": [2, 4], "2": [3, 4]}
+    assert m.pass_at_1 == pytest.approx((3 / 4 + 2 / 4 + 3 / 4) / 3)
+    assert m.pass_at_1_se is not None and m.pass_at_1_se > 0
+    assert m.truncation_rate == pytest.approx(1 / 12)
+    assert m.extraction_failure_rate == pytest.approx(2 / 12)  # "I am not sure", truncated think
+    assert m.grader_timeouts == 0
+    assert set(m.pass_at_k) == {"1", "2", "4"}
+    assert results.benchmarks["gsm8k"].per_problem == {"0": [3, 4], "1": [2, 4], "2": [3, 4]}
 
     out = Path(cfg.output)
     saved = json.loads((out / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results.to_dict(), default=str))  # the file is the result
+    assert EvalResult.from_dict(saved).to_dict() == saved  # and reads back to the same layout
     assert saved["prompt"]["template_hash"] == template_hash("qerl")
     assert saved["prompt"]["chat_template_hash"] is not None
     assert saved["config"]["adapter"] == "some/adapter" and saved["sampling"]["seed"] == 0
@@ -196,10 +198,9 @@ def test_grader_hang_is_a_counted_zero_not_a_stall(tmp_path, files, monkeypatch)
         template="boxed",
     )
     results = run_eval(cfg, engine=engine, log=quiet)
-    m = results["benchmarks"]["custom"]["metrics"]
-    assert m["grader_timeouts"] == 1
+    assert results.benchmarks["custom"].metrics.grader_timeouts == 1
     # 25\% and 25 both equal the gold 25\%; sqrt(12)/2 = sqrt(3); the hung sample scores 0
-    assert results["benchmarks"]["custom"]["per_problem"] == {"0": [2, 2], "1": [1, 2]}
+    assert results.benchmarks["custom"].per_problem == {"0": [2, 2], "1": [1, 2]}
     assert "within \\boxed{}" in engine.calls[0][0][0]
 
 
@@ -219,13 +220,20 @@ def test_rescore_regrades_saved_samples_without_generating(tmp_path, files) -> N
             raise AssertionError("rescore must not touch an engine")
 
     rescored = run_eval(EvalConfig(rescore=str(out), grader_workers=1), engine=NoGeneration(), log=quiet)
-    assert rescored["rescored_from"] == str(out)
-    assert rescored["benchmarks"]["gsm8k"]["per_problem"]["1"] == [1, 4]
-    assert (
-        rescored["benchmarks"]["gsm8k"]["previous_pass@1"]
-        == first["benchmarks"]["gsm8k"]["metrics"]["pass@1"]
-    )
-    assert rescored["prompt"] == first["prompt"]  # the run's record is kept
+    assert rescored.rescored_from == str(out)
+    assert rescored.benchmarks["gsm8k"].per_problem["1"] == [1, 4]
+    assert rescored.benchmarks["gsm8k"].previous_pass_at_1 == first.benchmarks["gsm8k"].metrics.pass_at_1
+    assert rescored.prompt == first.prompt  # the run's record is kept
+    saved = json.loads((out / "results.json").read_text())
+    assert saved == json.loads(json.dumps(rescored.to_dict(), default=str))
+    assert EvalResult.from_dict(saved).to_dict() == saved
+    keys = list(saved)  # the original run's record first, then the rescore's
+    assert keys[: keys.index("grading") + 1] == [
+        "format", "created", "model", "adapter", "engine", "config", "versions", "prompt", "sampling",
+        "grading",
+    ]  # fmt: skip
+    assert keys[keys.index("grading") + 1 :] == ["rescored_from", "rescored", "benchmarks"]
+    assert list(saved["benchmarks"]["gsm8k"])[-1] == "previous_pass@1"
     again = [json.loads(x) for x in path.read_text().splitlines()]
     assert again[1]["correct"] == [False, False, True, False]
     assert again[1]["completions"] == lines[1]["completions"]
@@ -244,13 +252,15 @@ def test_baseline_gives_paired_differences(tmp_path, files) -> None:
 
     cfg = make_cfg(tmp_path, files, baseline=str(Path(base_cfg.output) / "results.json"))
     results = run_eval(cfg, engine=ScriptedEngine(script(MATH_FIXTURE), tokenizer), log=quiet)
-    d = results["baseline"]["benchmarks"]["gsm8k"]
+    d = results.baseline.benchmarks["gsm8k"]
     diffs = [3 / 4 - 1, 2 / 4 - 0, 3 / 4 - 0]
     mean = sum(diffs) / 3
     se = (sum((x - mean) ** 2 for x in diffs) / 2 / 3) ** 0.5
-    assert d["num_paired"] == 3
-    assert d["diff"] == pytest.approx(mean) and d["diff_se"] == pytest.approx(se)
-    assert results["baseline"]["same_prompt"] and results["baseline"]["same_sampling"]
+    assert d.num_paired == 3
+    assert d.diff == pytest.approx(mean) and d.diff_se == pytest.approx(se)
+    assert results.baseline.same_prompt and results.baseline.same_sampling
+    saved = json.loads((Path(cfg.output) / "results.json").read_text())
+    assert list(saved)[-2:] == ["benchmarks", "baseline"] and EvalResult.from_dict(saved).to_dict() == saved
     assert "Δ vs baseline" in _render(eval_table(results))
     assert "Δ vs baseline" in (Path(cfg.output) / "results.md").read_text()
 
@@ -286,11 +296,11 @@ def test_run_eval_with_the_hf_engine_on_the_tiny_model(tmp_path, tiny_model_dir)
     data = write_arith(tmp_path / "arith.jsonl", addend=1, count=3)
     cfg = hf_eval_config(tiny_model_dir, data, tmp_path / "hf", max_new_tokens=6)
     results = run_eval(cfg, log=quiet)
-    bench = results["benchmarks"]["arith"]
-    assert results["engine"] == "hf"
-    assert bench["metrics"]["num_samples"] == 6
-    assert 0.0 <= bench["metrics"]["pass@1"] <= 1.0
-    assert 1 <= bench["metrics"]["max_length"] <= 6
+    metrics = results.benchmarks["arith"].metrics
+    assert results.engine == "hf"
+    assert metrics.num_samples == 6
+    assert 0.0 <= metrics.pass_at_1 <= 1.0
+    assert 1 <= metrics.max_length <= 6
     lines = [json.loads(x) for x in (Path(cfg.output) / "samples_arith.jsonl").read_text().splitlines()]
     assert lines[0]["prompt"] == "<|im_start|>user\nWhat is 0 + 1?<|im_end|>\n<|im_start|>assistant\n"
     assert all(len(x["completions"]) == 2 for x in lines)
@@ -380,6 +390,43 @@ def test_baseline_with_other_settings_is_flagged(tmp_path, files) -> None:
     run_eval(base_cfg, engine=ScriptedEngine(script(MATH_FIXTURE), tokenizer), log=quiet)
     cfg = make_cfg(tmp_path, files, baseline=base_cfg.output)  # a folder works too
     results = run_eval(cfg, engine=ScriptedEngine(script(MATH_FIXTURE), tokenizer), log=quiet)
-    assert results["baseline"]["benchmarks"]["gsm8k"]["diff"] == pytest.approx(0.0)
-    assert not results["baseline"]["same_sampling"]
+    assert results.baseline.benchmarks["gsm8k"].diff == pytest.approx(0.0)
+    assert not results.baseline.same_sampling
     assert "different sampling" in _render(eval_table(results))
+
+
+def test_committed_results_read_back_key_for_key() -> None:
+    """results.json is read by other tools and kept in benchmarks/: the typed result keeps it exactly."""
+    from qerl_cli.evaluation import read_results
+
+    repo = Path(__file__).resolve().parents[1]
+    found = [p for p in (repo / "benchmarks").rglob("*.json") if "results" in p.name]
+    assert len(found) >= 5
+    for path in found:
+        data = json.loads(path.read_text())
+        result = read_results(path)
+        assert json.dumps(result.to_dict()) == json.dumps(data), path
+        score = next(iter(result.benchmarks.values()))
+        assert 0.0 <= score.metrics.pass_at_1 <= 1.0 and score.timing is not None
+
+
+def test_rescore_without_results_json_and_through_the_cli(tmp_path, files, capsys) -> None:
+    """Samples alone (no results.json beside them) re-grade into a record that says so; the CLI renders
+    the typed result as its table."""
+    from qerl_cli.cli import main
+
+    cfg = make_cfg(tmp_path, files)
+    run_eval(cfg, engine=ScriptedEngine(script(MATH_FIXTURE), build_tokenizer()), log=quiet)
+    samples_only = tmp_path / "samples-only"
+    samples_only.mkdir()
+    (samples_only / "samples_gsm8k.jsonl").write_text((Path(cfg.output) / "samples_gsm8k.jsonl").read_text())
+    rescored = run_eval(EvalConfig(rescore=str(samples_only), grader_workers=1), log=quiet)
+    assert rescored.model == f"samples in {samples_only} (3 problems)" and rescored.engine is None
+    saved = json.loads((samples_only / "results.json").read_text())
+    assert "engine" not in saved and "adapter" not in saved and "created" not in saved
+    assert saved["prompt"]["note"] == "no results.json next to the samples"
+    assert json.dumps(EvalResult.from_dict(saved).to_dict()) == json.dumps(saved)
+
+    assert main(["eval", "--rescore", cfg.output, "--set", "grader_workers=1"]) == 0
+    out = capsys.readouterr().out
+    assert "qerl eval: scripted-model" in out and "gsm8k" in out and "66.7" in out

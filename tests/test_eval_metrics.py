@@ -84,18 +84,18 @@ def test_benchmark_metrics_by_hand() -> None:
     ]
     m = benchmark_metrics(records)
     rates = [0.5, 0.0, 1.0]
-    assert m["pass@1"] == pytest.approx(0.5)
-    assert m["pass@1_se"] == pytest.approx(math.sqrt(sum((r - 0.5) ** 2 for r in rates) / 2 / 3))
-    assert m["pass@k"]["1"] == pytest.approx(0.5)
+    assert m.pass_at_1 == pytest.approx(0.5)
+    assert m.pass_at_1_se == pytest.approx(math.sqrt(sum((r - 0.5) ** 2 for r in rates) / 2 / 3))
+    assert m.pass_at_k["1"] == pytest.approx(0.5)
     # pass@2: a: 1 - C(2,2)/C(4,2) = 5/6, b: 0, c: 1
-    assert m["pass@k"]["2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
-    assert m["pass@k"]["4"] == pytest.approx(2 / 3)
-    assert m["truncation_rate"] == pytest.approx(1 / 12)
-    assert m["extraction_failure_rate"] == pytest.approx(1 / 12)
-    assert m["grader_timeouts"] == 1
-    assert m["mean_length"] == pytest.approx((10 + 20 + 30 + 40 + 8 * 10) / 12)
-    assert m["max_length"] == 40
-    assert m["samples_per_problem"] == 4 and m["num_problems"] == 3
+    assert m.pass_at_k["2"] == pytest.approx((5 / 6 + 0 + 1) / 3)
+    assert m.pass_at_k["4"] == pytest.approx(2 / 3)
+    assert m.truncation_rate == pytest.approx(1 / 12)
+    assert m.extraction_failure_rate == pytest.approx(1 / 12)
+    assert m.grader_timeouts == 1
+    assert m.mean_length == pytest.approx((10 + 20 + 30 + 40 + 8 * 10) / 12)
+    assert m.max_length == 40
+    assert m.samples_per_problem == 4 and m.num_problems == 3
     assert per_problem_counts(records) == {"a": [2, 4], "b": [0, 4], "c": [4, 4]}
 
 
@@ -106,8 +106,8 @@ def test_paired_difference_by_hand() -> None:
     diffs = [0.5, 0.0, 0.5]
     mean = sum(diffs) / 3
     se = math.sqrt(sum((x - mean) ** 2 for x in diffs) / 2 / 3)
-    assert d["num_paired"] == 3 and d["only_current"] == 1 and d["only_baseline"] == 1
-    assert d["diff"] == pytest.approx(mean)
-    assert d["diff_se"] == pytest.approx(se)
-    assert d["ci95"][0] == pytest.approx(mean - 1.959963984540054 * se)
-    assert d["current_pass@1"] - d["baseline_pass@1"] == pytest.approx(mean)
+    assert d.num_paired == 3 and d.only_current == 1 and d.only_baseline == 1
+    assert d.diff == pytest.approx(mean)
+    assert d.diff_se == pytest.approx(se)
+    assert d.ci95[0] == pytest.approx(mean - 1.959963984540054 * se)
+    assert d.current_pass_at_1 - d.baseline_pass_at_1 == pytest.approx(mean)

@@ -63,7 +63,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_good_one(
     assert not list(out.glob(".checkpoint-*"))  # the partial write was cleaned up
     monkeypatch.setattr(ckpt, "save_file", real)  # space freed: the run continues
     result = train(cfg, resume=str(out), progress=False, reward_fn=FakeReward())
-    assert result["steps"] == 2 and result["resumed_from"].endswith("checkpoint-1")
+    assert result.steps == 2 and result.resumed_from.endswith("checkpoint-1")
 
 
 def test_a_full_disk_under_a_report_keeps_the_old_file(tmp_path: Path, monkeypatch) -> None:
@@ -116,7 +116,7 @@ def test_resume_auto_over_a_damaged_checkpoint_continues_exactly(
     optimizer.write_bytes(bytes(data))
     resumed = FakeReward()
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=resumed)
-    assert result["resumed_from"].endswith("checkpoint-2")
+    assert result.resumed_from.endswith("checkpoint-2")
     assert resumed.batches == straight.batches[2:]  # the same next batches as the uninterrupted run
 
 
@@ -154,7 +154,7 @@ def test_a_nan_loss_mid_run_stops_and_keeps_the_last_checkpoint(tiny_model_dir: 
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2]
     assert ckpt.checkpoint_problem(out / "checkpoint-2") is None
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=FakeReward())
-    assert result["steps"] == 4
+    assert result.steps == 4
 
 
 def test_a_nan_gradient_under_a_finite_loss_names_the_tensors(
@@ -252,7 +252,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tiny_model_dir: Path, tmp
     assert ckpt.find_last_checkpoint(out).name == "checkpoint-2"
     resumed = FakeReward()
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=resumed)
-    assert result["resumed_from"].endswith("checkpoint-2") and result["steps"] == 4
+    assert result.resumed_from.endswith("checkpoint-2") and result.steps == 4
     assert resumed.batches == straight.batches[2:]  # identical next batches
     assert not (out / ".checkpoint-4.tmp").exists() and ckpt.checkpoint_problem(out / "checkpoint-4") is None
 
@@ -267,4 +267,4 @@ def test_sigint_during_a_rollout_exits_cleanly_and_resumes(tiny_model_dir: Path,
     assert ckpt.checkpoint_problem(out / "checkpoint-2") is None
     resumed = FakeReward()
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=resumed)
-    assert result["steps"] == 4 and resumed.batches == straight.batches[2:]
+    assert result.steps == 4 and resumed.batches == straight.batches[2:]

@@ -6,6 +6,7 @@ through llm-compressor's AWQ take ~10-20 s each on two CPU cores and are marked 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -15,7 +16,8 @@ import torch
 
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
-from qerl_cli.quantize import REPORT_NAME, quantize_table, run_quantize
+from qerl_cli.quantize import REPORT_NAME, QuantizeResult, quantize_table, read_report, run_quantize
+from qerl_cli.quantize.report import Perplexity
 
 SEQ_LEN = 48
 NUM_SAMPLES = 3
@@ -246,7 +248,7 @@ def test_nf4_awq_folds_smoothing_and_keeps_the_function(tmp_path, tiny_model_dir
 
     out = tmp_path / "nf4_awq"
     report = run_quantize(_config(tiny_model_dir, out, calib_file, format="nf4", method="awq"))
-    assert "AWQ smoothing" in report["rounding"]
+    assert "AWQ smoothing" in report.rounding
     _assert_report_complete(out, "nf4", "awq")
     bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     quant = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map="cpu").eval()
@@ -308,7 +310,7 @@ def test_output_may_not_contain_the_input_or_the_working_folder(tmp_path, monkey
 def test_default_output_name(tmp_path, tiny_model_dir, calib_file, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     report = run_quantize(_config(tiny_model_dir, None, calib_file, output=None, format="nf4", method="rtn"))
-    assert Path(report["output"]) == tmp_path / f"{tiny_model_dir.name}-NF4"
+    assert Path(report.output) == tmp_path / f"{tiny_model_dir.name}-NF4"
     assert (tmp_path / f"{tiny_model_dir.name}-NF4" / REPORT_NAME).is_file()
 
 
@@ -351,8 +353,8 @@ def test_incompatible_widths_named_then_skipped(tmp_path, odd_width_model, calib
             odd_width_model, tmp_path / "o", calib_file, format="nf4", method="rtn", skip_incompatible=True
         )
     )
-    assert report["skipped_layers"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
-    assert report["weight_error"]["layers"] == 12
+    assert report.skipped_layers == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert report.weight_error.layers == 12
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "o" / "model.safetensors"), "pt") as handle:
@@ -400,12 +402,31 @@ def test_calibration_rendering_shuffle_and_plain_text(tmp_path, tiny_model_dir, 
 def test_quantize_table_renders(rtn_nf4: Path) -> None:
     from rich.console import Console
 
-    report = json.loads((rtn_nf4 / REPORT_NAME).read_text())
-    report["perplexity"] = {"samples": 4, "bf16": 10.0, "quantized": 10.5}
+    report = dataclasses.replace(
+        read_report(rtn_nf4), perplexity=Perplexity(samples=4, bf16=10.0, quantized=10.5)
+    )
     console = Console(width=140, record=True)
     console.print(quantize_table(report))
     text = console.export_text()
     assert "NF4" in text and "weights size" in text and "10.500" in text and "smaller" in text
+    assert "14 / 0" in text and "rel. weight error mean / max" in text
+
+
+def test_the_result_is_qerl_quant_json_key_for_key(rtn_nf4: Path) -> None:
+    """qerl_quant.json is read by other tools: the typed result writes and reads it unchanged."""
+    on_disk = json.loads((rtn_nf4 / REPORT_NAME).read_text())
+    result = read_report(rtn_nf4)
+    assert json.dumps(result.to_dict()) == json.dumps(on_disk)  # same keys, same order, same values
+    assert QuantizeResult.from_dict(on_disk) == result
+    assert result.format == "nf4" and result.weight_error.layers == 14 and result.perplexity is None
+    assert result.weight_error.worst_layers[0].relative_error == result.weight_error.max
+    assert list(on_disk) == [
+        "model", "output", "format", "method", "rounding", "calibration", "ignored_layers", "skipped_layers",
+        "versions", "size", "weight_error", "perplexity", "vllm_marlin", "device", "peak_gpu_bytes",
+        "timings_s", "elapsed_s",
+    ]  # fmt: skip
+    with_ppl = {**on_disk, "perplexity": {"samples": 4, "bf16": 10.0, "quantized": 10.5}}
+    assert json.dumps(QuantizeResult.from_dict(with_ppl).to_dict()) == json.dumps(with_ppl)
 
 
 def test_unreachable_calibration_dataset_says_so(tiny_model_dir) -> None:
@@ -417,3 +438,15 @@ def test_unreachable_calibration_dataset_says_so(tiny_model_dir) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(QerlError, match="could not be opened.*local .jsonl/.parquet file with --calib"):
         load_calibration(DEFAULT_CALIB, tokenizer, num_samples=2, seq_len=16, seed=0)
+
+
+def test_the_cli_renders_the_result(tmp_path, tiny_model_dir, capsys) -> None:
+    from qerl_cli.cli import main
+
+    out = tmp_path / "nf4"
+    argv = ["quantize", str(tiny_model_dir), "--format", "nf4", "--method", "rtn", "--device", "cpu"]
+    assert main([*argv, "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"qerl quantize: {tiny_model_dir} -> NF4 (rtn)" in " ".join(text.split())
+    assert "weights size" in text and "14 / 0" in text and "smaller" in text
+    assert read_report(out).output == str(out)

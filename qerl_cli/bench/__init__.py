@@ -1,14 +1,15 @@
 """``qerl bench``: rollout throughput and memory per weight format, and end-to-end GRPO step time.
 
-Entry points for the CLI: :func:`run_bench` measures and writes the outputs, :func:`bench_table`
-renders a report, :func:`gate_failures` lists what the ``--baseline`` gate found (the CLI exits 1
-when it is not empty).
+Entry points for the CLI: :func:`run_bench` measures, writes the outputs and returns the report (a
+:class:`~qerl_cli.bench.result.BenchResult`), :func:`bench_table` renders it, :func:`gate_failures`
+lists what the ``--baseline`` gate found (the CLI exits 1 when it is not empty).
 
 Every ratio in a report comes from measurements of one run, side by side, on one machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 import time
@@ -17,22 +18,13 @@ from typing import Any
 
 from qerl_cli.bench.charts import write_charts
 from qerl_cli.bench.concurrency import add_roofline, write_crossover
-from qerl_cli.bench.report import (
-    add_speedups,
-    bench_table,
-    check_regressions,
-    failed_cases,
-    gate_failures,
-    new_report,
-    read_report,
-    wall_clock_line,
-    write_json,
-    write_markdown,
-)
+from qerl_cli.bench.gate import check_regressions, gate_failures
+from qerl_cli.bench.report import add_speedups, bench_table, failed_cases, wall_clock_line, write_markdown
+from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
 from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
 
-__all__ = ["bench_table", "failed_cases", "gate_failures", "run_bench", "wall_clock_line"]
+__all__ = ["BenchResult", "bench_table", "failed_cases", "gate_failures", "run_bench", "wall_clock_line"]
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +124,8 @@ def _check_settings(cfg: BenchConfig) -> int:
     return min_repeats
 
 
-def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path], report: dict[str, Any],
-                      timings: dict[str, Any], settings: dict[str, Any], out: Path) -> None:  # fmt: skip
+def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path], report: BenchResult,
+                      timings: BenchTimings, settings: dict[str, Any], out: Path) -> None:  # fmt: skip
     """Every rollout case (format x linear backend, with and without LoRA), default kernels first; the
     report (and the crossover table) is rewritten after each, so a run cut short keeps what it measured."""
     from qerl_cli.bench.adapter import write_random_lora
@@ -162,31 +154,32 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
                 if engine != "vllm":
                     raise
                 # One format vLLM cannot serve here must not hide the others' figures.
-                report["errors"] += [
+                report.errors += [
                     {"format": fmt, "backend": case.linear_backend, "lora_rank": r, "error": str(exc)}
                     for r in case.phases()
                 ]
             else:
-                report["rollout"].extend(result["rollout"])
-                report["memory"].extend(result["memory"])
+                report.rollout.extend(result["rollout"])
+                report.memory.extend(result["memory"])
             label = fmt if case.linear_backend in ("default", "marlin") else f"{fmt}/{case.linear_backend}"
             spent = time.perf_counter() - case_started
-            timings["formats_s"][label] = timings["formats_s"].get(label, 0.0) + spent
-            write_json({**report, "complete": False}, out)
+            timings.formats_s[label] = timings.formats_s.get(label, 0.0) + spent
+            write_json(dataclasses.replace(report, complete=False), out)
             if cfg.concurrency and engine == "vllm":
                 write_crossover(report, out)
 
 
-def _write_outputs(cfg: BenchConfig, engine: str, report: dict[str, Any], out: Path) -> None:
-    report["files"] = {"json": str(write_json(report, out))}
-    report["files"]["markdown"] = str(write_markdown(report, out))
-    report["files"]["charts"] = [str(p) for p in write_charts(report, out)]
+def _write_outputs(cfg: BenchConfig, engine: str, report: BenchResult, out: Path) -> None:
+    written = BenchFiles(json=str(write_json(report, out)))
+    written.markdown = str(write_markdown(report, out))
+    written.charts = [str(p) for p in write_charts(report, out)]
     if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
-        report["files"]["crossover"] = str(write_crossover(report, out))
+        written.crossover = str(write_crossover(report, out))
+    report.files = written
     write_json(report, out)  # again, now listing the files
 
 
-def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+def run_bench(cfg: BenchConfig) -> BenchResult:
     """Measure every format (with and without LoRA), write ``bench.json``, ``bench.md`` and PNG
     charts to ``cfg.output``, and return the report.
 
@@ -212,11 +205,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     report = new_report(_settings(cfg, model, engine, formats))
-    report["errors"] = []
     checkpoints = prepare_checkpoints(model, formats, cfg.seed)
     # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
     # (its engine start and cases), the e2e steps.
-    timings: dict[str, Any] = {"checkpoints_s": time.perf_counter() - started, "formats_s": {}, "e2e_s": None}
+    timings = BenchTimings(checkpoints_s=time.perf_counter() - started)
     settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
                 "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}  # fmt: skip
     _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out)
@@ -224,13 +216,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         from qerl_cli.bench.e2e import run_e2e
 
         e2e_started = time.perf_counter()
-        report["e2e"] = run_e2e(cfg, checkpoints, engine, out)
-        timings["e2e_s"] = time.perf_counter() - e2e_started
-    timings["total_s"] = time.perf_counter() - started
-    report["timings"] = timings
+        report.e2e = run_e2e(cfg, checkpoints, engine, out)
+        timings.e2e_s = time.perf_counter() - e2e_started
+    timings.total_s = time.perf_counter() - started
+    report.timings = timings
     add_speedups(report)
     add_roofline(report, {fmt: model_config(folder) for fmt, folder in checkpoints.items()})
     if baseline is not None:
-        report["regression"] = check_regressions(report, baseline, cfg.tolerance)
+        report.regression = check_regressions(report, baseline, cfg.tolerance)
     _write_outputs(cfg, engine, report, out)
     return report

@@ -7,6 +7,7 @@ from typing import Any
 
 from qerl_cli.bench.labels import format_label, lora_label
 from qerl_cli.bench.report import E2E_PHASES
+from qerl_cli.bench.result import BenchResult
 
 
 def _save(plt: Any, fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> Path:
@@ -19,7 +20,7 @@ def _save(plt: Any, fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> P
     return path
 
 
-def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
+def write_charts(report: BenchResult, out_dir: str | Path) -> list[Path]:
     """PNG charts (throughput per batch, memory, e2e phases); none when matplotlib is missing."""
     try:
         import matplotlib
@@ -30,10 +31,10 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         return []
     out = Path(out_dir)
     written: list[Path] = []
-    suffix = " (CPU figures)" if report["device"] == "cpu" else ""
+    suffix = " (CPU figures)" if report.device == "cpu" else ""
 
-    if report["rollout"]:
-        rows = report["rollout"]
+    if report.rollout:
+        rows = report.rollout
         series = sorted({(r["format"], r["lora_rank"]) for r in rows}, key=lambda s: (s[1], s[0]))
         batches = sorted({r["batch"] for r in rows})
         by_key = {(r["format"], r["lora_rank"], r["batch"]): r["output_tokens_per_s"] for r in rows}
@@ -47,8 +48,8 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         title = "Rollout throughput" + suffix
         written.append(_save(plt, fig, ax, "output tokens/s", title, out / "throughput.png"))
 
-    if report["memory"]:
-        rows = report["memory"]
+    if report.memory:
+        rows = report.memory
         labels = [f"{r['format']}\n{lora_label(r['lora_rank'])}" for r in rows]
         fig, ax = plt.subplots(figsize=(8, 4.5))
         xs = range(len(rows))
@@ -58,7 +59,7 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         ax.set_xticks(list(xs), labels)
         written.append(_save(plt, fig, ax, "GB", "Memory" + suffix, out / "memory.png"))
 
-    e2e_ok = [r for r in report.get("e2e") or [] if "error" not in r]
+    e2e_ok = [r for r in report.e2e or [] if "error" not in r]
     if e2e_ok:
         rows = e2e_ok
         fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -70,13 +71,13 @@ def write_charts(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         title = "End-to-end step" + suffix
         written.append(_save(plt, fig, ax, "seconds per GRPO step", title, out / "e2e.png"))
 
-    roofline = [r for r in report["rollout"] if r.get("roofline")]
-    if roofline and report["settings"].get("concurrency"):
+    roofline = [r for r in report.rollout if r.get("roofline")]
+    if roofline and report.settings.get("concurrency"):
         written.append(_roofline_chart(plt, roofline, report, out / "roofline.png"))
     return written
 
 
-def _roofline_chart(plt: Any, rows: list[dict[str, Any]], report: dict[str, Any], path: Path) -> Path:
+def _roofline_chart(plt: Any, rows: list[dict[str, Any]], report: BenchResult, path: Path) -> Path:
     """Tokens/s against concurrency per format x backend (LoRA rows when measured), each with its
     roofline bound dashed in the same colour."""
     with_lora = [r for r in rows if r["lora_rank"]] or rows
@@ -89,7 +90,7 @@ def _roofline_chart(plt: Any, rows: list[dict[str, Any]], report: dict[str, Any]
                 color=line.get_color(), alpha=0.6)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sequences")
-    gpu = (report.get("gpu") or {}).get("name", "GPU")
+    gpu = (report.gpu or {}).get("name", "GPU")
     lora = f", LoRA r{with_lora[0]['lora_rank']}" if with_lora[0]["lora_rank"] else ""
     title = f"Rollout vs roofline (dashed) on {gpu}{lora}"
     return _save(plt, fig, ax, "output tokens/s", title, path)

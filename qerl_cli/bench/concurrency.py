@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench.labels import lora_label
+from qerl_cli.bench.result import BenchResult
 from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, rollout_weight_format
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.rollout.backends import FORMAT_BACKENDS, table_key
@@ -33,11 +34,11 @@ def backends_for(fmt: str, requested: list[str]) -> list[str]:
     return chosen or [allowed[0]]
 
 
-def add_roofline(report: dict[str, Any], model_configs: dict[str, dict[str, Any]]) -> None:
+def add_roofline(report: BenchResult, model_configs: dict[str, dict[str, Any]]) -> None:
     """``roofline`` on every rollout row: its bounds on this GPU and the fractions measured."""
-    spec = gpu_spec((report.get("gpu") or {}).get("name"))
-    settings = report["settings"]
-    for row in report["rollout"]:
+    spec = gpu_spec((report.gpu or {}).get("name"))
+    settings = report.settings
+    for row in report.rollout:
         config = model_configs.get(row["format"])
         if spec is None or config is None:
             row["roofline"] = None  # a CPU run or a GPU the table does not know: no bound to state
@@ -51,34 +52,34 @@ def add_roofline(report: dict[str, Any], model_configs: dict[str, dict[str, Any]
         row["roofline"] = {**bound, **fractions(row["output_tokens_per_s"], bound)}
 
 
-def crossover_table(report: dict[str, Any]) -> dict[str, Any]:
+def crossover_table(report: BenchResult) -> dict[str, Any]:
     """``{"gpus": {GPU: {"nvfp4+lora": {backend: {concurrency: tokens/s}}}}}`` from the rollout rows,
     with where it came from."""
-    gpu = (report.get("gpu") or {}).get("name") or "cpu"
+    gpu = (report.gpu or {}).get("name") or "cpu"
     entry: dict[str, dict[str, dict[str, float]]] = {}
-    for row in report["rollout"]:
+    for row in report.rollout:
         key = table_key(row["format"], bool(row["lora_rank"]))
         backend = row.get("backend", "default")
         points = entry.setdefault(key, {}).setdefault(backend, {})
         points[str(row["batch"])] = round(row["output_tokens_per_s"], 1)
-    settings = report["settings"]
+    settings = report.settings
     return {
         "gpus": {gpu: entry},
-        "measured": {"created": report.get("created"), "model": settings.get("model"),
+        "measured": {"created": report.created, "model": settings.get("model"),
                      "prompt_len": settings.get("prompt_len"), "gen_len": settings.get("gen_len"),
-                     "lora_rank": settings.get("lora_rank"), "versions": report.get("versions")},
+                     "lora_rank": settings.get("lora_rank"), "versions": report.versions},
     }  # fmt: skip
 
 
-def write_crossover(report: dict[str, Any], out_dir: str | Path) -> Path:
+def write_crossover(report: BenchResult, out_dir: str | Path) -> Path:
     path = Path(out_dir) / CROSSOVER_FILE
     path.write_text(json.dumps(crossover_table(report), indent=2))
     return path
 
 
-def roofline_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+def roofline_rows(report: BenchResult) -> list[tuple[str, ...]]:
     rows = []
-    for r in report["rollout"]:
+    for r in report.rollout:
         roof = r.get("roofline")
         if not roof:
             continue

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
+from qerl_cli.compare.results import CompareReport, CompareResult
 from qerl_cli.compare.runner import run_compare
 from qerl_cli.compare.summary import compare_table
 
-__all__ = ["compare_table", "run_compare"]
+__all__ = ["CompareReport", "CompareResult", "compare_table", "run_compare"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from qerl_cli.compare.curves import FINAL_FRACTION, trailing_mean, window
+from qerl_cli.compare.results import RunResult
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ def _stack(series: list[list[float]]) -> tuple[list[float], list[float], list[fl
     return [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
 
 
-def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path, device: str = "") -> Path | None:
+def plot_curves(results: dict[str, list[RunResult]], path: Path, device: str = "") -> Path | None:
     try:
         import matplotlib
 
@@ -29,8 +29,9 @@ def plot_curves(results: dict[str, list[dict[str, Any]]], path: Path, device: st
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key, ax, label in (("reward", axes[0], "training reward"), ("entropy", axes[1], "rollout entropy")):
         for arm, runs in results.items():
-            steps_window = window(min(len(r[key]) for r in runs), FINAL_FRACTION)
-            mean, low, high = _stack([trailing_mean(r[key], steps_window) for r in runs])
+            curves = [r.reward if key == "reward" else r.entropy for r in runs]
+            steps_window = window(min(len(c) for c in curves), FINAL_FRACTION)
+            mean, low, high = _stack([trailing_mean(c, steps_window) for c in curves])
             steps = list(range(1, len(mean) + 1))
             (line,) = ax.plot(steps, mean, label=f"{arm} (n={len(runs)})")
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)

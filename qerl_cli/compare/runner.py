@@ -23,12 +23,14 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qerl_cli import config as cfg
 from qerl_cli.compare.arms import CompareSettings, as_set_strings, read_settings, select_arms
 from qerl_cli.compare.bases import base_labels, prepare_bases
+from qerl_cli.compare.results import BaseHeldout, CompareReport, CompareResult, HeldoutScore, RunResult
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -73,7 +75,7 @@ def arm_config(
     return conf
 
 
-def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool) -> dict[str, Any]:
+def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool) -> RunResult:
     """Train (or resume) one run, evaluate it on the held-out split, write its result.json."""
     from qerl_cli.rl.checkpoint import list_checkpoints
     from qerl_cli.rl.tracking import read_metrics
@@ -83,30 +85,27 @@ def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress
     out = Path(conf.output.dir)
     done = out / RESULT_NAME
     if done.is_file():
-        import json
-
-        return json.loads(done.read_text())
+        return RunResult.from_dict(json.loads(done.read_text()))
     start = time.perf_counter()
     resume = str(out) if out.is_dir() and list_checkpoints(out) else None
     summary = train(conf, resume=resume, progress=progress)
-    heldout = evaluate_heldout(conf, settings, summary["adapter"], out / "heldout")
+    heldout = evaluate_heldout(conf, settings, summary.adapter, out / "heldout")
     records = read_metrics(out / "metrics.jsonl")
-    result = {
-        "arm": arm,
-        "seed": conf.train.seed,
-        "model": conf.model.path,
-        "aqn": conf.aqn.enabled,
-        "device": device_label(conf.train.device),
-        "steps": summary["steps"],
-        "resumed_from": summary.get("resumed_from") or resume,
-        "reward": [float(r.get("reward_mean", float("nan"))) for r in records],
-        "entropy": [float(r.get("entropy", float("nan"))) for r in records],
-        # Per step, the share of groups whose rewards were all equal (no GRPO signal from them).
-        "zero_std_group_fraction": [float(r.get("zero_std_group_fraction", float("nan"))) for r in records],
-        "heldout": heldout,
-        "seconds": time.perf_counter() - start,
-    }
-    write_json(done, result)
+    result = RunResult(
+        arm=arm,
+        seed=conf.train.seed,
+        model=conf.model.path,
+        aqn=conf.aqn.enabled,
+        device=device_label(conf.train.device),
+        steps=summary.steps,
+        resumed_from=summary.resumed_from or resume,
+        reward=[float(r.get("reward_mean", float("nan"))) for r in records],
+        entropy=[float(r.get("entropy", float("nan"))) for r in records],
+        zero_std_group_fraction=[float(r.get("zero_std_group_fraction", float("nan"))) for r in records],
+        heldout=heldout,
+        seconds=time.perf_counter() - start,
+    )
+    write_json(done, result.to_dict())
     return result
 
 
@@ -124,7 +123,7 @@ def heldout_benchmark(conf: cfg.TrainConfig) -> str:
 
 def evaluate_heldout(
     conf: cfg.TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
-) -> dict[str, Any]:
+) -> HeldoutScore:
     """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base)."""
     from qerl_cli.evaluation import run_eval
 
@@ -138,14 +137,14 @@ def evaluate_heldout(
         generation_batch_size=conf.rollout.generation_batch_size,
     )  # fmt: skip
     results = run_eval(eval_cfg, log=lambda message: log.info("%s", message))
-    metrics = results["benchmarks"][bench]["metrics"]
-    return {
-        "benchmark": bench,
-        "pass@1": metrics["pass@1"],
-        "pass@1_se": metrics.get("pass@1_se"),
-        "problems": metrics["num_problems"],
-        "samples": settings.heldout_samples,
-    }
+    metrics = results.benchmarks[bench].metrics
+    return HeldoutScore(
+        benchmark=bench,
+        pass_at_1=metrics.pass_at_1,
+        pass_at_1_se=metrics.pass_at_1_se,
+        problems=metrics.num_problems,
+        samples=settings.heldout_samples,
+    )
 
 
 def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
@@ -163,8 +162,9 @@ def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str
 def evaluate_bases(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], seed: int, out: Path,
     bases: dict[str, str], settings: CompareSettings,
-) -> tuple[dict[str, dict[str, Any]], list[str]]:  # fmt: skip
-    """({arm: held-out pass@1 and entropy of its base before training}, failures): where each arm started.
+) -> tuple[dict[str, BaseHeldout | None], list[str]]:  # fmt: skip
+    """({arm: held-out pass@1 and entropy of its base before training, None when that failed},
+    failures): where each arm started.
 
     Evaluated once per distinct (base, evaluation settings): arms differing only in AQN share one
     (evaluation adds no noise). Kept in ``DIR/base-heldout`` with the settings it was made with, so a
@@ -173,8 +173,9 @@ def evaluate_bases(
     """
     from qerl_cli.torch_utils import device_label
 
-    by_key: dict[str, dict[str, Any]] = {}
-    found, failures = {}, []
+    by_key: dict[str, BaseHeldout | None] = {}
+    found: dict[str, BaseHeldout | None] = {}
+    failures: list[str] = []
     for arm, overrides in arms.items():
         conf = arm_config(data, overrides, sets, seed, out, arm, bases)
         key = _base_eval_key(conf, settings)
@@ -183,7 +184,7 @@ def evaluate_bases(
             target = out / "base-heldout" / f"{Path(conf.model.path).name}-{digest}"
             done = target / BASE_RESULT_NAME
             if done.is_file():
-                by_key[digest] = json.loads(done.read_text())
+                by_key[digest] = BaseHeldout.from_dict(json.loads(done.read_text()))
             else:
                 log.info("%s: evaluating its base %s before training", arm, conf.model.path)
                 try:
@@ -192,12 +193,14 @@ def evaluate_bases(
                 except Exception as exc:  # noqa: BLE001 - one base must not cost the report
                     log.error("%s: its base could not be evaluated: %s", arm, exc)
                     failures.append(f"the base of {arm} ({type(exc).__name__}: {exc})")
-                    by_key[digest] = {}
+                    by_key[digest] = None
                     free_accelerator_memory()
                 else:
-                    by_key[digest] = {"model": conf.model.path, "device": device_label(conf.train.device),
-                                      **figures, "entropy": entropy, "settings": key}  # fmt: skip
-                    write_json(done, by_key[digest])
+                    result = BaseHeldout(
+                        conf.model.path, device_label(conf.train.device), figures, entropy, key
+                    )
+                    by_key[digest] = result
+                    write_json(done, result.to_dict())
         found[arm] = by_key[digest]
     return found, failures
 
@@ -269,88 +272,145 @@ def _run_parallel(
     return failures
 
 
+@dataclass
+class _Ablation:
+    """One invocation's settled inputs: the recipe (without its compare: section), its settings, the
+    arms chosen, where it all goes, and the base each arm trains on."""
+
+    recipe: str
+    data: dict[str, Any]
+    settings: CompareSettings
+    all_sets: list[str]  # what child processes get: every --set, compare.* included
+    sets: list[str]  # the training ones
+    arms: dict[str, dict[str, Any]]
+    seeds: int
+    base_seed: int
+    out: Path
+    bases: dict[str, str] = field(default_factory=dict)  # {format: base folder}, once prepared
+
+    def config(self, arm: str, seed: int) -> cfg.TrainConfig:
+        return arm_config(self.data, self.arms[arm], self.sets, seed, self.out, arm, self.bases)
+
+    def finished(self, arm: str, seed: int) -> bool:
+        return (run_dir(self.out, arm, seed) / RESULT_NAME).is_file()
+
+
 def run_compare(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
     sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, summarize: bool = True,
     threshold: float | None = None, progress: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> CompareResult:  # fmt: skip
     """Run the ablation (skipping finished runs) and, unless ``summarize`` is off, write its report."""
-    from qerl_cli.compare.summary import write_report
-
     if seeds < 1:
         raise QerlError(f"--seeds must be >= 1, got {seeds}")
     if jobs < 1:
         raise QerlError(f"--jobs must be >= 1, got {jobs}")
-    all_sets = list(sets or [])  # children get them all, compare.* included
+    ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
+    plan = _plan(ablation, arms, only)
+    ablation.bases = prepare_bases(
+        ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
+    )
+    todo = [(a, s) for a, s in plan if not ablation.finished(a, s)]
+    for arm, seed in plan:
+        if (arm, seed) not in todo:
+            log.info("%s seed %d: finished before, skipped", arm, seed)
+    failures = _train(ablation, todo, jobs, progress)
+    finished = [(a, s) for a, s in plan if ablation.finished(a, s)]
+    result = CompareResult(output=str(ablation.out), runs=len(plan), ran=len(todo))
+    if not summarize or not finished:
+        if failures:
+            raise QerlError(f"{len(failures)} of {len(plan)} runs failed: " + "; ".join(failures))
+        return result
+    result.report, base_failures = _summarize(ablation, finished, skipped=len(plan) - len(todo),
+                                              threshold=threshold)  # fmt: skip
+    if failures or base_failures:
+        runs = f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. " if failures else ""
+        evals = f"Not evaluated: {'; '.join(base_failures)}. " if base_failures else ""
+        raise QerlError(
+            f"{runs}{evals}{ablation.out / 'compare.md'} covers the {len(finished)} finished runs (its seeds "
+            "column says how many per arm); run the same command again to resume what failed"
+        )
+    return result
+
+
+def _ablation(
+    recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None, all_sets: list[str]
+) -> _Ablation:
     data, settings = load_recipe(recipe, all_sets)
     sets = _train_sets(all_sets)
-    chosen = select_arms(settings, arms)
     out = Path(output) if output else Path("runs") / f"compare-{Path(recipe).stem}"
     out.mkdir(parents=True, exist_ok=True)
     base_seed = cfg.from_dict(
         cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), sets, None)
     ).train.seed
-    plan = [(arm, base_seed + i) for arm in chosen for i in range(seeds)]
+    return _Ablation(
+        recipe=str(recipe), data=data, settings=settings, all_sets=all_sets, sets=sets,
+        arms=select_arms(settings, arms), seeds=seeds, base_seed=base_seed, out=out,
+    )  # fmt: skip
+
+
+def _plan(ablation: _Ablation, arms: list[str], only: list[str] | None) -> list[tuple[str, int]]:
+    """Every (arm, seed) of the ablation, or those ``--only`` names."""
+    plan = [(arm, ablation.base_seed + i) for arm in ablation.arms for i in range(ablation.seeds)]
     if only:
         wanted = set(only)
         plan = [(a, s) for a, s in plan if f"{a}/{s}" in wanted]
         if not plan:
             raise QerlError(
-                f"--only {sorted(wanted)} matches no run; runs are ARM/SEED like {arms[0]}/{base_seed}"
+                f"--only {sorted(wanted)} matches no run; runs are ARM/SEED like "
+                f"{arms[0]}/{ablation.base_seed}"
             )
-    bases = prepare_bases(data, chosen, sets, out, settings.base_method)
-    todo = [(a, s) for a, s in plan if not (run_dir(out, a, s) / RESULT_NAME).is_file()]
-    for arm, seed in plan:
-        if (arm, seed) not in todo:
-            log.info("%s seed %d: finished before, skipped", arm, seed)
-    engines = {arm_config(data, chosen[a], sets, s, out, a, bases).rollout.engine for a, s in todo}
+    return plan
+
+
+def _train(ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress: bool) -> list[str]:
+    """Train and evaluate the runs not finished yet, here or in child processes; returns the failures."""
+    engines = {ablation.config(a, s).rollout.engine for a, s in todo}
     if jobs > 1 and "vllm" in engines:
         raise QerlError(
             f"--jobs {jobs} with rollout.engine=vllm would start {jobs} colocated vLLM engines that each "
             "size their share from the same free GPU memory; use --jobs 1 (each run then gets the GPU to "
             "itself)"
         )
-    failures: list[str] = []
+    recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
     if "vllm" in engines:
         # An in-process vLLM does not give its GPU memory back when closed: one child process per run,
         # even a single one (the bases' evaluation runs in this process afterwards).
-        failures = _run_parallel(todo, str(recipe), seeds, out, all_sets, 1)
-    elif jobs > 1 and len(todo) > 1:
-        failures = _run_parallel(todo, str(recipe), seeds, out, all_sets, jobs)
-    else:
-        for arm, seed in todo:
-            log.info("%s seed %d: training", arm, seed)
-            conf = arm_config(data, chosen[arm], sets, seed, out, arm, bases)
-            try:
-                run_one(conf, settings, arm, progress)
-            except Exception as exc:  # noqa: BLE001 - a diverged, broken or OOM run must not cost the others
-                # A QerlError says what to do; anything else is unexpected: keep its traceback in the log.
-                log.error("%s seed %d failed: %s", arm, seed, exc, exc_info=not isinstance(exc, QerlError))
-                why = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
-                failures.append(f"{arm}/seed-{seed} ({why})")
-                free_accelerator_memory()
-    finished = [(a, s) for a, s in plan if (run_dir(out, a, s) / RESULT_NAME).is_file()]
-    if not summarize or not finished:
-        if failures:
-            raise QerlError(f"{len(failures)} of {len(plan)} runs failed: " + "; ".join(failures))
-        return {"output": str(out), "runs": len(plan), "ran": len(todo)}
-    _warn_of_other_bases(data, chosen, sets, out, bases, finished)
-    start, base_failures = evaluate_bases(data, chosen, sets, base_seed, out, bases, settings)
-    paths = {a: arm_config(data, chosen[a], sets, base_seed, out, a, bases).model.path for a in chosen}
-    labels = base_labels(paths, bases, out, settings.base_method)
-    report = write_report(out, chosen, [s for s in range(base_seed, base_seed + seeds)], settings, threshold,
-                          skipped=len(plan) - len(todo), recipe=str(recipe), base_heldout=start,
-                          base_labels=labels)  # fmt: skip
-    for warning in report["warnings"]:
+        return _run_parallel(todo, recipe, seeds, out, all_sets, 1)
+    if jobs > 1 and len(todo) > 1:
+        return _run_parallel(todo, recipe, seeds, out, all_sets, jobs)
+    failures = []
+    for arm, seed in todo:
+        log.info("%s seed %d: training", arm, seed)
+        try:
+            run_one(ablation.config(arm, seed), ablation.settings, arm, progress)
+        except Exception as exc:  # noqa: BLE001 - a diverged, broken or OOM run must not cost the others
+            # A QerlError says what to do; anything else is unexpected: keep its traceback in the log.
+            log.error("%s seed %d failed: %s", arm, seed, exc, exc_info=not isinstance(exc, QerlError))
+            why = str(exc) if isinstance(exc, QerlError) else f"{type(exc).__name__}: {exc}"
+            failures.append(f"{arm}/seed-{seed} ({why})")
+            free_accelerator_memory()
+    return failures
+
+
+def _summarize(
+    ablation: _Ablation, finished: list[tuple[str, int]], *, skipped: int, threshold: float | None
+) -> tuple[CompareReport, list[str]]:
+    """Evaluate the arms' bases (once each), then write the report of the finished runs; returns it
+    and the bases that could not be evaluated."""
+    from qerl_cli.compare.summary import write_report
+
+    a = ablation
+    _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)
+    start, base_failures = evaluate_bases(a.data, a.arms, a.sets, a.base_seed, a.out, a.bases, a.settings)
+    paths = {arm: a.config(arm, a.base_seed).model.path for arm in a.arms}
+    labels = base_labels(paths, a.bases, a.out, a.settings.base_method)
+    seeds = list(range(a.base_seed, a.base_seed + a.seeds))
+    report = write_report(a.out, a.arms, seeds, a.settings, threshold, skipped=skipped, recipe=a.recipe,
+                          base_heldout=start, base_labels=labels)  # fmt: skip
+    for warning in report.warnings:
         log.warning("%s", warning)
-    if failures or base_failures:
-        runs = f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. " if failures else ""
-        evals = f"Not evaluated: {'; '.join(base_failures)}. " if base_failures else ""
-        raise QerlError(
-            f"{runs}{evals}{out / 'compare.md'} covers the {len(finished)} finished runs (its seeds column "
-            "says how many per arm); run the same command again to resume what failed"
-        )
-    return report
+    return report, base_failures
 
 
 def _warn_of_other_bases(
@@ -360,11 +420,11 @@ def _warn_of_other_bases(
     """Finished runs trained on another base than their arm's now (e.g. compare.base_method changed
     between two invocations on one output folder) would be reported side by side: say so."""
     for arm, seed in finished:
-        result = json.loads((run_dir(out, arm, seed) / RESULT_NAME).read_text())
+        result = RunResult.from_dict(json.loads((run_dir(out, arm, seed) / RESULT_NAME).read_text()))
         now = arm_config(data, arms[arm], sets, seed, out, arm, bases).model.path
-        if result.get("model") and result["model"] != now:
+        if result.model and result.model != now:
             log.warning(
                 "%s seed %d was trained on %s, but the arm's base is now %s: the report mixes the two "
-                "(use another --output, or remove %s to train it again)", arm, seed, result["model"], now,
+                "(use another --output, or remove %s to train it again)", arm, seed, result.model, now,
                 run_dir(out, arm, seed),
             )  # fmt: skip

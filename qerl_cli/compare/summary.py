@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare.arms import CompareSettings
 from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mean
 from qerl_cli.compare.curves import window as _window
+from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
 
@@ -40,6 +42,7 @@ START_FRACTION = FINAL_FRACTION  # the first steps: start reward, no-spread grou
 # Below this share of groups with a reward spread GRPO has (almost) nothing to learn from: SmolLM2's
 # NVFP4 RTN base had 1.6% against 21.9% for BF16, and learned a quarter as much (issue 22).
 MIN_SIGNAL_FRACTION = 0.05
+
 
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and not math.isnan(v)]
@@ -59,87 +62,100 @@ def steps_to(rewards: list[float], threshold: float) -> int | None:
     return next((i + 1 for i, r in enumerate(smooth) if r >= threshold), None)
 
 
-def run_figures(result: dict[str, Any]) -> dict[str, Any]:
-    rewards, entropy = result["reward"], result["entropy"]
+@dataclass(frozen=True)
+class RunFigures:
+    """One run's figures of the table, from its per-step curves and its held-out evaluation."""
+
+    final_reward: float | None
+    first_reward: float | None
+    start_reward: float | None
+    start_no_spread: float | None  # None: a result of an older qerl, without the per-step shares
+    early_entropy: float | None
+    heldout: float
+    heldout_se: float | None
+
+
+def run_figures(result: RunResult) -> RunFigures:
+    rewards, entropy = result.reward, result.entropy
     steps = len(rewards)
-    no_spread = result.get("zero_std_group_fraction") or []  # absent in results of older qerl
-    return {
-        "final_reward": _mean(rewards[-_window(steps, FINAL_FRACTION) :]),
-        "first_reward": _mean(rewards[: _window(steps, FINAL_FRACTION)]),
-        "start_reward": _mean(rewards[: _window(steps, START_FRACTION)]),
-        "start_no_spread": _mean(no_spread[: _window(steps, START_FRACTION)]),
-        "early_entropy": _mean(entropy[: _window(steps, EARLY_FRACTION)]),
-        "heldout": result["heldout"]["pass@1"],
-        "heldout_se": result["heldout"].get("pass@1_se"),
-    }
+    no_spread = result.zero_std_group_fraction
+    return RunFigures(
+        final_reward=_mean(rewards[-_window(steps, FINAL_FRACTION) :]),
+        first_reward=_mean(rewards[: _window(steps, FINAL_FRACTION)]),
+        start_reward=_mean(rewards[: _window(steps, START_FRACTION)]),
+        start_no_spread=_mean(no_spread[: _window(steps, START_FRACTION)]),
+        early_entropy=_mean(entropy[: _window(steps, EARLY_FRACTION)]),
+        heldout=result.heldout.pass_at_1,
+        heldout_se=result.heldout.pass_at_1_se,
+    )
 
 
-def load_results(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list[dict[str, Any]]]:
-    found: dict[str, list[dict[str, Any]]] = {}
+def load_results(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list[RunResult]]:
+    found: dict[str, list[RunResult]] = {}
     for arm in arms:
         for seed in seeds:
             path = out / arm / f"seed-{seed}" / "result.json"
             if path.is_file():
-                found.setdefault(arm, []).append(json.loads(path.read_text()))
+                found.setdefault(arm, []).append(RunResult.from_dict(json.loads(path.read_text())))
     if not found:
         raise QerlError(f"no finished run under {out}: nothing to summarise")
     return found
 
 
 def arm_rows(
-    results: dict[str, list[dict[str, Any]]], threshold: float | None,
-    base_heldout: dict[str, dict[str, Any]] | None = None, base_labels: dict[str, str] | None = None,
-) -> tuple[list[dict], float]:  # fmt: skip
+    results: dict[str, list[RunResult]], threshold: float | None,
+    base_heldout: dict[str, BaseHeldout | None] | None = None, base_labels: dict[str, str] | None = None,
+) -> tuple[list[ArmRow], float]:  # fmt: skip
     figures = {arm: [run_figures(r) for r in runs] for arm, runs in results.items()}
     if threshold is None:
-        start = _mean([f["first_reward"] for runs in figures.values() for f in runs]) or 0.0
-        best = max((_mean([f["final_reward"] for f in runs]) or 0.0) for runs in figures.values())
+        start = _mean([f.first_reward for runs in figures.values() for f in runs]) or 0.0
+        best = max((_mean([f.final_reward for f in runs]) or 0.0) for runs in figures.values())
         threshold = start + 0.5 * (best - start)
     rows = []
     for arm, runs in results.items():
         figs = figures[arm]
-        reached = [steps_to(r["reward"], threshold) for r in runs]
-        heldout = [f["heldout"] for f in figs]
+        reached = [steps_to(r.reward, threshold) for r in runs]
+        heldout = [f.heldout for f in figs]
         se = _sd(heldout)
-        base = (base_heldout or {}).get(arm) or {}
+        base = (base_heldout or {}).get(arm)  # None: not evaluated (or it failed)
         rows.append(
-            {
-                "arm": arm,
-                "base": (base_labels or {}).get(arm),
-                "seeds": len(runs),
-                "steps": max(len(r["reward"]) for r in runs),
-                "final_reward": _mean([f["final_reward"] for f in figs]),
-                "final_reward_sd": _sd([f["final_reward"] for f in figs]),
-                "base_heldout_accuracy": base.get("pass@1"),
-                "base_heldout_se": base.get("pass@1_se"),
-                "base_entropy": (base.get("entropy") or {}).get("exact_entropy"),
-                "heldout_accuracy": _mean(heldout),
-                "heldout_se": se / math.sqrt(len(heldout)) if se is not None else figs[0]["heldout_se"],
-                "heldout_per_seed": heldout,
-                "steps_to_threshold": _mean([s for s in reached if s is not None]),
-                "reached_threshold": f"{sum(s is not None for s in reached)}/{len(runs)}",
-                "early_entropy": _mean([f["early_entropy"] for f in figs]),
-                "early_entropy_sd": _sd([f["early_entropy"] for f in figs]),
-                "start_reward": _mean([f["start_reward"] for f in figs]),
-                "start_no_spread_fraction": _mean([f["start_no_spread"] for f in figs]),
-            }
+            ArmRow(
+                arm=arm,
+                base=(base_labels or {}).get(arm),
+                seeds=len(runs),
+                steps=max(len(r.reward) for r in runs),
+                final_reward=_mean([f.final_reward for f in figs]),
+                final_reward_sd=_sd([f.final_reward for f in figs]),
+                base_heldout_accuracy=base.heldout.pass_at_1 if base else None,
+                base_heldout_se=base.heldout.pass_at_1_se if base else None,
+                base_entropy=base.entropy.get("exact_entropy") if base else None,
+                heldout_accuracy=_mean(heldout),
+                heldout_se=se / math.sqrt(len(heldout)) if se is not None else figs[0].heldout_se,
+                heldout_per_seed=heldout,
+                steps_to_threshold=_mean([s for s in reached if s is not None]),
+                reached_threshold=f"{sum(s is not None for s in reached)}/{len(runs)}",
+                early_entropy=_mean([f.early_entropy for f in figs]),
+                early_entropy_sd=_sd([f.early_entropy for f in figs]),
+                start_reward=_mean([f.start_reward for f in figs]),
+                start_no_spread_fraction=_mean([f.start_no_spread for f in figs]),
+            )
         )
     return rows, threshold
 
 
-def signal_warnings(rows: list[dict[str, Any]]) -> list[str]:
+def signal_warnings(rows: list[ArmRow]) -> list[str]:
     """One line per arm whose first steps had a reward spread in under MIN_SIGNAL_FRACTION of groups."""
     out = []
     for row in rows:
-        no_spread = row.get("start_no_spread_fraction")
+        no_spread = row.start_no_spread_fraction
         if no_spread is None or 1.0 - no_spread >= MIN_SIGNAL_FRACTION:
             continue
-        base = row.get("base") or ""
+        base = row.base or ""
         awq = "an AWQ base (compare.base_method=awq), " if "RTN" in base else ""
         out.append(
-            f"{row['arm']}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
+            f"{row.arm}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
             f"{100 * (1 - no_spread):.1f}% of its groups had a reward spread over the first steps (under "
-            f"{100 * MIN_SIGNAL_FRACTION:.0f}%), start reward {_fmt(row.get('start_reward'))}. Try {awq}more "
+            f"{100 * MIN_SIGNAL_FRACTION:.0f}%), start reward {_fmt(row.start_reward)}. Try {awq}more "
             "samples per prompt (rollout.num_generations), a higher rollout.temperature, or a prompt the "
             "base answers more often"
         )
@@ -157,19 +173,19 @@ def _percent(value: float | None, se: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}% ± {100 * (se or 0):.1f}"
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
-    no_spread = row.get("start_no_spread_fraction")
+def _cells(row: ArmRow) -> list[str]:
+    no_spread = row.start_no_spread_fraction
     return [
-        row["arm"],
-        row.get("base") or "-",
-        str(row["seeds"]),
-        _fmt(row["final_reward"], sd=row["final_reward_sd"]),
-        _percent(row.get("base_heldout_accuracy"), row.get("base_heldout_se")),
-        _percent(row["heldout_accuracy"], row["heldout_se"]),
-        f"{_fmt(row['steps_to_threshold'], 1)} ({row['reached_threshold']})",
-        _fmt(row["early_entropy"], sd=row["early_entropy_sd"]),
-        _fmt(row.get("base_entropy")),
-        _fmt(row.get("start_reward")),
+        row.arm,
+        row.base or "-",
+        str(row.seeds),
+        _fmt(row.final_reward, sd=row.final_reward_sd),
+        _percent(row.base_heldout_accuracy, row.base_heldout_se),
+        _percent(row.heldout_accuracy, row.heldout_se),
+        f"{_fmt(row.steps_to_threshold, 1)} ({row.reached_threshold})",
+        _fmt(row.early_entropy, sd=row.early_entropy_sd),
+        _fmt(row.base_entropy),
+        _fmt(row.start_reward),
         "-" if no_spread is None else f"{100 * no_spread:.1f}%",
     ]
 
@@ -180,23 +196,23 @@ HEADERS = [
 ]  # fmt: skip
 
 
-def markdown(report: dict[str, Any]) -> str:
+def markdown(report: CompareReport) -> str:
     lines = [
-        f"# qerl compare: {report['recipe']}",
+        f"# qerl compare: {report.recipe}",
         "",
-        f"Threshold {report['threshold']:.3f} (trailing mean reward); final reward over the last 10% of "
+        f"Threshold {report.threshold:.3f} (trailing mean reward); final reward over the last 10% of "
         "steps; "
         "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1; base pass@1: "
         "the untrained base, the evaluation's own SE). Start reward and no-spread groups (all rewards of "
         "a prompt's group equal: no GRPO signal) over the first 10% of steps. "
-        f"4-bit bases made here: {_method_text(report.get('base_method'))}. "
-        f"Ran on: {', '.join(report.get('devices') or ['unrecorded device'])}.",
+        f"4-bit bases made here: {_method_text(report.base_method)}. "
+        f"Ran on: {', '.join(report.devices or ['unrecorded device'])}.",
         "",
         "| " + " | ".join(HEADERS) + " |",
         "| " + " | ".join("---" for _ in HEADERS) + " |",
     ]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in report["arms"]]
-    warnings = report.get("warnings") or []
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in report.arms]
+    warnings = report.warnings
     lines += ["", *(f"**Warning**: {w}." for w in warnings)] if warnings else []
     return "\n".join(lines) + "\n"
 
@@ -208,26 +224,26 @@ def _method_text(method: str | None) -> str:
     }.get(method or "", "method unrecorded")
 
 
-def compare_table(report: dict[str, Any]):  # -> rich.table.Table
+def compare_table(report: CompareReport):  # -> rich.table.Table
     from rich.table import Table
 
-    table = Table(title=f"qerl compare (threshold {report['threshold']:.3f})")
+    table = Table(title=f"qerl compare (threshold {report.threshold:.3f})")
     for header in HEADERS:
         table.add_column(header, justify="left" if header == "arm" else "right")
-    for row in report["arms"]:
+    for row in report.arms:
         table.add_row(*_cells(row))
     table.caption = (
-        f"4-bit bases made here: {_method_text(report.get('base_method'))}. "
-        f"{report['output']}: compare.json, compare.md, compare.png"
+        f"4-bit bases made here: {_method_text(report.base_method)}. "
+        f"{report.output}: compare.json, compare.md, compare.png"
     )
     return table
 
 
 def write_report(
     out: Path, arms: dict[str, Any], seeds: list[int], settings: CompareSettings, threshold: float | None,
-    skipped: int = 0, recipe: str = "", base_heldout: dict[str, dict[str, Any]] | None = None,
+    skipped: int = 0, recipe: str = "", base_heldout: dict[str, BaseHeldout | None] | None = None,
     base_labels: dict[str, str] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> CompareReport:  # fmt: skip
     from qerl_cli.compare.plot import plot_curves
 
     results = load_results(out, list(arms), seeds)
@@ -235,25 +251,24 @@ def write_report(
         results, threshold if threshold is not None else settings.threshold, base_heldout, base_labels
     )
     unknown = "unrecorded device"
-    trained = {r.get("device") or unknown for runs in results.values() for r in runs}
-    report = {
-        "recipe": recipe or out.name,
-        "output": str(out),
-        "threshold": used,
-        "arms": rows,
-        "base_method": settings.base_method,
-        "warnings": signal_warnings(rows),
-        "overrides": {arm: arms[arm] for arm in results},
-        "skipped_finished_runs": skipped,
-        # Runs written before result.json recorded its device say so rather than guess.
-        "devices": sorted(trained | {b.get("device") or unknown for b in (base_heldout or {}).values()}),
-        "curves": {
-            arm: [{"seed": r["seed"], "reward": r["reward"], "entropy": r["entropy"]} for r in runs]
-            for arm, runs in results.items()
-        },  # fmt: skip
-    }
+    trained = {r.device or unknown for runs in results.values() for r in runs}
+    # A base that could not be evaluated (None) records no device either: it counts as unrecorded.
+    bases = {(b.device if b else None) or unknown for b in (base_heldout or {}).values()}
     plot = plot_curves(results, out / "compare.png", ", ".join(sorted(trained)))  # the curves' own device
-    report["plot"] = str(plot) if plot else None
-    write_json(out / "compare.json", report)
+    report = CompareReport(
+        recipe=recipe or out.name,
+        output=str(out),
+        threshold=used,
+        arms=rows,
+        base_method=settings.base_method,
+        warnings=signal_warnings(rows),
+        overrides={arm: arms[arm] for arm in results},
+        skipped_finished_runs=skipped,
+        # Runs written before result.json recorded its device say so rather than guess.
+        devices=sorted(trained | bases),
+        curves={arm: [SeedCurve(r.seed, r.reward, r.entropy) for r in runs] for arm, runs in results.items()},
+        plot=str(plot) if plot else None,
+    )
+    write_json(out / "compare.json", report.to_dict())
     atomic_write_text(out / "compare.md", markdown(report))
     return report

@@ -15,6 +15,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from qerl_cli.evaluation.results import BenchmarkMetrics, PairedDifference
+
 Z_95 = 1.959963984540054
 
 
@@ -53,7 +55,7 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(variance / m)
 
 
-def benchmark_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def benchmark_metrics(records: Sequence[Mapping[str, Any]]) -> BenchmarkMetrics:
     """Metrics of one benchmark from its per-problem sample records.
 
     Each record holds per-sample lists ``correct``, ``finish_reasons``, ``num_tokens``,
@@ -75,20 +77,20 @@ def benchmark_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     samples = sum(n for _, n in counts)
     lengths = flat("num_tokens")
     timeouts = sum(bool(x) for x in flat("timed_out"))
-    return {
-        "num_problems": len(records),
-        "samples_per_problem": n_min if n_min == max(n for _, n in counts) else None,
-        "num_samples": samples,
-        "pass@1": pass1,
-        "pass@1_se": pass1_se,
-        "pass@k": pass_k,
-        "truncation_rate": sum(f == "length" for f in flat("finish_reasons")) / samples,
-        "extraction_failure_rate": sum(bool(x) for x in flat("extraction_failed")) / samples,
-        "grader_timeouts": timeouts,
-        "grader_timeout_rate": timeouts / samples,
-        "mean_length": sum(lengths) / len(lengths) if lengths else 0.0,
-        "max_length": max(lengths) if lengths else 0,
-    }
+    return BenchmarkMetrics(
+        num_problems=len(records),
+        samples_per_problem=n_min if n_min == max(n for _, n in counts) else None,
+        num_samples=samples,
+        pass_at_1=pass1,
+        pass_at_1_se=pass1_se,
+        pass_at_k=pass_k,
+        truncation_rate=sum(f == "length" for f in flat("finish_reasons")) / samples,
+        extraction_failure_rate=sum(bool(x) for x in flat("extraction_failed")) / samples,
+        grader_timeouts=timeouts,
+        grader_timeout_rate=timeouts / samples,
+        mean_length=sum(lengths) / len(lengths) if lengths else 0.0,
+        max_length=max(lengths) if lengths else 0,
+    )
 
 
 def per_problem_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, list[int]]:
@@ -98,7 +100,7 @@ def per_problem_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, list[i
 
 def paired_difference(
     current: Mapping[str, Sequence[int]], baseline: Mapping[str, Sequence[int]]
-) -> dict[str, Any]:
+) -> PairedDifference:
     """Mean per-problem difference in pass rate (current - baseline) over shared problems, with SE.
 
     Pairing removes the between-problem variance (both runs share each problem's difficulty), so
@@ -108,17 +110,17 @@ def paired_difference(
     diffs = [current[i][0] / current[i][1] - baseline[i][0] / baseline[i][1] for i in shared]
     mean, se = mean_and_se(diffs)
     low, high = (mean - Z_95 * se, mean + Z_95 * se) if se is not None else (None, None)
-    return {
-        "num_paired": len(shared),
-        "only_current": len(set(current) - set(baseline)),
-        "only_baseline": len(set(baseline) - set(current)),
-        "diff": mean if shared else None,
-        "diff_se": se,
-        "ci95": [low, high],
-        "current_pass@1": sum(current[i][0] / current[i][1] for i in shared) / len(shared)
+    return PairedDifference(
+        num_paired=len(shared),
+        only_current=len(set(current) - set(baseline)),
+        only_baseline=len(set(baseline) - set(current)),
+        diff=mean if shared else None,
+        diff_se=se,
+        ci95=[low, high],
+        current_pass_at_1=sum(current[i][0] / current[i][1] for i in shared) / len(shared)
         if shared
         else None,
-        "baseline_pass@1": sum(baseline[i][0] / baseline[i][1] for i in shared) / len(shared)
+        baseline_pass_at_1=sum(baseline[i][0] / baseline[i][1] for i in shared) / len(shared)
         if shared
         else None,
-    }
+    )

@@ -26,6 +26,10 @@ from qerl_cli.evaluation.report import results_markdown
 from qerl_cli.evaluation.results import (
     MARKDOWN_NAME,
     RESULTS_NAME,
+    BaselineComparison,
+    BenchmarkScore,
+    EvalResult,
+    GenerationTiming,
     find_sample_files,
     read_results,
     read_samples,
@@ -143,7 +147,7 @@ def evaluate_benchmark(
     prompts: Sequence[str],
     n: int,
     sampling: SamplingSpec,
-) -> tuple[list[dict[str, Any]], dict[str, float]]:
+) -> tuple[list[dict[str, Any]], GenerationTiming]:
     """Sample ``n`` completions per prompt, grade them; (per-problem records, timing)."""
     start = time.perf_counter()
     rollout = engine.generate(list(prompts), n, sampling)
@@ -160,59 +164,66 @@ def evaluate_benchmark(
         for i, (problem, prompt) in enumerate(zip(problems, prompts, strict=True))
     ]
     tokens = rollout.num_generated_tokens
-    timing = {
-        "generation_seconds": generated - start,
-        "grading_seconds": graded - generated,
-        "generated_tokens": tokens,
-        "tokens_per_second": tokens / (generated - start) if generated > start else 0.0,
-    }
+    timing = GenerationTiming(
+        generation_seconds=generated - start,
+        grading_seconds=graded - generated,
+        generated_tokens=tokens,
+        tokens_per_second=tokens / (generated - start) if generated > start else 0.0,
+    )
     return records, timing
 
 
 # --------------------------------------------------------------------------------------------
 # Results
 # --------------------------------------------------------------------------------------------
-def _header(cfg: EvalConfig, tokenizer: Any, engine_name: str) -> dict[str, Any]:
+def _grading(cfg: EvalConfig) -> dict[str, Any]:
     return {
-        "format": RESULTS_FORMAT,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": cfg.model,
-        "adapter": cfg.adapter,
-        "engine": engine_name,
-        "config": dataclasses.asdict(cfg),
-        "versions": versions(),
-        "prompt": prompt_record(cfg.template, cfg.system_prompt, tokenizer),
-        "sampling": {
+        "grader": "math-verify",
+        "timeout_s": cfg.grader_timeout_s,
+        "workers": cfg.grader_workers,
+        "extraction": EXTRACTION_ORDER,
+    }
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _header(cfg: EvalConfig, tokenizer: Any, engine_name: str) -> EvalResult:
+    """The run's record, before any benchmark is scored."""
+    return EvalResult(
+        format=RESULTS_FORMAT,
+        created=_now(),
+        model=cfg.model,
+        adapter=cfg.adapter,
+        engine=engine_name,
+        config=dataclasses.asdict(cfg),
+        versions=versions(),
+        prompt=prompt_record(cfg.template, cfg.system_prompt, tokenizer),
+        sampling={
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "max_new_tokens": cfg.max_new_tokens,
             "seed": cfg.seed,
         },
-        "grading": {
-            "grader": "math-verify",
-            "timeout_s": cfg.grader_timeout_s,
-            "workers": cfg.grader_workers,
-            "extraction": EXTRACTION_ORDER,
-        },
-        "benchmarks": {},
-    }
+        grading=_grading(cfg),
+        benchmarks={},
+    )
 
 
-def _benchmark_entry(
-    records: list[dict[str, Any]], source: str, samples_file: Path, n: int | None
-) -> dict[str, Any]:
-    return {
-        "source": source,
-        "samples_file": samples_file.name,
-        "samples_per_problem": n,
-        "metrics": benchmark_metrics(records),
-        "per_problem": per_problem_counts(records),
-    }
+def _score(records: list[dict[str, Any]], source: str, samples_file: Path, n: int | None) -> BenchmarkScore:
+    return BenchmarkScore(
+        source=source,
+        samples_file=samples_file.name,
+        samples_per_problem=n,
+        metrics=benchmark_metrics(records),
+        per_problem=per_problem_counts(records),
+    )
 
 
-def _finish(results: dict[str, Any], out_dir: Path, cfg: EvalConfig, log: Log) -> dict[str, Any]:
+def _finish(results: EvalResult, out_dir: Path, cfg: EvalConfig, log: Log) -> EvalResult:
     if cfg.baseline:
-        results["baseline"] = compare_with_baseline(results, cfg.baseline)
+        results.baseline = compare_with_baseline(results, cfg.baseline)
     write_results(out_dir, results)
     markdown = results_markdown(results)
     (out_dir / MARKDOWN_NAME).write_text(markdown, encoding="utf-8")
@@ -221,25 +232,24 @@ def _finish(results: dict[str, Any], out_dir: Path, cfg: EvalConfig, log: Log) -
     return results
 
 
-def compare_with_baseline(results: dict[str, Any], baseline: str | Path) -> dict[str, Any]:
+def compare_with_baseline(results: EvalResult, baseline: str | Path) -> BaselineComparison:
     """Paired per-problem differences against a baseline results.json (or its folder)."""
     base = read_results(baseline)
     base_dir = Path(baseline) if Path(baseline).is_dir() else Path(baseline).parent
-    comparison: dict[str, Any] = {
-        "path": str(baseline),
-        "same_prompt": (base.get("prompt") or {}).get("template_hash")
-        == (results.get("prompt") or {}).get("template_hash"),
-        "same_sampling": base.get("sampling") == results.get("sampling"),
-        "benchmarks": {},
-    }
-    for name, bench in results["benchmarks"].items():
-        if name not in base["benchmarks"]:
+    comparison = BaselineComparison(
+        path=str(baseline),
+        same_prompt=(base.prompt or {}).get("template_hash") == (results.prompt or {}).get("template_hash"),
+        same_sampling=base.sampling == results.sampling,
+        benchmarks={},
+    )
+    for name, bench in results.benchmarks.items():
+        if name not in base.benchmarks:
             continue
-        theirs = base["benchmarks"][name].get("per_problem")
+        theirs = base.benchmarks[name].per_problem
         if theirs is None:  # an older results file: rebuild the counts from its samples
             theirs = per_problem_counts(read_samples(samples_path(base_dir, name)))
-        comparison["benchmarks"][name] = paired_difference(bench["per_problem"], theirs)
-    if not comparison["benchmarks"]:
+        comparison.benchmarks[name] = paired_difference(bench.per_problem or {}, theirs)
+    if not comparison.benchmarks:
         raise QerlError(f"the baseline {baseline} shares no benchmark with this run")
     return comparison
 
@@ -252,8 +262,8 @@ def run_eval(
     engine: RolloutEngine | None = None,
     tokenizer: Any = None,
     log: Log | None = None,
-) -> dict[str, Any]:
-    """Evaluate ``cfg.model`` (+ ``cfg.adapter``) on ``cfg.benchmarks``; returns the results dict.
+) -> EvalResult:
+    """Evaluate ``cfg.model`` (+ ``cfg.adapter``) on ``cfg.benchmarks``; returns the results.
 
     ``engine``: generate with this engine instead of building one from ``cfg.engine`` (tests, or a
     caller that holds a model already); ``cfg.adapter`` is then applied with ``engine.sync_adapter``.
@@ -264,18 +274,8 @@ def run_eval(
     log = log or _default_log()
     if cfg.rescore:
         return rescore(cfg, log)
-    from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
-    from qerl_cli.modeling.source_checks import check_model_source
-
     if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
-        check_model_source(
-            cfg.model,
-            what="model",
-            trust_remote_code=cfg.trust_remote_code,
-            trust_hint="--set trust_remote_code=true",
-        )
-        if cfg.adapter:  # a caller's engine syncs the adapter itself
-            check_adapter_folder(cfg.adapter)
+        _check_model_paths(cfg)
     out_dir = ensure_output_dir(cfg.output, "--output")
     # Data next: a missing benchmark file should fail before minutes of model loading.
     suites = {
@@ -299,32 +299,54 @@ def run_eval(
                 engine.sync_adapter(cfg.adapter)
             engine_name = type(engine).__name__
         results = _header(cfg, tokenizer, engine_name)
-        sampling = SamplingSpec(
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            seed=cfg.seed,
-            stop=get_template(cfg.template).stop,  # as in training
-        )
         for name, problems in suites.items():
-            n = samples_for(cfg, name)
-            log(f"{name}: {len(problems)} problems x {n} samples")
-            prompts = [
-                render_prompt(p.question, tokenizer, cfg.template, cfg.system_prompt) for p in problems
-            ]
-            records, timing = evaluate_benchmark(engine, grader, problems, prompts, n, sampling)
-            path = samples_path(out_dir, name)
-            write_samples(path, records)
-            entry = _benchmark_entry(records, benchmark_source(name, cfg.data_files.get(name)), path, n)
-            entry["timing"] = timing
-            results["benchmarks"][name] = entry
-            m = entry["metrics"]
-            log(
-                f"{name}: pass@1 {100 * m['pass@1']:.1f}% ({timing['generation_seconds']:.0f} s generating, "
-                f"{timing['grading_seconds']:.0f} s grading, {m['grader_timeouts']} grader timeouts)"
+            results.benchmarks[name] = _run_benchmark(
+                cfg, name, problems, engine, grader, tokenizer, out_dir, log
             )
             write_results(out_dir, results)  # partial results survive a crash in a later benchmark
     return _finish(results, out_dir, cfg, log)
+
+
+def _check_model_paths(cfg: EvalConfig) -> None:
+    from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+    from qerl_cli.modeling.source_checks import check_model_source
+
+    check_model_source(
+        cfg.model,
+        what="model",
+        trust_remote_code=cfg.trust_remote_code,
+        trust_hint="--set trust_remote_code=true",
+    )
+    if cfg.adapter:  # a caller's engine syncs the adapter itself
+        check_adapter_folder(cfg.adapter)
+
+
+def _run_benchmark(
+    cfg: EvalConfig, name: str, problems: Sequence[Problem], engine: RolloutEngine, grader: Grader,
+    tokenizer: Any, out_dir: Path, log: Log,
+) -> BenchmarkScore:  # fmt: skip
+    """Generate, grade and score one benchmark; its samples file is written before it returns."""
+    n = samples_for(cfg, name)
+    log(f"{name}: {len(problems)} problems x {n} samples")
+    prompts = [render_prompt(p.question, tokenizer, cfg.template, cfg.system_prompt) for p in problems]
+    sampling = SamplingSpec(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+        stop=get_template(cfg.template).stop,  # as in training
+    )
+    records, timing = evaluate_benchmark(engine, grader, problems, prompts, n, sampling)
+    path = samples_path(out_dir, name)
+    write_samples(path, records)
+    score = _score(records, benchmark_source(name, cfg.data_files.get(name)), path, n)
+    score.timing = timing
+    m = score.metrics
+    log(
+        f"{name}: pass@1 {100 * m.pass_at_1:.1f}% ({timing.generation_seconds:.0f} s generating, "
+        f"{timing.grading_seconds:.0f} s grading, {m.grader_timeouts} grader timeouts)"
+    )
+    return score
 
 
 def _rescore_selection(cfg: EvalConfig, files: dict[str, Path]) -> dict[str, Path]:
@@ -336,7 +358,7 @@ def _rescore_selection(cfg: EvalConfig, files: dict[str, Path]) -> dict[str, Pat
     return chosen
 
 
-def rescore(cfg: EvalConfig, log: Log | None = None) -> dict[str, Any]:
+def rescore(cfg: EvalConfig, log: Log | None = None) -> EvalResult:
     """Re-grade the samples saved in ``cfg.rescore`` (no generation) and rewrite the results.
 
     Results go to ``cfg.output`` when it was changed from the default, else back into the rescored
@@ -345,55 +367,57 @@ def rescore(cfg: EvalConfig, log: Log | None = None) -> dict[str, Any]:
     log = log or _default_log()
     source = Path(str(cfg.rescore))
     files = _rescore_selection(cfg, find_sample_files(source))
-    old = read_results(source) if (source / RESULTS_NAME).is_file() else {}
+    old = read_results(source) if (source / RESULTS_NAME).is_file() else None
     out_dir = Path(cfg.output) if cfg.output != EvalConfig().output else source
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {key: value for key, value in old.items() if key not in ("benchmarks", "baseline")}
-    results.setdefault("format", RESULTS_FORMAT)
-    results.update(
-        rescored_from=str(source),
-        rescored=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        grading={
-            "grader": "math-verify",
-            "timeout_s": cfg.grader_timeout_s,
-            "workers": cfg.grader_workers,
-            "extraction": EXTRACTION_ORDER,
-        },
-        versions=versions(),
-        benchmarks={},
-    )
-    if "prompt" not in results:
-        first = read_samples(next(iter(files.values())))
-        results["prompt"] = {
-            "name": None,
-            "template_hash": None,
-            "note": "no results.json next to the samples",
-        }
-        results["model"] = results.get("model") or f"samples in {source} ({len(first)} problems)"
-    old_benchmarks = old.get("benchmarks", {})
+    results = _rescored_record(cfg, source, old, files)
     with Grader(workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
         for name, path in files.items():
-            records = read_samples(path)
-            completions = [c for r in records for c in r["completions"]]
-            golds = [r["gold"] for r in records for _ in r["completions"]]
-            grades = grader.grade_many(completions, golds)
-            start = 0
-            for r in records:
-                r.update(_grade_fields(grades[start : start + len(r["completions"])]))
-                start += len(r["completions"])
-            target = samples_path(out_dir, name)
-            write_samples(target, records)
-            previous = old_benchmarks.get(name, {})
-            counts = {len(r["completions"]) for r in records}
-            entry = _benchmark_entry(
-                records, previous.get("source", str(path)), target, counts.pop() if len(counts) == 1 else None
-            )
-            if "metrics" in previous:
-                entry["previous_pass@1"] = previous["metrics"].get("pass@1")
-            results["benchmarks"][name] = entry
-            pass1 = 100 * entry["metrics"]["pass@1"]
-            log(f"{name}: re-graded {len(completions)} completions, pass@1 {pass1:.1f}%")
+            previous = old.benchmarks.get(name) if old else None
+            results.benchmarks[name] = _regrade(name, path, previous, grader, out_dir, log)
     return _finish(results, out_dir, cfg, log)
+
+
+def _rescored_record(
+    cfg: EvalConfig, source: Path, old: EvalResult | None, files: dict[str, Path]
+) -> EvalResult:
+    """The rescored run's record: the original run's (kept as it was), with the new grading."""
+    base = old or EvalResult(format=RESULTS_FORMAT, model=None, benchmarks={})
+    results = dataclasses.replace(
+        base, rescored_from=str(source), rescored=_now(), grading=_grading(cfg), versions=versions(),
+        benchmarks={}, baseline=None,
+    )  # fmt: skip
+    if results.prompt is None:  # samples alone (or a results file of before the prompt record)
+        first = read_samples(next(iter(files.values())))
+        results.prompt = {"name": None, "template_hash": None, "note": "no results.json next to the samples"}
+        results.model = results.model or f"samples in {source} ({len(first)} problems)"
+    return results
+
+
+def _regrade(
+    name: str, path: Path, previous: BenchmarkScore | None, grader: Grader, out_dir: Path, log: Log
+) -> BenchmarkScore:
+    """Grade one benchmark's saved completions again and write its samples file with the new grades."""
+    records = read_samples(path)
+    completions = [c for r in records for c in r["completions"]]
+    golds = [r["gold"] for r in records for _ in r["completions"]]
+    grades = grader.grade_many(completions, golds)
+    start = 0
+    for r in records:
+        r.update(_grade_fields(grades[start : start + len(r["completions"])]))
+        start += len(r["completions"])
+    target = samples_path(out_dir, name)
+    write_samples(target, records)
+    counts = {len(r["completions"]) for r in records}
+    score = _score(
+        records,
+        previous.source if previous else str(path),
+        target,
+        counts.pop() if len(counts) == 1 else None,
+    )
+    score.previous_pass_at_1 = previous.metrics.pass_at_1 if previous else None
+    log(f"{name}: re-graded {len(completions)} completions, pass@1 {100 * score.metrics.pass_at_1:.1f}%")
+    return score
 
 
 __all__ = ["build_engine", "compare_with_baseline", "evaluate_benchmark", "rescore", "run_eval"]

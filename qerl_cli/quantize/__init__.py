@@ -1,13 +1,13 @@
 """`qerl quantize`: AWQ/RTN calibration to NVFP4 or MXFP4 (llm-compressor) and NF4 (bitsandbytes layout).
 
 >>> from qerl_cli.config import QuantizeConfig
->>> report = run_quantize(QuantizeConfig(model="Qwen/Qwen2.5-7B-Instruct", format="nvfp4"))
->>> rich.print(quantize_table(report))
+>>> result = run_quantize(QuantizeConfig(model="Qwen/Qwen2.5-7B-Instruct", format="nvfp4"))
+>>> rich.print(quantize_table(result))
 """
 
 from __future__ import annotations
 
-from qerl_cli.quantize.report import REPORT_NAME, quantize_table
+from qerl_cli.quantize.report import REPORT_NAME, QuantizeResult, quantize_table, read_report
 from qerl_cli.quantize.run import run_quantize
 
-__all__ = ["REPORT_NAME", "quantize_table", "run_quantize"]
+__all__ = ["REPORT_NAME", "QuantizeResult", "quantize_table", "read_report", "run_quantize"]

@@ -1,4 +1,5 @@
-"""What a quantization run produced: ``qerl_quant.json`` and the closing rich table.
+"""What a quantization run produced: :class:`QuantizeResult` (``qerl_quant.json``) and the closing
+rich table.
 
 Weight errors are measured on what was *saved*: every packed layer is read back from the output's
 safetensors, dequantized with ``qerl_cli.formats`` (the same code QuantLinear uses) and compared to
@@ -10,7 +11,10 @@ effect against the untouched BF16 model.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,46 +113,203 @@ def perplexity(model: torch.nn.Module, samples: list[list[int]], device: torch.d
     return math.exp(total_nll / total_tokens)
 
 
-def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
-    return write_json(out_dir / REPORT_NAME, report)
+# --------------------------------------------------------------------------------------------
+# The typed result (what run_quantize returns and qerl_quant.json holds)
+# --------------------------------------------------------------------------------------------
+# qerl_quant.json is read by other tools (and ``qerl compare`` labels its bases from it): ``to_dict``
+# writes exactly its keys, in their order; ``from_dict`` also reads files of earlier versions.
+
+
+@dataclass
+class SizeReport:
+    bf16_bytes: int  # the model's tensors in memory before quantization
+    weights_bytes: int  # the output's *.safetensors
+    folder_bytes: int  # the whole output folder
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bf16_bytes": self.bf16_bytes, "weights_bytes": self.weights_bytes,
+                "folder_bytes": self.folder_bytes}  # fmt: skip
+
+
+@dataclass
+class LayerError:
+    layer: str
+    relative_error: float
+
+
+@dataclass
+class WeightError:
+    """Relative Frobenius error of every quantized layer as saved, and a summary of them."""
+
+    reference: str  # what the saved weights were compared with
+    layers: int
+    mean: float | None  # None: no layer quantized
+    max: float | None
+    worst_layers: list[LayerError] = field(default_factory=list)  # the WORST_LAYERS largest, largest first
+    per_layer: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def measured(cls, reference: str, errors: dict[str, float]) -> WeightError:
+        summary = error_summary(errors)
+        worst = [LayerError(w["layer"], w["relative_error"]) for w in summary["worst_layers"]]
+        return cls(reference, summary["layers"], summary["mean"], summary["max"], worst, errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "layers": self.layers,
+            "mean": self.mean,
+            "max": self.max,
+            "worst_layers": [
+                {"layer": w.layer, "relative_error": w.relative_error} for w in self.worst_layers
+            ],
+            "per_layer": dict(self.per_layer),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WeightError:
+        worst = [LayerError(w["layer"], w["relative_error"]) for w in data.get("worst_layers") or []]
+        return cls(data.get("reference", ""), data["layers"], data.get("mean"), data.get("max"), worst,
+                   dict(data.get("per_layer") or {}))  # fmt: skip
+
+
+@dataclass
+class Perplexity:
+    """``--eval-ppl``: token perplexity on held-out calibration samples, BF16 and 4-bit."""
+
+    samples: int
+    bf16: float
+    quantized: float
+
+
+@dataclass
+class MarlinRefusals:
+    """Layers vLLM's Marlin FP4 kernels (GPUs without native FP4) refuse, named before any GPU run."""
+
+    applies_to: str
+    refused_layers: list[str]
+
+
+@dataclass
+class QuantizeTimings:
+    load: float  # seconds from the start until the BF16 model was loaded and checked
+    quantize_and_save: float
+
+
+@dataclass
+class QuantizeResult:
+    """One ``qerl quantize`` run: what was made, how, and how far the 4-bit weights are from BF16."""
+
+    model: str
+    output: str
+    format: str
+    method: str
+    rounding: str  # how the weights were rounded, in words
+    calibration: dict[str, Any] | None  # the calibration set's record (AWQ only)
+    ignored_layers: list[str]  # left in BF16 by design (lm_head)
+    skipped_layers: list[str]  # left in BF16 because the format cannot tile them (--skip-incompatible)
+    versions: dict[str, str | None]
+    size: SizeReport
+    weight_error: WeightError
+    perplexity: Perplexity | None
+    vllm_marlin: MarlinRefusals
+    device: str
+    peak_gpu_bytes: int | None  # None on the CPU
+    timings_s: QuantizeTimings
+    elapsed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        ppl = self.perplexity
+        return {
+            "model": self.model,
+            "output": self.output,
+            "format": self.format,
+            "method": self.method,
+            "rounding": self.rounding,
+            "calibration": self.calibration,
+            "ignored_layers": list(self.ignored_layers),
+            "skipped_layers": list(self.skipped_layers),
+            "versions": dict(self.versions),
+            "size": self.size.to_dict(),
+            "weight_error": self.weight_error.to_dict(),
+            "perplexity": None
+            if ppl is None
+            else {"samples": ppl.samples, "bf16": ppl.bf16, "quantized": ppl.quantized},  # fmt: skip
+            "vllm_marlin": {
+                "applies_to": self.vllm_marlin.applies_to,
+                "refused_layers": list(self.vllm_marlin.refused_layers),
+            },  # fmt: skip
+            "device": self.device,
+            "peak_gpu_bytes": self.peak_gpu_bytes,
+            "timings_s": {"load": self.timings_s.load, "quantize_and_save": self.timings_s.quantize_and_save},
+            "elapsed_s": self.elapsed_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizeResult:
+        size, ppl = data["size"], data.get("perplexity")
+        marlin, timings = data.get("vllm_marlin") or {}, data.get("timings_s") or {}  # older files lack them
+        return cls(
+            model=data["model"],
+            output=data["output"],
+            format=data["format"],
+            method=data["method"],
+            rounding=data.get("rounding", ""),
+            calibration=data.get("calibration"),
+            ignored_layers=list(data.get("ignored_layers") or []),
+            skipped_layers=list(data.get("skipped_layers") or []),
+            versions=dict(data.get("versions") or {}),
+            size=SizeReport(size["bf16_bytes"], size["weights_bytes"], size["folder_bytes"]),
+            weight_error=WeightError.from_dict(data["weight_error"]),
+            perplexity=None if ppl is None else Perplexity(ppl["samples"], ppl["bf16"], ppl["quantized"]),
+            vllm_marlin=MarlinRefusals(
+                marlin.get("applies_to", ""), list(marlin.get("refused_layers") or [])
+            ),
+            device=data.get("device", ""),
+            peak_gpu_bytes=data.get("peak_gpu_bytes"),
+            timings_s=QuantizeTimings(timings.get("load", 0.0), timings.get("quantize_and_save", 0.0)),
+            elapsed_s=data.get("elapsed_s", 0.0),
+        )
+
+
+def write_report(out_dir: Path, result: QuantizeResult) -> Path:
+    return write_json(out_dir / REPORT_NAME, result.to_dict())
+
+
+def read_report(folder: str | Path) -> QuantizeResult:
+    """The ``qerl_quant.json`` of a quantized folder."""
+    return QuantizeResult.from_dict(json.loads((Path(folder) / REPORT_NAME).read_text()))
 
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
-def quantize_table(report: dict[str, Any]):  # -> rich.table.Table
+def quantize_table(result: QuantizeResult):  # -> rich.table.Table
     """BF16 vs 4-bit: size, weight error, perplexity and time, for the CLI to print."""
     from rich.table import Table
 
-    fmt = str(report.get("format", "4-bit")).upper()
-    table = Table(title=f"qerl quantize: {report.get('model')} -> {fmt} ({report.get('method')})")
+    fmt = result.format.upper()
+    table = Table(title=f"qerl quantize: {result.model} -> {fmt} ({result.method})")
     table.add_column("")
     table.add_column("BF16", justify="right")
     table.add_column(fmt, justify="right")
-    size = report.get("size", {})
-    bf16, quant = size.get("bf16_bytes"), size.get("weights_bytes")
+    bf16, quant = result.size.bf16_bytes, result.size.weights_bytes
     ratio = f" ({bf16 / quant:.1f}x smaller)" if bf16 and quant else ""
     table.add_row("weights size", _gib(bf16), _gib(quant) + ratio)
-    errors = report.get("weight_error", {})
-    if errors.get("layers"):
-        table.add_row("rel. weight error mean / max", "0", f"{errors['mean']:.4f} / {errors['max']:.4f}")
-        table.add_row("worst layer", "", errors["worst_layers"][0]["layer"])
-    ppl = report.get("perplexity")
+    errors = result.weight_error
+    if errors.layers:
+        table.add_row("rel. weight error mean / max", "0", f"{errors.mean:.4f} / {errors.max:.4f}")
+        table.add_row("worst layer", "", errors.worst_layers[0].layer)
+    ppl = result.perplexity
     if ppl:
-        table.add_row(
-            f"perplexity ({ppl['samples']} held-out)", f"{ppl['bf16']:.3f}", f"{ppl['quantized']:.3f}"
-        )
-    table.add_row(
-        "layers quantized / kept BF16",
-        "",
-        f"{errors.get('layers', 0)} / {len(report.get('skipped_layers', []))}",
-    )
-    refused = (report.get("vllm_marlin") or {}).get("refused_layers") or []
+        table.add_row(f"perplexity ({ppl.samples} held-out)", f"{ppl.bf16:.3f}", f"{ppl.quantized:.3f}")
+    table.add_row("layers quantized / kept BF16", "", f"{errors.layers} / {len(result.skipped_layers)}")
+    refused = result.vllm_marlin.refused_layers
     if refused:
         table.add_row(
             "vLLM Marlin (capability < 10) refuses", "", f"{len(refused)} fused layers, e.g. {refused[0]}"
         )
-    table.add_row("time", "", f"{report.get('elapsed_s', 0):.1f} s")
-    table.caption = f"saved to {report.get('output')}"
+    table.add_row("time", "", f"{result.elapsed_s:.1f} s")
+    table.caption = f"saved to {result.output}"
     return table

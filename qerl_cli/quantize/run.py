@@ -8,6 +8,7 @@ output once it is complete.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,14 @@ from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_sha
 from qerl_cli.quantize import pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
+from qerl_cli.quantize.report import (
+    MarlinRefusals,
+    Perplexity,
+    QuantizeResult,
+    QuantizeTimings,
+    SizeReport,
+    WeightError,
+)
 from qerl_cli.quantize.validate import (
     check_format,
     check_layers,
@@ -65,13 +74,89 @@ def _require_extras(fmt: str, method: str, eval_ppl: bool) -> None:
             ) from None
 
 
-def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
-    """Quantize ``cfg.model`` to ``cfg.format``; returns the report also saved as qerl_quant.json."""
+@dataclass
+class _Job:
+    """What the cheap checks settled: the choices, where the output goes, and the BF16 model's facts."""
+
+    fmt: str
+    method: str
+    output: Path
+    device: torch.device
+    tokenizer: Any
+    calib: CalibrationSet | None
+    skipped: list[str]  # layers left in BF16 (--skip-incompatible)
+    quantized: list[str]  # the linear layers made 4-bit
+    vllm_refused: list[str]
+    float_keys: set[str]  # the BF16 model's state-dict keys (the NF4 writer keeps the others as they are)
+    bf16_bytes: int
+
+
+def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
+    """Quantize ``cfg.model`` to ``cfg.format``; returns the result also saved as qerl_quant.json."""
+    start = time.perf_counter()
+    job, model = _prepare(cfg)
+    loaded_s = time.perf_counter() - start
+    ppl_bf16 = _bf16_perplexity(job, model) if cfg.eval_ppl else None
+    device = job.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    with staged_output(job.output, cfg.overwrite) as staging:
+        quant_start = time.perf_counter()
+        reference = _quantize_and_save(job, model, staging)
+        quantize_s = time.perf_counter() - quant_start
+        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        del model  # the measurements below load what was saved; the BF16 model's memory goes first
+
+        errors = report.weight_errors(staging, job.fmt, reference, device)
+        del reference
+        perplexity = None
+        if ppl_bf16 is not None:
+            assert job.calib is not None
+            quantized_model = _load_quantized(staging, device)
+            ppl_quantized = report.perplexity(quantized_model, job.calib.held_out, device)
+            del quantized_model
+            perplexity = Perplexity(len(job.calib.held_out), ppl_bf16, ppl_quantized)
+
+        result = QuantizeResult(
+            model=cfg.model,
+            output=str(job.output),
+            format=job.fmt,
+            method=job.method,
+            rounding=_rounding_note(job.fmt, job.method),
+            calibration=job.calib.spec if job.calib is not None and job.method == "awq" else None,
+            ignored_layers=["lm_head"],
+            skipped_layers=job.skipped,
+            versions=report.package_versions(),
+            size=SizeReport(
+                bf16_bytes=job.bf16_bytes,
+                weights_bytes=report.folder_bytes(staging, "*.safetensors"),
+                folder_bytes=report.folder_bytes(staging),
+            ),
+            weight_error=WeightError.measured(
+                "BF16 weight as rounded (after AWQ smoothing when method is awq)", errors
+            ),
+            perplexity=perplexity,
+            vllm_marlin=MarlinRefusals(
+                applies_to="vLLM on GPUs without native FP4 (compute capability < 10.0)",
+                refused_layers=job.vllm_refused,
+            ),
+            device=str(device),
+            peak_gpu_bytes=peak_gpu,
+            timings_s=QuantizeTimings(load=loaded_s, quantize_and_save=quantize_s),
+            elapsed_s=time.perf_counter() - start,
+        )
+        report.write_report(staging, result)
+    return result
+
+
+def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
+    """Every cheap check (format, method, extras, model reachable, output free), then the tokenizer,
+    the calibration set and the BF16 model with its layer checks; returns the job and the model."""
     from transformers import AutoTokenizer
 
     from qerl_cli import formats
 
-    start = time.perf_counter()
     cfg.validate()
     fmt = check_format(cfg.format)
     method = check_method(cfg.method)
@@ -100,80 +185,42 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
     quantized = quantized_linear_names(model, skipped)
     # Hopper-class GPUs run FP4 through vLLM's Marlin kernels, which refuse some widths: say which now.
     vllm_refused = marlin_refusals(module_shapes(model, quantized)) if fmt in MARLIN_FORMATS else []
-    float_keys = set(model.state_dict())
-    bf16_bytes = report.state_bytes(model)
-    loaded_s = time.perf_counter() - start
+    job = _Job(
+        fmt=fmt, method=method, output=output, device=device, tokenizer=tokenizer, calib=calib,
+        skipped=skipped, quantized=quantized, vllm_refused=vllm_refused, float_keys=set(model.state_dict()),
+        bf16_bytes=report.state_bytes(model),
+    )  # fmt: skip
+    return job, model
 
-    ppl: dict[str, Any] | None = None
-    if cfg.eval_ppl:
-        assert calib is not None
-        ppl = {
-            "samples": len(calib.held_out),
-            "bf16": report.perplexity(model.to(device), calib.held_out, device),
-        }
-        model.to("cpu")  # llm-compressor onloads layer by layer from the CPU
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
-    with staged_output(output, cfg.overwrite) as staging:
-        quant_start = time.perf_counter()
-        calibration = calib.as_dataset() if method == "awq" and calib is not None else None
-        if fmt == "nf4":
-            if method == "awq":
-                pipeline.run_oneshot(
-                    model, tokenizer, pipeline.build_recipe(fmt, method, skipped), calibration
-                )
-            reference = pipeline.reference_weights(model, quantized)
-            save_nf4(model, float_keys, quantized, skipped, staging, device)
-        else:
-            pipeline.run_oneshot(model, tokenizer, pipeline.build_recipe(fmt, method, skipped), calibration)
-            reference = pipeline.reference_weights(model, quantized)
-            pipeline.save_compressed(model, staging)
-        tokenizer.save_pretrained(staging)
-        quantize_s = time.perf_counter() - quant_start
-        peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        del model
+def _bf16_perplexity(job: _Job, model: torch.nn.Module) -> float:
+    """``--eval-ppl``'s BF16 side, measured before quantization changes the model in place."""
+    assert job.calib is not None
+    ppl = report.perplexity(model.to(job.device), job.calib.held_out, job.device)
+    model.to("cpu")  # llm-compressor onloads layer by layer from the CPU
+    return ppl
 
-        errors = report.weight_errors(staging, fmt, reference, device)
-        del reference
-        if ppl is not None:
-            assert calib is not None
-            quantized_model = _load_quantized(staging, device)
-            ppl["quantized"] = report.perplexity(quantized_model, calib.held_out, device)
-            del quantized_model
 
-        result = {
-            "model": cfg.model,
-            "output": str(output),
-            "format": fmt,
-            "method": method,
-            "rounding": _rounding_note(fmt, method),
-            "calibration": calib.spec if calib is not None and method == "awq" else None,
-            "ignored_layers": ["lm_head"],
-            "skipped_layers": skipped,
-            "versions": report.package_versions(),
-            "size": {
-                "bf16_bytes": bf16_bytes,
-                "weights_bytes": report.folder_bytes(staging, "*.safetensors"),
-                "folder_bytes": report.folder_bytes(staging),
-            },
-            "weight_error": {
-                "reference": "BF16 weight as rounded (after AWQ smoothing when method is awq)",
-                **report.error_summary(errors),
-                "per_layer": errors,
-            },
-            "perplexity": ppl,
-            "vllm_marlin": {
-                "applies_to": "vLLM on GPUs without native FP4 (compute capability < 10.0)",
-                "refused_layers": vllm_refused,
-            },
-            "device": str(device),
-            "peak_gpu_bytes": peak_gpu,
-            "timings_s": {"load": loaded_s, "quantize_and_save": quantize_s},
-        }
-        result["elapsed_s"] = time.perf_counter() - start
-        report.write_report(staging, result)
-    return result
+def _quantize_and_save(job: _Job, model: torch.nn.Module, staging: Path) -> dict[str, torch.Tensor]:
+    """Quantize ``model`` and write the checkpoint and tokenizer into ``staging``; returns the BF16
+    weights that were rounded (after AWQ smoothing), the reference of the weight errors."""
+    fmt, method = job.fmt, job.method
+    calibration = job.calib.as_dataset() if method == "awq" and job.calib is not None else None
+    if fmt == "nf4":
+        if method == "awq":  # AWQ's smoothing only (llm-compressor); the NF4 rounding is qerl's own
+            pipeline.run_oneshot(
+                model, job.tokenizer, pipeline.build_recipe(fmt, method, job.skipped), calibration
+            )
+        reference = pipeline.reference_weights(model, job.quantized)
+        save_nf4(model, job.float_keys, job.quantized, job.skipped, staging, job.device)
+    else:
+        pipeline.run_oneshot(
+            model, job.tokenizer, pipeline.build_recipe(fmt, method, job.skipped), calibration
+        )
+        reference = pipeline.reference_weights(model, job.quantized)
+        pipeline.save_compressed(model, staging)
+    job.tokenizer.save_pretrained(staging)
+    return reference
 
 
 def _rounding_note(fmt: str, method: str) -> str:

@@ -43,6 +43,7 @@ from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
+from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
@@ -56,7 +57,7 @@ ADAPTER_DIR = "adapter"
 PROMPTS_FILE = "prompt.json"
 StepCallback = Callable[[int, dict[str, Any]], None]
 
-__all__ = ["PromptStream", "Rollouts", "Trainer", "derive_seed", "train"]
+__all__ = ["PromptStream", "Rollouts", "TrainResult", "Trainer", "derive_seed", "train"]
 
 
 class Trainer:
@@ -276,10 +277,10 @@ def train(
     on_step: StepCallback | None = None,
     progress: bool = True,
     reward_fn: Any = None,
-) -> dict[str, Any]:
+) -> TrainResult:
     """Run (or continue, with ``resume`` = a run dir or checkpoint dir) a training run.
 
-    Returns a summary: output dir, adapter path, steps, first/last-10-step reward means, the plot
+    Returns its summary: output dir, adapter path, steps, first/last-10-step reward means, the plot
     path and the last step's metrics. ``on_step(step, record)`` is called after each step's metrics
     (and checkpoint) are written; ``reward_fn`` overrides the recipe's reward (tests).
 
@@ -313,17 +314,17 @@ def train(
     finally:
         dist.close()
     rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
-    return {
-        "output_dir": str(out_dir),
-        "adapter": str(adapter_dir),
-        "steps": trainer.step,
-        "world_size": dist.world_size,
-        "resumed_from": str(resumed_from) if resumed_from else None,
-        "reward_first10": _mean(rewards[:10]),
-        "reward_last10": _mean(rewards[-10:]),
-        "plot": str(plot) if plot else None,
-        "final": records[-1] if records else {},
-    }
+    return TrainResult(
+        output_dir=str(out_dir),
+        adapter=str(adapter_dir),
+        steps=trainer.step,
+        world_size=dist.world_size,
+        resumed_from=str(resumed_from) if resumed_from else None,
+        reward_first10=_mean(rewards[:10]),
+        reward_last10=_mean(rewards[-10:]),
+        plot=str(plot) if plot else None,
+        final=records[-1] if records else {},
+    )
 
 
 def _record_run(trainer: Trainer, resumed_from: Path | None) -> None:

@@ -1,0 +1,254 @@
+"""What ``qerl bench`` measured: :class:`BenchResult`, the typed form of ``bench.json``, and where the
+run's environment is read.
+
+Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
+
+* ``schema``, ``created``, ``device`` (``"gpu"`` or ``"cpu"``) and ``figures_label``, which says how far
+  the figures can be trusted (CPU figures are only good for ratios between formats of the same run);
+* ``machine``, ``gpu`` (None on CPU), ``versions``, ``settings``;
+* ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency;
+* ``memory``: one row per (format, backend, LoRA rank) with weight bytes, peaks, KV-cache budget and
+  how they were measured;
+* ``e2e``: one row per format with GRPO step seconds per phase (``None`` without ``--e2e``);
+* ``regression``: the outcome of ``--baseline`` (``None`` without it);
+* ``errors``: the cases that produced no figures, with why;
+* ``complete: false`` while the run is still measuring (the file is rewritten after every case);
+* ``timings``: seconds of the whole measurement, of writing the random checkpoints, of each format
+  (engine start and cases) and of ``--e2e``;
+* ``files``: what the run wrote.
+
+The rows stay mappings: their keys differ by engine (a vLLM memory row has a KV-cache budget, an HF
+one a process RSS), grow as figures are derived (``speedup_vs_bf16``, ``roofline``), and the gate and
+the baseline from disk compare them by name. ``bench.json`` is read by other tools and kept in
+committed benchmarks, so ``to_dict`` writes exactly its keys in their order, and ``from_dict`` reads
+the files of earlier qerl versions (a ``--baseline``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from qerl_cli import files
+from qerl_cli.envinfo import versions_of
+from qerl_cli.errors import QerlError
+
+SCHEMA = "qerl-bench/1"
+REPORT_NAME = "bench.json"
+
+_VERSIONED_PACKAGES = (
+    "qerl", "torch", "transformers", "peft", "vllm", "compressed-tensors", "bitsandbytes", "triton",
+)  # fmt: skip
+
+
+@dataclass
+class RegressionOutcome:
+    """``--baseline``: how many figures were compared and which regressed beyond the tolerance."""
+
+    tolerance: float
+    compared: int
+    failures: list[str]
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tolerance": self.tolerance, "compared": self.compared, "failures": list(self.failures),
+                "passed": self.passed}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RegressionOutcome:
+        return cls(data["tolerance"], data["compared"], list(data["failures"]), data["passed"])
+
+
+@dataclass
+class BenchTimings:
+    """Where the command's wall clock went (for a CI budget)."""
+
+    checkpoints_s: float  # writing the random checkpoints (once per machine)
+    formats_s: dict[str, float] = field(default_factory=dict)  # each format: engine start and cases
+    e2e_s: float | None = None  # None without --e2e
+    total_s: float | None = None  # set when the measurement is done
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoints_s": self.checkpoints_s, "formats_s": dict(self.formats_s), "e2e_s": self.e2e_s,
+                "total_s": self.total_s}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BenchTimings:
+        return cls(data["checkpoints_s"], dict(data.get("formats_s") or {}), data.get("e2e_s"),
+                   data.get("total_s"))  # fmt: skip
+
+
+@dataclass
+class BenchFiles:
+    """The files a finished run wrote."""
+
+    json: str
+    markdown: str | None = None
+    charts: list[str] = field(default_factory=list)
+    crossover: str | None = None  # --concurrency on vLLM only
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"json": self.json, "markdown": self.markdown, "charts": list(self.charts)}
+        if self.crossover is not None:
+            out["crossover"] = self.crossover
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BenchFiles:
+        return cls(data["json"], data.get("markdown"), list(data.get("charts") or []), data.get("crossover"))
+
+
+_BENCH_KEYS = (
+    "schema", "created", "device", "figures_label", "machine", "gpu", "versions", "settings", "rollout",
+    "memory", "e2e", "regression", "errors", "complete", "timings", "files",
+)  # fmt: skip
+
+
+@dataclass
+class BenchResult:
+    """A bench run's report (``bench.json``): the environment and settings, then the figures."""
+
+    schema: str
+    created: str
+    device: str  # "gpu" or "cpu"
+    figures_label: str
+    machine: dict[str, Any]
+    gpu: dict[str, Any] | None
+    versions: dict[str, str | None]
+    settings: dict[str, Any]  # the run's settings, by name (the gate compares some with the baseline's)
+    rollout: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+    e2e: list[dict[str, Any]] | None = None
+    regression: RegressionOutcome | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    complete: bool | None = None  # False in the file rewritten while measuring; absent when done
+    timings: BenchTimings | None = None
+    files: BenchFiles | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as read
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema": self.schema,
+            "created": self.created,
+            "device": self.device,
+            "figures_label": self.figures_label,
+            "machine": self.machine,
+            "gpu": self.gpu,
+            "versions": self.versions,
+            "settings": self.settings,
+            "rollout": self.rollout,
+            "memory": self.memory,
+            "e2e": self.e2e,
+            "regression": self.regression.to_dict() if self.regression else None,
+            "errors": self.errors,
+        }
+        if self.complete is not None:
+            out["complete"] = self.complete
+        if self.timings is not None:  # written once the measurement is done (older files lack it)
+            out["timings"] = self.timings.to_dict()
+        if self.files is not None:
+            out["files"] = self.files.to_dict()
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BenchResult:
+        regression, timings, written = data.get("regression"), data.get("timings"), data.get("files")
+        return cls(
+            schema=data["schema"],
+            created=data.get("created", ""),
+            device=data.get("device", ""),
+            figures_label=data.get("figures_label", ""),
+            machine=dict(data.get("machine") or {}),
+            gpu=data.get("gpu"),
+            versions=dict(data.get("versions") or {}),
+            settings=dict(data.get("settings") or {}),
+            rollout=list(data.get("rollout") or []),
+            memory=list(data.get("memory") or []),
+            e2e=data.get("e2e"),
+            regression=RegressionOutcome.from_dict(regression) if regression else None,
+            errors=list(data.get("errors") or []),
+            complete=data.get("complete"),
+            timings=BenchTimings.from_dict(timings) if timings else None,
+            files=BenchFiles.from_dict(written) if written else None,
+            extra={key: value for key, value in data.items() if key not in _BENCH_KEYS},
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+def package_versions() -> dict[str, str | None]:
+    """Installed versions from package metadata (no imports: vLLM must stay unimported here)."""
+    return {**versions_of(_VERSIONED_PACKAGES), "python": platform.python_version()}
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        info["ram_bytes"] = None
+    return info
+
+
+def gpu_info() -> dict[str, Any] | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "name": props.name,
+        "count": torch.cuda.device_count(),
+        "memory_bytes": props.total_memory,
+        "capability": f"{props.major}.{props.minor}",
+        "cuda": torch.version.cuda,
+    }
+
+
+def new_report(settings: dict[str, Any]) -> BenchResult:
+    """The report skeleton: environment and settings, no figures yet."""
+    gpu = gpu_info()
+    label = (
+        f"GPU figures ({gpu['name']})"
+        if gpu
+        else "CPU figures: only the ratios between formats of this run mean anything; absolute "
+        "times say nothing about a GPU"
+    )
+    return BenchResult(
+        schema=SCHEMA,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        device="gpu" if gpu else "cpu",
+        figures_label=label,
+        machine=machine_info(),
+        gpu=gpu,
+        versions=package_versions(),
+        settings=settings,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------
+def write_json(report: BenchResult, out_dir: str | Path) -> Path:
+    return files.write_json(Path(out_dir) / REPORT_NAME, report.to_dict())
+
+
+def read_report(path: str | Path) -> BenchResult:
+    """Read a ``bench.json`` (the baseline of ``--baseline``), checking it is one."""
+    data = files.read_json_report(path, REPORT_NAME, "the bench.json of an earlier `qerl bench` run")
+    if data.get("schema") != SCHEMA:
+        raise QerlError(f"{path} is not a qerl bench report (expected schema {SCHEMA!r})")
+    return BenchResult.from_dict(data)

@@ -1,0 +1,27 @@
+"""The `qerl` command line: parse, load the typed config, call the library, render with rich.
+
+``app`` is the Typer app and ``main`` the console entry point (``qerl = "qerl_cli.cli:main"``).
+The package splits by responsibility: ``app`` (the app and what every command shares), ``stages``
+(quantize, train, eval, bench, demo, compare), ``tools`` (env, tiny-base, tiny-model, models),
+``render`` (what the commands print beside each stage's own table) and ``main`` (exit codes).
+"""
+
+from __future__ import annotations
+
+from qerl_cli.cli import stages, tools
+from qerl_cli.cli.app import app
+from qerl_cli.cli.main import main
+
+# Registered here, in the order `qerl --help` lists them (Typer keeps the order of registration).
+app.command()(stages.quantize)
+app.command()(stages.train)
+app.command("eval")(stages.eval_)
+app.command()(stages.bench)
+app.command()(stages.demo)
+app.command()(tools.env)
+app.command("tiny-base")(tools.tiny_base)
+app.command("tiny-model")(tools.tiny_model)
+app.command("models")(tools.models_)
+app.command()(stages.compare)
+
+__all__ = ["app", "main"]

@@ -1,0 +1,80 @@
+"""What the commands print that no stage renders itself: the training summary, the bench's closing
+lines, the environment and the model aliases. (Each stage renders its own result: ``eval_table``,
+``bench_table``, ``quantize_table``, ``compare_table``.)"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from qerl_cli.cli.app import console, err_console
+
+if TYPE_CHECKING:  # the stages are imported inside the commands: `qerl --help` stays fast
+    from qerl_cli.bench.result import BenchResult
+    from qerl_cli.rl.result import TrainResult
+
+
+def train_summary(result: TrainResult) -> Table:
+    table = Table(title="qerl train", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("steps", result.steps),
+        ("resumed from", result.resumed_from or "-"),
+        ("mean reward, first 10 steps", result.reward_first10),
+        ("mean reward, last 10 steps", result.reward_last10),
+        ("adapter", result.adapter),
+        ("outputs", result.output_dir),
+        ("plot", result.plot or "-"),
+    ]
+    for label, value in rows:
+        table.add_row(label, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
+    return table
+
+
+def print_bench(report: BenchResult) -> bool:
+    """The bench's tables, wall clock, failed cases and regressions; returns True when the command
+    must exit 1 (a case without figures, or a metric that regressed past ``--baseline``)."""
+    from qerl_cli.bench import bench_table, failed_cases, gate_failures, wall_clock_line
+
+    console.print(bench_table(report))
+    console.print(wall_clock_line(report))
+    failed = failed_cases(report)
+    for line in failed:  # a case without figures (vLLM cannot serve a format, OOM at wake-up, ...)
+        err_console.print(f"[red]failed[/red]: {escape(line)}")
+    failures = gate_failures(report)
+    if failures:  # --baseline regression gate: CI fails, naming each metric that regressed
+        for line in failures:
+            err_console.print(f"[red]regression[/red]: {escape(line)}")
+    return bool(failures or failed)
+
+
+def env_table(info: dict[str, Any]) -> Table:
+    table = Table(title="qerl environment", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key in ("qerl", "python", "platform", "torch_cuda"):
+        table.add_row(key, str(info[key]))
+    for name, version in info["packages"].items():
+        table.add_row(name, version or "[dim]not installed[/dim]")
+    if not info["gpus"]:
+        table.add_row("GPUs", "[dim]none (CPU only)[/dim]")
+    for gpu in info["gpus"]:
+        table.add_row(
+            f"GPU {gpu['index']}",
+            f"{gpu['name']}, {gpu['memory_gib']} GiB, compute capability {gpu['compute_capability']}",
+        )
+    return table
+
+
+def print_models(rows: list[dict[str, str]]) -> None:
+    table = Table(title="qerl models (every command taking a model accepts an alias, a .gguf or a folder)")
+    for column in ("alias", "description", "get it", "status"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["alias"], row["description"], row["get_it"], row["status"])
+    console.print(table)
+    for row in rows:
+        console.print(f"[dim]{row['alias']} is looked for in: {row['looks_in']}[/dim]")

@@ -1,0 +1,213 @@
+"""What ``qerl compare`` keeps and returns, typed: each run's ``result.json``, each base's
+``heldout.json``, the report (``compare.json``) and :class:`CompareResult`.
+
+The files are read by other tools and kept in committed benchmarks, so ``to_dict`` writes exactly
+their keys, in their order; ``from_dict`` also reads the files of earlier qerl versions (and the
+smaller ones tests write), which lack some keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class HeldoutScore:
+    """pass@1 (with its standard error) on the held-out split, from ``qerl eval``."""
+
+    benchmark: str | None
+    pass_at_1: float
+    pass_at_1_se: float | None
+    problems: int | None
+    samples: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"benchmark": self.benchmark, "pass@1": self.pass_at_1, "pass@1_se": self.pass_at_1_se,
+                "problems": self.problems, "samples": self.samples}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HeldoutScore:
+        return cls(data.get("benchmark"), data["pass@1"], data.get("pass@1_se"), data.get("problems"),
+                   data.get("samples"))  # fmt: skip
+
+
+@dataclass
+class RunResult:
+    """One finished (arm, seed) run: ``DIR/<arm>/seed-<s>/result.json``, written last."""
+
+    arm: str
+    seed: int
+    reward: list[float]  # per step, the mean training reward
+    entropy: list[float]  # per step, the rollout entropy
+    heldout: HeldoutScore
+    model: str | None = None  # the base it trained on
+    aqn: bool | None = None
+    device: str | None = None  # None: written before result.json recorded it
+    steps: int | None = None
+    resumed_from: str | None = None
+    # Per step, the share of groups whose rewards were all equal (no GRPO signal from them).
+    zero_std_group_fraction: list[float] = field(default_factory=list)
+    seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "arm": self.arm,
+            "seed": self.seed,
+            "model": self.model,
+            "aqn": self.aqn,
+            "device": self.device,
+            "steps": self.steps,
+            "resumed_from": self.resumed_from,
+            "reward": list(self.reward),
+            "entropy": list(self.entropy),
+            "zero_std_group_fraction": list(self.zero_std_group_fraction),
+            "heldout": self.heldout.to_dict(),
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunResult:
+        return cls(
+            arm=data["arm"],
+            seed=data["seed"],
+            reward=list(data["reward"]),
+            entropy=list(data["entropy"]),
+            heldout=HeldoutScore.from_dict(data["heldout"]),
+            model=data.get("model"),
+            aqn=data.get("aqn"),
+            device=data.get("device"),
+            steps=data.get("steps"),
+            resumed_from=data.get("resumed_from"),
+            zero_std_group_fraction=list(data.get("zero_std_group_fraction") or []),  # older results lack it
+            seconds=data.get("seconds"),
+        )
+
+
+@dataclass
+class BaseHeldout:
+    """An untrained base's held-out figures and entropy (``DIR/base-heldout/<base>/heldout.json``)."""
+
+    model: str
+    device: str | None
+    heldout: HeldoutScore
+    # base_entropy's figures (compare.entropy.rollout_entropy, with the prompts and samples used)
+    entropy: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)  # what the figures depend on
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, **self.heldout.to_dict(), "entropy": self.entropy,
+                "settings": self.settings}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BaseHeldout:
+        return cls(data["model"], data.get("device"), HeldoutScore.from_dict(data),
+                   dict(data.get("entropy") or {}), dict(data.get("settings") or {}))  # fmt: skip
+
+
+@dataclass
+class ArmRow:
+    """One arm of the table, over its seeds (see ``compare.summary`` for how each figure is made)."""
+
+    arm: str
+    base: str | None  # the base's format and method, e.g. "nvfp4 AWQ"
+    seeds: int
+    steps: int
+    final_reward: float | None
+    final_reward_sd: float | None
+    base_heldout_accuracy: float | None
+    base_heldout_se: float | None
+    base_entropy: float | None
+    heldout_accuracy: float | None
+    heldout_se: float | None
+    heldout_per_seed: list[float]
+    steps_to_threshold: float | None
+    reached_threshold: str  # "k/n": seeds that reached it
+    early_entropy: float | None
+    early_entropy_sd: float | None
+    start_reward: float | None
+    start_no_spread_fraction: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _ARM_KEYS}  # the field names are the file's keys
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ArmRow:
+        # Columns added since (base, base_entropy, start_*) are None in older reports.
+        return cls(**{name: data.get(name) for name in _ARM_KEYS})
+
+
+_ARM_KEYS = tuple(f.name for f in fields(ArmRow))
+
+
+@dataclass
+class SeedCurve:
+    seed: int
+    reward: list[float]
+    entropy: list[float]
+
+
+@dataclass
+class CompareReport:
+    """The ablation's report (``compare.json``; ``compare.md`` and the table render it)."""
+
+    recipe: str
+    output: str
+    threshold: float  # the reward 'steps to threshold' counts to
+    arms: list[ArmRow]
+    base_method: str | None  # how the 4-bit bases made here were quantized
+    warnings: list[str]
+    overrides: dict[str, dict[str, Any]]  # each arm's config overrides
+    skipped_finished_runs: int
+    devices: list[str]
+    curves: dict[str, list[SeedCurve]]
+    plot: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "output": self.output,
+            "threshold": self.threshold,
+            "arms": [row.to_dict() for row in self.arms],
+            "base_method": self.base_method,
+            "warnings": list(self.warnings),
+            "overrides": self.overrides,
+            "skipped_finished_runs": self.skipped_finished_runs,
+            "devices": list(self.devices),
+            "curves": {
+                arm: [{"seed": c.seed, "reward": c.reward, "entropy": c.entropy} for c in curves]
+                for arm, curves in self.curves.items()
+            },  # fmt: skip
+            "plot": self.plot,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CompareReport:
+        return cls(
+            recipe=data["recipe"],
+            output=data["output"],
+            threshold=data["threshold"],
+            arms=[ArmRow.from_dict(row) for row in data["arms"]],
+            base_method=data.get("base_method"),
+            warnings=list(data.get("warnings") or []),
+            overrides=dict(data.get("overrides") or {}),
+            skipped_finished_runs=data.get("skipped_finished_runs", 0),
+            devices=list(data.get("devices") or []),
+            curves={
+                arm: [SeedCurve(c["seed"], c["reward"], c["entropy"]) for c in curves]
+                for arm, curves in (data.get("curves") or {}).items()
+            },  # fmt: skip
+            plot=data.get("plot"),
+        )
+
+
+@dataclass
+class CompareResult:
+    """What :func:`~qerl_cli.compare.runner.run_compare` did: the runs planned and trained, and the
+    report (None with ``summarize`` off)."""
+
+    output: str
+    runs: int  # runs of the plan (arms x seeds, or --only's)
+    ran: int  # those not finished before this invocation
+    report: CompareReport | None = None

@@ -1,0 +1,36 @@
+"""What ``qerl train`` returns: :class:`TrainResult`, the run's summary.
+
+The run's files (``metrics.jsonl``, the adapter, checkpoints) are its record; this is the summary the
+CLI prints and ``qerl compare`` and the demo read, so it is typed rather than a dict of names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One training run, finished (every rank of a torchrun job returns the same)."""
+
+    output_dir: str
+    adapter: str  # the final adapter folder
+    steps: int
+    world_size: int
+    resumed_from: str | None  # the checkpoint this invocation continued from
+    reward_first10: float  # mean training reward of the first 10 steps (nan: no step recorded)
+    reward_last10: float
+    plot: str | None  # training_curves.png; None without matplotlib or without steps
+    # The last step's metrics.jsonl record: its keys are the trainer's metric names, which grow with
+    # the trainer, so they stay a mapping.
+    final: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # the field names are the summary's keys
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainResult:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
