@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -132,19 +133,79 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     assert resumed["steps"] == 3 and len(resumed["reward"]) == 3
 
 
-def test_vllm_runs_get_a_process_each_and_refuse_parallel_jobs(
+def test_vllm_runs_get_a_process_each_and_share_the_gpu_with_jobs(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     recipe = _recipe(tmp_path, tiny_model_dir)
     sets = [*TINY_SETS, "rollout.engine=vllm"]
-    with pytest.raises(QerlError, match="--jobs 2 with rollout.engine=vllm"):
-        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "a", sets=sets, jobs=2)
-    widths: list[int] = []
-    monkeypatch.setattr(runner, "_run_parallel", lambda todo, *args: widths.append(args[-1]))
+    calls: list[tuple[int, float, list[str]]] = []
+    monkeypatch.setattr(
+        runner, "_run_parallel", lambda todo, recipe, seeds, out, child_sets, width, interval=0.0:
+        calls.append((width, interval, child_sets)) or [],
+    )  # fmt: skip
     # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
     runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "b", sets=sets, summarize=False)
     runner.run_compare(recipe, ["bf16-lora"], 1, tmp_path / "c", sets=sets, summarize=False)  # one run too
-    assert widths == [1, 1]
+    assert [(w, i) for w, i, _ in calls] == [(1, 0.0), (1, 0.0)]
+    assert all(not any("gpu_fraction" in s for s in child_sets) for _, _, child_sets in calls)
+    calls.clear()
+    # --jobs 3 over 3 runs: they share the GPU, 0.92 / 3 each, started 45 s apart.
+    runner.run_compare(recipe, ["bf16-lora"], 3, tmp_path / "d", sets=sets, jobs=3, summarize=False)
+    ((width, interval, child_sets),) = calls
+    assert (width, interval) == (3, 45.0) and child_sets[-1] == "train.gpu_fraction=0.306"
+    calls.clear()
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "e", sets=[*sets, "compare.start_interval_s=5"],
+                       jobs=4, summarize=False)  # fmt: skip
+    assert calls[0][:2] == (2, 5.0) and calls[0][2][-1] == "train.gpu_fraction=0.46"  # 2 runs: 2 at a time
+    # The user's fraction is kept when it fits, refused when it cannot.
+    calls.clear()
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "f", sets=[*sets, "train.gpu_fraction=0.4"],
+                       jobs=2, summarize=False)  # fmt: skip
+    assert [s for s in calls[0][2] if "gpu_fraction" in s] == ["train.gpu_fraction=0.4"]
+    with pytest.raises(QerlError, match=r"train.gpu_fraction=0.6 is more than 1/2 .* at most 0.5"):
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "g", sets=[*sets, "train.gpu_fraction=0.6"],
+                           jobs=2, summarize=False)  # fmt: skip
+    # An explicit vLLM share above the run's fraction stops before any child starts.
+    calls.clear()
+    with pytest.raises(QerlError, match=r"gpu_memory_utilization=0.3 .* train.gpu_fraction=0.23"):
+        share = [*sets, "rollout.gpu_memory_utilization=0.3"]
+        runner.run_compare(recipe, ["bf16-lora"], 4, tmp_path / "h", sets=share, jobs=4, summarize=False)
+    assert calls == []
+
+
+def test_parallel_children_carry_their_sets_and_start_staggered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = {"now": 0.0}
+    started: list[tuple[float, list[str]]] = []
+
+    class FakeProc:
+        def __init__(self, command, **kwargs) -> None:
+            started.append((clock["now"], command))
+            self.returncode: int | None = None
+            self.born = clock["now"]
+
+        def poll(self) -> int | None:
+            if clock["now"] - self.born >= 100:  # each run takes 100 s
+                self.returncode = 0
+            return self.returncode
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds
+
+    monkeypatch.setattr(runner.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(runner, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    todo = [("a", 0), ("a", 1), ("a", 2)]
+    sets = ["rollout.engine=vllm", "train.gpu_fraction=0.46"]
+    failures = runner._run_parallel(todo, "r.yaml", 3, tmp_path, sets, 2, 45.0)
+    assert failures == []
+    times = [t for t, _ in started]
+    assert times[0] == 0.0 and times[1] >= 45.0  # the second waits for the first's vLLM start
+    assert times[2] >= 100.0  # the third waits for a free slot (two at a time)
+    for _, command in started:
+        i = command.index("train.gpu_fraction=0.46")
+        assert command[i - 1] == "--set"
+    assert [c[c.index("--only") + 1] for _, c in started] == ["a/0", "a/1", "a/2"]
 
 
 def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path: Path) -> None:

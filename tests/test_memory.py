@@ -158,6 +158,57 @@ def test_cpu_plan_keeps_recipe_values() -> None:
     assert (plan.micro_batch_size, plan.gradient_checkpointing, plan.gpu_memory_utilization) == (6, True, 0.3)
 
 
+def test_gpu_fraction_plans_within_its_slice() -> None:
+    s = shape("qwen2.5-7b")
+    static = mem.trainer_static_bytes(s, "nvfp4", 16, LORA_TARGETS_ALL)
+    whole = _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB)
+    # f = 1: the measured free memory, exactly as without the setting (what the process holds is unused).
+    same = _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB, gpu_fraction=1.0, used_bytes=static)
+    assert same == whole and "memory/gpu_fraction" not in whole.figures
+    # f = 0.5: free is half the GPU less what the trainer holds, whatever the device reports free.
+    half = _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB, gpu_fraction=0.5, used_bytes=static)
+    slice_bytes = int(H200_TOTAL * 0.5)
+    assert half.figures["memory/free_after_trainer_gib"] * GIB == pytest.approx(slice_bytes - static)
+    assert half.figures["memory/gpu_slice_gib"] * GIB == pytest.approx(slice_bytes)
+    # The same plan as a whole GPU of half the size, with vLLM's share converted to the whole GPU.
+    small_gpu = _plan("qwen2.5-7b", "nvfp4", slice_bytes, slice_bytes)
+    assert (half.micro_batch_size, half.gradient_checkpointing) == (
+        small_gpu.micro_batch_size, small_gpu.gradient_checkpointing,
+    )  # fmt: skip
+    assert half.gpu_memory_utilization == pytest.approx(small_gpu.gpu_memory_utilization * 0.5, abs=0.001)
+    assert half.gpu_memory_utilization < whole.gpu_memory_utilization / 2 + 0.001
+    assert half.gpu_memory_utilization * H200_TOTAL <= slice_bytes - static - mem.DEFAULT_MARGIN
+    assert half.figures["memory/activation_estimate_gib"] <= whole.figures["memory/activation_estimate_gib"]
+    # An explicit share is of the whole GPU: kept up to the fraction, refused above it.
+    kept = _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB, gpu_fraction=0.5, used_bytes=static,
+                 gpu_memory_utilization=0.2)  # fmt: skip
+    assert kept.gpu_memory_utilization == 0.2
+    with pytest.raises(QerlError, match=r"gpu_memory_utilization=0.6 .* train.gpu_fraction=0.5"):
+        _plan(
+            "qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB, gpu_fraction=0.5, gpu_memory_utilization=0.6
+        )
+    # A slice too small for vLLM says so, naming the fraction.
+    with pytest.raises(QerlError, match=r"within train.gpu_fraction=0.05"):
+        _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB, gpu_fraction=0.05, used_bytes=0)
+
+
+def test_gpu_fraction_is_checked() -> None:
+    base = ["model.path=x", "rollout.engine=vllm"]
+    assert load_config(TrainConfig, None, base).train.gpu_fraction == 1.0
+    assert load_config(TrainConfig, None, [*base, "train.gpu_fraction=0.46"]).train.gpu_fraction == 0.46
+    for bad in ("0", "-0.1", "1.5"):
+        with pytest.raises(QerlError, match=r"train.gpu_fraction must be in \(0, 1\]"):
+            load_config(TrainConfig, None, [*base, f"train.gpu_fraction={bad}"])
+    with pytest.raises(QerlError, match=r"rollout.gpu_memory_utilization=0.3 .* train.gpu_fraction=0.2"):
+        load_config(
+            TrainConfig, None, [*base, "train.gpu_fraction=0.2", "rollout.gpu_memory_utilization=0.3"]
+        )
+    ok = [*base, "train.gpu_fraction=0.2", "rollout.gpu_memory_utilization=auto"]
+    assert load_config(TrainConfig, None, ok).rollout.gpu_memory_utilization == "auto"
+    hf = ["model.path=x", "rollout.engine=hf", "train.gpu_fraction=0.2", "rollout.gpu_memory_utilization=0.3"]
+    assert load_config(TrainConfig, None, hf).train.gpu_fraction == 0.2  # no vLLM, no share to check
+
+
 def test_fp8_kv_cache_forces_tis(caplog: pytest.LogCaptureFixture) -> None:
     from qerl_cli.rl.setup import tis_enabled
 

@@ -10,7 +10,9 @@ Layout of ``--output DIR``::
     DIR/compare.json, compare.md, compare.png
 
 A run without ``result.json`` but with a checkpoint resumes from it (``qerl train --resume``).
-Runs are sequential in this process, or ``jobs`` child processes at a time (one per run).
+Runs are sequential in this process, or ``jobs`` child processes at a time (one per run). vLLM runs
+always get a child process each; ``jobs`` of them at a time share the GPU, each planning its memory
+within ``train.gpu_fraction`` = 0.92 / jobs of it, started ``compare.start_interval_s`` apart.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
 RESULT_NAME = "result.json"
+# Of the GPU's memory, what vLLM runs sharing it divide among themselves (the rest: CUDA contexts,
+# fragmentation, what a run holds beyond its plan).
+SHARED_GPU_FRACTION = 0.92
+DEFAULT_START_INTERVAL_S = 45.0
 BASE_RESULT_NAME = "heldout.json"
 
 
@@ -241,9 +247,11 @@ def _child_command(
 
 
 def _run_parallel(
-    jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int
-) -> list[str]:
-    """One child process per run, ``width`` at a time; the CPU threads are shared out evenly.
+    jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int,
+    start_interval_s: float = 0.0,
+) -> list[str]:  # fmt: skip
+    """One child process per run, ``width`` at a time, started at least ``start_interval_s`` apart;
+    the CPU threads are shared out evenly.
 
     Returns the runs that failed (each with where its log is); the others run to the end regardless.
     """
@@ -252,14 +260,18 @@ def _run_parallel(
     pending = list(jobs)
     running: list[tuple[subprocess.Popen, str, Any]] = []
     failures = []
+    last_start: float | None = None
     while pending or running:
         while pending and len(running) < width:
+            if last_start is not None and time.monotonic() - last_start < start_interval_s:
+                break  # the previous run's vLLM may still be measuring the free memory
             arm, seed = pending.pop(0)
             folder = run_dir(out, arm, seed)
             folder.mkdir(parents=True, exist_ok=True)
             handle = (folder / "compare.log").open("a")
             command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
             proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+            last_start = time.monotonic()
             running.append((proc, f"{arm}/seed-{seed}", handle))
         time.sleep(0.5)
         for item in list(running):
@@ -293,6 +305,45 @@ class _Ablation:
 
     def finished(self, arm: str, seed: int) -> bool:
         return (run_dir(self.out, arm, seed) / RESULT_NAME).is_file()
+
+
+def _thousandths(fraction: float, parts: int) -> float:
+    """``fraction / parts`` rounded down to thousandths (0.92 / 3 -> 0.306)."""
+    return round(fraction * 1000) // parts / 1000
+
+
+def _shared_gpu_sets(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], all_sets: list[str], todo: list[tuple[str, int]],
+    out: Path, bases: dict[str, str], confs: list[cfg.TrainConfig], width: int,
+) -> list[str]:  # fmt: skip
+    """The children's ``--set`` list when ``width`` vLLM runs share the GPU: each gets
+    ``train.gpu_fraction`` = SHARED_GPU_FRACTION / width, or keeps the user's if it is at most 1 / width.
+    Every run's config is checked with it now (e.g. an explicit vLLM share above it), not in a child."""
+    given = (
+        "gpu_fraction" in (data.get("train") or {})
+        or any(s.split("=", 1)[0].strip() == "train.gpu_fraction" for s in all_sets)
+        or any("train.gpu_fraction" in arms[a] for a, _ in todo)
+    )
+    if given:
+        most = max(conf.train.gpu_fraction for conf in confs)
+        if most > 1 / width:
+            raise QerlError(
+                f"train.gpu_fraction={most} is more than 1/{width} of the GPU, but --jobs runs {width} "
+                f"runs on it at once: set it to at most {_thousandths(1.0, width)}, or leave it out "
+                f"(compare then gives each {_thousandths(SHARED_GPU_FRACTION, width)})"
+            )
+        sets, fraction = list(all_sets), most
+    else:
+        fraction = _thousandths(SHARED_GPU_FRACTION, width)
+        sets = [*all_sets, f"train.gpu_fraction={fraction}"]
+    train_sets = _train_sets(sets)
+    for arm, seed in todo:
+        arm_config(data, arms[arm], train_sets, seed, out, arm, bases)
+    log.info(
+        "%d vLLM runs share the GPU at a time: each plans its memory within train.gpu_fraction=%s of it",
+        width, fraction,
+    )  # fmt: skip
+    return sets
 
 
 def run_compare(
@@ -365,20 +416,24 @@ def _plan(ablation: _Ablation, arms: list[str], only: list[str] | None) -> list[
 
 def _train(ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress: bool) -> list[str]:
     """Train and evaluate the runs not finished yet, here or in child processes; returns the failures."""
-    engines = {ablation.config(a, s).rollout.engine for a, s in todo}
-    if jobs > 1 and "vllm" in engines:
-        raise QerlError(
-            f"--jobs {jobs} with rollout.engine=vllm would start {jobs} colocated vLLM engines that each "
-            "size their share from the same free GPU memory; use --jobs 1 (each run then gets the GPU to "
-            "itself)"
-        )
+    confs = [ablation.config(a, s) for a, s in todo]
+    engines = {conf.rollout.engine for conf in confs}
     recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
+    interval = ablation.settings.start_interval_s
     if "vllm" in engines:
         # An in-process vLLM does not give its GPU memory back when closed: one child process per run,
         # even a single one (the bases' evaluation runs in this process afterwards).
-        return _run_parallel(todo, recipe, seeds, out, all_sets, 1)
+        width = max(1, min(jobs, len(todo)))
+        if width == 1:
+            return _run_parallel(todo, recipe, seeds, out, all_sets, 1, 0.0)
+        child_sets = _shared_gpu_sets(
+            ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, width
+        )
+        # Staggered starts: each vLLM engine profiles the GPU's memory while the others stand still.
+        wait = DEFAULT_START_INTERVAL_S if interval is None else interval
+        return _run_parallel(todo, recipe, seeds, out, child_sets, width, wait)
     if jobs > 1 and len(todo) > 1:
-        return _run_parallel(todo, recipe, seeds, out, all_sets, jobs)
+        return _run_parallel(todo, recipe, seeds, out, all_sets, jobs, interval or 0.0)
     failures = []
     for arm, seed in todo:
         log.info("%s seed %d: training", arm, seed)

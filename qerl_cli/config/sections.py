@@ -204,6 +204,10 @@ class TrainSection:
     # each sequence, the attention kept within it): no compute on padding. Pays with a variable-length
     # attention (flash-attention); with SDPA the attention of a packed row is computed densely.
     pack_sequences: bool = False
+    # The fraction of the GPU's memory this run may use: the memory plan (qerl_cli.rl.memory) sizes
+    # the micro-batch, checkpointing and vLLM's "auto" share within it. Below 1 when runs share a GPU
+    # (`qerl compare --jobs N` sets it for each run); 1: the whole GPU, as measured free.
+    gpu_fraction: float = 1.0
     seed: int = 0
     device: str = "auto"
 
@@ -218,6 +222,11 @@ class TrainSection:
             _positive(where, micro_batch_size=self.micro_batch_size)
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking)")
+        if not 0 < self.gpu_fraction <= 1:
+            raise QerlError(
+                f"{where}.gpu_fraction must be in (0, 1] (the fraction of the GPU's memory this run may "
+                f"use; 1: all of it), got {self.gpu_fraction}"
+            )
 
 
 @dataclass
@@ -248,3 +257,10 @@ class TrainConfig:
     def validate(self, where: str = "") -> None:
         if not self.model.path:
             raise QerlError("model.path is empty: set it in the recipe or with --set model.path=DIR")
+        share, fraction = self.rollout.gpu_memory_utilization, self.train.gpu_fraction
+        if self.rollout.engine == "vllm" and share != "auto" and float(share) > fraction:
+            raise QerlError(
+                f"rollout.gpu_memory_utilization={share} (a fraction of the whole GPU) is more than "
+                f"train.gpu_fraction={fraction}, the part of the GPU this run may use: lower it to at "
+                "most the fraction, or set it to auto"
+            )

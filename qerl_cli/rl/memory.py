@@ -216,6 +216,16 @@ class MemoryPlan:
     figures: dict[str, float] = field(default_factory=dict)
 
 
+def _in_slice(exc: QerlError, gpu_fraction: float) -> QerlError:
+    """A plan's error as is on the whole GPU; within a slice, saying so."""
+    if gpu_fraction >= 1:
+        return exc
+    return QerlError(
+        f"{exc} (free here means within train.gpu_fraction={gpu_fraction} of the GPU: run fewer runs on it "
+        "at once, e.g. a smaller qerl compare --jobs)"
+    )
+
+
 def plan_memory(
     *,
     shape: ModelShape,
@@ -234,12 +244,19 @@ def plan_memory(
     kv_dtype: str = "auto",
     margin_bytes: int = DEFAULT_MARGIN,
     sleep_mode: bool = True,
+    gpu_fraction: float = 1.0,
+    used_bytes: int = 0,
 ) -> MemoryPlan:
     """Resolve the ``auto`` settings from sizes and the GPU's memory (``free_bytes`` is measured
     after the trainer's model is loaded and before vLLM starts; None on a CPU).
 
     Without ``sleep_mode`` vLLM keeps its whole share through the update, so the update's budget is
-    what the share leaves, and the share cannot be ``auto`` (it would leave the update nothing)."""
+    what the share leaves, and the share cannot be ``auto`` (it would leave the update nothing).
+
+    With ``gpu_fraction`` below 1 (runs sharing one GPU) the plan stays within that slice of the total:
+    what is free is the slice less ``used_bytes`` (what this process already holds on the device), not
+    the device's free memory (other runs take theirs). vLLM's share stays a fraction of the whole GPU,
+    as vLLM defines it: at most ``gpu_fraction``."""
     if engine == "vllm" and not sleep_mode and gpu_memory_utilization == "auto":
         raise QerlError(
             "rollout.gpu_memory_utilization=auto needs rollout.enable_sleep_mode=true: without sleep mode "
@@ -255,23 +272,40 @@ def plan_memory(
         ckpt = True if checkpointing == "auto" else bool(checkpointing)
         share = 0.3 if gpu_memory_utilization == "auto" else float(gpu_memory_utilization)
         return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, logprob_chunk, figures)
+    if gpu_fraction < 1:
+        if colocated and gpu_memory_utilization != "auto" and float(gpu_memory_utilization) > gpu_fraction:
+            raise QerlError(
+                f"rollout.gpu_memory_utilization={gpu_memory_utilization} (a fraction of the whole GPU) is "
+                f"more than train.gpu_fraction={gpu_fraction}, the part of the GPU this run may use"
+            )
+        slice_bytes = int(total_bytes * gpu_fraction)
+        free_bytes = slice_bytes - used_bytes
+        figures["memory/gpu_fraction"] = gpu_fraction
+        figures["memory/gpu_slice_gib"] = slice_bytes / GIB
     figures["memory/gpu_total_gib"] = total_bytes / GIB
     figures["memory/free_after_trainer_gib"] = free_bytes / GIB
     reserve = 0
     if colocated:
         reserve = VLLM_ASLEEP_RESERVE if sleep_mode else int(float(gpu_memory_utilization) * total_bytes)
     budget = free_bytes - reserve - margin_bytes
-    choice = choose_micro_batch(
-        shape, fmt, seq_len, budget, max_micro_batch=sequences_per_step, checkpointing=checkpointing,
-        micro_batch=micro_batch, logprob_chunk=logprob_chunk,
-    )  # fmt: skip
+    try:
+        choice = choose_micro_batch(
+            shape, fmt, seq_len, budget, max_micro_batch=sequences_per_step, checkpointing=checkpointing,
+            micro_batch=micro_batch, logprob_chunk=logprob_chunk,
+        )  # fmt: skip
+    except QerlError as exc:
+        raise _in_slice(exc, gpu_fraction) from None
     figures["memory/activation_estimate_gib"] = choice.activation_bytes / GIB
     share = 0.0
     if colocated:
         if gpu_memory_utilization == "auto":
             need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
             headroom = margin_bytes + WAKE_HEADROOM
-            share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=headroom)
+            # A fraction of the whole GPU, of what is free within this run's slice.
+            try:
+                share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=headroom)
+            except QerlError as exc:
+                raise _in_slice(exc, gpu_fraction) from None
         else:
             share = float(gpu_memory_utilization)
         figures["memory/vllm_budget_gib"] = share * total_bytes / GIB
@@ -349,6 +383,8 @@ def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPl
     rollout, train = cfg.rollout, cfg.train
     release_cached_memory()
     info = device_memory()
+    fraction = train.gpu_fraction
+    used = int(torch.cuda.memory_reserved()) if info and fraction < 1 else 0
     plan = plan_memory(
         shape=shape, fmt=base_format, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules),
         seq_len=rollout.max_prompt_length + rollout.max_completion_length,
@@ -357,6 +393,7 @@ def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPl
         gpu_memory_utilization=rollout.gpu_memory_utilization, logprob_chunk=train.logprob_chunk_tokens,
         total_bytes=info[1] if info else None, free_bytes=info[0] if info else None,
         engine=rollout.engine, kv_dtype=rollout.kv_cache_dtype, sleep_mode=rollout.enable_sleep_mode,
+        gpu_fraction=fraction, used_bytes=used,
     )  # fmt: skip
     if train.gradient_checkpointing == "auto" and plan.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -364,8 +401,9 @@ def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPl
             ("gradient_checkpointing", train.gradient_checkpointing),
             ("gpu_memory_utilization", rollout.gpu_memory_utilization)) if value == "auto"]  # fmt: skip
     log.info(
-        "memory plan%s: micro-batch %d, gradient checkpointing %s, vLLM share %.3f; %s",
+        "memory plan%s%s: micro-batch %d, gradient checkpointing %s, vLLM share %.3f; %s",
         f" (auto: {', '.join(auto)})" if auto else "",
+        f" within train.gpu_fraction={fraction} of the GPU" if fraction < 1 else "",
         plan.micro_batch_size,
         "on" if plan.gradient_checkpointing else "off",
         plan.gpu_memory_utilization,
