@@ -43,7 +43,8 @@ case "$PART" in
   proof)
     start proof "OUT=$RUN/out/proof STEPS=${STEPS:-4} METHOD=awq \
       bash scripts/device_gemma_vllm.sh" ;;
-  compare)
+  compare)  # from a fresh snapshot of the code (prep's may be older)
+    rm -rf "$RUN/repo" && mkdir -p "$RUN/repo" && cp -r qerl_cli scripts recipes "$RUN/repo/"
     start "compare${NAME:+-$NAME}" "python -m qerl_cli compare recipes/gemma3_270m_wordproblems.yaml -o $CMP \
       --arms ${ARMS:-bf16-lora,nvfp4-lora,nvfp4-aqn} --seeds ${SEEDS:-3} --jobs ${JOBS:-4} ${EXTRA:-} \
       --set 'rollout.vllm_kwargs={attention_backend: TRITON_ATTN}'" ;;

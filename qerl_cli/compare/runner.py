@@ -43,6 +43,8 @@ RESULT_NAME = "result.json"
 # fragmentation, what a run holds beyond its plan).
 SHARED_GPU_FRACTION = 0.92
 DEFAULT_START_INTERVAL_S = 45.0
+# Set in a run's child process: it trains in-process (a vLLM run is given its own process once, not again).
+CHILD_ENV = "QERL_COMPARE_CHILD"
 BASE_RESULT_NAME = "heldout.json"
 
 
@@ -256,7 +258,7 @@ def _run_parallel(
     Returns the runs that failed (each with where its log is); the others run to the end regardless.
     """
     threads = max(1, (os.cpu_count() or 1) // width)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), CHILD_ENV: "1"}
     pending = list(jobs)
     running: list[tuple[subprocess.Popen, str, Any]] = []
     failures = []
@@ -420,7 +422,7 @@ def _train(ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress
     engines = {conf.rollout.engine for conf in confs}
     recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
     interval = ablation.settings.start_interval_s
-    if "vllm" in engines:
+    if "vllm" in engines and not os.environ.get(CHILD_ENV):
         # An in-process vLLM does not give its GPU memory back when closed: one child process per run,
         # even a single one (the bases' evaluation runs in this process afterwards).
         width = max(1, min(jobs, len(todo)))
