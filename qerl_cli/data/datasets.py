@@ -29,10 +29,7 @@ fields are the registered dataset's (``like=``), the ones given, or common names
 
 from __future__ import annotations
 
-import csv
-import json
 import logging
-import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,12 +37,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from qerl_cli.data.problem import Problem
+from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and callers reach it here
+    _hub_failure,
+    _hub_records,
+    _HubLoadError,
+    _is_local,
+    load_hub_records,
+    read_records,
+)
 from qerl_cli.errors import QerlError
 from qerl_cli.rewards.extract import extract_last_boxed
 
 log = logging.getLogger(__name__)
 GoldFormat = Literal["plain", "gsm8k", "auto"]
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SYNTHETIC_PREFIX = "synthetic"
 # Tried in order when a file or an unregistered hub dataset gives no field names.
 QUESTION_FIELDS = ("problem", "question", "prompt", "query", "input")
@@ -202,107 +206,6 @@ def solve_rate_level(rate: float | None) -> int | None:
         if rate > floor:
             return level
     return 5
-
-
-# --------------------------------------------------------------------------------------------
-# Reading records
-# --------------------------------------------------------------------------------------------
-def _is_local(dataset: str) -> bool:
-    return Path(dataset).suffix.lower() in LOCAL_SUFFIXES or Path(dataset).is_file()
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a local .jsonl / .json (a list, or a dict holding one list) / .parquet / .csv file."""
-    path = Path(path)
-    if not path.is_file():
-        raise QerlError(f"data file not found: {path}")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".jsonl":
-            lines = path.read_text(encoding="utf-8").splitlines()
-            return [json.loads(line) for line in lines if line.strip()]
-        if suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(data, dict):
-                lists = [v for v in data.values() if isinstance(v, list)]
-                if len(lists) != 1:
-                    raise QerlError(f"{path}: a .json file must hold a list of records (or one list)")
-                data = lists[0]
-            if not isinstance(data, list):
-                raise QerlError(f"{path}: a .json file must hold a list of records")
-            return data
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(path).to_pylist()
-        if suffix == ".csv":
-            with path.open(newline="", encoding="utf-8") as f:
-                return list(csv.DictReader(f))
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
-        raise QerlError(f"cannot read {path}: {exc}") from None
-    raise QerlError(f"unsupported data file type '{suffix}' ({path}); use one of {', '.join(LOCAL_SUFFIXES)}")
-
-
-def _offline() -> bool:
-    return any(
-        os.environ.get(k, "").lower() in ("1", "true", "yes")
-        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
-
-
-_LOCAL_FILE_HINT = (
-    "Download it on a machine with network access and pass the file instead: --data-file NAME=PATH "
-    "for qerl eval, data.dataset=PATH for qerl train (.jsonl/.json/.parquet/.csv)"
-)
-
-
-class _HubLoadError(Exception):
-    """One hub source that failed to load (several may be tried before giving up)."""
-
-
-def _hub_failure(failures: Sequence[_HubLoadError]) -> QerlError:
-    reasons = "; ".join(str(f) for f in failures)
-    return QerlError(f"could not load from the Hugging Face Hub: {reasons}. {_LOCAL_FILE_HINT}")
-
-
-def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
-    import datasets
-
-    from qerl_cli.modeling.source_checks import hub_reachable
-
-    # An unreachable Hub fails at once (datasets would retry for half a minute) unless a copy of the
-    # dataset is in the local cache: then datasets loads it, as it always did.
-    if not _offline() and not _in_local_cache(hub_id) and not hub_reachable():
-        where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"
-        raise _HubLoadError(
-            f"{where}: the Hugging Face Hub cannot be reached (set HF_HUB_OFFLINE=1 to use a copy in "
-            "the local cache)"
-        )
-    try:
-        ds = datasets.load_dataset(hub_id, config, split=split)
-    except Exception as exc:
-        where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"
-        why = "offline (HF_HUB_OFFLINE=1) and not in the local cache" if _offline() else str(exc)
-        raise _HubLoadError(f"{where}: {why}") from exc
-    return ds.to_list()
-
-
-def _in_local_cache(hub_id: str) -> bool:
-    """Whether the Hub cache (or datasets' own, for older script datasets) holds a copy of ``hub_id``."""
-    import datasets
-    from huggingface_hub import constants
-
-    return (Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").is_dir() or (
-        Path(datasets.config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")
-    ).is_dir()
-
-
-def load_hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
-    """Rows of a hub dataset via ``datasets.load_dataset`` (cache first; a QerlError on failure)."""
-    try:
-        return _hub_records(hub_id, config, split)
-    except _HubLoadError as exc:
-        raise _hub_failure([exc]) from exc
 
 
 def _pick(
