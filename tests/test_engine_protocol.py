@@ -72,6 +72,10 @@ class ProtocolOnlyEngine:
     def stats(self) -> dict[str, float]:
         return {base.STALENESS_GAP: 0.01, "rollout/syncs": float(len(self._synced))}
 
+    @property
+    def linear_backend(self) -> str:
+        return "default"
+
     def close(self) -> None:
         self._calls.append("close")
 

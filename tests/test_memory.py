@@ -212,15 +212,18 @@ def test_gpu_fraction_is_checked() -> None:
 def test_fp8_kv_cache_forces_tis(caplog: pytest.LogCaptureFixture) -> None:
     from qerl_cli.rl.setup import tis_enabled
 
-    def tis(*overrides: str) -> bool:
+    def tis(*overrides: str, backend: str = "trainer") -> bool:
         base = ["model.path=x", "rollout.engine=hf", "aqn.enabled=false"]
         cfg = load_config(TrainConfig, None, [*base, *overrides])
-        return tis_enabled(cfg, SimpleNamespace(is_quantized=False))  # type: ignore[arg-type]
+        return tis_enabled(cfg, SimpleNamespace(is_quantized=False), backend)  # type: ignore[arg-type]
 
     assert tis() is False  # BF16, HF engine, no noise: the same numerics
     assert tis("rollout.kv_cache_dtype=fp8") is True
     assert tis("rollout.kv_cache_dtype=fp8", "algorithm.tis='off'") is True
     assert "overridden" in caplog.text
+    # linear_backend=auto that resolved to the FP8 copy counts like a pinned fp8 (what the engine runs).
+    assert tis("algorithm.tis='off'", backend="fp8") is True
+    assert tis("algorithm.tis='off'", backend="marlin") is False
 
 
 def test_auto_values_parse_and_bad_ones_fail() -> None:

@@ -333,6 +333,8 @@ def test_a_separate_engine_gets_the_adapter_and_a_staleness_probe(
         def stats(self):
             return {"rollout/staleness_gap": 0.0}
 
+        linear_backend = "default"
+
         def sleep(self):
             pass
 
@@ -472,6 +474,7 @@ def test_a_failed_start_closes_what_it_opened_and_not_what_it_was_lent(
 
     class Engine:
         closed = False
+        linear_backend = "default"
 
         def close(self) -> None:
             self.closed = True

@@ -124,10 +124,12 @@ def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
     )
 
 
-def tis_enabled(cfg: TrainConfig, policy: Policy) -> bool:
+def tis_enabled(cfg: TrainConfig, policy: Policy, linear_backend: str) -> bool:
+    """Whether truncated importance sampling corrects the rollout/trainer mismatch. ``linear_backend`` is
+    what the engine resolved ``rollout.linear_backend`` to: ``auto`` may choose the FP8 copy."""
     mode = cfg.algorithm.tis
     causes = (("an FP8 KV cache", cfg.rollout.kv_cache_dtype == "fp8"),
-              ("FP8 rollout weights", cfg.rollout.linear_backend == "fp8"))  # fmt: skip
+              ("FP8 rollout weights", linear_backend == "fp8"))  # fmt: skip
     fp8 = [what for what, on in causes if on]
     if fp8:
         if mode == "off":

@@ -92,7 +92,7 @@ class Trainer:
             self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
             self.engine = engine or self._make_engine()
             self.schedule = setup.make_aqn_schedule(cfg)
-            self.tis_on = setup.tis_enabled(cfg, self.policy)
+            self.tis_on = setup.tis_enabled(cfg, self.policy, self.engine.linear_backend)
             if reward_fn is None:
                 from qerl_cli.data.prompts import reward_settings
                 from qerl_cli.rewards import build_reward_fn

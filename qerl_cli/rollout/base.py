@@ -138,6 +138,13 @@ class RolloutEngine(Protocol):
         """The engine's state for the step's metrics (names: ``rollout/<what>``, as above)."""
         ...
 
+    @property
+    def linear_backend(self) -> str:
+        """The kernels behind the rollout's linear layers (``rollout.linear_backend`` resolved): "fp8" when
+        the rollout runs on an FP8 copy of the weights, whose numerics differ from the trainer's; "trainer"
+        when the engine runs the trainer's own modules."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds (vLLM, its GPU memory, staged adapters). Idempotent."""
         ...

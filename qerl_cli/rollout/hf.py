@@ -198,6 +198,10 @@ class HFEngine:
         """None: the engine's weights are the trainer's (or copied from them), nothing can be stale."""
         return None
 
+    @property
+    def linear_backend(self) -> str:
+        return "trainer"  # generates with the trainer's own modules
+
     def stats(self) -> dict[str, float]:
         return {
             NORM_MODULES: float(self.noiser.num_modules),

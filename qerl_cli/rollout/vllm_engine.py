@@ -169,6 +169,10 @@ class VLLMEngine(AdapterSync, StalenessCheck):
     def is_sleeping(self) -> bool:
         return self._sleeping
 
+    @property
+    def linear_backend(self) -> str:
+        return self.backend_choice.backend if self.backend_choice is not None else "default"
+
     def stats(self) -> dict[str, float]:
         """Engine-level figures for logs (per-rollout figures are in RolloutResult.stats)."""
         out: dict[str, float] = {
