@@ -88,8 +88,9 @@ case "$PART" in
     # the snapshot's table, so rollout.linear_backend=auto sees them.
     MISSING=$(cd "$RUN/repo" && python -c '
 import torch
-from qerl_cli.rollout.backends import gpu_entry, load_table
-have = (gpu_entry(load_table(None), torch.cuda.get_device_name()) or {}).get("nvfp4+lora", {})
+from qerl_cli.rollout.backends import entry_backends, gpu_entry, key_entries, load_table
+entries = key_entries(gpu_entry(load_table(None), torch.cuda.get_device_name()), "nvfp4+lora")
+have = {b for e in entries for b in entry_backends(e)}
 print(",".join(b for b in ("fp8", "humming") if b not in have))' 2>/dev/null)
     if [ -z "${BEFORE+x}" ] && [ ! -e "$RUN/out/sweep-more" ] && [ -n "$MISSING" ]; then
       mkdir -p "$RUN/out/sweep-more"

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -138,39 +139,112 @@ def test_vllm_runs_get_a_process_each_and_share_the_gpu_with_jobs(
 ) -> None:
     recipe = _recipe(tmp_path, tiny_model_dir)
     sets = [*TINY_SETS, "rollout.engine=vllm"]
-    calls: list[tuple[int, float, list[str]]] = []
+    calls: list[tuple[int, float, list[str], float | None]] = []
     monkeypatch.setattr(
-        runner, "_run_parallel", lambda todo, recipe, seeds, out, child_sets, width, interval=0.0:
-        calls.append((width, interval, child_sets)) or [],
+        runner, "_run_parallel", lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None:
+        calls.append((width, interval, child_sets, ready)) or [],
     )  # fmt: skip
     # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
     runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "b", sets=sets, summarize=False)
     runner.run_compare(recipe, ["bf16-lora"], 1, tmp_path / "c", sets=sets, summarize=False)  # one run too
-    assert [(w, i) for w, i, _ in calls] == [(1, 0.0), (1, 0.0)]
-    assert all(not any("gpu_fraction" in s for s in child_sets) for _, _, child_sets in calls)
+    assert [(w, i, r) for w, i, _, r in calls] == [(1, 0.0, None), (1, 0.0, None)]
+    assert all(child_sets == sets for _, _, child_sets, _ in calls)  # alone on the GPU: the recipe as is
     calls.clear()
-    # --jobs 3 over 3 runs: they share the GPU, 0.92 / 3 each, started 45 s apart.
+    # --jobs 3 over 3 runs: they share the GPU, 0.92 / 3 each, vLLM without sleep mode and with half of
+    # that (the recipe's default 0.3 is for a whole GPU); each starts once the previous engine is up, at
+    # least 10 s later, waiting at most 900 s.
     runner.run_compare(recipe, ["bf16-lora"], 3, tmp_path / "d", sets=sets, jobs=3, summarize=False)
-    ((width, interval, child_sets),) = calls
-    assert (width, interval) == (3, 45.0) and child_sets[-1] == "train.gpu_fraction=0.306"
+    ((width, interval, child_sets, ready),) = calls
+    assert (width, interval, ready) == (3, 10.0, 900.0)
+    assert child_sets[len(sets):] == ["train.gpu_fraction=0.306", "rollout.enable_sleep_mode=false",
+                                      "rollout.gpu_memory_utilization=0.153"]  # fmt: skip
     calls.clear()
-    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "e", sets=[*sets, "compare.start_interval_s=5"],
-                       jobs=4, summarize=False)  # fmt: skip
-    assert calls[0][:2] == (2, 5.0) and calls[0][2][-1] == "train.gpu_fraction=0.46"  # 2 runs: 2 at a time
+    waits = ["compare.start_interval_s=5", "compare.engine_ready_timeout_s=60"]
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "e", sets=[*sets, *waits], jobs=4,
+                       summarize=False)  # fmt: skip
+    assert calls[0][0:2] == (2, 5.0) and calls[0][3] == 60.0  # 2 runs: 2 at a time
+    assert calls[0][2][-3:] == ["train.gpu_fraction=0.46", "rollout.enable_sleep_mode=false",
+                                "rollout.gpu_memory_utilization=0.23"]  # fmt: skip
     # The user's fraction is kept when it fits, refused when it cannot.
     calls.clear()
     runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "f", sets=[*sets, "train.gpu_fraction=0.4"],
                        jobs=2, summarize=False)  # fmt: skip
     assert [s for s in calls[0][2] if "gpu_fraction" in s] == ["train.gpu_fraction=0.4"]
+    assert calls[0][2][-1] == "rollout.gpu_memory_utilization=0.2"
     with pytest.raises(QerlError, match=r"train.gpu_fraction=0.6 is more than 1/2 .* at most 0.5"):
         runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "g", sets=[*sets, "train.gpu_fraction=0.6"],
                            jobs=2, summarize=False)  # fmt: skip
     # An explicit vLLM share above the run's fraction stops before any child starts.
     calls.clear()
-    with pytest.raises(QerlError, match=r"gpu_memory_utilization=0.3 .* train.gpu_fraction=0.23"):
+    with pytest.raises(QerlError, match=r"gpu_memory_utilization=0.3 \(--set\) .* train.gpu_fraction=0.23"):
         share = [*sets, "rollout.gpu_memory_utilization=0.3"]
         runner.run_compare(recipe, ["bf16-lora"], 4, tmp_path / "h", sets=share, jobs=4, summarize=False)
     assert calls == []
+
+
+def test_runs_sharing_the_gpu_run_vllm_without_sleep_mode_and_with_their_own_share(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sets = [*TINY_SETS, "rollout.engine=vllm"]
+    calls: list[list[str]] = []
+
+    def stand_in(todo, recipe, seeds, out, child_sets, *args) -> list[str]:
+        calls.append(child_sets)
+        return []
+
+    monkeypatch.setattr(runner, "_run_parallel", stand_in)
+
+    outs = iter(range(100))
+
+    def children(extra: dict | None = None, more_sets: tuple[str, ...] = ()) -> list[str]:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir)}, **(extra or {})}))
+        calls.clear()
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / f"out{next(outs)}", sets=[*sets, *more_sets],
+                           jobs=2, summarize=False)  # fmt: skip
+        return calls[0]
+
+    # The recipe's sleep mode (as the Gemma recipe has it) and auto share: off, and half of 0.46.
+    got = children({"rollout": {"enable_sleep_mode": True, "gpu_memory_utilization": "auto"}})
+    assert got[-2:] == ["rollout.enable_sleep_mode=false", "rollout.gpu_memory_utilization=0.23"]
+    # A smaller explicit share in the recipe is kept.
+    assert children({"rollout": {"gpu_memory_utilization": 0.1}})[-1] == "rollout.gpu_memory_utilization=0.1"
+    # A --set share within the fraction is the user's: kept as given, not appended again.
+    got = children(more_sets=("rollout.gpu_memory_utilization=0.3",))
+    assert got[-1] == "rollout.enable_sleep_mode=false" and "rollout.gpu_memory_utilization=0.3" in got
+    # Every child's config (arm overrides applied last) has sleep mode off and a numeric share.
+    for child_sets in (got, children()):
+        for arm in ("bf16-lora", "nvfp4-aqn"):
+            conf = runner.arm_config({"model": {"path": str(tiny_model_dir)}}, arms_mod.BUILTIN_ARMS[arm],
+                                     runner._train_sets(child_sets), 0, tmp_path / "x", arm, {})  # fmt: skip
+            assert conf.rollout.enable_sleep_mode is False
+            assert conf.rollout.gpu_memory_utilization <= conf.train.gpu_fraction
+            assert not isinstance(conf.rollout.gpu_memory_utilization, str)
+
+
+def test_sleep_mode_forced_on_for_runs_sharing_the_gpu_is_refused(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(runner, "_run_parallel", lambda *a: pytest.fail("no child may start"))
+    recipe = _recipe(tmp_path, tiny_model_dir, {"arms": {"sleepy": {"rollout.enable_sleep_mode": True}}})
+    sets = [*TINY_SETS, "rollout.engine=vllm"]
+    with pytest.raises(QerlError, match=r"enable_sleep_mode=true \(--set\) with --jobs 2: vLLM runs sharing"):
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "a", summarize=False, jobs=2,
+                           sets=[*sets, "rollout.enable_sleep_mode=true"])  # fmt: skip
+    with pytest.raises(QerlError, match=r"enable_sleep_mode=true \(arm sleepy\)"):
+        runner.run_compare(recipe, ["sleepy"], 2, tmp_path / "b", sets=sets, jobs=2, summarize=False)
+    with pytest.raises(QerlError, match=r"gpu_memory_utilization=auto \(--set\) with --jobs 2"):
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "c", summarize=False, jobs=2,
+                           sets=[*sets, "rollout.gpu_memory_utilization=auto"])  # fmt: skip
+    # One at a time, sleep mode stays the user's.
+    monkeypatch.setattr(runner, "_run_parallel", lambda todo, recipe, seeds, out, child_sets, *a: [])
+    runner.run_compare(recipe, ["sleepy"], 2, tmp_path / "d", sets=sets, jobs=1, summarize=False)
+    # From the command line: exit 2 with the message.
+    from qerl_cli.cli import main
+
+    rc = main(["compare", str(recipe), "--arms", "sleepy", "--seeds", "2", "--jobs", "2", "-o",
+               str(tmp_path / "e"), "--no-summary", *[x for s in sets for x in ("--set", s)]])  # fmt: skip
+    assert rc == 2 and "cannot sleep" in " ".join(capsys.readouterr().err.split())
 
 
 def test_parallel_children_carry_their_sets_and_start_staggered(
@@ -200,12 +274,69 @@ def test_parallel_children_carry_their_sets_and_start_staggered(
     failures = runner._run_parallel(todo, "r.yaml", 3, tmp_path, sets, 2, 45.0)
     assert failures == []
     times = [t for t, _ in started]
-    assert times[0] == 0.0 and times[1] >= 45.0  # the second waits for the first's vLLM start
+    assert times[0] == 0.0 and times[1] >= 45.0  # the least gap between two starts
     assert times[2] >= 100.0  # the third waits for a free slot (two at a time)
     for _, command in started:
         i = command.index("train.gpu_fraction=0.46")
         assert command[i - 1] == "--set"
     assert [c[c.index("--only") + 1] for _, c in started] == ["a/0", "a/1", "a/2"]
+
+
+def test_the_next_vllm_run_starts_once_the_previous_ones_engine_is_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fake clock and children that write engine_ready (as rl.setup does) some seconds after their start."""
+    from qerl_cli.rl.setup import ENGINE_READY_FILE
+
+    clock = {"now": 0.0}
+    started: dict[str, float] = {}
+    # Per run: seconds until its engine is up (None: never), seconds until it exits, its exit code.
+    plan = {"a/0": (70.0, 300.0, 0), "a/1": (None, 400.0, 0), "a/2": (None, 15.0, 1), "a/3": (5.0, 50.0, 0)}
+    procs: list[Any] = []
+
+    class FakeProc:
+        def __init__(self, command, **kwargs) -> None:
+            self.only = command[command.index("--only") + 1]
+            started[self.only] = clock["now"]
+            self.returncode: int | None = None
+            procs.append(self)
+
+        def poll(self) -> int | None:
+            if clock["now"] - started[self.only] >= plan[self.only][1]:
+                self.returncode = plan[self.only][2]
+            return self.returncode
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds
+        for proc in procs:  # what each child's trainer writes once its vLLM engine is built
+            up = plan[proc.only][0]
+            arm, seed = proc.only.split("/")
+            if up is not None and clock["now"] - started[proc.only] >= up and proc.returncode is None:
+                (runner.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
+
+    monkeypatch.setattr(runner.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(runner, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    for seed in range(4):  # markers an earlier invocation left behind count for nothing
+        folder = runner.run_dir(tmp_path, "a", seed)
+        folder.mkdir(parents=True)
+        (folder / ENGINE_READY_FILE).write_text("{}")
+    todo = [("a", s) for s in range(4)]
+    with caplog.at_level("INFO"):
+        failures = runner._run_parallel(todo, "r.yaml", 1, tmp_path, [], 3, 10.0, 120.0)
+    assert len(failures) == 1 and failures[0].startswith("a/seed-2 (exit 1")
+    # a/1 waits for a/0's engine (70 s, not the 10 s gap); a/2 for a/1's, which never comes: the 120 s
+    # timeout; a/3 for a free slot, which a/2 gives back when it fails before its engine is up.
+    assert started["a/0"] == 0.0
+    assert 70.0 <= started["a/1"] <= 71.0
+    assert 120.0 <= started["a/2"] - started["a/1"] <= 121.0
+    assert 15.0 <= started["a/3"] - started["a/2"] <= 16.0
+    assert "a/seed-0: its rollout engine is up after 70 s" in caplog.text
+    assert "a/seed-1: no engine_ready after 120 s" in caplog.text
+    # Without a timeout (runs that do not share a GPU) only the gap counts.
+    started.clear(), procs.clear()
+    clock["now"] = 0.0
+    runner._run_parallel([("a", 0), ("a", 1)], "r.yaml", 1, tmp_path, [], 2, 10.0)
+    assert started["a/1"] - started["a/0"] < 11.0
 
 
 def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -66,7 +66,29 @@ def test_training_asks_the_factory(tmp_path: Path, requests: list[Any]) -> None:
     assert vllm.max_model_len == cfg.rollout.max_prompt_length + cfg.rollout.max_completion_length
     assert vllm.concurrency == vllm.max_num_seqs == 1 * cfg.rollout.num_generations  # 2 prompts on 2 ranks
     assert vllm.external_launcher and vllm.seed == cfg.train.seed
-    assert len(requests) == 2
+    assert vllm.kv_cache_from_share is False  # the whole GPU: vLLM profiles its memory as usual
+    shared = tiny_cfg(tmp_path, tmp_path / "c", "rollout.engine=vllm", "rollout.enable_sleep_mode=false",
+                      "train.gpu_fraction=0.46")  # fmt: skip
+    sliced = _request_of(lambda: setup.make_engine(shared, policy, gpu_memory_utilization=0.23))  # type: ignore[arg-type]
+    assert sliced.kv_cache_from_share is True  # a slice: its KV cache is sized from its share
+    assert len(requests) == 3
+    assert not (tmp_path / "b" / setup.ENGINE_READY_FILE).exists()  # no engine came: nothing to report
+
+
+def test_training_reports_its_vllm_engine_ready_in_its_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `qerl compare --jobs N` waits for before it starts the next run on the GPU."""
+    from qerl_cli.rl import setup
+
+    built = object()
+    monkeypatch.setattr(factory, "make_engine", lambda request: built)
+    policy = SimpleNamespace(model=nn.Linear(2, 2), tokenizer=object(), device="cpu")
+    cfg = tiny_cfg(tmp_path, tmp_path / "run", "rollout.engine=vllm")
+    (tmp_path / "run").mkdir()
+    assert setup.make_engine(cfg, policy, gpu_memory_utilization=0.3) is built  # type: ignore[arg-type]
+    assert (tmp_path / "run" / setup.ENGINE_READY_FILE).is_file()
+    setup.mark_engine_ready(tmp_path / "missing-folder")  # never fails the run
 
 
 def test_evaluation_asks_the_factory(requests: list[Any]) -> None:

@@ -342,3 +342,23 @@ def test_without_sleep_mode_the_update_gets_what_vllm_leaves() -> None:
     assert awake.figures["memory/activation_estimate_gib"] <= (H200_TOTAL * 0.7) / gib
     with pytest.raises(QerlError, match="auto needs rollout.enable_sleep_mode=true"):
         _plan("qwen2.5-7b", "nvfp4", H200_TOTAL, H200_TOTAL, sleep_mode=False)
+
+
+def test_a_run_sharing_the_gpu_plans_its_update_within_what_vllms_share_leaves_of_its_slice() -> None:
+    """What `qerl compare --jobs 3` gives each run (Gemma 3 270M's shape on an H100): train.gpu_fraction
+    0.306, sleep mode off, vLLM's share half of it. The update's budget is the slice less the trainer, the
+    share (vLLM keeps it through the update) and the margin."""
+    gemma = mem.ModelShape(hidden=640, intermediate=2048, layers=18, heads=4, kv_heads=1, vocab=262144,
+                           head_dim=256, tie_embeddings=True)  # fmt: skip
+    total = int(79.2 * GIB)
+    static = mem.trainer_static_bytes(gemma, "bf16", 16, LORA_TARGETS_ALL)
+    args = dict(shape=gemma, fmt="bf16", lora_rank=16, lora_targets=LORA_TARGETS_ALL, seq_len=320 + 128,
+                sequences_per_step=128, micro_batch="auto", checkpointing="auto", logprob_chunk=1024,
+                total_bytes=total, free_bytes=total // 2, engine="vllm", gpu_fraction=0.306,
+                used_bytes=static, sleep_mode=False)  # fmt: skip
+    plan = mem.plan_memory(gpu_memory_utilization=0.153, **args)
+    assert plan.gpu_memory_utilization == 0.153
+    budget = int(total * 0.306) - static - int(0.153 * total) - mem.DEFAULT_MARGIN
+    assert 0 < plan.figures["memory/activation_estimate_gib"] * GIB <= budget
+    with pytest.raises(QerlError, match="auto needs rollout.enable_sleep_mode=true"):
+        mem.plan_memory(gpu_memory_utilization="auto", **args)  # why compare gives each run a number

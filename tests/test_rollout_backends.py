@@ -20,13 +20,17 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.rollout import backends
-from qerl_cli.rollout.backends import BackendChoice, Environment, choose_backend, interpolate
+from qerl_cli.rollout.backends import BackendChoice, Environment, MeasuredModel, interpolate
 
 H100 = "NVIDIA H100 80GB HBM3"
+# The shipped table's model (random Qwen2.5-7B shape) and the one it once steered wrongly (Gemma 3 270M).
+QWEN7B = MeasuredModel("qwen2.5-7b", 7_615_616_512, 3584, 18944, 28)
+GEMMA = MeasuredModel("gemma3-270m", 268_093_568, 640, 2048, 18)
 TABLE = {
     "gpus": {
         "NVIDIA H100 80GB HBM3": {
             "nvfp4+lora": {
+                "model": QWEN7B.to_dict(),
                 "marlin": {"8": 1500.0, "32": 4000.0, "128": 7000.0, "256": 8000.0},
                 "humming": {"8": 1300.0, "32": 3800.0, "128": 7600.0, "256": 9500.0},
                 "fp8": {"8": 1200.0, "32": 3900.0, "128": 8200.0, "256": 11000.0},
@@ -40,6 +44,11 @@ def env(**overrides) -> Environment:
     values = dict(gpu_name=H100, capability=(9, 0), humming_installed=True, vllm_version=(0, 26))
     values.update(overrides)
     return Environment(**values)
+
+
+def choose_backend(*args, model: MeasuredModel | None = QWEN7B, **kwargs) -> BackendChoice:
+    """The choice for a run of the tables' own model unless a test names another."""
+    return backends.choose_backend(*args, model=model, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,9 +331,11 @@ def test_crossover_table_and_roofline_from_rows() -> None:
     settings = {"prompt_len": 256, "gen_len": 2048, "model": "qwen2.5-7b", "lora_rank": 16}
     report = BenchResult(schema=SCHEMA, created="now", device="gpu", figures_label="", machine={},
                          gpu={"name": H100}, versions={}, settings=settings, rollout=rows)  # fmt: skip
-    table = crossover_table(report)
+    table = crossover_table(report, QWEN7B)
     assert table["gpus"][H100]["nvfp4+lora"]["fp8"] == {"8": 8000.0, "128": 128000.0}
     assert set(table["gpus"][H100]) == {"bf16", "bf16+lora", "nvfp4", "nvfp4+lora"}
+    # Every entry names the model it was measured on.
+    assert all(e["model"] == QWEN7B.to_dict() for e in table["gpus"][H100].values())
     # The table is what auto reads.
     assert choose_backend("auto", "nvfp4", concurrency=64, env=env(), table=table).backend in (
         "marlin",
@@ -348,3 +359,119 @@ def test_an_alternative_is_chosen_only_against_a_measured_default() -> None:
     partial = {"gpus": {H100: {"nvfp4+lora": {"fp8": {"128": 9000.0}}}}}
     choice = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=partial)
     assert choice.backend == "marlin" and "was not measured" in choice.reason
+
+
+# --------------------------------------------------------------------------------------------
+# Which model a table entry was measured on
+# --------------------------------------------------------------------------------------------
+def test_comparable_means_within_2x_of_the_parameters_or_the_same_widths() -> None:
+    fourteen = MeasuredModel("qwen2.5-14b", 14_770_033_664, 5120, 13824, 48)
+    three = MeasuredModel("qwen2.5-3b", 3_085_938_688, 2048, 11008, 36)
+    assert backends.comparable_models(fourteen, QWEN7B) and backends.comparable_models(QWEN7B, fourteen)
+    assert not backends.comparable_models(three, QWEN7B) and not backends.comparable_models(GEMMA, QWEN7B)
+    # Deeper, but the same GEMMs per layer: where the kernels turn compute-bound is the same.
+    deep = MeasuredModel("deep", 20 * QWEN7B.parameters, 3584, 18944, 280)
+    assert backends.comparable_models(deep, QWEN7B)
+    assert backends.comparable_models(MeasuredModel(hidden_size=3584, intermediate_size=18944), QWEN7B)
+    assert not backends.comparable_models(None, QWEN7B) and not backends.comparable_models(QWEN7B, None)
+    assert not backends.comparable_models(MeasuredModel("no size"), MeasuredModel("no size"))
+
+
+def test_auto_uses_a_table_only_for_a_model_of_comparable_size() -> None:
+    # The measured defect: a 7B's table picked the FP8 copy for a 270M Gemma at 128 sequences.
+    choice = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=TABLE, model=GEMMA)
+    assert choice.backend == "marlin" and choice.candidates == {}
+    assert "are of qwen2.5-7b (7.6B parameters), not comparable to this model (gemma3-270m (0.27B" in (
+        choice.reason
+    )
+    assert "vLLM's default (marlin)" in choice.reason
+    fourteen = MeasuredModel("qwen2.5-14b", 14_770_033_664, 5120, 13824, 48)
+    choice = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=TABLE, model=fourteen)
+    assert choice.backend == "fp8" and "measured on qwen2.5-7b (7.6B parameters)" in choice.reason
+    unknown = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=TABLE, model=None)
+    assert unknown.backend == "marlin" and "a model of unknown size" in unknown.reason
+
+
+def test_the_shipped_table_names_its_model_and_does_not_steer_a_small_one() -> None:
+    shipped = backends.load_table(None)
+    entries = [e for gpu in shipped["gpus"].values() for key in gpu for e in backends.key_entries(gpu, key)]
+    assert entries and all(backends.entry_model(e) == QWEN7B for e in entries)
+    for model, expected in ((QWEN7B, "fp8"), (GEMMA, "marlin")):
+        choice = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=shipped, model=model)
+        assert choice.backend == expected, choice.reason
+
+
+def test_a_table_without_models_is_used_only_when_the_recipe_names_it() -> None:
+    old = {"gpus": {H100: {"nvfp4+lora": {b: p for b, p in TABLE["gpus"][H100]["nvfp4+lora"].items()
+                                          if b != "model"}}}}  # fmt: skip
+    named = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=old, model=GEMMA,
+                           unknown_model_ok=True)  # fmt: skip
+    assert named.backend == "fp8" and "a model the table does not name" in named.reason
+    shipped = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=old, model=GEMMA,
+                             unknown_model_ok=False)  # fmt: skip
+    assert shipped.backend == "marlin" and "do not name the model they were measured on" in shipped.reason
+
+
+def test_merged_tables_keep_each_models_measurements_apart() -> None:
+    gemma = {"gpus": {H100: {"nvfp4+lora": {"model": GEMMA.to_dict(), "marlin": {"128": 20000.0},
+                                            "fp8": {"128": 15000.0}}}},
+             "measured": {"model": "gemma3-270m"}}  # fmt: skip
+    more_7b = {"gpus": {H100: {"nvfp4+lora": {"model": QWEN7B.to_dict(), "fp8": {"256": 12000.0}}}},
+               "measured": [{"model": "qwen2.5-7b"}]}  # fmt: skip
+    merged = backends.merge_tables(TABLE, gemma, more_7b)
+    entries = backends.key_entries(merged["gpus"][H100], "nvfp4+lora")
+    assert [backends.entry_model(e) for e in entries] == [QWEN7B, GEMMA]
+    assert entries[0]["fp8"]["256"] == 12000.0 and entries[0]["fp8"]["8"] == 1200.0  # the later point won
+    assert merged["measured"] == [{"model": "gemma3-270m"}, {"model": "qwen2.5-7b"}]
+    small = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=merged, model=GEMMA)
+    assert small.backend == "marlin" and "measured on gemma3-270m" in small.reason
+    assert small.predicted_tokens_per_s == 20000.0
+    big = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=merged, model=QWEN7B)
+    assert big.backend == "fp8" and big.predicted_tokens_per_s == 8200.0
+    # One model per key stays a single entry, as a sweep writes it.
+    assert isinstance(backends.merge_tables(TABLE, more_7b)["gpus"][H100]["nvfp4+lora"], dict)
+
+
+def test_the_factory_weighs_the_table_against_the_checkpoints_size(
+    fake_llm: list[dict], tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli.rollout.factory import EngineRequest, make_engine
+
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))  # the FP8 copy the old table picks
+    base = nvfp4_base()  # the tiny shape: far from the shipped table's 7B
+    with caplog.at_level("INFO", logger="qerl_cli.rollout.factory"):
+        engine = make_engine(EngineRequest("vllm", base, gpu_memory_utilization=0.5, max_model_len=64,
+                                           concurrency=128))  # fmt: skip
+    assert engine.backend_choice.backend == "marlin" and "not comparable to this model" in caplog.text
+    old = tmp_path / "old.json"  # a table of an unnamed model, named by the recipe: used as before
+    old.write_text(json.dumps({"gpus": {H100: {"nvfp4+lora": {
+        b: p for b, p in TABLE["gpus"][H100]["nvfp4+lora"].items() if b != "model"}}}}))  # fmt: skip
+    engine = make_engine(EngineRequest("vllm", base, gpu_memory_utilization=0.5, max_model_len=64,
+                                       concurrency=128, crossover_table=str(old)))  # fmt: skip
+    assert engine.backend_choice.backend == "fp8"
+
+
+def test_an_engine_in_a_slice_of_the_gpu_sizes_its_kv_cache_from_its_share(
+    fake_llm: list[dict], tmp_path: Path
+) -> None:
+    """Runs sharing a GPU: vLLM must not profile the device's free memory, which its neighbours change."""
+    from qerl_cli.modeling.model_shape import weight_bytes
+    from qerl_cli.rollout.factory import EngineRequest, make_engine
+    from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
+
+    base = nvfp4_base()
+    shape = ModelShape.from_config(json.loads((base / "config.json").read_text()))
+    request = EngineRequest("vllm", base, gpu_memory_utilization=0.153, max_model_len=64,
+                            linear_backend="marlin", kv_cache_from_share=True)  # fmt: skip
+    make_engine(request)
+    expected = int(80 * 2**30 * 0.153) - weight_bytes(shape, "nvfp4") - VLLM_OVERHEAD
+    assert fake_llm[-1]["vllm_kwargs"]["kv_cache_memory_bytes"] == expected
+    assert fake_llm[-1]["gpu_memory_utilization"] == 0.153  # still vLLM's check of the free memory at start
+    # The whole GPU (no slice): vLLM profiles as before; the recipe's own value wins.
+    make_engine(dataclasses.replace(request, kv_cache_from_share=False))
+    assert "kv_cache_memory_bytes" not in fake_llm[-1]["vllm_kwargs"]
+    make_engine(dataclasses.replace(request, vllm_kwargs={"kv_cache_memory_bytes": 2**30}))
+    assert fake_llm[-1]["vllm_kwargs"]["kv_cache_memory_bytes"] == 2**30
+    with pytest.raises(QerlError, match="leaves no KV cache room for one full-length sequence"):
+        # 4 GiB: the overhead alone (auto: no backend fits, vLLM's default is kept and refused here)
+        make_engine(dataclasses.replace(request, gpu_memory_utilization=0.05, linear_backend="auto"))

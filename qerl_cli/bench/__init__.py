@@ -132,6 +132,7 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
     from qerl_cli.bench.engines import run_case
     from qerl_cli.bench.models import cache_root
 
+    model = _measured_model(report, checkpoints)
     ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
     (cache_root() / "bench").mkdir(parents=True, exist_ok=True)
     # The adapter depends on the shape only; it lives beside the cache, not in the uploaded output.
@@ -166,15 +167,31 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
             timings.formats_s[label] = timings.formats_s.get(label, 0.0) + spent
             write_json(dataclasses.replace(report, complete=False), out)
             if cfg.concurrency and engine == "vllm":
-                write_crossover(report, out)
+                write_crossover(report, out, model)
 
 
-def _write_outputs(cfg: BenchConfig, engine: str, report: BenchResult, out: Path) -> None:
+def _measured_model(report: BenchResult, checkpoints: dict[str, Path]) -> Any:
+    """The model the crossover table's entries name (its label and size), None without a readable config."""
+    from qerl_cli.bench.concurrency import measured_model
+    from qerl_cli.bench.models import model_config
+
+    if not checkpoints:
+        return None
+    try:
+        config = model_config(next(iter(checkpoints.values())))
+    except (OSError, ValueError):
+        return None
+    return measured_model(report.settings.get("model"), config)
+
+
+def _write_outputs(
+    cfg: BenchConfig, engine: str, report: BenchResult, out: Path, checkpoints: dict[str, Path]
+) -> None:
     written = BenchFiles(json=str(write_json(report, out)))
     written.markdown = str(write_markdown(report, out))
     written.charts = [str(p) for p in write_charts(report, out)]
     if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
-        written.crossover = str(write_crossover(report, out))
+        written.crossover = str(write_crossover(report, out, _measured_model(report, checkpoints)))
     report.files = written
     write_json(report, out)  # again, now listing the files
 
@@ -224,5 +241,5 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     add_roofline(report, {fmt: model_config(folder) for fmt, folder in checkpoints.items()})
     if baseline is not None:
         report.regression = check_regressions(report, baseline, cfg.tolerance)
-    _write_outputs(cfg, engine, report, out)
+    _write_outputs(cfg, engine, report, out, checkpoints)
     return report

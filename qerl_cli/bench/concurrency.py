@@ -17,7 +17,7 @@ from qerl_cli.bench.labels import lora_label
 from qerl_cli.bench.result import BenchResult
 from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, rollout_weight_format
 from qerl_cli.modeling.model_shape import ModelShape
-from qerl_cli.rollout.backends import FORMAT_BACKENDS, table_key
+from qerl_cli.rollout.backends import FORMAT_BACKENDS, MODEL_FIELD, MeasuredModel, table_key
 
 CROSSOVER_FILE = "crossover.json"
 ROOFLINE_COLUMNS = ("format", "backend", "LoRA", "sequences", "output tok/s", "bound tok/s", "of bandwidth",
@@ -52,14 +52,17 @@ def add_roofline(report: BenchResult, model_configs: dict[str, dict[str, Any]]) 
         row["roofline"] = {**bound, **fractions(row["output_tokens_per_s"], bound)}
 
 
-def crossover_table(report: BenchResult) -> dict[str, Any]:
-    """``{"gpus": {GPU: {"nvfp4+lora": {backend: {concurrency: tokens/s}}}}}`` from the rollout rows,
-    with where it came from."""
+def crossover_table(report: BenchResult, model: MeasuredModel | None = None) -> dict[str, Any]:
+    """``{"gpus": {GPU: {"nvfp4+lora": {"model": {...}, backend: {concurrency: tokens/s}}}}}`` from the
+    rollout rows, each entry naming the ``model`` it was measured on (``rollout.linear_backend: auto``
+    uses it only for a model of comparable size), with where it came from."""
     gpu = (report.gpu or {}).get("name") or "cpu"
-    entry: dict[str, dict[str, dict[str, float]]] = {}
+    entry: dict[str, dict[str, Any]] = {}
     for row in report.rollout:
         key = table_key(row["format"], bool(row["lora_rank"]))
         backend = row.get("backend", "default")
+        if key not in entry and model is not None:
+            entry[key] = {MODEL_FIELD: model.to_dict()}
         points = entry.setdefault(key, {}).setdefault(backend, {})
         points[str(row["batch"])] = round(row["output_tokens_per_s"], 1)
     settings = report.settings
@@ -71,9 +74,15 @@ def crossover_table(report: BenchResult) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def write_crossover(report: BenchResult, out_dir: str | Path) -> Path:
+def measured_model(name: str | None, config: dict[str, Any]) -> MeasuredModel | None:
+    """What a sweep's table entries name: the benchmarked model's label and size (every format's
+    checkpoint is of the same model)."""
+    return MeasuredModel.from_config(config, name=name)
+
+
+def write_crossover(report: BenchResult, out_dir: str | Path, model: MeasuredModel | None = None) -> Path:
     path = Path(out_dir) / CROSSOVER_FILE
-    path.write_text(json.dumps(crossover_table(report), indent=2))
+    path.write_text(json.dumps(crossover_table(report, model), indent=2))
     return path
 
 

@@ -53,9 +53,13 @@ class CompareSettings:
     # have, offline) or round to nearest (qerl's own packing, seconds, no extra package). AWQ by default:
     # RTN bases of small models can start with too little reward signal for GRPO (issue 22).
     base_method: str = DEFAULT_BASE_METHOD
-    # Seconds between the starts of runs that share the GPU, so that their vLLM engines measure the
-    # free memory one at a time. None: 45 when vLLM runs go --jobs N > 1 at a time, else 0.
+    # The least seconds between the starts of runs that share the GPU. None: 10 when vLLM runs go
+    # --jobs N > 1 at a time (each also waits until the previous run's vLLM engine is up, at most
+    # engine_ready_timeout_s), else 0.
     start_interval_s: float | None = None
+    # How long the next vLLM run sharing the GPU waits for the previous one's engine to be up (it writes
+    # engine_ready in its folder) before it starts regardless.
+    engine_ready_timeout_s: float = 900.0
     arms: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BUILTIN_ARMS))
 
 
@@ -85,6 +89,10 @@ def read_settings(section: Any) -> CompareSettings:
         )
     if settings.start_interval_s is not None and not settings.start_interval_s >= 0:
         raise QerlError(f"compare.start_interval_s must be >= 0 seconds, got {settings.start_interval_s}")
+    if not settings.engine_ready_timeout_s >= 0:
+        raise QerlError(
+            f"compare.engine_ready_timeout_s must be >= 0 seconds, got {settings.engine_ready_timeout_s}"
+        )
     if settings.threshold is not None and not math.isfinite(settings.threshold):
         raise QerlError(f"compare.threshold must be a finite reward, got {settings.threshold}")
     if not isinstance(given_arms, dict):

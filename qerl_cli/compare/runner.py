@@ -11,8 +11,13 @@ Layout of ``--output DIR``::
 
 A run without ``result.json`` but with a checkpoint resumes from it (``qerl train --resume``).
 Runs are sequential in this process, or ``jobs`` child processes at a time (one per run). vLLM runs
-always get a child process each; ``jobs`` of them at a time share the GPU, each planning its memory
-within ``train.gpu_fraction`` = 0.92 / jobs of it, started ``compare.start_interval_s`` apart.
+always get a child process each; ``jobs`` of them at a time share the GPU (:func:`_shared_gpu_sets`):
+each plans its memory within ``train.gpu_fraction`` = 0.92 / jobs of it, runs vLLM without sleep mode
+and with an explicit share of its own (half its fraction, or the recipe's if smaller), and starts once
+the previous run's vLLM engine is up (its ``engine_ready`` file), at least ``compare.start_interval_s``
+after it. vLLM measures the whole device's memory while it starts and around ``sleep()``, so a
+neighbour that allocates meanwhile breaks it: a negative KV cache at start, ``Memory usage increased
+after sleeping`` mid-run.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ RESULT_NAME = "result.json"
 # Of the GPU's memory, what vLLM runs sharing it divide among themselves (the rest: CUDA contexts,
 # fragmentation, what a run holds beyond its plan).
 SHARED_GPU_FRACTION = 0.92
-DEFAULT_START_INTERVAL_S = 45.0
+# The least gap between two vLLM runs' starts on one GPU; each also waits for the previous one's engine.
+DEFAULT_START_INTERVAL_S = 10.0
 # Set in a run's child process: it trains in-process (a vLLM run is given its own process once, not again).
 CHILD_ENV = "QERL_COMPARE_CHILD"
 BASE_RESULT_NAME = "heldout.json"
@@ -248,41 +254,85 @@ def _child_command(
     return command
 
 
+@dataclass
+class _Child:
+    """A run's child process, and whether its rollout engine has reported (or is taken to be) up."""
+
+    proc: subprocess.Popen
+    name: str
+    handle: Any
+    folder: Path
+    started: float
+    engine_up: bool = False
+
+
+def _engines_up(running: list[_Child], now: float, timeout_s: float, marker: str) -> bool:
+    """Whether every running child's vLLM engine is up: its ``marker`` file is in its run folder, or it
+    has been starting for ``timeout_s`` (then the next run starts regardless, with a warning)."""
+    for child in running:
+        if child.engine_up:
+            continue
+        if (child.folder / marker).is_file():
+            child.engine_up = True
+            log.info("%s: its rollout engine is up after %.0f s", child.name, now - child.started)
+        elif now - child.started >= timeout_s:
+            child.engine_up = True
+            log.warning(
+                "%s: no %s after %.0f s (compare.engine_ready_timeout_s); starting the next run regardless",
+                child.name, marker, now - child.started,
+            )  # fmt: skip
+        else:
+            return False
+    return True
+
+
 def _run_parallel(
     jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int,
-    start_interval_s: float = 0.0,
+    start_interval_s: float = 0.0, ready_timeout_s: float | None = None,
 ) -> list[str]:  # fmt: skip
     """One child process per run, ``width`` at a time, started at least ``start_interval_s`` apart;
-    the CPU threads are shared out evenly.
+    the CPU threads are shared out evenly. With ``ready_timeout_s`` (vLLM runs sharing the GPU) a run
+    starts only once every running one's rollout engine is up (``rl.setup.ENGINE_READY_FILE`` in its
+    folder, which the child writes), or has been starting for that long.
 
     Returns the runs that failed (each with where its log is); the others run to the end regardless.
     """
+    from qerl_cli.rl.setup import ENGINE_READY_FILE
+
     threads = max(1, (os.cpu_count() or 1) // width)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), CHILD_ENV: "1"}
     pending = list(jobs)
-    running: list[tuple[subprocess.Popen, str, Any]] = []
+    running: list[_Child] = []
     failures = []
     last_start: float | None = None
     while pending or running:
         while pending and len(running) < width:
-            if last_start is not None and time.monotonic() - last_start < start_interval_s:
-                break  # the previous run's vLLM may still be measuring the free memory
+            now = time.monotonic()
+            if last_start is not None and now - last_start < start_interval_s:
+                break
+            starting = ready_timeout_s is not None and not _engines_up(
+                running, now, ready_timeout_s, ENGINE_READY_FILE
+            )
+            if starting:
+                break  # a vLLM engine still measuring the GPU's memory: the next start would skew it
             arm, seed = pending.pop(0)
             folder = run_dir(out, arm, seed)
             folder.mkdir(parents=True, exist_ok=True)
+            (folder / ENGINE_READY_FILE).unlink(missing_ok=True)  # an earlier invocation's
             handle = (folder / "compare.log").open("a")
             command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
             proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
             last_start = time.monotonic()
-            running.append((proc, f"{arm}/seed-{seed}", handle))
+            running.append(_Child(proc, f"{arm}/seed-{seed}", handle, folder, last_start))
         time.sleep(0.5)
-        for item in list(running):
-            proc, name, handle = item
-            if proc.poll() is not None:
-                handle.close()
-                running.remove(item)
-                if proc.returncode:
-                    failures.append(f"{name} (exit {proc.returncode}, see {out / name / 'compare.log'})")
+        for child in list(running):
+            if child.proc.poll() is not None:
+                child.handle.close()
+                running.remove(child)
+                if child.proc.returncode:
+                    failures.append(
+                        f"{child.name} (exit {child.proc.returncode}, see {out / child.name / 'compare.log'})"
+                    )
     return failures
 
 
@@ -314,16 +364,75 @@ def _thousandths(fraction: float, parts: int) -> float:
     return round(fraction * 1000) // parts / 1000
 
 
+def _set_key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def _set_value(item: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(item.split("=", 1)[1]) if "=" in item else None
+
+
+def _explicit(
+    key: str, arms: dict[str, dict[str, Any]], sets: list[str], todo: list[tuple[str, int]]
+) -> list[tuple[str, Any]]:
+    """Where this invocation sets ``key`` itself (``--set`` or an arm's override), with the value."""
+    found = [("--set", _set_value(s)) for s in sets if _set_key(s) == key]
+    found += [(f"arm {a}", arms[a][key]) for a in dict.fromkeys(a for a, _ in todo) if key in arms[a]]
+    return found
+
+
+def _child_vllm_share(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], all_sets: list[str], todo: list[tuple[str, int]],
+    fraction: float, width: int,
+) -> tuple[float | None, str]:  # fmt: skip
+    """vLLM's share (a fraction of the whole GPU) each run sharing it gets, and why: half its
+    ``fraction``, or the recipe's smaller explicit share; None where ``--set`` gives one (kept, checked).
+    An arm's own share is kept (checked). With sleep mode off the share must be a number."""
+    key = "rollout.gpu_memory_utilization"
+    half = _thousandths(fraction, 2)
+    for where, value in _explicit(key, arms, all_sets, todo):
+        if value == "auto":
+            raise QerlError(
+                f"{key}=auto ({where}) with --jobs {width}: vLLM runs sharing the GPU run without sleep "
+                f"mode, and then need an explicit share. Leave it out (each vLLM then gets {half}, half of "
+                f"its train.gpu_fraction={fraction}) or give a fraction of the whole GPU of at most "
+                f"{fraction}"
+            )
+        if isinstance(value, int | float) and value > fraction:
+            raise QerlError(
+                f"{key}={value} ({where}) is more than train.gpu_fraction={fraction}, the part of the GPU "
+                f"each of the {width} runs sharing it may use: give at most {fraction}, or leave it out "
+                f"(each vLLM then gets {half}, half of its fraction)"
+            )
+    if any(_set_key(s) == key for s in all_sets):
+        return None, "--set's"
+    recipe = cfg.from_dict(
+        cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), _train_sets(all_sets), None)
+    ).rollout.gpu_memory_utilization
+    if recipe != "auto" and float(recipe) <= half:
+        return float(recipe), "the recipe's"
+    why = "the recipe's auto needs sleep mode" if recipe == "auto" else f"the recipe's {recipe} is larger"
+    return half, f"half of train.gpu_fraction; {why}"
+
+
 def _shared_gpu_sets(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], all_sets: list[str], todo: list[tuple[str, int]],
     out: Path, bases: dict[str, str], confs: list[cfg.TrainConfig], width: int,
 ) -> list[str]:  # fmt: skip
     """The children's ``--set`` list when ``width`` vLLM runs share the GPU: each gets
-    ``train.gpu_fraction`` = SHARED_GPU_FRACTION / width, or keeps the user's if it is at most 1 / width.
-    Every run's config is checked with it now (e.g. an explicit vLLM share above it), not in a child."""
+    ``train.gpu_fraction`` = SHARED_GPU_FRACTION / width (or keeps the user's if it is at most 1 / width),
+    vLLM's sleep mode off and an explicit vLLM share inside that fraction (:func:`_child_vllm_share`): the
+    trainer plans its update within what the share leaves of the slice.
+
+    Sleep mode cannot stay on: vLLM's ``sleep()`` compares the whole device's free memory before and
+    after, and stops the run when a neighbour allocated meanwhile. A user who turns it on explicitly
+    (``--set`` or an arm) is refused (exit 2) rather than overridden. Every run's config is checked with
+    these settings now, not in a child."""
     given = (
         "gpu_fraction" in (data.get("train") or {})
-        or any(s.split("=", 1)[0].strip() == "train.gpu_fraction" for s in all_sets)
+        or any(_set_key(s) == "train.gpu_fraction" for s in all_sets)
         or any("train.gpu_fraction" in arms[a] for a, _ in todo)
     )
     if given:
@@ -338,12 +447,31 @@ def _shared_gpu_sets(
     else:
         fraction = _thousandths(SHARED_GPU_FRACTION, width)
         sets = [*all_sets, f"train.gpu_fraction={fraction}"]
+    for where, value in _explicit("rollout.enable_sleep_mode", arms, all_sets, todo):
+        if value is True:
+            raise QerlError(
+                f"rollout.enable_sleep_mode=true ({where}) with --jobs {width}: vLLM runs sharing the GPU "
+                "cannot sleep. vLLM's sleep() compares the whole device's free memory before and after, and "
+                "stops the run ('Memory usage increased after sleeping') when a neighbour allocated "
+                "meanwhile; compare turns sleep mode off for each of them (vLLM keeps an explicit share "
+                "through the update). Remove the setting, or run one at a time (--jobs 1) to keep sleep mode"
+            )
+    # Arms may give different fractions: the share fits the smallest.
+    smallest = min(conf.train.gpu_fraction for conf in confs) if given else fraction
+    share, why = _child_vllm_share(data, arms, all_sets, todo, smallest, width)
+    sets.append("rollout.enable_sleep_mode=false")
+    if share is not None:
+        sets.append(f"rollout.gpu_memory_utilization={share}")
     train_sets = _train_sets(sets)
     for arm, seed in todo:
         arm_config(data, arms[arm], train_sets, seed, out, arm, bases)
+    if share is None:  # the user's --set (the last one wins)
+        share = _explicit("rollout.gpu_memory_utilization", {}, all_sets, [])[-1][1]
     log.info(
-        "%d vLLM runs share the GPU at a time: each plans its memory within train.gpu_fraction=%s of it",
-        width, fraction,
+        "%d vLLM runs share the GPU at a time: each plans its memory within train.gpu_fraction=%s of it, "
+        "with vLLM's sleep mode off and its share rollout.gpu_memory_utilization=%s of the whole GPU (%s); "
+        "each starts once the previous one's vLLM engine is up",
+        width, fraction, share, why,
     )  # fmt: skip
     return sets
 
@@ -431,9 +559,10 @@ def _train(ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress
         child_sets = _shared_gpu_sets(
             ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, width
         )
-        # Staggered starts: each vLLM engine profiles the GPU's memory while the others stand still.
-        wait = DEFAULT_START_INTERVAL_S if interval is None else interval
-        return _run_parallel(todo, recipe, seeds, out, child_sets, width, wait)
+        # One vLLM start at a time: each waits until the previous run's engine is up, at least `gap` later.
+        gap = DEFAULT_START_INTERVAL_S if interval is None else interval
+        timeout = ablation.settings.engine_ready_timeout_s
+        return _run_parallel(todo, recipe, seeds, out, child_sets, width, gap, timeout)
     if jobs > 1 and len(todo) > 1:
         return _run_parallel(todo, recipe, seeds, out, all_sets, jobs, interval or 0.0)
     failures = []

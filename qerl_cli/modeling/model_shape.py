@@ -64,6 +64,11 @@ class ModelShape:
         per_layer = 2 * self.hidden + self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
         return embed + self.layers * per_layer + self.hidden
 
+    def parameters(self) -> int:
+        """The model's parameter count (decoder linears plus the dense ones; biases of o/MLP ignored),
+        whatever format it is stored in: what tells models of one size from another."""
+        return self.decoder_linear_params() + self.dense_params()
+
     def kv_bytes_per_token(self, kv_dtype: str = "auto") -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * KV_DTYPE_BYTES.get(kv_dtype, 2)
 

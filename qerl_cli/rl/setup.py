@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,10 @@ log = logging.getLogger(__name__)
 # vLLM's default for offline engines on GPUs of 70 GiB and more (256 on smaller ones): a round larger than
 # this keeps vLLM's own limit (its KV cache bounds the concurrency anyway).
 VLLM_DEFAULT_MAX_NUM_SEQS = 1024
+# Written in the run's output folder once its vLLM engine is built (weights loaded, KV cache allocated):
+# `qerl compare --jobs N` starts the next run sharing the GPU only then, since a vLLM start measures the
+# device's memory, which a neighbour starting at the same time changes.
+ENGINE_READY_FILE = "engine_ready"
 
 
 def make_engine(
@@ -41,7 +47,12 @@ def make_engine(
 ) -> RolloutEngine:
     """The rollout engine of ``cfg.rollout.engine``: HF shares the policy's model, vLLM loads its own
     copy of the base (the caller syncs the adapter) and takes ``gpu_memory_utilization`` of the GPU
-    (the memory plan's resolution of the recipe's value, ``auto`` included).
+    (the memory plan's resolution of the recipe's value, ``auto`` included). Once a vLLM engine is built,
+    :data:`ENGINE_READY_FILE` is written in ``output.dir``.
+
+    Within a slice of the GPU (``train.gpu_fraction`` below 1: runs sharing it) vLLM's KV cache is sized
+    from its share (``kv_cache_from_share``) rather than by vLLM's profiling of the device's free memory,
+    which the other runs' steps change while this one starts.
 
     ``distributed``: this process is one rank of a torchrun job. vLLM then runs in-process on the
     rank's GPU through its ``external_launcher`` executor, which joins the existing process group
@@ -85,9 +96,21 @@ def make_engine(
         crossover_table=cfg.rollout.crossover_table,
         max_num_seqs=min(per_round, VLLM_DEFAULT_MAX_NUM_SEQS),
         external_launcher=distributed,
+        kv_cache_from_share=cfg.train.gpu_fraction < 1,
         vllm_kwargs=dict(cfg.rollout.vllm_kwargs),
     )
-    return factory.make_engine(request)
+    engine = factory.make_engine(request)
+    mark_engine_ready(cfg.output.dir)
+    return engine
+
+
+def mark_engine_ready(out_dir: str | Path) -> None:
+    """Say, in ``out_dir``, that this run's rollout engine is up (what ``qerl compare`` waits for before
+    starting the next run on the same GPU). A marker that cannot be written costs the run nothing."""
+    try:
+        (Path(out_dir) / ENGINE_READY_FILE).write_text(json.dumps({"pid": os.getpid(), "time": time.time()}))
+    except OSError as exc:
+        log.warning("could not write %s in %s: %s", ENGINE_READY_FILE, out_dir, exc)
 
 
 def check_parallel_settings(cfg: TrainConfig, dist: Distributed) -> None:

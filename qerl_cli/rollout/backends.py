@@ -13,13 +13,22 @@ compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alte
 * ``auto``: per GPU and the run's concurrency (sequences one rollout round submits), the backend with
   the highest rollout tokens/s in a crossover table that ``qerl bench --concurrency`` measures, among
   those installed and whose weights leave the KV cache room for the round. Without measurements for
-  this GPU and format it keeps vLLM's default.
+  this GPU and format, or with measurements of a model of another size only, it keeps vLLM's default.
+
+Where the crossover lies depends on the model's layer widths (a small model's GEMMs turn compute-bound
+at other concurrencies than a 7B's), so every table entry names the model it was measured on
+(:class:`MeasuredModel`), and ``auto`` uses an entry only for a comparable model
+(:func:`comparable_models`: parameter counts within ``COMPARABLE_FACTOR`` of each other, or the same
+hidden and MLP widths). An entry without a model (a table written before entries named theirs) is used
+only from a table the recipe names itself (``rollout.crossover_table``), as before, never from the
+shipped one.
 
 This module only decides; :func:`qerl_cli.rollout.factory.make_engine` applies the choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -94,12 +103,102 @@ class Environment:
 # --------------------------------------------------------------------------------------------
 # The crossover table
 # --------------------------------------------------------------------------------------------
+# Parameter counts within this factor of each other are of a comparable size (a table entry measured on
+# one is used for the other).
+COMPARABLE_FACTOR = 2.0
+MODEL_FIELD = "model"  # the key, beside the backends' names, of the model an entry was measured on
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    """The model a crossover entry was measured on (or a run's model, to compare with it)."""
+
+    name: str | None = None
+    parameters: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    layers: int | None = None
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], name: str | None = None) -> MeasuredModel | None:
+        """From a transformers ``config.json`` dict (None when it lacks the usual dimensions)."""
+        from qerl_cli.modeling.model_shape import ModelShape
+
+        try:
+            shape = ModelShape.from_config(config)
+        except QerlError:
+            return None
+        return cls(name, shape.parameters(), shape.hidden, shape.intermediate, shape.layers)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MeasuredModel | None:
+        if not isinstance(data, dict):
+            return None
+
+        def number(key: str) -> int | None:
+            value = data.get(key)
+            return int(value) if isinstance(value, int | float) and value > 0 else None
+
+        name = data.get("name")
+        return cls(str(name) if name is not None else None, number("parameters"), number("hidden_size"),
+                   number("intermediate_size"), number("layers"))  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def label(self) -> str:
+        size = f"{self.parameters / 1e9:.2g}B parameters" if self.parameters else None
+        if size is None and self.hidden_size:
+            size = f"hidden {self.hidden_size}" + (f", {self.layers} layers" if self.layers else "")
+        if self.name and size:
+            return f"{self.name} ({size})"
+        return self.name or size or "a model of unknown size"
+
+
+def comparable_models(run: MeasuredModel | None, measured: MeasuredModel | None) -> bool:
+    """Whether a table entry measured on ``measured`` may steer a run of ``run``: parameter counts within
+    ``COMPARABLE_FACTOR`` of each other, or (either count unknown, or not within it) the same hidden and
+    MLP widths, which are the GEMM shapes whose compute-bound point the crossover is. Unknown on either
+    side: not comparable."""
+    if run is None or measured is None:
+        return False
+    if run.parameters and measured.parameters:
+        ratio = run.parameters / measured.parameters
+        if 1 / COMPARABLE_FACTOR <= ratio <= COMPARABLE_FACTOR:
+            return True
+    widths = (run.hidden_size, run.intermediate_size)
+    return all(widths) and widths == (measured.hidden_size, measured.intermediate_size)
+
+
 def table_key(fmt: str, lora: bool) -> str:
     return f"{fmt}+lora" if lora else fmt
 
 
+def key_entries(measurements: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """The entries of one GPU's ``key`` (``nvfp4+lora``): each ``{"model": {...}, backend: {concurrency:
+    tokens/s}, ...}``. A key measured on one model holds one entry (a mapping), on several a list of them
+    (what :func:`merge_tables` writes)."""
+    value = (measurements or {}).get(key)
+    if isinstance(value, dict):
+        return [value]
+    if isinstance(value, list):
+        return [e for e in value if isinstance(e, dict)]
+    return []
+
+
+def entry_backends(entry: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """An entry's ``{backend: {concurrency: tokens/s}}``, without its model."""
+    return {b: points for b, points in entry.items() if b != MODEL_FIELD and isinstance(points, dict)}
+
+
+def entry_model(entry: dict[str, Any]) -> MeasuredModel | None:
+    return MeasuredModel.from_dict(entry.get(MODEL_FIELD))
+
+
 def load_table(path: str | Path | None = None) -> dict[str, Any]:
-    """A crossover table: ``{"gpus": {GPU name: {"nvfp4+lora": {backend: {concurrency: tok/s}}}}}``.
+    """A crossover table: ``{"gpus": {GPU name: {"nvfp4+lora": {"model": {name, parameters, hidden_size,
+    intermediate_size, layers}, backend: {concurrency: tok/s}}}}}`` (a key measured on several models:
+    a list of such entries).
 
     ``path`` None: the table shipped with qerl (measured by ``qerl bench --concurrency``).
     """
@@ -121,16 +220,28 @@ def load_table(path: str | Path | None = None) -> dict[str, Any]:
 
 def merge_tables(*tables: dict[str, Any]) -> dict[str, Any]:
     """One table from several (sweeps of other backends or machines): later measurements of the same
-    GPU, format, backend and concurrency win."""
+    GPU, format, model, backend and concurrency win; measurements of another model are kept beside
+    (the key then holds a list of entries, one per model)."""
     merged: dict[str, Any] = {"gpus": {}}
     for table in tables:
-        for gpu, entry in table.get("gpus", {}).items():
-            for key, by_backend in entry.items():
-                for backend, points in by_backend.items():
-                    into = merged["gpus"].setdefault(gpu, {}).setdefault(key, {})
-                    into.setdefault(backend, {}).update(points)
+        for gpu, measurements in table.get("gpus", {}).items():
+            into_gpu = merged["gpus"].setdefault(gpu, {})
+            for key in measurements:
+                entries = into_gpu.setdefault(key, [])
+                for entry in key_entries(measurements, key):
+                    model = entry_model(entry)
+                    target = next((e for e in entries if entry_model(e) == model), None)
+                    if target is None:
+                        target = {MODEL_FIELD: model.to_dict()} if model is not None else {}
+                        entries.append(target)
+                    for backend, points in entry_backends(entry).items():
+                        target.setdefault(backend, {}).update(points)
         if "measured" in table:
-            merged.setdefault("measured", []).append(table["measured"])
+            measured = table["measured"]
+            merged.setdefault("measured", []).extend(measured if isinstance(measured, list) else [measured])
+    for measurements in merged["gpus"].values():
+        for key, entries in measurements.items():
+            measurements[key] = entries[0] if len(entries) == 1 else entries
     return merged
 
 
@@ -206,12 +317,17 @@ def choose_backend(
     table: dict[str, Any],
     weight_bytes: dict[str, int] | None = None,
     lora: bool = True,
+    model: MeasuredModel | None = None,
+    unknown_model_ok: bool = True,
 ) -> BackendChoice:
     """Resolve ``rollout.linear_backend`` for a ``fmt`` checkpoint and a round of ``concurrency`` sequences.
 
     A pinned backend is checked and kept (QerlError with the fix when it cannot run here). ``auto``
     predicts each available backend's tokens/s at the concurrency its weights leave KV room for
-    (``weight_bytes``: per backend) and takes the best; with no measurements it keeps vLLM's default.
+    (``weight_bytes``: per backend) and takes the best, from the table's entry for this GPU and format
+    measured on a model comparable to ``model`` (the run's); an entry that names no model only when
+    ``unknown_model_ok`` (the recipe named the table itself). With no such measurements it keeps vLLM's
+    default, and the reason says why.
     """
     if requested not in BACKENDS:
         raise QerlError(
@@ -228,8 +344,9 @@ def choose_backend(
         _check_fits(requested, fmt, weight_bytes, env)
         return BackendChoice(requested, fmt, "pinned by rollout.linear_backend", concurrency)
 
-    entry = gpu_entry(table, env.gpu_name)
-    measured = (entry or {}).get(table_key(fmt, lora)) or {}
+    what = f"{fmt}{' + LoRA' if lora else ''} on {env.gpu_name or 'this GPU'}"
+    entries = key_entries(gpu_entry(table, env.gpu_name), table_key(fmt, lora))
+    measured, source, why_not = _pick_entry(entries, model, unknown_model_ok, what)
     candidates: dict[str, float | None] = {}
     for backend in FORMAT_BACKENDS.get(fmt, ("default",)):
         if unavailable_reason(backend, fmt, env) is not None or backend not in measured:
@@ -240,17 +357,53 @@ def choose_backend(
         candidates[backend] = interpolate(measured[backend], min(concurrency, fits or concurrency))
     scored = {b: v for b, v in candidates.items() if v is not None}
     if default not in scored:  # an alternative is only chosen against a measured default
-        what = f"{fmt}{' + LoRA' if lora else ''} on {env.gpu_name or 'this GPU'}"
-        why = (f"no crossover measurements for {what}" if not measured
-               else f"vLLM's default ({default}) was not measured for {what}")  # fmt: skip
+        why = why_not or (f"no crossover measurements for {what}" if not measured
+                          else f"vLLM's default ({default}) was not measured for {what}")  # fmt: skip
         reason = f"{why}: vLLM's default ({default})"
         return BackendChoice(default, fmt, reason, concurrency, None, candidates)
     best = max(scored, key=lambda b: scored[b])
     ranked = sorted(scored.items(), key=lambda kv: -kv[1])
-    reason = f"fastest measured at {concurrency} sequences on {env.gpu_name}: " + ", ".join(
+    reason = f"fastest measured at {concurrency} sequences on {env.gpu_name} ({source}): " + ", ".join(
         f"{b} {v:.0f} tok/s" for b, v in ranked
     )
     return BackendChoice(best, fmt, reason, concurrency, scored[best], candidates)
+
+
+def _pick_entry(
+    entries: list[dict[str, Any]], model: MeasuredModel | None, unknown_model_ok: bool, what: str
+) -> tuple[dict[str, dict[str, float]], str | None, str | None]:
+    """(``{backend: points}`` of the entry measured on the model closest to ``model`` among the comparable
+    ones, where it came from, why none was taken)."""
+    known = [(e, m) for e in entries if (m := entry_model(e)) is not None]
+    fitting = [(e, m) for e, m in known if comparable_models(model, m)]
+    if fitting:
+
+        def distance(pair: tuple[dict[str, Any], MeasuredModel]) -> float:
+            theirs = pair[1].parameters
+            mine = model.parameters if model else None
+            return abs(math.log(mine / theirs)) if mine and theirs else 0.0
+
+        entry, measured_on = min(fitting, key=distance)
+        return entry_backends(entry), f"measured on {measured_on.label()}", None
+    unnamed = [e for e in entries if entry_model(e) is None]
+    if unnamed and unknown_model_ok:
+        return entry_backends(unnamed[-1]), "measured on a model the table does not name", None
+    if known:
+        on = "; ".join(m.label() for _, m in known)
+        this = model.label() if model is not None else "a model of unknown size"
+        return {}, None, (
+            f"the crossover measurements for {what} are of {on}, not comparable to this model ({this}); "
+            f"auto uses those of a model within {COMPARABLE_FACTOR:g}x of its parameter count or of the same "
+            "hidden and MLP widths (measure this one with qerl bench --concurrency and point "
+            "rollout.crossover_table at its crossover.json)"
+        )  # fmt: skip
+    if unnamed:
+        return {}, None, (
+            f"the crossover measurements for {what} do not name the model they were measured on (a table "
+            "written before entries named theirs); only a table the recipe names itself "
+            "(rollout.crossover_table) is used without one"
+        )  # fmt: skip
+    return {}, None, None
 
 
 def _check_fits(backend: str, fmt: str, weight_bytes: dict[str, int] | None, env: Environment) -> None:

@@ -26,6 +26,7 @@ from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.rollout.backends import (
     FORMAT_BACKENDS,
     BackendChoice,
+    MeasuredModel,
     choose_backend,
     current_environment,
     load_table,
@@ -81,6 +82,10 @@ class EngineRequest:
     # This process is one rank of a torchrun job: vLLM joins its process group (``external_launcher``)
     # instead of starting workers of its own.
     external_launcher: bool = False
+    # Size vLLM's KV cache from its share (``kv_cache_memory_bytes``: the share of the GPU less the rollout
+    # weights and VLLM_OVERHEAD) instead of letting vLLM profile the device's free memory, which other
+    # processes on the GPU change while it starts (runs sharing one GPU).
+    kv_cache_from_share: bool = False
     vllm_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the recipe's own; they win
 
 
@@ -209,6 +214,9 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
 
         served = str(fp8_rollout_checkpoint(model_path, cache_root()))
         model_format = "auto"  # vLLM serves the FP8 copy; the trainer keeps the 4-bit base
+    fixed_kv: dict[str, Any] = {}
+    if request.kv_cache_from_share and "kv_cache_memory_bytes" not in user_kwargs:
+        fixed_kv = kv_cache_from_share(str(model_path), choice, request)
     engine = VLLMEngine(
         served, model_format=model_format, dtype=torch_dtype_name(request.dtype),
         gpu_memory_utilization=request.gpu_memory_utilization,
@@ -217,12 +225,53 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         staleness_tolerance=request.staleness_tolerance, seed=request.seed,
         trust_remote_code=request.trust_remote_code, revision=request.revision,
         kv_cache_dtype=request.kv_cache_dtype, tensor_parallel_size=request.tensor_parallel_size,
-        vllm_kwargs={**choice.vllm_kwargs(), **user_kwargs},  # the recipe's vllm_kwargs win
+        vllm_kwargs={**choice.vllm_kwargs(), **fixed_kv, **user_kwargs},  # the recipe's vllm_kwargs win
     )  # fmt: skip
     engine.backend_choice = choice
     if request.adapter is not None:
         engine.sync_adapter(str(request.adapter))
     return engine
+
+
+def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineRequest) -> dict[str, Any]:
+    """``{"kv_cache_memory_bytes": N}``: vLLM's share of the GPU (``gpu_memory_utilization`` x its total)
+    less the rollout weights (in the chosen backend's format) and ``VLLM_OVERHEAD`` (activations, CUDA
+    graphs, LoRA slots). With it vLLM skips its memory profiling, which reads the whole device's free
+    memory and so goes wrong (a negative KV cache, a failed assertion) when another process on the GPU
+    allocates or frees while this engine starts. Empty (vLLM profiles as usual) where the sizes are not
+    known: no GPU, tensor parallel, a checkpoint qerl does not read. QerlError when the share leaves no
+    room for one full-length sequence."""
+    from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
+    from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes
+
+    total = _cuda_total_bytes()
+    fmt = "fp8" if choice.backend == "fp8" else choice.fmt
+    if not total or request.tensor_parallel_size > 1 or fmt not in WEIGHT_BYTES:
+        return {}
+    try:
+        shape = ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
+    except QerlError:
+        return {}
+    share = int(total * request.gpu_memory_utilization)
+    weights = weight_bytes(shape, fmt)
+    kv = share - weights - VLLM_OVERHEAD
+    one = shape.kv_bytes_per_token(request.kv_cache_dtype) * (request.max_model_len or 0)
+    if kv < max(one, 1):
+        gib = 2**30
+        raise QerlError(
+            f"vLLM's share of this run's slice of the GPU (rollout.gpu_memory_utilization="
+            f"{request.gpu_memory_utilization}: {share / gib:.1f} GiB) leaves no KV cache room for one "
+            f"full-length sequence ({one / gib:.2f} GiB) after its {fmt} weights ({weights / gib:.1f} GiB) "
+            f"and {VLLM_OVERHEAD / gib:.0f} GiB of activations and CUDA graphs: give vLLM a larger share, "
+            "run fewer runs on the GPU at once (qerl compare --jobs), or shorten "
+            "rollout.max_completion_length"
+        )
+    log.info(
+        "vLLM's KV cache: %.2f GiB, sized from its share (%.1f GiB) less its weights (%.1f GiB) and %.0f GiB "
+        "overhead, without profiling the GPU's memory (other runs share it)",
+        kv / 2**30, share / 2**30, weights / 2**30, VLLM_OVERHEAD / 2**30,
+    )  # fmt: skip
+    return {"kv_cache_memory_bytes": int(kv)}
 
 
 def choose_rollout_backend(
@@ -252,10 +301,13 @@ def choose_rollout_backend(
         return BackendChoice("default", fmt, "a checkpoint qerl does not read: vLLM's default", concurrency)
     sizes: dict[str, int] | None = None
     kv = budget = None
+    config = json.loads((Path(model_path) / "config.json").read_text())
     try:  # a config without the usual dimensions is served all the same, without the memory check
-        shape = ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
+        shape = ModelShape.from_config(config)
     except QerlError:
         shape = None
+    # What the table's entries are weighed against: one measured on a model of another size is not used.
+    model = MeasuredModel.from_config(config, name=Path(model_path).name)
     total = _cuda_total_bytes()
     if shape is not None and total and isinstance(gpu_memory_utilization, float):
         sizes = {b: weight_bytes(shape, "fp8" if b == "fp8" else fmt) for b in FORMAT_BACKENDS.get(fmt, ())}
@@ -265,6 +317,7 @@ def choose_rollout_backend(
         vllm_budget_bytes=budget, kv_bytes_per_sequence=kv, overhead_bytes=VLLM_OVERHEAD
     )
     choice = choose_backend(requested, fmt, concurrency=concurrency, env=env,
-                            table=load_table(crossover_table), weight_bytes=sizes, lora=lora)  # fmt: skip
+                            table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,
+                            unknown_model_ok=crossover_table is not None)  # fmt: skip
     log.info("rollout linear backend: %s (%s)", choice.backend, choice.reason)
     return choice
