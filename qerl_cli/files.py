@@ -6,6 +6,7 @@ run is interrupted) and every stage appends to ``$GITHUB_STEP_SUMMARY`` the same
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -131,6 +132,15 @@ def read_json_report(path: str | Path, file_name: str, what: str) -> dict[str, A
 
 
 COMPLETE_MARKER = ".qerl-complete"  # written last: a folder without it is a crashed write
+
+
+def sha256_file(path: str | Path) -> str:
+    """The file's SHA-256 (hex), read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def is_complete_folder(folder: str | Path) -> bool:

@@ -42,6 +42,8 @@ from safetensors.torch import save, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qerl_cli.files import sha256_file  # noqa: E402 - after the checkout is on the path
+
 MANIFEST = "assemble.json"
 BORROWED_TENSORS = ("model.embed_tokens.weight",)
 BORROW_FILES_OVER = 1 << 20  # files at least this large, byte-identical in the BF16 folder, are borrowed
@@ -50,14 +52,6 @@ SKIPPED_FILES = (".qerl-complete",)  # written again by the staged write
 
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _tensor_sha256(tensor: torch.Tensor) -> str:
@@ -116,7 +110,7 @@ def pack(full: Path, bf16: Path, parts: Path, borrow: tuple[str, ...]) -> dict[s
         with gzip.GzipFile(parts / rest_name, "wb", compresslevel=9, mtime=0) as out:
             out.write(save(tensors, metadata=metadata))
         manifest["safetensors"][file.name] = {
-            "sha256": _sha256_file(file),
+            "sha256": sha256_file(file),
             "metadata": metadata,
             "rest": rest_name,
             "borrowed": borrowed,
@@ -125,9 +119,9 @@ def pack(full: Path, bf16: Path, parts: Path, borrow: tuple[str, ...]) -> dict[s
     for file in sorted(p for p in full.iterdir() if p.is_file()):
         if file.suffix == ".safetensors" or file.name in SKIPPED_FILES:
             continue
-        digest = _sha256_file(file)
+        digest = sha256_file(file)
         twin = bf16 / file.name
-        if file.stat().st_size >= BORROW_FILES_OVER and twin.is_file() and _sha256_file(twin) == digest:
+        if file.stat().st_size >= BORROW_FILES_OVER and twin.is_file() and sha256_file(twin) == digest:
             manifest["borrowed_files"][file.name] = digest
         else:
             shutil.copy2(file, parts / file.name)
@@ -165,7 +159,7 @@ def assemble(parts: Path, bf16: Path, target: Path, strict: bool, overwrite: boo
         twin = bf16 / name
         if not twin.is_file():
             raise SystemExit(f"{bf16} has no {name}")
-        same = _sha256_file(twin) == digest
+        same = sha256_file(twin) == digest
         if not same and strict:
             raise SystemExit(f"{twin} differs from the packed model's {name} (--strict)")
         file_notes[name] = "identical" if same else "DIFFERS (taken from the BF16 folder anyway)"
@@ -186,7 +180,7 @@ def assemble(parts: Path, bf16: Path, target: Path, strict: bool, overwrite: boo
             with safe_open(str(out), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
                     _check_tensor(name, f.get_tensor(name), entry["tensors"][name], str(out))
-            identical = _sha256_file(out) == entry["sha256"]
+            identical = sha256_file(out) == entry["sha256"]
             report["safetensors"][file_name] = {
                 "tensors": len(entry["tensors"]),
                 "tensors_verified": True,
@@ -195,7 +189,7 @@ def assemble(parts: Path, bf16: Path, target: Path, strict: bool, overwrite: boo
             print(f"{file_name}: {len(entry['tensors'])} tensors verified, file byte-identical: {identical}")
         for name, digest in manifest["files"].items():
             shutil.copy2(parts / name, staging / name)
-            if _sha256_file(staging / name) != digest:
+            if sha256_file(staging / name) != digest:
                 raise SystemExit(f"{parts / name} does not match its recorded SHA-256")
         for name in manifest["borrowed_files"]:
             shutil.copy2(bf16 / name, staging / name)

@@ -70,33 +70,20 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
     from qerl_cli.modeling.adapter import rank as adapter_rank
     from qerl_cli.rollout import factory
 
-    rank = adapter_rank(cfg.adapter)
+    common = dict(adapter=cfg.adapter, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if cfg.engine == "vllm":
+        rank = adapter_rank(cfg.adapter)
         request = factory.EngineRequest(
-            "vllm",
-            cfg.model,
-            adapter=cfg.adapter,
-            dtype=cfg.dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            "vllm", cfg.model, **common, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enable_sleep_mode=False,  # nothing else shares the GPU during evaluation
-            enable_lora=rank is not None,
-            max_lora_rank=rank or 16,
-            seed=cfg.seed,
-            trust_remote_code=cfg.trust_remote_code,
-            linear_backend=cfg.linear_backend,
-            vllm_kwargs=dict(cfg.vllm_kwargs),
-        )
+            enable_lora=rank is not None, max_lora_rank=rank or 16, seed=cfg.seed,
+            linear_backend=cfg.linear_backend, vllm_kwargs=dict(cfg.vllm_kwargs),
+        )  # fmt: skip
     else:
         request = factory.EngineRequest(
-            "hf",
-            cfg.model,
-            adapter=cfg.adapter,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            tokenizer=tokenizer,
+            "hf", cfg.model, **common, device=cfg.device, tokenizer=tokenizer,
             generation_batch_size=cfg.generation_batch_size,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        )  # fmt: skip
     return factory.make_engine(request)
 
 

@@ -23,7 +23,6 @@ verifies it and falls back to the newest checkpoint that verifies, saying which 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
@@ -40,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask, staged_folder
+from qerl_cli.files import honour_umask, sha256_file, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -154,19 +153,11 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_manifest(folder: Path) -> Path:
     """``manifest.json``: size and SHA-256 of every file in ``folder`` (written last, after them)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
     entries = {
-        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files
     }
     path = folder / MANIFEST_FILE
     _write_json(path, {"format_version": FORMAT_VERSION, "files": entries})
@@ -204,7 +195,7 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         size = file.stat().st_size
         if size != entry.get("bytes"):
             return f"{name} has {size} bytes, the manifest says {entry.get('bytes')}"
-        if _sha256(file) != entry.get("sha256"):
+        if sha256_file(file) != entry.get("sha256"):
             return f"{name} does not match its checksum in the manifest"
     if STATE_FILE not in entries:
         return f"the manifest does not list {STATE_FILE}"
