@@ -12,7 +12,9 @@ import pytest
 import yaml
 
 from qerl_cli.compare import arms as arms_mod
-from qerl_cli.compare import runner, summary
+from qerl_cli.compare import heldout as heldout_mod
+from qerl_cli.compare import parallel, runner, summary
+from qerl_cli.compare import runs as runs_mod
 from qerl_cli.compare.results import BaseHeldout, CompareReport, HeldoutScore, RunResult
 from qerl_cli.compare.summary import arm_rows, steps_to
 from qerl_cli.errors import QerlError
@@ -118,9 +120,9 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
 
     monkeypatch.setattr(trainer_mod, "train", spy)
     evaluated = []
-    original_eval = runner.evaluate_heldout
+    original_eval = heldout_mod.evaluate_heldout
     monkeypatch.setattr(
-        runner, "evaluate_heldout", lambda conf, st, adapter, target: evaluated.append(adapter)
+        heldout_mod, "evaluate_heldout", lambda conf, st, adapter, target: evaluated.append(adapter)
         or original_eval(conf, st, adapter, target),
     )  # fmt: skip
     again = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
@@ -141,7 +143,7 @@ def test_vllm_runs_get_a_process_each_and_share_the_gpu_with_jobs(
     sets = [*TINY_SETS, "rollout.engine=vllm"]
     calls: list[tuple[int, float, list[str], float | None]] = []
     monkeypatch.setattr(
-        runner, "_run_parallel", lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None:
+        runner, "run_parallel", lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None:
         calls.append((width, interval, child_sets, ready)) or [],
     )  # fmt: skip
     # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
@@ -192,7 +194,7 @@ def test_runs_sharing_the_gpu_run_vllm_without_sleep_mode_and_with_their_own_sha
         calls.append(child_sets)
         return []
 
-    monkeypatch.setattr(runner, "_run_parallel", stand_in)
+    monkeypatch.setattr(runner, "run_parallel", stand_in)
 
     outs = iter(range(100))
 
@@ -215,8 +217,8 @@ def test_runs_sharing_the_gpu_run_vllm_without_sleep_mode_and_with_their_own_sha
     # Every child's config (arm overrides applied last) has sleep mode off and a numeric share.
     for child_sets in (got, children()):
         for arm in ("bf16-lora", "nvfp4-aqn"):
-            conf = runner.arm_config({"model": {"path": str(tiny_model_dir)}}, arms_mod.BUILTIN_ARMS[arm],
-                                     runner._train_sets(child_sets), 0, tmp_path / "x", arm, {})  # fmt: skip
+            conf = runs_mod.arm_config({"model": {"path": str(tiny_model_dir)}}, arms_mod.BUILTIN_ARMS[arm],
+                                     runs_mod.train_sets(child_sets), 0, tmp_path / "x", arm, {})  # fmt: skip
             assert conf.rollout.enable_sleep_mode is False
             assert conf.rollout.gpu_memory_utilization <= conf.train.gpu_fraction
             assert not isinstance(conf.rollout.gpu_memory_utilization, str)
@@ -225,7 +227,7 @@ def test_runs_sharing_the_gpu_run_vllm_without_sleep_mode_and_with_their_own_sha
 def test_sleep_mode_forced_on_for_runs_sharing_the_gpu_is_refused(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(runner, "_run_parallel", lambda *a: pytest.fail("no child may start"))
+    monkeypatch.setattr(runner, "run_parallel", lambda *a: pytest.fail("no child may start"))
     recipe = _recipe(tmp_path, tiny_model_dir, {"arms": {"sleepy": {"rollout.enable_sleep_mode": True}}})
     sets = [*TINY_SETS, "rollout.engine=vllm"]
     with pytest.raises(QerlError, match=r"enable_sleep_mode=true \(--set\) with --jobs 2: vLLM runs sharing"):
@@ -237,7 +239,7 @@ def test_sleep_mode_forced_on_for_runs_sharing_the_gpu_is_refused(
         runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "c", summarize=False, jobs=2,
                            sets=[*sets, "rollout.gpu_memory_utilization=auto"])  # fmt: skip
     # One at a time, sleep mode stays the user's.
-    monkeypatch.setattr(runner, "_run_parallel", lambda todo, recipe, seeds, out, child_sets, *a: [])
+    monkeypatch.setattr(runner, "run_parallel", lambda todo, recipe, seeds, out, child_sets, *a: [])
     runner.run_compare(recipe, ["sleepy"], 2, tmp_path / "d", sets=sets, jobs=1, summarize=False)
     # From the command line: exit 2 with the message.
     from qerl_cli.cli import main
@@ -245,6 +247,23 @@ def test_sleep_mode_forced_on_for_runs_sharing_the_gpu_is_refused(
     rc = main(["compare", str(recipe), "--arms", "sleepy", "--seeds", "2", "--jobs", "2", "-o",
                str(tmp_path / "e"), "--no-summary", *[x for s in sets for x in ("--set", s)]])  # fmt: skip
     assert rc == 2 and "cannot sleep" in " ".join(capsys.readouterr().err.split())
+
+
+def test_a_compare_child_trains_its_vllm_run_in_process(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a child process (CHILD_ENV set) a vLLM run trains there: it must not start a child of its own,
+    which would start another, without end."""
+    ran = _fake_runs(monkeypatch)
+    monkeypatch.setattr(runner, "run_parallel", lambda *a: pytest.fail("a child must not start a child"))
+    monkeypatch.setenv(parallel.CHILD_ENV, "1")
+    sets = [*TINY_SETS, "rollout.engine=vllm"]
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "a", sets=sets, only=["bf16-lora/0"],
+                       summarize=False)  # fmt: skip
+    assert ran == [("bf16-lora", 0)]
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "b", sets=sets, summarize=False)  # one by one
+    assert ran == [("bf16-lora", 0), ("bf16-lora", 0), ("bf16-lora", 1)]
 
 
 def test_parallel_children_carry_their_sets_and_start_staggered(
@@ -267,11 +286,11 @@ def test_parallel_children_carry_their_sets_and_start_staggered(
     def sleep(seconds: float) -> None:
         clock["now"] += seconds
 
-    monkeypatch.setattr(runner.subprocess, "Popen", FakeProc)
-    monkeypatch.setattr(runner, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    monkeypatch.setattr(parallel.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
     todo = [("a", 0), ("a", 1), ("a", 2)]
     sets = ["rollout.engine=vllm", "train.gpu_fraction=0.46"]
-    failures = runner._run_parallel(todo, "r.yaml", 3, tmp_path, sets, 2, 45.0)
+    failures = parallel.run_parallel(todo, "r.yaml", 3, tmp_path, sets, 2, 45.0)
     assert failures == []
     times = [t for t, _ in started]
     assert times[0] == 0.0 and times[1] >= 45.0  # the least gap between two starts
@@ -312,17 +331,17 @@ def test_the_next_vllm_run_starts_once_the_previous_ones_engine_is_up(
             up = plan[proc.only][0]
             arm, seed = proc.only.split("/")
             if up is not None and clock["now"] - started[proc.only] >= up and proc.returncode is None:
-                (runner.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
+                (runs_mod.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
 
-    monkeypatch.setattr(runner.subprocess, "Popen", FakeProc)
-    monkeypatch.setattr(runner, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    monkeypatch.setattr(parallel.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
     for seed in range(4):  # markers an earlier invocation left behind count for nothing
-        folder = runner.run_dir(tmp_path, "a", seed)
+        folder = runs_mod.run_dir(tmp_path, "a", seed)
         folder.mkdir(parents=True)
         (folder / ENGINE_READY_FILE).write_text("{}")
     todo = [("a", s) for s in range(4)]
     with caplog.at_level("INFO"):
-        failures = runner._run_parallel(todo, "r.yaml", 1, tmp_path, [], 3, 10.0, 120.0)
+        failures = parallel.run_parallel(todo, "r.yaml", 1, tmp_path, [], 3, 10.0, 120.0)
     assert len(failures) == 1 and failures[0].startswith("a/seed-2 (exit 1")
     # a/1 waits for a/0's engine (70 s, not the 10 s gap); a/2 for a/1's, which never comes: the 120 s
     # timeout; a/3 for a free slot, which a/2 gives back when it fails before its engine is up.
@@ -335,7 +354,7 @@ def test_the_next_vllm_run_starts_once_the_previous_ones_engine_is_up(
     # Without a timeout (runs that do not share a GPU) only the gap counts.
     started.clear(), procs.clear()
     clock["now"] = 0.0
-    runner._run_parallel([("a", 0), ("a", 1)], "r.yaml", 1, tmp_path, [], 2, 10.0)
+    parallel.run_parallel([("a", 0), ("a", 1)], "r.yaml", 1, tmp_path, [], 2, 10.0)
     assert started["a/1"] - started["a/0"] < 11.0
 
 
@@ -344,7 +363,7 @@ def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path:
     data = {"model": {"path": str(tiny_model_dir)}}
     bases = runner.prepare_bases(data, {"mine": own}, TINY_SETS, tmp_path / "out")
     assert bases == {"bf16": str(tiny_model_dir)}  # nothing quantized for an arm that brings its base
-    conf = runner.arm_config(data, own, TINY_SETS, 0, tmp_path / "out", "mine", bases)
+    conf = runs_mod.arm_config(data, own, TINY_SETS, 0, tmp_path / "out", "mine", bases)
     assert conf.model.path == str(tmp_path / "elsewhere-nvfp4")
 
 
@@ -401,7 +420,7 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int] | None = N
         return result
 
     monkeypatch.setattr(runner, "run_one", fake_run)
-    monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    monkeypatch.setattr(heldout_mod, "base_entropy", lambda *a: {"exact_entropy": 1.5})
     return ran
 
 
@@ -410,7 +429,7 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
 ) -> None:
     """As on the H200: one of nine runs diverged; the rest must still run and be summarised."""
     ran = _fake_runs(monkeypatch, fail=("nvfp4-aqn", 1))
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out = tmp_path / "cmp"
     recipe = _recipe(tmp_path, tiny_model_dir)
     with pytest.raises(QerlError, match=r"1 of 4 runs failed: nvfp4-aqn/seed-1 \(training diverged.*"
@@ -431,7 +450,7 @@ def test_a_base_that_cannot_be_evaluated_still_gets_a_report(
             raise RuntimeError("CUDA out of memory")
         return _score(0.25, 0.05)
 
-    monkeypatch.setattr(runner, "evaluate_heldout", evaluate)
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", evaluate)
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     with pytest.raises(QerlError, match=r"Not evaluated: the base of nvfp4-aqn \(RuntimeError: CUDA out of"):
         runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS)
@@ -447,7 +466,7 @@ def test_base_figures_are_made_again_when_their_settings_change(
     _fake_runs(monkeypatch)
     evaluated = []
     monkeypatch.setattr(
-        runner, "evaluate_heldout",
+        heldout_mod, "evaluate_heldout",
         lambda conf, settings, adapter, target: evaluated.append(settings.heldout_problems)
         or _score(0.25, 0.05),
     )  # fmt: skip
@@ -473,7 +492,7 @@ def test_runs_trained_on_another_base_are_flagged(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _fake_runs(monkeypatch)
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
     done = out / "bf16-lora" / "seed-0" / "result.json"
@@ -498,9 +517,9 @@ def test_parallel_runs_report_a_failed_child_and_summarise_the_rest(
                 else f"open({str(target)!r}, 'w').write({json.dumps(json.dumps(result))})")  # fmt: skip
         return [sys.executable, "-c", code]
 
-    monkeypatch.setattr(runner, "_child_command", child)
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
-    monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    monkeypatch.setattr(parallel, "_child_command", child)
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    monkeypatch.setattr(heldout_mod, "base_entropy", lambda *a: {"exact_entropy": 1.5})
     out = tmp_path / "cmp"
     failed = r"1 of 4 runs failed: bf16-lora/seed-1 \(exit 2, see .*compare.log\)"
     with pytest.raises(QerlError, match=failed):
@@ -524,7 +543,7 @@ def test_awq_is_the_default_base_method_and_its_absence_is_explained(
     assert arms_mod.read_settings({"base_method": "rtn"}).base_method == "rtn"  # still an option
     recipes = Path(__file__).resolve().parents[1] / "recipes"
     for name in ("smollm2_wordproblems.yaml", "gemma3_270m_wordproblems.yaml"):  # the real-model recipes
-        assert runner.load_recipe(recipes / name)[1].base_method == "awq", name
+        assert runs_mod.load_recipe(recipes / name)[1].base_method == "awq", name
         # Their documented quantize step makes an AWQ base (qerl quantize's default method).
         assert "--format nvfp4 --calib qerl-text -o" in (recipes / name).read_text(), name
     real_find_spec = importlib.util.find_spec
@@ -556,8 +575,8 @@ def test_start_signal_columns_and_the_starving_base_warning(
         return result
 
     monkeypatch.setattr(runner, "run_one", fake_run)
-    monkeypatch.setattr(runner, "base_entropy", lambda *a: {"exact_entropy": 1.5})
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    monkeypatch.setattr(heldout_mod, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     with caplog.at_level("WARNING"):
         report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS).report
@@ -590,7 +609,7 @@ def test_compare_files_read_back_key_for_key(
     """compare.json, each base's heldout.json and each run's result.json keep their layout through the
     typed results; the files of an earlier qerl (committed in benchmarks/) still read."""
     _fake_runs(monkeypatch)
-    monkeypatch.setattr(runner, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
     out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
     result = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS)
     assert (result.output, result.runs, result.ran) == (str(out), 1, 1)

@@ -257,31 +257,18 @@ def plan_memory(
     what is free is the slice less ``used_bytes`` (what this process already holds on the device), not
     the device's free memory (other runs take theirs). vLLM's share stays a fraction of the whole GPU,
     as vLLM defines it: at most ``gpu_fraction``."""
-    if engine == "vllm" and not sleep_mode and gpu_memory_utilization == "auto":
-        raise QerlError(
-            "rollout.gpu_memory_utilization=auto needs rollout.enable_sleep_mode=true: without sleep mode "
-            "vLLM holds its share during the update too. Set an explicit share (e.g. 0.3) or turn sleep "
-            "mode on"
-        )
+    colocated = engine == "vllm"
+    if colocated and not sleep_mode:
+        _check_share_without_sleep(gpu_memory_utilization)
     figures: dict[str, float] = {"memory/trainer_static_estimate_gib": trainer_static_bytes(
         shape, fmt, lora_rank, lora_targets) / GIB}  # fmt: skip
-    colocated = engine == "vllm"
     if total_bytes is None or free_bytes is None:
-        # CPU: no device limit to plan against; the defaults of the recipe format.
-        micro = 8 if micro_batch == "auto" else int(micro_batch)
-        ckpt = True if checkpointing == "auto" else bool(checkpointing)
-        share = 0.3 if gpu_memory_utilization == "auto" else float(gpu_memory_utilization)
-        return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, logprob_chunk, figures)
+        return _cpu_plan(micro_batch, checkpointing, gpu_memory_utilization, sequences_per_step,
+                         logprob_chunk, figures)  # fmt: skip
     if gpu_fraction < 1:
-        if colocated and gpu_memory_utilization != "auto" and float(gpu_memory_utilization) > gpu_fraction:
-            raise QerlError(
-                f"rollout.gpu_memory_utilization={gpu_memory_utilization} (a fraction of the whole GPU) is "
-                f"more than train.gpu_fraction={gpu_fraction}, the part of the GPU this run may use"
-            )
-        slice_bytes = int(total_bytes * gpu_fraction)
-        free_bytes = slice_bytes - used_bytes
-        figures["memory/gpu_fraction"] = gpu_fraction
-        figures["memory/gpu_slice_gib"] = slice_bytes / GIB
+        free_bytes = _free_in_slice(
+            total_bytes, used_bytes, gpu_fraction, gpu_memory_utilization if colocated else "auto", figures
+        )
     figures["memory/gpu_total_gib"] = total_bytes / GIB
     figures["memory/free_after_trainer_gib"] = free_bytes / GIB
     reserve = 0
@@ -298,18 +285,63 @@ def plan_memory(
     figures["memory/activation_estimate_gib"] = choice.activation_bytes / GIB
     share = 0.0
     if colocated:
-        if gpu_memory_utilization == "auto":
-            need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
-            headroom = margin_bytes + WAKE_HEADROOM
-            # A fraction of the whole GPU, of what is free within this run's slice.
-            try:
-                share = vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=headroom)
-            except QerlError as exc:
-                raise _in_slice(exc, gpu_fraction) from None
-        else:
-            share = float(gpu_memory_utilization)
+        share = _vllm_share(shape, fmt, seq_len, kv_dtype, gpu_memory_utilization, total_bytes, free_bytes,
+                            margin_bytes, gpu_fraction)  # fmt: skip
         figures["memory/vllm_budget_gib"] = share * total_bytes / GIB
     return MemoryPlan(choice.micro_batch_size, choice.gradient_checkpointing, share, logprob_chunk, figures)
+
+
+def _check_share_without_sleep(gpu_memory_utilization: float | str) -> None:
+    """Without sleep mode vLLM holds its share through the update: ``auto`` would leave the update nothing."""
+    if gpu_memory_utilization == "auto":
+        raise QerlError(
+            "rollout.gpu_memory_utilization=auto needs rollout.enable_sleep_mode=true: without sleep mode "
+            "vLLM holds its share during the update too. Set an explicit share (e.g. 0.3) or turn sleep "
+            "mode on"
+        )
+
+
+def _cpu_plan(
+    micro_batch: int | str, checkpointing: bool | str, gpu_memory_utilization: float | str,
+    sequences_per_step: int, logprob_chunk: int, figures: dict[str, float],
+) -> MemoryPlan:  # fmt: skip
+    """No device limit to plan against (a CPU): the defaults of the recipe format."""
+    micro = 8 if micro_batch == "auto" else int(micro_batch)
+    ckpt = True if checkpointing == "auto" else bool(checkpointing)
+    share = 0.3 if gpu_memory_utilization == "auto" else float(gpu_memory_utilization)
+    return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, logprob_chunk, figures)
+
+
+def _free_in_slice(
+    total_bytes: int, used_bytes: int, gpu_fraction: float, vllm_share: float | str, figures: dict[str, float]
+) -> int:
+    """What is free within this run's ``gpu_fraction`` of the GPU: the slice less what this process
+    holds. ``vllm_share`` (``auto`` where no vLLM runs beside the trainer) must fit in the slice."""
+    if vllm_share != "auto" and float(vllm_share) > gpu_fraction:
+        raise QerlError(
+            f"rollout.gpu_memory_utilization={vllm_share} (a fraction of the whole GPU) is "
+            f"more than train.gpu_fraction={gpu_fraction}, the part of the GPU this run may use"
+        )
+    slice_bytes = int(total_bytes * gpu_fraction)
+    figures["memory/gpu_fraction"] = gpu_fraction
+    figures["memory/gpu_slice_gib"] = slice_bytes / GIB
+    return slice_bytes - used_bytes
+
+
+def _vllm_share(
+    shape: ModelShape, fmt: str, seq_len: int, kv_dtype: str, gpu_memory_utilization: float | str,
+    total_bytes: int, free_bytes: int, margin_bytes: int, gpu_fraction: float,
+) -> float:  # fmt: skip
+    """vLLM's share of the whole GPU: the recipe's, or (``auto``) sized from what is free within this
+    run's slice, with room to wake up."""
+    if gpu_memory_utilization != "auto":
+        return float(gpu_memory_utilization)
+    need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
+    headroom = margin_bytes + WAKE_HEADROOM
+    try:
+        return vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=headroom)
+    except QerlError as exc:
+        raise _in_slice(exc, gpu_fraction) from None
 
 
 # --------------------------------------------------------------------------------------------

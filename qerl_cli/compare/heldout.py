@@ -1,0 +1,142 @@
+"""Held-out evaluation: a run's adapter or an untrained base on the held-out split (via ``qerl eval``),
+and each base's rollout entropy before training, kept in ``DIR/base-heldout``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from qerl_cli import config as cfg
+from qerl_cli.compare.arms import CompareSettings
+from qerl_cli.compare.results import BaseHeldout, HeldoutScore
+from qerl_cli.compare.runs import arm_config
+from qerl_cli.errors import QerlError
+from qerl_cli.files import write_json
+from qerl_cli.torch_utils import free_accelerator_memory
+
+log = logging.getLogger(__name__)
+BASE_RESULT_NAME = "heldout.json"
+
+
+def heldout_benchmark(conf: cfg.TrainConfig) -> str:
+    from qerl_cli.data.benchmarks import benchmark_spec
+
+    name = conf.data.dataset
+    if name.startswith("synthetic-") or benchmark_spec(name) is not None:
+        return name
+    raise QerlError(
+        f"qerl compare evaluates on a held-out split; data.dataset={name!r} has none built in "
+        "(use a synthetic-* task or a registered benchmark)"
+    )
+
+
+def evaluate_heldout(
+    conf: cfg.TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
+) -> HeldoutScore:
+    """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base)."""
+    from qerl_cli.evaluation import run_eval
+
+    bench = heldout_benchmark(conf)
+    eval_cfg = cfg.EvalConfig(
+        model=conf.model.path, adapter=adapter, benchmarks=[bench], samples=settings.heldout_samples,
+        engine="hf", output=str(out), temperature=settings.heldout_temperature, top_p=1.0,
+        max_new_tokens=conf.rollout.max_completion_length, max_problems=settings.heldout_problems,
+        seed=conf.train.seed, template=conf.data.template, system_prompt=conf.data.system_prompt,
+        grader_workers=max(1, conf.reward.grader_workers), device=conf.train.device, dtype=conf.model.dtype,
+        generation_batch_size=conf.rollout.generation_batch_size,
+    )  # fmt: skip
+    results = run_eval(eval_cfg, log=lambda message: log.info("%s", message))
+    metrics = results.benchmarks[bench].metrics
+    return HeldoutScore(
+        benchmark=bench,
+        pass_at_1=metrics.pass_at_1,
+        pass_at_1_se=metrics.pass_at_1_se,
+        problems=metrics.num_problems,
+        samples=settings.heldout_samples,
+    )
+
+
+def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+    """Everything an untrained base's held-out figures depend on: a change to any of it re-evaluates."""
+    d, r = conf.data, conf.rollout
+    return {
+        "model": conf.model.path, "dtype": conf.model.dtype, "dataset": d.dataset, "template": d.template,
+        "system_prompt": d.system_prompt, "max_completion_length": r.max_completion_length,
+        "seed": conf.train.seed, "heldout_problems": settings.heldout_problems,
+        "heldout_samples": settings.heldout_samples, "heldout_temperature": settings.heldout_temperature,
+        "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES,
+    }  # fmt: skip
+
+
+def evaluate_bases(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], seed: int, out: Path,
+    bases: dict[str, str], settings: CompareSettings,
+) -> tuple[dict[str, BaseHeldout | None], list[str]]:  # fmt: skip
+    """({arm: held-out pass@1 and entropy of its base before training, None when that failed},
+    failures): where each arm started.
+
+    Evaluated once per distinct (base, evaluation settings): arms differing only in AQN share one
+    (evaluation adds no noise). Kept in ``DIR/base-heldout`` with the settings it was made with, so a
+    resumed compare does not evaluate again unless they changed. A base that cannot be evaluated is
+    reported as a failure; the others and the report go on.
+    """
+    from qerl_cli.torch_utils import device_label
+
+    by_key: dict[str, BaseHeldout | None] = {}
+    found: dict[str, BaseHeldout | None] = {}
+    failures: list[str] = []
+    for arm, overrides in arms.items():
+        conf = arm_config(data, overrides, sets, seed, out, arm, bases)
+        key = _base_eval_key(conf, settings)
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+        if digest not in by_key:
+            target = out / "base-heldout" / f"{Path(conf.model.path).name}-{digest}"
+            done = target / BASE_RESULT_NAME
+            if done.is_file():
+                by_key[digest] = BaseHeldout.from_dict(json.loads(done.read_text()))
+            else:
+                log.info("%s: evaluating its base %s before training", arm, conf.model.path)
+                try:
+                    figures = evaluate_heldout(conf, settings, None, target)
+                    entropy = base_entropy(conf, settings)
+                except Exception as exc:  # noqa: BLE001 - one base must not cost the report
+                    log.error("%s: its base could not be evaluated: %s", arm, exc)
+                    failures.append(f"the base of {arm} ({type(exc).__name__}: {exc})")
+                    by_key[digest] = None
+                    free_accelerator_memory()
+                else:
+                    result = BaseHeldout(
+                        conf.model.path, device_label(conf.train.device), figures, entropy, key
+                    )
+                    by_key[digest] = result
+                    write_json(done, result.to_dict())
+        found[arm] = by_key[digest]
+    return found, failures
+
+
+# The paper's entropy claim, measured on each untrained base: held-out prompts x samples at temperature 1.
+ENTROPY_PROMPTS = 32
+ENTROPY_SAMPLES = 4
+
+
+def base_entropy(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+    """Rollout entropy of ``conf``'s base (no adapter, no noise) on the first held-out prompts."""
+    from qerl_cli.compare.entropy import rollout_entropy
+    from qerl_cli.data.benchmarks import load_benchmark
+    from qerl_cli.data.prompts import render_prompt
+    from qerl_cli.modeling.loading import load_tokenizer
+
+    problems = load_benchmark(heldout_benchmark(conf), None, min(ENTROPY_PROMPTS, settings.heldout_problems))
+    tokenizer = load_tokenizer(conf.model.path)
+    data = conf.data
+    prompts = [render_prompt(p.question, tokenizer, data.template, data.system_prompt) for p in problems]
+    figures = rollout_entropy(
+        conf.model.path, prompts, ENTROPY_SAMPLES, conf.rollout.max_completion_length, seed=conf.train.seed,
+        device=conf.train.device, dtype=conf.model.dtype, batch=conf.rollout.generation_batch_size,
+        trust_remote_code=conf.model.trust_remote_code,
+    )  # fmt: skip
+    free_accelerator_memory()
+    return {"prompts": len(prompts), "samples_per_prompt": ENTROPY_SAMPLES, "temperature": 1.0, **figures}

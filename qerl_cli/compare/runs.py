@@ -1,0 +1,48 @@
+"""Where an ablation's runs live and how each run's config is made (recipe, --set, arm, seed, base)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from qerl_cli import config as cfg
+from qerl_cli.compare.arms import CompareSettings, as_set_strings, read_settings
+
+RESULT_NAME = "result.json"
+
+
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return out / arm / f"seed-{seed}"
+
+
+def load_recipe(recipe: str | Path, sets: list[str] | None = None) -> tuple[dict[str, Any], CompareSettings]:
+    """The recipe without its compare: section, and that section (``--set compare.X=...`` applied)."""
+    data = cfg.read_yaml(recipe)
+    data = cfg.apply_overrides(data, [s for s in sets or [] if s.startswith("compare.")], None)
+    settings = read_settings(data.pop("compare", None))
+    return data, settings
+
+
+def train_sets(sets: list[str]) -> list[str]:
+    """The ``--set`` items for training: all but the ``compare.*`` ones."""
+    return [s for s in sets if not s.startswith("compare.")]
+
+
+def arm_config(
+    data: dict[str, Any], arm_overrides: dict[str, Any], sets: list[str], seed: int, out: Path, arm: str,
+    bases: dict[str, str],
+) -> cfg.TrainConfig:  # fmt: skip
+    """recipe < --set < arm overrides < this run's seed, output dir and base path."""
+    merged = cfg.apply_overrides(
+        copy.deepcopy(data), [*sets, *as_set_strings(arm_overrides)], cfg.TrainConfig
+    )
+    merged = cfg.apply_overrides(
+        merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None
+    )
+    fmt = str((merged.get("model") or {}).get("format", "auto"))
+    if fmt in bases and "model.path" not in arm_overrides:  # an arm's own model.path wins
+        merged["model"]["path"] = bases[fmt]
+    conf = cfg.from_dict(cfg.TrainConfig, merged)
+    cfg.validate(conf)
+    return conf
