@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from torch import nn
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.adapter import save_peft_model
-from qerl_cli.modeling.fused_kernels import apply_fused_kernels
+from qerl_cli.modeling.fused_kernels import AppliedKernels, apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
@@ -85,6 +85,8 @@ class Policy:
     dtype: torch.dtype
     base_format: str  # "bf16", "nvfp4", "mxfp4", "nf4"
     fused_kernels: str = "off"  # what train.fused_kernels resolved to ("liger" or "off")
+    # Liger's process-wide RoPE patch, put back by close() (qerl_cli.modeling.fused_kernels)
+    kernels: AppliedKernels = field(default_factory=lambda: AppliedKernels(kind="off"))
 
     @property
     def is_quantized(self) -> bool:
@@ -105,6 +107,11 @@ class Policy:
     def save_adapter(self, out_dir: str | Path) -> Path:
         return save_peft_model(self.model, out_dir)
 
+    def close(self) -> None:
+        """Training is over: models of this family built from now on in the process (an evaluation,
+        another engine) get transformers' RoPE function back. This model stays usable."""
+        self.kernels.restore()
+
 
 def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy:
     device = device or resolve_device(cfg.train.device)
@@ -116,19 +123,23 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
     )
     for param in base.parameters():
         param.requires_grad_(False)
-    fused = apply_fused_kernels(base, cfg.train.fused_kernels, on_gpu=device.type == "cuda")
-    if cfg.train.gradient_checkpointing is True:  # "auto": decided by the memory plan (rl.memory)
-        enable_gradient_checkpointing(base)
-    base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
-    model = attach_lora(base, cfg)
-    model.to(device)
-    tokenizer = load_tokenizer(
-        cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-    )
-    if not any(p.requires_grad for p in model.parameters()):
-        raise QerlError("the policy has no trainable parameter; check lora.target_modules")
+    kernels = apply_fused_kernels(base, cfg.train.fused_kernels, on_gpu=device.type == "cuda")
+    try:
+        if cfg.train.gradient_checkpointing is True:  # "auto": decided by the memory plan (rl.memory)
+            enable_gradient_checkpointing(base)
+        base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
+        model = attach_lora(base, cfg)
+        model.to(device)
+        tokenizer = load_tokenizer(
+            cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+        if not any(p.requires_grad for p in model.parameters()):
+            raise QerlError("the policy has no trainable parameter; check lora.target_modules")
+    except BaseException:
+        kernels.restore()
+        raise
     return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, base_format=fmt,
-                  fused_kernels=fused)  # fmt: skip
+                  fused_kernels=kernels.kind, kernels=kernels)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

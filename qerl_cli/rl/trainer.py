@@ -108,6 +108,8 @@ class Trainer:
                 _close_reward(reward_fn)
             if not lent["engine"] and "engine" in vars(self):
                 self.engine.close()
+            if "policy" in vars(self):
+                self.policy.close()  # Liger's RoPE patch (modeling.fused_kernels)
             self.dist.close()
             raise
 
@@ -312,6 +314,9 @@ def train(
         dist.barrier()
         records = read_metrics(out_dir / METRICS_FILE)
     finally:
+        # Whatever runs next in this process (qerl compare evaluates right here) builds its models
+        # with transformers' own functions, not Liger's (modeling.fused_kernels).
+        trainer.policy.close()
         dist.close()
     rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
     return TrainResult(
