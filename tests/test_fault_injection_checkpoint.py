@@ -214,6 +214,14 @@ HFEngine.generate = slow
 """
 
 
+def _as_from_a_terminal() -> None:
+    """The child starts with Ctrl-C as a shell gives it (default action, not blocked): an ignored or
+    blocked SIGINT is inherited across exec, and a pytest worker's may have been changed by a library
+    an earlier test loaded, which made the SIGINT test below wait out its timeout in a full run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _start(tmp_path: Path, tiny_model_dir: Path, patch: str) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "run"
     recipe = tmp_path / "r.yaml"
@@ -224,7 +232,12 @@ def _start(tmp_path: Path, tiny_model_dir: Path, patch: str) -> tuple[subprocess
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_from_a_terminal,
     )
     deadline = time.monotonic() + 240
     while not mark.exists():
@@ -261,8 +274,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tiny_model_dir: Path, tmp
 def test_sigint_during_a_rollout_exits_cleanly_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
     straight, proc, out = _uninterrupted_then_start(tmp_path, tiny_model_dir, SLOW_ROLLOUT)
     os.kill(proc.pid, signal.SIGINT)
-    # Generous: on a loaded 2-core runner the interpreter's teardown alone has taken most of a minute.
-    _, err = proc.communicate(timeout=180)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2] and not list(out.glob(".checkpoint-*"))
     assert ckpt.checkpoint_problem(out / "checkpoint-2") is None
