@@ -23,21 +23,26 @@ def _thousandths(fraction: float, parts: int) -> float:
     return round(fraction * 1000) // parts / 1000
 
 
-def _set_key(item: str) -> str:
-    return item.split("=", 1)[0].strip()
+_ABSENT = object()
 
 
-def _set_value(item: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(item.split("=", 1)[1]) if "=" in item else None
+def _given_by_sets(key: str, sets: list[str]) -> Any:
+    """The value the ``--set`` list gives ``key`` (the last one wins, parsed as every --set is), or
+    ``_ABSENT``."""
+    node: Any = cfg.apply_overrides({}, list(sets), None)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
 
 
 def _explicit(
     key: str, arms: dict[str, dict[str, Any]], sets: list[str], todo: list[tuple[str, int]]
 ) -> list[tuple[str, Any]]:
     """Where this invocation sets ``key`` itself (``--set`` or an arm's override), with the value."""
-    found = [("--set", _set_value(s)) for s in sets if _set_key(s) == key]
+    given = _given_by_sets(key, sets)
+    found = [] if given is _ABSENT else [("--set", given)]
     found += [(f"arm {a}", arms[a][key]) for a in dict.fromkeys(a for a, _ in todo) if key in arms[a]]
     return found
 
@@ -65,7 +70,7 @@ def _child_vllm_share(
                 f"each of the {width} runs sharing it may use: give at most {fraction}, or leave it out "
                 f"(each vLLM then gets {half}, half of its fraction)"
             )
-    if any(_set_key(s) == key for s in all_sets):
+    if _given_by_sets(key, all_sets) is not _ABSENT:
         return None, "--set's"
     recipe = cfg.from_dict(
         cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), train_sets(all_sets), None)
@@ -91,7 +96,7 @@ def shared_gpu_sets(
     these settings now, not in a child."""
     given = (
         "gpu_fraction" in (data.get("train") or {})
-        or any(_set_key(s) == "train.gpu_fraction" for s in all_sets)
+        or _given_by_sets("train.gpu_fraction", all_sets) is not _ABSENT
         or any("train.gpu_fraction" in arms[a] for a, _ in todo)
     )
     if given:
@@ -124,8 +129,8 @@ def shared_gpu_sets(
     trained = train_sets(sets)
     for arm, seed in todo:
         arm_config(data, arms[arm], trained, seed, out, arm, bases)
-    if share is None:  # the user's --set (the last one wins)
-        share = _explicit("rollout.gpu_memory_utilization", {}, all_sets, [])[-1][1]
+    if share is None:  # the user's --set
+        share = _given_by_sets("rollout.gpu_memory_utilization", all_sets)
     log.info(
         "%d vLLM runs share the GPU at a time: each plans its memory within train.gpu_fraction=%s of it, "
         "with vLLM's sleep mode off and its share rollout.gpu_memory_utilization=%s of the whole GPU (%s); "
