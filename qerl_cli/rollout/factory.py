@@ -233,6 +233,20 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
     return engine
 
 
+def _read_config(model_path: str) -> dict[str, Any]:
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def _model_shape(config: dict[str, Any]) -> Any:
+    """The config's ModelShape, or None for a config without the usual dimensions."""
+    from qerl_cli.modeling.model_shape import ModelShape
+
+    try:
+        return ModelShape.from_config(config)
+    except QerlError:
+        return None
+
+
 def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineRequest) -> dict[str, Any]:
     """``{"kv_cache_memory_bytes": N}``: vLLM's share of the GPU (``gpu_memory_utilization`` x its total)
     less the rollout weights (in the chosen backend's format) and ``VLLM_OVERHEAD`` (activations, CUDA
@@ -241,16 +255,15 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
     allocates or frees while this engine starts. Empty (vLLM profiles as usual) where the sizes are not
     known: no GPU, tensor parallel, a checkpoint qerl does not read. QerlError when the share leaves no
     room for one full-length sequence."""
-    from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
+    from qerl_cli.modeling.model_shape import WEIGHT_BYTES, weight_bytes
     from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes
 
     total = _cuda_total_bytes()
     fmt = "fp8" if choice.backend == "fp8" else choice.fmt
     if not total or request.tensor_parallel_size > 1 or fmt not in WEIGHT_BYTES:
         return {}
-    try:
-        shape = ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
-    except QerlError:
+    shape = _model_shape(_read_config(model_path))
+    if shape is None:
         return {}
     share = int(total * request.gpu_memory_utilization)
     weights = weight_bytes(shape, fmt)
@@ -288,7 +301,7 @@ def choose_rollout_backend(
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
     sequence weighed against each backend's rollout weights."""
-    from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
+    from qerl_cli.modeling.model_shape import weight_bytes
     from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes, detect_checkpoint_format
 
     fmt = detect_checkpoint_format(model_path).name
@@ -301,11 +314,8 @@ def choose_rollout_backend(
         return BackendChoice("default", fmt, "a checkpoint qerl does not read: vLLM's default", concurrency)
     sizes: dict[str, int] | None = None
     kv = budget = None
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    try:  # a config without the usual dimensions is served all the same, without the memory check
-        shape = ModelShape.from_config(config)
-    except QerlError:
-        shape = None
+    config = _read_config(model_path)
+    shape = _model_shape(config)  # None: served all the same, without the memory check
     # What the table's entries are weighed against: one measured on a model of another size is not used.
     model = MeasuredModel.from_config(config, name=Path(model_path).name)
     total = _cuda_total_bytes()
