@@ -215,9 +215,9 @@ HFEngine.generate = slow
 
 
 def _as_from_a_terminal() -> None:
-    """The child starts with Ctrl-C as a shell gives it (default action, not blocked): an ignored or
-    blocked SIGINT is inherited across exec, and a pytest worker's may have been changed by a library
-    an earlier test loaded, which made the SIGINT test below wait out its timeout in a full run."""
+    """The child starts with Ctrl-C as a shell gives it (default action, not blocked). An ignored or
+    blocked SIGINT is inherited across exec; in two full runs the SIGINT test below waited out its
+    timeout while passing alone, which this reading would explain (not established)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
