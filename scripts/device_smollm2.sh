@@ -6,7 +6,8 @@
 # Prepare here first: bash scripts/device_smollm2_bundle.sh, then two device calls back to back:
 #   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/          carry: [".smol/p1"]
 #   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p2"]
-# Knobs (env): STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128), COMPARE_SETS (more --set for
+# Knobs (env): ARMS (bf16-lora,nvfp4-lora,nvfp4-aqn), STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128),
+# COMPARE_ONLY=1 (skip (b) and (c)), COMPARE_SETS (more --set for
 # compare, e.g. "--set compare.base_method=awq" for AWQ NVFP4 bases). Writes at most 8 files to $OUT:
 # compare.json/.md/.png, entropy.json, quant_quality.json/.md, summary.txt, runs.tar.gz.
 set -uo pipefail
@@ -35,12 +36,13 @@ python3 -c "from qerl_cli.modeling.sources import resolve_model_source as r; pri
 log "GGUF converted"
 
 # (a) the ablation, in the background: 9 processes on the one GPU
-python3 -m qerl_cli.cli compare recipes/smollm2_wordproblems.yaml --arms bf16-lora,nvfp4-lora,nvfp4-aqn \
+python3 -m qerl_cli.cli compare recipes/smollm2_wordproblems.yaml --arms "${ARMS:-bf16-lora,nvfp4-lora,nvfp4-aqn}" \
   --seeds "$seeds" --jobs "$jobs" --output "$work/compare" --set train.max_steps="$steps" \
   --set output.save_steps=10 --set train.device=cuda --set compare.heldout_problems="$heldout" ${COMPARE_SETS:-} \
   > "$work/compare.log" 2>&1 &
 compare_pid=$!
 
+if [ "${COMPARE_ONLY:-0}" != 1 ]; then
 # (b) entropy before training, BF16 vs NVFP4 (the same RTN base the ablation uses, made here too)
 python3 - "$work" "$out/entropy.json" <<'PY' > "$work/entropy.log" 2>&1
 import json, sys
@@ -71,6 +73,7 @@ log "entropy done (rc $?)"; cat "$work/entropy.log" | tail -n 20 | tee -a "$out/
 # (c) quantization quality (every row through qerl quantize; a row that fails is recorded, not fatal)
 python3 scripts/quant_quality.py smollm2-135m-instruct --out "$work/quality" --device cuda > "$work/quality.log" 2>&1
 log "quality done (rc $?)"; cp "$work"/quality/quant_quality.{json,md} "$out"/ 2>/dev/null; cat "$out/quant_quality.md" >> "$out/summary.txt"
+fi
 
 wait $compare_pid; rc=$?
 log "compare done (rc $rc)"

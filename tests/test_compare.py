@@ -435,7 +435,7 @@ def test_a_failed_run_costs_neither_the_others_nor_the_report(
     with pytest.raises(QerlError, match=r"1 of 4 runs failed: nvfp4-aqn/seed-1 \(training diverged.*"
                        r"compare.md covers the 3 finished runs.*run the same command again"):  # fmt: skip
         runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
-    assert ran == [("bf16-lora", 0), ("bf16-lora", 1), ("nvfp4-aqn", 0), ("nvfp4-aqn", 1)]
+    assert ran == [("bf16-lora", 0), ("nvfp4-aqn", 0), ("bf16-lora", 1), ("nvfp4-aqn", 1)]  # seed by seed
     assert "| nvfp4-aqn | nvfp4 RTN | 1 |" in (out / "compare.md").read_text()  # the one finished seed
     assert "| bf16-lora | bf16 | 2 |" in (out / "compare.md").read_text()
 
@@ -627,3 +627,12 @@ def test_compare_files_read_back_key_for_key(
     assert old.arms[0].base is None and old.arms[0].heldout_accuracy is not None  # no base column yet
     for path in (committed / "base-heldout").glob("*/heldout.json"):
         assert 0.0 <= BaseHeldout.from_dict(json.loads(path.read_text())).heldout.pass_at_1 <= 1.0
+
+
+def test_plan_runs_every_arm_of_a_seed_before_the_next_seed() -> None:
+    """An ablation stopped part way (a device lease ending) has compared every arm on its first seeds."""
+    ablation = SimpleNamespace(arms={"a": {}, "b": {}, "c": {}}, seeds=2, base_seed=5)
+    assert runner._plan(ablation, ["a", "b", "c"], None) == [
+        ("a", 5), ("b", 5), ("c", 5), ("a", 6), ("b", 6), ("c", 6)
+    ]
+    assert runner._plan(ablation, ["a", "b", "c"], ["c/6", "a/5"]) == [("a", 5), ("c", 6)]

@@ -160,8 +160,9 @@ def _ablation(
 
 
 def _plan(ablation: _Ablation, arms: list[str], only: list[str] | None) -> list[tuple[str, int]]:
-    """Every (arm, seed) of the ablation, or those ``--only`` names."""
-    plan = [(arm, ablation.base_seed + i) for arm in ablation.arms for i in range(ablation.seeds)]
+    """Every (arm, seed) of the ablation, or those ``--only`` names, seed by seed: every arm's first
+    seed runs before any arm's second, so an ablation stopped part way still compares every arm."""
+    plan = [(arm, ablation.base_seed + i) for i in range(ablation.seeds) for arm in ablation.arms]
     if only:
         wanted = set(only)
         plan = [(a, s) for a, s in plan if f"{a}/{s}" in wanted]

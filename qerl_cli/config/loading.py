@@ -48,7 +48,12 @@ def _coerce(value: Any, tp: Any) -> Any:
     if tp is Any:
         return value
     if origin is Literal:
-        if value in typing.get_args(tp):
+        choices = typing.get_args(tp)
+        # YAML 1.1 reads a bare off / on (``--set train.fused_kernels=off``) as false / true: where a
+        # choice is spelled so, that is what was meant.
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            return "on" if value else "off"
+        if value in choices:
             return value
         raise _Mismatch
     if origin in (typing.Union, types.UnionType):
