@@ -90,7 +90,10 @@ def test_a_wrong_answer_stays_wrong(completion: str, gold: str) -> None:
 def test_factorial_and_lists_keep_their_meaning() -> None:
     assert grade("<answer>5!</answer>", "120").correct
     assert grade("<answer>1,2</answer>", "1,2").correct
-    assert grade("<answer>3*4*5</answer>", "60").correct  # single stars between digits are products
+    # Single stars between digits are products, not markdown: kept, and equal to a symbolic gold; for a
+    # numeric gold the product is a calculation left undone (below).
+    assert grade("<answer>3*4*5</answer>", "3 \\cdot 4 \\cdot 5").correct
+    assert grade("<answer>3*4*5</answer>", "60").extracted == "3*4*5"
 
 
 @pytest.mark.parametrize(
@@ -130,3 +133,37 @@ def test_prose_keeps_products_and_plain_spaces() -> None:
     # a plain space in prose can separate two numbers ("add 12 345 times"): left to math-verify
     assert normalize_prose("from 12 345 up") == "from 12 345 up"
     assert normalize_prose("has 1\\,000\\,000 and 2\\,5") == "has 1000000 and 2\\,5"
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        # Gemma 3 270M's hack under GRPO (issue 22): the sum stated, not computed; math-verify evaluates it
+        (" 94 + 58 = 18. The answer is 94 + 58.\n\nQuestion:", "152"),
+        ("The answer is 50 + 83.", "133"),
+        ("\\boxed{6 \\times 4}", "24"),
+        ("<answer>6*4</answer>", "24"),
+        ("\\boxed{x = 20 + 4}", "24"),  # an equation whose result side is still a sum
+        ("\\boxed{10^3}", "1000"),
+        ("The answer is (50) - (8).", "42"),
+    ],
+)
+def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: str, gold: str) -> None:
+    result = grade(completion, gold)
+    assert not result.correct and not result.extraction_failed, result
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        ("94 + 58 = 152. The answer is 152.", "152"),  # working shown, then the number
+        ("\\boxed{94 + 58 = 152}", "152"),  # an equation ending in its result
+        ("The answer is 1/2.", "0.5"),  # a fraction of integers is a number
+        ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}"),
+        ("The answer is -5.", "-5"),
+        ("\\boxed{1+\\sqrt{2}}", "1+\\sqrt{2}"),  # a gold that is an expression takes expressions
+        ("\\boxed{2 + 2\\sqrt{3}}", "2(1+\\sqrt{3})"),
+    ],
+)
+def test_numbers_and_symbolic_answers_stay_correct(completion: str, gold: str) -> None:
+    assert grade(completion, gold).correct

@@ -5,6 +5,11 @@ time (``zip`` over two strings), so gold "12" matched the answer "1". Here both 
 SymPy objects (or normalised strings) and math-verify compares them: "1,000" = "1000",
 "\\frac{1}{2}" = "0.5" = "1/2", "25\\%" = "25", "\\dfrac{\\sqrt3}{2}" = "\\frac{\\sqrt{3}}{2}".
 
+math-verify also evaluates what it reads, so "50 + 83" equals gold 133. Where the gold answer is a
+number, an answer that leaves arithmetic between numbers to the grader is wrong
+(:func:`unevaluated_arithmetic`): GRPO on word problems found that hack within 30-40 steps on Gemma 3
+270M (issue 22: "The answer is 94 + 58." graded correct on 256 of 256 held-out problems).
+
 :func:`grade` has no timeout of its own beyond math-verify's signal alarms (used only on the main
 thread); the hard limit is the worker pool in :mod:`qerl_cli.rewards.pool`, which kills a stuck
 worker. Call :func:`is_correct` directly only for a few trusted strings.
@@ -13,6 +18,7 @@ worker. Call :func:`is_correct` directly only for a few trusted strings.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,6 +56,27 @@ class GradeResult:
     @classmethod
     def timeout(cls) -> GradeResult:
         return cls(False, None, "none", extraction_failed=False, timed_out=True, error="grader timeout")
+
+
+# A gold answer that is one number: an integer or decimal (sign allowed), or a fraction of two integers.
+_INTEGER_FRACTION = r"-?(?:\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})"
+_NUMBER_LITERAL = re.compile(rf"^\s*(?:-?\d+(?:\.\d+)?|{_INTEGER_FRACTION})\s*$")
+_FRACTION_LITERAL = re.compile(rf"^\s*{_INTEGER_FRACTION}\s*$")
+# An operator between two numbers ("94 + 58", "6*4", "3 \\times 4", "(5)-(2)", "10^3").
+_OPERATION = re.compile(r"[\d)}]\s*(?:[-+*/^×÷·]|\\times|\\cdot|\\div)\s*[({]?\s*-?\d")
+
+
+def is_number_literal(text: str) -> bool:
+    """Whether ``text`` is one number as written: "133", "-2.5", "1/2", "\\frac{3}{4}"."""
+    return bool(_NUMBER_LITERAL.match(text))
+
+
+def unevaluated_arithmetic(answer: str) -> bool:
+    """Whether the answer states a calculation instead of its result: "94 + 58", "6 \\times 4", or an
+    equation whose right-hand side still is one ("x = 94 + 58"). A fraction of two integers is a number.
+    """
+    value = answer.rsplit("=", 1)[-1]
+    return not _FRACTION_LITERAL.match(value) and bool(_OPERATION.search(value))
 
 
 def _soft_timeout() -> int | None:
@@ -124,6 +151,8 @@ def grade(completion: str, gold: str) -> GradeResult:
     if not gold_parsed:
         # A gold answer math-verify cannot read is a data problem, not the model's failure to answer.
         return GradeResult(False, found.text, found.method, False, error=f"unparseable gold answer {gold!r}")
+    if is_number_literal(clean_candidate(str(gold))) and unevaluated_arithmetic(found.text):
+        return GradeResult(False, found.text, found.method, extraction_failed=False)
     return GradeResult(_verify(gold_parsed, answer_parsed), found.text, found.method, extraction_failed=False)
 
 
