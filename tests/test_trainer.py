@@ -195,6 +195,13 @@ def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> Non
     # AQN: K=2 stages over 4 steps: noise-free first half, then the single noisy stage (sigma_start).
     assert [r["aqn_sigma"] for r in records] == [0.0, 0.0, 1e-2, 1e-2]
     assert records[2]["aqn_perturbed_norms"] == 5
+    # What the reward paid for: one prompt group a step (output.log_completions=1), graded as trained.
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in samples] == [1, 2, 3, 4]
+    first = samples[0]
+    assert len(first["completions"]) == len(first["rewards"]) == len(first["finish_reasons"]) == 4
+    assert first["rewards"] == [float(len(c) % 3 == 0) for c in first["completions"]]  # FakeReward's rule
+    assert first["gold"] and first["question"] and first["problem_id"]
     assert [s for s, _ in list_checkpoints(out)] == [2, 4]
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "adapter" / "adapter_config.json").is_file()
@@ -237,6 +244,8 @@ def test_resume_continues_with_the_same_next_batch(tiny_model_dir: Path, tmp_pat
     a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in b] == [1, 2, 3, 4]  # step 3 of the killed run was dropped and redone
+    groups = [json.loads(x) for x in (tmp_path / "b" / "completions.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in groups] == [1, 2, 3, 4]  # and so were its logged completions
     for ra, rb in zip(a, b, strict=True):
         for key in ("reward_mean", "entropy", "loss", "grad_norm", "data_position", "aqn_sigma"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)

@@ -237,6 +237,14 @@ class OutputSection:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "qerl"
+    # Prompt groups a step whose completions (text, reward, finish reason) go to completions.jsonl: a
+    # record of what the reward paid for. On Gemma 3 270M GRPO learned to answer "94 + 58" (graded equal
+    # to 152) within 40 steps, and only the held-out evaluation showed it (issue 22). 0: none.
+    log_completions: int = 1
+
+    def validate(self, where: str) -> None:
+        if self.log_completions < 0:
+            raise QerlError(f"{where}.log_completions must be >= 0 (0: none), got {self.log_completions}")
 
 
 @dataclass

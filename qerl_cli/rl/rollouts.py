@@ -55,6 +55,23 @@ class Rollouts:
         return len(self.completions)
 
 
+def sample_groups(rollouts: Rollouts, groups: int) -> list[dict[str, Any]]:
+    """The first ``groups`` prompt groups as records for ``completions.jsonl``: the problem, its gold
+    answer, and each completion's text, reward and finish reason (what the reward paid for)."""
+    size = max(rollouts.group_size, 1)
+    out = []
+    for start in range(0, min(groups * size, len(rollouts)), size):
+        rows = range(start, min(start + size, len(rollouts)))
+        problem = rollouts.problems[start]
+        out.append({
+            "problem_id": problem.id, "question": problem.question, "gold": problem.answer,
+            "completions": [rollouts.completions[i].text for i in rows],
+            "rewards": [rollouts.rewards[i] for i in rows],
+            "finish_reasons": [rollouts.completions[i].finish_reason for i in rows],
+        })  # fmt: skip
+    return out
+
+
 def row_summary(rollouts: Rollouts) -> dict[str, list[float]]:
     """What the step's statistics and the dynamic sampler need of each row (small, to gather)."""
     return {

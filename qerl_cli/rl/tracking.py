@@ -1,5 +1,6 @@
-"""Where training metrics go: ``metrics.jsonl`` always, TensorBoard / Weights & Biases on request,
-and a PNG of reward, entropy and AQN sigma per step at the end.
+"""Where training metrics go: ``metrics.jsonl`` always, ``completions.jsonl`` (a few graded completions a
+step, ``output.log_completions``), TensorBoard / Weights & Biases on request, and a PNG of reward, entropy
+and AQN sigma per step at the end.
 
 TensorBoard, wandb and matplotlib are optional and imported only when used.
 """
@@ -18,6 +19,7 @@ from qerl_cli.errors import QerlError
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
 PLOT_FILE = "training_curves.png"
 
 
@@ -55,11 +57,13 @@ class MetricsLogger:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / METRICS_FILE
-        if resume_step is None:
-            self.path.write_text("")
-        else:
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.completions_path = self.out_dir / COMPLETIONS_FILE
+        for path in (self.path, self.completions_path):
+            if resume_step is None:
+                path.write_text("")
+            else:
+                kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
+                path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._tb = self._open_tensorboard() if tensorboard else None
         self._wandb = self._open_wandb(wandb_project, run_config or {}) if wandb else None
 
@@ -87,6 +91,12 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
+
+    def log_completions(self, step: int, groups: list[dict[str, Any]]) -> None:
+        """One line per prompt group: the step, the problem, its completions and their rewards."""
+        if groups:
+            with self.completions_path.open("a") as fh:
+                fh.writelines(json.dumps({"step": step, **group}) + "\n" for group in groups)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -87,6 +87,7 @@ class Trainer:
             # included) leaves free.
             self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
             self.peaks = PeakTracker()
+            self.last_samples: list[dict[str, Any]] = []  # the last step's completions.jsonl records
             problems = load_training_problems(cfg)
             self.problems, self.prompts = render_prompts(cfg, problems, self.policy.tokenizer)
             self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
@@ -236,6 +237,7 @@ class Trainer:
         self.engine.wake_up()
         perturbed = self.engine.set_norm_noise(sigma, derive_seed(self.cfg.train.seed, "aqn", self.step))
         generated, kept, stats = self.collect()
+        self.last_samples = rl_rollouts.sample_groups(generated, self.cfg.output.log_completions)
         self.peaks.sample()  # the rollout phase: vLLM awake
         self.engine.sleep()
         record: dict[str, Any] = {
@@ -386,6 +388,7 @@ def _run_steps(
                     record["time_checkpoint_s"] = time.perf_counter() - t0
                 if metrics is not None:
                     metrics.log(record)
+                    metrics.log_completions(trainer.step, trainer.last_samples)
                 bar(record)
                 if on_step is not None:
                     on_step(trainer.step, record)
