@@ -115,11 +115,6 @@ def parse_answer(text: str) -> list:
     return plain or boxed
 
 
-def parse_gold(gold: str) -> list:
-    """Parse a gold answer ("72", "\\frac{1}{2}", "$x^2$", "\\text{(C)}")."""
-    return parse_answer(clean_candidate(str(gold)))
-
-
 def _verify(gold_parsed: list, answer_parsed: list) -> bool:
     from math_verify import verify
 
@@ -140,19 +135,20 @@ def extract(completion: str) -> Extraction:
 
 
 def grade(completion: str, gold: str) -> GradeResult:
-    """Grade one completion against one gold answer (gold is parsed first)."""
-    gold_parsed = parse_gold(gold)
+    """Grade one completion against one gold answer ("72", "\\frac{1}{2}", "$x^2$"; parsed first)."""
+    gold_text = clean_candidate(str(gold))
+    gold_parsed = parse_answer(gold_text)
     found = extract(completion)
     if found.text is None:
         return GradeResult(False, None, found.method, extraction_failed=True)
+    if is_number_literal(gold_text) and unevaluated_arithmetic(found.text):
+        return GradeResult(False, found.text, found.method, extraction_failed=False)  # no need to parse it
     answer_parsed = parse_answer(found.text)
     if not answer_parsed:
         return GradeResult(False, found.text, found.method, extraction_failed=True)
     if not gold_parsed:
         # A gold answer math-verify cannot read is a data problem, not the model's failure to answer.
         return GradeResult(False, found.text, found.method, False, error=f"unparseable gold answer {gold!r}")
-    if is_number_literal(clean_candidate(str(gold))) and unevaluated_arithmetic(found.text):
-        return GradeResult(False, found.text, found.method, extraction_failed=False)
     return GradeResult(_verify(gold_parsed, answer_parsed), found.text, found.method, extraction_failed=False)
 
 
