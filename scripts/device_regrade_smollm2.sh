@@ -4,9 +4,8 @@
 # did not finish in an hour. On one GPU (HF engine, the recipe's prompt) this writes, in seconds:
 #   greedy/samples_synthetic-wordproblems.jsonl   128 held-out problems, greedy, 128 tokens (compare's eval)
 #   sampled/samples_synthetic-wordproblems.jsonl  64 problems x 8 at temperature 0.7 (the rollouts' setting)
-# Prepare and carry as for scripts/device_smollm2.sh (bash scripts/device_smollm2_bundle.sh, then
-#   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/                      carry: [".smol/p1"]
-#   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_regrade_smollm2.sh  carry: [".smol/p2"]).
+# Prepare and carry as for scripts/device_smollm2.sh (bash scripts/device_smollm2_bundle.sh, then the three
+# calls its header lists, the last running this script instead).
 # Then, here (where git holds the old grader):
 #   python scripts/regrade_samples.py FILES_AT/greedy FILES_AT/sampled --old-rev b8cf92e --output regrade.json
 set -uo pipefail

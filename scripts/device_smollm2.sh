@@ -3,11 +3,14 @@
 #   (a) qerl compare: bf16-lora, nvfp4-lora, nvfp4-aqn x 3 seeds, the 9 runs as parallel processes
 #   (b) rollout entropy of BF16 vs NVFP4 (RTN) SmolLM2 on the same prompts, before any training
 #   (c) the quantization quality table (scripts/quant_quality.py; the bundle carries llm-compressor for AWQ)
-# Prepare here first: bash scripts/device_smollm2_bundle.sh, then two device calls back to back:
+# Prepare here first: bash scripts/device_smollm2_bundle.sh, then three device calls back to back:
 #   1. command: mkdir -p /tmp/smol && cp .smol/p1/* /tmp/smol/          carry: [".smol/p1"]
-#   2. command: cp -r .smol/p2/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p2"]
+#   2. command: cp .smol/p2/* /tmp/smol/                                carry: [".smol/p2"]
+#   3. command: cp -r .smol/p3/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p3"]
+# (detached, from a copy, so later device calls cannot change the code it runs: cp -r qerl_cli scripts
+# recipes /tmp/smol-repo/ && cd /tmp/smol-repo && (setsid bash scripts/device_smollm2.sh > /tmp/smol.log 2>&1 &))
 # Knobs (env): ARMS (bf16-lora,nvfp4-lora,nvfp4-aqn), STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128),
-# COMPARE_ONLY=1 (skip (b) and (c)), COMPARE_SETS (more --set for
+# SITE (/tmp/smol-site), COMPARE_ONLY=1 (skip (b) and (c)), COMPARE_SETS (more --set for
 # compare, e.g. "--set compare.base_method=awq" for AWQ NVFP4 bases). Writes at most 8 files to $OUT:
 # compare.json/.md/.png, entropy.json, quant_quality.json/.md, summary.txt, runs.tar.gz.
 set -uo pipefail
@@ -15,9 +18,12 @@ start=$(date +%s)
 out=${OUT:-/tmp/qerl-smol-out}; work=/tmp/qerl-smol; mkdir -p "$out" "$work"
 steps=${STEPS:-30}; seeds=${SEEDS:-3}; jobs=${JOBS:-9}; heldout=${HELDOUT:-128}
 smol=${SMOL_DIR:-/tmp/smol}
+# Its own site folder: the bundle pins llm-compressor's compressed-tensors, which must not reach a vLLM
+# job sharing the machine (scripts/device_gemma_ablation.sh uses /tmp/site and /tmp/vllm-site).
+site=${SITE:-/tmp/smol-site}
 if [ -d "$smol/whl" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$smol"/whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$smol"/whl/*.whl || exit 1
+  export PYTHONPATH=$site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} QERL_CACHE_DIR=$work/cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Four torch threads for this script's own processes (compare's parent, entropy, quality): three jobs at 16

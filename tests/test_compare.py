@@ -154,10 +154,10 @@ def test_vllm_runs_get_a_process_each_and_share_the_gpu_with_jobs(
     calls.clear()
     # --jobs 3 over 3 runs: they share the GPU, 0.92 / 3 each, vLLM without sleep mode and with half of
     # that (the recipe's default 0.3 is for a whole GPU); each starts once the previous engine is up, at
-    # least 10 s later, waiting at most 900 s.
+    # least 10 s later, waiting at most 45 s.
     runner.run_compare(recipe, ["bf16-lora"], 3, tmp_path / "d", sets=sets, jobs=3, summarize=False)
     ((width, interval, child_sets, ready),) = calls
-    assert (width, interval, ready) == (3, 10.0, 900.0)
+    assert (width, interval, ready) == (3, 10.0, 45.0)
     assert child_sets[len(sets):] == ["train.gpu_fraction=0.306", "rollout.enable_sleep_mode=false",
                                       "rollout.gpu_memory_utilization=0.153"]  # fmt: skip
     calls.clear()

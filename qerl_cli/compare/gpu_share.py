@@ -133,8 +133,9 @@ def shared_gpu_sets(
         share = _given_by_sets("rollout.gpu_memory_utilization", all_sets)
     log.info(
         "%d vLLM runs share the GPU at a time: each plans its memory within train.gpu_fraction=%s of it, "
-        "with vLLM's sleep mode off and its share rollout.gpu_memory_utilization=%s of the whole GPU (%s); "
-        "each starts once the previous one's vLLM engine is up",
+        "with vLLM's sleep mode off and its share rollout.gpu_memory_utilization=%s of the whole GPU (%s), "
+        "its KV cache sized from that share; each starts once the previous one's vLLM engine is up or "
+        "compare.engine_ready_timeout_s after it started",
         width, fraction, share, why,
     )  # fmt: skip
     return sets

@@ -1,5 +1,6 @@
 """Runs in child processes (``qerl compare --only ARM/SEED`` each), ``width`` at a time, started
-staggered; vLLM runs sharing a GPU start only once the previous one's engine is up."""
+staggered; vLLM runs sharing a GPU start once the previous one's engine is up or has been starting for a
+while (``compare.engine_ready_timeout_s``)."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def _engines_up(running: list[_Child], now: float, timeout_s: float, marker: str
             log.info("%s: its rollout engine is up after %.0f s", child.name, now - child.started)
         elif now - child.started >= timeout_s:
             child.engine_up = True
-            log.warning(
-                "%s: no %s after %.0f s (compare.engine_ready_timeout_s); starting the next run regardless",
+            log.info(
+                "%s: no %s after %.0f s (compare.engine_ready_timeout_s); starting the next run alongside",
                 child.name, marker, now - child.started,
             )  # fmt: skip
         else:
@@ -91,7 +92,7 @@ def run_parallel(
                 running, now, ready_timeout_s, ENGINE_READY_FILE
             )
             if starting:
-                break  # a vLLM engine still measuring the GPU's memory: the next start would skew it
+                break  # the previous engine is still starting: its compile cache may serve this run
             arm, seed = pending.pop(0)
             folder = run_dir(out, arm, seed)
             folder.mkdir(parents=True, exist_ok=True)

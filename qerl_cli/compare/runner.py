@@ -14,10 +14,11 @@ Runs are sequential in this process, or ``jobs`` child processes at a time (one 
 :mod:`~qerl_cli.compare.parallel`). vLLM runs always get a child process each; ``jobs`` of them at a
 time share the GPU (:mod:`~qerl_cli.compare.gpu_share`): each plans its memory within
 ``train.gpu_fraction`` = 0.92 / jobs of it, runs vLLM without sleep mode and with an explicit share of
-its own (half its fraction, or the recipe's if smaller), and starts once the previous run's vLLM engine
-is up (its ``engine_ready`` file), at least ``compare.start_interval_s`` after it. vLLM measures the
-whole device's memory while it starts and around ``sleep()``, so a neighbour that allocates meanwhile
-breaks it: a negative KV cache at start, ``Memory usage increased after sleeping`` mid-run. Each run's
+its own (half its fraction, or the recipe's if smaller), its KV cache sized from that share, and starts
+once the previous run's vLLM engine is up (its ``engine_ready`` file) or has been starting for
+``compare.engine_ready_timeout_s``, at least ``compare.start_interval_s`` after it. vLLM's own profiling
+and ``sleep()`` measure the whole device's memory, so a neighbour that allocates meanwhile breaks them (a
+negative KV cache at start, ``Memory usage increased after sleeping`` mid-run): neither is used. Each run's
 and each base's held-out figures come from :mod:`~qerl_cli.compare.heldout`; where runs live and their
 configs, from :mod:`~qerl_cli.compare.runs`.
 """
@@ -189,7 +190,7 @@ def _train(ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress
         child_sets = shared_gpu_sets(
             ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, width
         )
-        # One vLLM start at a time: each waits until the previous run's engine is up, at least `gap` later.
+        # Staggered starts: each waits for the previous run's engine (at most `timeout`), `gap` at least.
         gap = DEFAULT_START_INTERVAL_S if interval is None else interval
         timeout = ablation.settings.engine_ready_timeout_s
         return run_parallel(todo, recipe, seeds, out, child_sets, width, gap, timeout)

@@ -1,0 +1,49 @@
+"""Rebuild this folder's compare.md/.json/.png from its runs, on a CPU.
+
+The runs here came from two H100 machines (`qerl compare`'s own summary needs the bases it trained on,
+which were on the device): this writes the same report with `qerl compare`'s own code, the untrained
+bases' held-out figures taken from `base-heldout/` (each evaluated on the device by `qerl compare`).
+
+    .venv/bin/python benchmarks/gemma3-270m-ablation-h100-2026-11-24/fixed-reward/summarize.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qerl_cli.compare.arms import select_arms
+from qerl_cli.compare.results import BaseHeldout
+from qerl_cli.compare.runs import load_recipe
+from qerl_cli.compare.summary import write_report
+
+HERE = Path(__file__).resolve().parent
+RECIPE = "recipes/gemma3_270m_wordproblems.yaml"
+# Arm -> (its untrained base's folder under base-heldout/, that base's label in the table)
+BASES = {
+    "bf16-lora": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
+    "nvfp4-lora": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+    "nvfp4-aqn": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+    "nf4-lora": ("nf4-awq-62753d77", "nf4 AWQ"),
+    "bf16-lora-lr3e-4": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
+    "nvfp4-aqn-lr3e-4": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+}
+
+
+def main() -> None:
+    _, settings = load_recipe(RECIPE)
+    arms = select_arms(settings, list(BASES))
+    base_heldout = {
+        arm: BaseHeldout.from_dict(json.loads((HERE / "base-heldout" / folder / "heldout.json").read_text()))
+        for arm, (folder, _) in BASES.items()
+    }
+    labels = {arm: label for arm, (_, label) in BASES.items()}
+    report = write_report(HERE, arms, [0, 1, 2], settings, None, recipe=RECIPE, base_heldout=base_heldout,
+                          base_labels=labels)  # fmt: skip
+    for warning in report.warnings:
+        print("warning:", warning)
+    print((HERE / "compare.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
