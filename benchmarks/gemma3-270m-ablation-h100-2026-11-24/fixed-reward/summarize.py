@@ -10,6 +10,7 @@ bases' held-out figures taken from `base-heldout/` (each evaluated on the device
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from qerl_cli.compare.arms import select_arms
@@ -17,7 +18,8 @@ from qerl_cli.compare.results import BaseHeldout
 from qerl_cli.compare.runs import load_recipe
 from qerl_cli.compare.summary import write_report
 
-HERE = Path(__file__).resolve().parent
+# Relative to where it is run (the repository root), so the report names no machine's folders.
+HERE = Path(os.path.relpath(Path(__file__).resolve().parent))
 RECIPE = "recipes/gemma3_270m_wordproblems.yaml"
 # Arm -> (its untrained base's folder under base-heldout/, that base's label in the table)
 BASES = {
