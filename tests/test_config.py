@@ -46,7 +46,6 @@ def test_overrides_are_parsed_to_the_field_type(tmp_path: Path) -> None:
     assert conf.data.levels == [3, 4, 5]
 
 
-
 def test_a_bare_off_means_the_off_choice_not_false(tmp_path: Path) -> None:
     """YAML reads ``off`` as false; a setting whose choices include "off" takes it as that choice, and a
     bool where no such choice exists is still refused."""
@@ -56,6 +55,15 @@ def test_a_bare_off_means_the_off_choice_not_false(tmp_path: Path) -> None:
     assert cfg.load_config(cfg.TrainConfig, plain, ["train.fused_kernels=off"]).train.fused_kernels == "off"
     with pytest.raises(QerlError, match="rollout.engine"):
         cfg.load_config(cfg.TrainConfig, plain, ["rollout.engine=off"])
+
+
+def test_completions_logged_per_step_cannot_be_negative(tmp_path: Path) -> None:
+    plain = write(tmp_path, {"model": {"path": "m"}})
+    assert cfg.load_config(cfg.TrainConfig, plain).output.log_completions == 1
+    assert cfg.load_config(cfg.TrainConfig, plain, ["output.log_completions=0"]).output.log_completions == 0
+    with pytest.raises(QerlError, match=r"output.log_completions must be >= 0"):
+        cfg.load_config(cfg.TrainConfig, plain, ["output.log_completions=-1"])
+
 
 def test_unknown_key_suggests_the_closest_name(tmp_path: Path) -> None:
     recipe = write(tmp_path, {"model": {"path": "m"}})
