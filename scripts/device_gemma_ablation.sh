@@ -14,7 +14,9 @@
 # scripts/device_gemma_awq_assemble.py (.device/gemma-awq -> /tmp/gemma-awq, .device/gemma-awq-nf4 ->
 # /tmp/gemma-awq-nf4). llm-compressor pins another compressed-tensors than vLLM, so the bases are made
 # apart, as `qerl compare`'s error message advises, and assembled here against this machine's own BF16
-# conversion of the same GGUF (tensor checksums checked).
+# conversion of the same GGUF (tensor checksums checked). Runs finished on another machine: copy their
+# folders (result.json at least) into /tmp/qerl-g/cmp/<arm>/seed-<s>/ before `all`; compare skips them and
+# its report covers them.
 set -uo pipefail
 PART=${1:?usage: device_gemma_ablation.sh prep|all|proof|compare|status}
 RUN=/tmp/qerl-g
@@ -72,7 +74,8 @@ case "$PART" in
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
     [ -n "${OUT:-}" ] && tar czf "$OUT/gemma-out.tgz" -C "$RUN" out \
       $(cd "$RUN" && ls -d cmp*/*.json cmp*/*.md cmp*/*.png cmp*/*/seed-*/*.json cmp*/*/seed-*/metrics.jsonl \
-        cmp*/*/seed-*/compare.log cmp*/*/seed-*/heldout/*.json cmp*/base-heldout cmp*/bases/*/qerl_quant.json \
+        cmp*/*/seed-*/compare.log cmp*/*/seed-*/heldout/*.json cmp*/*/seed-*/completions.jsonl cmp*/base-heldout \
+        cmp*/bases/*/qerl_quant.json \
         2>/dev/null)
     true ;;
   *) echo "unknown part $PART"; exit 2 ;;
