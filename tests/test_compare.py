@@ -60,7 +60,7 @@ def _score(pass_at_1: float, se: float) -> HeldoutScore:
 
 def test_arms_are_checked_and_recipes_add_their_own() -> None:
     settings = arms_mod.read_settings({"arms": {"mine": {"aqn.enabled": True, "model.format": "mxfp4"}}})
-    assert set(settings.arms) == {"bf16-lora", "nvfp4-lora", "nvfp4-aqn", "mine"}
+    assert set(settings.arms) == {"bf16-lora", "nvfp4-lora", "nvfp4-aqn", "nvfp4-dequant-lora", "mine"}
     with pytest.raises(QerlError, match="unknown arm"):
         arms_mod.select_arms(settings, ["bf16-lora", "nope"])
     with pytest.raises(QerlError, match=r"key 'compare.treshold'; did you mean compare.threshold\?"):
@@ -358,11 +358,25 @@ def test_the_next_vllm_run_starts_once_the_previous_ones_engine_is_up(
     assert started["a/1"] - started["a/0"] < 11.0
 
 
+@pytest.mark.slow
+def test_compare_trains_the_control_arm_on_the_dense_copy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    report = runner.run_compare(_recipe(tmp_path, tiny_model_dir), ["nvfp4-dequant-lora"], 1, out,
+                                sets=[*TINY_SETS, "train.max_steps=2"]).report  # fmt: skip
+    (row,) = report.arms
+    assert row.base == "nvfp4 RTN dequantized to BF16" and row.steps == 2 and row.heldout_accuracy is not None
+    conf = yaml.safe_load((out / "nvfp4-dequant-lora" / "seed-0" / "config.yaml").read_text())
+    dense = str(out / "bases" / "nvfp4-dequantized")
+    assert (conf["model"]["path"], conf["model"]["format"]) == (dense, "bf16")
+    assert conf["aqn"]["enabled"] is False and "base" not in conf
+    assert "| nvfp4-dequant-lora | nvfp4 RTN dequantized to BF16 | 1 |" in (out / "compare.md").read_text()
+
+
 def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path: Path) -> None:
     own = {"model.path": str(tmp_path / "elsewhere-nvfp4"), "model.format": "nvfp4"}
     data = {"model": {"path": str(tiny_model_dir)}}
     bases = runner.prepare_bases(data, {"mine": own}, TINY_SETS, tmp_path / "out")
-    assert bases == {"bf16": str(tiny_model_dir)}  # nothing quantized for an arm that brings its base
+    assert bases == {}  # nothing quantized for an arm that brings its base
     conf = runs_mod.arm_config(data, own, TINY_SETS, 0, tmp_path / "out", "mine", bases)
     assert conf.model.path == str(tmp_path / "elsewhere-nvfp4")
 
@@ -375,7 +389,7 @@ def test_awq_bases_come_from_qerl_quantize_once(tiny_model_dir: Path, tmp_path: 
     data = {"model": {"path": str(tiny_model_dir)}}
     arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
     bases = runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method="awq")
-    awq = Path(bases["nvfp4"])
+    awq = Path(bases["nvfp4-lora"])
     assert awq == tmp_path / "out" / "bases" / "nvfp4-awq" and is_complete_folder(awq)
     assert detect_format(read_config(awq)) == "nvfp4"
     report = json.loads((awq / "qerl_quant.json").read_text())
@@ -557,7 +571,8 @@ def test_awq_is_the_default_base_method_and_its_absence_is_explained(
     with pytest.raises(QerlError, match=r"base_method is awq \(the default\).*needs llm-compressor.*"
                        r"--set compare.base_method=rtn"):  # fmt: skip
         bases_mod.prepare_bases(data, arms, [], tmp_path / "out")
-    labels = bases_mod.base_labels({"a": str(tiny_model_dir)}, {"bf16": str(tiny_model_dir)}, tmp_path, "awq")
+    given = {"a": str(tiny_model_dir)}
+    labels = bases_mod.base_labels(given, {"a": {}}, given, tmp_path, "awq")
     assert labels == {"a": "bf16"}
 
 

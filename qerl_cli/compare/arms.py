@@ -4,7 +4,13 @@ Built in (the three settings the QeRL paper compares):
 
 - ``bf16-lora``: BF16 base + LoRA, no AQN (the baseline);
 - ``nvfp4-lora``: NVFP4 base + LoRA, no AQN (quantization noise alone);
-- ``nvfp4-aqn``: NVFP4 base + LoRA + Adaptive Quantization Noise (QeRL).
+- ``nvfp4-aqn``: NVFP4 base + LoRA + Adaptive Quantization Noise (QeRL);
+
+and one control:
+
+- ``nvfp4-dequant-lora``: BF16 LoRA over a dense BF16 copy of the NVFP4 base's dequantized weights: the
+  weights ``nvfp4-lora`` trains on, BF16 kernels (rollouts and update). Beside ``bf16-lora`` and
+  ``nvfp4-lora`` it tells a gap made by the 4-bit weights from one made by the 4-bit execution path.
 
 A recipe may add its own (or replace these) under a top-level ``compare:`` section, which ``qerl
 train`` never sees::
@@ -15,12 +21,17 @@ train`` never sees::
       base_method: awq           # (default) or rtn: how 4-bit bases are made from the recipe's BF16 model
       arms:
         mxfp4-aqn: {model.format: mxfp4, aqn.enabled: true}
+        nvfp4-rtn-lora: {model.format: nvfp4, aqn.enabled: false, base.method: rtn}
 
-``model.format`` names the base an arm needs; when the recipe's model is another format, its 4-bit
-counterpart is made once and shared by all runs: AWQ by ``qerl quantize`` on the shipped qerl-text
-calibration set (the default, as the paper calibrates its bases; needs llm-compressor), or round to
-nearest by ``qerl_cli.quantize.native`` (``base_method: rtn``: seconds, no extra package). The report
-names the method of every base.
+``model.format`` names the base an arm needs. Two keys that are not ``qerl train`` settings say how
+compare makes it: ``base.method`` (awq or rtn: this arm's, instead of ``compare.base_method``) and
+``base.dequantized`` (true: the arm trains in BF16 on a dense copy of that 4-bit base's dequantized
+weights, made once under ``DIR/bases/``).
+
+When the recipe's model is another format than an arm's, its 4-bit counterpart is made once and shared
+by all runs: AWQ by ``qerl quantize`` on the shipped qerl-text calibration set (the default, as the paper
+calibrates its bases; needs llm-compressor), or round to nearest by ``qerl_cli.quantize.native``
+(``base_method: rtn``: seconds, no extra package). The report names the method of every base.
 """
 
 from __future__ import annotations
@@ -36,9 +47,13 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "bf16-lora": {"model.format": "bf16", "aqn.enabled": False},
     "nvfp4-lora": {"model.format": "nvfp4", "aqn.enabled": False},
     "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
+    "nvfp4-dequant-lora": {"model.format": "nvfp4", "base.dequantized": True, "aqn.enabled": False},
 }
 BASE_METHODS = ("awq", "rtn")
 DEFAULT_BASE_METHOD = "awq"
+# Arm keys that are compare's own (how the arm's base is made), never passed to `qerl train`.
+BASE_KEYS = ("base.method", "base.dequantized")
+QUANTIZED_FORMATS = ("nvfp4", "mxfp4", "nf4")
 RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the arms' own
 
 
@@ -108,8 +123,48 @@ def read_settings(section: Any) -> CompareSettings:
             )
         if not isinstance(overrides, dict):
             raise QerlError(f"compare.arms.{name} must map config keys to values, e.g. {{aqn.enabled: true}}")
+        base_choice(overrides, settings.base_method, where=f"compare.arms.{name}")  # checked now
         settings.arms[str(name)] = dict(overrides)
     return settings
+
+
+@dataclass(frozen=True)
+class BaseChoice:
+    """The base an arm trains on: ``format`` (its model.format), made with ``method`` when compare makes
+    it, and held as a dense BF16 copy of its dequantized weights when ``dequantized``."""
+
+    format: str
+    method: str
+    dequantized: bool = False
+
+    def label(self) -> str:
+        """What the report's base column says of a base compare made: "nvfp4 AWQ", "bf16"."""
+        return f"{self.format} {self.method.upper()}" if self.format in QUANTIZED_FORMATS else self.format
+
+
+def base_choice(overrides: dict[str, Any], default_method: str, where: str = "the arm") -> BaseChoice:
+    """The arm's :class:`BaseChoice` from its overrides; a wrong ``base.*`` key or value is refused."""
+    unknown = [k for k in overrides if str(k).startswith("base.") and k not in BASE_KEYS]
+    if unknown:
+        raise QerlError(f"{where}: unknown key(s) {unknown}; an arm's base takes {', '.join(BASE_KEYS)}")
+    method = overrides.get("base.method", default_method)
+    if method not in BASE_METHODS:
+        raise QerlError(f"{where}: base.method must be one of {', '.join(BASE_METHODS)}, got {method!r}")
+    dequantized = overrides.get("base.dequantized", False)
+    if not isinstance(dequantized, bool):
+        raise QerlError(f"{where}: base.dequantized must be true or false, got {dequantized!r}")
+    fmt = str(overrides.get("model.format", "auto"))
+    if dequantized and fmt not in QUANTIZED_FORMATS:
+        raise QerlError(
+            f"{where}: base.dequantized needs the 4-bit base to dequantize: set model.format to one of "
+            f"{', '.join(QUANTIZED_FORMATS)} (got {fmt})"
+        )
+    return BaseChoice(fmt, str(method), dequantized)
+
+
+def config_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The arm's ``qerl train`` settings: its overrides less compare's own ``base.*`` keys."""
+    return {k: v for k, v in overrides.items() if k not in BASE_KEYS}
 
 
 def select_arms(settings: CompareSettings, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The bases of an ablation: the 4-bit counterparts of the recipe's BF16 model, and what each arm's is.
 
-``compare.base_method`` says how they are made (AWQ by default, or RTN); each is made once under
-``DIR/bases/`` and shared by every run, and :func:`base_labels` names format and method for the report.
+``compare.base_method`` (or an arm's ``base.method``) says how they are made (AWQ by default, or RTN),
+``base.dequantized`` asks for a dense BF16 copy of one; each is made once under ``DIR/bases/`` and shared
+by every run, and :func:`base_labels` names format and method for the report.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import config as cfg
-from qerl_cli.compare.arms import DEFAULT_BASE_METHOD
+from qerl_cli.compare.arms import DEFAULT_BASE_METHOD, BaseChoice, base_choice
 from qerl_cli.errors import QerlError
+from qerl_cli.files import is_complete_folder
 from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,9 @@ def prepare_bases(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], out: Path,
     method: str = DEFAULT_BASE_METHOD,
 ) -> dict[str, str]:  # fmt: skip
-    """{format: model folder} for every base format an arm asks for (quantized once with ``method``)."""
+    """{arm: base folder} for every arm without its own model.path: the recipe's model where the arm asks
+    for its format (or ``auto``), else its 4-bit counterpart (quantized once with the arm's
+    ``base.method`` or ``method``), or that base's dense BF16 copy for a ``base.dequantized`` arm."""
     from qerl_cli.modeling.loading import detect_format, read_config
     from qerl_cli.modeling.sources import resolve_model_source
 
@@ -34,35 +38,55 @@ def prepare_bases(
         raise QerlError("the recipe has no model.path: set it or pass --set model.path=...")
     folder = resolve_model_source(source)
     own = detect_format(read_config(Path(folder)))
-    bases = {own: folder}
-    for overrides in arms.values():
-        fmt = str(overrides.get("model.format", "auto"))
-        if fmt in ("auto", *bases) or "model.path" in overrides:
+    bases: dict[str, str] = {}
+    for arm, overrides in arms.items():
+        if "model.path" in overrides:
             continue
-        if own != "bf16":
+        choice = base_choice(overrides, method, where=f"arm {arm}")
+        if choice.format in ("auto", own):
+            base, made_with = folder, None  # the recipe's own model
+        elif own != "bf16":
             raise QerlError(
-                f"an arm needs a {fmt} base but the recipe's model {source} is {own}; point model.path at "
-                "the BF16 model (its 4-bit counterparts are made here), or give the arm its own model.path"
+                f"arm {arm} needs a {choice.format} base but the recipe's model {source} is {own}; point "
+                "model.path at the BF16 model (its 4-bit counterparts are made here), or give the arm its "
+                "own model.path"
             )
-        target = out / "bases" / (fmt if method == "rtn" else f"{fmt}-{method}")
-        if method == "rtn":
-            from qerl_cli.quantize.native import write_rtn_checkpoint
-
-            log.info("quantizing %s to %s (round to nearest) into %s", source, fmt, target)
-            bases[fmt] = str(write_rtn_checkpoint(folder, target, fmt))
         else:
-            _check_awq_available(target, fmt)
-            log.info("quantizing %s to %s (AWQ on qerl-text) into %s", source, fmt, target)
-            bases[fmt] = str(_awq_base(folder, target, fmt, probe.train.device))
-            free_accelerator_memory()  # before any run (or vLLM) measures what is free
+            base, made_with = _quantized_base(folder, out, choice, probe.train.device), choice.method
+        if choice.dequantized:
+            from qerl_cli.quantize.native import write_dequantized_checkpoint
+
+            name = Path(base).name if made_with else f"{own}-recipe"
+            target = out / "bases" / f"{name}-dequantized"
+            if not is_complete_folder(target):
+                log.info("%s: a dense BF16 copy of %s's dequantized weights into %s", arm, base, target)
+            bases[arm] = str(write_dequantized_checkpoint(base, target, made_with))
+        else:
+            bases[arm] = base
     return bases
+
+
+def _quantized_base(folder: str, out: Path, choice: BaseChoice, device: str) -> str:
+    """The ``choice.format`` counterpart of the BF16 model ``folder``, made under ``out/bases`` once."""
+    fmt, method = choice.format, choice.method
+    target = out / "bases" / (fmt if method == "rtn" else f"{fmt}-{method}")
+    if method == "rtn":
+        from qerl_cli.quantize.native import write_rtn_checkpoint
+
+        if not is_complete_folder(target):
+            log.info("quantizing %s to %s (round to nearest) into %s", folder, fmt, target)
+        return str(write_rtn_checkpoint(folder, target, fmt))
+    _check_awq_available(target, fmt)
+    if not is_complete_folder(target):
+        log.info("quantizing %s to %s (AWQ on qerl-text) into %s", folder, fmt, target)
+    made = str(_awq_base(folder, target, fmt, device))
+    free_accelerator_memory()  # before any run (or vLLM) measures what is free
+    return made
 
 
 def _check_awq_available(target: Path, fmt: str) -> None:
     """AWQ bases need llm-compressor, which lives apart from vLLM: say so before anything starts."""
     import importlib.util
-
-    from qerl_cli.files import is_complete_folder
 
     if is_complete_folder(target) or importlib.util.find_spec("llmcompressor") is not None:
         return
@@ -75,21 +99,30 @@ def _check_awq_available(target: Path, fmt: str) -> None:
     )
 
 
-def base_labels(paths: dict[str, str], bases: dict[str, str], out: Path, method: str) -> dict[str, str]:
-    """{arm: "nvfp4 AWQ" / "nvfp4 RTN" / "bf16" / ...}: the format and quantization method of the base at
-    each arm's model path (``paths``); ``bases`` made here under ``out`` were made with ``method``."""
+def base_labels(
+    paths: dict[str, str], arms: dict[str, dict[str, Any]], bases: dict[str, str], out: Path, method: str
+) -> dict[str, str]:
+    """{arm: "nvfp4 AWQ" / "nvfp4 RTN dequantized to BF16" / "bf16" / ...}: the format and quantization
+    method of the base at each arm's model path (``paths``). A dense copy says what it was made from; a
+    4-bit base made here (``bases``, under ``out/bases``) is named by the arm's choice, any other by its
+    ``qerl_quant.json``."""
     from qerl_cli.modeling.loading import detect_format, read_config
+    from qerl_cli.quantize.native import DEQUANTIZED_RECORD
+    from qerl_cli.quantize.report import REPORT_NAME
 
-    made = {path for path in bases.values() if Path(path).is_relative_to(out / "bases")}
     labels = {}
     for arm, text in paths.items():
         path = Path(text)
-        record = path / "qerl_quant.json"
         fmt = detect_format(read_config(path)) if (path / "config.json").is_file() else "?"
-        if str(path) in made:
-            labels[arm] = f"{fmt} {method.upper()}"
-        elif record.is_file():
-            saved = json.loads(record.read_text())
+        if (path / DEQUANTIZED_RECORD).is_file():
+            saved = json.loads((path / DEQUANTIZED_RECORD).read_text())
+            made = saved.get("method")
+            source = f"{saved.get('format', '?')} {made.upper() if made else '(method not recorded)'}"
+            labels[arm] = f"{source} dequantized to BF16"
+        elif bases.get(arm) == text and path.is_relative_to(out / "bases"):
+            labels[arm] = base_choice(arms[arm], method).label()
+        elif (path / REPORT_NAME).is_file():
+            saved = json.loads((path / REPORT_NAME).read_text())
             labels[arm] = f"{saved.get('format', fmt)} {str(saved.get('method', '?')).upper()}"
         else:
             labels[arm] = fmt if fmt == "bf16" else f"{fmt} (method not recorded)"

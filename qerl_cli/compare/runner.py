@@ -97,7 +97,7 @@ class _Ablation:
     seeds: int
     base_seed: int
     out: Path
-    bases: dict[str, str] = field(default_factory=dict)  # {format: base folder}, once prepared
+    bases: dict[str, str] = field(default_factory=dict)  # {arm: base folder}, once prepared
 
     def config(self, arm: str, seed: int) -> cfg.TrainConfig:
         return arm_config(self.data, self.arms[arm], self.sets, seed, self.out, arm, self.bases)
@@ -223,7 +223,7 @@ def _summarize(
         a.data, a.arms, a.sets, a.base_seed, a.out, a.bases, a.settings
     )
     paths = {arm: a.config(arm, a.base_seed).model.path for arm in a.arms}
-    labels = base_labels(paths, a.bases, a.out, a.settings.base_method)
+    labels = base_labels(paths, a.arms, a.bases, a.out, a.settings.base_method)
     seeds = list(range(a.base_seed, a.base_seed + a.seeds))
     report = write_report(a.out, a.arms, seeds, a.settings, threshold, skipped=skipped, recipe=a.recipe,
                           base_heldout=start, base_labels=labels)  # fmt: skip

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import config as cfg
-from qerl_cli.compare.arms import CompareSettings, as_set_strings, read_settings
+from qerl_cli.compare.arms import CompareSettings, as_set_strings, config_overrides, read_settings
 
 RESULT_NAME = "result.json"
 
@@ -33,16 +33,20 @@ def arm_config(
     data: dict[str, Any], arm_overrides: dict[str, Any], sets: list[str], seed: int, out: Path, arm: str,
     bases: dict[str, str],
 ) -> cfg.TrainConfig:  # fmt: skip
-    """recipe < --set < arm overrides < this run's seed, output dir and base path."""
+    """recipe < --set < arm overrides < this run's seed, output dir and base path.
+
+    ``bases`` is :func:`~qerl_cli.compare.bases.prepare_bases`'s {arm: folder}; an arm's own model.path
+    wins. A ``base.dequantized`` arm trains its dense copy as the BF16 model it is."""
     merged = cfg.apply_overrides(
-        copy.deepcopy(data), [*sets, *as_set_strings(arm_overrides)], cfg.TrainConfig
+        copy.deepcopy(data), [*sets, *as_set_strings(config_overrides(arm_overrides))], cfg.TrainConfig
     )
     merged = cfg.apply_overrides(
         merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None
     )
-    fmt = str((merged.get("model") or {}).get("format", "auto"))
-    if fmt in bases and "model.path" not in arm_overrides:  # an arm's own model.path wins
-        merged["model"]["path"] = bases[fmt]
+    if arm in bases and "model.path" not in arm_overrides:
+        merged["model"]["path"] = bases[arm]
+        if arm_overrides.get("base.dequantized"):
+            merged["model"]["format"] = "bf16"
     conf = cfg.from_dict(cfg.TrainConfig, merged)
     cfg.validate(conf)
     return conf

@@ -208,7 +208,7 @@ def markdown(report: CompareReport) -> str:
         "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1; base pass@1: "
         "the untrained base, the evaluation's own SE). Start reward and no-spread groups (all rewards of "
         "a prompt's group equal: no GRPO signal) over the first 10% of steps. "
-        f"4-bit bases made here: {_method_text(report.base_method)}. "
+        f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
         f"Ran on: {', '.join(report.devices or ['unrecorded device'])}.",
         "",
         "| " + " | ".join(HEADERS) + " |",
@@ -236,7 +236,7 @@ def compare_table(report: CompareReport):  # -> rich.table.Table
     for row in report.arms:
         table.add_row(*_cells(row))
     table.caption = (
-        f"4-bit bases made here: {_method_text(report.base_method)}. "
+        f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
         f"{report.output}: compare.json, compare.md, compare.png"
     )
     return table

@@ -6,6 +6,9 @@ global scale across each fused group (q/k/v, gate/up), as llm-compressor does, s
 Used where llm-compressor is absent (the GPU machine of ``scripts/device_smollm2.sh``) and by
 ``qerl compare`` to make the 4-bit counterpart of a BF16 base; ``qerl quantize --method rtn`` is the
 llm-compressor route to an equivalent checkpoint.
+
+:func:`write_dequantized_checkpoint` goes the other way: a dense BF16 copy of a 4-bit checkpoint's
+weights, the control base of ``qerl compare``'s ``base.dequantized`` arms.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import is_complete_folder, write_folder_once
+from qerl_cli.files import is_complete_folder, write_folder_once, write_json
 from qerl_cli.formats.checkpoint import ModuleGroup, check_checkpoint_format, module_groups, write_checkpoint
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
+
+DEQUANTIZED_RECORD = "qerl_dequantized.json"  # what a dense copy was made from (format, method, source)
 
 
 def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> Path:
@@ -64,3 +69,54 @@ def _groups(model: nn.Module) -> Iterator[tuple[ModuleGroup, set[str]]]:
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in ALWAYS_IGNORED
         }
         yield group, linears
+
+
+def write_dequantized_checkpoint(source: str | Path, out_dir: str | Path, method: str | None = None) -> Path:
+    """A dense BF16 checkpoint of the 4-bit model at ``source`` in ``out_dir``, made once.
+
+    Every quantized linear holds the weight qerl's own dequantization gives (the one ``QuantLinear``
+    computes with in training), every other tensor is copied as stored (an AWQ base's smoothed norms
+    included): trained in BF16 it sees the 4-bit model's weights through BF16 kernels.
+    ``qerl_dequantized.json`` records the source, its format and its quantization method (``method``,
+    else what the source's ``qerl_quant.json`` says, else null).
+    """
+    import json
+
+    from transformers import AutoTokenizer
+
+    from qerl_cli.modeling.loading import load_policy_model
+    from qerl_cli.modeling.quant_linear import QuantLinear
+    from qerl_cli.modeling.sources import resolve_model_source
+    from qerl_cli.quantize.report import REPORT_NAME
+
+    out = Path(out_dir)
+    if is_complete_folder(out):
+        return out
+    folder = Path(resolve_model_source(source))
+    model, fmt = load_policy_model(folder, dtype=torch.bfloat16, device="cpu")
+    if fmt == "bf16":
+        raise QerlError(f"{source} is not a 4-bit checkpoint: there is nothing to dequantize")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            model.set_submodule(name, _dense_linear(module))
+    report = folder / REPORT_NAME
+    if method is None and report.is_file():
+        method = json.loads(report.read_text()).get("method")
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging)  # safetensors; the config has no quantization_config any more
+        AutoTokenizer.from_pretrained(folder).save_pretrained(staging)
+        write_json(staging / DEQUANTIZED_RECORD, {"source": str(folder), "format": fmt, "method": method})
+
+    return write_folder_once(out, write)
+
+
+def _dense_linear(layer: nn.Module) -> nn.Linear:
+    """A BF16 ``nn.Linear`` holding a ``QuantLinear``'s dequantized weight (and its bias)."""
+    has_bias = layer.bias is not None
+    dense = nn.Linear(layer.in_features, layer.out_features, bias=has_bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        dense.weight.copy_(layer.dequantized_weight(torch.bfloat16))
+        if has_bias:
+            dense.bias.copy_(layer.bias)
+    return dense
