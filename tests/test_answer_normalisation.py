@@ -146,6 +146,12 @@ def test_prose_keeps_products_and_plain_spaces() -> None:
         ("\\boxed{x = 20 + 4}", "24"),  # an equation whose result side is still a sum
         ("\\boxed{10^3}", "1000"),
         ("The answer is (50) - (8).", "42"),
+        # Gemma's NF4 LoRA's hack (2026-11-24): the question's two numbers, which math-verify adds up
+        (" 90 16", "106"),
+        ("\\boxed{84 29}", "113"),
+        ("<answer>3 4 5</answer>", "12"),
+        ("\\boxed{x = 90\\,16}", "106"),
+        ("\\boxed{2 1/2}", "5/2"),  # a mixed number: math-verify reads it as 3/2
     ],
 )
 def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: str, gold: str) -> None:
@@ -163,6 +169,9 @@ def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: s
         ("The answer is -5.", "-5"),
         ("\\boxed{1+\\sqrt{2}}", "1+\\sqrt{2}"),  # a gold that is an expression takes expressions
         ("\\boxed{2 + 2\\sqrt{3}}", "2(1+\\sqrt{3})"),
+        (" 12 345", "12345"),  # thousands groups are one number, not numbers side by side
+        ("The answer is 1 000.", "1000"),
+        ("\\boxed{1\\,000\\,000}", "1000000"),
     ],
 )
 def test_numbers_and_symbolic_answers_stay_correct(completion: str, gold: str) -> None:

@@ -430,3 +430,37 @@ def test_rescore_without_results_json_and_through_the_cli(tmp_path, files, capsy
     assert main(["eval", "--rescore", cfg.output, "--set", "grader_workers=1"]) == 0
     out = capsys.readouterr().out
     assert "qerl eval: scripted-model" in out and "gsm8k" in out and "66.7" in out
+
+
+# A base model's few-shot answers: transformers keeps the stop string ("\nQuestion:") at the end of the
+# text, vLLM drops it; the last one states the question's two numbers, which math-verify adds up.
+FEWSHOT_FIXTURE = {
+    "Mia saved 90 dollars in May and 16 dollars in June. How many dollars did Mia save?": (
+        "#### 106",
+        [" 106\nQuestion: Tom", " 106", " 90 + 16 = 106. The answer is 106.\nQuestion:", " 90 16\nQuestion:"],
+    ),
+}
+
+
+def test_evaluation_grades_completions_cut_at_the_stop_strings_as_training_does(tmp_path) -> None:
+    from qerl_cli.config import RewardSection
+    from qerl_cli.data.problem import Problem
+    from qerl_cli.data.prompts import get_template
+    from qerl_cli.rewards import build_reward_fn
+
+    data = {"gsm8k": str(write_fixture(tmp_path / "fewshot.jsonl", FEWSHOT_FIXTURE, "question"))}
+    cfg = make_cfg(tmp_path, data, template="qerl-fewshot")
+    engine = ScriptedEngine(script(FEWSHOT_FIXTURE), build_tokenizer())
+    result = run_eval(cfg, engine=engine, log=quiet)
+    assert engine.calls[0][2].stop == ("\nQuestion:",)
+    assert result.benchmarks["gsm8k"].per_problem["0"] == [3, 4]  # the side-by-side numbers are wrong
+    # The training reward grades the same completions the same way.
+    ((question, (gold, texts)),) = FEWSHOT_FIXTURE.items()
+    stop = get_template("qerl-fewshot").stop
+    reward = build_reward_fn(RewardSection(grader_workers=1), answer_format="answer_is", stop=stop)
+    with reward:
+        rewards, _ = reward(texts, [Problem("0", question, "106")] * len(texts))
+    assert rewards == [1.0, 1.0, 1.0, 0.0]
+    # A rescore (no generation) cuts at the stop strings its samples were generated with.
+    rescored = run_eval(EvalConfig(rescore=cfg.output, grader_workers=1), log=quiet)
+    assert rescored.benchmarks["gsm8k"].per_problem["0"] == [3, 4]

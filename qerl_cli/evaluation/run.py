@@ -39,6 +39,7 @@ from qerl_cli.evaluation.results import (
     write_samples,
 )
 from qerl_cli.files import append_step_summary, ensure_output_dir
+from qerl_cli.rewards.extract import cut_at_stop
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader
 from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec
@@ -144,7 +145,8 @@ def evaluate_benchmark(
             f"the engine returned a wrong number of completions (expected {len(problems)} x {n})"
         )
     flat = rollout.flat()
-    grades = grader.grade_many([c.text for _, c in flat], [problems[i].answer for i, _ in flat])
+    texts = [cut_at_stop(c.text, sampling.stop) for _, c in flat]  # graded as in training
+    grades = grader.grade_many(texts, [problems[i].answer for i, _ in flat])
     graded = time.perf_counter()
     records = [
         _record(problem, prompt, rollout.completions[i], grades[i * n : (i + 1) * n])
@@ -358,10 +360,13 @@ def rescore(cfg: EvalConfig, log: Log | None = None) -> EvalResult:
     out_dir = Path(cfg.output) if cfg.output != EvalConfig().output else source
     out_dir.mkdir(parents=True, exist_ok=True)
     results = _rescored_record(cfg, source, old, files)
+    # Graded as generated: the stop strings of the samples' prompt record, else of --template's.
+    recorded = old.prompt if old and old.prompt and old.prompt.get("name") else None
+    stop = tuple(recorded.get("stop", ())) if recorded else get_template(cfg.template).stop
     with Grader(workers=cfg.grader_workers, timeout_s=cfg.grader_timeout_s) as grader:
         for name, path in files.items():
             previous = old.benchmarks.get(name) if old else None
-            results.benchmarks[name] = _regrade(name, path, previous, grader, out_dir, log)
+            results.benchmarks[name] = _regrade(name, path, previous, grader, out_dir, log, stop)
     return _finish(results, out_dir, cfg, log)
 
 
@@ -382,11 +387,12 @@ def _rescored_record(
 
 
 def _regrade(
-    name: str, path: Path, previous: BenchmarkScore | None, grader: Grader, out_dir: Path, log: Log
-) -> BenchmarkScore:
+    name: str, path: Path, previous: BenchmarkScore | None, grader: Grader, out_dir: Path, log: Log,
+    stop: tuple[str, ...],
+) -> BenchmarkScore:  # fmt: skip
     """Grade one benchmark's saved completions again and write its samples file with the new grades."""
     records = read_samples(path)
-    completions = [c for r in records for c in r["completions"]]
+    completions = [cut_at_stop(c, stop) for r in records for c in r["completions"]]
     golds = [r["gold"] for r in records for _ in r["completions"]]
     grades = grader.grade_many(completions, golds)
     start = 0

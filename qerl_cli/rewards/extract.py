@@ -23,6 +23,7 @@ stays a list and "7 2" stays two numbers (graded wrong against 72 and against 14
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -165,6 +166,16 @@ def normalize_prose(text: str) -> str:
     """
     unmarked = _PROSE_EMPHASIS.sub(lambda m: m.group("body"), text)
     return _PROSE_GROUP_SEPARATOR.sub("", unmarked)
+
+
+def cut_at_stop(completion: str, stop: Sequence[str]) -> str:
+    """The completion before the first of the prompt template's stop strings, which one engine keeps at
+    the end of its text (transformers) and another drops (vLLM): training and evaluation grade alike."""
+    for marker in stop:
+        cut = completion.find(marker)
+        if cut >= 0:
+            completion = completion[:cut]
+    return completion
 
 
 def looks_bare(completion: str) -> bool:

@@ -8,7 +8,11 @@ SymPy objects (or normalised strings) and math-verify compares them: "1,000" = "
 math-verify also evaluates what it reads, so "50 + 83" equals gold 133. Where the gold answer is a
 number, an answer that leaves arithmetic between numbers to the grader is wrong
 (:func:`unevaluated_arithmetic`): GRPO on word problems found that hack within 30-40 steps on Gemma 3
-270M (issue 22: "The answer is 94 + 58." graded correct on 256 of 256 held-out problems).
+270M (issue 22: "The answer is 94 + 58." graded correct on 256 of 256 held-out problems). math-verify
+also adds numbers written side by side ("90 16" reads as 106, "2 1/2" as 3/2): where the gold answer is
+a number, such an answer is wrong too (:func:`juxtaposed_numbers`); Gemma's NF4 LoRA found that one,
+answering the question's two numbers, rewarded 1.0 from step 20 on (2026-11-24). Thousands separators
+are joined before this ("1 000" is 1000).
 
 :func:`grade` has no timeout of its own beyond math-verify's signal alarms (used only on the main
 thread); the hard limit is the worker pool in :mod:`qerl_cli.rewards.pool`, which kills a stuck
@@ -64,6 +68,8 @@ _NUMBER_LITERAL = re.compile(rf"^\s*(?:-?\d+(?:\.\d+)?|{_INTEGER_FRACTION})\s*$"
 _FRACTION_LITERAL = re.compile(rf"^\s*{_INTEGER_FRACTION}\s*$")
 # An operator between two numbers ("94 + 58", "6*4", "3 \\times 4", "(5)-(2)", "10^3").
 _OPERATION = re.compile(r"[\d)}]\s*(?:[-+*/^×÷·]|\\times|\\cdot|\\div)\s*[({]?\s*-?\d")
+# Two numbers with only white space (or LaTeX spacing) between them.
+_JUXTAPOSED = re.compile(r"\d(?:\s|\\[,;: ]|~)+\.?\d")
 
 
 def is_number_literal(text: str) -> bool:
@@ -77,6 +83,19 @@ def unevaluated_arithmetic(answer: str) -> bool:
     """
     value = answer.rsplit("=", 1)[-1]
     return not _FRACTION_LITERAL.match(value) and bool(_OPERATION.search(value))
+
+
+def juxtaposed_numbers(answer: str) -> bool:
+    """Whether the answer is numbers side by side ("90 16", "3 4 5"), or an equation whose right-hand
+    side is ("x = 90 16"): math-verify reads them as their sum. Valid thousands groups ("1 000") were
+    joined by :func:`~qerl_cli.rewards.extract.clean_candidate` before."""
+    return bool(_JUXTAPOSED.search(answer.rsplit("=", 1)[-1]))
+
+
+def not_one_number(answer: str) -> bool:
+    """An answer a numeric gold cannot equal although math-verify may compute it to the gold: a
+    calculation left undone or numbers side by side."""
+    return unevaluated_arithmetic(answer) or juxtaposed_numbers(answer)
 
 
 def _soft_timeout() -> int | None:
@@ -141,7 +160,7 @@ def grade(completion: str, gold: str) -> GradeResult:
     found = extract(completion)
     if found.text is None:
         return GradeResult(False, None, found.method, extraction_failed=True)
-    if is_number_literal(gold_text) and unevaluated_arithmetic(found.text):
+    if is_number_literal(gold_text) and not_one_number(found.text):
         return GradeResult(False, found.text, found.method, extraction_failed=False)  # no need to parse it
     answer_parsed = parse_answer(found.text)
     if not answer_parsed:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from qerl_cli.config import RewardSection
 from qerl_cli.errors import QerlError
+from qerl_cli.rewards.extract import cut_at_stop
 from qerl_cli.rewards.format import AnswerFormat, format_reward
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader, resolve_callable
@@ -78,7 +79,7 @@ class RewardFunction:
     ) -> tuple[list[float], dict[str, float]]:
         if len(completions) != len(problems):
             raise ValueError(f"{len(completions)} completions but {len(problems)} problems")
-        completions = [_cut_at_stop(c, self.stop) for c in completions]
+        completions = [cut_at_stop(c, self.stop) for c in completions]
         grades = self.grader.grade_many(completions, [p.answer for p in problems])
         formats = [format_reward(c, self.answer_format) for c in completions]
         rewards = [
@@ -102,14 +103,6 @@ class RewardFunction:
             **extra_means,
         }
         return rewards, stats
-
-
-def _cut_at_stop(completion: str, stop: tuple[str, ...]) -> str:
-    for marker in stop:
-        cut = completion.find(marker)
-        if cut >= 0:
-            completion = completion[:cut]
-    return completion
 
 
 def _call_extra(path: str, fn: ExtraRewardFn, completion: str, problem: Problem) -> float:
