@@ -661,3 +661,44 @@ def test_signal_warning_names_arms_under_a_tenth_of_groups_with_a_spread() -> No
     (warning,) = summary.signal_warnings(rows)
     assert warning.startswith("nvfp4-aqn (base nvfp4 AWQ) starts with too little signal for GRPO: 6.2% of")
     assert "compare.base_method=awq" not in warning  # already AWQ: the other remedies only
+
+
+def test_a_rescored_heldout_evaluation_counts_with_its_new_grades(tmp_path: Path) -> None:
+    """`qerl eval --rescore` of a run's heldout/ (after a grader fix) changes what the report shows."""
+    run = tmp_path / "a" / "seed-0"
+    (run / "heldout").mkdir(parents=True)
+    result = RunResult("a", 0, [0.1, 0.2], [1.0, 1.0], _score(0.0, 0.0))
+    (run / "result.json").write_text(json.dumps(result.to_dict()))
+
+    def eval_results(rescored: bool) -> None:
+        metrics = {"pass@1": 0.25, "pass@1_se": 0.05}
+        data: dict[str, Any] = {"benchmarks": {"synthetic-addition": {"metrics": metrics}}}
+        if rescored:
+            data["rescored"] = "2026-11-24T10:00:00"
+        (run / "heldout" / "results.json").write_text(json.dumps(data))
+
+    eval_results(rescored=False)  # the run's own evaluation: result.json holds its figures already
+    assert summary.load_results(tmp_path, ["a"], [0])["a"][0].heldout.pass_at_1 == 0.0
+    eval_results(rescored=True)
+    (loaded,) = summary.load_results(tmp_path, ["a"], [0])["a"]
+    assert (loaded.heldout.pass_at_1, loaded.heldout.pass_at_1_se) == (0.25, 0.05)
+    assert loaded.heldout.problems == 4  # what the evaluation was is kept
+    other = dataclasses.replace(result.heldout, benchmark="gsm8k")  # another benchmark's grades: not these
+    assert other.rescored(run / "heldout") == other
+
+
+def test_a_rescored_base_evaluation_counts_with_its_new_grades(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_runs(monkeypatch)
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    first = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS).report
+    assert first.arms[0].base_heldout_accuracy == 0.25
+    (folder,) = (out / "base-heldout").iterdir()  # then re-graded: qerl eval --rescore <folder>
+    metrics = {"pass@1": 0.5, "pass@1_se": 0.1}
+    rescored = {"rescored": "2026-11-24T10:00:00", "benchmarks": {"synthetic-addition": {"metrics": metrics}}}
+    (folder / "results.json").write_text(json.dumps(rescored))
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: pytest.fail("evaluated again"))
+    again = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS).report
+    assert again.arms[0].base_heldout_accuracy == 0.5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,8 @@ def evaluate_bases(
             target = out / "base-heldout" / f"{Path(conf.model.path).name}-{digest}"
             done = target / BASE_RESULT_NAME
             if done.is_file():
-                by_key[digest] = BaseHeldout.from_dict(json.loads(done.read_text()))
+                kept = BaseHeldout.from_dict(json.loads(done.read_text()))
+                by_key[digest] = replace(kept, heldout=kept.heldout.rescored(target))
             else:
                 log.info("%s: evaluating its base %s before training", arm, conf.model.path)
                 try:

@@ -8,8 +8,10 @@ smaller ones tests write), which lack some keys.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 
@@ -31,6 +33,17 @@ class HeldoutScore:
     def from_dict(cls, data: Mapping[str, Any]) -> HeldoutScore:
         return cls(data.get("benchmark"), data["pass@1"], data.get("pass@1_se"), data.get("problems"),
                    data.get("samples"))  # fmt: skip
+
+    def rescored(self, eval_folder: Path) -> HeldoutScore:
+        """This score, or the one ``qerl eval --rescore`` wrote since into the evaluation's folder
+        (``results.json`` with ``rescored`` set): a report shows the grades of the newest grading."""
+        path = eval_folder / "results.json"
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        entry = (data.get("benchmarks") or {}).get(self.benchmark) if data.get("rescored") else None
+        if not entry:
+            return self
+        metrics = entry["metrics"]
+        return replace(self, pass_at_1=metrics["pass@1"], pass_at_1_se=metrics.get("pass@1_se"))
 
 
 @dataclass

@@ -4,7 +4,8 @@
 - base pass@1: the same held-out evaluation of the arm's base before training (no adapter);
 - held-out accuracy: pass@1 on the held-out split; its standard error is the spread over seeds
   (sd / sqrt(seeds)), which contains the evaluation's own sampling error; with one seed, the
-  evaluation's standard error;
+  evaluation's standard error. An evaluation re-graded since (``qerl eval --rescore`` of a run's
+  ``heldout/`` or a base's ``base-heldout/<base>/`` folder) counts with its new grades;
 - steps to threshold: first step at which the trailing mean reward (window: 10% of steps) reaches
   the threshold; averaged over the seeds that reach it ("k/n" says how many did). Default threshold:
   halfway between the mean reward of the first window (all runs) and the best arm's final reward;
@@ -99,7 +100,9 @@ def load_results(out: Path, arms: list[str], seeds: list[int]) -> dict[str, list
         for seed in seeds:
             path = out / arm / f"seed-{seed}" / "result.json"
             if path.is_file():
-                found.setdefault(arm, []).append(RunResult.from_dict(json.loads(path.read_text())))
+                run = RunResult.from_dict(json.loads(path.read_text()))
+                run.heldout = run.heldout.rescored(path.parent / "heldout")
+                found.setdefault(arm, []).append(run)
     if not found:
         raise QerlError(f"no finished run under {out}: nothing to summarise")
     return found
