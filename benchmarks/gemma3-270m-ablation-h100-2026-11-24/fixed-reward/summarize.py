@@ -1,14 +1,17 @@
 """Rebuild this folder's compare.md/.json/.png from its runs, on a CPU.
 
-The runs here came from two H100 machines (`qerl compare`'s own summary needs the bases it trained on,
+The runs here came from four H100 machines (`qerl compare`'s own summary needs the bases it trained on,
 which were on the device): this writes the same report with `qerl compare`'s own code, the untrained
-bases' held-out figures taken from `base-heldout/` (each evaluated on the device by `qerl compare`).
+bases' held-out figures taken from `base-heldout/` (each evaluated on the device by `qerl compare`). A
+run's held-out figure is its `heldout/results.json`: the device's evaluation re-graded by `qerl eval
+--rescore` with this checkout's grading (the device's own is `heldout_results.json`).
 
     .venv/bin/python benchmarks/gemma3-270m-ablation-h100-2026-11-24/fixed-reward/summarize.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -29,22 +32,26 @@ BASES = {
     "nf4-lora": ("nf4-awq-62753d77", "nf4 AWQ"),
     "bf16-lora-lr3e-4": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
     "nvfp4-aqn-lr3e-4": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+    "nvfp4-lora-g16": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+    "nvfp4-lora-t1": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
 }
 
 
 def main() -> None:
     _, settings = load_recipe(RECIPE)
     arms = select_arms(settings, list(BASES))
-    base_heldout = {
-        arm: BaseHeldout.from_dict(json.loads((HERE / "base-heldout" / folder / "heldout.json").read_text()))
-        for arm, (folder, _) in BASES.items()
-    }
+    base_heldout = {arm: _base(HERE / "base-heldout" / folder) for arm, (folder, _) in BASES.items()}
     labels = {arm: label for arm, (_, label) in BASES.items()}
     report = write_report(HERE, arms, [0, 1, 2], settings, None, recipe=RECIPE, base_heldout=base_heldout,
                           base_labels=labels)  # fmt: skip
     for warning in report.warnings:
         print("warning:", warning)
     print((HERE / "compare.md").read_text())
+
+
+def _base(folder: Path) -> BaseHeldout:
+    base = BaseHeldout.from_dict(json.loads((folder / "heldout.json").read_text()))
+    return dataclasses.replace(base, heldout=base.heldout.rescored(folder))
 
 
 if __name__ == "__main__":
