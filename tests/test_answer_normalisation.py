@@ -152,6 +152,10 @@ def test_prose_keeps_products_and_plain_spaces() -> None:
         ("<answer>3 4 5</answer>", "12"),
         ("\\boxed{x = 90\\,16}", "106"),
         ("\\boxed{2 1/2}", "5/2"),  # a mixed number: math-verify reads it as 3/2
+        # ... and its second (2026-11-24): a stray math delimiter between them, "88 $ 75" read as 163
+        (" 88 $ 75", "163"),
+        ("<answer>50 $ 83</answer>", "133"),
+        ("\\boxed{50 \\text{ and } 83}", "133"),
     ],
 )
 def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: str, gold: str) -> None:
@@ -172,6 +176,10 @@ def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: s
         (" 12 345", "12345"),  # thousands groups are one number, not numbers side by side
         ("The answer is 1 000.", "1000"),
         ("\\boxed{1\\,000\\,000}", "1000000"),
+        ("<answer>72 apples</answer>", "72"),  # one number with its unit
+        (" 20 + 90 = 110 =", "110"),  # a trailing "=" leaves the value before it
+        ("\\boxed{\\frac{3}{4}}", "0.75"),
+        ("The answer is 0.5.", "1/2"),
     ],
 )
 def test_numbers_and_symbolic_answers_stay_correct(completion: str, gold: str) -> None:

@@ -5,14 +5,14 @@ time (``zip`` over two strings), so gold "12" matched the answer "1". Here both 
 SymPy objects (or normalised strings) and math-verify compares them: "1,000" = "1000",
 "\\frac{1}{2}" = "0.5" = "1/2", "25\\%" = "25", "\\dfrac{\\sqrt3}{2}" = "\\frac{\\sqrt{3}}{2}".
 
-math-verify also evaluates what it reads, so "50 + 83" equals gold 133. Where the gold answer is a
-number, an answer that leaves arithmetic between numbers to the grader is wrong
-(:func:`unevaluated_arithmetic`): GRPO on word problems found that hack within 30-40 steps on Gemma 3
-270M (issue 22: "The answer is 94 + 58." graded correct on 256 of 256 held-out problems). math-verify
-also adds numbers written side by side ("90 16" reads as 106, "2 1/2" as 3/2): where the gold answer is
-a number, such an answer is wrong too (:func:`juxtaposed_numbers`); Gemma's NF4 LoRA found that one,
-answering the question's two numbers, rewarded 1.0 from step 20 on (2026-11-24). Thousands separators
-are joined before this ("1 000" is 1000).
+math-verify also evaluates what it reads, and reads generously: "50 + 83" equals gold 133, and so do
+numbers side by side ("50 83", which its LaTeX parser adds up; "2 1/2" reads as 3/2) and numbers with
+a stray math delimiter between them ("50 $ 83"). GRPO on word problems found each of these within 20-40
+steps on Gemma 3 270M (issue 22): "The answer is 94 + 58." graded correct on 256 of 256 held-out
+problems, and NF4 LoRA answered every question with its two numbers at reward 1.0. So where the gold
+answer is a number, the answer must be one number (:func:`not_one_number`): the value after its last
+"=" holds exactly one numeral, a fraction of two integers counting as one, thousands separators joined
+before ("1 000" is 1000). Units and prose around it ("72 apples") are left to math-verify.
 
 :func:`grade` has no timeout of its own beyond math-verify's signal alarms (used only on the main
 thread); the hard limit is the worker pool in :mod:`qerl_cli.rewards.pool`, which kills a stuck
@@ -65,11 +65,9 @@ class GradeResult:
 # A gold answer that is one number: an integer or decimal (sign allowed), or a fraction of two integers.
 _INTEGER_FRACTION = r"-?(?:\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})"
 _NUMBER_LITERAL = re.compile(rf"^\s*(?:-?\d+(?:\.\d+)?|{_INTEGER_FRACTION})\s*$")
-_FRACTION_LITERAL = re.compile(rf"^\s*{_INTEGER_FRACTION}\s*$")
-# An operator between two numbers ("94 + 58", "6*4", "3 \\times 4", "(5)-(2)", "10^3").
-_OPERATION = re.compile(r"[\d)}]\s*(?:[-+*/^×÷·]|\\times|\\cdot|\\div)\s*[({]?\s*-?\d")
-# Two numbers with only white space (or LaTeX spacing) between them.
-_JUXTAPOSED = re.compile(r"\d(?:\s|\\[,;: ]|~)+\.?\d")
+# Where an answer to a numeric gold is counted: fractions of integers are one number, as are decimals.
+_FRACTION = re.compile(_INTEGER_FRACTION.removeprefix("-?"))
+_NUMERAL = re.compile(r"\d+(?:\.\d+)?")
 
 
 def is_number_literal(text: str) -> bool:
@@ -77,25 +75,14 @@ def is_number_literal(text: str) -> bool:
     return bool(_NUMBER_LITERAL.match(text))
 
 
-def unevaluated_arithmetic(answer: str) -> bool:
-    """Whether the answer states a calculation instead of its result: "94 + 58", "6 \\times 4", or an
-    equation whose right-hand side still is one ("x = 94 + 58"). A fraction of two integers is a number.
-    """
-    value = answer.rsplit("=", 1)[-1]
-    return not _FRACTION_LITERAL.match(value) and bool(_OPERATION.search(value))
-
-
-def juxtaposed_numbers(answer: str) -> bool:
-    """Whether the answer is numbers side by side ("90 16", "3 4 5"), or an equation whose right-hand
-    side is ("x = 90 16"): math-verify reads them as their sum. Valid thousands groups ("1 000") were
-    joined by :func:`~qerl_cli.rewards.extract.clean_candidate` before."""
-    return bool(_JUXTAPOSED.search(answer.rsplit("=", 1)[-1]))
-
-
 def not_one_number(answer: str) -> bool:
-    """An answer a numeric gold cannot equal although math-verify may compute it to the gold: a
-    calculation left undone or numbers side by side."""
-    return unevaluated_arithmetic(answer) or juxtaposed_numbers(answer)
+    """Whether the answer's value (after its last "=", a trailing one aside) holds other than exactly one
+    number: a calculation left undone ("94 + 58", "6 \\times 4", "10^3", "x = 20 + 4"), numbers side by
+    side ("90 16", "88 $ 75", "2 1/2") or none. "152", "-2.5", "1/2", "\\frac{3}{4}", "72 apples" and
+    "94 + 58 = 152" hold one. Thousands groups were joined by
+    :func:`~qerl_cli.rewards.extract.clean_candidate` before ("1 000" is one number)."""
+    value = _FRACTION.sub("0", answer.strip().rstrip("=").rsplit("=", 1)[-1])  # "... = 110 =": 110
+    return len(_NUMERAL.findall(value)) != 1
 
 
 def _soft_timeout() -> int | None:

@@ -34,6 +34,7 @@ BASES = {
     "nvfp4-aqn-lr3e-4": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
     "nvfp4-lora-g16": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
     "nvfp4-lora-t1": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+    "nvfp4-dequant-lora": ("nvfp4-awq-dequantized-3abc8174", "nvfp4 AWQ dequantized to BF16"),
 }
 
 
