@@ -156,6 +156,11 @@ def test_prose_keeps_products_and_plain_spaces() -> None:
         (" 88 $ 75", "163"),
         ("<answer>50 $ 83</answer>", "133"),
         ("\\boxed{50 \\text{ and } 83}", "133"),
+        ("\\boxed{94\\frac{58}{1}}", "152"),  # a mixed number of the two: read as their sum
+        ("<answer>3 \\frac{1}{2}</answer>", "3.5"),  # a mixed number is two numbers (see grading.py)
+        ("\\boxed{\\frac{1}{2}\\frac{1}{2}}", "0.25"),
+        ("<answer>304/2</answer>", "152"),  # an integer gold takes no fraction: a division left undone
+        ("<answer>90 160</answer>", "250"),  # read as thousands (90160), not as the sum
     ],
 )
 def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: str, gold: str) -> None:
@@ -180,7 +185,19 @@ def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: s
         (" 20 + 90 = 110 =", "110"),  # a trailing "=" leaves the value before it
         ("\\boxed{\\frac{3}{4}}", "0.75"),
         ("The answer is 0.5.", "1/2"),
+        ("<answer>1,000 dollars</answer>", "1000"),  # thousands groups with a unit: one number
+        ("<answer>$1,200 per month</answer>", "1200"),
+        ("<answer>1,000.5 dollars</answer>", "1000.5"),
+        ("<answer>25 m^2</answer>", "25"),  # a unit's power is not a number
+        ("\\boxed{\\frac{-1}{2}}", "-0.5"),
     ],
 )
 def test_numbers_and_symbolic_answers_stay_correct(completion: str, gold: str) -> None:
     assert grade(completion, gold).correct
+
+
+def test_cut_at_stop_ignores_an_empty_stop_string() -> None:
+    from qerl_cli.rewards.extract import cut_at_stop
+
+    assert cut_at_stop(" 12\nQuestion: next", ("", "\nQuestion:")) == " 12"
+    assert cut_at_stop(" 12", ("",)) == " 12"

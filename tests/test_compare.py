@@ -663,28 +663,43 @@ def test_signal_warning_names_arms_under_a_tenth_of_groups_with_a_spread() -> No
     assert "compare.base_method=awq" not in warning  # already AWQ: the other remedies only
 
 
-def test_a_rescored_heldout_evaluation_counts_with_its_new_grades(tmp_path: Path) -> None:
+# A committed `qerl eval --rescore` output: Gemma's nvfp4-lora seed 1, 0.0% -> 13.7% once its completions
+# were graded without the few-shot stop string (issue 22).
+GEMMA = Path(__file__).resolve().parents[1] / "benchmarks" / "gemma3-270m-ablation-h100-2026-11-24"
+RESCORED = GEMMA / "fixed-reward" / "nvfp4-lora" / "seed-1" / "heldout" / "results.json"
+
+
+def _eval_results(folder: Path, pass_at_1: float, *, rescored: bool) -> None:
+    """A complete results.json for the tiny task's held-out benchmark, re-graded or not."""
+    data = json.loads(RESCORED.read_text())
+    (score,) = data["benchmarks"].values()
+    score["metrics"].update({"pass@1": pass_at_1, "pass@1_se": 0.05})
+    data["benchmarks"] = {"synthetic-addition": score}
+    if not rescored:
+        del data["rescored"], data["rescored_from"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(data))
+
+
+def test_a_rescored_heldout_evaluation_counts_with_its_new_grades(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """`qerl eval --rescore` of a run's heldout/ (after a grader fix) changes what the report shows."""
+    committed = HeldoutScore("synthetic-wordproblems", 0.0, 0.0, 256, 1).rescored(RESCORED.parent)
+    assert committed.pass_at_1 == pytest.approx(0.1367, abs=1e-4) and committed.problems == 256
     run = tmp_path / "a" / "seed-0"
-    (run / "heldout").mkdir(parents=True)
+    run.mkdir(parents=True)
     result = RunResult("a", 0, [0.1, 0.2], [1.0, 1.0], _score(0.0, 0.0))
     (run / "result.json").write_text(json.dumps(result.to_dict()))
-
-    def eval_results(rescored: bool) -> None:
-        metrics = {"pass@1": 0.25, "pass@1_se": 0.05}
-        data: dict[str, Any] = {"benchmarks": {"synthetic-addition": {"metrics": metrics}}}
-        if rescored:
-            data["rescored"] = "2026-11-24T10:00:00"
-        (run / "heldout" / "results.json").write_text(json.dumps(data))
-
-    eval_results(rescored=False)  # the run's own evaluation: result.json holds its figures already
+    _eval_results(run / "heldout", 0.25, rescored=False)  # the run's own: result.json holds it already
     assert summary.load_results(tmp_path, ["a"], [0])["a"][0].heldout.pass_at_1 == 0.0
-    eval_results(rescored=True)
+    _eval_results(run / "heldout", 0.25, rescored=True)
     (loaded,) = summary.load_results(tmp_path, ["a"], [0])["a"]
     assert (loaded.heldout.pass_at_1, loaded.heldout.pass_at_1_se) == (0.25, 0.05)
     assert loaded.heldout.problems == 4  # what the evaluation was is kept
     other = dataclasses.replace(result.heldout, benchmark="gsm8k")  # another benchmark's grades: not these
     assert other.rescored(run / "heldout") == other
+    assert "was re-graded but holds no gsm8k: the run's own figures are reported" in caplog.text
 
 
 def test_a_rescored_base_evaluation_counts_with_its_new_grades(
@@ -696,9 +711,7 @@ def test_a_rescored_base_evaluation_counts_with_its_new_grades(
     first = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS).report
     assert first.arms[0].base_heldout_accuracy == 0.25
     (folder,) = (out / "base-heldout").iterdir()  # then re-graded: qerl eval --rescore <folder>
-    metrics = {"pass@1": 0.5, "pass@1_se": 0.1}
-    rescored = {"rescored": "2026-11-24T10:00:00", "benchmarks": {"synthetic-addition": {"metrics": metrics}}}
-    (folder / "results.json").write_text(json.dumps(rescored))
+    _eval_results(folder, 0.5, rescored=True)
     monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: pytest.fail("evaluated again"))
     again = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS).report
     assert again.arms[0].base_heldout_accuracy == 0.5

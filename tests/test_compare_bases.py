@@ -40,10 +40,13 @@ def test_a_dequantized_copy_holds_the_4bit_models_weights_densely(
     for key, value in dense_only.items():  # norms, embeddings: as stored
         assert torch.equal(value, quant.state_dict()[key]), key
     ids = torch.tensor([[1, 5, 9, 2, 7]])
-    torch.testing.assert_close(copy(ids).logits, quant(ids).logits, atol=2e-2, rtol=2e-2)
+    assert torch.equal(copy(ids).logits, quant(ids).logits)  # QuantLinear computes with these weights
     stamp = (dense / "config.json").stat().st_mtime_ns
     assert write_dequantized_checkpoint(packed, tmp_path / "dense") == dense  # complete: reused
     assert (dense / "config.json").stat().st_mtime_ns == stamp
+    other = write_rtn_checkpoint(tiny_model_dir, tmp_path / f"{fmt}-other", fmt)
+    with pytest.raises(QerlError, match=rf"is a dense copy of {packed}, not of {other}: remove it"):
+        write_dequantized_checkpoint(other, tmp_path / "dense")  # a stale copy is never reused
 
 
 def test_a_bf16_model_is_not_dequantized(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -107,4 +110,6 @@ def test_an_arms_base_keys_are_checked() -> None:
     with pytest.raises(QerlError, match=r"base.dequantized needs the 4-bit base to dequantize.*\(got bf16\)"):
         arms(**{"base.dequantized": True, "model.format": "bf16"})
     arms(**{"base.method": "rtn", "base.dequantized": True})  # a valid pair
+    with pytest.raises(QerlError, match=r"base.dequantized say\(s\) how compare makes the arm.s base"):
+        arms(**{"base.dequantized": True, "model.path": "my-nvfp4"})  # it would train my-nvfp4 as it is
 

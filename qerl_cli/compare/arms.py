@@ -147,6 +147,13 @@ def base_choice(overrides: dict[str, Any], default_method: str, where: str = "th
     unknown = [k for k in overrides if str(k).startswith("base.") and k not in BASE_KEYS]
     if unknown:
         raise QerlError(f"{where}: unknown key(s) {unknown}; an arm's base takes {', '.join(BASE_KEYS)}")
+    given = [k for k in BASE_KEYS if k in overrides]
+    if given and "model.path" in overrides:
+        raise QerlError(
+            f"{where}: {', '.join(given)} say(s) how compare makes the arm's base, but the arm brings its "
+            "own model.path: remove one (a dense copy of your own 4-bit model: qerl_cli.quantize.native."
+            "write_dequantized_checkpoint, then point model.path at it)"
+        )
     method = overrides.get("base.method", default_method)
     if method not in BASE_METHODS:
         raise QerlError(f"{where}: base.method must be one of {', '.join(BASE_METHODS)}, got {method!r}")

@@ -72,6 +72,13 @@ def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str
     }  # fmt: skip
 
 
+def read_base_heldout(folder: Path) -> BaseHeldout:
+    """A base's kept figures (``DIR/base-heldout/<base>/``), with its evaluation's new grades if it was
+    re-graded since (``qerl eval --rescore`` of that folder)."""
+    kept = BaseHeldout.from_dict(json.loads((folder / BASE_RESULT_NAME).read_text()))
+    return replace(kept, heldout=kept.heldout.rescored(folder))
+
+
 def evaluate_bases(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], seed: int, out: Path,
     bases: dict[str, str], settings: CompareSettings,
@@ -97,8 +104,7 @@ def evaluate_bases(
             target = out / "base-heldout" / f"{Path(conf.model.path).name}-{digest}"
             done = target / BASE_RESULT_NAME
             if done.is_file():
-                kept = BaseHeldout.from_dict(json.loads(done.read_text()))
-                by_key[digest] = replace(kept, heldout=kept.heldout.rescored(target))
+                by_key[digest] = read_base_heldout(target)
             else:
                 log.info("%s: evaluating its base %s before training", arm, conf.model.path)
                 try:

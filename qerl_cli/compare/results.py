@@ -8,11 +8,13 @@ smaller ones tests write), which lack some keys.
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,15 +37,20 @@ class HeldoutScore:
                    data.get("samples"))  # fmt: skip
 
     def rescored(self, eval_folder: Path) -> HeldoutScore:
-        """This score, or the one ``qerl eval --rescore`` wrote since into the evaluation's folder
-        (``results.json`` with ``rescored`` set): a report shows the grades of the newest grading."""
-        path = eval_folder / "results.json"
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        entry = (data.get("benchmarks") or {}).get(self.benchmark) if data.get("rescored") else None
-        if not entry:
+        """This score, or the one ``qerl eval --rescore`` wrote since into the evaluation's folder (its
+        ``results.json`` with ``rescored`` set): a report shows the grades of the newest grading."""
+        from qerl_cli.evaluation.results import RESULTS_NAME, read_results
+
+        path = eval_folder / RESULTS_NAME
+        results = read_results(path) if path.is_file() else None
+        if results is None or not results.rescored:
             return self
-        metrics = entry["metrics"]
-        return replace(self, pass_at_1=metrics["pass@1"], pass_at_1_se=metrics.get("pass@1_se"))
+        score = results.benchmarks.get(self.benchmark or "")
+        if score is None:
+            log.warning("%s was re-graded but holds no %s: the run's own figures are reported", path,
+                        self.benchmark)  # fmt: skip
+            return self
+        return replace(self, pass_at_1=score.metrics.pass_at_1, pass_at_1_se=score.metrics.pass_at_1_se)
 
 
 @dataclass

@@ -90,9 +90,15 @@ def write_dequantized_checkpoint(source: str | Path, out_dir: str | Path, method
     from qerl_cli.quantize.report import REPORT_NAME
 
     out = Path(out_dir)
-    if is_complete_folder(out):
-        return out
     folder = Path(resolve_model_source(source))
+    if is_complete_folder(out):
+        made_from = json.loads((out / DEQUANTIZED_RECORD).read_text()).get("source")
+        if made_from != str(folder):
+            raise QerlError(
+                f"{out} is a dense copy of {made_from}, not of {folder}: remove it to make the copy again, "
+                "or write this one elsewhere"
+            )
+        return out
     model, fmt = load_policy_model(folder, dtype=torch.bfloat16, device="cpu")
     if fmt == "bf16":
         raise QerlError(f"{source} is not a 4-bit checkpoint: there is nothing to dequantize")

@@ -172,7 +172,7 @@ def cut_at_stop(completion: str, stop: Sequence[str]) -> str:
     """The completion before the first of the prompt template's stop strings, which one engine keeps at
     the end of its text (transformers) and another drops (vLLM): training and evaluation grade alike."""
     for marker in stop:
-        cut = completion.find(marker)
+        cut = completion.find(marker) if marker else -1
         if cut >= 0:
             completion = completion[:cut]
     return completion

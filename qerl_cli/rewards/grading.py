@@ -11,8 +11,10 @@ a stray math delimiter between them ("50 $ 83"). GRPO on word problems found eac
 steps on Gemma 3 270M (issue 22): "The answer is 94 + 58." graded correct on 256 of 256 held-out
 problems, and NF4 LoRA answered every question with its two numbers at reward 1.0. So where the gold
 answer is a number, the answer must be one number (:func:`not_one_number`): the value after its last
-"=" holds exactly one numeral, a fraction of two integers counting as one, thousands separators joined
-before ("1 000" is 1000). Units and prose around it ("72 apples") are left to math-verify.
+"=" holds exactly one numeral, a fraction of two integers or a number with thousands separators counting
+as one ("1,000 dollars"), and an integer gold takes no fraction. Units and prose around it ("72 apples")
+are left to math-verify. A mixed number ("3 \\frac{1}{2}") counts as two: math-verify reads the
+juxtaposition as a sum, which is the hack.
 
 :func:`grade` has no timeout of its own beyond math-verify's signal alarms (used only on the main
 thread); the hard limit is the worker pool in :mod:`qerl_cli.rewards.pool`, which kills a stuck
@@ -65,8 +67,13 @@ class GradeResult:
 # A gold answer that is one number: an integer or decimal (sign allowed), or a fraction of two integers.
 _INTEGER_FRACTION = r"-?(?:\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})"
 _NUMBER_LITERAL = re.compile(rf"^\s*(?:-?\d+(?:\.\d+)?|{_INTEGER_FRACTION})\s*$")
-# Where an answer to a numeric gold is counted: fractions of integers are one number, as are decimals.
-_FRACTION = re.compile(_INTEGER_FRACTION.removeprefix("-?"))
+_INTEGER_LITERAL = re.compile(r"^\s*-?\d+\s*$")
+# Counting the numbers of an answer to a numeric gold. A fraction of integers is one number (its numerator
+# or denominator may be negative); so is a number with thousands separators (commas, LaTeX or Unicode thin
+# spaces, not a plain space: "90 160" is the sum hack again) and a decimal; a unit's power ("m^2") is none.
+_FRACTION = re.compile(r"\d+\s*/\s*\d+|\\[dt]?frac\{-?\d+\}\{-?\d+\}")
+_GROUPED = re.compile(r"\d{1,3}(?:(?:,|\\,|\{,\}|[\u00a0\u2009\u202f])\d{3})+(?:\.\d+)?(?!\d)")
+_UNIT_POWER = re.compile(r"(?<=[A-Za-z}])\^\{?\d+\}?")
 _NUMERAL = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -75,14 +82,17 @@ def is_number_literal(text: str) -> bool:
     return bool(_NUMBER_LITERAL.match(text))
 
 
-def not_one_number(answer: str) -> bool:
+def not_one_number(answer: str, *, integer_gold: bool = False) -> bool:
     """Whether the answer's value (after its last "=", a trailing one aside) holds other than exactly one
     number: a calculation left undone ("94 + 58", "6 \\times 4", "10^3", "x = 20 + 4"), numbers side by
-    side ("90 16", "88 $ 75", "2 1/2") or none. "152", "-2.5", "1/2", "\\frac{3}{4}", "72 apples" and
-    "94 + 58 = 152" hold one. Thousands groups were joined by
-    :func:`~qerl_cli.rewards.extract.clean_candidate` before ("1 000" is one number)."""
-    value = _FRACTION.sub("0", answer.strip().rstrip("=").rsplit("=", 1)[-1])  # "... = 110 =": 110
-    return len(_NUMERAL.findall(value)) != 1
+    side ("90 16", "88 $ 75", "94\\frac{58}{1}", a mixed number "2 1/2") or none; for an ``integer_gold``
+    also a fraction ("304/2": a division left undone). "152", "-2.5", "1/2", "\\frac{-1}{2}", "1,000
+    dollars", "25 m^2" and "94 + 58 = 152" hold one."""
+    value = answer.strip().rstrip("=").rsplit("=", 1)[-1]  # "... = 110 =": 110
+    value = _UNIT_POWER.sub(" ", _GROUPED.sub(" 1 ", value))
+    fractions = len(_FRACTION.findall(value))
+    numerals = len(_NUMERAL.findall(_FRACTION.sub(" ", value)))
+    return fractions + numerals != 1 or (integer_gold and fractions > 0)
 
 
 def _soft_timeout() -> int | None:
@@ -147,7 +157,8 @@ def grade(completion: str, gold: str) -> GradeResult:
     found = extract(completion)
     if found.text is None:
         return GradeResult(False, None, found.method, extraction_failed=True)
-    if is_number_literal(gold_text) and not_one_number(found.text):
+    integer_gold = bool(_INTEGER_LITERAL.match(gold_text))
+    if is_number_literal(gold_text) and not_one_number(found.text, integer_gold=integer_gold):
         return GradeResult(False, found.text, found.method, extraction_failed=False)  # no need to parse it
     answer_parsed = parse_answer(found.text)
     if not answer_parsed:

@@ -11,13 +11,11 @@ run's held-out figure is its `heldout/results.json`: the device's evaluation re-
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from pathlib import Path
 
 from qerl_cli.compare.arms import select_arms
-from qerl_cli.compare.results import BaseHeldout
+from qerl_cli.compare.heldout import read_base_heldout
 from qerl_cli.compare.runs import load_recipe
 from qerl_cli.compare.summary import write_report
 
@@ -41,18 +39,14 @@ BASES = {
 def main() -> None:
     _, settings = load_recipe(RECIPE)
     arms = select_arms(settings, list(BASES))
-    base_heldout = {arm: _base(HERE / "base-heldout" / folder) for arm, (folder, _) in BASES.items()}
+    bases = HERE / "base-heldout"
+    base_heldout = {arm: read_base_heldout(bases / folder) for arm, (folder, _) in BASES.items()}
     labels = {arm: label for arm, (_, label) in BASES.items()}
     report = write_report(HERE, arms, [0, 1, 2], settings, None, recipe=RECIPE, base_heldout=base_heldout,
                           base_labels=labels)  # fmt: skip
     for warning in report.warnings:
         print("warning:", warning)
     print((HERE / "compare.md").read_text())
-
-
-def _base(folder: Path) -> BaseHeldout:
-    base = BaseHeldout.from_dict(json.loads((folder / "heldout.json").read_text()))
-    return dataclasses.replace(base, heldout=base.heldout.rescored(folder))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 this checkout's reward grading, and count the rewarded ones it now grades wrong (and the reverse).
 
     G=benchmarks/gemma3-270m-ablation-h100-2026-11-24/fixed-reward
-    .venv/bin/python $G/hack-juxtaposed/regrade_training.py $G benchmarks/smollm2-awq-h200-2026-11-24/runs \
-        > $G/hack-juxtaposed/regrade_training_completions.json
+    .venv/bin/python $G/reward-hacks/regrade_training.py $G benchmarks/smollm2-awq-h200-2026-11-24/runs \
+        > $G/reward-hacks/regrade_training_completions.json
 
 Completions are cut at the stop strings of the run's prompt template (its `prompt.json`) first, as the
 training reward does.
