@@ -113,3 +113,18 @@ def test_an_arms_base_keys_are_checked() -> None:
     with pytest.raises(QerlError, match=r"base.dequantized say\(s\) how compare makes the arm.s base"):
         arms(**{"base.dequantized": True, "model.path": "my-nvfp4"})  # it would train my-nvfp4 as it is
 
+
+def test_a_4bit_recipe_model_is_the_arms_base_and_its_dense_copy_the_controls(
+    tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    packed = write_rtn_checkpoint(tiny_model_dir, tmp_path / "mine-nvfp4", "nvfp4")
+    data = {"model": {"path": str(packed)}}
+    arms = {
+        "given": {"model.format": "nvfp4", "base.method": "awq"},  # nothing to make: said, not silent
+        "dense": {"model.format": "nvfp4", "base.dequantized": True},
+    }
+    bases = prepare_bases(data, arms, SETS, tmp_path / "out", method="rtn")
+    dense = tmp_path / "out" / "bases" / "nvfp4-recipe-dequantized"
+    assert bases == {"given": str(packed), "dense": str(dense)}
+    assert "arm given: base.method is unused: the recipe's model" in caplog.text
+    assert json.loads((Path(bases["dense"]) / DEQUANTIZED_RECORD).read_text())["source"] == str(packed)

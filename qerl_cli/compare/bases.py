@@ -45,6 +45,9 @@ def prepare_bases(
         choice = base_choice(overrides, method, where=f"arm {arm}")
         if choice.format in ("auto", own):
             base, made_with = folder, None  # the recipe's own model
+            if "base.method" in overrides and own != "bf16":
+                log.warning("arm %s: base.method is unused: the recipe's model %s is %s already", arm, source,
+                            own)  # fmt: skip
         elif own != "bf16":
             raise QerlError(
                 f"arm {arm} needs a {choice.format} base but the recipe's model {source} is {own}; point "
