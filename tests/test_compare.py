@@ -661,6 +661,7 @@ def test_signal_warning_names_arms_under_a_tenth_of_groups_with_a_spread() -> No
     (warning,) = summary.signal_warnings(rows)
     assert warning.startswith("nvfp4-aqn (base nvfp4 AWQ) starts with too little signal for GRPO: 6.2% of")
     assert "compare.base_method=awq" not in warning  # already AWQ: the other remedies only
+    assert "more samples per prompt (rollout.num_generations: 16 instead of 8 closed the gap" in warning
 
 
 # A committed `qerl eval --rescore` output: Gemma's nvfp4-lora seed 1, 0.0% -> 13.7% once its completions
