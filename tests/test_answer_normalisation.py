@@ -161,6 +161,7 @@ def test_prose_keeps_products_and_plain_spaces() -> None:
         ("\\boxed{\\frac{1}{2}\\frac{1}{2}}", "0.25"),
         ("<answer>304/2</answer>", "152"),  # an integer gold takes no fraction: a division left undone
         ("<answer>90 160</answer>", "250"),  # read as thousands (90160), not as the sum
+        ("<answer>94\\,158 apples</answer>", "252"),  # math-verify sums across a LaTeX thin space
     ],
 )
 def test_a_calculation_left_for_the_grader_is_not_a_numeric_answer(completion: str, gold: str) -> None:

@@ -11,10 +11,10 @@ a stray math delimiter between them ("50 $ 83"). GRPO on word problems found eac
 steps on Gemma 3 270M (issue 22): "The answer is 94 + 58." graded correct on 256 of 256 held-out
 problems, and NF4 LoRA answered every question with its two numbers at reward 1.0. So where the gold
 answer is a number, the answer must be one number (:func:`not_one_number`): the value after its last
-"=" holds exactly one numeral, a fraction of two integers or a number with thousands separators counting
-as one ("1,000 dollars"), and an integer gold takes no fraction. Units and prose around it ("72 apples")
-are left to math-verify. A mixed number ("3 \\frac{1}{2}") counts as two: math-verify reads the
-juxtaposition as a sum, which is the hack.
+"=" holds exactly one numeral, a fraction of two integers or a number with comma thousands separators
+counting as one ("1,000 dollars"), and an integer gold takes no fraction. Units and prose around it
+("72 apples") are left to math-verify. A mixed number ("3 \\frac{1}{2}") counts as two: math-verify reads
+the juxtaposition as a sum, which is the hack.
 
 :func:`grade` has no timeout of its own beyond math-verify's signal alarms (used only on the main
 thread); the hard limit is the worker pool in :mod:`qerl_cli.rewards.pool`, which kills a stuck
@@ -69,10 +69,12 @@ _INTEGER_FRACTION = r"-?(?:\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})"
 _NUMBER_LITERAL = re.compile(rf"^\s*(?:-?\d+(?:\.\d+)?|{_INTEGER_FRACTION})\s*$")
 _INTEGER_LITERAL = re.compile(r"^\s*-?\d+\s*$")
 # Counting the numbers of an answer to a numeric gold. A fraction of integers is one number (its numerator
-# or denominator may be negative); so is a number with thousands separators (commas, LaTeX or Unicode thin
-# spaces, not a plain space: "90 160" is the sum hack again) and a decimal; a unit's power ("m^2") is none.
+# or denominator may be negative); so is a decimal, and a number with comma thousands separators, which
+# math-verify reads as one ("90,160 apples" is 90160). Other separators are not joined here: math-verify
+# adds "94\\,158 apples" up to 252, the sum hack again (a lone "1\\,000" was joined by clean_candidate).
+# A unit's power ("m^2") is no number.
 _FRACTION = re.compile(r"\d+\s*/\s*\d+|\\[dt]?frac\{-?\d+\}\{-?\d+\}")
-_GROUPED = re.compile(r"\d{1,3}(?:(?:,|\\,|\{,\}|[\u00a0\u2009\u202f])\d{3})+(?:\.\d+)?(?!\d)")
+_GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)")
 _UNIT_POWER = re.compile(r"(?<=[A-Za-z}])\^\{?\d+\}?")
 _NUMERAL = re.compile(r"\d+(?:\.\d+)?")
 
