@@ -128,3 +128,18 @@ def test_a_4bit_recipe_model_is_the_arms_base_and_its_dense_copy_the_controls(
     assert bases == {"given": str(packed), "dense": str(dense)}
     assert "arm given: base.method is unused: the recipe's model" in caplog.text
     assert json.loads((Path(bases["dense"]) / DEQUANTIZED_RECORD).read_text())["source"] == str(packed)
+
+
+def test_a_dense_copy_records_the_method_its_source_says(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    packed = write_rtn_checkpoint(tiny_model_dir, tmp_path / "nvfp4", "nvfp4")
+    report = Path(__file__).resolve().parents[1] / "benchmarks/gemma3-270m-h100-2026-11-24"
+    shutil.copy(
+        report / "nvfp4_awq_base_qerl_quant.json", packed / "qerl_quant.json"
+    )  # a qerl quantize record
+    dense = write_dequantized_checkpoint(packed, tmp_path / "dense")  # no method given: the record's
+    assert json.loads((dense / DEQUANTIZED_RECORD).read_text())["method"] == "awq"
+    assert base_labels({"a": str(dense)}, {"a": {}}, {}, tmp_path, "rtn") == {
+        "a": "nvfp4 AWQ dequantized to BF16"
+    }

@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qerl_cli import formats
 from qerl_cli.config import from_dict
 from qerl_cli.errors import QerlError
 
@@ -53,7 +54,7 @@ BASE_METHODS = ("awq", "rtn")
 DEFAULT_BASE_METHOD = "awq"
 # Arm keys that are compare's own (how the arm's base is made), never passed to `qerl train`.
 BASE_KEYS = ("base.method", "base.dequantized")
-QUANTIZED_FORMATS = ("nvfp4", "mxfp4", "nf4")
+QUANTIZED_FORMATS = tuple(formats.names())  # what an arm's 4-bit base may be
 RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the arms' own
 
 

@@ -87,7 +87,7 @@ def write_dequantized_checkpoint(source: str | Path, out_dir: str | Path, method
     from qerl_cli.modeling.loading import load_policy_model
     from qerl_cli.modeling.quant_linear import QuantLinear
     from qerl_cli.modeling.sources import resolve_model_source
-    from qerl_cli.quantize.report import REPORT_NAME
+    from qerl_cli.quantize.report import REPORT_NAME, read_report
 
     out = Path(out_dir)
     folder = Path(resolve_model_source(source))
@@ -105,9 +105,8 @@ def write_dequantized_checkpoint(source: str | Path, out_dir: str | Path, method
     for name, module in list(model.named_modules()):
         if isinstance(module, QuantLinear):
             model.set_submodule(name, _dense_linear(module))
-    report = folder / REPORT_NAME
-    if method is None and report.is_file():
-        method = json.loads(report.read_text()).get("method")
+    if method is None and (folder / REPORT_NAME).is_file():
+        method = read_report(folder).method
 
     def write(staging: Path) -> None:
         model.save_pretrained(staging)  # safetensors; the config has no quantization_config any more
