@@ -2,7 +2,7 @@
 # Here (CPU machine, PyPI reachable): pack what scripts/device_smollm2.sh needs on the GPU machine,
 # which has torch/transformers/peft but no gguf, math-verify or registry, and takes 64 MiB per call.
 # The 98 MB GGUF is split into three parts carried by three back-to-back device calls; each call also
-# carries the working tree (5 MB on 2026-11-24: a 60 MiB part no longer fitted beside it):
+# carries the working tree (5-10 MB on 2026-11-24: a 60 MiB part no longer fitted beside it):
 #   .smol/p1, .smol/p2: GGUF parts 1 and 2 (40 MiB each)
 #   .smol/p3: GGUF part 3, its sha256, wheels (gguf, math-verify, latex2sympy2_extended, antlr4, and
 #             llm-compressor with what it needs beyond that image, for the AWQ bases and quality row)
