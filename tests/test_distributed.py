@@ -107,6 +107,9 @@ def _update_worker(rank: int, port: int, model_dir: str, batch_file: str, out_di
         "weights": {n: p.detach().clone() for n, p in trainer.params},
     }
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # As train() ends: both ranks done before the group goes. Without it one rank tore gloo down while
+    # the other still used it, and that one aborted ("terminate called without an active exception").
+    trainer.dist.barrier()
     trainer.dist.close()
 
 
