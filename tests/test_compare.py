@@ -13,7 +13,7 @@ import yaml
 
 from qerl_cli.compare import arms as arms_mod
 from qerl_cli.compare import heldout as heldout_mod
-from qerl_cli.compare import parallel, runner, summary
+from qerl_cli.compare import parallel, plot, runner, summary
 from qerl_cli.compare import runs as runs_mod
 from qerl_cli.compare.results import BaseHeldout, CompareReport, HeldoutScore, RunResult
 from qerl_cli.compare.summary import arm_rows, steps_to
@@ -661,7 +661,7 @@ def test_signal_warning_names_arms_under_a_tenth_of_groups_with_a_spread() -> No
     (warning,) = summary.signal_warnings(rows)
     assert warning.startswith("nvfp4-aqn (base nvfp4 AWQ) starts with too little signal for GRPO: 6.2% of")
     assert "compare.base_method=awq" not in warning  # already AWQ: the other remedies only
-    assert "more samples per prompt (rollout.num_generations: 16 instead of 8 closed the gap" in warning
+    assert "more samples per prompt (rollout.num_generations: 16 instead of 8 doubled" in warning
 
 
 # A committed `qerl eval --rescore` output: Gemma's nvfp4-lora seed 1, 0.0% -> 13.7% once its completions
@@ -716,3 +716,11 @@ def test_a_rescored_base_evaluation_counts_with_its_new_grades(
     monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: pytest.fail("evaluated again"))
     again = runner.run_compare(recipe, ["bf16-lora"], 1, out, sets=TINY_SETS).report
     assert again.arms[0].base_heldout_accuracy == 0.5
+
+
+def test_plot_styles_stay_distinct_past_ten_arms() -> None:
+    """The Gemma ablation has 11 arms: the eleventh took the first one's colour and line."""
+    names = [f"arm-{i}" for i in range(23)]
+    styles = plot.arm_styles(names)
+    assert len(set(styles.values())) == len(names)
+    assert styles["arm-0"] == ("C0", "-") and styles["arm-10"] == ("C0", "--")

@@ -17,6 +17,19 @@ def _stack(series: list[list[float]]) -> tuple[list[float], list[float], list[fl
     return [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns]
 
 
+# Matplotlib's default cycle has ten colours: an eleventh arm would repeat the first one's look.
+_COLOURS = 10
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def arm_styles(arms: list[str]) -> dict[str, tuple[str, str]]:
+    """{arm: (colour, line style)}, distinct for up to 40 arms: the colours first, then the styles."""
+    return {
+        arm: (f"C{i % _COLOURS}", _LINESTYLES[(i // _COLOURS) % len(_LINESTYLES)])
+        for i, arm in enumerate(arms)
+    }
+
+
 def plot_curves(results: dict[str, list[RunResult]], path: Path, device: str = "") -> Path | None:
     try:
         import matplotlib
@@ -27,18 +40,20 @@ def plot_curves(results: dict[str, list[RunResult]], path: Path, device: str = "
         log.warning("matplotlib is not installed: no %s (pip install matplotlib)", path.name)
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    styles = arm_styles(list(results))
     for key, ax, label in (("reward", axes[0], "training reward"), ("entropy", axes[1], "rollout entropy")):
         for arm, runs in results.items():
             curves = [r.reward if key == "reward" else r.entropy for r in runs]
             steps_window = window(min(len(c) for c in curves), FINAL_FRACTION)
             mean, low, high = _stack([trailing_mean(c, steps_window) for c in curves])
             steps = list(range(1, len(mean) + 1))
-            (line,) = ax.plot(steps, mean, label=f"{arm} (n={len(runs)})")
-            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+            colour, linestyle = styles[arm]
+            ax.plot(steps, mean, color=colour, linestyle=linestyle, label=f"{arm} (n={len(runs)})")
+            ax.fill_between(steps, low, high, color=colour, alpha=0.2)
         ax.set_xlabel("step")
         ax.set_ylabel(f"{label} (trailing mean)")
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize="small" if len(results) > 6 else None)
     where = f" ({device})" if device else ""
     fig.suptitle(f"mean over seeds, band: min..max over seeds{where}")
     fig.tight_layout()

@@ -162,8 +162,9 @@ def signal_warnings(rows: list[ArmRow]) -> list[str]:
             f"{row.arm}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
             f"{100 * (1 - no_spread):.1f}% of its groups had a reward spread over the first steps (under "
             f"{100 * MIN_SIGNAL_FRACTION:.0f}%), start reward {_fmt(row.start_reward)}. Try {awq}more "
-            "samples per prompt (rollout.num_generations: 16 instead of 8 closed the gap to BF16 LoRA on "
-            "Gemma 3 270M, where temperature 1.0 did not), or a prompt the base answers more often"
+            "samples per prompt (rollout.num_generations: 16 instead of 8 doubled NVFP4 LoRA's held-out "
+            "accuracy on Gemma 3 270M, to BF16 LoRA's at 8, where temperature 1.0 did not), or a prompt the "
+            "base answers more often"
         )
     return out
 

@@ -1,10 +1,11 @@
 """Rebuild this folder's compare.md/.json/.png from its runs, on a CPU.
 
-The runs here came from four H100 machines (`qerl compare`'s own summary needs the bases it trained on,
+The runs here came from six H100 machines (`qerl compare`'s own summary needs the bases it trained on,
 which were on the device): this writes the same report with `qerl compare`'s own code, the untrained
 bases' held-out figures taken from `base-heldout/` (each evaluated on the device by `qerl compare`). A
 run's held-out figure is its `heldout/results.json`: the device's evaluation re-graded by `qerl eval
---rescore` with this checkout's grading (the device's own is `heldout_results.json`).
+--rescore` with this checkout's grading (the device's own is `heldout_results.json`); where a run has no
+`heldout/` (`nvfp4-lora-rtn`: its samples were lost with the machine), the device's own, in its `result.json`.
 
     .venv/bin/python benchmarks/gemma3-270m-ablation-h100-2026-11-24/fixed-reward/summarize.py
 """
@@ -22,8 +23,8 @@ from qerl_cli.compare.summary import write_report
 # Relative to where it is run (the repository root), so the report names no machine's folders.
 HERE = Path(os.path.relpath(Path(__file__).resolve().parent))
 RECIPE = "recipes/gemma3_270m_wordproblems.yaml"
-# Arm -> (its untrained base's folder under base-heldout/, that base's label in the table)
-BASES = {
+# Arm -> (its untrained base's folder under base-heldout/ or None, that base's label in the table)
+BASES: dict[str, tuple[str | None, str]] = {
     "bf16-lora": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
     "nvfp4-lora": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
     "nvfp4-aqn": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
@@ -31,8 +32,11 @@ BASES = {
     "bf16-lora-lr3e-4": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
     "nvfp4-aqn-lr3e-4": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
     "nvfp4-lora-g16": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
+    "bf16-lora-g16": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
     "nvfp4-lora-t1": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
     "nvfp4-dequant-lora": ("nvfp4-awq-dequantized-3abc8174", "nvfp4 AWQ dequantized to BF16"),
+    # Its machine was lost before the RTN base's own held-out evaluation ran (the run had finished).
+    "nvfp4-lora-rtn": (None, "nvfp4 RTN"),
 }
 
 
@@ -40,7 +44,9 @@ def main() -> None:
     _, settings = load_recipe(RECIPE)
     arms = select_arms(settings, list(BASES))
     bases = HERE / "base-heldout"
-    base_heldout = {arm: read_base_heldout(bases / folder) for arm, (folder, _) in BASES.items()}
+    base_heldout = {
+        arm: read_base_heldout(bases / folder) if folder else None for arm, (folder, _) in BASES.items()
+    }
     labels = {arm: label for arm, (_, label) in BASES.items()}
     report = write_report(HERE, arms, [0, 1, 2], settings, None, recipe=RECIPE, base_heldout=base_heldout,
                           base_labels=labels)  # fmt: skip
