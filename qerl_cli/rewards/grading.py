@@ -64,16 +64,17 @@ class GradeResult:
         return cls(False, None, "none", extraction_failed=False, timed_out=True, error="grader timeout")
 
 
+# A fraction of two integers, "3/4" or "\\frac{-1}{2}": one number, in a gold answer and in an answer.
+_FRACTION_PATTERN = r"\d+\s*/\s*\d+|\\[dt]?frac\{-?\d+\}\{-?\d+\}"
 # A gold answer that is one number: an integer or decimal (sign allowed), or a fraction of two integers.
-_INTEGER_FRACTION = r"-?(?:\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})"
-_NUMBER_LITERAL = re.compile(rf"^\s*(?:-?\d+(?:\.\d+)?|{_INTEGER_FRACTION})\s*$")
+_NUMBER_LITERAL = re.compile(rf"^\s*-?(?:\d+(?:\.\d+)?|{_FRACTION_PATTERN})\s*$")
 _INTEGER_LITERAL = re.compile(r"^\s*-?\d+\s*$")
 # Counting the numbers of an answer to a numeric gold. A fraction of integers is one number (its numerator
 # or denominator may be negative); so is a decimal, and a number with comma thousands separators, which
 # math-verify reads as one ("90,160 apples" is 90160). Other separators are not joined here: math-verify
 # adds "94\\,158 apples" up to 252, the sum hack again (a lone "1\\,000" was joined by clean_candidate).
 # A unit's power ("m^2") is no number.
-_FRACTION = re.compile(r"\d+\s*/\s*\d+|\\[dt]?frac\{-?\d+\}\{-?\d+\}")
+_FRACTION = re.compile(_FRACTION_PATTERN)
 _GROUPED = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d)")
 _UNIT_POWER = re.compile(r"(?<=[A-Za-z}])\^\{?\d+\}?")
 _NUMERAL = re.compile(r"\d+(?:\.\d+)?")
