@@ -73,6 +73,13 @@ def awq_mxfp4(tmp_path_factory, tiny_model_dir, calib_file) -> Path:
 
 
 @pytest.fixture(scope="module")
+def gptq_nvfp4(tmp_path_factory, tiny_model_dir, calib_file) -> Path:
+    return _quantize(
+        tmp_path_factory, tiny_model_dir, calib_file, "gptq_nvfp4", format="nvfp4", method="gptq"
+    )
+
+
+@pytest.fixture(scope="module")
 def rtn_nf4(tmp_path_factory, tiny_model_dir, calib_file) -> Path:
     return _quantize(tmp_path_factory, tiny_model_dir, calib_file, "rtn_nf4", format="nf4", method="rtn")
 
@@ -110,7 +117,7 @@ def _assert_report_complete(path: Path, fmt: str, method: str) -> dict:
     assert errors["layers"] == 14 and len(errors["per_layer"]) == 14
     assert 0.02 < errors["mean"] <= errors["max"] < 0.3
     assert errors["worst_layers"][0]["relative_error"] == errors["max"]
-    if method == "awq":
+    if method in ("awq", "gptq"):
         calib = report["calibration"]
         assert calib["num_samples"] == NUM_SAMPLES and calib["seq_len"] == SEQ_LEN
         assert calib["field"] == "conversations" and calib["rendering"] == ["chat_template"]
@@ -143,6 +150,58 @@ def test_awq_fp4_output_loads_generates_and_matches_quantlinear(fixture: str, re
     if fixture == "awq_nvfp4":
         ppl = report["perplexity"]
         assert ppl["samples"] >= 1 and ppl["bf16"] > 1 and ppl["quantized"] > 1
+
+
+@pytest.mark.slow
+def test_gptq_nvfp4_loads_in_qerl_and_follows_the_bf16_model_closer_than_rtn(
+    gptq_nvfp4: Path, tmp_path, tiny_model_dir, calib_file
+) -> None:
+    """GPTQ's checkpoint is the same compressed-tensors layout (qerl's QuantLinear and transformers
+    read it alike), and its error compensation shows where it matters: the model's output on text
+    like the calibration text is closer to the BF16 model's than round-to-nearest's."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.modeling.loading import load_policy_model
+
+    report = _assert_report_complete(gptq_nvfp4, "nvfp4", "gptq")
+    assert "GPTQ" in report["rounding"] and report["calibration"]["num_samples"] == NUM_SAMPLES
+    reference = AutoModelForCausalLM.from_pretrained(gptq_nvfp4, dtype=torch.bfloat16).eval()
+    ours, detected = load_policy_model(gptq_nvfp4, torch.bfloat16, "cpu")
+    assert detected == "nvfp4"
+    torch.testing.assert_close(_logits(ours.eval()), _logits(reference), atol=2e-2, rtol=2e-2)
+
+    rtn = tmp_path / "rtn"
+    run_quantize(_config(tiny_model_dir, rtn, calib_file, format="nvfp4", method="rtn"))
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    rtn_model, _ = load_policy_model(rtn, torch.float32, "cpu")
+    gptq_model, _ = load_policy_model(gptq_nvfp4, torch.float32, "cpu")
+    ids = _calibration_like_ids(tiny_model_dir, calib_file)
+
+    def kl_to_bf16(model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            target = torch.log_softmax(bf16(input_ids=ids).logits, -1)
+            logq = torch.log_softmax(model.eval()(input_ids=ids).logits.float(), -1)
+        return float((target.exp() * (target - logq)).sum(-1).mean())
+
+    assert kl_to_bf16(gptq_model) < kl_to_bf16(rtn_model)
+
+
+def _calibration_like_ids(model_dir: Path, calib_file: Path) -> torch.Tensor:
+    """Token ids of the calibration conversations (the text GPTQ compensated its error on)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in calib_file.read_text().splitlines()]
+    texts = [" ".join(turn["value"] for turn in row["conversations"]) for row in rows]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"][:SEQ_LEN] for text in texts]
+    width = min(len(row) for row in ids)
+    return torch.tensor([row[:width] for row in ids])
+
+
+def test_gptq_refused_for_nf4_before_any_work(tmp_path, tiny_model_dir, calib_file) -> None:
+    with pytest.raises(QerlError, match="no NF4 scheme"):
+        run_quantize(_config(tiny_model_dir, tmp_path / "o", calib_file, format="nf4", method="gptq"))
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ from qerl_cli.errors import QerlError
 class QuantizeConfig:
     model: str = ""
     format: QuantFormat = "nvfp4"
-    method: Literal["awq", "rtn"] = "awq"
+    # gptq / awq calibrate on `calib`; rtn rounds to nearest (qerl_cli.quantize.validate).
+    method: Literal["gptq", "awq", "rtn"] = "awq"
     calib: str = "open-thoughts/OpenThoughts-114k"
     calib_split: str = "train"
     # Field holding chat messages (rendered with the model's chat template) or plain text.
@@ -29,6 +30,11 @@ class QuantizeConfig:
     overwrite: bool = False
     skip_incompatible: bool = False
     eval_ppl: bool = False
+    # An error-compensating LoRA start written beside the checkpoint (lora_init/, read by lora.init):
+    # "eora" factors W - deq(Q(W)) weighted by the calibration activations' second moments (EoRA),
+    # "svd" the plain weight-space SVD; "none" writes nothing. Its rank is lora_init_rank.
+    lora_init: Literal["none", "eora", "svd"] = "none"
+    lora_init_rank: int = 16
     seed: int = 42
     device: str = "auto"
     trust_remote_code: bool = False
@@ -36,7 +42,12 @@ class QuantizeConfig:
     def validate(self, where: str = "") -> None:
         if not self.model:
             raise QerlError("no model given: pass a hub id or a local folder")
-        _positive(where or "quantize", num_samples=self.num_samples, seq_len=self.seq_len)
+        _positive(
+            where or "quantize",
+            num_samples=self.num_samples,
+            seq_len=self.seq_len,
+            lora_init_rank=self.lora_init_rank,
+        )
 
 
 @dataclass

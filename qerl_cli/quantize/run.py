@@ -29,9 +29,11 @@ from qerl_cli.quantize.report import (
     WeightError,
 )
 from qerl_cli.quantize.validate import (
+    CALIBRATED_METHODS,
     check_format,
     check_layers,
     check_method,
+    check_method_for_format,
     check_output,
     default_output,
     quantized_linear_names,
@@ -124,7 +126,9 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
             format=job.fmt,
             method=job.method,
             rounding=_rounding_note(job.fmt, job.method),
-            calibration=job.calib.spec if job.calib is not None and job.method == "awq" else None,
+            calibration=job.calib.spec
+            if job.calib is not None and job.method in CALIBRATED_METHODS
+            else None,
             ignored_layers=["lm_head"],
             skipped_layers=job.skipped,
             versions=report.package_versions(),
@@ -134,7 +138,9 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
                 folder_bytes=report.folder_bytes(staging),
             ),
             weight_error=WeightError.measured(
-                "BF16 weight as rounded (after AWQ smoothing when method is awq)", errors
+                "BF16 weight as rounded (after AWQ smoothing when method is awq; GPTQ's error "
+                "compensation moves weights on purpose, so its figure is against the original weight)",
+                errors,
             ),
             perplexity=perplexity,
             vllm_marlin=MarlinRefusals(
@@ -160,20 +166,23 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
     cfg.validate()
     fmt = check_format(cfg.format)
     method = check_method(cfg.method)
-    _require_extras(fmt, method, cfg.eval_ppl)
+    check_method_for_format(method, fmt)
+    # A missing model folder or a taken output answers in well under a second; importing
+    # llm-compressor (below) takes ~7 s, so it comes after.
     source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     output = check_output(
         Path(cfg.output) if cfg.output else default_output(source, fmt), source, cfg.overwrite
     )
+    _require_extras(fmt, method, cfg.eval_ppl)
     device = resolve_device(cfg.device)
 
     tokenizer = AutoTokenizer.from_pretrained(source.ref, trust_remote_code=cfg.trust_remote_code)
     calib: CalibrationSet | None = None
-    if method == "awq" or cfg.eval_ppl:
+    if method in CALIBRATED_METHODS or cfg.eval_ppl:
         calib = load_calibration(
             cfg.calib,
             tokenizer,
-            num_samples=cfg.num_samples if method == "awq" else 0,
+            num_samples=cfg.num_samples if method in CALIBRATED_METHODS else 0,
             seq_len=cfg.seq_len,
             seed=cfg.seed,
             split=cfg.calib_split,
@@ -203,9 +212,10 @@ def _bf16_perplexity(job: _Job, model: torch.nn.Module) -> float:
 
 def _quantize_and_save(job: _Job, model: torch.nn.Module, staging: Path) -> dict[str, torch.Tensor]:
     """Quantize ``model`` and write the checkpoint and tokenizer into ``staging``; returns the BF16
-    weights that were rounded (after AWQ smoothing), the reference of the weight errors."""
+    weights that were rounded (after AWQ smoothing; before GPTQ, which rounds in place), the reference
+    of the weight errors."""
     fmt, method = job.fmt, job.method
-    calibration = job.calib.as_dataset() if method == "awq" and job.calib is not None else None
+    calibration = job.calib.as_dataset() if method in CALIBRATED_METHODS and job.calib is not None else None
     if fmt == "nf4":
         if method == "awq":  # AWQ's smoothing only (llm-compressor); the NF4 rounding is qerl's own
             pipeline.run_oneshot(
@@ -214,10 +224,11 @@ def _quantize_and_save(job: _Job, model: torch.nn.Module, staging: Path) -> dict
         reference = pipeline.reference_weights(model, job.quantized)
         save_nf4(model, job.float_keys, job.quantized, job.skipped, staging, job.device)
     else:
+        original = pipeline.reference_weights(model, job.quantized) if method == "gptq" else None
         pipeline.run_oneshot(
             model, job.tokenizer, pipeline.build_recipe(fmt, method, job.skipped), calibration
         )
-        reference = pipeline.reference_weights(model, job.quantized)
+        reference = original if original is not None else pipeline.reference_weights(model, job.quantized)
         pipeline.save_compressed(model, staging)
     job.tokenizer.save_pretrained(staging)
     return reference
@@ -233,4 +244,6 @@ def _rounding_note(fmt: str, method: str) -> str:
         )
         return smoothing + "round-to-nearest on the NF4 code book (bitsandbytes-compatible, double quant)"
     scheme = pipeline.SCHEMES[fmt]
+    if method == "gptq":
+        return f"llm-compressor GPTQ {scheme} (E2M1 rounding with GPTQ's error compensation)"
     return f"llm-compressor {'AWQ + ' if method == 'awq' else ''}{scheme} (round to nearest E2M1)"

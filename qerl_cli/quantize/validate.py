@@ -19,7 +19,10 @@ from qerl_cli.errors import QerlError
 from qerl_cli.files import TargetExistsError, staged_folder
 
 SUPPORTED_FORMATS = tuple(formats.names())
-SUPPORTED_METHODS = ("awq", "rtn")
+# gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
+# smoothing scales, then round to nearest; rtn: round to nearest, no calibration.
+SUPPORTED_METHODS = ("gptq", "awq", "rtn")
+CALIBRATED_METHODS = ("gptq", "awq")
 # Layers never quantized: the output head is kept in BF16, as in the paper and llm-compressor's examples.
 ALWAYS_IGNORED = ("lm_head",)
 
@@ -34,8 +37,18 @@ def check_format(name: str) -> str:
 def check_method(name: str) -> str:
     key = name.strip().lower()
     if key not in SUPPORTED_METHODS:
-        raise QerlError(f"unknown method {name!r}: choose awq (calibrated scales) or rtn (round to nearest)")
+        raise QerlError(
+            f"unknown method {name!r}: choose gptq (error-compensating rounding), awq (calibrated "
+            "smoothing scales) or rtn (round to nearest, no calibration)"
+        )
     return key
+
+
+def check_method_for_format(method: str, fmt: str) -> None:
+    """NF4 is rounded by qerl's own code (bitsandbytes' code book), for which llm-compressor has no
+    GPTQ scheme."""
+    if fmt == "nf4" and method == "gptq":
+        raise QerlError("--method gptq has no NF4 scheme (llm-compressor): use --method awq or rtn for nf4")
 
 
 @dataclass(frozen=True)
