@@ -174,3 +174,158 @@ def test_compare_renders_its_report(
     assert rc == 0 and "qerl compare (threshold 0.216)" in out and "compare.json, compare.md" in out
     rc, out, _ = run(capsys, "compare", recipe, "--no-summary")  # nothing to render
     assert rc == 0 and out == ""
+
+
+# -- usage errors: click's style and exit code 2, never "internal error" -----------------------------
+# typer >= 0.29 raises its own copies of click's exception classes; these hold the CLI to both.
+@pytest.mark.parametrize(
+    ("argv", "usage", "needles"),
+    [
+        (["trian"], "Usage: qerl [OPTIONS] COMMAND", ["No such command 'trian'", "Did you mean 'train'?"]),
+        (["eval", "--samplez", "3"], "Usage: qerl eval [OPTIONS]", ["No such option", "--samplez"]),
+        (["train"], "Usage: qerl train [OPTIONS]", ["Missing argument 'RECIPE'"]),
+        (["eval", "--samples", "abc"], "Usage: qerl eval [OPTIONS]", ["Invalid value for '--samples'"]),
+    ],
+)
+def test_usage_errors_exit_2_with_the_usage_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], usage: str, needles: list[str]
+) -> None:
+    rc, out, err = run(capsys, *argv)
+    err = " ".join(err.split())  # rich wraps long lines
+    assert rc == 2 and out == ""
+    assert err.startswith(usage) and "for help" in err and f"error: {needles[0]}" in err
+    assert all(needle in err for needle in needles)
+    assert "internal error" not in err
+
+
+def test_usage_errors_of_click_itself_are_shown_too(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """click's own exception classes (what typer < 0.29 raised; click is no longer typer's dependency)
+    are shown the same way: they are recognised by their shape, not by class."""
+    import importlib
+
+    click = pytest.importorskip("click")
+    main_mod = importlib.import_module("qerl_cli.cli.main")  # the package's `main` is the function
+
+    def raise_it(*args: object, **kwargs: object) -> None:
+        raise click.UsageError("no such thing")
+
+    monkeypatch.setattr(main_mod, "app", raise_it)
+    rc, _, err = run(capsys, "env")
+    assert rc == 2 and "error: no such thing" in err and "internal error" not in err
+
+    def raise_file_error(*args: object, **kwargs: object) -> None:
+        raise click.FileError("x.txt", "gone")  # a ClickException that is not a usage error: exit 1
+
+    monkeypatch.setattr(main_mod, "app", raise_file_error)
+    rc, _, err = run(capsys, "env")
+    assert rc == 1 and "error: Could not open file" in err and "internal error" not in err
+
+
+def test_bare_qerl_prints_the_help_and_exits_2_as_click_does(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys)
+    assert rc == 2  # click >= 8.2 and typer: no_args_is_help is a usage error (help, exit 2)
+    assert "Usage: qerl [OPTIONS] COMMAND" in out and "Commands" in out and "train" in out
+    assert "error" not in err
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    rc, out, err = run(capsys, "--version")
+    assert rc == 0 and out == f"qerl {version('qerl')}\n" and err == ""
+
+
+def test_console_entry_point_maps_usage_errors_and_version() -> None:
+    """The installed `qerl` script (the console entry point): exit codes and output from a real process."""
+    import subprocess
+    import sys
+
+    qerl = Path(sys.executable).with_name("qerl")
+    if not qerl.is_file():
+        pytest.skip(f"no installed qerl script beside {sys.executable} (pip install -e .)")
+    done = subprocess.run([str(qerl), "trian"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "No such command 'trian'" in done.stderr
+    assert "internal error" not in done.stderr and done.stderr.startswith("Usage: qerl ")
+    done = subprocess.run([str(qerl), "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("qerl ")
+
+
+# -- errors name what the user typed -----------------------------------------------------------------
+def test_bad_flag_values_name_the_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, _, err = run(capsys, "bench", "--prompt-len", "0", "--dry-run")
+    assert rc == 2 and "error: --prompt-len must be > 0, got 0" in err and "BenchConfig" not in err
+    rc, _, err = run(capsys, "bench", "--generations", "0", "--dry-run")
+    assert rc == 2 and "--generations must be > 0" in err
+    rc, _, err = run(capsys, "bench", "--set", "prompt_len=0", "--dry-run")  # a recipe key: named so
+    assert rc == 2 and "error: prompt_len must be > 0" in err
+    recipe = tmp_path / "bench.yaml"
+    recipe.write_text("repeats: 0\n")
+    rc, _, err = run(capsys, "bench", "--config", str(recipe), "--dry-run")
+    assert rc == 2 and "error: repeats must be > 0" in err
+
+
+def test_bench_refuses_an_unknown_format_listing_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    from qerl_cli import formats
+
+    rc, out, err = run(capsys, "bench", "--formats", "fp3", "--dry-run")
+    err = " ".join(err.split())
+    assert rc == 2 and out == ""  # nothing resolved, nothing printed
+    assert "--formats: unknown format(s) fp3" in err
+    assert f"choose from {', '.join(['bf16', *formats.names()])}" in err
+    rc, _, err = run(capsys, "bench", "--set", "formats=bf16,fp3", "--dry-run")
+    assert rc == 2 and "formats: unknown format(s) fp3" in err
+    rc, out, _ = run(capsys, "bench", "--formats", "bf16,NVFP4", "--dry-run")  # bench lower-cases them
+    assert rc == 0 and yaml.safe_load(out)["formats"] == ["bf16", "NVFP4"]
+
+
+def test_a_recipe_with_a_key_written_twice_exits_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  path: m\ntrain:\n  max_steps: 3\ntrain:\n  seed: 1\n")
+    rc, out, err = run(capsys, "train", str(recipe), "--dry-run")
+    assert rc == 2 and out == ""
+    assert "key 'train' is written twice (lines 3 and 5)" in " ".join(err.split())
+
+
+# -- help: each stage's own --set example, readable metavars, defaults -------------------------------
+@pytest.mark.parametrize(
+    ("command", "example"),
+    [
+        ("quantize", "trust_remote_code=true"),
+        ("train", "train.learning_rate=2e-5"),
+        ("eval", "temperature=1.0"),
+        ("bench", "repeats=5"),
+        ("compare", "train.max_steps=50"),
+    ],
+)
+def test_help_shows_the_stage_own_set_example_and_readable_metavars(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str, example: str
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one line per option
+    rc, out, _ = run(capsys, command, "--help")
+    assert rc == 0 and f"--set {example}" in out and "KEY=VALUE" in out
+    assert "<bool>" not in out and "<list[str]>" not in out
+    key = example.split("=")[0]
+    from qerl_cli import config as cfg
+
+    conf_cls = {"quantize": cfg.QuantizeConfig, "eval": cfg.EvalConfig, "bench": cfg.BenchConfig}
+    if command in conf_cls:  # the example is a key of that stage's own config
+        assert key in {f for f in conf_cls[command].__dataclass_fields__}
+    else:
+        section, name = key.split(".")
+        assert name in getattr(cfg.TrainConfig(), section).__dataclass_fields__
+
+
+def test_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    rc, out, _ = run(capsys, "bench", "--help")
+    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("│ --")}
+    assert rc == 0 and "[default: (256)]" in lines["--prompt-len"] and "[default: (2,8)]" in lines["--batch"]
+
+
+def test_a_flag_overridden_by_set_is_named_as_the_set_key(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "bench", "--formats", "bf16", "--set", "formats=fp3", "--dry-run")
+    assert rc == 2 and "error: formats: unknown format(s) fp3" in err
+    rc, _, err = run(capsys, "bench", "--gen-len", "8", "--set", "gen_len=0", "--dry-run")
+    assert rc == 2 and "error: gen_len must be > 0" in err

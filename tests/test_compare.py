@@ -381,29 +381,35 @@ def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path:
     assert conf.model.path == str(tmp_path / "elsewhere-nvfp4")
 
 
-def test_awq_bases_come_from_qerl_quantize_once(tiny_model_dir: Path, tmp_path: Path) -> None:
-    pytest.importorskip("llmcompressor", reason="base_method=awq needs llm-compressor (qerl[quantize])")
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_bases_come_from_qerl_quantize_once(
+    tiny_model_dir: Path, tmp_path: Path, method: str
+) -> None:
+    pytest.importorskip("llmcompressor", reason=f"base_method={method} needs llm-compressor (qerl[quantize])")
     from qerl_cli.files import is_complete_folder
     from qerl_cli.modeling.loading import detect_format, read_config
 
     data = {"model": {"path": str(tiny_model_dir)}}
     arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
-    bases = runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method="awq")
+    bases = runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method=method)
     awq = Path(bases["nvfp4-lora"])
-    assert awq == tmp_path / "out" / "bases" / "nvfp4-awq" and is_complete_folder(awq)
+    assert awq == tmp_path / "out" / "bases" / f"nvfp4-{method}" and is_complete_folder(awq)
     assert detect_format(read_config(awq)) == "nvfp4"
     report = json.loads((awq / "qerl_quant.json").read_text())
-    assert report["method"] == "awq" and report["calibration"]["source"] == "qerl-text", report["calibration"]
+    assert report["method"] == method and report["calibration"]["source"] == "qerl-text", report[
+        "calibration"
+    ]
     stamp = (awq / "config.json").stat().st_mtime_ns
-    assert runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method="awq") == bases
+    assert runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method=method) == bases
     assert (awq / "config.json").stat().st_mtime_ns == stamp  # made once, then reused
 
 
 def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> None:
     with pytest.raises(QerlError, match=r"'compare.base_methd'; did you mean compare.base_method\?"):
         arms_mod.read_settings({"base_methd": "awq"})
-    with pytest.raises(QerlError, match="compare.base_method must be one of awq, rtn, got 'gptq'"):
-        arms_mod.read_settings({"base_method": "gptq"})
+    with pytest.raises(QerlError, match="compare.base_method must be one of gptq, awq, rtn, got 'gptx'"):
+        arms_mod.read_settings({"base_method": "gptx"})
+    assert arms_mod.read_settings({"base_method": "gptq"}).base_method == "gptq"
     assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"
     # Values are typed and checked like every recipe key.
     with pytest.raises(QerlError, match=r"'compare.heldout_problems' has value 'many' \(str\); expected int"):
@@ -649,7 +655,12 @@ def test_plan_runs_every_arm_of_a_seed_before_the_next_seed() -> None:
     """An ablation stopped part way (a device lease ending) has compared every arm on its first seeds."""
     ablation = SimpleNamespace(arms={"a": {}, "b": {}, "c": {}}, seeds=2, base_seed=5)
     assert runner._plan(ablation, ["a", "b", "c"], None) == [
-        ("a", 5), ("b", 5), ("c", 5), ("a", 6), ("b", 6), ("c", 6)
+        ("a", 5),
+        ("b", 5),
+        ("c", 5),
+        ("a", 6),
+        ("b", 6),
+        ("c", 6),
     ]
     assert runner._plan(ablation, ["a", "b", "c"], ["c/6", "a/5"]) == [("a", 5), ("c", 6)]
 

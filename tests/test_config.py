@@ -117,3 +117,64 @@ def test_resolved_config_round_trips(tmp_path: Path) -> None:
 def test_cli_values_rank_between_recipe_and_overrides(tmp_path: Path) -> None:
     conf = cfg.load_config(cfg.BenchConfig, None, ["tolerance=0.3"], batch="1,2", tolerance=0.2)
     assert conf.batch == [1, 2] and conf.tolerance == 0.3
+
+
+# -- a key written twice is refused, not silently merged into the last one ---------------------------
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        # Two train: sections: YAML would keep only the second, dropping max_steps without a word.
+        ("model:\n  path: m\ntrain:\n  max_steps: 3\nrollout: {}\ntrain:\n  seed: 1\n",
+         r"key 'train' is written twice \(lines 3 and 6\)"),
+        ("model:\n  path: m\ntrain:\n  learning_rate: 1e-5\n  seed: 1\n  learning_rate: 2e-5\n",
+         r"key 'train.learning_rate' is written twice \(lines 4 and 6\)"),
+        ("model: {path: m, path: n}\n", r"key 'model.path' is written twice \(lines 1 and 1\)"),
+    ],
+)  # fmt: skip
+def test_a_key_written_twice_is_refused_naming_it_and_its_lines(
+    tmp_path: Path, text: str, needle: str
+) -> None:
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text(text)
+    with pytest.raises(QerlError, match=needle) as caught:
+        cfg.load_config(cfg.TrainConfig, recipe)
+    assert str(recipe) in str(caught.value)
+
+
+def test_merge_keys_and_repeats_in_other_mappings_are_not_duplicates(tmp_path: Path) -> None:
+    """``<<: *anchor`` merges keys that the mapping may override, and the same key in two sections is
+    two keys: neither is a repetition."""
+    recipe = tmp_path / "merge.yaml"
+    recipe.write_text(
+        "common: &common {seed: 3, max_steps: 5}\n"
+        "model: {path: m}\n"
+        "train:\n  <<: *common\n  max_steps: 7\n"
+        "rollout: {max_prompt_length: 64}\n"
+        "data: {max_prompt_length: 64}\n"
+    )
+    data = cfg.read_yaml(recipe)
+    assert data["train"] == {"seed": 3, "max_steps": 7}
+
+
+# -- errors name the key as the user wrote it, not a class --------------------------------------------
+def test_errors_name_the_flag_or_the_recipe_key_not_the_class(tmp_path: Path) -> None:
+    with pytest.raises(QerlError, match=r"^--prompt-len must be > 0, got 0$"):
+        cfg.load_config(cfg.BenchConfig, None, flags={"prompt_len": "--prompt-len"}, prompt_len=0)
+    # The same key set by --set, or read from a --config file, is named as the recipe key.
+    with pytest.raises(QerlError, match=r"^prompt_len must be > 0, got 0$"):
+        cfg.load_config(
+            cfg.BenchConfig, None, ["prompt_len=0"], flags={"prompt_len": "--prompt-len"}, prompt_len=5
+        )
+    bench = tmp_path / "bench.yaml"
+    bench.write_text("gen_len: 0\n")
+    with pytest.raises(QerlError, match=r"^gen_len must be > 0, got 0$"):
+        cfg.load_config(cfg.BenchConfig, bench)
+    # A root check that prefixes its stage's name (QuantizeConfig: "quantize.seq_len") is named so too.
+    with pytest.raises(QerlError, match=r"^--seq-len must be > 0"):
+        cfg.load_config(cfg.QuantizeConfig, None, flags={"seq_len": "--seq-len"}, model="m", seq_len=0)
+    # A wrong type from a flag names the flag; a recipe section's key keeps its path.
+    with pytest.raises(QerlError, match=r"^--engine has value 'foo' \(str\); expected 'hf' \| 'vllm'"):
+        cfg.load_config(cfg.EvalConfig, None, flags={"engine": "--engine"}, model="m", engine="foo")
+    recipe = write(tmp_path, {"model": {"path": "m"}, "train": {"learning_rate": -1.0}})
+    with pytest.raises(QerlError, match=r"train\.learning_rate"):
+        cfg.load_config(cfg.TrainConfig, recipe)

@@ -9,19 +9,20 @@ The package splits by responsibility: ``app`` (the app and what every command sh
 from __future__ import annotations
 
 from qerl_cli.cli import stages, tools
-from qerl_cli.cli.app import app
+from qerl_cli.cli.app import QerlCommand, app
 from qerl_cli.cli.main import main
 
-# Registered here, in the order `qerl --help` lists them (Typer keeps the order of registration).
-app.command()(stages.quantize)
-app.command()(stages.train)
-app.command("eval")(stages.eval_)
-app.command()(stages.bench)
-app.command()(stages.demo)
-app.command()(tools.env)
-app.command("tiny-base")(tools.tiny_base)
-app.command("tiny-model")(tools.tiny_model)
-app.command("models")(tools.models_)
-app.command()(stages.compare)
+# Registered here, in the order `qerl --help` lists them (Typer keeps the order of registration); each
+# with qerl's command class (help without a type column for flags).
+app.command(cls=QerlCommand)(stages.quantize)
+app.command(cls=QerlCommand)(stages.train)
+app.command("eval", cls=QerlCommand)(stages.eval_)
+app.command(cls=QerlCommand)(stages.bench)
+app.command(cls=QerlCommand)(stages.demo)
+app.command(cls=QerlCommand)(tools.env)
+app.command("tiny-base", cls=QerlCommand)(tools.tiny_base)
+app.command("tiny-model", cls=QerlCommand)(tools.tiny_model)
+app.command("models", cls=QerlCommand)(tools.models_)
+app.command(cls=QerlCommand)(stages.compare)
 
 __all__ = ["app", "main"]

@@ -1,22 +1,48 @@
 """The Typer app, the consoles and what every command shares: option types, argument parsing,
-``--dry-run`` and the CPU thread choice."""
+``--dry-run``, ``--version`` and the CPU thread choice."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import config as cfg
 from qerl_cli.errors import QerlError
 
+
+class _ReadableHelp:
+    """Help without a type column for flags: typer 0.29 prints each option's Python type, a flag's
+    (``--dry-run``, ``--help``) as ``<bool>``, though a flag takes no value."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class QerlGroup(_ReadableHelp, TyperGroup):
+    pass
+
+
+class QerlCommand(_ReadableHelp, TyperCommand):
+    """Every qerl command's class (``app.command(cls=QerlCommand)``)."""
+
+
 app = typer.Typer(
     name="qerl",
+    cls=QerlGroup,
     help="Quantization-enhanced RL (QeRL, arXiv 2510.11696): GRPO/DAPO with LoRA on a 4-bit base.",
+    # A bare `qerl` prints the help and exits 2, as click (>= 8.2) and typer do for a group.
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -25,19 +51,74 @@ console = Console()
 err_console = Console(stderr=True)
 _state = {"debug": False}
 
-SetOption = Annotated[
-    list[str] | None,
-    typer.Option("--set", help="Override a config key: --set train.learning_rate=2e-5 (repeatable)."),
-]
+
+def set_option(example: str) -> Any:
+    """The ``--set`` option of a stage, with an example key of that stage's config."""
+    return Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set", metavar="KEY=VALUE", help=f"Override a config key: --set {example} (repeatable)."
+        ),
+    ]
+
+
 DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config as YAML and exit.")]
 ConfigOption = Annotated[
-    Path | None, typer.Option("--config", help="A YAML file with this stage's settings.")
+    Path | None, typer.Option("--config", metavar="YAML", help="A YAML file with this stage's settings.")
 ]
+
+
+def config_default(cls: type, name: str) -> str:
+    """A config field's default, for ``--help`` (``show_default=``): the flag itself defaults to None,
+    "not given", so that a recipe (``--config``) can set the key; absent both, this value applies."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    value = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def config_option(cls: type, key: str, metavar: str, help: str = "", *decls: str) -> Any:
+    """A stage's flag for config key ``key``: None ("not given") unless typed, its --help showing the
+    config's default (``[default: (256)]``: a default described, as click writes one not the flag's)."""
+    return typer.Option(*decls, metavar=metavar, help=help, show_default=config_default(cls, key))
+
+
+def given_flags(values: dict[str, Any], sets: list[str] | None, **names: str) -> dict[str, str]:
+    """The flag that gave each config value (None: not given), for errors to name:
+    ``--key-with-dashes`` unless ``names`` spells it otherwise (``data_files="--data-file"``). A key that
+    ``--set`` (``sets``) overrides is the user's ``--set`` key, not the flag's."""
+    overridden = {item.partition("=")[0].strip() for item in sets or []}
+    return {
+        key: names.get(key, "--" + key.replace("_", "-"))
+        for key, value in values.items()
+        if value is not None and key not in overridden
+    }
+
+
+def qerl_version() -> str:
+    """The installed distribution's version; the package's own where qerl runs from an uninstalled tree."""
+    try:
+        return metadata.version("qerl")
+    except metadata.PackageNotFoundError:
+        from qerl_cli import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"qerl {qerl_version()}\n")
+        raise typer.Exit()
 
 
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print qerl's version and exit."
+        ),
+    ] = False,
 ) -> None:
     _state["debug"] = debug
 

@@ -1,5 +1,11 @@
 """The console entry point: run the app, and turn every way it can end into an exit code and one
-message (user errors exit 2 in red, unexpected errors exit 1, Ctrl-C 130)."""
+message (user errors exit 2 in red, unexpected errors exit 1, Ctrl-C 130).
+
+Usage errors (an unknown command or option, a missing argument, a bad value) exit 2 with the usage line
+and ``error: ...``, as click's own commands do. typer >= 0.29 no longer raises click's exceptions but
+its own copies of them (click is not even a dependency any more), so they are recognised by what both
+have, an int ``exit_code`` and ``format_message()``, not by class.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,12 @@ import errno
 import logging
 import os
 import sys
+from typing import Any
 
 import typer
 from rich.markup import escape
 
-from qerl_cli.cli.app import app, err_console
+from qerl_cli.cli.app import app, console, err_console
 from qerl_cli.errors import QerlError
 
 INTERRUPTED = "[red]interrupted[/red] (qerl train continues from its last checkpoint with --resume auto)"
@@ -27,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        # standalone_mode=False returns click's exit code instead of calling sys.exit.
-        rc = app(args=argv, standalone_mode=False)
+        # standalone_mode=False returns click's exit code instead of calling sys.exit; prog_name keeps
+        # usage lines saying "qerl" under `python -m qerl_cli`, torchrun and in-process calls.
+        rc = app(args=argv, prog_name="qerl", standalone_mode=False)
     except QerlError as exc:
         if debug:
             err_console.print_exception()
@@ -52,16 +60,37 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print(INTERRUPTED)
         return 130
-    except Exception as exc:  # click usage errors are handled below; the rest are bugs
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            return exc.exit_code
+    except Exception as exc:  # click's and typer's usage errors are the user's; the rest are bugs
+        if _is_click_error(exc):
+            return _show_click_error(exc)
         return _internal_error(exc, debug)
     if rc == 130:  # typer turns Ctrl-C into a silent Exit(130) when not in standalone mode
         err_console.print(INTERRUPTED)
     return rc if isinstance(rc, int) else 0
+
+
+def _is_click_error(exc: BaseException) -> bool:
+    """click's ``ClickException`` family or typer's vendored copy of it (``UsageError``, ``NoSuchOption``,
+    ``BadParameter``, ...): by shape, so a change of typer's private module paths cannot hide one."""
+    return isinstance(getattr(exc, "exit_code", None), int) and callable(getattr(exc, "format_message", None))
+
+
+def _show_click_error(exc: Any) -> int:
+    """What click prints for the error, through the error console: the usage line, where to find help,
+    and ``error: ...`` in the red of qerl's own errors. Returns click's exit code (2 for usage errors)."""
+    ctx = getattr(exc, "ctx", None)
+    if type(exc).__name__ == "NoArgsIsHelpError":  # bare `qerl`: the help, then click's exit code
+        # typer's rich help is printed while the error is made; click's plain help is its message.
+        if exc.format_message():
+            console.print(exc.format_message(), markup=False, highlight=False)
+        return exc.exit_code
+    if ctx is not None:
+        err_console.print(ctx.get_usage(), markup=False, highlight=False)
+        if ctx.command.get_help_option(ctx) is not None:
+            hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help."
+            err_console.print(hint, markup=False, highlight=False)
+    err_console.print(f"[bold red]error:[/bold red] [red]{escape(exc.format_message())}[/red]")
+    return exc.exit_code
 
 
 def _internal_error(exc: BaseException, debug: bool) -> int:

@@ -19,57 +19,96 @@ from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
     DryRunOption,
-    SetOption,
+    config_default,
+    config_option,
     console,
     csv,
     finish_config,
+    given_flags,
     pairs,
     positive_ints,
+    set_option,
     use_free_cpu_threads,
 )
 from qerl_cli.errors import QerlError
 
+# Each stage's --set example is a key of its own config (quantize, eval and bench configs are flat).
+QuantizeSet = set_option("trust_remote_code=true")
+TrainSet = set_option("train.learning_rate=2e-5")
+EvalSet = set_option("temperature=1.0")
+BenchSet = set_option("repeats=5")
+CompareSet = set_option("train.max_steps=50")
+Q, E, B = cfg.QuantizeConfig, cfg.EvalConfig, cfg.BenchConfig  # the --help defaults below are theirs
+
 
 def quantize(
-    model: Annotated[str, typer.Argument(help="Hub id or local folder of a BF16 model.")],
-    format: Annotated[str | None, typer.Option("--format", "-f", help="nvfp4 | mxfp4 | nf4")] = None,
-    method: Annotated[str | None, typer.Option(help="awq (calibrated, default) | rtn")] = None,
-    calib: Annotated[
-        str | None, typer.Option(help="Calibration dataset: hub id, .jsonl or .parquet.")
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub id or local folder of a BF16 model.")],
+    format: Annotated[
+        str | None, config_option(Q, "format", "FORMAT", "nvfp4 | mxfp4 | nf4", "--format", "-f")
     ] = None,
-    calib_field: Annotated[str | None, typer.Option(help="Field with chat messages or text.")] = None,
-    calib_split: Annotated[str | None, typer.Option(help="Split of a hub calibration dataset.")] = None,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda")] = None,
-    num_samples: Annotated[int | None, typer.Option(help="Calibration samples (default 256).")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="Tokens per calibration sample (default 2048).")] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Default ./<model>-<FORMAT>.")] = None,
+    method: Annotated[
+        str | None,
+        config_option(
+            Q,
+            "method",
+            "METHOD",
+            "gptq (error-compensating rounding) | awq (calibrated smoothing) | rtn (round to nearest)",
+        ),
+    ] = None,
+    calib: Annotated[
+        str | None, config_option(Q, "calib", "DATASET", "Calibration dataset: hub id, .jsonl or .parquet.")
+    ] = None,
+    calib_field: Annotated[
+        str | None, typer.Option(metavar="FIELD", help="Field with chat messages or text.")
+    ] = None,
+    calib_split: Annotated[
+        str | None, config_option(Q, "calib_split", "SPLIT", "Split of a hub calibration dataset.")
+    ] = None,
+    device: Annotated[str | None, config_option(Q, "device", "DEVICE", "auto | cpu | cuda")] = None,
+    num_samples: Annotated[int | None, config_option(Q, "num_samples", "N", "Calibration samples.")] = None,
+    seq_len: Annotated[
+        int | None, config_option(Q, "seq_len", "TOKENS", "Tokens per calibration sample.")
+    ] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", metavar="DIR", show_default="./<model>-<FORMAT>")
+    ] = None,
     overwrite: Annotated[bool | None, typer.Option("--overwrite", help="Replace an existing output.")] = None,
     skip_incompatible: Annotated[
         bool | None, typer.Option("--skip-incompatible", help="Leave layers the format can't tile in BF16.")
     ] = None,
     eval_ppl: Annotated[bool | None, typer.Option("--eval-ppl", help="Perplexity BF16 vs 4-bit.")] = None,
+    lora_init: Annotated[
+        str | None,
+        typer.Option(
+            "--lora-init",
+            metavar="INIT",
+            help="none | eora | svd: write DIR/lora_init/, a LoRA start that corrects the rounding error "
+            "(read by lora.init; eora weighs it by the calibration activations; not with awq).",
+            show_default=config_default(Q, "lora_init"),
+        ),
+    ] = None,
+    lora_init_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--lora-init-rank",
+            metavar="R",
+            help="Rank of --lora-init.",
+            show_default=config_default(Q, "lora_init_rank"),
+        ),
+    ] = None,  # fmt: skip
     config: ConfigOption = None,
-    set_: SetOption = None,
+    set_: QuantizeSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """Quantize a model to NVFP4 / MXFP4 (compressed-tensors, AWQ) or NF4 (bitsandbytes)."""
+    values = dict(
+        model=model, format=format, method=method, calib=calib, calib_field=calib_field,
+        calib_split=calib_split, device=device, num_samples=num_samples, seq_len=seq_len, output=output,
+        overwrite=overwrite, skip_incompatible=skip_incompatible, eval_ppl=eval_ppl, lora_init=lora_init,
+        lora_init_rank=lora_init_rank,
+    )  # fmt: skip
     conf = cfg.load_config(
-        cfg.QuantizeConfig,
-        config,
-        set_,
-        model=model,
-        format=format,
-        method=method,
-        calib=calib,
-        calib_field=calib_field,
-        calib_split=calib_split,
-        device=device,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        output=output,
-        overwrite=overwrite,
-        skip_incompatible=skip_incompatible,
-        eval_ppl=eval_ppl,
+        cfg.QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values
     )
     if finish_config(conf, dry_run):
         return
@@ -79,12 +118,13 @@ def quantize(
 
 
 def train(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (see recipes/).")],
-    set_: SetOption = None,
+    recipe: Annotated[Path, typer.Argument(metavar="RECIPE", help="Recipe YAML (see recipes/).")],
+    set_: TrainSet = None,
     resume: Annotated[
         str | None,
         typer.Option(
             "--resume",
+            metavar="DIR|auto",
             help="Continue from the last complete checkpoint in DIR ('auto': the recipe's output dir).",
         ),
     ] = None,
@@ -110,42 +150,49 @@ def train(
 
 
 def eval_(
-    model: Annotated[str | None, typer.Argument(help="Hub id or local folder (BF16 or qerl 4-bit).")] = None,
-    adapter: Annotated[str | None, typer.Option(help="LoRA adapter folder (PEFT format).")] = None,
+    model: Annotated[
+        str | None, typer.Argument(metavar="MODEL", help="Hub id or local folder (BF16 or qerl 4-bit).")
+    ] = None,
+    adapter: Annotated[
+        str | None, typer.Option(metavar="DIR", help="LoRA adapter folder (PEFT format).")
+    ] = None,
     benchmarks: Annotated[
-        str | None, typer.Option(help="Comma list: gsm8k,math500,aime24,aime25,amc23")
+        str | None,
+        config_option(E, "benchmarks", "NAME,...", "Comma list: gsm8k,math500,aime24,aime25,amc23"),
     ] = None,
-    samples: Annotated[int | None, typer.Option(help="Samples per problem (default per benchmark).")] = None,
-    engine: Annotated[str | None, typer.Option(help="vllm | hf")] = None,
+    samples: Annotated[
+        int | None, typer.Option(metavar="N", help="Samples per problem.", show_default="per benchmark")
+    ] = None,
+    engine: Annotated[str | None, config_option(E, "engine", "ENGINE", "vllm | hf")] = None,
     data_file: Annotated[
-        list[str] | None, typer.Option("--data-file", help="BENCH=PATH local data file (repeatable).")
+        list[str] | None,
+        typer.Option("--data-file", metavar="BENCH=PATH", help="A benchmark's local data file (repeatable)."),
     ] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Default 4096.")] = None,
-    max_problems: Annotated[int | None, typer.Option(help="Evaluate only the first N problems.")] = None,
-    rescore: Annotated[str | None, typer.Option(help="Re-grade the samples saved in DIR.")] = None,
-    baseline: Annotated[str | None, typer.Option(help="results.json to compare against, paired.")] = None,
+    output: Annotated[str | None, config_option(E, "output", "DIR", "", "--output", "-o")] = None,
+    max_new_tokens: Annotated[
+        int | None, config_option(E, "max_new_tokens", "TOKENS", "Most tokens generated per sample.")
+    ] = None,
+    max_problems: Annotated[
+        int | None, typer.Option(metavar="N", help="Evaluate only the first N problems.")
+    ] = None,
+    rescore: Annotated[
+        str | None, typer.Option(metavar="DIR", help="Re-grade the samples saved in DIR.")
+    ] = None,
+    baseline: Annotated[
+        str | None, typer.Option(metavar="JSON", help="results.json to compare against, paired.")
+    ] = None,
     config: ConfigOption = None,
-    set_: SetOption = None,
+    set_: EvalSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """Pass@1 on GSM8K, MATH500, AIME24/25, AMC23, graded with math-verify."""
-    conf = cfg.load_config(
-        cfg.EvalConfig,
-        config,
-        set_,
-        model=model,
-        adapter=adapter,
-        benchmarks=csv(benchmarks),
-        samples=samples,
-        engine=engine,
-        data_files=pairs(data_file, "--data-file"),
-        output=output,
-        max_new_tokens=max_new_tokens,
-        max_problems=max_problems,
-        rescore=rescore,
-        baseline=baseline,
-    )
+    values = dict(
+        model=model, adapter=adapter, benchmarks=csv(benchmarks), samples=samples, engine=engine,
+        data_files=pairs(data_file, "--data-file"), output=output, max_new_tokens=max_new_tokens,
+        max_problems=max_problems, rescore=rescore, baseline=baseline,
+    )  # fmt: skip
+    flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
+    conf = cfg.load_config(cfg.EvalConfig, config, set_, flags=flags, **values)
     if finish_config(conf, dry_run):
         return
     from qerl_cli.evaluation import eval_table, run_eval
@@ -159,67 +206,77 @@ def eval_(
 
 def bench(
     model: Annotated[
-        str | None, typer.Option(help="SHAPE (qwen2.5-7b, tiny, ...), hub id or folder.")
+        str | None,
+        typer.Option(
+            metavar="MODEL",
+            help="SHAPE (qwen2.5-7b, tiny, ...), hub id or folder.",
+            show_default="qwen2.5-7b with vLLM, else tiny",
+        ),
     ] = None,
-    formats: Annotated[str | None, typer.Option(help="Comma list of bf16,nf4,nvfp4,mxfp4.")] = None,
-    batch: Annotated[str | None, typer.Option(help="Comma list of batch sizes, e.g. 2,8.")] = None,
+    formats: Annotated[
+        str | None, config_option(B, "formats", "FMT,...", "Comma list of bf16,nf4,nvfp4,mxfp4.")
+    ] = None,
+    batch: Annotated[str | None, config_option(B, "batch", "N,...", "Comma list of batch sizes.")] = None,
     concurrency: Annotated[
         str | None,
         typer.Option(
+            metavar="N,...",
             help="Comma list of concurrent sequences, e.g. 8,32,128,256: each format on every "
-            "linear backend, the roofline, and crossover.json for rollout.linear_backend=auto."
+            "linear backend, the roofline, and crossover.json for rollout.linear_backend=auto.",
         ),
     ] = None,
     backends: Annotated[
-        str | None, typer.Option(help="--concurrency: comma list of marlin,humming,fp8 (default all).")
+        str | None,
+        config_option(B, "backends", "NAME,...", "--concurrency: comma list of marlin,humming,fp8."),
     ] = None,
-    prompt_len: Annotated[int | None, typer.Option()] = None,
-    gen_len: Annotated[int | None, typer.Option()] = None,
-    lora_rank: Annotated[int | None, typer.Option()] = None,
-    engine: Annotated[str | None, typer.Option(help="vllm | hf | auto")] = None,
+    prompt_len: Annotated[int | None, config_option(B, "prompt_len", "TOKENS", "Prompt length.")] = None,
+    gen_len: Annotated[int | None, config_option(B, "gen_len", "TOKENS", "Tokens generated.")] = None,
+    lora_rank: Annotated[
+        int | None, config_option(B, "lora_rank", "RANK", "LoRA rank (0: no LoRA cases).")
+    ] = None,
+    engine: Annotated[str | None, config_option(B, "engine", "ENGINE", "vllm | hf | auto")] = None,
     e2e: Annotated[bool | None, typer.Option("--e2e", help="Also time a whole GRPO step.")] = None,
     e2e_recipe: Annotated[
         str | None,
-        typer.Option(help="--e2e: a training recipe giving the step's shape and memory settings."),
+        typer.Option(
+            metavar="RECIPE", help="--e2e: a training recipe giving the step's shape and memory settings."
+        ),
     ] = None,
     prompts_per_step: Annotated[
-        int | None, typer.Option(help="--e2e: prompts per step (default: the largest --batch).")
+        int | None,
+        typer.Option(metavar="N", help="--e2e: prompts per step.", show_default="the largest --batch"),
     ] = None,
-    generations: Annotated[int | None, typer.Option(help="--e2e: completions per prompt (8).")] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o")] = None,
-    baseline: Annotated[str | None, typer.Option(help="bench.json to gate against.")] = None,
-    tolerance: Annotated[float | None, typer.Option(help="Allowed relative regression.")] = None,
+    generations: Annotated[
+        int | None, config_option(B, "e2e_generations", "N", "--e2e: completions per prompt.")
+    ] = None,
+    output: Annotated[str | None, config_option(B, "output", "DIR", "", "--output", "-o")] = None,
+    baseline: Annotated[str | None, typer.Option(metavar="JSON", help="bench.json to gate against.")] = None,
+    tolerance: Annotated[
+        float | None, config_option(B, "tolerance", "FRACTION", "Allowed relative regression.")
+    ] = None,
     config: ConfigOption = None,
-    set_: SetOption = None,
+    set_: BenchSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 (MXFP4 with --formats); --e2e GRPO step time."""
-    batches = positive_ints(batch, "--batch")
-    shape: dict[str, Any] = {}
+    given = {"prompt_len": prompt_len, "gen_len": gen_len, "lora_rank": lora_rank,
+             "e2e_generations": generations, "e2e_prompts_per_step": prompts_per_step}  # fmt: skip
+    values: dict[str, Any] = dict(
+        model=model, formats=csv(formats), batch=positive_ints(batch, "--batch"),
+        concurrency=positive_ints(concurrency, "--concurrency"), backends=csv(backends), engine=engine,
+        e2e=e2e, e2e_recipe=e2e_recipe, output=output, baseline=baseline, tolerance=tolerance, **given,
+    )  # fmt: skip
+    # Only what was typed is a flag: the --e2e-recipe's step shape below is not.
+    flags = given_flags(
+        values, set_, e2e_generations="--generations", e2e_prompts_per_step="--prompts-per-step"
+    )
     if e2e_recipe:  # the recipe's step shape, under the flags given explicitly
         from qerl_cli.bench.e2e import recipe_shape
 
         shape = recipe_shape(e2e_recipe)
-    given = {"prompt_len": prompt_len, "gen_len": gen_len, "lora_rank": lora_rank,
-             "e2e_generations": generations, "e2e_prompts_per_step": prompts_per_step}  # fmt: skip
-    shape.update({k: v for k, v in given.items() if v is not None})
-    conf = cfg.load_config(
-        cfg.BenchConfig,
-        config,
-        set_,
-        model=model,
-        formats=csv(formats),
-        batch=batches,
-        concurrency=positive_ints(concurrency, "--concurrency"),
-        backends=csv(backends),
-        engine=engine,
-        e2e=e2e,
-        e2e_recipe=e2e_recipe,
-        output=output,
-        baseline=baseline,
-        tolerance=tolerance,
-        **shape,
-    )
+        values.update({k: v for k, v in shape.items() if given.get(k) is None})
+    conf = cfg.load_config(cfg.BenchConfig, config, set_, flags=flags, **values)
+    _check_bench_formats(conf.formats, flags.get("formats", "formats"))
     if finish_config(conf, dry_run):
         return
     from qerl_cli.bench import run_bench
@@ -228,12 +285,25 @@ def bench(
         raise typer.Exit(1)
 
 
+def _check_bench_formats(chosen: list[str], name: str) -> None:
+    """Refuse a format the bench cannot build before any work, --dry-run included, listing the
+    format registry's (the config layer sits below the registry, so the check is here)."""
+    from qerl_cli import formats
+
+    valid = ["bf16", *formats.names()]
+    unknown = [fmt for fmt in chosen if fmt.strip().lower() not in valid]
+    if unknown:
+        raise QerlError(f"{name}: unknown format(s) {', '.join(unknown)}; choose from {', '.join(valid)}")
+
+
 def demo(
     output: Annotated[
-        str, typer.Option("--output", "-o", help="Where the demo writes its run.")
+        str, typer.Option("--output", "-o", metavar="DIR", help="Where the demo writes its run.")
     ] = "runs/demo",
-    steps: Annotated[int, typer.Option(help="GRPO steps (the reward rise needs about 60).")] = 60,
-    seed: Annotated[int, typer.Option(help="Seed of the model, data and sampling.")] = 0,
+    steps: Annotated[
+        int, typer.Option(metavar="N", help="GRPO steps (the reward rise needs about 60).")
+    ] = 60,
+    seed: Annotated[int, typer.Option(metavar="SEED", help="Seed of the model, data and sampling.")] = 0,
 ) -> None:
     """Offline CPU demo: tiny model -> NVFP4 -> GRPO + AQN -> eval before/after, in minutes."""
     from qerl_cli.demo import run_demo
@@ -245,15 +315,28 @@ def demo(
 
 
 def compare(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML; its optional compare: section adds arms.")],
-    arms: Annotated[str, typer.Option(help="Comma list of arms.")] = "bf16-lora,nvfp4-lora,nvfp4-aqn",
-    seeds: Annotated[int, typer.Option(help="Seeds per arm (train.seed, +1, +2, ...).")] = 3,
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Default runs/compare-RECIPE.")] = None,
-    jobs: Annotated[int, typer.Option(help="Runs at a time, each in its own process (1: in this one).")] = 1,
-    threshold: Annotated[float | None, typer.Option(help="Reward for 'steps to threshold'.")] = None,
-    only: Annotated[str | None, typer.Option(help="Comma list of ARM/SEED runs to do (no others).")] = None,
+    recipe: Annotated[
+        Path, typer.Argument(metavar="RECIPE", help="Recipe YAML; its optional compare: section adds arms.")
+    ],
+    arms: Annotated[
+        str, typer.Option(metavar="ARM,...", help="Comma list of arms.")
+    ] = "bf16-lora,nvfp4-lora,nvfp4-aqn",
+    seeds: Annotated[int, typer.Option(metavar="N", help="Seeds per arm (train.seed, +1, +2, ...).")] = 3,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", metavar="DIR", show_default="runs/compare-RECIPE")
+    ] = None,
+    jobs: Annotated[
+        int, typer.Option(metavar="N", help="Runs at a time, each in its own process (1: in this one).")
+    ] = 1,
+    threshold: Annotated[
+        float | None, typer.Option(metavar="REWARD", help="Reward for 'steps to threshold'.")
+    ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option(metavar="ARM/SEED,...", help="Comma list of ARM/SEED runs to do (no others)."),
+    ] = None,
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
-    set_: SetOption = None,
+    set_: CompareSet = None,
 ) -> None:
     """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
     from qerl_cli.compare import compare_table, run_compare

@@ -26,9 +26,13 @@ def env(json_: Annotated[bool, typer.Option("--json", help="Machine-readable out
 
 
 def tiny_base(
-    out: Annotated[Path, typer.Argument(help="Where bf16/ and nvfp4/ go.")] = Path("runs/tiny-base"),
-    formats: Annotated[str, typer.Option(help="Comma list of bf16,nvfp4,mxfp4,nf4.")] = "bf16,nvfp4",
-    seed: Annotated[int, typer.Option(help="Seed of the model and the warm start.")] = 0,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Where bf16/ and nvfp4/ go.")] = Path(
+        "runs/tiny-base"
+    ),
+    formats: Annotated[
+        str, typer.Option(metavar="FMT,...", help="Comma list of bf16,nvfp4,mxfp4,nf4.")
+    ] = "bf16,nvfp4",
+    seed: Annotated[int, typer.Option(metavar="SEED", help="Seed of the model and the warm start.")] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
 ) -> None:
     """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on 2 free cores).
@@ -46,8 +50,10 @@ def tiny_base(
 
 
 def tiny_model(
-    out: Annotated[Path, typer.Argument(help="Folder to write the model to.")],
-    seed: Annotated[int, typer.Option(help="Weights are a deterministic function of the seed.")] = 0,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Folder to write the model to.")],
+    seed: Annotated[
+        int, typer.Option(metavar="SEED", help="Weights are a deterministic function of the seed.")
+    ] = 0,
 ) -> None:
     """Write a tiny offline Qwen2 model (transformers and vLLM load it)."""
     from qerl_cli.modeling.tiny import write_tiny_model

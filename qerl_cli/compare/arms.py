@@ -18,13 +18,13 @@ train`` never sees::
     compare:
       threshold: 0.5             # reward for "steps to threshold" (default: see summary.py)
       heldout_problems: 64       # held-out split, greedy, pass@1 with its standard error
-      base_method: awq           # (default) or rtn: how 4-bit bases are made from the recipe's BF16 model
+      base_method: awq           # (default), gptq or rtn: how 4-bit bases are made from the BF16 model
       arms:
         mxfp4-aqn: {model.format: mxfp4, aqn.enabled: true}
         nvfp4-rtn-lora: {model.format: nvfp4, aqn.enabled: false, base.method: rtn}
 
 ``model.format`` names the base an arm needs. Two keys that are not ``qerl train`` settings say how
-compare makes it: ``base.method`` (awq or rtn: this arm's, instead of ``compare.base_method``) and
+compare makes it: ``base.method`` (gptq, awq or rtn: this arm's, instead of ``compare.base_method``) and
 ``base.dequantized`` (true: the arm trains in BF16 on a dense copy of that 4-bit base's dequantized
 weights, made once under ``DIR/bases/``).
 
@@ -50,7 +50,7 @@ BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
     "nvfp4-dequant-lora": {"model.format": "nvfp4", "base.dequantized": True, "aqn.enabled": False},
 }
-BASE_METHODS = ("awq", "rtn")
+BASE_METHODS = ("gptq", "awq", "rtn")
 DEFAULT_BASE_METHOD = "awq"
 # Arm keys that are compare's own (how the arm's base is made), never passed to `qerl train`.
 BASE_KEYS = ("base.method", "base.dequantized")

@@ -1,6 +1,6 @@
 """The bases of an ablation: the 4-bit counterparts of the recipe's BF16 model, and what each arm's is.
 
-``compare.base_method`` (or an arm's ``base.method``) says how they are made (AWQ by default, or RTN),
+``compare.base_method`` (or an arm's ``base.method``) says how they are made (AWQ by default, GPTQ or RTN),
 ``base.dequantized`` asks for a dense BF16 copy of one; each is made once under ``DIR/bases/`` and shared
 by every run, and :func:`base_labels` names format and method for the report.
 """
@@ -79,26 +79,26 @@ def _quantized_base(folder: str, out: Path, choice: BaseChoice, device: str) -> 
         if not is_complete_folder(target):
             log.info("quantizing %s to %s (round to nearest) into %s", folder, fmt, target)
         return str(write_rtn_checkpoint(folder, target, fmt))
-    _check_awq_available(target, fmt)
+    _check_llmcompressor_available(target, fmt, method)
     if not is_complete_folder(target):
-        log.info("quantizing %s to %s (AWQ on qerl-text) into %s", folder, fmt, target)
-    made = str(_awq_base(folder, target, fmt, device))
+        log.info("quantizing %s to %s (%s on qerl-text) into %s", folder, fmt, method.upper(), target)
+    made = str(_calibrated_base(folder, target, fmt, method, device))
     free_accelerator_memory()  # before any run (or vLLM) measures what is free
     return made
 
 
-def _check_awq_available(target: Path, fmt: str) -> None:
-    """AWQ bases need llm-compressor, which lives apart from vLLM: say so before anything starts."""
+def _check_llmcompressor_available(target: Path, fmt: str, method: str) -> None:
+    """AWQ and GPTQ bases need llm-compressor, which lives apart from vLLM: say so before anything starts."""
     import importlib.util
 
     if is_complete_folder(target) or importlib.util.find_spec("llmcompressor") is not None:
         return
     raise QerlError(
-        f"compare.base_method is awq (the default) and making the {fmt} base needs llm-compressor, which is "
-        "not installed here (pip install 'qerl[quantize]'; it cannot share an environment with vLLM). Make "
-        f"the base where it is installed (qerl quantize MODEL --format {fmt} --calib qerl-text) and copy it "
-        f"to {target}, or give the arms its path (compare.arms.<arm>.model.path), or use round to nearest: "
-        "--set compare.base_method=rtn"
+        f"making the {fmt} {method.upper()} base needs llm-compressor, which is not installed here (pip "
+        "install 'qerl[quantize]'; it cannot share an environment with vLLM). Make the base where it is "
+        f"installed (qerl quantize MODEL --format {fmt} --method {method} --calib qerl-text --calib-field "
+        f"text) and copy it to {target}, or give the arms its path (compare.arms.<arm>.model.path), or use "
+        "round to nearest: --set compare.base_method=rtn"
     )
 
 
@@ -132,8 +132,8 @@ def base_labels(
     return labels
 
 
-def _awq_base(folder: str, target: Path, fmt: str, device: str) -> Path:
-    """``qerl quantize --method awq --calib qerl-text`` of ``folder`` into ``target``, once."""
+def _calibrated_base(folder: str, target: Path, fmt: str, method: str, device: str) -> Path:
+    """``qerl quantize --method METHOD --calib qerl-text`` of ``folder`` into ``target``, once."""
     from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN
     from qerl_cli.files import write_folder_once
     from qerl_cli.quantize import run_quantize
@@ -141,7 +141,7 @@ def _awq_base(folder: str, target: Path, fmt: str, device: str) -> Path:
     def write(staging: Path) -> None:
         run_quantize(
             cfg.QuantizeConfig(
-                model=folder, format=fmt, method="awq", calib=BUILTIN_NAME, calib_field="text",
+                model=folder, format=fmt, method=method, calib=BUILTIN_NAME, calib_field="text",
                 num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
                 overwrite=True, device=device,
             )

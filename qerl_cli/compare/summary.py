@@ -226,6 +226,7 @@ def markdown(report: CompareReport) -> str:
 
 def _method_text(method: str | None) -> str:
     return {
+        "gptq": "GPTQ (llm-compressor, qerl-text calibration)",
         "awq": "AWQ (llm-compressor, qerl-text calibration)",
         "rtn": "RTN (round to nearest, no calibration)",
     }.get(method or "", "method unrecorded")

@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from qerl_cli.config.checks import ConfigValueError
 from qerl_cli.config.sections import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError
 
@@ -171,10 +172,8 @@ def from_dict(
             kwargs[key] = _coerce(value, tp)
         except _Mismatch as exc:
             detail = f": {exc.detail}" if exc.detail else ""
-            raise QerlError(
-                f"config key '{path}' has value {value!r} ({type(value).__name__}); "
-                f"expected {_type_name(tp)}{detail}"
-            ) from None
+            problem = f"has value {value!r} ({type(value).__name__}); expected {_type_name(tp)}{detail}"
+            raise ConfigValueError(path, problem, label=f"config key '{path}'") from None
     return cls(**kwargs)
 
 
@@ -200,12 +199,54 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], root: type) -> d
     return data
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping that writes one key twice (YAML would silently keep the last value)."""
+
+    def __init__(self, path: str, lines: tuple[int, int]) -> None:
+        super().__init__(f"key '{path}' is written twice (lines {lines[0]} and {lines[1]})")
+        self.path = path
+        self.lines = lines
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping: two ``train:`` sections
+    would otherwise merge into the last one without a word, dropping the first one's settings."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._refuse_duplicates(node, "", set())
+        return super().construct_document(node)
+
+    def _refuse_duplicates(self, node: yaml.Node, where: str, seen_nodes: set[int]) -> None:
+        if id(node) in seen_nodes:  # an alias to a node already checked (or a recursive one)
+            return
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self._refuse_duplicates(item, f"{where}[{index}]", seen_nodes)
+        if not isinstance(node, yaml.MappingNode):
+            return
+        first_line: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            # "<<: *defaults" merges keys that the mapping may override: that is not a repetition.
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)  # resolved as YAML does: 'lr' and lr are one key
+            path = f"{where}.{key}" if where else str(key)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise DuplicateKeyError(path, (first_line[key], line))
+            first_line[key] = line
+            self._refuse_duplicates(value_node, path, seen_nodes)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise QerlError(f"recipe file not found: {path} (recipes/ holds the shipped ones)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_RecipeLoader) or {}
+    except DuplicateKeyError as exc:
+        raise QerlError(f"{path}: {exc}; keep one of them") from None
     except yaml.YAMLError as exc:
         raise QerlError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -214,28 +255,56 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def validate(config: Any, prefix: str = "") -> None:
-    """Run ``validate(where)`` on the config and every nested section that defines one."""
+    """Run ``validate(where)`` on the config and every nested section that defines one; ``where`` is the
+    section's recipe key ("train"), and "" for the config's root, whose keys are top-level recipe keys."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             validate(value, f"{prefix}{f.name}.")
     check = getattr(config, "validate", None)
     if check is not None:
-        check(prefix.rstrip(".") or type(config).__name__)
+        check(prefix.rstrip("."))
 
 
 def load_config(
-    cls: type[C], recipe: str | Path | None = None, overrides: list[str] | None = None, **values: Any
+    cls: type[C],
+    recipe: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    flags: dict[str, str] | None = None,
+    **values: Any,
 ) -> C:
-    """Recipe file (optional) < keyword values (CLI flags, None = not given) < ``--set`` overrides."""
+    """Recipe file (optional) < keyword values (CLI flags, None = not given) < ``--set`` overrides.
+
+    ``flags``: the command-line flag behind each keyword value (key -> "--flag"), so that an error about
+    that key names the flag the user typed; other errors name the recipe key ("train.learning_rate").
+    """
     data = read_yaml(recipe) if recipe else {}
     for key, value in values.items():
         if value is not None:
             data[key] = value
-    data = apply_overrides(data, list(overrides or []), cls)
-    config = from_dict(cls, data)
-    validate(config)
+    overrides = list(overrides or [])
+    # A key that --set overrides is the user's --set key, not the flag's any more.
+    set_keys = {item.partition("=")[0].strip() for item in overrides}
+    flags = {key: flag for key, flag in (flags or {}).items() if key not in set_keys}
+    data = apply_overrides(data, overrides, cls)
+    try:
+        config = from_dict(cls, data)
+        validate(config)
+    except ConfigValueError as exc:
+        raise _as_typed(exc, cls, flags) from None
     return config
+
+
+def _as_typed(exc: ConfigValueError, cls: type, flags: dict[str, str]) -> ConfigValueError:
+    """``exc`` naming what the user typed: the flag that set the key, else the recipe key itself."""
+    key = exc.key
+    head, dot, rest = key.partition(".")
+    if dot and head not in _field_types(cls):  # a root check that prefixes its stage ("quantize.seq_len")
+        key = rest
+    if key in flags:
+        return exc.named(flags[key])
+    return exc if key == exc.key else exc.named(key)
 
 
 def dump_yaml(config: Any) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from qerl_cli.config.checks import ConfigValueError
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
+from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.sections import BENCHMARKS_ALL, EngineName, QuantFormat
 from qerl_cli.errors import QerlError
@@ -90,9 +92,10 @@ class EvalConfig:
             if b not in BENCHMARKS_ALL and b not in self.data_files and not b.startswith("synthetic-")
         ]
         if unknown:
-            raise QerlError(
-                f"unknown benchmark(s) {unknown}: choose from {BENCHMARKS_ALL} "
-                "or give a file with --data-file NAME=PATH"
+            raise ConfigValueError(
+                _key(where, "benchmarks"),
+                f"has unknown benchmark(s) {unknown}: choose from {BENCHMARKS_ALL} "
+                "or give a file with --data-file NAME=PATH",
             )
         if not self.rescore and not self.model:
             raise QerlError("no model given: pass a hub id or a local folder (or --rescore DIR)")
@@ -139,18 +142,26 @@ class BenchConfig:
     backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
 
     def validate(self, where: str = "") -> None:
-        _positive(where or "bench", prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
+        # Each key is named as the user wrote it: the CLI turns a key given by a flag into the flag.
+        _positive(where, prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
+        if not self.formats:
+            raise ConfigValueError(_key(where, "formats"), "needs at least one format (e.g. bf16,nvfp4)")
         if not self.batch or any(b <= 0 for b in self.batch):
-            raise QerlError(f"--batch needs positive integers, got {self.batch}")
+            raise ConfigValueError(_key(where, "batch"), f"needs positive integers, got {self.batch}")
         if any(c <= 0 for c in self.concurrency):
-            raise QerlError(f"--concurrency needs positive integers, got {self.concurrency}")
+            raise ConfigValueError(
+                _key(where, "concurrency"), f"needs positive integers, got {self.concurrency}"
+            )
         unknown = sorted(set(self.backends) - {"marlin", "humming", "fp8"})
         if unknown:
-            raise QerlError(f"--backends: unknown {unknown}; choose from marlin, humming, fp8")
-        _positive(where or "bench", e2e_generations=self.e2e_generations)
+            raise ConfigValueError(
+                _key(where, "backends"), f"has unknown {unknown}; choose from marlin, humming, fp8"
+            )
+        _positive(where, e2e_generations=self.e2e_generations)
         if self.e2e_prompts_per_step < 0:
-            raise QerlError(
-                f"--prompts-per-step must be >= 0 (0: the largest --batch), got {self.e2e_prompts_per_step}"
+            raise ConfigValueError(
+                _key(where, "e2e_prompts_per_step"),
+                f"must be >= 0 (0: the largest --batch), got {self.e2e_prompts_per_step}",
             )
         if self.e2e_gpu_memory_utilization is not None:
-            _fraction_or_auto("e2e_gpu_memory_utilization", self.e2e_gpu_memory_utilization)
+            _fraction_or_auto(_key(where, "e2e_gpu_memory_utilization"), self.e2e_gpu_memory_utilization)
