@@ -24,5 +24,6 @@ app.command("tiny-base", cls=QerlCommand)(tools.tiny_base)
 app.command("tiny-model", cls=QerlCommand)(tools.tiny_model)
 app.command("models", cls=QerlCommand)(tools.models_)
 app.command(cls=QerlCommand)(stages.compare)
+app.command(cls=QerlCommand)(tools.quality)
 
 __all__ = ["app", "main"]

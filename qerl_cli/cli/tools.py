@@ -1,4 +1,4 @@
-"""The helper commands beside the stages: ``env``, ``tiny-base``, ``tiny-model`` and ``models``."""
+"""The helper commands beside the stages: ``env``, ``tiny-base``, ``tiny-model``, ``models`` and ``quality``."""
 
 from __future__ import annotations
 
@@ -71,3 +71,36 @@ def models_(json_: Annotated[bool, typer.Option("--json", help="Machine-readable
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     render.print_models(rows)
+
+
+def quality(
+    reference: Annotated[str, typer.Argument(metavar="BF16_MODEL", help="The BF16 model (folder or alias).")],
+    candidates: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="[LABEL=]PATH[+ADAPTER]...",
+            help="4-bit (or BF16) folders to measure, each optionally with a LoRA adapter folder on it, "
+            "e.g. gptq+eora=out/gemma-nvfp4-gptq+out/gemma-nvfp4-gptq/lora_init.",
+        ),
+    ],
+    rows: Annotated[int, typer.Option(metavar="N", help="Held-out text rows.")] = 64,
+    seq_len: Annotated[int, typer.Option(metavar="TOKENS", help="Tokens per row at most.")] = 256,
+    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto, cpu or cuda[:N].")] = "auto",
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", metavar="FILE", help="Also write the report as JSON.")
+    ] = None,
+) -> None:
+    """How much of the BF16 model each 4-bit base keeps: KL, top-1 agreement, perplexity on held-out text."""
+    from qerl_cli.errors import QerlError
+    from qerl_cli.files import write_json
+    from qerl_cli.quantize.quality import measure_quality, parse_candidate, quality_table
+
+    if rows <= 0 or seq_len < 2:
+        raise QerlError("--rows must be > 0 and --seq-len >= 2")
+    parsed = [parse_candidate(text) for text in candidates]
+    use_free_cpu_threads()
+    report = measure_quality(reference, parsed, device=device, rows=rows, seq_len=seq_len)
+    console.print(quality_table(report))
+    if output is not None:
+        write_json(output, report.to_dict())
+        console.print(f"wrote {escape(str(output))}")
