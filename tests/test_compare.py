@@ -607,7 +607,7 @@ def test_start_signal_columns_and_the_starving_base_warning(
     assert nvfp4.start_no_spread_fraction == 1.0 and nvfp4.base == "nvfp4 RTN"
     (warning,) = report.warnings
     assert warning.startswith("nvfp4-aqn (base nvfp4 RTN) starts with too little signal for GRPO: 0.0% of")
-    assert "an AWQ base (compare.base_method=awq)" in warning and warning in caplog.text
+    assert "a GPTQ base (compare.base_method=gptq" in warning and warning in caplog.text
     md = (out / "compare.md").read_text()
     assert "| 0.100 | 50.0% |" in md and "| 0.100 | 100.0% |" in md and "**Warning**: nvfp4-aqn" in md
     on_disk = json.loads((out / "compare.json").read_text())
@@ -671,8 +671,22 @@ def test_signal_warning_names_arms_under_a_tenth_of_groups_with_a_spread() -> No
             for a, b, f in (("bf16-lora", "bf16", 0.708), ("nvfp4-aqn", "nvfp4 AWQ", 0.938))]  # fmt: skip
     (warning,) = summary.signal_warnings(rows)
     assert warning.startswith("nvfp4-aqn (base nvfp4 AWQ) starts with too little signal for GRPO: 6.2% of")
-    assert "compare.base_method=awq" not in warning  # already AWQ: the other remedies only
+    assert "(the BF16 arm's: 29.2%)" in warning
+    assert "a GPTQ base (compare.base_method=gptq" in warning and "lora.init: eora" in warning
     assert "more samples per prompt (rollout.num_generations: 16 instead of 8 doubled" in warning
+
+
+def test_signal_warning_names_a_4bit_arm_far_behind_bf16_and_only_the_remedies_it_lacks() -> None:
+    """Over a tenth of groups with a spread, but under half of BF16's: the base lost skill all the same."""
+    rows = [SimpleNamespace(arm=a, base=b, start_no_spread_fraction=f, start_reward=0.05)
+            for a, b, f in (("bf16-lora", "bf16", 0.5), ("gptq", "nvfp4 GPTQ", 0.8),
+                            ("gptq-eora", "nvfp4 GPTQ + EoRA start", 0.7))]  # fmt: skip
+    (warning,) = summary.signal_warnings(rows)  # 30% of BF16's 50% is over half of it: no warning
+    assert warning.startswith("gptq (base nvfp4 GPTQ) starts with too little signal for GRPO: 20.0% of")
+    assert "GPTQ base" not in warning and "lora.init: eora" in warning
+    assert summary.signal_warnings(rows[1:]) == []  # no BF16 arm to compare with, and over a tenth
+    rows[0].start_no_spread_fraction = None  # an older result: no BF16 figure to compare with
+    assert summary.signal_warnings(rows) == []
 
 
 # A committed `qerl eval --rescore` output: Gemma's nvfp4-lora seed 1, 0.0% -> 13.7% once its completions

@@ -20,6 +20,7 @@ from qerl_cli.files import is_complete_folder
 from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
+INIT_NAMES = {"eora": "EoRA", "svd": "SVD"}  # lora.init values as the report names them
 
 
 def prepare_bases(
@@ -129,6 +130,9 @@ def base_labels(
             labels[arm] = f"{saved.get('format', fmt)} {str(saved.get('method', '?')).upper()}"
         else:
             labels[arm] = fmt if fmt == "bf16" else f"{fmt} (method not recorded)"
+        init = arms[arm].get("lora.init", "zeros")
+        if init != "zeros":  # the LoRA's start is part of where the arm begins
+            labels[arm] += f" + {INIT_NAMES.get(init, init)} start"
     return labels
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import CompareSettings
+from qerl_cli.compare.arms import QUANTIZED_FORMATS, CompareSettings
 from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mean
 from qerl_cli.compare.curves import window as _window
 from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
@@ -46,6 +46,8 @@ START_FRACTION = FINAL_FRACTION  # the first steps: start reward, no-spread grou
 # first steps against 26.7% for BF16 and learned half as much (NVFP4 LoRA) or less; with 16 samples a
 # prompt the NVFP4 base had 23.6% and learned as much as BF16 at 8 (BF16 at 16 learned more still).
 MIN_SIGNAL_FRACTION = 0.10
+# A 4-bit arm under this share of the BF16 arm's spread is named too: Gemma's AWQ bases had a third of it.
+RELATIVE_SIGNAL = 0.5
 
 
 def _mean(values: list[float]) -> float | None:
@@ -150,23 +152,49 @@ def arm_rows(
 
 
 def signal_warnings(rows: list[ArmRow]) -> list[str]:
-    """One line per arm whose first steps had a reward spread in under MIN_SIGNAL_FRACTION of groups."""
+    """One line per arm whose first steps had a reward spread in under MIN_SIGNAL_FRACTION of groups, or
+    (a 4-bit arm) in under RELATIVE_SIGNAL of what the BF16 arm's had: the base lost the skill GRPO
+    starts from. Each names the remedies the arm does not use yet."""
+    bf16 = [
+        r.start_no_spread_fraction
+        for r in rows
+        if r.base == "bf16" and r.start_no_spread_fraction is not None
+    ]
+    bf16_spread = 1.0 - min(bf16) if bf16 else None
     out = []
     for row in rows:
         no_spread = row.start_no_spread_fraction
-        if no_spread is None or round(1.0 - no_spread, 9) >= MIN_SIGNAL_FRACTION:  # 1 - 0.9 is 0.0999...
+        if no_spread is None:
             continue
-        base = row.base or ""
-        awq = "an AWQ base (compare.base_method=awq), " if "RTN" in base else ""
+        spread, base = round(1.0 - no_spread, 9), row.base or ""  # 1 - 0.9 is 0.0999...
+        quantized = base.split(" ")[0] in QUANTIZED_FORMATS
+        starved = spread < MIN_SIGNAL_FRACTION
+        behind = quantized and bf16_spread is not None and spread < RELATIVE_SIGNAL * bf16_spread
+        if not (starved or behind):
+            continue
+        than = f" (the BF16 arm's: {100 * bf16_spread:.1f}%)" if behind else ""
         out.append(
             f"{row.arm}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
-            f"{100 * (1 - no_spread):.1f}% of its groups had a reward spread over the first steps (under "
-            f"{100 * MIN_SIGNAL_FRACTION:.0f}%), start reward {_fmt(row.start_reward)}. Try {awq}more "
-            "samples per prompt (rollout.num_generations: 16 instead of 8 doubled NVFP4 LoRA's held-out "
-            "accuracy on Gemma 3 270M, to BF16 LoRA's at 8, where temperature 1.0 did not), or a prompt the "
-            "base answers more often"
+            f"{100 * spread:.1f}% of its groups had a reward spread over the first steps{than}, start reward "
+            f"{_fmt(row.start_reward)}. Try {_remedies(base)}"
         )
     return out
+
+
+def _remedies(base: str) -> str:
+    """What keeps a 4-bit base's skill, in the order it helped (``base`` as base_labels names it)."""
+    fixes = []
+    if " " in base and "GPTQ" not in base:
+        fixes.append("a GPTQ base (compare.base_method=gptq; qerl quantize --method gptq)")
+    if " " in base and "EoRA" not in base:
+        fixes.append(
+            "a LoRA that starts from the quantization error (lora.init: eora; qerl quantize --lora-init eora)"
+        )
+    fixes.append(
+        "more samples per prompt (rollout.num_generations: 16 instead of 8 doubled NVFP4 LoRA's held-out "
+        "accuracy on Gemma 3 270M, to BF16 LoRA's at 8, where temperature 1.0 did not)"
+    )
+    return ", or ".join(fixes)
 
 
 def _fmt(value: float | None, digits: int = 3, sd: float | None = None) -> str:
