@@ -19,6 +19,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 COMMANDS = {
     "quantize", "train", "eval", "bench", "compare", "demo", "env", "models", "tiny-model", "tiny-base",
+    "quality",
 }  # fmt: skip
 
 
@@ -329,3 +330,153 @@ def test_a_flag_overridden_by_set_is_named_as_the_set_key(capsys: pytest.Capture
     assert rc == 2 and "error: formats: unknown format(s) fp3" in err
     rc, _, err = run(capsys, "bench", "--gen-len", "8", "--set", "gen_len=0", "--dry-run")
     assert rc == 2 and "error: gen_len must be > 0" in err
+
+
+# -- every option each command documents is registered under its name, on every typer in the pin -----
+# typer 0.27.x names an option that has no declarations after its metavar when the two differ only in
+# case (`method` with metavar "METHOD" became --METHOD, and `qerl quantize --method gptq` failed with
+# "No such option: --method"); so every qerl option spells its names, and this holds the CLI to them.
+OPTIONS = {
+    "quantize": {
+        "--format", "-f", "--method", "--calib", "--calib-field", "--calib-split", "--device",
+        "--num-samples", "--seq-len", "--output", "-o", "--overwrite", "--skip-incompatible", "--eval-ppl",
+        "--lora-init", "--lora-init-rank", "--config", "--set", "--dry-run",
+    },
+    "train": {"--set", "--resume", "--dry-run"},
+    "eval": {
+        "--adapter", "--benchmarks", "--samples", "--engine", "--data-file", "--output", "-o",
+        "--max-new-tokens", "--max-problems", "--rescore", "--baseline", "--config", "--set", "--dry-run",
+    },
+    "bench": {
+        "--model", "--formats", "--batch", "--concurrency", "--backends", "--prompt-len", "--gen-len",
+        "--lora-rank", "--engine", "--e2e", "--e2e-recipe", "--prompts-per-step", "--generations",
+        "--output", "-o", "--baseline", "--tolerance", "--config", "--set", "--dry-run",
+    },
+    "compare": {
+        "--arms", "--seeds", "--output", "-o", "--jobs", "--threshold", "--only", "--no-summary", "--set",
+    },
+    "demo": {"--output", "-o", "--steps", "--seed"},
+    "env": {"--json"},
+    "models": {"--json"},
+    "tiny-base": {"--formats", "--seed", "--overwrite"},
+    "tiny-model": {"--seed"},
+    "quality": {"--rows", "--seq-len", "--device", "--output", "-o"},
+}  # fmt: skip
+# Each stage with --dry-run, typed out with its options, and the keys they set in the resolved config.
+DRY_RUNS = [
+    (
+        ["quantize", "m", "-f", "mxfp4", "--method", "gptq", "--device", "cpu", "--calib-split", "test",
+         "--num-samples", "8", "--seq-len", "64", "--lora-init", "svd", "--lora-init-rank", "4"],
+        {"format": "mxfp4", "method": "gptq", "device": "cpu", "calib_split": "test", "num_samples": 8,
+         "seq_len": 64, "lora_init": "svd", "lora_init_rank": 4},
+    ),
+    (
+        ["train", str(REPO / "recipes" / "tiny.yaml"), "--set", "train.max_steps=3"],
+        {"train": lambda train: train["max_steps"] == 3},
+    ),
+    (
+        ["eval", "m", "--engine", "hf", "--benchmarks", "gsm8k", "--samples", "2", "--max-new-tokens", "16",
+         "--max-problems", "3", "--adapter", "a"],
+        {"engine": "hf", "benchmarks": ["gsm8k"], "samples": 2, "max_new_tokens": 16, "max_problems": 3,
+         "adapter": "a"},
+    ),
+    (
+        ["bench", "--model", "tiny", "--engine", "hf", "--formats", "bf16,nvfp4", "--batch", "2",
+         "--prompt-len", "8", "--gen-len", "4", "--lora-rank", "0", "--tolerance", "0.2"],
+        {"model": "tiny", "engine": "hf", "formats": ["bf16", "nvfp4"], "batch": [2], "prompt_len": 8,
+         "gen_len": 4, "lora_rank": 0, "tolerance": 0.2},
+    ),
+]  # fmt: skip
+# The commands without --dry-run: what click parses each option into (nothing runs).
+PARSES = [
+    (["compare", "r.yaml", "--arms", "a,b", "--seeds", "2", "--jobs", "2", "--only", "a/0", "--threshold",
+      "0.5"], {"arms": "a,b", "seeds": 2, "jobs": 2, "only": "a/0", "threshold": 0.5}),
+    (["demo", "--steps", "2", "--seed", "3", "-o", "d"], {"steps": 2, "seed": 3, "output": "d"}),
+    (["tiny-base", "--seed", "1", "--formats", "bf16"], {"seed": 1, "formats": "bf16"}),
+    (["tiny-model", "out", "--seed", "3"], {"seed": 3}),
+    (["quality", "ref", "c", "--rows", "4", "--seq-len", "8", "--device", "cpu"],
+     {"rows": 4, "seq_len": 8, "device": "cpu"}),
+]  # fmt: skip
+
+
+def check_every_option_is_registered() -> None:
+    """Each command has its documented options, every name in lower case, and each stage's options parse
+    (--dry-run prints the config they resolve to). Plain asserts: tests/ runs it under other typers."""
+    import contextlib
+    import io
+
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    commands = get_command(app).commands
+    for name, documented in OPTIONS.items():
+        have = {opt for p in commands[name].params for opt in (*p.opts, *p.secondary_opts) if opt[0] == "-"}
+        assert documented <= have, f"qerl {name} lacks {sorted(documented - have)}; it has {sorted(have)}"
+        upper = sorted(opt for opt in have if opt != opt.lower())
+        assert not upper, f"qerl {name}: options named after their metavar: {upper}"
+    for argv, expected in DRY_RUNS:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main([*argv, "--dry-run"])
+        assert rc == 0, f"qerl {' '.join(argv)} --dry-run exited {rc}: {err.getvalue()}"
+        resolved = yaml.safe_load(out.getvalue())
+        for key, value in expected.items():
+            ok = value(resolved[key]) if callable(value) else resolved[key] == value
+            assert ok, f"qerl {' '.join(argv)}: {key} resolved to {resolved[key]!r}, expected {value!r}"
+    for argv, expected in PARSES:
+        with commands[argv[0]].make_context(f"qerl {argv[0]}", argv[1:]) as ctx:
+            got = {key: ctx.params[key] for key in expected}
+        assert got == expected, f"qerl {' '.join(argv)} parsed to {got}"
+
+
+def test_every_documented_option_is_registered_and_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    check_every_option_is_registered()
+
+
+def test_help_lists_the_options_under_their_own_names(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    for command in ("quantize", "eval", "bench", "quality"):
+        rc, out, _ = run(capsys, command, "--help")
+        listed = {line.split()[1] for line in out.splitlines() if line.startswith("│ --")}
+        assert rc == 0 and {o for o in OPTIONS[command] if o.startswith("--")} <= listed, (command, listed)
+    rc, out, _ = run(capsys, "quantize", "--help")
+    assert "--method" in out and "--METHOD" not in out and "--DEVICE" not in out
+
+
+def _other_typers() -> list[str]:
+    """Folders each holding another typer (``pip install --target DIR typer==0.27.2 click==8.5.0``), from
+    QERL_TEST_TYPER_PATHS (separated by os.pathsep): the check above then runs under each of them too."""
+    import os
+
+    return [path for path in os.environ.get("QERL_TEST_TYPER_PATHS", "").split(os.pathsep) if path]
+
+
+@pytest.mark.parametrize("typer_dir", _other_typers() or [None])
+def test_every_option_is_registered_under_other_typers(typer_dir: str | None) -> None:
+    import os
+    import subprocess
+    import sys
+
+    if typer_dir is None:
+        pytest.skip("set QERL_TEST_TYPER_PATHS to folders with other typer versions (pip install --target)")
+    code = (
+        "import sys, typer; sys.path.insert(0, sys.argv[1]); import test_cli; "
+        "test_cli.check_every_option_is_registered(); print(typer.__version__, typer.__file__)"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [typer_dir, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "tests")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    version, path = done.stdout.split()[-2:]
+    assert Path(path).resolve().is_relative_to(Path(typer_dir).resolve()), f"typer {version} came from {path}"

@@ -12,7 +12,9 @@ from qerl_cli.quantize.quality import Candidate, measure_quality, parse_candidat
 
 def test_candidates_parse_with_label_and_adapter() -> None:
     assert parse_candidate("out/base") == Candidate("base", "out/base", None)
-    assert parse_candidate("g=out/base+out/base/lora_init") == Candidate("g", "out/base", "out/base/lora_init")
+    assert parse_candidate("g=out/base+out/base/lora_init") == Candidate(
+        "g", "out/base", "out/base/lora_init"
+    )
     with pytest.raises(QerlError, match="no model folder"):
         parse_candidate("label=")
 

@@ -76,9 +76,15 @@ def config_default(cls: type, name: str) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def config_option(cls: type, key: str, metavar: str, help: str = "", *decls: str) -> Any:
+def config_option(cls: type, key: str, *decls: str, metavar: str, help: str = "") -> Any:
     """A stage's flag for config key ``key``: None ("not given") unless typed, its --help showing the
-    config's default (``[default: (256)]``: a default described, as click writes one not the flag's)."""
+    config's default (``[default: (256)]``: a default described, as click writes one not the flag's).
+
+    ``decls`` are the flag's names (``"--format", "-f"``), required: typer 0.27 names an option that
+    has none after its metavar when the two differ only in case (``method`` with metavar ``METHOD``
+    became ``--METHOD``, so ``--method`` was "No such option"). Every qerl option spells its names."""
+    if not any(decl.startswith("--") for decl in decls):
+        raise TypeError(f"config_option({cls.__name__}, {key!r}): give the flag's names, e.g. '--{key}'")
     return typer.Option(*decls, metavar=metavar, help=help, show_default=config_default(cls, key))
 
 

@@ -44,30 +44,42 @@ Q, E, B = cfg.QuantizeConfig, cfg.EvalConfig, cfg.BenchConfig  # the --help defa
 def quantize(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub id or local folder of a BF16 model.")],
     format: Annotated[
-        str | None, config_option(Q, "format", "FORMAT", "nvfp4 | mxfp4 | nf4", "--format", "-f")
+        str | None, config_option(Q, "format", "--format", "-f", metavar="FORMAT", help="nvfp4 | mxfp4 | nf4")
     ] = None,
     method: Annotated[
         str | None,
         config_option(
             Q,
             "method",
-            "METHOD",
-            "gptq (error-compensating rounding) | awq (calibrated smoothing) | rtn (round to nearest)",
+            "--method",
+            metavar="METHOD",
+            help="gptq (error-compensating rounding) | awq (calibrated smoothing) | rtn (round to nearest)",
         ),
     ] = None,
     calib: Annotated[
-        str | None, config_option(Q, "calib", "DATASET", "Calibration dataset: hub id, .jsonl or .parquet.")
+        str | None,
+        config_option(
+            Q, "calib", "--calib", metavar="DATASET", help="Calibration dataset: hub id, .jsonl or .parquet."
+        ),
     ] = None,
     calib_field: Annotated[
-        str | None, typer.Option(metavar="FIELD", help="Field with chat messages or text.")
+        str | None, typer.Option("--calib-field", metavar="FIELD", help="Field with chat messages or text.")
     ] = None,
     calib_split: Annotated[
-        str | None, config_option(Q, "calib_split", "SPLIT", "Split of a hub calibration dataset.")
+        str | None,
+        config_option(
+            Q, "calib_split", "--calib-split", metavar="SPLIT", help="Split of a hub calibration dataset."
+        ),
     ] = None,
-    device: Annotated[str | None, config_option(Q, "device", "DEVICE", "auto | cpu | cuda")] = None,
-    num_samples: Annotated[int | None, config_option(Q, "num_samples", "N", "Calibration samples.")] = None,
+    device: Annotated[
+        str | None, config_option(Q, "device", "--device", metavar="DEVICE", help="auto | cpu | cuda")
+    ] = None,
+    num_samples: Annotated[
+        int | None, config_option(Q, "num_samples", "--num-samples", metavar="N", help="Calibration samples.")
+    ] = None,
     seq_len: Annotated[
-        int | None, config_option(Q, "seq_len", "TOKENS", "Tokens per calibration sample.")
+        int | None,
+        config_option(Q, "seq_len", "--seq-len", metavar="TOKENS", help="Tokens per calibration sample."),
     ] = None,
     output: Annotated[
         str | None, typer.Option("--output", "-o", metavar="DIR", show_default="./<model>-<FORMAT>")
@@ -154,32 +166,49 @@ def eval_(
         str | None, typer.Argument(metavar="MODEL", help="Hub id or local folder (BF16 or qerl 4-bit).")
     ] = None,
     adapter: Annotated[
-        str | None, typer.Option(metavar="DIR", help="LoRA adapter folder (PEFT format).")
+        str | None, typer.Option("--adapter", metavar="DIR", help="LoRA adapter folder (PEFT format).")
     ] = None,
     benchmarks: Annotated[
         str | None,
-        config_option(E, "benchmarks", "NAME,...", "Comma list: gsm8k,math500,aime24,aime25,amc23"),
+        config_option(
+            E,
+            "benchmarks",
+            "--benchmarks",
+            metavar="NAME,...",
+            help="Comma list: gsm8k,math500,aime24,aime25,amc23",
+        ),
     ] = None,
     samples: Annotated[
-        int | None, typer.Option(metavar="N", help="Samples per problem.", show_default="per benchmark")
+        int | None,
+        typer.Option("--samples", metavar="N", help="Samples per problem.", show_default="per benchmark"),
     ] = None,
-    engine: Annotated[str | None, config_option(E, "engine", "ENGINE", "vllm | hf")] = None,
+    engine: Annotated[
+        str | None, config_option(E, "engine", "--engine", metavar="ENGINE", help="vllm | hf")
+    ] = None,
     data_file: Annotated[
         list[str] | None,
         typer.Option("--data-file", metavar="BENCH=PATH", help="A benchmark's local data file (repeatable)."),
     ] = None,
-    output: Annotated[str | None, config_option(E, "output", "DIR", "", "--output", "-o")] = None,
+    output: Annotated[str | None, config_option(E, "output", "--output", "-o", metavar="DIR")] = None,
     max_new_tokens: Annotated[
-        int | None, config_option(E, "max_new_tokens", "TOKENS", "Most tokens generated per sample.")
+        int | None,
+        config_option(
+            E,
+            "max_new_tokens",
+            "--max-new-tokens",
+            metavar="TOKENS",
+            help="Most tokens generated per sample.",
+        ),
     ] = None,
     max_problems: Annotated[
-        int | None, typer.Option(metavar="N", help="Evaluate only the first N problems.")
+        int | None, typer.Option("--max-problems", metavar="N", help="Evaluate only the first N problems.")
     ] = None,
     rescore: Annotated[
-        str | None, typer.Option(metavar="DIR", help="Re-grade the samples saved in DIR.")
+        str | None, typer.Option("--rescore", metavar="DIR", help="Re-grade the samples saved in DIR.")
     ] = None,
     baseline: Annotated[
-        str | None, typer.Option(metavar="JSON", help="results.json to compare against, paired.")
+        str | None,
+        typer.Option("--baseline", metavar="JSON", help="results.json to compare against, paired."),
     ] = None,
     config: ConfigOption = None,
     set_: EvalSet = None,
@@ -208,18 +237,25 @@ def bench(
     model: Annotated[
         str | None,
         typer.Option(
+            "--model",
             metavar="MODEL",
             help="SHAPE (qwen2.5-7b, tiny, ...), hub id or folder.",
             show_default="qwen2.5-7b with vLLM, else tiny",
         ),
     ] = None,
     formats: Annotated[
-        str | None, config_option(B, "formats", "FMT,...", "Comma list of bf16,nf4,nvfp4,mxfp4.")
+        str | None,
+        config_option(
+            B, "formats", "--formats", metavar="FMT,...", help="Comma list of bf16,nf4,nvfp4,mxfp4."
+        ),
     ] = None,
-    batch: Annotated[str | None, config_option(B, "batch", "N,...", "Comma list of batch sizes.")] = None,
+    batch: Annotated[
+        str | None, config_option(B, "batch", "--batch", metavar="N,...", help="Comma list of batch sizes.")
+    ] = None,
     concurrency: Annotated[
         str | None,
         typer.Option(
+            "--concurrency",
             metavar="N,...",
             help="Comma list of concurrent sequences, e.g. 8,32,128,256: each format on every "
             "linear backend, the roofline, and crossover.json for rollout.linear_backend=auto.",
@@ -227,32 +263,58 @@ def bench(
     ] = None,
     backends: Annotated[
         str | None,
-        config_option(B, "backends", "NAME,...", "--concurrency: comma list of marlin,humming,fp8."),
+        config_option(
+            B,
+            "backends",
+            "--backends",
+            metavar="NAME,...",
+            help="--concurrency: comma list of marlin,humming,fp8.",
+        ),
     ] = None,
-    prompt_len: Annotated[int | None, config_option(B, "prompt_len", "TOKENS", "Prompt length.")] = None,
-    gen_len: Annotated[int | None, config_option(B, "gen_len", "TOKENS", "Tokens generated.")] = None,
+    prompt_len: Annotated[
+        int | None, config_option(B, "prompt_len", "--prompt-len", metavar="TOKENS", help="Prompt length.")
+    ] = None,
+    gen_len: Annotated[
+        int | None, config_option(B, "gen_len", "--gen-len", metavar="TOKENS", help="Tokens generated.")
+    ] = None,
     lora_rank: Annotated[
-        int | None, config_option(B, "lora_rank", "RANK", "LoRA rank (0: no LoRA cases).")
+        int | None,
+        config_option(B, "lora_rank", "--lora-rank", metavar="RANK", help="LoRA rank (0: no LoRA cases)."),
     ] = None,
-    engine: Annotated[str | None, config_option(B, "engine", "ENGINE", "vllm | hf | auto")] = None,
+    engine: Annotated[
+        str | None, config_option(B, "engine", "--engine", metavar="ENGINE", help="vllm | hf | auto")
+    ] = None,
     e2e: Annotated[bool | None, typer.Option("--e2e", help="Also time a whole GRPO step.")] = None,
     e2e_recipe: Annotated[
         str | None,
         typer.Option(
-            metavar="RECIPE", help="--e2e: a training recipe giving the step's shape and memory settings."
+            "--e2e-recipe",
+            metavar="RECIPE",
+            help="--e2e: a training recipe giving the step's shape and memory settings.",
         ),
     ] = None,
     prompts_per_step: Annotated[
         int | None,
-        typer.Option(metavar="N", help="--e2e: prompts per step.", show_default="the largest --batch"),
+        typer.Option(
+            "--prompts-per-step",
+            metavar="N",
+            help="--e2e: prompts per step.",
+            show_default="the largest --batch",
+        ),
     ] = None,
     generations: Annotated[
-        int | None, config_option(B, "e2e_generations", "N", "--e2e: completions per prompt.")
+        int | None,
+        config_option(
+            B, "e2e_generations", "--generations", metavar="N", help="--e2e: completions per prompt."
+        ),
     ] = None,
-    output: Annotated[str | None, config_option(B, "output", "DIR", "", "--output", "-o")] = None,
-    baseline: Annotated[str | None, typer.Option(metavar="JSON", help="bench.json to gate against.")] = None,
+    output: Annotated[str | None, config_option(B, "output", "--output", "-o", metavar="DIR")] = None,
+    baseline: Annotated[
+        str | None, typer.Option("--baseline", metavar="JSON", help="bench.json to gate against.")
+    ] = None,
     tolerance: Annotated[
-        float | None, config_option(B, "tolerance", "FRACTION", "Allowed relative regression.")
+        float | None,
+        config_option(B, "tolerance", "--tolerance", metavar="FRACTION", help="Allowed relative regression."),
     ] = None,
     config: ConfigOption = None,
     set_: BenchSet = None,
@@ -301,9 +363,11 @@ def demo(
         str, typer.Option("--output", "-o", metavar="DIR", help="Where the demo writes its run.")
     ] = "runs/demo",
     steps: Annotated[
-        int, typer.Option(metavar="N", help="GRPO steps (the reward rise needs about 60).")
+        int, typer.Option("--steps", metavar="N", help="GRPO steps (the reward rise needs about 60).")
     ] = 60,
-    seed: Annotated[int, typer.Option(metavar="SEED", help="Seed of the model, data and sampling.")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="SEED", help="Seed of the model, data and sampling.")
+    ] = 0,
 ) -> None:
     """Offline CPU demo: tiny model -> NVFP4 -> GRPO + AQN -> eval before/after, in minutes."""
     from qerl_cli.demo import run_demo
@@ -319,21 +383,24 @@ def compare(
         Path, typer.Argument(metavar="RECIPE", help="Recipe YAML; its optional compare: section adds arms.")
     ],
     arms: Annotated[
-        str, typer.Option(metavar="ARM,...", help="Comma list of arms.")
+        str, typer.Option("--arms", metavar="ARM,...", help="Comma list of arms.")
     ] = "bf16-lora,nvfp4-lora,nvfp4-aqn",
-    seeds: Annotated[int, typer.Option(metavar="N", help="Seeds per arm (train.seed, +1, +2, ...).")] = 3,
+    seeds: Annotated[
+        int, typer.Option("--seeds", metavar="N", help="Seeds per arm (train.seed, +1, +2, ...).")
+    ] = 3,
     output: Annotated[
         str | None, typer.Option("--output", "-o", metavar="DIR", show_default="runs/compare-RECIPE")
     ] = None,
     jobs: Annotated[
-        int, typer.Option(metavar="N", help="Runs at a time, each in its own process (1: in this one).")
+        int,
+        typer.Option("--jobs", metavar="N", help="Runs at a time, each in its own process (1: in this one)."),
     ] = 1,
     threshold: Annotated[
-        float | None, typer.Option(metavar="REWARD", help="Reward for 'steps to threshold'.")
+        float | None, typer.Option("--threshold", metavar="REWARD", help="Reward for 'steps to threshold'.")
     ] = None,
     only: Annotated[
         str | None,
-        typer.Option(metavar="ARM/SEED,...", help="Comma list of ARM/SEED runs to do (no others)."),
+        typer.Option("--only", metavar="ARM/SEED,...", help="Comma list of ARM/SEED runs to do (no others)."),
     ] = None,
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
     set_: CompareSet = None,

@@ -1,4 +1,4 @@
-"""The helper commands beside the stages: ``env``, ``tiny-base``, ``tiny-model``, ``models`` and ``quality``."""
+"""The helper commands beside the stages: ``env``, ``tiny-base``, ``tiny-model``, ``models``, ``quality``."""
 
 from __future__ import annotations
 
@@ -30,9 +30,11 @@ def tiny_base(
         "runs/tiny-base"
     ),
     formats: Annotated[
-        str, typer.Option(metavar="FMT,...", help="Comma list of bf16,nvfp4,mxfp4,nf4.")
+        str, typer.Option("--formats", metavar="FMT,...", help="Comma list of bf16,nvfp4,mxfp4,nf4.")
     ] = "bf16,nvfp4",
-    seed: Annotated[int, typer.Option(metavar="SEED", help="Seed of the model and the warm start.")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="SEED", help="Seed of the model and the warm start.")
+    ] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
 ) -> None:
     """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on 2 free cores).
@@ -52,7 +54,7 @@ def tiny_base(
 def tiny_model(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="Folder to write the model to.")],
     seed: Annotated[
-        int, typer.Option(metavar="SEED", help="Weights are a deterministic function of the seed.")
+        int, typer.Option("--seed", metavar="SEED", help="Weights are a deterministic function of the seed.")
     ] = 0,
 ) -> None:
     """Write a tiny offline Qwen2 model (transformers and vLLM load it)."""
@@ -83,9 +85,13 @@ def quality(
             "e.g. gptq+eora=out/gemma-nvfp4-gptq+out/gemma-nvfp4-gptq/lora_init.",
         ),
     ],
-    rows: Annotated[int, typer.Option(metavar="N", help="Held-out text rows.")] = 64,
-    seq_len: Annotated[int, typer.Option(metavar="TOKENS", help="Tokens per row at most.")] = 256,
-    device: Annotated[str, typer.Option(metavar="DEVICE", help="auto, cpu or cuda[:N].")] = "auto",
+    rows: Annotated[int, typer.Option("--rows", metavar="N", help="Held-out text rows.")] = 64,
+    seq_len: Annotated[
+        int, typer.Option("--seq-len", metavar="TOKENS", help="Tokens per row at most.")
+    ] = 256,
+    device: Annotated[
+        str, typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda[:N].")
+    ] = "auto",
     output: Annotated[
         Path | None, typer.Option("--output", "-o", metavar="FILE", help="Also write the report as JSON.")
     ] = None,
