@@ -574,7 +574,7 @@ def test_awq_is_the_default_base_method_and_its_absence_is_explained(
     )
     data = {"model": {"path": str(tiny_model_dir)}}
     arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
-    with pytest.raises(QerlError, match=r"base_method is awq \(the default\).*needs llm-compressor.*"
+    with pytest.raises(QerlError, match=r"making the nvfp4 AWQ base needs llm-compressor.*--method awq.*"
                        r"--set compare.base_method=rtn"):  # fmt: skip
         bases_mod.prepare_bases(data, arms, [], tmp_path / "out")
     given = {"a": str(tiny_model_dir)}
@@ -749,3 +749,16 @@ def test_plot_styles_stay_distinct_past_ten_arms() -> None:
     styles = plot.arm_styles(names)
     assert len(set(styles.values())) == len(names)
     assert styles["arm-0"] == ("C0", "-") and styles["arm-10"] == ("C0", "--")
+
+
+def test_an_arm_with_a_lora_start_is_evaluated_from_it_before_training() -> None:
+    """The base pass@1 of an EoRA arm is base + its stored start, where its runs begin."""
+    from qerl_cli import config as cfg
+
+    conf = cfg.TrainConfig()
+    conf.model.path = "/bases/nvfp4-gptq"
+    assert heldout_mod.start_adapter(conf) is None
+    conf.lora.init = "eora"
+    assert heldout_mod.start_adapter(conf) == "/bases/nvfp4-gptq/lora_init"
+    settings = arms_mod.read_settings(None)
+    assert heldout_mod._base_eval_key(conf, settings)["lora_init"] == "eora"  # not the zeros arm's figure

@@ -68,7 +68,7 @@ def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str
         "system_prompt": d.system_prompt, "max_completion_length": r.max_completion_length,
         "seed": conf.train.seed, "heldout_problems": settings.heldout_problems,
         "heldout_samples": settings.heldout_samples, "heldout_temperature": settings.heldout_temperature,
-        "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES,
+        "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES, "lora_init": conf.lora.init,
     }  # fmt: skip
 
 
@@ -108,7 +108,7 @@ def evaluate_bases(
             else:
                 log.info("%s: evaluating its base %s before training", arm, conf.model.path)
                 try:
-                    figures = evaluate_heldout(conf, settings, None, target)
+                    figures = evaluate_heldout(conf, settings, start_adapter(conf), target)
                     entropy = base_entropy(conf, settings)
                 except Exception as exc:  # noqa: BLE001 - one base must not cost the report
                     log.error("%s: its base could not be evaluated: %s", arm, exc)
@@ -125,13 +125,22 @@ def evaluate_bases(
     return found, failures
 
 
+def start_adapter(conf: cfg.TrainConfig) -> str | None:
+    """The adapter a run starts from: none (PEFT's zeros), or the base's stored error-compensating start
+    (lora.init), whose held-out score is where such an arm begins."""
+    from qerl_cli.modeling.error_init import init_folder
+
+    return None if conf.lora.init == "zeros" else str(init_folder(conf.model.path))
+
+
 # The paper's entropy claim, measured on each untrained base: held-out prompts x samples at temperature 1.
 ENTROPY_PROMPTS = 32
 ENTROPY_SAMPLES = 4
 
 
 def base_entropy(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
-    """Rollout entropy of ``conf``'s base (no adapter, no noise) on the first held-out prompts."""
+    """Rollout entropy of ``conf``'s base (no adapter, no noise) on the first held-out prompts; with a
+    LoRA start (lora.init) the bare base's still: the entropy measure takes no adapter."""
     from qerl_cli.compare.entropy import rollout_entropy
     from qerl_cli.data.benchmarks import load_benchmark
     from qerl_cli.data.prompts import render_prompt

@@ -22,6 +22,7 @@ import torch
 
 from qerl_cli.envinfo import versions_of
 from qerl_cli.files import write_json
+from qerl_cli.modeling.error_init import LoraInitInfo
 
 REPORT_NAME = "qerl_quant.json"
 WORST_LAYERS = 5
@@ -217,10 +218,13 @@ class QuantizeResult:
     peak_gpu_bytes: int | None  # None on the CPU
     timings_s: QuantizeTimings
     elapsed_s: float
+    # --lora-init: the error-compensating LoRA start written to lora_init/. Written to the file only
+    # when made, so reports without one keep their exact keys.
+    lora_init: LoraInitInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         ppl = self.perplexity
-        return {
+        data = {
             "model": self.model,
             "output": self.output,
             "format": self.format,
@@ -244,6 +248,9 @@ class QuantizeResult:
             "timings_s": {"load": self.timings_s.load, "quantize_and_save": self.timings_s.quantize_and_save},
             "elapsed_s": self.elapsed_s,
         }
+        if self.lora_init is not None:
+            data["lora_init"] = self.lora_init.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizeResult:
@@ -269,6 +276,7 @@ class QuantizeResult:
             peak_gpu_bytes=data.get("peak_gpu_bytes"),
             timings_s=QuantizeTimings(timings.get("load", 0.0), timings.get("quantize_and_save", 0.0)),
             elapsed_s=data.get("elapsed_s", 0.0),
+            lora_init=LoraInitInfo.from_dict(data["lora_init"]) if data.get("lora_init") else None,
         )
 
 
@@ -309,6 +317,13 @@ def quantize_table(result: QuantizeResult):  # -> rich.table.Table
     if refused:
         table.add_row(
             "vLLM Marlin (capability < 10) refuses", "", f"{len(refused)} fused layers, e.g. {refused[0]}"
+        )
+    init = result.lora_init
+    if init is not None:
+        table.add_row(
+            f"act.-weighted error, + LoRA init ({init.method} r{init.rank})",
+            "",
+            f"{init.relative_error_base:.4f} -> {init.relative_error_corrected:.4f}",
         )
     table.add_row("time", "", f"{result.elapsed_s:.1f} s")
     table.caption = f"saved to {result.output}"

@@ -1,8 +1,9 @@
 """``qerl quantize``: BF16 model folder or hub id in, 4-bit checkpoint folder out.
 
-Order of work: every cheap check first (format, model reachable, output free, calibration file
-readable, layer widths), then the expensive part inside a staging folder that only becomes the
-output once it is complete.
+Order of work: every cheap check first (format, method, model reachable, output free, calibration
+file readable, layer widths), then the expensive part inside a staging folder that only becomes the
+output once it is complete. With ``--lora-init`` the error-compensating LoRA start is written into
+that folder too, after the checkpoint (:mod:`qerl_cli.quantize.error_init`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
-from qerl_cli.quantize import pipeline, report
+from qerl_cli.quantize import error_init, pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
 from qerl_cli.quantize.report import (
@@ -82,6 +84,7 @@ class _Job:
 
     fmt: str
     method: str
+    source: str  # what from_pretrained gets (the BF16 model, reloaded for --lora-init)
     output: Path
     device: torch.device
     tokenizer: Any
@@ -112,6 +115,7 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
 
         errors = report.weight_errors(staging, job.fmt, reference, device)
         del reference
+        lora_init = _write_lora_init(cfg, job, staging)
         perplexity = None
         if ppl_bf16 is not None:
             assert job.calib is not None
@@ -151,6 +155,7 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
             peak_gpu_bytes=peak_gpu,
             timings_s=QuantizeTimings(load=loaded_s, quantize_and_save=quantize_s),
             elapsed_s=time.perf_counter() - start,
+            lora_init=lora_init,
         )
         report.write_report(staging, result)
     return result
@@ -167,6 +172,7 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
     fmt = check_format(cfg.format)
     method = check_method(cfg.method)
     check_method_for_format(method, fmt)
+    check_lora_init(cfg.lora_init, method)
     # A missing model folder or a taken output answers in well under a second; importing
     # llm-compressor (below) takes ~7 s, so it comes after.
     source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
@@ -178,11 +184,13 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
 
     tokenizer = AutoTokenizer.from_pretrained(source.ref, trust_remote_code=cfg.trust_remote_code)
     calib: CalibrationSet | None = None
-    if method in CALIBRATED_METHODS or cfg.eval_ppl:
+    # --lora-init weighs the rounding error by the calibration activations, even for rtn.
+    calibrate = method in CALIBRATED_METHODS or cfg.lora_init != "none"
+    if calibrate or cfg.eval_ppl:
         calib = load_calibration(
             cfg.calib,
             tokenizer,
-            num_samples=cfg.num_samples if method in CALIBRATED_METHODS else 0,
+            num_samples=cfg.num_samples if calibrate else 0,
             seq_len=cfg.seq_len,
             seed=cfg.seed,
             split=cfg.calib_split,
@@ -195,11 +203,36 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
     # Hopper-class GPUs run FP4 through vLLM's Marlin kernels, which refuse some widths: say which now.
     vllm_refused = marlin_refusals(module_shapes(model, quantized)) if fmt in MARLIN_FORMATS else []
     job = _Job(
-        fmt=fmt, method=method, output=output, device=device, tokenizer=tokenizer, calib=calib,
-        skipped=skipped, quantized=quantized, vllm_refused=vllm_refused, float_keys=set(model.state_dict()),
-        bf16_bytes=report.state_bytes(model),
+        fmt=fmt, method=method, source=source.ref, output=output, device=device, tokenizer=tokenizer,
+        calib=calib, skipped=skipped, quantized=quantized, vllm_refused=vllm_refused,
+        float_keys=set(model.state_dict()), bf16_bytes=report.state_bytes(model),
     )  # fmt: skip
     return job, model
+
+
+def check_lora_init(lora_init: str, method: str) -> None:
+    """``--lora-init`` factors ``W - deq(Q(W))``; with AWQ that is not the rounding error: its smoothing
+    divides the linear inputs by per-channel scales folded into the preceding norm weights, so the 4-bit
+    linears see other inputs than the BF16 ones and ``W`` itself was replaced."""
+    if lora_init != "none" and method == "awq":
+        raise QerlError(
+            f"--lora-init {lora_init} cannot follow --method awq: AWQ's smoothing also rescales the norm "
+            "weights (the linear layers' inputs), so the error of the rounded weights is not W - deq(Q(W)) "
+            "and a correction of it would not restore the BF16 model. Use --method gptq or rtn"
+        )
+
+
+def _write_lora_init(cfg: QuantizeConfig, job: _Job, staging: Path) -> LoraInitInfo | None:
+    """``staging/lora_init/`` from the untouched BF16 model (loaded again: quantization changed the
+    first copy in place) and the checkpoint just written."""
+    if cfg.lora_init == "none":
+        return None
+    assert job.calib is not None
+    return error_init.build_lora_init(
+        _load_model(job.source, cfg.trust_remote_code), staging, job.quantized, job.calib.samples,
+        method=cfg.lora_init, rank=cfg.lora_init_rank, base_model=cfg.model, device=job.device,
+        calibration=job.calib.spec,
+    )  # fmt: skip
 
 
 def _bf16_perplexity(job: _Job, model: torch.nn.Module) -> float:

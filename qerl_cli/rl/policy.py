@@ -6,8 +6,13 @@
 - LoRA goes on ``cfg.lora.target_modules`` (PEFT; ``qerl_cli.modeling.lora`` teaches PEFT about
   QuantLinear). RMSNorm weights can be trained too (``lora.train_norms``); they are saved with the
   adapter as PEFT ``modules_to_save``.
-- The KL reference is the same model with the adapters disabled (:meth:`Policy.reference`): the
-  base is frozen, so base == reference, and no second copy is ever loaded.
+- The adapter starts at zero (PEFT's B = 0) or, with ``lora.init: eora | svd``, at the correction of
+  the 4-bit rounding error that ``qerl quantize --lora-init`` wrote to ``<model.path>/lora_init/``
+  (:func:`load_lora_init`; the math in ``qerl_cli.modeling.error_init``).
+- The KL reference is the policy at step 0 (:meth:`Policy.reference`): the same model with the
+  adapters disabled when they started at zero, else with the initial LoRA matrices swapped in (a CPU
+  copy of them is kept). No second copy of the base is ever loaded. The bare base (adapters off,
+  :meth:`Policy.bare_base`) is what the vLLM staleness probe compares with vLLM's adapter-free model.
 
 :func:`completion_logprobs` is the one forward the trainer runs: per-token log-probabilities of the
 completion tokens at the sampling temperature, exactly comparable to the rollout engine's.
@@ -27,12 +32,15 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.adapter import save_peft_model
+from qerl_cli.modeling.error_init import init_folder, read_info
 from qerl_cli.modeling.fused_kernels import AppliedKernels, apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
+
 
 def norm_module_names(model: nn.Module) -> list[str]:
     """Leaf names of the RMSNorm modules (``input_layernorm``, ``post_attention_layernorm``, ``norm``)."""
@@ -87,6 +95,8 @@ class Policy:
     fused_kernels: str = "off"  # what train.fused_kernels resolved to ("liger" or "off")
     # Liger's process-wide RoPE patch, put back by close() (qerl_cli.modeling.fused_kernels)
     kernels: AppliedKernels = field(default_factory=lambda: AppliedKernels(kind="off"))
+    # lora.init eora / svd: CPU copies of the LoRA matrices at step 0 (the KL reference); None: zeros
+    initial_adapter: dict[str, torch.Tensor] | None = None
 
     @property
     def is_quantized(self) -> bool:
@@ -100,7 +110,21 @@ class Policy:
 
     @contextmanager
     def reference(self) -> Iterator[None]:
-        """The KL reference: the frozen base, i.e. this model with its adapters switched off."""
+        """The KL reference, the policy at step 0: the frozen base (adapters off) for an adapter that
+        started at zero, else base + initial adapter (the step-0 LoRA matrices swapped in, trained norms
+        off). Training moves away from the corrected start, not from the damaged 4-bit base."""
+        if self.initial_adapter is None:
+            with self.model.disable_adapter():
+                yield
+            return
+        from qerl_cli.modeling.lora import swapped_in
+
+        with swapped_in(self.model, self.initial_adapter), _saved_modules_off(self.model):
+            yield
+
+    @contextmanager
+    def bare_base(self) -> Iterator[None]:
+        """The base alone (adapters off), whatever the adapter started from."""
         with self.model.disable_adapter():
             yield
 
@@ -111,6 +135,65 @@ class Policy:
         """Training is over: models of this family built from now on in the process (an evaluation,
         another engine) get transformers' RoPE function back. This model stays usable."""
         self.kernels.restore()
+
+
+@contextmanager
+def _saved_modules_off(model: nn.Module) -> Iterator[None]:
+    """Trained norms (PEFT ``modules_to_save``) switched to their frozen originals for the block."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    wrappers = [m for m in model.modules() if isinstance(m, ModulesToSaveWrapper)]
+    for wrapper in wrappers:
+        wrapper.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for wrapper in wrappers:
+            wrapper.enable_adapters(True)
+
+
+def load_lora_init(model: nn.Module, cfg: TrainConfig, base_format: str) -> dict[str, torch.Tensor] | None:
+    """Start the adapter from ``<model.path>/lora_init/`` (``lora.init`` eora / svd), rescaled to the
+    recipe's alpha and rank (``modeling.lora.load_factors``); returns CPU copies of the step-0 LoRA
+    matrices, or None for ``lora.init: zeros``."""
+    from qerl_cli.modeling.lora import load_factors, snapshot
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    method = cfg.lora.init
+    if method == "zeros":
+        return None
+    folder = init_folder(resolve_model_source(cfg.model.path))
+    fmt = base_format if base_format != "bf16" else "nvfp4"
+    command = (
+        f"qerl quantize BF16_MODEL --format {fmt} --method {'rtn' if fmt == 'nf4' else 'gptq'} "
+        f"--lora-init {method} --lora-init-rank {cfg.lora.rank} --output {cfg.model.path} --overwrite"
+    )
+    if not folder.is_dir():
+        raise QerlError(
+            f"lora.init={method} starts the adapter from {folder}, which does not exist. Write it with "
+            f"`{command}` (BF16_MODEL: the model {cfg.model.path} was quantized from), or set lora.init=zeros"
+        )
+    info = read_info(folder)
+    if info.method != method:
+        raise QerlError(
+            f"{folder} holds a {info.method} LoRA init, not {method}: set lora.init={info.method}, or "
+            f"write a {method} one with `{command}`"
+        )
+    adapter_folder.check_folder(folder, "LoRA init")
+    config = adapter_folder.read_config(folder, "LoRA init")
+    loaded = load_factors(
+        model, adapter_folder.read_weights(folder), float(config["lora_alpha"]) / float(config["r"])
+    )
+    if not loaded.loaded:
+        raise QerlError(
+            f"the LoRA init in {folder} corrects {info.target_modules}, none of lora.target_modules "
+            f"{list(cfg.lora.target_modules)}: the adapter would start from zeros"
+        )
+    for warning in loaded.warnings(str(folder)):  # once each, naming one example
+        log.warning("%s", warning)
+    log.info("LoRA start: %s init of rank %d from %s (%d layers)", method, info.rank, folder,
+             len(loaded.loaded))  # fmt: skip
+    return snapshot(model)
 
 
 def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy:
@@ -130,6 +213,7 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
         base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
         model = attach_lora(base, cfg)
         model.to(device)
+        initial_adapter = load_lora_init(model, cfg, fmt)
         tokenizer = load_tokenizer(
             cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
@@ -139,7 +223,7 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
         kernels.restore()
         raise
     return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, base_format=fmt,
-                  fused_kernels=kernels.kind, kernels=kernels)  # fmt: skip
+                  fused_kernels=kernels.kind, kernels=kernels, initial_adapter=initial_adapter)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +425,7 @@ def batched_logprobs(
     reference: Policy | None = None,
     chunk_tokens: int = 0,
 ) -> torch.Tensor:
-    """No-grad :func:`completion_logprobs` over a whole batch (``reference``: adapters off)."""
+    """No-grad :func:`completion_logprobs` over a whole batch (``reference``: its KL reference)."""
     parts = []
     context = reference.reference() if reference is not None else nullcontext()
     was_training = model.training
