@@ -40,6 +40,12 @@ class LoraSection:
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS_ALL))
     # Train the RMSNorm weights too (the paper keeps them frozen; AQN perturbs the rollout copy).
     train_norms: bool = False
+    # The adapter's start. "zeros": PEFT's (B = 0, so step 0 is the bare 4-bit base). "eora": B A starts
+    # at the rank-r correction of the 4-bit rounding error W - deq(Q(W)) weighted by the calibration
+    # activations (EoRA, arXiv 2410.21271), so step 0 is close to the BF16 model; "svd": the plain SVD
+    # of that error. Both read <model.path>/lora_init/, written by `qerl quantize --lora-init eora|svd`;
+    # the KL reference is then base + initial adapter (qerl_cli.rl.policy).
+    init: Literal["zeros", "eora", "svd"] = "zeros"
 
     def validate(self, where: str) -> None:
         _positive(where, rank=self.rank, alpha=self.alpha)
@@ -142,15 +148,54 @@ class AQNSection:
     enabled: bool = True
     schedule: Literal["exponential", "linear", "cosine", "logarithmic"] = "exponential"
     num_stages: int = 10
+    # The first noisy stage's sigma and the last one's (paper: 1e-2 -> 5e-4). With calibrate on, the
+    # calibration finds sigma_start and sigma_end keeps the ratio sigma_end / sigma_start given here,
+    # so the decay keeps its shape.
     sigma_start: float = 1e-2
     sigma_end: float = 1e-4
     first_stage_noise_free: bool = True
+    # Size sigma to the model: a raw sigma does not transfer between models (on Gemma 3 270M the paper's
+    # 1e-2 stopped learning, held-out 0.3% vs 17.1% without AQN). "tokens": before the first step, bisect
+    # sigma_start in log space until the noise changes `target` of the greedy completion tokens of
+    # `calibration_prompts` training prompts (qerl_cli.rl.aqn_calibration); "off": the sigmas as given.
+    # A KL target is not offered: the engine interface returns the logprobs of sampled tokens only, and
+    # a KL needs the noisy model's logprobs of the clean model's tokens.
+    calibrate: Literal["off", "tokens"] = "off"
+    # With calibrate=tokens, in (0, 1): the share of greedy completion tokens the first noisy stage's
+    # noise should change, every token from a completion's first changed one on (modeling.aqn
+    # .tokens_changed). No default: it is the choice calibration exists for (the Gemma sweep tries
+    # 0.01, 0.03 and 0.10).
+    target: float | None = None
+    # Training prompts the calibration (and each noisy stage's measurement, aqn_tokens_changed) decodes:
+    # the first ones of the seeded prompt stream, read without moving it.
+    calibration_prompts: int = 8
+    # Greedy tokens per calibration completion; None: rollout.max_completion_length (what the target
+    # means: a share of a rollout's length).
+    calibration_max_tokens: int | None = None
+    # Sigmas the bisection may try (each one greedy pass over the calibration prompts; 10 narrow
+    # 1e-5..1e-1 to a bracket 1% wide) and when it stops early: |effect - target| <= tolerance x target.
+    calibration_probes: int = 10
+    calibration_tolerance: float = 0.2
 
     def validate(self, where: str) -> None:
         _positive(where, num_stages=self.num_stages)
         if self.enabled and not self.sigma_start >= self.sigma_end > 0:
             raise QerlError(
                 f"{where}: need sigma_start >= sigma_end > 0 (got {self.sigma_start}, {self.sigma_end})"
+            )
+        _positive(
+            where,
+            calibration_prompts=self.calibration_prompts,
+            calibration_probes=self.calibration_probes,
+            calibration_tolerance=self.calibration_tolerance,
+        )
+        if self.calibration_max_tokens is not None:
+            _positive(where, calibration_max_tokens=self.calibration_max_tokens)
+        calibrating = self.enabled and self.calibrate == "tokens"
+        if calibrating and not (self.target is not None and 0 < self.target < 1):
+            raise QerlError(
+                f"{where}.target must be in (0, 1) with {where}.calibrate=tokens: the share of greedy "
+                f"completion tokens the noise should change, e.g. 0.03; got {self.target}"
             )
 
 

@@ -10,9 +10,11 @@ row-wise multiplicative noise ``(1 + z / w)`` on those (quantized) weights, with
 Gemma's norms (HF ``Gemma3RMSNorm``, vLLM ``GemmaRMSNorm``) store ``w`` but scale by ``1 + w``. Adding
 ``z`` to the stored ``w`` gives the channel scale ``(1 + w) + z``: the same additive N(0, sigma^2) on
 the scale the norm applies as ``w + z`` is for a Llama/Qwen norm, so no special case is needed (a
-multiplicative ``w * (1 + z)`` would be wrong there: Gemma's stored weights sit near 0). One difference
-in effect: a stored bf16 weight near 0 has a fine spacing, so on Gemma even small sigmas survive the
-cast (on Qwen, ``w`` near 1.0 rounds sigmas below ~4e-3 mostly away, see below).
+multiplicative ``w * (1 + z)`` would be wrong there: a stored weight near 0 would get no noise). How
+much of a sigma survives the bf16 cast depends on the stored values: on Qwen, ``w`` near 1.0 rounds
+sigmas below ~4e-3 mostly away (see below); Gemma 3 270M's 55,936 stored norm weights are large (median
+|w| 6, 90th percentile 104), so sigma 5e-4 moves 3.9% of them, 1e-2 34%, 3e-2 50% (measured on its BF16
+checkpoint, 2026-11-27); ``rollout/noise_changed_fraction`` reports this share, not a share of tokens.
 
 Schedule (matching NVlabs/QeRL ``trl_trainer/noise_scheduler.py`` and ``grpo_trainer.py``): the
 training steps are split into ``num_stages`` (K) equal stages; stage 0 is noise-free (only the
@@ -21,6 +23,12 @@ quantization noise acts) and stages 1..K-1 use K-1 sigma values going from ``sig
 ``sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 2))``; the paper's Fig. 15 also
 compares linear, cosine and logarithmic decay without formulas, so those three are defined here
 (see :func:`_decay_fraction`) to share the same end points.
+
+Sizing sigma to the model (``aqn.calibrate``, not in the paper): a raw sigma does not transfer between
+models (the paper's 1e-2 stopped Gemma 3 270M from learning), so a run may state the noise as its effect
+instead. :func:`tokens_changed` measures the share of greedy completion tokens noise changed,
+:func:`search_sigma` bisects log(sigma) for a target share, and :meth:`AQNSchedule.calibrate` moves the
+schedule there keeping sigma_end / sigma_start; ``rl.aqn_calibration`` drives the engine.
 
 Deliberate differences from the reference code:
 
@@ -44,7 +52,7 @@ keeps its own clean copy and loads :func:`perturb_norm_weights` output into its 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -90,6 +98,9 @@ class AQNSchedule:
     num_stages: int = 10
     kind: str = "exponential"
     first_stage_noise_free: bool = True
+    # Set by :meth:`calibrate`: sigma_start was sized to the model at the start of the run. Part of the
+    # state, so a resumed run keeps the calibrated schedule instead of measuring again.
+    calibrated: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -143,6 +154,23 @@ class AQNSchedule:
         """Sigma of every stage, for logs and plots."""
         return [self.stage_sigma(k) for k in range(self.num_stages)]
 
+    def starts_noisy_stage(self, step: int) -> bool:
+        """Whether ``step`` is the first step of a noisy stage (where the trainer measures the noise's
+        effect). Steps past ``total_steps`` stay in the last stage and start none."""
+        stage = self.stage(step)
+        first = step == 0 or self.stage(step - 1) != stage
+        return first and self.stage_sigma(stage) > 0
+
+    def calibrate(self, sigma_start: float) -> None:
+        """Start the decay at ``sigma_start`` (found by a calibration) and scale ``sigma_end`` by the same
+        factor: the ratio sigma_end / sigma_start, hence the shape of the schedule, is kept."""
+        if not sigma_start > 0 or not math.isfinite(sigma_start):
+            raise QerlError(f"a calibrated AQN sigma must be a finite number > 0, got {sigma_start}")
+        self.sigma_end = sigma_start * (self.sigma_end / self.sigma_start)
+        self.sigma_start = sigma_start
+        self.calibrated = True
+        self._validate()
+
     def state_dict(self) -> dict[str, Any]:
         # The schedule is a pure function of its settings and the step, so its settings are its state;
         # saving them lets --resume continue on the schedule the run started with.
@@ -155,6 +183,106 @@ class AQNSchedule:
         for key, value in state.items():
             setattr(self, key, value)
         self._validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing sigma to the model: the effect measure and the search (driven by qerl_cli.rl.aqn_calibration)
+# ---------------------------------------------------------------------------------------------
+# Where the calibration looks for sigma_start: from 1e-5, fifty times below the paper's smallest sigma
+# (5e-4; a bf16 norm weight near 1.0 rounds it away entirely), to 1e-1, ten times its largest (each
+# channel scale moved by about 10%).
+SIGMA_SEARCH_RANGE = (1e-5, 1e-1)
+
+
+def tokens_changed(clean: Sequence[Sequence[int]], noisy: Sequence[Sequence[int]]) -> float:
+    """Share of greedy completion tokens the noise changed, over pairs of completions of the same prompts.
+
+    In each pair every token from the first position where the two differ on counts as changed, over
+    the longer of the two (a completion that stops early or runs on changed its tail). Counting from the
+    first divergence rather than position by position: greedy decoding is a function of its prefix, so
+    each token after the first difference is generated from another context, and one that happens to
+    match at its position (a space, a repeated word, text shifted back into line) is a coincidence
+    whose rate depends on the text; the first divergence moves steadily earlier as sigma grows, which
+    keeps the measure a near-monotone function of sigma for the search.
+    """
+    if len(clean) != len(noisy):
+        raise QerlError(f"tokens_changed needs pairs: {len(clean)} clean and {len(noisy)} noisy completions")
+    changed = total = 0
+    for a, b in zip(clean, noisy, strict=True):
+        longest = max(len(a), len(b))
+        shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        changed += longest - shared
+        total += longest
+    return changed / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class SigmaSearch:
+    """What :func:`search_sigma` found: the probe closest to the target, and every probe in order."""
+
+    sigma: float
+    effect: float
+    target: float
+    probes: tuple[tuple[float, float], ...]  # (sigma, effect) in the order they were measured
+    converged: bool  # the effect is within the tolerance of the target
+
+    def summary(self) -> str:
+        """One line for the run log: the target, the sigma found, its effect and the probes."""
+        probes = ", ".join(f"{s:.3g}->{e:.3g}" for s, e in self.probes)
+        outcome = (
+            "within tolerance" if self.converged else "closest probe, target not reached within tolerance"
+        )
+        return (
+            f"target {self.target:.3g}, sigma {self.sigma:.4g} measured {self.effect:.4g} ({outcome}); "
+            f"{len(self.probes)} probes (sigma->effect): {probes}"
+        )
+
+
+def search_sigma(
+    effect: Callable[[float], float],
+    target: float,
+    *,
+    max_probes: int = 10,
+    tolerance: float = 0.2,
+    sigma_range: tuple[float, float] = SIGMA_SEARCH_RANGE,
+) -> SigmaSearch:
+    """Bisect log(sigma) in ``sigma_range`` for ``effect(sigma) == target`` (``effect`` rising with sigma).
+
+    Each probe is the geometric midpoint of the bracket; the search stops at the first probe whose
+    effect is within ``tolerance * target`` of the target, or after ``max_probes`` (10 halve the four
+    decades of the default range to a bracket 1% wide). It returns the probe closest to the target either
+    way; ``converged`` says whether that one is within the tolerance. A target beyond what the range
+    reaches ends at the range's edge, with ``converged`` False.
+    """
+    low, high = sigma_range
+    if not 0 < low < high:
+        raise QerlError(f"the AQN sigma search range must satisfy 0 < low < high, got {sigma_range}")
+    if not target > 0 or max_probes < 1 or not tolerance > 0:
+        raise QerlError(
+            f"search_sigma needs target > 0, max_probes >= 1 and tolerance > 0; got {target}, "
+            f"{max_probes}, {tolerance}"
+        )
+    lo, hi = math.log(low), math.log(high)
+    probes: list[tuple[float, float]] = []
+    for _ in range(max_probes):
+        sigma = math.exp((lo + hi) / 2)
+        measured = float(effect(sigma))
+        probes.append((sigma, measured))
+        if abs(measured - target) <= tolerance * target:
+            break
+        if measured < target:
+            lo = math.log(sigma)
+        else:
+            hi = math.log(sigma)
+    # Of equally close probes the latest, the one nearest where the effect crosses the target.
+    sigma, measured = min(reversed(probes), key=lambda p: abs(p[1] - target))
+    return SigmaSearch(
+        sigma=sigma,
+        effect=measured,
+        target=target,
+        probes=tuple(probes),
+        converged=abs(measured - target) <= tolerance * target,
+    )
 
 
 def is_rms_norm(name: str, module: nn.Module) -> bool:
@@ -201,9 +329,7 @@ class NormNoiser:
     step an optimizer on the norms while noised: :meth:`restore` would undo that step.
     """
 
-    def __init__(
-        self, model: nn.Module, predicate: Callable[[str, nn.Module], bool] = is_rms_norm
-    ) -> None:
+    def __init__(self, model: nn.Module, predicate: Callable[[str, nn.Module], bool] = is_rms_norm) -> None:
         self.modules = find_norm_modules(model, predicate)
         self._clean: dict[str, torch.Tensor] | None = None
         self.last_sigma = 0.0

@@ -10,7 +10,7 @@ One training step (:meth:`Trainer.train_step`):
    out, up to ``max_sampling_rounds`` (``rl.rollouts``);
 3. **advantages**: group-relative, std-scaled or not;
 4. **logprobs**: the trainer's own logprobs before the update (only needed for several updates
-   per batch) and the reference's (adapters off, only with a KL term);
+   per batch) and the reference's (the step-0 policy, only with a KL term);
 5. **update**: ``num_iterations`` optimizer steps on the batch, micro-batched, with the clipped
    surrogate, truncated importance sampling against the engine's logprobs when the rollout
    numerics differ from the trainer's, and gradient clipping (``rl.update``).
@@ -36,9 +36,11 @@ import torch
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
+from qerl_cli.modeling.aqn import SigmaSearch
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
+from qerl_cli.rl.aqn_calibration import NoiseProbe, before_rollout, calibrate_once
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
@@ -93,6 +95,8 @@ class Trainer:
             self.stream = PromptStream(self.problems, cfg.train.seed, cfg.data.shuffle)
             self.engine = engine or self._make_engine()
             self.schedule = setup.make_aqn_schedule(cfg)
+            # Greedy decodes that size the noise (aqn.calibrate) and measure each noisy stage's effect.
+            self.aqn_probe = NoiseProbe.for_run(cfg, self.problems, self.prompts) if self.schedule else None
             self.tis_on = setup.tis_enabled(cfg, self.policy, self.engine.linear_backend)
             if reward_fn is None:
                 from qerl_cli.data.prompts import reward_settings
@@ -154,8 +158,11 @@ class Trainer:
         ids = list(probe)
         pad = int(self.policy.tokenizer.pad_token_id)
         batch = make_token_batch([ids[:1]], [ids[1:]], [[0.0] * (len(ids) - 1)], pad)
-        reference = None if adapter else self.policy
-        logprobs = batched_logprobs(self.policy.model, batch, 1.0, self.device, 1, reference=reference)
+        if adapter:
+            logprobs = batched_logprobs(self.policy.model, batch, 1.0, self.device, 1)
+        else:  # the bare base, not the KL reference: vLLM's side of the probe is its adapter-free model
+            with self.policy.bare_base():
+                logprobs = batched_logprobs(self.policy.model, batch, 1.0, self.device, 1)
         return logprobs[0].tolist()
 
     def _reference_logprobs(self, probe: Sequence[int]) -> list[float]:
@@ -212,6 +219,21 @@ class Trainer:
         )
 
     # ---- one step -----------------------------------------------------------------------------
+    def calibrate_aqn(self) -> SigmaSearch | None:
+        """Size AQN's sigma to the model now (``aqn.calibrate``), unless done or restored by a resume."""
+        return calibrate_once(self.aqn_probe, self.schedule, self.engine, self.cfg, self.dist)
+
+    def prepare_aqn(self) -> dict[str, float]:
+        """Before a step's rollout (engine awake): calibrate sigma if the run asks for it and has not yet
+        (a resumed run has its calibrated sigma from the checkpoint), and measure the noise's effect at
+        the first step of a noisy stage. The step's AQN metrics."""
+        return before_rollout(
+            self.aqn_probe, self.schedule, self.engine, self.cfg, self.dist, self.step, self._noise_seed()
+        )
+
+    def _noise_seed(self) -> int:
+        return derive_seed(self.cfg.train.seed, "aqn", self.step)
+
     def collect(self) -> tuple[Rollouts, Rollouts, dict[str, float]]:
         """(generated, kept for training, stats) of one step, with dynamic sampling if on."""
         return rl_rollouts.collect(
@@ -233,9 +255,10 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         step_start = time.perf_counter()
         self.peaks.start_step()
-        sigma = self.schedule.sigma(self.step) if self.schedule is not None else 0.0
         self.engine.wake_up()
-        perturbed = self.engine.set_norm_noise(sigma, derive_seed(self.cfg.train.seed, "aqn", self.step))
+        aqn_metrics = self.prepare_aqn()  # may calibrate the schedule: read sigma after it
+        sigma = self.schedule.sigma(self.step) if self.schedule is not None else 0.0
+        perturbed = self.engine.set_norm_noise(sigma, self._noise_seed())
         generated, kept, stats = self.collect()
         self.last_samples = rl_rollouts.sample_groups(generated, self.cfg.output.log_completions)
         self.peaks.sample()  # the rollout phase: vLLM awake
@@ -245,6 +268,7 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "aqn_sigma": sigma,
             "aqn_perturbed_norms": float(perturbed),
+            **aqn_metrics,
             "data_position": self.stream.position,
             "world_size": self.dist.world_size,
             **stats,
@@ -297,6 +321,7 @@ def train(
     try:
         try:
             resumed_from = trainer.resume_from(resume) if resume else None
+            trainer.calibrate_aqn()  # before the first step, with the initial adapter synced
             dist.on_main(lambda: _record_run(trainer, resumed_from), "record the run's settings")
             _run_steps(
                 trainer,
