@@ -762,3 +762,48 @@ def test_an_arm_with_a_lora_start_is_evaluated_from_it_before_training() -> None
     assert heldout_mod.start_adapter(conf) == "/bases/nvfp4-gptq/lora_init"
     settings = arms_mod.read_settings(None)
     assert heldout_mod._base_eval_key(conf, settings)["lora_init"] == "eora"  # not the zeros arm's figure
+
+
+def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_refused(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen on an H100: a GPTQ base made by `qerl quantize -o DIR/bases/nvfp4-gptq` (where llm-compressor
+    was, apart from vLLM) was refused by compare for want of compare's own completion marker."""
+    pytest.importorskip("llmcompressor", reason="making the GPTQ base needs llm-compressor (qerl[quantize])")
+    import importlib.util
+
+    from qerl_cli import config as cfg
+    from qerl_cli.quantize import run_quantize
+
+    def quantize(target: Path, lora_init: str) -> None:
+        target.parent.mkdir(parents=True)
+        run_quantize(cfg.QuantizeConfig(
+            model=str(tiny_model_dir), format="nvfp4", method="gptq", calib="qerl-text", calib_field="text",
+            num_samples=4, seq_len=32, output=str(target), device="cpu", lora_init=lora_init,
+            lora_init_rank=4,
+        ))  # fmt: skip
+
+    data = {"model": {"path": str(tiny_model_dir)}}
+    arms = {"g": {"model.format": "nvfp4", "base.method": "gptq"},
+            "e": {"model.format": "nvfp4", "base.method": "gptq", "lora.init": "eora"}}  # fmt: skip
+    target = tmp_path / "out" / "bases" / "nvfp4-gptq"
+    quantize(target, "eora")
+    real_find_spec = importlib.util.find_spec  # compare cannot make one here: it must take the one there
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llmcompressor" else real_find_spec(name, *a),
+    )
+    assert runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out") == {
+        "g": str(target),
+        "e": str(target),
+    }
+    other = tmp_path / "other" / "bases" / "nvfp4-gptq"
+    quantize(other, "none")
+    assert runner.prepare_bases(data, {"g": arms["g"]}, TINY_SETS, tmp_path / "other") == {"g": str(other)}
+    with pytest.raises(QerlError, match=r"made without the LoRA start an arm asks for \(lora.init: eora\)"):
+        runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "other")
+    with pytest.raises(QerlError, match="ask for different LoRA starts"):
+        runner.prepare_bases(
+            data, {**arms, "s": {**arms["e"], "lora.init": "svd"}}, TINY_SETS, tmp_path / "x"
+        )

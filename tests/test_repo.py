@@ -41,3 +41,32 @@ def test_changelog_follows_keep_a_changelog() -> None:
     text = (REPO / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text
     assert "keepachangelog.com" in text
+
+
+def _run_book_invocations(script: Path) -> list[tuple[str, list[str]]]:
+    """(command, --flags) of every `qerl COMMAND ...` in a benchmark's run.sh, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", script.read_text())
+    found = []
+    for line in text.splitlines():
+        for match in re.finditer(r"\bqerl ([a-z][a-z-]*)((?:\s+[^;|&\n]*)?)", line.split("#", 1)[0]):
+            found.append((match.group(1), re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", match.group(2))))
+    return found
+
+
+def test_benchmark_run_books_parse_and_use_only_options_qerl_has() -> None:
+    """A run.sh once passed `qerl compare --runs` (the option is --only) and only a GPU machine said so."""
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    commands = get_command(app).commands
+    scripts = sorted(REPO.glob("benchmarks/*/run.sh"))
+    assert scripts, "no benchmark run.sh to check"
+    for script in scripts:
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
+        invocations = _run_book_invocations(script)
+        for name, flags in invocations:
+            assert name in commands, f"{script}: qerl {name} is no command"
+            known = {opt for param in commands[name].params for opt in param.opts}
+            unknown = [flag for flag in flags if flag not in known]
+            assert not unknown, f"{script}: qerl {name} has no option {unknown}"

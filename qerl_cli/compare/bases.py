@@ -56,7 +56,9 @@ def prepare_bases(
                 "own model.path"
             )
         else:
-            base, made_with = _quantized_base(folder, out, choice, probe.train.device), choice.method
+            init = _lora_init_of(arms, choice, method)
+            base = _quantized_base(folder, out, choice, probe.train.device, init, probe.lora.rank)
+            made_with = choice.method
         if choice.dequantized:
             from qerl_cli.quantize.native import write_dequantized_checkpoint
 
@@ -70,20 +72,66 @@ def prepare_bases(
     return bases
 
 
-def _quantized_base(folder: str, out: Path, choice: BaseChoice, device: str) -> str:
-    """The ``choice.format`` counterpart of the BF16 model ``folder``, made under ``out/bases`` once."""
+def _lora_init_of(arms: dict[str, dict[str, Any]], choice: BaseChoice, method: str) -> str:
+    """The LoRA start ("none", "eora", "svd") the arms sharing ``choice``'s base need written beside it."""
+    inits = {
+        str(o.get("lora.init", "zeros"))
+        for a, o in arms.items()
+        if "model.path" not in o and _same_base(base_choice(o, method, where=f"arm {a}"), choice)
+    } - {"zeros"}
+    if len(inits) > 1:
+        raise QerlError(
+            f"arms on the {choice.label()} base ask for different LoRA starts ({', '.join(sorted(inits))}); "
+            "one base holds one (BASE/lora_init): give the others their own model.path"
+        )
+    return inits.pop() if inits else "none"
+
+
+def _same_base(a: BaseChoice, b: BaseChoice) -> bool:
+    return (a.format, a.method) == (b.format, b.method)
+
+
+def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "none") -> bool:
+    """A folder ``qerl quantize`` finished (it writes staged, so a folder there is whole) with this format
+    and method, and the LoRA start asked for: a base made elsewhere (e.g. where llm-compressor is
+    installed) and copied to ``target`` serves as one compare made."""
+    from qerl_cli.modeling.error_init import init_folder
+    from qerl_cli.quantize.report import REPORT_NAME
+
+    report = target / REPORT_NAME
+    if not report.is_file():
+        return False
+    saved = json.loads(report.read_text())
+    if (saved.get("format"), saved.get("method")) != (fmt, method):
+        return False
+    return lora_init == "none" or (init_folder(target) / "adapter_config.json").is_file()
+
+
+def _quantized_base(
+    folder: str, out: Path, choice: BaseChoice, device: str, lora_init: str = "none", rank: int = 16
+) -> str:
+    """The ``choice.format`` counterpart of the BF16 model ``folder``, made under ``out/bases`` once (with
+    the LoRA start ``lora_init`` beside it, of rank ``rank``)."""
     fmt, method = choice.format, choice.method
-    target = out / "bases" / (fmt if method == "rtn" else f"{fmt}-{method}")
-    if method == "rtn":
+    native_rtn = method == "rtn" and lora_init == "none"
+    target = out / "bases" / (fmt if native_rtn else f"{fmt}-{method}")
+    if native_rtn:  # qerl's own RTN: no llm-compressor needed
         from qerl_cli.quantize.native import write_rtn_checkpoint
 
         if not is_complete_folder(target):
             log.info("quantizing %s to %s (round to nearest) into %s", folder, fmt, target)
         return str(write_rtn_checkpoint(folder, target, fmt))
+    if made_by_quantize(target, fmt, method, lora_init):
+        return str(target)
+    if lora_init != "none" and target.exists():
+        raise QerlError(
+            f"{target} was made without the LoRA start an arm asks for (lora.init: {lora_init}): remove it "
+            f"to have it made again, or make it with qerl quantize --method {method} --lora-init {lora_init}"
+        )
     _check_llmcompressor_available(target, fmt, method)
     if not is_complete_folder(target):
         log.info("quantizing %s to %s (%s on qerl-text) into %s", folder, fmt, method.upper(), target)
-    made = str(_calibrated_base(folder, target, fmt, method, device))
+    made = str(_calibrated_base(folder, target, fmt, method, device, lora_init, rank))
     free_accelerator_memory()  # before any run (or vLLM) measures what is free
     return made
 
@@ -136,8 +184,11 @@ def base_labels(
     return labels
 
 
-def _calibrated_base(folder: str, target: Path, fmt: str, method: str, device: str) -> Path:
-    """``qerl quantize --method METHOD --calib qerl-text`` of ``folder`` into ``target``, once."""
+def _calibrated_base(
+    folder: str, target: Path, fmt: str, method: str, device: str, lora_init: str, rank: int
+) -> Path:
+    """``qerl quantize --method METHOD --calib qerl-text [--lora-init INIT]`` of ``folder`` into
+    ``target``, once."""
     from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN
     from qerl_cli.files import write_folder_once
     from qerl_cli.quantize import run_quantize
@@ -147,7 +198,7 @@ def _calibrated_base(folder: str, target: Path, fmt: str, method: str, device: s
             cfg.QuantizeConfig(
                 model=folder, format=fmt, method=method, calib=BUILTIN_NAME, calib_field="text",
                 num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
-                overwrite=True, device=device,
+                overwrite=True, device=device, lora_init=lora_init, lora_init_rank=rank,
             )
         )  # fmt: skip
 
