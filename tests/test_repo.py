@@ -70,3 +70,11 @@ def test_benchmark_run_books_parse_and_use_only_options_qerl_has() -> None:
             known = {opt for param in commands[name].params for opt in param.opts}
             unknown = [flag for flag in flags if flag not in known]
             assert not unknown, f"{script}: qerl {name} has no option {unknown}"
+
+
+def test_the_benchmark_index_links_every_run_folder() -> None:
+    index = (REPO / "benchmarks" / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)/]+)/\)", index))
+    folders = {p.name for p in (REPO / "benchmarks").iterdir() if p.is_dir()}
+    assert folders <= linked, f"not in benchmarks/README.md: {sorted(folders - linked)}"
+    assert linked <= folders, f"linked but missing: {sorted(linked - folders)}"
