@@ -607,7 +607,7 @@ def test_start_signal_columns_and_the_starving_base_warning(
     assert nvfp4.start_no_spread_fraction == 1.0 and nvfp4.base == "nvfp4 RTN"
     (warning,) = report.warnings
     assert warning.startswith("nvfp4-aqn (base nvfp4 RTN) starts with too little signal for GRPO: 0.0% of")
-    assert "a GPTQ base (compare.base_method=gptq" in warning and warning in caplog.text
+    assert "a GPTQ base (qerl quantize --method gptq" in warning and warning in caplog.text
     md = (out / "compare.md").read_text()
     assert "| 0.100 | 50.0% |" in md and "| 0.100 | 100.0% |" in md and "**Warning**: nvfp4-aqn" in md
     on_disk = json.loads((out / "compare.json").read_text())
@@ -672,7 +672,7 @@ def test_signal_warning_names_arms_under_a_tenth_of_groups_with_a_spread() -> No
     (warning,) = summary.signal_warnings(rows)
     assert warning.startswith("nvfp4-aqn (base nvfp4 AWQ) starts with too little signal for GRPO: 6.2% of")
     assert "(the BF16 arm's: 29.2%)" in warning
-    assert "a GPTQ base (compare.base_method=gptq" in warning and "lora.init: eora" in warning
+    assert "a GPTQ base (qerl quantize --method gptq" in warning and "lora.init: eora" in warning
     assert "more samples per prompt (rollout.num_generations: 16 instead of 8 doubled" in warning
 
 

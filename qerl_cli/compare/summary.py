@@ -38,16 +38,9 @@ from qerl_cli.compare.curves import window as _window
 from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
+from qerl_cli.rl.signal import MIN_SIGNAL_FRACTION, RELATIVE_SIGNAL, remedies
 
 START_FRACTION = FINAL_FRACTION  # the first steps: start reward, no-spread groups
-# Below this share of groups with a reward spread GRPO has little to learn from (issue 22): SmolLM2's
-# NVFP4 RTN base had 1.6% against 21.9% for BF16 and learned a quarter as much (its AWQ base, 12.5% over
-# the first steps, learned as much as BF16); on Gemma 3 270M the AWQ 4-bit bases had 4.7-9.4% over the
-# first steps against 26.7% for BF16 and learned half as much (NVFP4 LoRA) or less; with 16 samples a
-# prompt the NVFP4 base had 23.6% and learned as much as BF16 at 8 (BF16 at 16 learned more still).
-MIN_SIGNAL_FRACTION = 0.10
-# A 4-bit arm under this share of the BF16 arm's spread is named too: Gemma's AWQ bases had a third of it.
-RELATIVE_SIGNAL = 0.5
 
 
 def _mean(values: list[float]) -> float | None:
@@ -173,28 +166,13 @@ def signal_warnings(rows: list[ArmRow]) -> list[str]:
         if not (starved or behind):
             continue
         than = f" (the BF16 arm's: {100 * bf16_spread:.1f}%)" if behind else ""
+        fixes = remedies(quantized=quantized, gptq="GPTQ" in base, error_start="start" in base)
         out.append(
             f"{row.arm}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
             f"{100 * spread:.1f}% of its groups had a reward spread over the first steps{than}, start reward "
-            f"{_fmt(row.start_reward)}. Try {_remedies(base)}"
+            f"{_fmt(row.start_reward)}. Try {fixes}"
         )
     return out
-
-
-def _remedies(base: str) -> str:
-    """What keeps a 4-bit base's skill, in the order it helped (``base`` as base_labels names it)."""
-    fixes = []
-    if " " in base and "GPTQ" not in base:
-        fixes.append("a GPTQ base (compare.base_method=gptq; qerl quantize --method gptq)")
-    if " " in base and "EoRA" not in base:
-        fixes.append(
-            "a LoRA that starts from the quantization error (lora.init: eora; qerl quantize --lora-init eora)"
-        )
-    fixes.append(
-        "more samples per prompt (rollout.num_generations: 16 instead of 8 doubled NVFP4 LoRA's held-out "
-        "accuracy on Gemma 3 270M, to BF16 LoRA's at 8, where temperature 1.0 did not)"
-    )
-    return ", or ".join(fixes)
 
 
 def _fmt(value: float | None, digits: int = 3, sd: float | None = None) -> str:

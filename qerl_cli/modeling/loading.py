@@ -35,6 +35,21 @@ MISSING_MODEL_HINT = (
 _IGNORED_SUFFIXES = (".input_global_scale",)
 
 
+# The record `qerl quantize` writes beside a 4-bit checkpoint (qerl_cli.quantize.report.QuantizeResult).
+QUANT_RECORD = "qerl_quant.json"
+
+
+def quantized_with(path: str | Path) -> str | None:
+    """The method (gptq, awq, rtn) `qerl quantize` made the checkpoint at ``path`` with; None when it
+    holds no readable record (a BF16 model, or a 4-bit one made elsewhere)."""
+    record = Path(path) / QUANT_RECORD
+    try:
+        method = json.loads(record.read_text()).get("method")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(method) if method else None
+
+
 def read_config(path: Path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():

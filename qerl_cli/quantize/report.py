@@ -23,8 +23,9 @@ import torch
 from qerl_cli.envinfo import versions_of
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import LoraInitInfo
+from qerl_cli.modeling.loading import QUANT_RECORD
 
-REPORT_NAME = "qerl_quant.json"
+REPORT_NAME = QUANT_RECORD  # beside the checkpoint; its name lives with the loader that reads it
 WORST_LAYERS = 5
 VERSIONED_PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "bitsandbytes", "torch")
 

@@ -37,6 +37,7 @@ from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_con
 from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
 from qerl_cli.modeling.aqn import SigmaSearch
+from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
@@ -47,6 +48,7 @@ from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
+from qerl_cli.rl.signal import StartSignal
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
 from qerl_cli.rl.update import update_policy
@@ -394,6 +396,7 @@ def _run_steps(
         if trainer.dist.is_main
         else None
     )
+    signal = start_signal(trainer) if resume_step is None else None  # a resumed run warned already
     try:
         with progress_bar(progress, cfg.train.max_steps, trainer.step) as bar:
             while trainer.step < cfg.train.max_steps:
@@ -414,12 +417,26 @@ def _run_steps(
                 if metrics is not None:
                     metrics.log(record)
                     metrics.log_completions(trainer.step, trainer.last_samples)
+                    warning = signal.observe(record) if signal is not None else None
+                    if warning:
+                        log.warning("%s", warning)
                 bar(record)
                 if on_step is not None:
                     on_step(trainer.step, record)
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def start_signal(trainer: Trainer) -> StartSignal:
+    """The first steps' reward-spread check, told what this run's base and LoRA start already are."""
+    cfg = trainer.cfg
+    return StartSignal(
+        cfg.train.max_steps,
+        quantized=trainer.policy.is_quantized,
+        gptq=quantized_with(cfg.model.path) == "gptq",
+        error_start=cfg.lora.init != "zeros",
+    )
 
 
 def _mean(values: list[float]) -> float:

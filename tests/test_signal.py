@@ -1,0 +1,42 @@
+"""The start-of-run reward-spread check that `qerl train` warns with, and the remedies it names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from qerl_cli.config import TrainConfig
+from qerl_cli.modeling.loading import quantized_with
+from qerl_cli.rl.signal import StartSignal, remedies, start_steps
+from qerl_cli.rl.trainer import start_signal
+
+
+def test_the_warning_comes_once_after_the_first_tenth_of_the_run_and_only_when_starved() -> None:
+    assert start_steps(60) == 6 and start_steps(3) == 1
+    check = StartSignal(20, quantized=True, gptq=False, error_start=False)
+    assert check.observe({"zero_std_group_fraction": 0.95}) is None  # step 1 of 2
+    warning = check.observe({"zero_std_group_fraction": 0.93})
+    assert warning is not None and "reward spread in 6.0% of prompt groups" in warning
+    assert "--method gptq" in warning and "--lora-init eora" in warning and "num_generations: 16" in warning
+    assert check.observe({"zero_std_group_fraction": 1.0}) is None  # said once
+    fed = StartSignal(20, quantized=True, gptq=False, error_start=False)
+    assert [fed.observe({"zero_std_group_fraction": f}) for f in (0.9, 0.9)] == [None, None]  # a tenth: enough
+
+
+def test_remedies_leave_out_what_the_run_already_uses() -> None:
+    both = remedies(quantized=True, gptq=True, error_start=True)
+    assert "GPTQ" not in both and "lora.init" not in both and "num_generations" in both
+    assert "GPTQ" not in remedies(quantized=False, gptq=False, error_start=False)  # a BF16 run
+
+
+def test_the_trainer_tells_the_check_its_base_method_and_lora_start(tmp_path: Path) -> None:
+    assert quantized_with(tmp_path) is None  # no record: a BF16 model, or one made elsewhere
+    (tmp_path / "qerl_quant.json").write_text(json.dumps({"method": "gptq", "format": "nvfp4"}))
+    assert quantized_with(tmp_path) == "gptq"
+    cfg = TrainConfig()
+    cfg.model.path, cfg.train.max_steps, cfg.lora.init = str(tmp_path), 60, "eora"
+    check = start_signal(SimpleNamespace(cfg=cfg, policy=SimpleNamespace(is_quantized=True)))
+    assert (check.window, check.quantized, check.gptq, check.error_start) == (6, True, True, True)
+    (tmp_path / "qerl_quant.json").write_text("not json")
+    assert quantized_with(tmp_path) is None
