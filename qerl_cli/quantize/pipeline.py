@@ -9,7 +9,9 @@ Recipes::
 
 GPTQ rounds one column at a time and spreads each column's rounding error over the columns not yet
 rounded, weighted by the calibration activations' second moments (the layer Hessian): on Gemma 3 270M
-it kept 14x less KL to the BF16 model than AWQ (a CPU probe, 256 held-out problems). The
+it kept 14x less KL to the BF16 model than AWQ (a CPU probe, 256 held-out problems; AWQ as it was
+before its smoothing of Gemma's ``1 + w`` norms was made exact, which halved its KL there: see
+``awq_mappings``, where what AWQ needs to know per architecture lives). The
 checkpoint is saved with ``save_compressed=True`` in compressed-tensors' ``nvfp4-pack-quantized`` /
 ``mxfp4-pack-quantized`` layout, which transformers, vLLM and qerl's QuantLinear load.
 
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.quantize import awq_mappings
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
 SCHEMES = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
@@ -104,7 +107,12 @@ def run_oneshot(model: torch.nn.Module, tokenizer, recipe: list[Any], calibratio
     a time to the accelerator if there is one.
     """
     from llmcompressor import oneshot
+    from llmcompressor.modifiers.transform.awq import AWQModifier
 
+    mappings = awq_mappings.mappings_for(model)  # before the offset norms are swapped out
+    for modifier in recipe:
+        if isinstance(modifier, AWQModifier) and modifier.mappings is None and mappings is not None:
+            modifier.mappings = mappings
     kwargs: dict[str, Any] = {}
     if calibration is not None:
         kwargs.update(
@@ -114,7 +122,9 @@ def run_oneshot(model: torch.nn.Module, tokenizer, recipe: list[Any], calibratio
             # qerl already shuffled with its own seed; a second shuffle would make runs irreproducible.
             shuffle_calibration_samples=False,
         )
-    with cpu_pin_memory_workaround():
+    # Gemma-style norms (scale 1 + w) are smoothed exactly and come back unchanged where AWQ did not
+    # smooth them: see awq_mappings.
+    with cpu_pin_memory_workaround(), awq_mappings.exact_offset_norms(model):
         oneshot(model=model, tokenizer=tokenizer, recipe=recipe, **kwargs)
 
 
