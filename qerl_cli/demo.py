@@ -25,7 +25,7 @@ EVAL_SAMPLES = 4  # temperature-1 samples per held-out problem
 
 
 def demo_train_config(model_path: str | Path, out_dir: str | Path, *, steps: int, seed: int) -> TrainConfig:
-    """``recipes/tiny.yaml`` in code (the installed package does not ship the recipes folder)."""
+    """The shipped ``tiny`` recipe's settings, in code, with the demo's model and output folder."""
     overrides = [
         f"model.path={model_path}",
         "model.dtype=float32",

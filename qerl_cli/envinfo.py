@@ -10,21 +10,22 @@ import importlib.metadata
 import platform
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-# (label, distribution name) in report order.
-PACKAGES = [
-    ("torch", "torch"),
-    ("transformers", "transformers"),
-    ("peft", "peft"),
-    ("vllm", "vllm"),
-    ("llmcompressor", "llmcompressor"),
-    ("compressed-tensors", "compressed-tensors"),
-    ("bitsandbytes", "bitsandbytes"),
-    ("math-verify", "math-verify"),
-    ("datasets", "datasets"),
-    ("triton", "triton"),
-]
+# What `qerl env` reports, in report order (distribution names).
+PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "vllm",
+    "llmcompressor",
+    "compressed-tensors",
+    "bitsandbytes",
+    "math-verify",
+    "datasets",
+    "triton",
+)
 
 
 def package_version(dist: str) -> str | None:
@@ -34,16 +35,26 @@ def package_version(dist: str) -> str | None:
         return None
 
 
-def versions_of(dists: Iterable[str]) -> dict[str, str | None]:
-    """``{distribution: installed version or None}``, in the order given (each stage lists its own)."""
+def package_versions(dists: Iterable[str] = PACKAGES) -> dict[str, str | None]:
+    """``{distribution: installed version or None}``, in the order given (each report lists its own).
+
+    Read from distribution metadata, so nothing is imported (vLLM stays unimported).
+    """
     return {dist: package_version(dist) for dist in dists}
 
 
-def package_versions() -> dict[str, str | None]:
-    return {label: package_version(dist) for label, dist in PACKAGES}
+@dataclass(frozen=True)
+class GpuInfo:
+    """One CUDA device as torch sees it; each report lays these out its own way."""
+
+    index: int
+    name: str
+    memory_bytes: int
+    capability: str  # "major.minor"
 
 
-def gpu_info() -> list[dict[str, Any]]:
+def gpu_info() -> list[GpuInfo]:
+    """Every visible CUDA device, in index order; empty without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
@@ -51,14 +62,7 @@ def gpu_info() -> list[dict[str, Any]]:
     gpus = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
-        gpus.append(
-            {
-                "index": index,
-                "name": props.name,
-                "memory_gib": round(props.total_memory / 2**30, 2),
-                "compute_capability": f"{props.major}.{props.minor}",
-            }
-        )
+        gpus.append(GpuInfo(index, props.name, props.total_memory, f"{props.major}.{props.minor}"))
     return gpus
 
 
@@ -74,5 +78,13 @@ def collect() -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "packages": package_versions(),
-        "gpus": gpu_info(),
+        "gpus": [
+            {
+                "index": gpu.index,
+                "name": gpu.name,
+                "memory_gib": round(gpu.memory_bytes / 2**30, 2),
+                "compute_capability": gpu.capability,
+            }
+            for gpu in gpu_info()
+        ],
     }

@@ -34,7 +34,7 @@ start() {  # start NAME 'COMMAND': detached, logged, exit code recorded
   echo "started $name"
 }
 
-snapshot() { rm -rf "$RUN/repo" && mkdir -p "$RUN/repo" && cp -r qerl_cli scripts recipes "$RUN/repo/"; }
+snapshot() { rm -rf "$RUN/repo" && mkdir -p "$RUN/repo" && cp -r qerl_cli scripts "$RUN/repo/"; }
 install_wheels() {  # the model's small wheels; bitsandbytes (vLLM's NF4 loader) where carried in /tmp/bnb
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     /tmp/gemma/whl/*.whl || return 1

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 log = logging.getLogger("device_gemma_vllm")
-RECIPE = ROOT / "recipes" / "gemma3_270m_wordproblems.yaml"
+RECIPE = ROOT / "qerl_cli" / "config" / "recipes" / "gemma3_270m_wordproblems.yaml"
 # Used when the qerl-fewshot template is not in this checkout (it comes with the prompt-template work).
 FALLBACK_SYSTEM_PROMPT = "Solve the math word problem. Show the sum, then end with: The answer is N."
 

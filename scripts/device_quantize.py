@@ -187,9 +187,10 @@ def main() -> None:
         "timings_s": {},
         "phase": "start",
     }
-    from qerl_cli.quantize.report import package_versions
+    from qerl_cli.envinfo import package_versions
+    from qerl_cli.quantize.report import VERSIONED_PACKAGES
 
-    result["versions"] = package_versions()
+    result["versions"] = package_versions(VERSIONED_PACKAGES)
     total = time.perf_counter()
     quant_dir = args.work / "nvfp4" if args.skip_quantize else quantize(args, result, out_dir)
     if args.vllm:

@@ -28,7 +28,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qe
 TRITON='vllm_kwargs={attention_backend: TRITON_ATTN}'
 
 snapshot() {  # the code this part runs, frozen now
-  rm -rf "$RUN/repo" && mkdir -p "$RUN/repo" && cp -r qerl_cli scripts recipes "$RUN/repo/"
+  rm -rf "$RUN/repo" && mkdir -p "$RUN/repo" && cp -r qerl_cli scripts "$RUN/repo/"
 }
 
 start() {  # start NAME 'COMMAND': detached, logged, exit code recorded

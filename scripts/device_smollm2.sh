@@ -8,7 +8,7 @@
 #   2. command: cp .smol/p2/* /tmp/smol/                                carry: [".smol/p2"]
 #   3. command: cp -r .smol/p3/* /tmp/smol/ && bash scripts/device_smollm2.sh   carry: [".smol/p3"]
 # (detached, from a copy, so later device calls cannot change the code it runs: cp -r qerl_cli scripts
-# recipes /tmp/smol-repo/ && cd /tmp/smol-repo && (setsid bash scripts/device_smollm2.sh > /tmp/smol.log 2>&1 &))
+# /tmp/smol-repo/ && cd /tmp/smol-repo && (setsid bash scripts/device_smollm2.sh > /tmp/smol.log 2>&1 &))
 # Knobs (env): ARMS (bf16-lora,nvfp4-lora,nvfp4-aqn), STEPS (default 30), SEEDS (3), JOBS (9), HELDOUT (128),
 # SITE (/tmp/smol-site), COMPARE_ONLY=1 (skip (b) and (c)), COMPARE_SETS (more --set for
 # compare, e.g. "--set compare.base_method=awq" for AWQ NVFP4 bases). Writes at most 8 files to $OUT:

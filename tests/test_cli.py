@@ -55,7 +55,7 @@ def test_train_dry_run_prints_the_override(capsys: pytest.CaptureFixture[str]) -
     rc, out, _ = run(
         capsys,
         "train",
-        str(REPO / "recipes/bigmath_14b.yaml"),
+        str(REPO / "qerl_cli/config/recipes/bigmath_14b.yaml"),
         "--dry-run",
         "--set",
         "train.learning_rate=2e-5",
@@ -170,7 +170,7 @@ def test_compare_renders_its_report(
     report = CompareReport.from_dict(data)
     results = iter([CompareResult(output="out", runs=9, ran=0, report=report), CompareResult("out", 9, 0)])
     monkeypatch.setattr(compare_mod, "run_compare", lambda *a, **k: next(results))
-    recipe = str(REPO / "recipes" / "tiny.yaml")
+    recipe = str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml")
     rc, out, _ = run(capsys, "compare", recipe)
     assert rc == 0 and "qerl compare (threshold 0.216)" in out and "compare.json, compare.md" in out
     rc, out, _ = run(capsys, "compare", recipe, "--no-summary")  # nothing to render
@@ -342,7 +342,7 @@ OPTIONS = {
         "--num-samples", "--seq-len", "--output", "-o", "--overwrite", "--skip-incompatible", "--eval-ppl",
         "--lora-init", "--lora-init-rank", "--config", "--set", "--dry-run",
     },
-    "train": {"--set", "--resume", "--dry-run"},
+    "train": {"--set", "--resume", "--dry-run", "--keys"},
     "eval": {
         "--adapter", "--benchmarks", "--samples", "--engine", "--data-file", "--output", "-o",
         "--max-new-tokens", "--max-problems", "--rescore", "--baseline", "--config", "--set", "--dry-run",
@@ -371,7 +371,7 @@ DRY_RUNS = [
          "seq_len": 64, "lora_init": "svd", "lora_init_rank": 4},
     ),
     (
-        ["train", str(REPO / "recipes" / "tiny.yaml"), "--set", "train.max_steps=3"],
+        ["train", str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"), "--set", "train.max_steps=3"],
         {"train": lambda train: train["max_steps"] == 3},
     ),
     (
@@ -480,3 +480,56 @@ def test_every_option_is_registered_under_other_typers(typer_dir: str | None) ->
     assert done.returncode == 0, done.stderr[-3000:]
     version, path = done.stdout.split()[-2:]
     assert Path(path).resolve().is_relative_to(Path(typer_dir).resolve()), f"typer {version} came from {path}"
+
+
+# -- recipe keys documented where declared, shown by `qerl train --keys`; shipped recipes by name --------
+
+
+def test_train_keys_prints_every_recipe_key_with_type_default_and_meaning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli.config import TrainConfig
+    from qerl_cli.config.keydocs import key_docs
+
+    monkeypatch.setenv("COLUMNS", "200")
+    rc, out, _ = run(capsys, "train", "--keys")
+    assert rc == 0
+    heads = [line for line in out.splitlines() if line and not line.startswith(" ")]
+    assert [line.split(":", 1)[0] for line in heads] == [doc.key for doc in key_docs(TrainConfig)]
+    assert "rollout.engine: 'hf' | 'vllm' = hf" in heads
+    assert "train.learning_rate: float = 1e-05" in heads
+    assert "train.micro_batch_size: int | 'auto' = 8" in heads
+    assert "[rows, length, vocab]" in out  # the help is printed as written, not read as rich markup
+    # One section, or one key, in place of RECIPE.
+    rc, out, _ = run(capsys, "train", "--keys", "aqn")
+    assert rc == 0
+    keys = [line.split(":", 1)[0] for line in out.splitlines() if line and not line.startswith(" ")]
+    assert keys and all(key.startswith("aqn.") for key in keys) and "aqn.target" in keys
+    rc, out, _ = run(capsys, "train", "--keys", "lora.init")
+    assert rc == 0 and out.startswith("lora.init: 'zeros' | 'eora' | 'svd' = zeros\n") and "EoRA" in out
+    rc, _, err = run(capsys, "train", "--keys", "rolout")
+    assert rc == 2 and "no such section or key" in err and "rollout" in err
+
+
+def test_train_takes_a_shipped_recipe_by_name_or_by_its_old_path(capsys: pytest.CaptureFixture[str]) -> None:
+    for recipe in ("gsm8k_7b", "gsm8k_7b.yaml", "recipes/gsm8k_7b.yaml"):
+        rc, out, _ = run(capsys, "train", recipe, "--dry-run")
+        assert rc == 0, recipe
+        assert yaml.safe_load(out)["model"]["path"] == "./Qwen2.5-7B-Instruct-NVFP4"
+    rc, _, err = run(capsys, "train", "gsm8k_9b", "--dry-run")
+    assert rc == 2 and "recipe file not found" in err and "gsm8k_7b" in err
+
+
+def test_models_keeps_each_alias_whole_at_80_columns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The alias is what a user copies into a command: a table narrower than the content must not wrap it."""
+    from qerl_cli.modeling.sources import known_models
+
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out, _ = run(capsys, "models")
+    assert rc == 0
+    table = out.split("┗", 1)[0] if "┗" in out else out.split("└", 1)[0]
+    for row in known_models():
+        assert f"│ {row['alias']} " in table, row["alias"]
+    assert max(len(line) for line in out.splitlines()) <= 80

@@ -178,3 +178,65 @@ def test_errors_name_the_flag_or_the_recipe_key_not_the_class(tmp_path: Path) ->
     recipe = write(tmp_path, {"model": {"path": "m"}, "train": {"learning_rate": -1.0}})
     with pytest.raises(QerlError, match=r"train\.learning_rate"):
         cfg.load_config(cfg.TrainConfig, recipe)
+
+
+# -- every key documented where it is declared (qerl_cli.config.keydocs) -----------------------------------
+
+
+@pytest.mark.parametrize("config", [cfg.TrainConfig, cfg.QuantizeConfig, cfg.EvalConfig, cfg.BenchConfig])
+def test_every_config_key_has_help(config: type) -> None:
+    """A new field needs a comment above it (or after it on its line): `qerl train --keys` shows it."""
+    from qerl_cli.config.keydocs import key_docs
+
+    docs = key_docs(config)
+    assert docs
+    undocumented = [doc.key for doc in docs if not doc.help]
+    assert not undocumented, f"write a comment above each of these fields: {undocumented}"
+
+
+def test_key_docs_read_the_comment_block_and_the_line_comment() -> None:
+    from qerl_cli.config.keydocs import field_help, key_docs
+
+    helps = field_help(cfg.AlgorithmSection)
+    assert helps["beta"].startswith("k3 KL to the adapter-free model")  # the comment after the field
+    assert helps["loss_type"].startswith("grpo: per-sequence mean") and "dr_grpo" in helps["loss_type"]
+    assert "name" in helps and "loss_type" not in helps["name"]  # one block per field, not the next one's
+    docs = {doc.key: doc for doc in key_docs(cfg.TrainConfig)}
+    assert docs["lora.target_modules"].default.startswith("[q_proj, k_proj")
+    assert docs["model.revision"].type == "str | null" and docs["model.revision"].default == "null"
+    assert "compare" in docs and "aqn" not in docs  # sections are expanded into their keys
+
+
+# -- shipped recipes: package data, found by name or by their repository path ------------------------------
+
+
+def test_every_shipped_recipe_loads() -> None:
+    names = cfg.shipped_recipes()
+    assert {"tiny", "gsm8k_7b", "bigmath_32b", "smollm2_wordproblems"} <= set(names)
+    for name in names:
+        assert cfg.load_config(cfg.TrainConfig, name, ["model.path=m"]).model.path == "m"
+
+
+def test_recipe_names_resolve_to_the_shipped_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = cfg.SHIPPED_RECIPES / "tiny.yaml"
+    monkeypatch.chdir(tmp_path)  # outside a clone
+    for given in ("tiny", "tiny.yaml", "recipes/tiny.yaml", tmp_path / "recipes" / "tiny.yaml"):
+        assert cfg.resolve_recipe(given) == shipped, given
+    own = tmp_path / "recipes" / "tiny.yaml"  # a file that exists wins over the shipped one
+    own.parent.mkdir()
+    own.write_text("model: {path: mine}\n")
+    assert cfg.resolve_recipe("recipes/tiny.yaml") == Path("recipes/tiny.yaml")
+    assert cfg.read_yaml("recipes/tiny.yaml") == {"model": {"path": "mine"}}
+    for missing in ("nope", "recipes/nope.yaml", "elsewhere/tiny.yaml", "tiny.json"):
+        with pytest.raises(QerlError, match=r"recipe file not found: .*shipped with qerl.*gsm8k_7b"):
+            cfg.resolve_recipe(missing)
+
+
+def test_the_package_data_carries_the_recipes() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["qerl_cli"]
+    package = Path(cfg.__file__).resolve().parents[1]  # qerl_cli/
+    shipped = {p for pattern in globs for p in package.glob(pattern)}
+    assert set(cfg.SHIPPED_RECIPES.glob("*.y*ml")) <= shipped

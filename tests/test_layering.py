@@ -13,7 +13,8 @@ PACKAGE = REPO / "qerl_cli"
 # Lower layers never import higher ones, and packages of one level never import each other. From the
 # bottom: the base modules, formats, kernels, modeling, rewards (text in, grade out), then
 # data/rollout, then rl/evaluation/quantize, then bench/compare/demo, then the CLI.
-BASE = {"errors", "torch_utils", "files", "config", "envinfo"}  # import nothing of qerl but each other
+# The base modules import nothing of qerl but each other.
+BASE = {"errors", "torch_utils", "files", "config", "envinfo", "stats"}
 LEVELS = [
     {"formats"},
     {"kernels"},

@@ -393,7 +393,8 @@ def test_cli_run_killed_after_a_checkpoint_resumes_exactly(tiny_model_dir: Path,
     ]  # fmt: skip
 
     def command(out: Path, *extra: str) -> list[str]:
-        args = [sys.executable, "-m", "qerl_cli.cli", "train", str(REPO / "recipes" / "tiny.yaml")]
+        recipe = REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"
+        args = [sys.executable, "-m", "qerl_cli.cli", "train", str(recipe)]
         for item in [*sets, f"output.dir={out}"]:
             args += ["--set", item]
         return args + list(extra)
@@ -432,7 +433,7 @@ def test_tiny_recipe_reward_rises_on_a_bf16_base(tiny_base: dict[str, Path], tmp
     """The BF16 LoRA baseline learns too (the NVFP4 run is the CLI test below)."""
     cfg = load_config(
         TrainConfig,
-        REPO / "recipes" / "tiny.yaml",
+        REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml",
         [f"model.path={tiny_base['bf16']}", f"output.dir={tmp_path / 'bf16'}"],
     )
     assert cfg.aqn.enabled
@@ -461,7 +462,7 @@ def test_trained_adapter_beats_the_base_under_qerl_eval(tiny_base: dict[str, Pat
     problems (issue 7's acceptance)."""
     from qerl_cli.cli import main
 
-    recipe = REPO / "recipes" / "tiny.yaml"
+    recipe = REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"
     run_dir = tmp_path / "run"
     assert (
         main(["train", str(recipe), f"--set=model.path={tiny_base['nvfp4']}", f"--set=output.dir={run_dir}"])

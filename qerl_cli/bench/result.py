@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.envinfo import versions_of
+from qerl_cli.envinfo import gpu_info, package_versions
 from qerl_cli.errors import QerlError
 
 SCHEMA = "qerl-bench/1"
@@ -184,11 +184,6 @@ class BenchResult:
 # --------------------------------------------------------------------------------------------
 # Environment
 # --------------------------------------------------------------------------------------------
-def package_versions() -> dict[str, str | None]:
-    """Installed versions from package metadata (no imports: vLLM must stay unimported here)."""
-    return {**versions_of(_VERSIONED_PACKAGES), "python": platform.python_version()}
-
-
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -203,24 +198,26 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def gpu_info() -> dict[str, Any] | None:
+def gpu_summary() -> dict[str, Any] | None:
+    """``bench.json``'s ``gpu``: the first GPU and how many there are; None on the CPU."""
+    gpus = gpu_info()
+    if not gpus:
+        return None
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(0)
+    first = gpus[0]
     return {
-        "name": props.name,
-        "count": torch.cuda.device_count(),
-        "memory_bytes": props.total_memory,
-        "capability": f"{props.major}.{props.minor}",
+        "name": first.name,
+        "count": len(gpus),
+        "memory_bytes": first.memory_bytes,
+        "capability": first.capability,
         "cuda": torch.version.cuda,
     }
 
 
 def new_report(settings: dict[str, Any]) -> BenchResult:
     """The report skeleton: environment and settings, no figures yet."""
-    gpu = gpu_info()
+    gpu = gpu_summary()
     label = (
         f"GPU figures ({gpu['name']})"
         if gpu
@@ -234,7 +231,7 @@ def new_report(settings: dict[str, Any]) -> BenchResult:
         figures_label=label,
         machine=machine_info(),
         gpu=gpu,
-        versions=package_versions(),
+        versions={**package_versions(_VERSIONED_PACKAGES), "python": platform.python_version()},
         settings=settings,
     )
 

@@ -71,7 +71,9 @@ def env_table(info: dict[str, Any]) -> Table:
 
 def print_models(rows: list[dict[str, str]]) -> None:
     table = Table(title="qerl models (every command taking a model accepts an alias, a .gguf or a folder)")
-    for column in ("alias", "description", "get it", "status"):
+    # The alias is what a user copies: never wrapped; the other columns give way (fold long tokens).
+    table.add_column("alias", no_wrap=True, min_width=max((len(row["alias"]) for row in rows), default=5))
+    for column in ("description", "get it", "status"):
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(row["alias"], row["description"], row["get_it"], row["status"])

@@ -6,6 +6,7 @@ without the optional extras (vLLM, llm-compressor).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -130,7 +131,15 @@ def quantize(
 
 
 def train(
-    recipe: Annotated[Path, typer.Argument(metavar="RECIPE", help="Recipe YAML (see recipes/).")],
+    ctx: typer.Context,
+    recipe: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="RECIPE",
+            help="Recipe YAML: a path, or a shipped recipe's name (tiny, gsm8k_7b, ...).",
+            show_default=False,
+        ),
+    ] = None,
     set_: TrainSet = None,
     resume: Annotated[
         str | None,
@@ -141,11 +150,26 @@ def train(
         ),
     ] = None,
     dry_run: DryRunOption = False,
+    keys: Annotated[
+        bool,
+        typer.Option(
+            "--keys",
+            help="Print every recipe key: its type, default and meaning. `--keys SECTION` (rollout, "
+            "aqn.target, ...) in place of RECIPE prints only those.",
+        ),
+    ] = False,
 ) -> None:
     """GRPO / DAPO on LoRA adapters over a frozen 4-bit (or BF16) base, with AQN.
 
     On N GPUs: torchrun --nproc-per-node N -m qerl_cli train RECIPE.yaml (data parallel).
     """
+    if keys:
+        print_keys(cfg.TrainConfig, "" if recipe is None else str(recipe))
+        return
+    if recipe is None:  # optional only for --keys: otherwise the usage error of any missing argument
+        # click's, or typer's vendored copy of click (typer >= 0.28), whichever raised BadParameter here.
+        missing = importlib.import_module(typer.BadParameter.__module__).MissingParameter
+        raise missing(ctx=ctx, param_type="argument", param_hint="'RECIPE'")
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
     if finish_config(conf, dry_run):
         return
@@ -159,6 +183,29 @@ def train(
     )
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
+
+
+def print_keys(config: type, prefix: str) -> None:
+    """Each key of ``config`` under ``prefix`` (a section, a key, or "" for all): dotted name, type,
+    default, and the comment that documents it where it is declared (qerl_cli.config.keydocs)."""
+    import textwrap
+
+    from rich.markup import escape
+
+    from qerl_cli.config.keydocs import key_docs, sections
+
+    docs = [d for d in key_docs(config) if not prefix or d.key == prefix or d.key.startswith(f"{prefix}.")]
+    if not docs:
+        known = ", ".join(sections(config))
+        raise QerlError(f"--keys {prefix}: no such section or key; the sections: {known}")
+    for doc in docs:
+        console.print(
+            f"[bold]{escape(doc.key)}[/bold]: {escape(doc.type)} = {escape(doc.default)}", highlight=False
+        )
+        meaning = textwrap.fill(
+            doc.help, max(40, console.width), initial_indent=" " * 4, subsequent_indent=" " * 4
+        )
+        console.print(escape(meaning), highlight=False, soft_wrap=True)
 
 
 def eval_(

@@ -39,20 +39,16 @@ from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResu
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
 from qerl_cli.rl.signal import MIN_SIGNAL_FRACTION, RELATIVE_SIGNAL, remedies
+from qerl_cli.stats import mean, present
 
 START_FRACTION = FINAL_FRACTION  # the first steps: start reward, no-spread groups
 
 
-def _mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(values) / len(values) if values else None
-
-
 def _sd(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None and not math.isnan(v)]
+    values = present(values)
     if len(values) < 2:
         return None
-    m = sum(values) / len(values)
+    m = mean(values)
     return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
 
 
@@ -79,11 +75,11 @@ def run_figures(result: RunResult) -> RunFigures:
     steps = len(rewards)
     no_spread = result.zero_std_group_fraction
     return RunFigures(
-        final_reward=_mean(rewards[-_window(steps, FINAL_FRACTION) :]),
-        first_reward=_mean(rewards[: _window(steps, FINAL_FRACTION)]),
-        start_reward=_mean(rewards[: _window(steps, START_FRACTION)]),
-        start_no_spread=_mean(no_spread[: _window(steps, START_FRACTION)]),
-        early_entropy=_mean(entropy[: _window(steps, EARLY_FRACTION)]),
+        final_reward=mean(present(rewards[-_window(steps, FINAL_FRACTION) :]), empty=None),
+        first_reward=mean(present(rewards[: _window(steps, FINAL_FRACTION)]), empty=None),
+        start_reward=mean(present(rewards[: _window(steps, START_FRACTION)]), empty=None),
+        start_no_spread=mean(present(no_spread[: _window(steps, START_FRACTION)]), empty=None),
+        early_entropy=mean(present(entropy[: _window(steps, EARLY_FRACTION)]), empty=None),
         heldout=result.heldout.pass_at_1,
         heldout_se=result.heldout.pass_at_1_se,
     )
@@ -109,8 +105,10 @@ def arm_rows(
 ) -> tuple[list[ArmRow], float]:  # fmt: skip
     figures = {arm: [run_figures(r) for r in runs] for arm, runs in results.items()}
     if threshold is None:
-        start = _mean([f.first_reward for runs in figures.values() for f in runs]) or 0.0
-        best = max((_mean([f.final_reward for f in runs]) or 0.0) for runs in figures.values())
+        start = mean(present([f.first_reward for runs in figures.values() for f in runs]), empty=None) or 0.0
+        best = max(
+            (mean(present([f.final_reward for f in runs]), empty=None) or 0.0) for runs in figures.values()
+        )
         threshold = start + 0.5 * (best - start)
     rows = []
     for arm, runs in results.items():
@@ -125,20 +123,20 @@ def arm_rows(
                 base=(base_labels or {}).get(arm),
                 seeds=len(runs),
                 steps=max(len(r.reward) for r in runs),
-                final_reward=_mean([f.final_reward for f in figs]),
+                final_reward=mean(present([f.final_reward for f in figs]), empty=None),
                 final_reward_sd=_sd([f.final_reward for f in figs]),
                 base_heldout_accuracy=base.heldout.pass_at_1 if base else None,
                 base_heldout_se=base.heldout.pass_at_1_se if base else None,
                 base_entropy=base.entropy.get("exact_entropy") if base else None,
-                heldout_accuracy=_mean(heldout),
+                heldout_accuracy=mean(present(heldout), empty=None),
                 heldout_se=se / math.sqrt(len(heldout)) if se is not None else figs[0].heldout_se,
                 heldout_per_seed=heldout,
-                steps_to_threshold=_mean([s for s in reached if s is not None]),
+                steps_to_threshold=mean(present(reached), empty=None),
                 reached_threshold=f"{sum(s is not None for s in reached)}/{len(runs)}",
-                early_entropy=_mean([f.early_entropy for f in figs]),
+                early_entropy=mean(present([f.early_entropy for f in figs]), empty=None),
                 early_entropy_sd=_sd([f.early_entropy for f in figs]),
-                start_reward=_mean([f.start_reward for f in figs]),
-                start_no_spread_fraction=_mean([f.start_no_spread for f in figs]),
+                start_reward=mean(present([f.start_reward for f in figs]), empty=None),
+                start_no_spread_fraction=mean(present([f.start_no_spread for f in figs]), empty=None),
             )
         )
     return rows, threshold

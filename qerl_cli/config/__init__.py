@@ -7,12 +7,15 @@ and unsurprising (``"2e-5"`` -> 2e-5 for a float field, since YAML 1.1 reads ``2
 """
 
 from qerl_cli.config.loading import (
+    SHIPPED_RECIPES,
     apply_overrides,
     dump_yaml,
     from_dict,
     load_config,
     read_yaml,
+    resolve_recipe,
     save_resolved_config,
+    shipped_recipes,
     to_dict,
     validate,
 )
@@ -37,9 +40,10 @@ from qerl_cli.config.sections import (
 from qerl_cli.config.stages import BenchConfig, EvalConfig, QuantizeConfig
 
 __all__ = [
-    "BENCHMARKS_ALL", "LORA_TARGETS_ALL", "RESOLVED_CONFIG_NAME", "AQNSection", "AlgorithmSection",
-    "BenchConfig", "DataSection", "EngineName", "EvalConfig", "LoraSection", "ModelFormat", "ModelSection",
-    "OutputSection", "QuantFormat", "QuantizeConfig", "RewardSection", "RolloutSection", "TrainConfig",
-    "TrainSection", "apply_overrides", "dump_yaml", "from_dict", "load_config", "read_yaml",
-    "save_resolved_config", "to_dict", "validate",
+    "BENCHMARKS_ALL", "LORA_TARGETS_ALL", "RESOLVED_CONFIG_NAME", "SHIPPED_RECIPES", "AQNSection",
+    "AlgorithmSection", "BenchConfig", "DataSection", "EngineName", "EvalConfig", "LoraSection",
+    "ModelFormat", "ModelSection", "OutputSection", "QuantFormat", "QuantizeConfig", "RewardSection",
+    "RolloutSection", "TrainConfig", "TrainSection", "apply_overrides", "dump_yaml", "from_dict",
+    "load_config", "read_yaml", "resolve_recipe", "save_resolved_config", "shipped_recipes", "to_dict",
+    "validate",
 ]  # fmt: skip

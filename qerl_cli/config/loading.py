@@ -239,10 +239,35 @@ class _RecipeLoader(yaml.SafeLoader):
             self._refuse_duplicates(value_node, path, seen_nodes)
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+# The recipes that ship with qerl (package data, so `pip install qerl` carries them).
+SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
+
+
+def shipped_recipes() -> list[str]:
+    """The names of the shipped recipes (``qerl train NAME``), sorted."""
+    return sorted(p.stem for p in SHIPPED_RECIPES.glob("*.yaml"))
+
+
+def resolve_recipe(path: str | Path) -> Path:
+    """``path`` when it is a file; else the shipped recipe it names: a bare name (``gsm8k_7b``,
+    ``gsm8k_7b.yaml``) or a ``recipes/NAME.yaml`` path (the repository's old layout, and the README's
+    commands run anywhere)."""
     path = Path(path)
-    if not path.is_file():
-        raise QerlError(f"recipe file not found: {path} (recipes/ holds the shipped ones)")
+    if path.is_file():
+        return path
+    bare = len(path.parts) == 1
+    if (bare or path.parent.name == "recipes") and path.suffix in ("", ".yaml", ".yml"):
+        shipped = SHIPPED_RECIPES / f"{path.stem}.yaml"
+        if shipped.is_file():
+            return shipped
+    raise QerlError(
+        f"recipe file not found: {path}; the recipes shipped with qerl (qerl train NAME): "
+        f"{', '.join(shipped_recipes())}"
+    )
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = resolve_recipe(path)
     try:
         data = yaml.load(path.read_text(), Loader=_RecipeLoader) or {}
     except DuplicateKeyError as exc:

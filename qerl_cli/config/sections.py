@@ -28,15 +28,21 @@ class ModelSection:
     format: ModelFormat = "auto"
     # Compute dtype of activations, LoRA and non-quantized layers.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # Hub revision (branch, tag or commit) of model.path; null: the default branch.
     revision: str | None = None
+    # Run the model repository's own modeling code (Hugging Face trust_remote_code).
     trust_remote_code: bool = False
 
 
 @dataclass
 class LoraSection:
+    # LoRA rank r of every adapted layer.
     rank: int = 32
+    # LoRA alpha: the update B A is scaled by alpha / rank.
     alpha: int = 64
+    # Dropout on the LoRA input, in [0, 1).
     dropout: float = 0.0
+    # Linear layers that get an adapter, by module name (default: every attention and MLP projection).
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS_ALL))
     # Train the RMSNorm weights too (the paper keeps them frozen; AQN perturbs the rollout copy).
     train_norms: bool = False
@@ -55,21 +61,31 @@ class LoraSection:
 
 @dataclass
 class RolloutSection:
+    # "hf": transformers generate in the trainer's process; "vllm": a colocated vLLM engine (pip install
+    # "qerl[vllm]").
     engine: EngineName = "hf"
+    # Completions sampled per prompt: the GRPO group size.
     num_generations: int = 8
+    # Prompt tokens at most; longer prompts are left out of the dataset.
     max_prompt_length: int = 256
+    # Tokens generated per completion at most (a longer one is cut off: finish reason "length").
     max_completion_length: int = 2048
+    # Sampling temperature of rollouts (> 0); the trainer's logprobs use the same one.
     temperature: float = 1.0
+    # Nucleus sampling of rollouts, in (0, 1]; 1: off.
     top_p: float = 1.0
     # HF engine: prompts generated per forward batch (memory knob).
     generation_batch_size: int = 64
-    # vLLM engine (colocated). Paper: 0.2 for 3B, 0.3 for 7B, 0.45 for 14B, 0.4 for 32B. "auto":
-    # what is free once the trainer is loaded, less a margin (qerl_cli.rl.memory).
+    # vLLM engine (colocated): its share of the whole GPU's memory. Paper: 0.2 for 3B, 0.3 for 7B, 0.45
+    # for 14B, 0.4 for 32B. "auto": what is free once the trainer is loaded, less a margin
+    # (qerl_cli.rl.memory).
     gpu_memory_utilization: float | Literal["auto"] = 0.3
     # "fp8": vLLM keeps its KV cache in FP8 (twice the concurrent tokens). Rollout numerics then
     # differ from the trainer's, so truncated importance sampling is forced on.
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    # vLLM engine: free its weights and KV cache during the update, for the trainer's memory.
     enable_sleep_mode: bool = True
+    # vLLM engine: the largest LoRA rank it accepts (at least lora.rank).
     max_lora_rank: int = 64
     # vLLM engine: GPUs one rollout engine spans (tensor parallel), for bases whose rollout share does
     # not fit one GPU (e.g. a 72B BF16 baseline). Single process only; torchrun ranks use 1 each.
@@ -85,6 +101,7 @@ class RolloutSection:
     linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "auto"
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None
+    # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, where: str) -> None:
@@ -115,24 +132,37 @@ class RolloutSection:
 
 @dataclass
 class AlgorithmSection:
+    # "grpo" or "dapo" (DAPO's clip-higher, dynamic sampling and overlong shaping are each also a key here).
     name: Literal["grpo", "dapo"] = "grpo"
     # grpo: per-sequence mean then batch mean; dapo: token mean over the batch; dr_grpo: token sum
     # divided by batch x max completion length.
     loss_type: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    # Divide each group's mean-centred rewards by the group's standard deviation.
     scale_rewards_by_std: bool = True
+    # Clip range below 1 of the importance ratio: 1 - eps_low.
     eps_low: float = 0.2
+    # Clip range above 1 of the importance ratio: 1 + eps_high (DAPO's clip-higher when > eps_low).
     eps_high: float = 0.28
     beta: float = 0.0  # k3 KL to the adapter-free model; 0 disables the reference pass
     num_iterations: int = 1  # updates per rollout batch
     # Truncated importance sampling between rollout-engine and trainer logprobs. "auto": on when
     # the rollout numerics differ from the trainer's (quantized base or AQN noise).
     tis: Literal["auto", "on", "off"] = "auto"
+    # Truncated importance sampling: the largest rollout-to-trainer weight kept (>= 1).
     tis_cap: float = 2.0
+    # DAPO: drop groups whose completions all got the same reward and sample more prompts.
     dynamic_sampling: bool = False
+    # dynamic_sampling: rollout rounds per step at most to fill prompts_per_step groups.
     max_sampling_rounds: int = 3
+    # DAPO's soft overlong punishment: completions within overlong_cache_length tokens of
+    # rollout.max_completion_length lose up to overlong_penalty_factor of reward.
     overlong_penalty: bool = False
+    # overlong_penalty: the last tokens before the length limit over which the penalty ramps up (0: a cliff at
+    # the limit).
     overlong_cache_length: int = 512
+    # overlong_penalty: the penalty at (and beyond) the length limit.
     overlong_penalty_factor: float = 1.0
+    # Leave completions cut off by rollout.max_completion_length out of the loss.
     mask_truncated: bool = False
 
     def validate(self, where: str) -> None:
@@ -145,14 +175,19 @@ class AlgorithmSection:
 
 @dataclass
 class AQNSection:
+    # Adaptive quantization noise: perturb the rollout model's RMSNorm weights, decaying over training.
     enabled: bool = True
+    # How sigma decays from sigma_start to sigma_end over the noisy stages.
     schedule: Literal["exponential", "linear", "cosine", "logarithmic"] = "exponential"
+    # Stages of equal length over train.max_steps, each with one sigma.
     num_stages: int = 10
-    # The first noisy stage's sigma and the last one's (paper: 1e-2 -> 5e-4). With calibrate on, the
-    # calibration finds sigma_start and sigma_end keeps the ratio sigma_end / sigma_start given here,
-    # so the decay keeps its shape.
+    # The first noisy stage's sigma (paper: 1e-2, decaying to 5e-4). With calibrate on, the calibration
+    # finds sigma_start and sigma_end keeps the ratio sigma_end / sigma_start given here, so the decay
+    # keeps its shape.
     sigma_start: float = 1e-2
+    # The last noisy stage's sigma (see sigma_start).
     sigma_end: float = 1e-4
+    # Stage 1 runs without noise; the decay spans the other num_stages - 1.
     first_stage_noise_free: bool = True
     # Size sigma to the model: a raw sigma does not transfer between models (on Gemma 3 270M the paper's
     # 1e-2 stopped learning, held-out 0.3% vs 17.1% without AQN). "tokens": before the first step, bisect
@@ -172,9 +207,10 @@ class AQNSection:
     # Greedy tokens per calibration completion; None: rollout.max_completion_length (what the target
     # means: a share of a rollout's length).
     calibration_max_tokens: int | None = None
-    # Sigmas the bisection may try (each one greedy pass over the calibration prompts; 10 narrow
-    # 1e-5..1e-1 to a bracket 1% wide) and when it stops early: |effect - target| <= tolerance x target.
+    # calibrate=tokens: sigmas the bisection may try (each one greedy pass over the calibration prompts;
+    # 10 narrow 1e-5..1e-1 to a bracket 1% wide).
     calibration_probes: int = 10
+    # calibrate=tokens: the bisection stops early once |effect - target| <= tolerance x target.
     calibration_tolerance: float = 0.2
 
     def validate(self, where: str) -> None:
@@ -203,39 +239,56 @@ class AQNSection:
 class DataSection:
     # A registered name (gsm8k, bigmath, synthetic-addition, ...), a hub id, or a .jsonl/.parquet file.
     dataset: str = "gsm8k"
+    # Split of the dataset to train on.
     split: str = "train"
     prompt_field: str | None = None  # None: the registered dataset's own field
+    # Field holding the gold answer; null: the registered dataset's own field.
     answer_field: str | None = None
     # BigMath difficulty levels to keep (e.g. [3, 4, 5]); empty keeps all.
     levels: list[int] = field(default_factory=list)
+    # Use only the first N problems; null: all.
     max_samples: int | None = None
     template: str = "qerl"  # prompt template name, shared with eval
+    # System message of the chat prompt; null: the template's own.
     system_prompt: str | None = None
+    # Shuffle the prompts (seeded by train.seed); off: the dataset's order.
     shuffle: bool = True
 
 
 @dataclass
 class RewardSection:
+    # Weight of the correctness reward (1 when the graded answer equals the gold one).
     correctness_weight: float = 1.0
+    # Weight of the format reward (1 when the completion has the template's answer format, e.g. QeRL's tags).
     format_weight: float = 0.0
     # Extra reward functions by import path ("pkg.module:function") -> weight.
     extra: dict[str, float] = field(default_factory=dict)
+    # Seconds a grader may take on one answer before it is killed and the answer scored wrong.
     grader_timeout_s: float = 5.0
+    # Grader worker processes.
     grader_workers: int = 2
 
 
 @dataclass
 class TrainSection:
+    # AdamW learning rate of the LoRA parameters.
     learning_rate: float = 1e-5
+    # GRPO steps (one rollout batch and its update each).
     max_steps: int = 100
+    # Prompts per step; each gets rollout.num_generations completions.
     prompts_per_step: int = 16
     # Sequences per forward/backward; "auto": the largest that fits the GPU (qerl_cli.rl.memory).
     micro_batch_size: int | Literal["auto"] = 8
+    # Learning-rate schedule after warmup_steps.
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    # Steps of linear learning-rate warmup.
     warmup_steps: int = 0
+    # AdamW weight decay.
     weight_decay: float = 0.0
+    # AdamW beta1.
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999  # QeRL's scripts use 0.99
+    # Gradients are clipped to this global norm.
     max_grad_norm: float = 1.0
     # "auto": off when a large enough micro-batch fits without it (a third less compute).
     gradient_checkpointing: bool | Literal["auto"] = True
@@ -253,7 +306,9 @@ class TrainSection:
     # the micro-batch, checkpointing and vLLM's "auto" share within it. Below 1 when runs share a GPU
     # (`qerl compare --jobs N` sets it for each run); 1: the whole GPU, as measured free.
     gpu_fraction: float = 1.0
+    # Seed of every random choice: the prompt order, sampling, the LoRA init (qerl_cli.rl.stream).
     seed: int = 0
+    # "auto": CUDA when present, else the CPU; or cpu, cuda, cuda:N.
     device: str = "auto"
 
     def validate(self, where: str) -> None:
@@ -276,11 +331,17 @@ class TrainSection:
 
 @dataclass
 class OutputSection:
+    # Folder of the run: checkpoints, metrics.jsonl, config.yaml, the final adapter.
     dir: str = "runs/qerl"
+    # Write a checkpoint every N steps.
     save_steps: int = 50
+    # Checkpoints kept (the oldest are deleted); null: all.
     save_total_limit: int | None = 3
+    # Also log the metrics to TensorBoard (under dir).
     tensorboard: bool = False
+    # Also log the metrics to Weights & Biases.
     wandb: bool = False
+    # wandb: the project name.
     wandb_project: str = "qerl"
     # Prompt groups a step whose completions (text, reward, finish reason) go to completions.jsonl: a
     # record of what the reward paid for. On Gemma 3 270M GRPO learned to answer "94 + 58" (graded equal

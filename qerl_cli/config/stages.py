@@ -18,27 +18,40 @@ from qerl_cli.errors import QerlError
 # --------------------------------------------------------------------------------------------
 @dataclass
 class QuantizeConfig:
+    # Hub id or local folder of the BF16 model to quantize.
     model: str = ""
+    # The 4-bit format: nvfp4, mxfp4 or nf4.
     format: QuantFormat = "nvfp4"
     # gptq / awq calibrate on `calib`; rtn rounds to nearest (qerl_cli.quantize.validate).
     method: Literal["gptq", "awq", "rtn"] = "awq"
+    # Calibration dataset: hub id, .jsonl or .parquet.
     calib: str = "open-thoughts/OpenThoughts-114k"
+    # Split of a hub calibration dataset.
     calib_split: str = "train"
     # Field holding chat messages (rendered with the model's chat template) or plain text.
     calib_field: str | None = None
+    # Calibration samples.
     num_samples: int = 256
+    # Tokens per calibration sample.
     seq_len: int = 2048
     output: str | None = None  # default ./<model-name>-<FORMAT>
+    # Replace an existing output folder.
     overwrite: bool = False
+    # Leave layers the format cannot tile in BF16 instead of failing.
     skip_incompatible: bool = False
+    # Measure perplexity of the BF16 model and the 4-bit one.
     eval_ppl: bool = False
     # An error-compensating LoRA start written beside the checkpoint (lora_init/, read by lora.init):
     # "eora" factors W - deq(Q(W)) weighted by the calibration activations' second moments (EoRA),
     # "svd" the plain weight-space SVD; "none" writes nothing. Its rank is lora_init_rank.
     lora_init: Literal["none", "eora", "svd"] = "none"
+    # Rank of the lora_init start.
     lora_init_rank: int = 16
+    # Seed of the calibration samples' choice.
     seed: int = 42
+    # auto | cpu | cuda.
     device: str = "auto"
+    # Run the model repository's own modeling code.
     trust_remote_code: bool = False
 
     def validate(self, where: str = "") -> None:
@@ -54,35 +67,57 @@ class QuantizeConfig:
 
 @dataclass
 class EvalConfig:
+    # Hub id or local folder (BF16 or qerl 4-bit).
     model: str = ""
+    # LoRA adapter folder (PEFT format) on the model; null: the bare model.
     adapter: str | None = None
+    # Benchmarks to score: gsm8k, math500, aime24, aime25, amc23, synthetic-*, or names of data_files.
     benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS_ALL))
     # Samples per problem; 0 takes the benchmark's default (4 for gsm8k/math500, 16 for aime/amc).
     samples: int = 0
+    # vllm | hf.
     engine: EngineName = "vllm"
+    # A benchmark's local data file, by benchmark name.
     data_files: dict[str, str] = field(default_factory=dict)
+    # Folder of results.json and the samples.
     output: str = "eval_results"
+    # Sampling temperature.
     temperature: float = 0.6
+    # Nucleus sampling, in (0, 1].
     top_p: float = 0.95
+    # Most tokens generated per sample.
     max_new_tokens: int = 4096
+    # Evaluate only the first N problems of each benchmark; null: all.
     max_problems: int | None = None
+    # Seed of sampling.
     seed: int = 0
+    # Prompt template name, as data.template in training.
     template: str = "qerl"
+    # System message of the chat prompt; null: the template's own.
     system_prompt: str | None = None
+    # Seconds a grader may take on one answer before it is killed and the answer scored wrong.
     grader_timeout_s: float = 5.0
+    # Grader worker processes.
     grader_workers: int = 2
+    # vLLM engine: its share of the GPU's memory.
     gpu_memory_utilization: float = 0.85
     # The linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends). "marlin" by
     # default: an evaluation scores the 4-bit weights exactly as trained; "auto" / "fp8" may serve the FP8
     # copy (faster at high concurrency, one more rounding of every weight).
     linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "marlin"
+    # vLLM engine: extra keyword arguments of vllm.LLM.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Re-grade the samples saved in this folder instead of generating.
     rescore: str | None = None
+    # A results.json to compare against, paired per problem.
     baseline: str | None = None
+    # Run the model repository's own modeling code.
     trust_remote_code: bool = False
-    # HF engine: device ("auto": CUDA when present), compute dtype, sequences per generate call.
+    # HF engine: the device ("auto": CUDA when present).
     device: str = "auto"
+    # HF engine: compute dtype.
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # HF engine: sequences per generate call.
     generation_batch_size: int = 64
 
     def validate(self, where: str = "") -> None:
@@ -106,32 +141,48 @@ class BenchConfig:
     # A SHAPE name (qwen2.5-0.5b ... qwen2.5-72b, tiny), a hub id or a local folder. Empty: qwen2.5-7b
     # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
     model: str = ""
-    # Defaults sized for a CI job (issue 11: within 10 minutes on one H100): three engine starts, 512
-    # generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add it
-    # with --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
+    # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job (issue 11: within 10
+    # minutes on one H100): three engine starts, 512 generated tokens. On Hopper vLLM serves MXFP4 through
+    # the same Marlin FP4 kernels as NVFP4 (add it with --formats); RL lengths are --gen-len 2048 or 4096,
+    # and --e2e --e2e-recipe for a whole step.
     formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
+    # Batch sizes timed (sequences generated at once).
     batch: list[int] = field(default_factory=lambda: [2, 8])
+    # Prompt tokens per sequence.
     prompt_len: int = 256
+    # Tokens generated per sequence.
     gen_len: int = 512
+    # LoRA rank of the LoRA cases (0: no LoRA cases).
     lora_rank: int = 16
+    # vllm | hf | auto ("auto": vLLM on a GPU with vLLM installed, else hf).
     engine: EngineName | Literal["auto"] = "auto"
+    # Also time whole GRPO steps (rollout and update).
     e2e: bool = False
+    # Folder of bench.json and the report.
     output: str = "bench_results"
+    # A bench.json to gate against: exit non-zero on a regression beyond tolerance.
     baseline: str | None = None
+    # Allowed relative regression against baseline (0.1: 10%).
     tolerance: float = 0.1
+    # Untimed runs before the timed ones.
     warmup: int = 1
+    # Timed runs per case (the median is reported).
     repeats: int = 3
+    # vLLM engine: its share of the GPU's memory.
     gpu_memory_utilization: float = 0.85
+    # vLLM engine: extra keyword arguments of vllm.LLM.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Seed of the random checkpoints, LoRA weights and rewards.
     seed: int = 0
-    # --e2e: completions per prompt, prompts per step (0: the largest --batch) and vLLM's share of
-    # the GPU when colocated with the trainer (paper: 0.3 for 7B; "auto": rl.memory decides), the
-    # same for every format. ``e2e_recipe``: a training recipe whose step shape (prompts per step,
-    # generations, prompt and completion lengths, micro-batch, checkpointing, KV dtype) the e2e
-    # step takes; flags given explicitly win over it.
+    # --e2e: completions per prompt (the group size of the timed steps).
     e2e_generations: int = 8
+    # --e2e: prompts per step (0: the largest --batch).
     e2e_prompts_per_step: int = 0
-    e2e_gpu_memory_utilization: float | Literal["auto"] | None = None  # None: the recipe's, else 0.3
+    # --e2e: vLLM's share of the GPU when colocated with the trainer, the same for every format (paper: 0.3
+    # for 7B; "auto": rl.memory decides); None: the recipe's, else 0.3.
+    e2e_gpu_memory_utilization: float | Literal["auto"] | None = None
+    # --e2e: a training recipe whose step shape (prompts per step, generations, prompt and completion lengths,
+    # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
     e2e_recipe: str | None = None
     # --e2e: rollout.linear_backend of the timed steps (the recipe's when it sets one).
     e2e_linear_backend: Literal["auto", "marlin", "humming", "fp8"] | None = None
@@ -139,6 +190,7 @@ class BenchConfig:
     # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
     # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.
     concurrency: list[int] = field(default_factory=list)
+    # --concurrency: the linear backends measured (marlin, humming, fp8).
     backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
 
     def validate(self, where: str = "") -> None:

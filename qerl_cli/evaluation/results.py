@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.envinfo import versions_of
+from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, read_json_report, write_json
 
@@ -42,7 +42,7 @@ def samples_path(out_dir: str | Path, benchmark: str) -> Path:
 
 def versions() -> dict[str, str | None]:
     """Installed versions of what decides the numbers (None: not installed)."""
-    found: dict[str, str | None] = {"python": platform.python_version(), **versions_of(_PACKAGES)}
+    found: dict[str, str | None] = {"python": platform.python_version(), **package_versions(_PACKAGES)}
     torch = sys.modules.get("torch")  # only if already imported: rescoring should stay light
     if torch is not None and torch.cuda.is_available():
         found["gpu"] = torch.cuda.get_device_name(0)

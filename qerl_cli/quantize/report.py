@@ -20,18 +20,14 @@ from typing import Any
 
 import torch
 
-from qerl_cli.envinfo import versions_of
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.loading import QUANT_RECORD
 
 REPORT_NAME = QUANT_RECORD  # beside the checkpoint; its name lives with the loader that reads it
 WORST_LAYERS = 5
+# qerl_quant.json's "versions", in its order
 VERSIONED_PACKAGES = ("llmcompressor", "compressed-tensors", "transformers", "bitsandbytes", "torch")
-
-
-def package_versions() -> dict[str, str | None]:
-    return versions_of(VERSIONED_PACKAGES)
 
 
 def folder_bytes(path: Path, pattern: str = "*") -> int:

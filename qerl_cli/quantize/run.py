@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from qerl_cli.config import QuantizeConfig
+from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
@@ -135,7 +136,7 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
             else None,
             ignored_layers=["lm_head"],
             skipped_layers=job.skipped,
-            versions=report.package_versions(),
+            versions=package_versions(report.VERSIONED_PACKAGES),
             size=SizeReport(
                 bf16_bytes=job.bf16_bytes,
                 weights_bytes=report.folder_bytes(staging, "*.safetensors"),

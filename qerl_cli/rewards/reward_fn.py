@@ -24,6 +24,7 @@ from qerl_cli.rewards.extract import cut_at_stop
 from qerl_cli.rewards.format import AnswerFormat, format_reward
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader, resolve_callable
+from qerl_cli.stats import mean
 
 
 class Problem(Protocol):
@@ -90,7 +91,7 @@ class RewardFunction:
         for path, fn, weight in self.extras:
             values = [_call_extra(path, fn, c, p) for c, p in zip(completions, problems, strict=True)]
             rewards = [r + weight * v for r, v in zip(rewards, values, strict=True)]
-            extra_means[f"reward/{path}"] = _mean(values)
+            extra_means[f"reward/{path}"] = mean(values, empty=0.0)
         self.last_grades = grades
         count = max(len(grades), 1)
         stats = {
@@ -99,7 +100,7 @@ class RewardFunction:
             "grader_timeouts": float(sum(g.timed_out for g in grades)),
             "extraction_failures": float(sum(g.extraction_failed for g in grades)),
             "extraction_failure_rate": sum(g.extraction_failed for g in grades) / count,
-            "reward_mean": _mean(rewards),
+            "reward_mean": mean(rewards, empty=0.0),
             **extra_means,
         }
         return rewards, stats
@@ -113,10 +114,6 @@ def _call_extra(path: str, fn: ExtraRewardFn, completion: str, problem: Problem)
     if not math.isfinite(value):
         raise QerlError(f"reward function '{path}' returned {value} on problem {problem.id}")
     return value
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 def build_reward_fn(

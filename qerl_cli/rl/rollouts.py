@@ -32,6 +32,7 @@ from qerl_cli.rollout.base import (
     RolloutEngine,
     SamplingSpec,
 )
+from qerl_cli.stats import mean
 
 
 @dataclass
@@ -202,8 +203,8 @@ def collect(
             break
     stats = {
         # Every round rolls out the same number of prompts: the mean over rounds is the row mean.
-        "accuracy": _mean([s.get("accuracy", 0.0) for s in per_round]),
-        "format_rate": _mean([s.get("format_rate", 0.0) for s in per_round]),
+        "accuracy": mean([s.get("accuracy", 0.0) for s in per_round]),
+        "format_rate": mean([s.get("format_rate", 0.0) for s in per_round]),
         **engine_stats(per_round, add=sum),
         "grader_timeouts": sum(s.get("grader_timeouts", 0.0) for s in per_round),
         "time_rollout_s": sum(s["time_rollout_s"] for s in per_round),
@@ -254,7 +255,3 @@ def engine_stats(
     if TOKENS_PER_S in merged and merged.get(SECONDS):
         merged[TOKENS_PER_S] = merged.get(GENERATED_TOKENS, 0.0) / merged[SECONDS]
     return merged
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")

@@ -53,6 +53,7 @@ from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
 from qerl_cli.rl.update import update_policy
 from qerl_cli.rollout.base import RolloutEngine
+from qerl_cli.stats import mean
 from qerl_cli.torch_utils import resolve_device
 
 log = logging.getLogger(__name__)
@@ -354,8 +355,8 @@ def train(
         steps=trainer.step,
         world_size=dist.world_size,
         resumed_from=str(resumed_from) if resumed_from else None,
-        reward_first10=_mean(rewards[:10]),
-        reward_last10=_mean(rewards[-10:]),
+        reward_first10=mean(rewards[:10]),
+        reward_last10=mean(rewards[-10:]),
         plot=str(plot) if plot else None,
         final=records[-1] if records else {},
     )
@@ -437,10 +438,6 @@ def start_signal(trainer: Trainer) -> StartSignal:
         gptq=quantized_with(cfg.model.path) == "gptq",
         error_start=cfg.lora.init != "zeros",
     )
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def _close_reward(reward_fn: Any) -> None:
