@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(no_vllm)
+
+
+CALIB_WORDS = ("add", "two", "numbers", "what", "is", "plus", "minus", "times", "answer", "seven", "the")
+
+
+@pytest.fixture(scope="module")  # test_quantize.py, test_error_init.py
+def calib_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small OpenThoughts-shaped .jsonl: a system prompt and from/value conversations."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    with path.open("w") as handle:
+        for i in range(10):
+            question = " ".join(rng.choice(CALIB_WORDS) for _ in range(12))
+            record = {
+                "system": "Think step by step.",
+                "conversations": [
+                    {"from": "user", "value": question},
+                    {"from": "assistant", "value": f"The answer is {i * 7}."},
+                ],
+            }
+            handle.write(json.dumps(record) + "\n")
+    return path

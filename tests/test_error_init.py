@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import shutil
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from qerl_cli.quantize import REPORT_NAME, read_report, run_quantize
 RANK = 16
 SEQ_LEN = 48
 NUM_SAMPLES = 3
-WORDS = ("add", "two", "numbers", "what", "is", "plus", "minus", "times", "answer", "seven", "the")
 
 
 @pytest.fixture(autouse=True)
@@ -119,16 +117,6 @@ def test_whitening_survives_unseen_directions_and_silence() -> None:
 # ------------------------------------------------------------------------------------------------
 # qerl quantize --lora-init
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    with path.open("w") as handle:
-        for i in range(10):
-            question = " ".join(rng.choice(WORDS) for _ in range(12))
-            turns = [{"from": "user", "value": question}, {"from": "assistant", "value": f"It is {i * 7}."}]
-            handle.write(json.dumps({"system": "Think step by step.", "conversations": turns}) + "\n")
-    return path
 
 
 def _quantize_config(model: Path, out: Path, calib: Path, **overrides) -> QuantizeConfig:

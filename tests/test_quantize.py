@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -21,26 +20,6 @@ from qerl_cli.quantize.report import Perplexity
 
 SEQ_LEN = 48
 NUM_SAMPLES = 3
-WORDS = ("add", "two", "numbers", "what", "is", "plus", "minus", "times", "answer", "seven", "the")
-
-
-@pytest.fixture(scope="module")
-def calib_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small OpenThoughts-shaped .jsonl: a system prompt and from/value conversations."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
-    with path.open("w") as handle:
-        for i in range(10):
-            question = " ".join(rng.choice(WORDS) for _ in range(12))
-            record = {
-                "system": "Think step by step.",
-                "conversations": [
-                    {"from": "user", "value": question},
-                    {"from": "assistant", "value": f"The answer is {i * 7}."},
-                ],
-            }
-            handle.write(json.dumps(record) + "\n")
-    return path
 
 
 def _config(model: Path, out: Path, calib: Path, **overrides) -> QuantizeConfig:
