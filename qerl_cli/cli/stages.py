@@ -126,7 +126,10 @@ def quantize(
     if finish_config(conf, dry_run):
         return
     from qerl_cli.quantize import quantize_table, run_quantize
+    from qerl_cli.torch_utils import runs_on_cpu
 
+    if runs_on_cpu(conf.device):  # GPTQ and the EoRA start's factorisations stall on oversubscribed cores
+        use_free_cpu_threads()
     console.print(quantize_table(run_quantize(conf)))
 
 
