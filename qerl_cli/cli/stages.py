@@ -202,8 +202,10 @@ def print_keys(config: type, prefix: str) -> None:
         known = ", ".join(sections(config))
         raise QerlError(f"--keys {prefix}: no such section or key; the sections: {known}")
     for doc in docs:
-        console.print(
-            f"[bold]{escape(doc.key)}[/bold]: {escape(doc.type)} = {escape(doc.default)}", highlight=False
+        console.print(  # never wrapped: the key is what a user copies into --set
+            f"[bold]{escape(doc.key)}[/bold]: {escape(doc.type)} = {escape(doc.default)}",
+            highlight=False,
+            soft_wrap=True,
         )
         meaning = textwrap.fill(
             doc.help, max(40, console.width), initial_indent=" " * 4, subsequent_indent=" " * 4

@@ -95,6 +95,7 @@ def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "none
     """A folder ``qerl quantize`` finished (it writes staged, so a folder there is whole) with this format
     and method, and the LoRA start asked for: a base made elsewhere (e.g. where llm-compressor is
     installed) and copied to ``target`` serves as one compare made."""
+    from qerl_cli.modeling.adapter import check_folder
     from qerl_cli.modeling.error_init import init_folder
     from qerl_cli.quantize.report import REPORT_NAME
 
@@ -104,7 +105,13 @@ def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "none
     saved = json.loads(report.read_text())
     if (saved.get("format"), saved.get("method")) != (fmt, method):
         return False
-    return lora_init == "none" or (init_folder(target) / "adapter_config.json").is_file()
+    if lora_init == "none":
+        return True
+    try:
+        check_folder(init_folder(target), "LoRA init")
+    except QerlError:
+        return False
+    return True
 
 
 def _quantized_base(
