@@ -77,3 +77,18 @@ def calib_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
             }
             handle.write(json.dumps(record) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def calib_ids(tiny_model_dir: Path, calib_file: Path):  # -> torch.Tensor
+    """Token ids of the calibration conversations' turns joined without the chat template (the
+    calibration samples are rendered with it): text like the calibration text, cut to one width."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [json.loads(line) for line in calib_file.read_text().splitlines()]
+    texts = [" ".join(turn["value"] for turn in row["conversations"]) for row in rows]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"][:48] for text in texts]
+    width = min(len(row) for row in ids)
+    return torch.tensor([row[:width] for row in ids])

@@ -134,19 +134,6 @@ def eora_base(tmp_path_factory, tiny_model_dir, calib_file) -> Path:
     return out
 
 
-def _calibration_ids(model_dir: Path, calib_file: Path) -> torch.Tensor:
-    """Text like the calibration text, not the same tokens: each conversation's turns joined without the
-    chat template (the calibration samples are rendered with it), cut to one width."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in calib_file.read_text().splitlines()]
-    texts = [" ".join(turn["value"] for turn in row["conversations"]) for row in rows]
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"][:SEQ_LEN] for text in texts]
-    width = min(len(row) for row in ids)
-    return torch.tensor([row[:width] for row in ids])
-
-
 def _kl_to_bf16(bf16: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor) -> float:
     with torch.no_grad():
         target = torch.log_softmax(bf16(input_ids=ids).logits.float(), -1)
@@ -165,7 +152,7 @@ def _with_init(path: Path) -> torch.nn.Module:
 
 
 def test_quantize_writes_the_init_and_it_brings_the_base_back_toward_bf16(
-    eora_base: Path, tiny_model_dir: Path, calib_file: Path
+    eora_base: Path, tiny_model_dir: Path, calib_file: Path, calib_ids
 ) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +171,7 @@ def test_quantize_writes_the_init_and_it_brings_the_base_back_toward_bf16(
     assert all(after < before for before, after in info.per_layer.values())
 
     bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    ids = _calibration_ids(tiny_model_dir, calib_file)
+    ids = calib_ids
     alone, corrected = _kl_to_bf16(bf16, _base(eora_base), ids), _kl_to_bf16(bf16, _with_init(eora_base), ids)
     assert corrected < 0.5 * alone
 
@@ -205,7 +192,7 @@ def test_the_report_records_the_init_and_round_trips(eora_base: Path) -> None:
 
 
 def test_eora_beats_svd_on_calibration_like_text(
-    eora_base: Path, tmp_path: Path, tiny_model_dir: Path, calib_file: Path
+    eora_base: Path, tmp_path: Path, tiny_model_dir: Path, calib_file: Path, calib_ids
 ) -> None:
     """The same 4-bit base, its error factored both ways (the rounding is the same: rtn)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -230,7 +217,7 @@ def test_eora_beats_svd_on_calibration_like_text(
     assert eora.relative_error_corrected < 0.5 * info.relative_error_corrected  # 0.022 vs 0.080
     assert info.relative_error_corrected < info.relative_error_base
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    ids = _calibration_ids(tiny_model_dir, calib_file)
+    ids = calib_ids
     kl_eora = _kl_to_bf16(reference, _with_init(eora_base), ids)
     assert kl_eora < 0.5 * _kl_to_bf16(reference, _with_init(svd_base), ids)  # 1.5e-4 vs 4.4e-4
 

@@ -133,7 +133,7 @@ def test_awq_fp4_output_loads_generates_and_matches_quantlinear(fixture: str, re
 
 @pytest.mark.slow
 def test_gptq_nvfp4_loads_in_qerl_and_follows_the_bf16_model_closer_than_rtn(
-    gptq_nvfp4: Path, tmp_path, tiny_model_dir, calib_file
+    gptq_nvfp4: Path, tmp_path, tiny_model_dir, calib_file, calib_ids
 ) -> None:
     """GPTQ's checkpoint is the same compressed-tensors layout (qerl's QuantLinear and transformers
     read it alike), and its error compensation shows where it matters: the model's output on text
@@ -154,7 +154,7 @@ def test_gptq_nvfp4_loads_in_qerl_and_follows_the_bf16_model_closer_than_rtn(
     bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     rtn_model, _ = load_policy_model(rtn, torch.float32, "cpu")
     gptq_model, _ = load_policy_model(gptq_nvfp4, torch.float32, "cpu")
-    ids = _calibration_like_ids(tiny_model_dir, calib_file)
+    ids = calib_ids
 
     def kl_to_bf16(model: torch.nn.Module) -> float:
         with torch.no_grad():
@@ -163,18 +163,6 @@ def test_gptq_nvfp4_loads_in_qerl_and_follows_the_bf16_model_closer_than_rtn(
         return float((target.exp() * (target - logq)).sum(-1).mean())
 
     assert kl_to_bf16(gptq_model) < kl_to_bf16(rtn_model)
-
-
-def _calibration_like_ids(model_dir: Path, calib_file: Path) -> torch.Tensor:
-    """Token ids of the calibration conversations (the text GPTQ compensated its error on)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in calib_file.read_text().splitlines()]
-    texts = [" ".join(turn["value"] for turn in row["conversations"]) for row in rows]
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"][:SEQ_LEN] for text in texts]
-    width = min(len(row) for row in ids)
-    return torch.tensor([row[:width] for row in ids])
 
 
 def test_gptq_refused_for_nf4_before_any_work(tmp_path, tiny_model_dir, calib_file) -> None:
