@@ -143,7 +143,8 @@ def test_vllm_runs_get_a_process_each_and_share_the_gpu_with_jobs(
     sets = [*TINY_SETS, "rollout.engine=vllm"]
     calls: list[tuple[int, float, list[str], float | None]] = []
     monkeypatch.setattr(
-        runner, "run_parallel", lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None:
+        runner, "run_parallel",
+        lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None, gpus=None:
         calls.append((width, interval, child_sets, ready)) or [],
     )  # fmt: skip
     # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
@@ -356,6 +357,90 @@ def test_the_next_vllm_run_starts_once_the_previous_ones_engine_is_up(
     clock["now"] = 0.0
     parallel.run_parallel([("a", 0), ("a", 1)], "r.yaml", 1, tmp_path, [], 2, 10.0)
     assert started["a/1"] - started["a/0"] < 11.0
+
+
+def test_runs_are_spread_over_the_gpus_each_seeing_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six runs, four at a time over GPUs 0 and 1: two on each, each child with CUDA_VISIBLE_DEVICES of
+    its own GPU; the engine wait counts only the runs on the same GPU."""
+    from qerl_cli.rl.setup import ENGINE_READY_FILE
+
+    clock = {"now": 0.0}
+    started: list[tuple[float, str, str]] = []
+    procs: list[Any] = []
+
+    class FakeProc:
+        def __init__(self, command, env, **kwargs) -> None:
+            self.only = command[command.index("--only") + 1]
+            self.gpu = env["CUDA_VISIBLE_DEVICES"]
+            self.born = clock["now"]
+            self.returncode: int | None = None
+            started.append((clock["now"], self.only, self.gpu))
+            procs.append(self)
+
+        def poll(self) -> int | None:
+            if clock["now"] - self.born >= 200:
+                self.returncode = 0
+            return self.returncode
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds
+        for proc in procs:  # every engine is up 30 s after its run started
+            if clock["now"] - proc.born >= 30 and proc.returncode is None:
+                arm, seed = proc.only.split("/")
+                (runs_mod.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    todo = [("a", s) for s in range(6)]
+    assert parallel.run_parallel(todo, "r.yaml", 6, tmp_path, [], 4, 5.0, 120.0, ["0", "1"]) == []
+    first = started[:4]
+    assert [gpu for _, _, gpu in first] == ["0", "1", "0", "1"]  # the least busy GPU first
+    # The second run on a GPU waits for the first one's engine there (30 s); the other GPU's first run
+    # only for the 5 s gap.
+    assert first[1][0] < 10.0 and 30.0 <= first[2][0] <= 31.0
+    # Runs 5 and 6 start only when one of each GPU's two has finished, on the GPU it freed.
+    later = started[4:]
+    assert all(t >= 200.0 for t, _, _ in later) and sorted(g for _, _, g in later) == ["0", "1"]
+
+
+def test_the_gpus_to_spread_runs_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parallel.visible_gpus("0, 2") == ["0", "2"]
+    assert parallel.visible_gpus("GPU-3f2a,MIG-77") == ["GPU-3f2a", "MIG-77"]
+    for bad in ("", "0,0", "cuda:1", "0;1"):
+        with pytest.raises(QerlError, match="--gpus .* e.g. --gpus 0,1,2,3"):
+            parallel.visible_gpus(bad)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert parallel.visible_gpus("auto") == ["4", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU (as CI runs): the children inherit that
+    assert parallel.visible_gpus("auto") == []
+    assert (parallel.runs_per_gpu(16, ["0", "1", "2", "3"]), parallel.runs_per_gpu(5, ["0", "1"])) == (4, 3)
+    assert parallel.runs_per_gpu(3, []) == 3  # no GPU list: one device shared by all
+
+
+def test_compare_shares_each_gpu_among_the_runs_spread_onto_it(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--jobs 6 over 2 GPUs: three runs share a GPU, so each gets 0.92 / 3 of it; --jobs 2 over 2 GPUs:
+    each run alone on its GPU, the recipe as is."""
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    sets = [*TINY_SETS, "rollout.engine=vllm"]
+    calls: list[tuple[list[str], int, list[str] | None]] = []
+    monkeypatch.setattr(
+        runner, "run_parallel",
+        lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None, gpus=None:
+        calls.append((child_sets, width, gpus)) or [],
+    )  # fmt: skip
+    runner.run_compare(recipe, ["bf16-lora"], 6, tmp_path / "a", sets=sets, jobs=6, gpus="0,1",
+                       summarize=False)  # fmt: skip
+    child_sets, width, gpus = calls[0]
+    assert (width, gpus) == (6, ["0", "1"]) and "train.gpu_fraction=0.306" in child_sets
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "b", sets=sets, jobs=2, gpus="0,1",
+                       summarize=False)  # fmt: skip
+    assert calls[1] == (sets, 2, ["0", "1"])
+    with pytest.raises(QerlError, match="--gpus"):
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "c", sets=sets, jobs=2, gpus="x")
 
 
 @pytest.mark.slow

@@ -454,6 +454,15 @@ def compare(
         str | None,
         typer.Option("--only", metavar="ARM/SEED,...", help="Comma list of ARM/SEED runs to do (no others)."),
     ] = None,
+    gpus: Annotated[
+        str,
+        typer.Option(
+            "--gpus",
+            metavar="auto|ID,...",
+            help="GPUs to spread the --jobs runs over, one GPU per run process (CUDA_VISIBLE_DEVICES ids); "
+            "auto: every GPU this process sees.",
+        ),
+    ] = "auto",
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
     set_: CompareSet = None,
 ) -> None:
@@ -466,7 +475,7 @@ def compare(
         use_free_cpu_threads()
     result = run_compare(
         recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
-        summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(),
+        summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(), gpus=gpus,
     )  # fmt: skip
     if result.report is not None:  # None with --no-summary
         console.print(compare_table(result.report))

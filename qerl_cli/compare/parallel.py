@@ -1,10 +1,12 @@
 """Runs in child processes (``qerl compare --only ARM/SEED`` each), ``width`` at a time, started
 staggered; vLLM runs sharing a GPU start once the previous one's engine is up or has been starting for a
-while (``compare.engine_ready_timeout_s``)."""
+while (``compare.engine_ready_timeout_s``). On a machine of several GPUs the children are spread over them
+(``--gpus``): each child sees one GPU (``CUDA_VISIBLE_DEVICES``), the least busy one when it starts."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -14,12 +16,43 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare.runs import run_dir
+from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
 # The least gap between two vLLM runs' starts on one GPU; each also waits for the previous one's engine.
 DEFAULT_START_INTERVAL_S = 10.0
 # Set in a run's child process: it trains in-process (a vLLM run is given its own process once, not again).
 CHILD_ENV = "QERL_COMPARE_CHILD"
+
+
+def visible_gpus(spec: str) -> list[str]:
+    """The GPUs to spread runs over: ``auto`` = every GPU this process sees (``CUDA_VISIBLE_DEVICES`` where
+    set, else torch's count; none on a CPU machine), or a comma list of GPU ids as ``CUDA_VISIBLE_DEVICES``
+    names them (indices, ``GPU-``/``MIG-`` UUIDs). An empty list: the children inherit this process's
+    devices."""
+    spec = spec.strip()
+    if spec != "auto":
+        ids = [part.strip() for part in spec.split(",")]
+        bad = [i for i in ids if not (i.isdigit() or i.startswith(("GPU-", "MIG-")))]
+        if not ids or bad or len(set(ids)) != len(ids):
+            raise QerlError(
+                f"--gpus {spec!r}: give 'auto' or distinct GPU ids as CUDA_VISIBLE_DEVICES names them, e.g. "
+                "--gpus 0,1,2,3 (nvidia-smi -L lists them)"
+            )
+        return ids
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [part.strip() for part in visible.split(",") if part.strip() and part.strip() != "-1"]
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def runs_per_gpu(width: int, gpus: list[str]) -> int:
+    """How many of ``width`` concurrent runs share one GPU when spread evenly over ``gpus``."""
+    return math.ceil(width / len(gpus)) if gpus else width
 
 
 def _child_command(
@@ -41,6 +74,7 @@ class _Child:
     handle: Any
     folder: Path
     started: float
+    gpu: str | None = None
     engine_up: bool = False
 
 
@@ -64,14 +98,26 @@ def _engines_up(running: list[_Child], now: float, timeout_s: float, marker: str
     return True
 
 
+def _free_gpu(running: list[_Child], gpus: list[str], per_gpu: int) -> str | None:
+    """The GPU the next child goes to: the one with the fewest running children (the first on a tie),
+    None when each already holds ``per_gpu``."""
+    load = {gpu: 0 for gpu in gpus}
+    for child in running:
+        load[child.gpu] = load.get(child.gpu, 0) + 1  # type: ignore[index]
+    gpu = min(gpus, key=lambda g: load[g])
+    return gpu if load[gpu] < per_gpu else None
+
+
 def run_parallel(
     jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int,
-    start_interval_s: float = 0.0, ready_timeout_s: float | None = None,
+    start_interval_s: float = 0.0, ready_timeout_s: float | None = None, gpus: list[str] | None = None,
 ) -> list[str]:  # fmt: skip
     """One child process per run, ``width`` at a time, started at least ``start_interval_s`` apart;
-    the CPU threads are shared out evenly. With ``ready_timeout_s`` (vLLM runs sharing the GPU) a run
-    starts only once every running one's rollout engine is up (``rl.setup.ENGINE_READY_FILE`` in its
-    folder, which the child writes), or has been starting for that long.
+    the CPU threads are shared out evenly. With ``gpus``, the children are spread over them, at most
+    :func:`runs_per_gpu` on each, and each sees only its own (``CUDA_VISIBLE_DEVICES``). With
+    ``ready_timeout_s`` (vLLM runs sharing a GPU) a run starts on a GPU only once every run already on
+    it has its rollout engine up (``rl.setup.ENGINE_READY_FILE`` in its folder, which the child writes),
+    or has been starting for that long.
 
     Returns the runs that failed (each with where its log is); the others run to the end regardless.
     """
@@ -79,6 +125,7 @@ def run_parallel(
 
     threads = max(1, (os.cpu_count() or 1) // width)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), CHILD_ENV: "1"}
+    per_gpu = runs_per_gpu(width, gpus or [])
     pending = list(jobs)
     running: list[_Child] = []
     failures = []
@@ -88,8 +135,12 @@ def run_parallel(
             now = time.monotonic()
             if last_start is not None and now - last_start < start_interval_s:
                 break
+            gpu = _free_gpu(running, gpus, per_gpu) if gpus else None
+            if gpus and gpu is None:
+                break
+            neighbours = [c for c in running if c.gpu == gpu]
             starting = ready_timeout_s is not None and not _engines_up(
-                running, now, ready_timeout_s, ENGINE_READY_FILE
+                neighbours, now, ready_timeout_s, ENGINE_READY_FILE
             )
             if starting:
                 break  # the previous engine is still starting: its compile cache may serve this run
@@ -99,9 +150,13 @@ def run_parallel(
             (folder / ENGINE_READY_FILE).unlink(missing_ok=True)  # an earlier invocation's
             handle = (folder / "compare.log").open("a")
             command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
-            proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+            child_env = env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}
+            proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=child_env)
             last_start = time.monotonic()
-            running.append(_Child(proc, f"{arm}/seed-{seed}", handle, folder, last_start))
+            name = f"{arm}/seed-{seed}"
+            if gpu is not None:
+                log.info("%s: started on GPU %s", name, gpu)
+            running.append(_Child(proc, name, handle, folder, last_start, gpu))
         time.sleep(0.5)
         for child in list(running):
             if child.proc.poll() is not None:

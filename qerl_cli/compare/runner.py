@@ -39,7 +39,13 @@ from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import CompareSettings, select_arms
 from qerl_cli.compare.bases import base_labels, prepare_bases
 from qerl_cli.compare.gpu_share import shared_gpu_sets
-from qerl_cli.compare.parallel import CHILD_ENV, DEFAULT_START_INTERVAL_S, run_parallel
+from qerl_cli.compare.parallel import (
+    CHILD_ENV,
+    DEFAULT_START_INTERVAL_S,
+    run_parallel,
+    runs_per_gpu,
+    visible_gpus,
+)
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
 from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
 from qerl_cli.errors import QerlError
@@ -109,13 +115,16 @@ class _Ablation:
 def run_compare(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
     sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, summarize: bool = True,
-    threshold: float | None = None, progress: bool = False,
+    threshold: float | None = None, progress: bool = False, gpus: str = "auto",
 ) -> CompareResult:  # fmt: skip
-    """Run the ablation (skipping finished runs) and, unless ``summarize`` is off, write its report."""
+    """Run the ablation (skipping finished runs) and, unless ``summarize`` is off, write its report.
+    ``gpus`` (``auto`` or a comma list of GPU ids): the GPUs child runs are spread over."""
     if seeds < 1:
         raise QerlError(f"--seeds must be >= 1, got {seeds}")
     if jobs < 1:
         raise QerlError(f"--jobs must be >= 1, got {jobs}")
+    if gpus != "auto":
+        visible_gpus(gpus)  # a malformed list stops here, before any base is made
     ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
     plan = _plan(ablation, arms, only)
     ablation.bases = prepare_bases(
@@ -125,7 +134,7 @@ def run_compare(
     for arm, seed in plan:
         if (arm, seed) not in todo:
             log.info("%s seed %d: finished before, skipped", arm, seed)
-    failures = _train(ablation, todo, jobs, progress)
+    failures = _train(ablation, todo, jobs, progress, gpus)
     finished = [(a, s) for a, s in plan if ablation.finished(a, s)]
     result = CompareResult(output=str(ablation.out), runs=len(plan), ran=len(todo))
     if not summarize or not finished:
@@ -175,27 +184,36 @@ def _plan(ablation: _Ablation, arms: list[str], only: list[str] | None) -> list[
     return plan
 
 
-def _train(ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress: bool) -> list[str]:
+def _train(
+    ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress: bool, gpus: str = "auto"
+) -> list[str]:
     """Train and evaluate the runs not finished yet, here or in child processes; returns the failures."""
     confs = [ablation.config(a, s) for a, s in todo]
     engines = {conf.rollout.engine for conf in confs}
     recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
     interval = ablation.settings.start_interval_s
-    if "vllm" in engines and not os.environ.get(CHILD_ENV):
+    children = not os.environ.get(CHILD_ENV)
+    width = max(1, min(jobs, len(todo)))
+    devices = visible_gpus(gpus) if children and (width > 1 or "vllm" in engines) else []
+    if devices:
+        log.info("%d runs at a time over %d GPUs (%s): at most %d on each", width, len(devices),
+                 ",".join(devices), runs_per_gpu(width, devices))  # fmt: skip
+    if "vllm" in engines and children:
         # An in-process vLLM does not give its GPU memory back when closed: one child process per run,
         # even a single one (the bases' evaluation runs in this process afterwards).
-        width = max(1, min(jobs, len(todo)))
-        if width == 1:
-            return run_parallel(todo, recipe, seeds, out, all_sets, 1, 0.0)
+        sharing = runs_per_gpu(width, devices)
+        if sharing == 1:  # each run alone on its GPU: the recipe as is (sleep mode, measured share)
+            return run_parallel(todo, recipe, seeds, out, all_sets, width, 0.0, None, devices)
         child_sets = shared_gpu_sets(
-            ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, width
+            ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, sharing
         )
-        # Staggered starts: each waits for the previous run's engine (at most `timeout`), `gap` at least.
+        # Staggered starts: each waits for the previous run's engine on its GPU (at most `timeout`), and
+        # starts `gap` after the last start at least.
         gap = DEFAULT_START_INTERVAL_S if interval is None else interval
         timeout = ablation.settings.engine_ready_timeout_s
-        return run_parallel(todo, recipe, seeds, out, child_sets, width, gap, timeout)
+        return run_parallel(todo, recipe, seeds, out, child_sets, width, gap, timeout, devices)
     if jobs > 1 and len(todo) > 1:
-        return run_parallel(todo, recipe, seeds, out, all_sets, jobs, interval or 0.0)
+        return run_parallel(todo, recipe, seeds, out, all_sets, jobs, interval or 0.0, None, devices)
     failures = []
     for arm, seed in todo:
         log.info("%s seed %d: training", arm, seed)
