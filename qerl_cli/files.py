@@ -6,6 +6,7 @@ run is interrupted) and every stage appends to ``$GITHUB_STEP_SUMMARY`` the same
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -107,6 +108,42 @@ def append_step_summary(markdown: str) -> Path | None:
     with path.open("a", encoding="utf-8") as handle:
         handle.write(markdown + "\n")
     return path
+
+
+GZIP_SUFFIX = ".gz"
+
+
+def gzip_sibling(path: str | Path) -> Path:
+    """``path`` with ``.gz`` appended: where a committed copy of a large per-sample file is kept."""
+    path = Path(path)
+    return path.with_name(path.name + GZIP_SUFFIX)
+
+
+def readable_text_file(path: str | Path) -> Path | None:
+    """The file that holds ``path``'s text: ``path`` itself, else its gzip'd sibling ``path.gz``, else None.
+
+    Stages write per-sample files (``completions.jsonl``, ``samples_<bench>.jsonl``) plain; the copies
+    kept in the repository's ``benchmarks/`` are gzip'd, and every reader of a run folder takes either.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    packed = gzip_sibling(path)
+    return packed if path.suffix != GZIP_SUFFIX and packed.is_file() else None
+
+
+def read_text_maybe_gzip(path: str | Path) -> str:
+    """UTF-8 text of ``path`` (or of ``path.gz`` when only that exists); a ``.gz`` file is decompressed.
+
+    FileNotFoundError names ``path`` when neither exists.
+    """
+    found = readable_text_file(path)
+    if found is None:
+        raise FileNotFoundError(f"{path} (or {gzip_sibling(path).name}) not found")
+    if found.suffix == GZIP_SUFFIX:
+        with gzip.open(found, "rt", encoding="utf-8") as handle:
+            return handle.read()
+    return found.read_text(encoding="utf-8")
 
 
 def read_json_report(path: str | Path, file_name: str, what: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Issue 22: format_rate measures the answer shape the prompt asked for.
+"""format_rate measures the answer shape the prompt asked for.
 
 On SmolLM2 it read 0 at every step: it counted ``<think>/<answer>`` tags while the recipe's system
 prompt asks the model to "end with: The answer is N".

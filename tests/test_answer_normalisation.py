@@ -1,4 +1,4 @@
-"""Issue 22: a correct answer is graded correct however it is written, and a wrong one stays wrong.
+"""A correct answer is graded correct however it is written, and a wrong one stays wrong.
 
 Each kind of writing (sentence punctuation, markdown marks, thousands separators) has cases in each
 place an answer is found (answer tag, box, anchored phrase, bare answer) and negatives next to them.
@@ -138,7 +138,7 @@ def test_prose_keeps_products_and_plain_spaces() -> None:
 @pytest.mark.parametrize(
     ("completion", "gold"),
     [
-        # Gemma 3 270M's hack under GRPO (issue 22): the sum stated, not computed; math-verify evaluates it
+        # Gemma 3 270M's hack under GRPO (2026-11-24): the sum stated, not computed; math-verify evaluates it
         (" 94 + 58 = 18. The answer is 94 + 58.\n\nQuestion:", "152"),
         ("The answer is 50 + 83.", "133"),
         ("\\boxed{6 \\times 4}", "24"),

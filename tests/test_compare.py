@@ -775,7 +775,7 @@ def test_signal_warning_names_a_4bit_arm_far_behind_bf16_and_only_the_remedies_i
 
 
 # A committed `qerl eval --rescore` output: Gemma's nvfp4-lora seed 1, 0.0% -> 13.7% once its completions
-# were graded without the few-shot stop string (issue 22).
+# were graded without the few-shot stop string (the fix of 2026-11-24).
 GEMMA = Path(__file__).resolve().parents[1] / "benchmarks" / "gemma3-270m-ablation-h100-2026-11-24"
 RESCORED = GEMMA / "fixed-reward" / "nvfp4-lora" / "seed-1" / "heldout" / "results.json"
 

@@ -285,7 +285,7 @@ def test_vllm_engine_joins_the_process_group_and_sizes_max_num_seqs(
 
 
 def test_multigpu_device_report_arithmetic(tmp_path: Path) -> None:
-    """scripts/device_multigpu_report.py, which turns the device runs of issue 13 into its figures."""
+    """scripts/device_multigpu_report.py, which turns the multi-GPU runs into their figures."""
     import importlib.util
     import json
 

@@ -1,4 +1,4 @@
-"""Issue 22: prompt token ids start with BOS exactly once, whichever way the prompt was rendered.
+"""Prompt token ids start with BOS exactly once, whichever way the prompt was rendered.
 
 Gemma's tokenizer (a base model: no chat template) adds BOS, and every prompt path used to tokenise
 with ``add_special_tokens=False``, which dropped it. Templates that write BOS themselves must not

@@ -91,7 +91,7 @@ def test_unknown_template_is_a_user_error(tokenizer) -> None:
         render_prompt("Q?", tokenizer, "fancy")
 
 
-# -- issue 22: a template for base models, and the answer format each template asks for ------------
+# -- a template for base models, and the answer format each template asks for --------------------
 def test_fewshot_template_shows_worked_examples_and_ends_at_answer(tokenizer) -> None:
     from qerl_cli.data.prompts import FEWSHOT_EXAMPLES, FEWSHOT_STOP
 

@@ -20,7 +20,7 @@ def _script():
 
 def test_regrade_counts_changes_against_the_stored_grades(tmp_path: Path, capsys) -> None:
     records = [
-        # stored grades as the grader before issue 22 gave them
+        # stored grades as the grader of before 2026-11-24 gave them
         {"id": "p1", "gold": "72", "completions": ["<answer>72.</answer>", "The answer is 71."],
          "correct": [False, False]},
         {"id": "p2", "gold": "1000", "completions": ["\\boxed{1\\,000}", "The answer is 1000."],

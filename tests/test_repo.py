@@ -1,4 +1,5 @@
-"""Repository hygiene: the README's commands are the ones CI runs, and the code is ruff-clean."""
+"""Repository hygiene: the README's commands are the ones CI runs, the code is ruff-clean, and the
+benchmark folders are indexed and name only files they hold."""
 
 from __future__ import annotations
 
@@ -72,9 +73,57 @@ def test_benchmark_run_books_parse_and_use_only_options_qerl_has() -> None:
             assert not unknown, f"{script}: qerl {name} has no option {unknown}"
 
 
-def test_the_benchmark_index_links_every_run_folder() -> None:
+def test_the_benchmark_index_links_every_run_folder_and_each_has_a_readme() -> None:
     index = (REPO / "benchmarks" / "README.md").read_text()
     linked = set(re.findall(r"\]\(([^)/]+)/\)", index))
     folders = {p.name for p in (REPO / "benchmarks").iterdir() if p.is_dir()}
     assert folders <= linked, f"not in benchmarks/README.md: {sorted(folders - linked)}"
     assert linked <= folders, f"linked but missing: {sorted(linked - folders)}"
+    # The index promises it: "its README says the GPU, the date, the command and what the figures mean".
+    unexplained = sorted(name for name in folders if not (REPO / "benchmarks" / name / "README.md").is_file())
+    assert not unexplained, f"run folders without a README.md: {unexplained}"
+
+
+# A name in a benchmark README is checked when it looks like a file or folder: one path of word
+# characters, dots, dashes and slashes that ends in "/" or in one of these suffixes.
+FILE_SUFFIXES = (".json", ".jsonl", ".gz", ".md", ".png", ".log", ".txt", ".py", ".sh", ".yaml", ".csv")
+_NAMED = re.compile(r"`([^`\s]+)`|\]\(([^)\s]+)\)")
+_PATHLIKE = re.compile(r"[\w.-]+(?:/[\w.-]+)*/?")
+
+
+def _named_paths(readme: Path) -> set[str]:
+    """Relative paths a README names in backticks or links (commands, globs and placeholders left out)."""
+    named = set()
+    for match in _NAMED.finditer(readme.read_text()):
+        name = (match.group(1) or match.group(2)).split("#", 1)[0]
+        hidden_or_absolute = name.startswith(("/", ".", "-")) and not name.startswith("../")
+        if not _PATHLIKE.fullmatch(name) or hidden_or_absolute:  # ".json" alone is a suffix, not a file
+            continue
+        if name.endswith("/") or name.endswith(FILE_SUFFIXES):
+            named.add(name)
+    return named
+
+
+def _exists(name: str, folder: Path) -> bool:
+    """``name`` is there from the README's folder, from the repository root (recipes/ by its old path
+    too), or as the tail of a path inside the run folder (``heldout/results.json`` of every run)."""
+    want_dir = name.endswith("/")
+    bare = name.rstrip("/")
+    roots = [folder, REPO, REPO / "qerl_cli" / "config"]
+    if any((root / bare).is_dir() if want_dir else (root / bare).is_file() for root in roots):
+        return True
+    inside = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_dir() == want_dir)
+    return any(rel == bare or rel.endswith("/" + bare) for rel in inside)
+
+
+def test_every_file_a_benchmark_readme_names_exists() -> None:
+    """A README that names `completions.jsonl` after the file became `completions.jsonl.gz` misleads."""
+    readmes = sorted(REPO.glob("benchmarks/*/README.md"))
+    assert readmes, "no benchmark README to check"
+    missing = [
+        f"{readme.relative_to(REPO)}: {name}"
+        for readme in readmes
+        for name in sorted(_named_paths(readme))
+        if not _exists(name, readme.parent)
+    ]
+    assert not missing, "named but not there:\n" + "\n".join(missing)

@@ -459,7 +459,7 @@ def _cli_eval_pass_at_1(model: Path, adapter: Path | None, out: Path) -> float:
 def test_trained_adapter_beats_the_base_under_qerl_eval(tiny_base: dict[str, Path], tmp_path: Path) -> None:
     """The shipped recipe through the CLI on the NVFP4 base with AQN: the training reward rises, and
     `qerl eval` of the adapter over the NVFP4 base scores higher than the base alone on held-out
-    problems (issue 7's acceptance)."""
+    problems (the recipe's acceptance check)."""
     from qerl_cli.cli import main
 
     recipe = REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"

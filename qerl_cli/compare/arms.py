@@ -67,7 +67,8 @@ class CompareSettings:
     # How a BF16 recipe model's 4-bit counterparts are made: AWQ through llm-compressor on the shipped
     # qerl-text calibration set (the quantization `qerl quantize` uses by default and the paper's bases
     # have, offline) or round to nearest (qerl's own packing, seconds, no extra package). AWQ by default:
-    # RTN bases of small models can start with too little reward signal for GRPO (issue 22).
+    # RTN bases of small models can start with too little reward signal for GRPO (SmolLM2-135M's RTN
+    # NVFP4 base starved: benchmarks/smollm2-h200-2026-11-23).
     base_method: str = DEFAULT_BASE_METHOD
     # The least seconds between the starts of runs that share the GPU. None: 10 when vLLM runs go
     # --jobs N > 1 at a time (each also waits until the previous run's vLLM engine is up, at most

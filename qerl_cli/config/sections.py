@@ -345,7 +345,8 @@ class OutputSection:
     wandb_project: str = "qerl"
     # Prompt groups a step whose completions (text, reward, finish reason) go to completions.jsonl: a
     # record of what the reward paid for. On Gemma 3 270M GRPO learned to answer "94 + 58" (graded equal
-    # to 152) within 40 steps, and only the held-out evaluation showed it (issue 22). 0: none.
+    # to 152) within 40 steps, and only the held-out evaluation showed it
+    # (benchmarks/gemma3-270m-ablation-h100-2026-11-24). 0: none.
     log_completions: int = 1
 
     def validate(self, where: str) -> None:

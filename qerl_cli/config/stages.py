@@ -141,10 +141,10 @@ class BenchConfig:
     # A SHAPE name (qwen2.5-0.5b ... qwen2.5-72b, tiny), a hub id or a local folder. Empty: qwen2.5-7b
     # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
     model: str = ""
-    # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job (issue 11: within 10
-    # minutes on one H100): three engine starts, 512 generated tokens. On Hopper vLLM serves MXFP4 through
-    # the same Marlin FP4 kernels as NVFP4 (add it with --formats); RL lengths are --gen-len 2048 or 4096,
-    # and --e2e --e2e-recipe for a whole step.
+    # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job (to finish within
+    # 10 minutes on one H100; benchmarks/h200-2026-11-23, bench_batch_defaults/): three engine starts,
+    # 512 generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add
+    # it with --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
     formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
     # Batch sizes timed (sequences generated at once).
     batch: list[int] = field(default_factory=lambda: [2, 8])

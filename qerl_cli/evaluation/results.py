@@ -19,7 +19,14 @@ from typing import Any
 
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
-from qerl_cli.files import atomic_write_text, read_json_report, write_json
+from qerl_cli.files import (
+    GZIP_SUFFIX,
+    atomic_write_text,
+    read_json_report,
+    read_text_maybe_gzip,
+    readable_text_file,
+    write_json,
+)
 
 RESULTS_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
@@ -54,28 +61,38 @@ def write_samples(path: Path, records: Iterable[dict[str, Any]]) -> None:
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
+    """The records of a samples file: ``path``, or ``path.gz`` beside it (benchmarks/ keeps them gzip'd)."""
+    found = readable_text_file(path)
+    if found is None:
         raise QerlError(f"samples file not found: {path}")
+    try:
+        text = read_text_maybe_gzip(found)
+    except (OSError, EOFError) as exc:  # a truncated or foreign .gz
+        raise QerlError(f"{found} cannot be read ({exc}); the file is damaged") from None
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise QerlError(f"{path}:{number} is not valid JSON ({exc}); the file is damaged") from None
+            raise QerlError(f"{found}:{number} is not valid JSON ({exc}); the file is damaged") from None
     return records
 
 
 def find_sample_files(directory: str | Path) -> dict[str, Path]:
-    """``{benchmark: samples file}`` for every ``samples_<bench>.jsonl`` in ``directory``."""
+    """``{benchmark: samples file}`` for every ``samples_<bench>.jsonl`` (or ``.jsonl.gz``) in ``directory``.
+
+    Where both are there (a gzip'd folder rescored in place), the plain file is the newer grading.
+    """
     folder = Path(directory)
     if not folder.is_dir():
         raise QerlError(f"not a directory: {folder}")
-    files = {
-        p.name[len(SAMPLES_PREFIX) : -len(".jsonl")]: p
-        for p in sorted(folder.glob(f"{SAMPLES_PREFIX}*.jsonl"))
-    }
+    found: dict[str, Path] = {}
+    for suffix in (f".jsonl{GZIP_SUFFIX}", ".jsonl"):  # plain last, so that it wins
+        for p in folder.glob(f"{SAMPLES_PREFIX}*{suffix}"):
+            found[p.name[len(SAMPLES_PREFIX) : -len(suffix)]] = p
+    files = dict(sorted(found.items()))
     if not files:
         raise QerlError(f"{folder} holds no {SAMPLES_PREFIX}<benchmark>.jsonl files to rescore")
     return files

@@ -177,11 +177,11 @@ def can_smooth_offset_norms() -> bool:
 
 # Mappings qerl chooses over llm-compressor's registry, by model class: (smoothed layer, balance layers).
 # Gemma 3: the registry (0.14) leaves out input_layernorm -> q/k/v, dropped after AWQ degraded Gemma 3
-# models (llm-compressor issue 2522, PR 2571); with the smoothing exact it pays: on Gemma 3 270M AWQ +
-# NVFP4 was 0.100 nats/token from the BF16 model with it, 0.115 without, round-to-nearest 0.173 (the
-# probe of the module docstring). q_norm
-# and k_norm act on q/k_proj's outputs, which the smoothing does not change. v_proj -> o_proj is kept
-# for Gemma 3 sizes whose widths allow it (llm-compressor skips it under grouped-query attention).
+# models (github.com/vllm-project/llm-compressor/issues/2522, pull/2571); with the smoothing exact it
+# pays: on Gemma 3 270M AWQ + NVFP4 was 0.100 nats/token from the BF16 model with it, 0.115 without,
+# round-to-nearest 0.173 (the probe of the module docstring). q_norm and k_norm act on q/k_proj's
+# outputs, which the smoothing does not change. v_proj -> o_proj is kept for Gemma 3 sizes whose widths
+# allow it (llm-compressor skips it under grouped-query attention).
 ARCHITECTURE_MAPPINGS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "Gemma3ForCausalLM": (
         ("re:.*input_layernorm$", ("re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$")),

@@ -2,16 +2,19 @@
 and groups with a reward spread (what GRPO learns from).
 
     python starting_signal.py DIR [DIR ...]   # each DIR: a `qerl eval -o DIR` output with samples_*.jsonl
+
+The folders here keep their samples gzip'd (`samples_*.jsonl.gz`); either is read.
 """
 
 import json
 import sys
 from pathlib import Path
 
+from qerl_cli.evaluation.results import find_sample_files, read_samples
+
 
 def signal(folder: Path) -> dict[str, float]:
-    text = next(folder.glob("samples_*.jsonl")).read_text()
-    samples = [json.loads(line) for line in text.splitlines() if line.strip()]
+    samples = read_samples(next(iter(find_sample_files(folder).values())))
     per_problem = samples[0]["num_samples"]
     correct = [s["num_correct"] for s in samples]
     n = len(correct)

@@ -1,5 +1,6 @@
-"""Re-grade the training completions the runs logged (`completions.jsonl`: one prompt group a step) with
-this checkout's reward grading, and count the rewarded ones it now grades wrong (and the reverse).
+"""Re-grade the training completions the runs logged (`completions.jsonl`, kept here gzip'd as
+`completions.jsonl.gz`: one prompt group a step) with this checkout's reward grading, and count the
+rewarded ones it now grades wrong (and the reverse).
 
     G=benchmarks/gemma3-270m-ablation-h100-2026-11-24/fixed-reward
     .venv/bin/python $G/reward-hacks/regrade_training.py $G benchmarks/smollm2-awq-h200-2026-11-24/runs \
@@ -15,13 +16,15 @@ import json
 import sys
 from pathlib import Path
 
+from qerl_cli.files import read_text_maybe_gzip
 from qerl_cli.rewards import Grader
 from qerl_cli.rewards.extract import cut_at_stop
 
 
 def regrade(folder: Path, grader: Grader) -> dict[str, object]:
     stop = tuple(json.loads((folder / "prompt.json").read_text()).get("stop", ()))  # the run's template's
-    groups = [json.loads(line) for line in (folder / "completions.jsonl").read_text().splitlines() if line]
+    text = read_text_maybe_gzip(folder / "completions.jsonl")  # or its .gz
+    groups = [json.loads(line) for line in text.splitlines() if line]
     steps = [g["step"] for g in groups for _ in g["completions"]]
     texts = [cut_at_stop(text, stop) for g in groups for text in g["completions"]]
     golds = [g["gold"] for g in groups for _ in g["completions"]]
@@ -40,7 +43,7 @@ def regrade(folder: Path, grader: Grader) -> dict[str, object]:
 
 
 def main(roots: list[str]) -> None:
-    found = sorted(f.parent for root in roots for f in Path(root).glob("**/seed-*/completions.jsonl"))
+    found = sorted({f.parent for root in roots for f in Path(root).glob("**/seed-*/completions.jsonl*")})
     with Grader(workers=2, timeout_s=5.0) as grader:
         report = {str(folder): regrade(folder, grader) for folder in found}
     print(json.dumps(report, indent=2, ensure_ascii=False))
