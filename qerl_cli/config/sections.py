@@ -10,8 +10,10 @@ from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.errors import QerlError
 
+# The format registry's names (qerl_cli.formats, which this layer sits below: a test holds the two
+# equal). The config's checks and the CLI's help read them from here.
 QuantFormat = Literal["nvfp4", "mxfp4", "nf4"]
-ModelFormat = Literal["auto", "bf16", "nvfp4", "mxfp4", "nf4"]
+ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BENCHMARKS_ALL = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
