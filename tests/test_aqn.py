@@ -80,9 +80,45 @@ def test_schedule_validation() -> None:
         AQNSchedule(total_steps=10, kind="step")
     with pytest.raises(QerlError, match="num_stages"):
         AQNSchedule(total_steps=10, num_stages=1)
-    with pytest.raises(QerlError, match="sigma_end > 0"):
+    with pytest.raises(QerlError, match="aqn.sigma_end must be > 0 with aqn.schedule=exponential"):
         AQNSchedule(total_steps=10, sigma_end=0.0)
     assert AQNSchedule(total_steps=10, kind="linear", sigma_end=0.0).sigma(9) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "needle"),
+    [
+        (-1e-3, 1e-4, "aqn.sigma_start must be a finite number > 0"),
+        (math.nan, 1e-4, "aqn.sigma_start must be a finite number > 0"),
+        (1e-2, math.inf, "aqn.sigma_end must be a finite number >= 0"),
+        (1e-2, 1e-1, "aqn.sigma_end must be <= aqn.sigma_start"),
+    ],
+)
+def test_the_schedule_holds_every_sigma_to_the_recipes_rule(start: float, end: float, needle: str) -> None:
+    """Built, calibrated or restored from a checkpoint, the schedule refuses what the recipe refuses
+    (config.checks.aqn_sigmas), with the same message naming the recipe key."""
+    with pytest.raises(QerlError, match=needle):
+        AQNSchedule(total_steps=10, sigma_start=start, sigma_end=end)
+    restored = AQNSchedule(total_steps=10)
+    with pytest.raises(QerlError, match=needle):
+        restored.load_state_dict({"sigma_start": start, "sigma_end": end})
+
+
+@pytest.mark.parametrize("found", [0.0, -1e-3, math.nan, math.inf])
+def test_a_calibrated_sigma_is_checked_before_the_schedule_changes(found: float) -> None:
+    schedule = AQNSchedule(total_steps=10, sigma_start=1e-2, sigma_end=1e-4)
+    with pytest.raises(QerlError, match="aqn.sigma_start must be a finite number > 0"):
+        schedule.calibrate(found)
+    assert (schedule.sigma_start, schedule.sigma_end, schedule.calibrated) == (1e-2, 1e-4, False)
+
+
+@pytest.mark.parametrize("sigma", [-1e-3, math.nan, math.inf])
+def test_the_noise_refuses_a_sigma_that_is_not_finite_and_non_negative(sigma: float) -> None:
+    needle = "AQN sigma must be a finite number >= 0"
+    with pytest.raises(QerlError, match=needle):
+        NormNoiser(Toy(dim=8)).apply(sigma)
+    with pytest.raises(QerlError, match=needle):
+        perturb_norm_weights({"w": torch.ones(4)}, sigma)
 
 
 def test_schedule_state_round_trip() -> None:

@@ -19,7 +19,7 @@ from qerl_cli.rl.aqn_calibration import TOKENS_CHANGED_METRIC, NoiseProbe
 from qerl_cli.rl.checkpoint import STATE_FILE
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.stream import PromptStream
-from qerl_cli.rollout.base import SamplingSpec
+from qerl_cli.rollout.base import NOISE_SIGMA, SamplingSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -217,13 +217,13 @@ def test_a_run_calibrates_once_logs_each_stage_and_resumes_without_recalibrating
     assert calls == [1e-2] and saved["calibrated"]  # measured once, from the configured sigma
     # Step 1 is the noise-free stage; step 2 starts the noisy one at the calibrated sigma, measured.
     assert TOKENS_CHANGED_METRIC not in first[0] and 0.0 <= first[1][TOKENS_CHANGED_METRIC] <= 1.0
-    assert first[1]["aqn_sigma"] == pytest.approx(saved["sigma_start"]) and saved["sigma_start"] != 1e-2
+    assert first[1][NOISE_SIGMA] == pytest.approx(saved["sigma_start"]) and saved["sigma_start"] != 1e-2
 
     train(tiny_cfg(tiny_model_dir, out, *sets), resume=str(out / "checkpoint-1"), progress=False,
           reward_fn=FakeReward())  # fmt: skip
     again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert calls == [1e-2]  # the checkpoint's calibrated schedule, not a new calibration
-    for key in ("aqn_sigma", TOKENS_CHANGED_METRIC, "reward_mean", "loss"):
+    for key in (NOISE_SIGMA, TOKENS_CHANGED_METRIC, "reward_mean", "loss"):
         assert again[1][key] == pytest.approx(first[1][key], rel=1e-6), key
 
 

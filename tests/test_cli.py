@@ -279,6 +279,78 @@ def test_bench_refuses_an_unknown_format_listing_the_registry(capsys: pytest.Cap
     assert rc == 0 and yaml.safe_load(out)["formats"] == ["bf16", "NVFP4"]
 
 
+# Every flag and --set key that takes a weights format: the command line that gives it "fp3", and what
+# its refusal lists (the format registry's names, read from the registry here). "4bit": the 4-bit ones,
+# as the config's type error writes them; "weights": BF16 and the 4-bit ones, as the checks write them.
+TMP_OUT = ("-o", "{tmp}/c")
+FORMAT_ARGS = {
+    ("quantize", "--format"): (["quantize", "m", "--format", "fp3", "--dry-run"], "4bit"),
+    ("quantize", "format"): (["quantize", "m", "--set", "format=fp3", "--dry-run"], "4bit"),
+    ("bench", "--formats"): (["bench", "--formats", "bf16,fp3", "--dry-run"], "weights"),
+    ("bench", "formats"): (["bench", "--set", "formats=fp3", "--dry-run"], "weights"),
+    ("tiny-base", "--formats"): (["tiny-base", "{tmp}/base", "--formats", "bf16,fp3"], "weights"),
+    ("train", "model.format"): (["train", "{recipe}", "--set", "model.format=fp3", "--dry-run"], "model"),
+    ("compare", "model.format"): (["compare", "{recipe}", "--set", "model.format=fp3", *TMP_OUT], "model"),
+    ("compare", "compare.arms"): (["compare", "{arms}", "--arms", "mine", *TMP_OUT], "weights"),
+}
+
+
+def _listed(kind: str) -> str:
+    from qerl_cli import formats
+
+    if kind == "weights":
+        return ", ".join(formats.model_names())
+    return " | ".join(map(repr, formats.names() if kind == "4bit" else ["auto", *formats.model_names()]))
+
+
+def test_every_format_option_is_in_the_table() -> None:
+    """A new flag or config key taking a format must join FORMAT_ARGS (and so refuse an unknown one)."""
+    import dataclasses
+
+    from typer.main import get_command
+
+    from qerl_cli import config
+    from qerl_cli.cli import app
+
+    flags = {
+        (name, opt)
+        for name, command in get_command(app).commands.items()
+        for param in command.params
+        for opt in param.opts
+        if opt.startswith("--") and "format" in opt
+    }
+
+    def keys(cls: type, prefix: str = "") -> set[str]:
+        found = set()
+        for f in dataclasses.fields(cls):
+            if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+                found |= keys(f.default_factory, f"{prefix}{f.name}.")
+            elif f.name in ("format", "formats"):
+                found.add(prefix + f.name)
+        return found
+
+    stage_keys = {"quantize": config.QuantizeConfig, "bench": config.BenchConfig, "train": config.TrainConfig,
+                  "eval": config.EvalConfig, "compare": config.TrainConfig}  # fmt: skip
+    set_keys = {(stage, key) for stage, cls in stage_keys.items() for key in keys(cls)}
+    assert flags | set_keys | {("compare", "compare.arms")} == set(FORMAT_ARGS)
+
+
+@pytest.mark.parametrize("option", list(FORMAT_ARGS), ids="/".join)
+def test_every_format_option_refuses_an_unknown_one_listing_the_registry(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, option: tuple[str, str]
+) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  path: m\n")
+    arms = tmp_path / "arms.yaml"
+    arms.write_text("model:\n  path: m\ncompare:\n  arms:\n    mine: {model.format: fp3}\n")
+    argv, kind = FORMAT_ARGS[option]
+    argv = [a.format(tmp=tmp_path, recipe=recipe, arms=arms) for a in argv]
+    rc, out, err = run(capsys, *argv)
+    err = " ".join(err.split())
+    assert rc == 2 and "fp3" in err and _listed(kind) in err, err
+    assert not (tmp_path / "base").exists()  # tiny-base refused before touching its output
+
+
 def test_a_recipe_with_a_key_written_twice_exits_2(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -90,10 +91,47 @@ def test_wrong_types_name_key_value_and_type(tmp_path: Path, override: str, need
 
 def test_cross_field_validation(tmp_path: Path) -> None:
     recipe = write(tmp_path, {"model": {"path": "m"}})
-    with pytest.raises(QerlError, match="sigma_start >= sigma_end"):
+    with pytest.raises(QerlError, match=r"aqn.sigma_end must be <= aqn.sigma_start \(1e-05\)"):
         cfg.load_config(cfg.TrainConfig, recipe, ["aqn.sigma_start=1e-5", "aqn.sigma_end=1e-3"])
     with pytest.raises(QerlError, match="model.path"):
         cfg.load_config(cfg.TrainConfig, write(tmp_path, {}))
+
+
+# The one rule for AQN's sigmas (config.checks.aqn_sigmas): each refusal names the key and what to do.
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["aqn.sigma_start=-1e-3"], "aqn.sigma_start must be a finite number > 0"),
+        (["aqn.sigma_start=0"], "to train without noise set aqn.enabled=false"),
+        (["aqn.sigma_start=.nan"], "aqn.sigma_start must be a finite number > 0 .*got nan"),
+        (["aqn.sigma_start=.inf", "aqn.sigma_end=1"], "aqn.sigma_start must be a finite number > 0"),
+        (["aqn.sigma_end=-1e-5"], "aqn.sigma_end must be a finite number >= 0"),
+        (["aqn.sigma_end=nan"], "aqn.sigma_end must be a finite number >= 0 .*got nan"),
+        (["aqn.sigma_end=0.1"], r"aqn.sigma_end must be <= aqn.sigma_start \(0.01\): the schedule decays"),
+        (["aqn.sigma_end=0"], "aqn.sigma_end must be > 0 with aqn.schedule=exponential.*choose the linear"),
+    ],
+)
+def test_invalid_aqn_sigmas_exit_2_naming_the_key(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, sets: list[str], needle: str
+) -> None:
+    from qerl_cli.cli import main
+
+    recipe = write(tmp_path, {"model": {"path": "m"}})
+    rc = main(["train", str(recipe), "--dry-run", *(arg for s in sets for arg in ("--set", s))])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert re.search(needle, " ".join(err.split())), err
+
+
+def test_valid_aqn_sigmas_load(tmp_path: Path) -> None:
+    recipe = write(tmp_path, {"model": {"path": "m"}})
+    linear = cfg.load_config(cfg.TrainConfig, recipe, ["aqn.schedule=linear", "aqn.sigma_end=0"])
+    assert linear.aqn.sigma_end == 0.0  # a linear decay may end without noise
+    flat = cfg.load_config(cfg.TrainConfig, recipe, ["aqn.sigma_start=1e-3", "aqn.sigma_end=1e-3"])
+    assert flat.aqn.sigma_start == flat.aqn.sigma_end
+    # With AQN off the sigmas are never used, so they are not checked.
+    off = cfg.load_config(cfg.TrainConfig, recipe, ["aqn.enabled=false", "aqn.sigma_end=1"])
+    assert not off.aqn.enabled
 
 
 def test_missing_and_malformed_recipe(tmp_path: Path) -> None:

@@ -226,3 +226,23 @@ def test_format_traits_live_on_the_registry_and_the_config_literals_follow_it() 
         assert MIN_CAPABILITY[name] == fmt.vllm_min_capability
         assert FORMAT_BACKENDS[name] == fmt.rollout_backends
     assert formats.get("nf4").vllm_quantization == "bitsandbytes" and not formats.get("nf4").fp4
+
+
+def test_tables_keyed_by_format_are_built_from_the_registry_with_their_old_values() -> None:
+    from qerl_cli.formats.checkpoint import check_checkpoint_format
+    from qerl_cli.modeling.loading import COMPRESSED_TENSORS_FORMATS
+    from qerl_cli.modeling.model_shape import WEIGHT_BYTES
+    from qerl_cli.quantize.pipeline import SCHEMES
+    from qerl_cli.rollout.backends import NOT_FP4_FORMATS
+
+    assert formats.model_names() == ["bf16", *formats.names()]
+    assert WEIGHT_BYTES == {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32,
+                            "nf4": 0.5 + 1 / 64}  # fmt: skip
+    assert COMPRESSED_TENSORS_FORMATS == {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+    assert SCHEMES == {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+    assert NOT_FP4_FORMATS == ("bf16", "nf4")
+    listed = ", ".join(formats.names())
+    with pytest.raises(QerlError, match=f"unknown checkpoint format 'fp3'; choose one of: bf16, {listed}$"):
+        check_checkpoint_format("fp3")
+    with pytest.raises(QerlError, match=f"--x: unknown format 'fp3', 'NVFP4'; choose one of: {listed}$"):
+        formats.check_names(["nvfp4", "fp3", "NVFP4"], option="--x")  # compared as given

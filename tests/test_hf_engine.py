@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -121,6 +122,9 @@ def test_aqn_noise_only_during_generation(engine: HFEngine, model_and_tokenizer)
     assert noised.stats["rollout/noise_sigma"] == 0.5 and noised.stats["rollout/noise_changed_fraction"] > 0.9
     assert engine.set_norm_noise(0.0, seed=1) == 0
     assert [c.logprobs for _, c in engine.generate(PROMPTS, 2, spec).flat()] == lp[0]
+    for bad in (-0.5, math.nan, math.inf):  # the rule every engine's noise follows (config.checks)
+        with pytest.raises(QerlError, match="AQN sigma must be a finite number >= 0"):
+            engine.set_norm_noise(bad, seed=1)
 
 
 def test_aqn_without_norms_fails_loudly(model_and_tokenizer) -> None:

@@ -15,9 +15,10 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.policy import completion_logprobs, make_token_batch
-from qerl_cli.rl.tracking import read_metrics
+from qerl_cli.rl.tracking import read_metrics, step_sigma
 from qerl_cli.rl.trainer import PromptStream, TrainResult, derive_seed, train
 from qerl_cli.rl.update import normalizer as _normalizer
+from qerl_cli.rollout.base import NOISE_SIGMA
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,7 +185,7 @@ def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> Non
         "completion_length_mean",
         "completion_length_max",
         "truncation_rate",
-        "aqn_sigma",
+        NOISE_SIGMA,
         "time_rollout_s",
         "time_update_s",
         "rollout_tokens_per_s",
@@ -193,7 +194,9 @@ def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> Non
     ):
         assert key in records[-1], key
     # AQN: K=2 stages over 4 steps: noise-free first half, then the single noisy stage (sigma_start).
-    assert [r["aqn_sigma"] for r in records] == [0.0, 0.0, 1e-2, 1e-2]
+    assert [r[NOISE_SIGMA] for r in records] == [0.0, 0.0, 1e-2, 1e-2]
+    assert all("aqn_sigma" not in r for r in records)  # one name for the sigma, the engines' own
+    assert [step_sigma(r) for r in records] == [0.0, 0.0, 1e-2, 1e-2]  # and the readers read it
     assert records[2]["aqn_perturbed_norms"] == 5
     # What the reward paid for: one prompt group a step (output.log_completions=1), graded as trained.
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -247,13 +250,23 @@ def test_resume_continues_with_the_same_next_batch(tiny_model_dir: Path, tmp_pat
     groups = [json.loads(x) for x in (tmp_path / "b" / "completions.jsonl").read_text().splitlines()]
     assert [g["step"] for g in groups] == [1, 2, 3, 4]  # and so were its logged completions
     for ra, rb in zip(a, b, strict=True):
-        for key in ("reward_mean", "entropy", "loss", "grad_norm", "data_position", "aqn_sigma"):
+        for key in ("reward_mean", "entropy", "loss", "grad_norm", "data_position", NOISE_SIGMA):
             assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
     from safetensors.torch import load_file
 
     wa = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-7) for k in wa)
+
+
+def test_the_sigma_is_read_under_its_name_and_the_old_one() -> None:
+    """Runs written before the trainer stopped logging "aqn_sigma" (the committed benchmark runs among
+    them, some with no other name for it) still plot and summarise their sigma."""
+    assert step_sigma({NOISE_SIGMA: 2e-3}) == 2e-3 and step_sigma({"aqn_sigma": 5e-4}) == 5e-4
+    assert step_sigma({"step": 1}) == 0.0  # a run without AQN figures
+    old = [r for path in sorted(REPO.glob("benchmarks/**/metrics*.jsonl")) for r in read_metrics(path)]
+    assert any("aqn_sigma" in r and NOISE_SIGMA not in r for r in old)  # what the fallback is for
+    assert all(step_sigma(r) == r["aqn_sigma"] for r in old if "aqn_sigma" in r)
 
 
 def test_a_hanging_grader_does_not_stall_training(tiny_model_dir: Path, tmp_path: Path) -> None:

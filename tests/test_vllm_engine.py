@@ -14,6 +14,7 @@ real GPU with real vLLM.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -633,6 +634,16 @@ def test_noise_without_norms_stops(tmp_path: Path, fake_vllm: types.ModuleType) 
     assert engine.set_norm_noise(0.0, seed=0) == 0
     with pytest.raises(QerlError, match="no RMSNorm"):
         engine.set_norm_noise(0.01, seed=0)
+
+
+@pytest.mark.parametrize("sigma", [-0.01, math.nan, math.inf])
+def test_noise_refuses_what_every_engine_refuses(
+    tmp_path: Path, fake_vllm: types.ModuleType, sigma: float
+) -> None:
+    engine = make_engine(tmp_path)
+    with pytest.raises(QerlError, match="AQN sigma must be a finite number >= 0"):
+        engine.set_norm_noise(sigma, seed=0)
+    assert engine.stats()["rollout/noise_sigma"] == 0.0  # nothing applied
 
 
 def test_sleep_wake_order_reapplies_noise_and_pending_adapter(

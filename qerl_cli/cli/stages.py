@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import typer
 
@@ -40,12 +40,13 @@ EvalSet = set_option("temperature=1.0")
 BenchSet = set_option("repeats=5")
 CompareSet = set_option("train.max_steps=50")
 Q, E, B = cfg.QuantizeConfig, cfg.EvalConfig, cfg.BenchConfig  # the --help defaults below are theirs
+QUANT_FORMATS_HELP = " | ".join(get_args(cfg.QuantFormat))  # the config's names, which follow the registry
 
 
 def quantize(
     model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub id or local folder of a BF16 model.")],
     format: Annotated[
-        str | None, config_option(Q, "format", "--format", "-f", metavar="FORMAT", help="nvfp4 | mxfp4 | nf4")
+        str | None, config_option(Q, "format", "--format", "-f", metavar="FORMAT", help=QUANT_FORMATS_HELP)
     ] = None,
     method: Annotated[
         str | None,

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 from rich.markup import escape
 
+from qerl_cli import config
 from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
+
+# What a model folder may hold, for the --formats help: the config's names, which follow the registry.
+WEIGHT_FORMATS = [name for name in get_args(config.ModelFormat) if name != "auto"]
 
 
 def env(json_: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
@@ -30,7 +34,7 @@ def tiny_base(
         "runs/tiny-base"
     ),
     formats: Annotated[
-        str, typer.Option("--formats", metavar="FMT,...", help="Comma list of bf16,nvfp4,mxfp4,nf4.")
+        str, typer.Option("--formats", metavar="FMT,...", help=f"Comma list of {','.join(WEIGHT_FORMATS)}.")
     ] = "bf16,nvfp4",
     seed: Annotated[
         int, typer.Option("--seed", metavar="SEED", help="Seed of the model and the warm start.")

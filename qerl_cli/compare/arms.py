@@ -163,6 +163,8 @@ def base_choice(overrides: dict[str, Any], default_method: str, where: str = "th
     if not isinstance(dequantized, bool):
         raise QerlError(f"{where}: base.dequantized must be true or false, got {dequantized!r}")
     fmt = str(overrides.get("model.format", "auto"))
+    if fmt != "auto":  # auto: the checkpoint's own, as in a recipe
+        formats.check_names([fmt], "model.format", dense=True, option=where)
     if dequantized and fmt not in QUANTIZED_FORMATS:
         raise QerlError(
             f"{where}: base.dequantized needs the 4-bit base to dequantize: set model.format to one of "

@@ -2,10 +2,13 @@
 
 A refused value raises ``ConfigValueError``, which keeps the key apart from the message: the CLI then
 names what the user typed (``--prompt-len`` for a flag, ``prompt_len`` or ``train.learning_rate`` for a
-recipe key or ``--set``) instead of a path it built itself.
+recipe key or ``--set``) instead of a path it built itself. AQN's sigma rules live here too, so the
+recipe, the schedule built from it and the engines' noise refuse the same values alike.
 """
 
 from __future__ import annotations
+
+import math
 
 from qerl_cli.errors import QerlError
 
@@ -38,3 +41,41 @@ def positive(where: str, **values: float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ConfigValueError(key(where, name), f"must be > 0, got {value}")
+
+
+# -- AQN's sigmas ---------------------------------------------------------------------------------
+# One rule, used by the recipe's aqn section, by the schedule built from it (as configured, calibrated
+# or restored from a checkpoint) and by every engine's norm noise.
+def _finite(value: float) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def noise_sigma(name: str, value: float) -> None:
+    """A sigma the rollout noise is drawn with: a finite number >= 0 (0: no noise)."""
+    if not (_finite(value) and value >= 0):
+        raise ConfigValueError(name, f"must be a finite number >= 0 (0: no noise), got {value}")
+
+
+def aqn_sigmas(where: str, sigma_start: float, sigma_end: float, schedule: str) -> None:
+    """The end points of an AQN decay (section ``where``, e.g. "aqn"): ``sigma_start`` finite and > 0,
+    ``sigma_end`` finite, at most ``sigma_start`` (every schedule decays) and > 0 for the exponential
+    schedule (a geometric decay never reaches 0; the others may end at 0)."""
+    start, end = key(where, "sigma_start"), key(where, "sigma_end")
+    if not (_finite(sigma_start) and sigma_start > 0):
+        raise ConfigValueError(
+            start,
+            f"must be a finite number > 0 (the first noisy stage's sigma; the paper's is 1e-2), got "
+            f"{sigma_start}; to train without noise set {key(where, 'enabled')}=false",
+        )
+    noise_sigma(end, sigma_end)
+    if sigma_end > sigma_start:
+        raise ConfigValueError(
+            end,
+            f"must be <= {start} ({sigma_start}): the schedule decays from {start} to {end}; got {sigma_end}",
+        )
+    if schedule == "exponential" and sigma_end == 0:
+        raise ConfigValueError(
+            end,
+            f"must be > 0 with {key(where, 'schedule')}=exponential (a geometric decay never reaches 0), "
+            "got 0; to decay to 0 choose the linear, cosine or logarithmic schedule",
+        )

@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from qerl_cli.config.checks import aqn_sigmas as _aqn_sigmas
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.errors import QerlError
 
+# The format registry's names (qerl_cli.formats, which this layer sits below: a test holds the two
+# equal). The config's checks and the CLI's help read them from here.
 QuantFormat = Literal["nvfp4", "mxfp4", "nf4"]
-ModelFormat = Literal["auto", "bf16", "nvfp4", "mxfp4", "nf4"]
+ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BENCHMARKS_ALL = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
@@ -185,7 +188,8 @@ class AQNSection:
     # finds sigma_start and sigma_end keeps the ratio sigma_end / sigma_start given here, so the decay
     # keeps its shape.
     sigma_start: float = 1e-2
-    # The last noisy stage's sigma (see sigma_start).
+    # The last noisy stage's sigma, at most sigma_start; 0 (no noise at the end) with a linear, cosine or
+    # logarithmic schedule, above 0 with the exponential one.
     sigma_end: float = 1e-4
     # Stage 1 runs without noise; the decay spans the other num_stages - 1.
     first_stage_noise_free: bool = True
@@ -215,10 +219,8 @@ class AQNSection:
 
     def validate(self, where: str) -> None:
         _positive(where, num_stages=self.num_stages)
-        if self.enabled and not self.sigma_start >= self.sigma_end > 0:
-            raise QerlError(
-                f"{where}: need sigma_start >= sigma_end > 0 (got {self.sigma_start}, {self.sigma_end})"
-            )
+        if self.enabled:
+            _aqn_sigmas(where, self.sigma_start, self.sigma_end, self.schedule)
         _positive(
             where,
             calibration_prompts=self.calibration_prompts,

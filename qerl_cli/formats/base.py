@@ -35,6 +35,16 @@ class QuantFormat(ABC):
     # The rollout linear backends this format can be served with, vLLM's default first
     # (qerl_cli.rollout.backends).
     rollout_backends: tuple[str, ...] = ("default",)
+    # compressed-tensors' names for the format (None: not one of its formats): the ``format`` a checkpoint's
+    # quantization_config declares, and the preset scheme llm-compressor quantizes to.
+    compressed_tensors_format: str | None = None
+    compressed_tensors_scheme: str | None = None
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes a weight takes at rest, scales included: 4 bits and its share of its block's one-byte
+        scale (NVFP4's per-tensor scale and NF4's nested scales of the absmax are negligible)."""
+        return 0.5 + 1 / self.block_size
 
     @abstractmethod
     def quantize(

@@ -19,12 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask
-from qerl_cli.formats import fp4_names
+from qerl_cli.formats import check_names, fp4_names, get
 from qerl_cli.formats.nvfp4 import fused_group_key, shared_global_scale
 
-CHECKPOINT_FORMATS = ("bf16", "nvfp4", "mxfp4", "nf4")
 COMPRESSED_TENSORS_VERSION = "0.19.0"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 # One parent's modules: module name -> {parameter name: tensor}, in the order they are written.
@@ -32,8 +30,8 @@ ModuleGroup = dict[str, dict[str, torch.Tensor]]
 
 
 def check_checkpoint_format(fmt: str) -> str:
-    if fmt not in CHECKPOINT_FORMATS:
-        raise QerlError(f"unknown checkpoint format {fmt!r}; choose one of: {', '.join(CHECKPOINT_FORMATS)}")
+    """``fmt`` when it is one the writer can write: BF16 or a registered 4-bit format."""
+    check_names([fmt], "checkpoint format", dense=True)
     return fmt
 
 
@@ -42,7 +40,7 @@ def quantization_config(fmt: str) -> dict | None:
     check_checkpoint_format(fmt)
     if fmt in fp4_names():
         nvfp4 = fmt == "nvfp4"
-        ct_format = f"{fmt}-pack-quantized"
+        ct_format = get(fmt).compressed_tensors_format
         weights = {
             "actorder": None, "block_structure": None, "dynamic": False, "group_size": 16 if nvfp4 else 32,
             "num_bits": 4, "observer": "memoryless_minmax", "observer_kwargs": {},

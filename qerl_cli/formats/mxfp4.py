@@ -63,6 +63,8 @@ class MXFP4Format(PackedE2M1Format):
     name = "mxfp4"
     block_size = 32
     scale_dtype = torch.uint8
+    compressed_tensors_format = "mxfp4-pack-quantized"
+    compressed_tensors_scheme = "MXFP4A16"
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("weight_packed", "weight_scale")

@@ -60,6 +60,8 @@ class NVFP4Format(PackedE2M1Format):
     name = "nvfp4"
     block_size = 16
     scale_dtype = torch.float8_e4m3fn
+    compressed_tensors_format = "nvfp4-pack-quantized"
+    compressed_tensors_scheme = "NVFP4A16"
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("weight_packed", "weight_scale", "weight_global_scale")

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.config.checks import aqn_sigmas, noise_sigma
 from qerl_cli.errors import QerlError
 
 SCHEDULE_KINDS = ("exponential", "linear", "cosine", "logarithmic")
@@ -117,12 +118,9 @@ class AQNSchedule:
                 "AQN with num_stages=1 and a noise-free first stage never adds noise; "
                 "set num_stages >= 2 or turn AQN off"
             )
-        if self.sigma_start <= 0 or self.sigma_end < 0:
-            raise QerlError(
-                f"AQN needs sigma_start > 0 and sigma_end >= 0; got {self.sigma_start}, {self.sigma_end}"
-            )
-        if self.kind == "exponential" and self.sigma_end <= 0:
-            raise QerlError("the exponential AQN schedule needs sigma_end > 0 (it decays geometrically)")
+        # The recipe's rule (its errors name the recipe's aqn keys, where these values come from), so a
+        # calibrated or resumed schedule is held to what the recipe was.
+        aqn_sigmas("aqn", self.sigma_start, self.sigma_end, self.kind)
 
     @property
     def num_noisy_stages(self) -> int:
@@ -164,10 +162,9 @@ class AQNSchedule:
     def calibrate(self, sigma_start: float) -> None:
         """Start the decay at ``sigma_start`` (found by a calibration) and scale ``sigma_end`` by the same
         factor: the ratio sigma_end / sigma_start, hence the shape of the schedule, is kept."""
-        if not sigma_start > 0 or not math.isfinite(sigma_start):
-            raise QerlError(f"a calibrated AQN sigma must be a finite number > 0, got {sigma_start}")
-        self.sigma_end = sigma_start * (self.sigma_end / self.sigma_start)
-        self.sigma_start = sigma_start
+        sigma_end = sigma_start * (self.sigma_end / self.sigma_start)
+        aqn_sigmas("aqn", sigma_start, sigma_end, self.kind)  # before the schedule changes
+        self.sigma_end, self.sigma_start = sigma_end, sigma_start
         self.calibrated = True
         self._validate()
 
@@ -310,8 +307,7 @@ def perturb_norm_weights(
     the same generator state and the same name order, every caller (HF or vLLM engine) gets the same
     noise. ``clean`` is never modified.
     """
-    if sigma < 0:
-        raise QerlError(f"AQN sigma must be >= 0, got {sigma}")
+    noise_sigma("AQN sigma", sigma)
     noisy: dict[str, torch.Tensor] = {}
     for name, weight in clean.items():
         device = generator.device if generator is not None else weight.device
@@ -349,8 +345,7 @@ class NormNoiser:
         ``sigma == 0`` restores the clean weights and returns 0. Raises :class:`QerlError` when
         ``sigma > 0`` and the model has no matching norm module (AQN would silently do nothing).
         """
-        if sigma < 0:
-            raise QerlError(f"AQN sigma must be >= 0, got {sigma}")
+        noise_sigma("AQN sigma", sigma)
         self.last_sigma = sigma
         if sigma == 0:
             self.restore()

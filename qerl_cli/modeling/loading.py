@@ -26,7 +26,11 @@ from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
 from qerl_cli.modeling.sources import resolve_model_source
 
-COMPRESSED_TENSORS_FORMATS = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4"}
+COMPRESSED_TENSORS_FORMATS = {
+    fmt.compressed_tensors_format: name
+    for name, fmt in formats.FORMATS.items()
+    if fmt.compressed_tensors_format is not None
+}
 MISSING_MODEL_HINT = (
     "write a 4-bit base with `qerl quantize MODEL`, or build recipes/tiny.yaml's offline base with "
     "`qerl tiny-base` (run from the repository root)"
@@ -81,7 +85,8 @@ def detect_format(config: dict) -> str:
             )
         return "nf4"
     raise QerlError(
-        f"quantization method {method!r} not supported; use nvfp4, mxfp4 (compressed-tensors) or nf4"
+        f"quantization method {method!r} not supported; use compressed-tensors or bitsandbytes (formats "
+        f"{', '.join(formats.names())})"
     )
 
 

@@ -8,12 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from qerl_cli import formats
 from qerl_cli.errors import QerlError
 
-# Bytes per weight of a 4-bit linear layer, scales included: NVFP4 has one FP8 scale per 16
-# weights, MXFP4 one E8M0 scale per 32, NF4 one absmax per 64 (double-quantized: ~1 byte / 64).
+# Bytes per weight of a linear layer, scales included: each 4-bit format's own figure (NVFP4 has one
+# FP8 scale per 16 weights, MXFP4 one E8M0 scale per 32, NF4 one double-quantized absmax per 64).
 # FP8: the per-channel E4M3 rollout copy of a 4-bit base (one float32 scale per row, negligible).
-WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "nf4": 0.5 + 1 / 64}
+WEIGHT_BYTES = {
+    formats.DENSE: 2.0,
+    "fp8": 1.0,
+    **{name: fmt.bytes_per_weight for name, fmt in formats.FORMATS.items()},
+}
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 

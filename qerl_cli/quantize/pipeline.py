@@ -27,11 +27,17 @@ from typing import Any
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.errors import QerlError
 from qerl_cli.quantize import awq_mappings
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
-SCHEMES = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+# llm-compressor's preset scheme of each format it quantizes.
+SCHEMES = {
+    name: fmt.compressed_tensors_scheme
+    for name, fmt in formats.FORMATS.items()
+    if fmt.compressed_tensors_scheme is not None
+}
 # AWQ needs a quantizer to search scales against. NF4 is not a compressed-tensors scheme, so for
 # --format nf4 --method awq the search runs against its closest one: symmetric 4-bit integers in
 # groups of 64 along the input dimension (NF4 uses absmax blocks of 64 too). Only the smoothing is

@@ -18,7 +18,6 @@ from qerl_cli import formats
 from qerl_cli.errors import QerlError
 from qerl_cli.files import TargetExistsError, staged_folder
 
-SUPPORTED_FORMATS = tuple(formats.names())
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
 # smoothing scales, then round to nearest; rtn: round to nearest, no calibration.
 SUPPORTED_METHODS = ("gptq", "awq", "rtn")
@@ -28,10 +27,8 @@ ALWAYS_IGNORED = ("lm_head",)
 
 
 def check_format(name: str) -> str:
-    key = name.strip().lower()
-    if key not in SUPPORTED_FORMATS:
-        raise QerlError(f"unknown format {name!r}: choose one of {', '.join(SUPPORTED_FORMATS)}")
-    return key
+    """The registered 4-bit format ``name`` names (any case), else the registry's error listing them."""
+    return formats.get(name).name
 
 
 def check_method(name: str) -> str:

@@ -15,18 +15,30 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.base import NOISE_SIGMA
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 PLOT_FILE = "training_curves.png"
+# The AQN sigma a step's rollouts were sampled with is logged under the engines' name, NOISE_SIGMA. Runs
+# written before that also logged it as "aqn_sigma", and the oldest only so: readers still accept it.
+OLD_SIGMA_KEYS = ("aqn_sigma",)
 
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf; keep the information as text
     return value
+
+
+def step_sigma(record: dict[str, Any]) -> float:
+    """The AQN sigma of one ``metrics.jsonl`` record, under its name or an old one (0 without any)."""
+    for name in (NOISE_SIGMA, *OLD_SIGMA_KEYS):
+        if name in record:
+            return float(record[name])
+    return 0.0
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -123,7 +135,7 @@ def plot_training_curves(records: list[dict[str, Any]], out_path: str | Path) ->
     axes[0].legend(loc="lower right")
     axes[1].plot(steps, [r.get("entropy", float("nan")) for r in records], color="tab:orange")
     axes[1].set_ylabel("rollout entropy\n(nats/token)")
-    axes[2].plot(steps, [r.get("aqn_sigma", 0.0) for r in records], color="tab:green", drawstyle="steps-post")
+    axes[2].plot(steps, [step_sigma(r) for r in records], color="tab:green", drawstyle="steps-post")
     axes[2].set_ylabel("AQN sigma")
     axes[2].set_xlabel("training step")
     for ax in axes:
@@ -168,7 +180,7 @@ def progress_bar(enabled: bool, total: int, done: int) -> Any:
                     advance=1,
                     description=(
                         f"reward {record.get('reward_mean', 0):.3f} acc {record.get('accuracy', 0):.3f} "
-                        f"sigma {record.get('aqn_sigma', 0):.1e}"
+                        f"sigma {step_sigma(record):.1e}"
                     ),
                 )
 

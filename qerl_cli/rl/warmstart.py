@@ -30,6 +30,7 @@ from torch import nn
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask, staged_folder
+from qerl_cli.formats import check_names
 
 DEFAULT_TASK = "synthetic-addition"
 DEFAULT_TEMPLATE = "plain"
@@ -188,9 +189,7 @@ def prepare_tiny_base(
     from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
 
     cfg = cfg or WarmStartConfig()
-    unknown = set(formats) - {"bf16", "nvfp4", "mxfp4", "nf4"}
-    if unknown:
-        raise QerlError(f"unknown formats {sorted(unknown)} for the tiny base")
+    check_names(formats, "tiny-base format", dense=True)
     start = time.perf_counter()
     out = Path(out_dir)
     tokenizer = build_tokenizer()
@@ -266,6 +265,7 @@ def build_tiny_base(
     out = Path(out_dir)
     if not formats:
         raise QerlError("--formats is empty: give e.g. bf16,nvfp4")
+    check_names(formats, dense=True, option="--formats")  # before the output folder is touched
     if out.exists() and not out.is_dir():
         raise QerlError(f"{out} is a file; give a folder for the tiny base")
     existing = sorted(p.name for p in out.glob("*") if p.is_dir()) if out.is_dir() else []

@@ -49,8 +49,10 @@ BACKENDS = ("auto", "marlin", "humming", "fp8")
 # one recipe serves the BF16 and the 4-bit arms of a comparison.
 FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
     **{name: fmt.rollout_backends for name, fmt in formats.FORMATS.items()},
-    "bf16": ("default", "fp8"),
+    formats.DENSE: ("default", "fp8"),
 }
+# The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
+NOT_FP4_FORMATS = (formats.DENSE, *(name for name, fmt in formats.FORMATS.items() if not fmt.fp4))
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
 HUMMING_VLLM = (0, 26)  # the first vLLM with linear_backend="humming"
 SHIPPED_TABLE = Path(__file__).with_name("crossover.json")
@@ -281,8 +283,8 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
     allowed = FORMAT_BACKENDS.get(fmt, ("default",))
     if backend not in allowed:
         return (f"a {fmt} checkpoint runs only on {', '.join(allowed)}: vLLM has no {backend} kernel for it"
-                + ("; quantize the base to NVFP4 or MXFP4 for the FP4 backends" if fmt in ("bf16", "nf4")
-                   else ""))  # fmt: skip
+                + (f"; quantize the base to {' or '.join(map(str.upper, formats.fp4_names()))} for the FP4 "
+                   "backends" if fmt in NOT_FP4_FORMATS else ""))  # fmt: skip
     if backend == "humming":
         if not env.humming_installed:
             return 'needs the humming-kernels package: pip install "qerl[humming]"'
@@ -335,7 +337,7 @@ def choose_backend(
         )
     default = FORMAT_BACKENDS.get(fmt, ("default",))[0]
     if requested != "auto":
-        if requested in ("marlin", "humming") and fmt in ("bf16", "nf4"):
+        if requested in ("marlin", "humming") and fmt in NOT_FP4_FORMATS:
             return BackendChoice(default, fmt, f"{requested} serves FP4 weights only: a {fmt} base keeps "
                                  f"vLLM's default", concurrency)  # fmt: skip
         reason = unavailable_reason(requested, fmt, env)

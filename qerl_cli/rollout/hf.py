@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qerl_cli.config.checks import noise_sigma
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
@@ -160,8 +161,7 @@ class HFEngine:
         """Noise the norms for the following ``generate`` calls (drawn once per call from ``seed``, so
         every call until the next ``set_norm_noise`` sees the same noise). The weights stay clean
         between calls."""
-        if sigma < 0:
-            raise QerlError(f"AQN sigma must be >= 0, got {sigma}")
+        noise_sigma("AQN sigma", sigma)
         if sigma > 0 and self.noiser.num_modules == 0:
             raise QerlError(
                 "AQN is on (sigma > 0) but the rollout model has no RMSNorm module to perturb; "

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qerl_cli.config.checks import noise_sigma
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.prompt_tokens import encode_prompts
 from qerl_cli.rollout.base import (
@@ -323,8 +323,7 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         Returns the number of perturbed modules (0 for sigma 0). While asleep the values are
         recorded and applied at :meth:`wake_up`.
         """
-        if sigma < 0 or not math.isfinite(sigma):
-            raise QerlError(f"AQN sigma must be a finite number >= 0, got {sigma}")
+        noise_sigma("AQN sigma", sigma)
         if sigma > 0 and self.num_norms == 0:
             raise no_norms_error(self.model_path)
         self._noise_sigma, self._noise_seed = float(sigma), int(seed)
