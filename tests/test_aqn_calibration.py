@@ -241,3 +241,17 @@ def test_the_gemma_recipe_sweeps_calibrated_targets(tmp_path: Path) -> None:
         assert conf.aqn.calibrate == "tokens" and conf.aqn.target == pytest.approx(target)
         assert conf.aqn.calibration_prompts == 64  # completions of ~24 tokens: 8 prompts measure coarsely
         assert conf.aqn.sigma_end / conf.aqn.sigma_start == pytest.approx(5e-4 / 1e-2)  # the ratio kept
+
+
+def test_a_raw_sigma_on_an_awq_base_is_warned_about_with_the_fix() -> None:
+    """AWQ divides smoothed norms by its scales, so a raw sigma is larger there (Gemma 3 270M, vLLM: 1e-2
+    changed 99% of the greedy tokens on the AWQ base, 15% on the GPTQ base)."""
+    from qerl_cli.rl.aqn_calibration import raw_sigma_warning
+
+    warning = raw_sigma_warning(_cfg("aqn.enabled=true"), "awq")
+    assert warning is not None and "aqn.sigma_start=0.01" in warning and "aqn.calibrate: tokens" in warning
+    for method in ("gptq", "rtn", None):  # norms keep their scale
+        assert raw_sigma_warning(_cfg("aqn.enabled=true"), method) is None
+    calibrated = _cfg("aqn.enabled=true", "aqn.calibrate=tokens", "aqn.target=0.1")
+    assert raw_sigma_warning(calibrated, "awq") is None
+    assert raw_sigma_warning(_cfg("aqn.enabled=false"), "awq") is None

@@ -335,3 +335,38 @@ def test_multigpu_device_report_arithmetic(tmp_path: Path) -> None:
     assert report_mod.main(argv) == 1
     assert json.loads((tmp_path / "multigpu.json").read_text())["exit_status"]["2"] == "124"
     assert report_mod.main([str(tmp_path), "--gpus", "1,2", "--status", "1=0", "--status", "2=0"]) == 0
+
+
+_GROUP_OF_ONE = """
+import datetime, os, socket, sys
+import torch.distributed as dist
+from qerl_cli.rl.distributed import init_distributed
+if sys.argv[1] == "qerl":
+    init_distributed("cpu")  # what qerl train does first, before its rollout engine starts
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+# What vLLM's in-process engine does: a process group of one at a fresh tcp:// address.
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
+                        timeout=datetime.timedelta(seconds=3))
+print("group of one up")
+"""
+
+
+@pytest.mark.parametrize("first", ["qerl", "bare"])
+def test_a_torchrun_world_of_one_can_start_its_own_process_group(first: str) -> None:
+    """`torchrun --nproc-per-node 1` hung in vLLM's start on an H100: torchrun's
+    TORCHELASTIC_USE_AGENT_STORE=True makes a tcp:// rendezvous a client of a store nobody serves. qerl's
+    start leaves the agent store, so the engine's group of one comes up; without it, it times out."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _GROUP_OF_ONE, first], env=env, capture_output=True, text=True, timeout=120
+    )
+    if first == "qerl":
+        assert done.returncode == 0 and "group of one up" in done.stdout, done.stderr[-2000:]
+    else:  # the failure seen on the GPU, reproduced: the rendezvous never completes
+        assert done.returncode != 0 and "group of one up" not in done.stdout

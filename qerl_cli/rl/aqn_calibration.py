@@ -1,9 +1,12 @@
 """AQN sized to the model: find sigma_start from a target effect, and measure the effect every stage.
 
-A raw sigma does not transfer between models: on Gemma 3 270M the paper's 1e-2 stopped learning
-altogether (held-out 0.3% vs 17.1% without AQN), while on a bf16 Qwen norm (weights near 1.0) sigmas
-below ~4e-3 mostly round away. ``aqn.calibrate: tokens`` states the noise as what it does instead: the
-share of greedy completion tokens it changes (``aqn.target``).
+A raw sigma does not transfer between models or bases: it is added to norm weights whose scale differs.
+On Gemma 3 270M's AWQ base, the paper's 1e-2 changed 99% of vLLM's greedy tokens at its first noisy
+stage and stopped learning (held-out 8.6%, 1 seed, H200; 0.3% in an earlier ablation), because AWQ
+divides the smoothed norms by its scales (median smoothed scale 0.10: the same sigma is ten times larger
+beside them); on that model's GPTQ base, whose norms keep their scale, 1e-2 changed 15%; on a bf16 Qwen
+norm (weights near 1.0) sigmas below ~4e-3 mostly round away. ``aqn.calibrate: tokens`` states the
+noise as what it does instead: the share of greedy completion tokens it changes (``aqn.target``).
 
 Before the first training step (engine built, initial adapter synced) :class:`NoiseProbe` greedy-decodes
 ``aqn.calibration_prompts`` training prompts once without noise and, for each probed sigma, once with
@@ -42,6 +45,20 @@ from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
 log = logging.getLogger(__name__)
 
 TOKENS_CHANGED_METRIC = "aqn_tokens_changed"
+
+
+def raw_sigma_warning(cfg: TrainConfig, base_method: str | None) -> str | None:
+    """A warning when AQN adds a raw sigma to the norms of an AWQ base: AWQ divided some of them by its
+    smoothing scales, so the sigma is larger beside them than the same number on an unsmoothed base."""
+    if not cfg.aqn.enabled or cfg.aqn.calibrate != "off" or base_method != "awq":
+        return None
+    return (
+        f"AQN adds aqn.sigma_start={cfg.aqn.sigma_start:g} to the norm weights of an AWQ base, whose "
+        "smoothing divided some norms by its scales: the noise is larger beside them than on an "
+        "unsmoothed base (on Gemma 3 270M's AWQ base 1e-2 changed 99% of the greedy tokens and stopped "
+        "learning; on its GPTQ base 15%). State the noise as its effect instead, aqn.calibrate: tokens "
+        "with aqn.target (e.g. 0.1), or use a GPTQ or RTN base"
+    )
 
 
 class NoiseProbe:

@@ -152,6 +152,18 @@ class Distributed:
         return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
 
 
+def _leave_the_agent_store() -> None:
+    """A world of one under torchrun trains as a plain process, but torchrun tells every process group
+    created in it to join torchrun's own store (``TORCHELASTIC_USE_AGENT_STORE=True``): a later
+    ``tcp://`` rendezvous then only connects as a client to an address nobody serves, and waits until its
+    timeout. vLLM's in-process engine starts such a group of one; under ``torchrun --nproc-per-node 1`` it
+    hung there for minutes (an H100, vLLM 0.26). Without the variable it serves its own store, as it does
+    without torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        log.info("torchrun world of one: process groups started here serve their own store")
+
+
 def init_distributed(device_setting: str = "auto") -> Distributed:
     """Join the job torchrun started (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` in the environment), or a world of one without them.
@@ -160,6 +172,7 @@ def init_distributed(device_setting: str = "auto") -> Distributed:
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
+        _leave_the_agent_store()
         return Distributed()
     try:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))

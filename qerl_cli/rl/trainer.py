@@ -41,7 +41,7 @@ from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
-from qerl_cli.rl.aqn_calibration import NoiseProbe, before_rollout, calibrate_once
+from qerl_cli.rl.aqn_calibration import NoiseProbe, before_rollout, calibrate_once, raw_sigma_warning
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
@@ -398,6 +398,8 @@ def _run_steps(
         else None
     )
     signal = start_signal(trainer) if resume_step is None else None  # a resumed run warned already
+    if resume_step is None and (warning := raw_sigma_warning(cfg, quantized_with(cfg.model.path))):
+        log.warning("%s", warning)
     try:
         with progress_bar(progress, cfg.train.max_steps, trainer.step) as bar:
             while trainer.step < cfg.train.max_steps:
