@@ -10,6 +10,7 @@ from qerl_cli.config.checks import positive as _positive
 from qerl_cli.errors import QerlError
 
 QuantFormat = Literal["nvfp4", "mxfp4", "nf4"]
+QuantMethod = Literal["gptq", "awq", "rtn"]  # how `qerl quantize` rounds
 ModelFormat = Literal["auto", "bf16", "nvfp4", "mxfp4", "nf4"]
 EngineName = Literal["hf", "vllm"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
