@@ -291,7 +291,7 @@ def kernels_table(report: dict[str, Any]):  # -> rich.table.Table
             f"{deq['GBps']:.1f}" if deq else "-",
             f"{deq['of_copy']:.0%}" if deq else "-",
             str(deq["bit_exact"]) if deq else "-",
-            f"{mem['weights_bytes'] / 2**30:.3f} GiB" if mem else "-",
+            f"{mem['weights_bytes'] / 2**20:.1f} MiB" if mem else "-",
             f"{mem['weights_bytes'] / mem['bf16_equivalent_bytes']:.0%}" if mem else "-",
             f"{layer['ms']:.2f} ms" if layer else "-",
             f"{layer['ratio']:.2f}x" if layer else "-",

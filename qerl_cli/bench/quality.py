@@ -122,6 +122,7 @@ def run_quality(settings: QualitySettings, out_dir: str | Path, *, command: str)
     for row in settings.rows:
         parse_row(row)  # every row checked before the first is made
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)  # the bases are written inside it
     bf16 = str(resolve_model_source(settings.model))
     report: dict[str, Any] = {
         **report_header(SCHEMA, command),

@@ -113,10 +113,12 @@ def _check_settings(cfg: BenchConfig) -> int:
     from qerl_cli.bench.rollout import MIN_REPEATS
 
     cfg.validate("bench")
-    min_repeats = 1 if cfg.concurrency else MIN_REPEATS
+    # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
+    min_repeats = 1 if cfg.concurrency or not cfg.rollouts else MIN_REPEATS
     if cfg.repeats < min_repeats:
-        raise QerlError(f"--repeats must be at least {min_repeats} so the median means something"
-                        + ("" if cfg.concurrency else " (1 is allowed with --concurrency)"))  # fmt: skip
+        allowed = "" if min_repeats == 1 else " (`qerl bench concurrency` and `e2e` allow 1)"
+        raise QerlError(f"repeats (--set repeats=N) must be at least {min_repeats} so the median means "
+                        f"something{allowed}")  # fmt: skip
     if cfg.lora_rank < 0:
         raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
     return min_repeats
