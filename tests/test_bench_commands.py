@@ -486,3 +486,23 @@ def test_memory_cap_is_nothing_without_a_cap_and_refused_on_the_cpu() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(QerlError, match="needs a CUDA GPU"), memory_cap(10.0):
             pass
+
+
+# -- the repository: benchmarks are commands, not scripts ---------------------------------------------
+def test_ci_runs_the_bench_subcommand_not_the_deprecated_form() -> None:
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "gpu.yml").read_text())
+    runs = [
+        line.strip()
+        for step in workflow["jobs"]["bench"]["steps"]
+        for line in step.get("run", "").splitlines()
+    ]
+    benches = [line for line in runs if line.startswith("qerl bench")]
+    assert benches and all(line.startswith("qerl bench rollout ") for line in benches)
+
+
+def test_scripts_holds_only_the_setup() -> None:
+    """Measurements are `qerl bench` subcommands and a run's commands its benchmarks/<run>/run.sh."""
+    done = subprocess.run(["git", "ls-files", "scripts"], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert done.stdout.split() == ["scripts/setup.sh"]
