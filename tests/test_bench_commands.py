@@ -77,6 +77,7 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["update", "--fused", "fast"], "--fused takes a comma list of off, liger, auto"),
         (["update", "--micro-batch", "x"], "--micro-batch takes a positive integer or auto"),
         (["update", "--checkpointing", "maybe"], "--checkpointing takes auto, on or off"),
+        (["update", "--sequences", "5", "--group", "2"], "--sequences (5) must be a multiple of --group (2)"),
         (["scaling", "tiny", "--steps", "0"], "--steps must be a positive integer, got 0"),
         (["scaling", "tiny", "--reference", missing], f"--reference {missing}: not found"),
         (["scaling", "no-such-recipe"], "recipe file not found"),

@@ -166,6 +166,8 @@ def update(
         ("--lora-rank", lora_rank),
     ):
         positive(flag, value)
+    if sequences % group:  # GRPO's groups: every prompt has --group completions
+        raise QerlError(f"--sequences ({sequences}) must be a multiple of --group ({group})")
     micro: int | str = micro_batch if micro_batch == "auto" else positive("--micro-batch", _int(micro_batch))
     modes = {"auto": "auto", "on": True, "off": False}
     if checkpointing not in modes:
