@@ -141,8 +141,8 @@ def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
         ("device", report["device"]),
         ("steps timed", run.get("steps_timed", 0)),
         ("step s", run.get("step_s")),
-        ("rollout tokens/s per GPU", run.get("rollout_tokens_per_s_per_gpu")),
-        ("step tokens/s per GPU", run.get("step_tokens_per_s_per_gpu")),
+        ("rollout tokens/s per process (GPU)", run.get("rollout_tokens_per_s_per_gpu")),
+        ("step tokens/s per process (GPU)", run.get("step_tokens_per_s_per_gpu")),
         ("scaling efficiency", "-" if efficiency is None else f"{efficiency:.1%}"),
     ]
     for label, value in rows:

@@ -127,12 +127,11 @@ GenerationsOption = Annotated[
 ]
 MemoryCapOption = Annotated[
     float | None,
-    config_option(
-        B,
-        "memory_cap_gib",
+    typer.Option(
         "--memory-cap",
         metavar="GIB",
         help="GPU memory the run may use; a helper process holds the rest (an 80 GB budget on a larger GPU).",
+        show_default="the whole GPU",
     ),
 ]
 
