@@ -1,5 +1,6 @@
-"""``qerl bench`` on CPU: the tiny shape end to end with the HF engine, bench.json's schema, the
-regression gate, the Markdown summary, exact-length prompts, the random LoRA adapter and --e2e."""
+"""``qerl bench rollout`` / ``e2e`` on CPU: the tiny shape end to end with the HF engine, bench.json's
+schema, the regression gate, the Markdown summary, exact-length prompts, the random LoRA adapter and
+the GRPO step. The other subcommands: tests/test_bench_commands.py."""
 
 from __future__ import annotations
 
@@ -388,6 +389,7 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     rc = main(
         [
             "bench",
+            "rollout",
             "--model",
             "tiny",
             "--engine",
@@ -450,7 +452,7 @@ def test_e2e_filler_is_sized_in_the_models_own_tokens():
 
 
 def test_vllm_bench_starts_one_engine_per_format_hf_one_per_case(tmp_path):
-    from qerl_cli.bench import _cases
+    from qerl_cli.bench.run import _cases
 
     cfg = BenchConfig(batch=[2, 8])
     (shared,) = _cases(cfg, "vllm", "nvfp4", tmp_path, [0, 16], tmp_path / "lora", {})

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -148,13 +149,13 @@ def test_bench_renders_its_report_and_exits_1_on_a_regression(
     from qerl_cli.bench.result import RegressionOutcome, read_report
 
     report = read_report(REPO / "benchmarks" / "h100-2026-11-24" / "sweep-fp8-humming" / "bench.json")
-    monkeypatch.setattr(bench_mod, "run_bench", lambda conf: report)
-    rc, out, err = run(capsys, "bench")
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: report)
+    rc, out, err = run(capsys, "bench", "rollout")
     assert rc == 0 and "Rollout throughput" in out and "Wall clock:" in out and err == ""
     failures = ["rollout format=nvfp4: slower"]
     regressed = dataclasses.replace(report, regression=RegressionOutcome(0.1, 3, failures, passed=False))
-    monkeypatch.setattr(bench_mod, "run_bench", lambda conf: regressed)
-    rc, out, err = run(capsys, "bench")
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: regressed)
+    rc, out, err = run(capsys, "bench", "rollout")
     assert rc == 1 and "Regression gate FAILED" in out and "regression: rollout format=nvfp4: slower" in err
 
 
@@ -253,29 +254,29 @@ def test_console_entry_point_maps_usage_errors_and_version() -> None:
 
 # -- errors name what the user typed -----------------------------------------------------------------
 def test_bad_flag_values_name_the_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    rc, _, err = run(capsys, "bench", "--prompt-len", "0", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--prompt-len", "0", "--dry-run")
     assert rc == 2 and "error: --prompt-len must be > 0, got 0" in err and "BenchConfig" not in err
-    rc, _, err = run(capsys, "bench", "--generations", "0", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--generations", "0", "--dry-run")
     assert rc == 2 and "--generations must be > 0" in err
-    rc, _, err = run(capsys, "bench", "--set", "prompt_len=0", "--dry-run")  # a recipe key: named so
+    rc, _, err = run(capsys, "bench", "rollout", "--set", "prompt_len=0", "--dry-run")  # a recipe key
     assert rc == 2 and "error: prompt_len must be > 0" in err
     recipe = tmp_path / "bench.yaml"
     recipe.write_text("repeats: 0\n")
-    rc, _, err = run(capsys, "bench", "--config", str(recipe), "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--config", str(recipe), "--dry-run")
     assert rc == 2 and "error: repeats must be > 0" in err
 
 
 def test_bench_refuses_an_unknown_format_listing_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
     from qerl_cli import formats
 
-    rc, out, err = run(capsys, "bench", "--formats", "fp3", "--dry-run")
+    rc, out, err = run(capsys, "bench", "rollout", "--formats", "fp3", "--dry-run")
     err = " ".join(err.split())
     assert rc == 2 and out == ""  # nothing resolved, nothing printed
     assert "--formats: unknown format(s) fp3" in err
     assert f"choose from {', '.join(['bf16', *formats.names()])}" in err
-    rc, _, err = run(capsys, "bench", "--set", "formats=bf16,fp3", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--set", "formats=bf16,fp3", "--dry-run")
     assert rc == 2 and "formats: unknown format(s) fp3" in err
-    rc, out, _ = run(capsys, "bench", "--formats", "bf16,NVFP4", "--dry-run")  # bench lower-cases them
+    rc, out, _ = run(capsys, "bench", "rollout", "--formats", "bf16,NVFP4", "--dry-run")  # lower-cased later
     assert rc == 0 and yaml.safe_load(out)["formats"] == ["bf16", "NVFP4"]
 
 
@@ -286,8 +287,8 @@ TMP_OUT = ("-o", "{tmp}/c")
 FORMAT_ARGS = {
     ("quantize", "--format"): (["quantize", "m", "--format", "fp3", "--dry-run"], "4bit"),
     ("quantize", "format"): (["quantize", "m", "--set", "format=fp3", "--dry-run"], "4bit"),
-    ("bench", "--formats"): (["bench", "--formats", "bf16,fp3", "--dry-run"], "weights"),
-    ("bench", "formats"): (["bench", "--set", "formats=fp3", "--dry-run"], "weights"),
+    ("bench", "--formats"): (["bench", "rollout", "--formats", "bf16,fp3", "--dry-run"], "weights"),
+    ("bench", "formats"): (["bench", "rollout", "--set", "formats=fp3", "--dry-run"], "weights"),
     ("tiny-base", "--formats"): (["tiny-base", "{tmp}/base", "--formats", "bf16,fp3"], "weights"),
     ("train", "model.format"): (["train", "{recipe}", "--set", "model.format=fp3", "--dry-run"], "model"),
     ("compare", "model.format"): (["compare", "{recipe}", "--set", "model.format=fp3", *TMP_OUT], "model"),
@@ -312,9 +313,14 @@ def test_every_format_option_is_in_the_table() -> None:
     from qerl_cli import config
     from qerl_cli.cli import app
 
+    def commands(name: str, command: Any) -> list[tuple[str, Any]]:  # a group's subcommands go by its name
+        subs = getattr(command, "commands", None)
+        return [(name, command)] + [pair for sub in (subs or {}).values() for pair in commands(name, sub)]
+
     flags = {
         (name, opt)
-        for name, command in get_command(app).commands.items()
+        for top, group in get_command(app).commands.items()
+        for name, command in commands(top, group)
         for param in command.params
         for opt in param.opts
         if opt.startswith("--") and "format" in opt
@@ -368,7 +374,7 @@ def test_a_recipe_with_a_key_written_twice_exits_2(
         ("quantize", "trust_remote_code=true"),
         ("train", "train.learning_rate=2e-5"),
         ("eval", "temperature=1.0"),
-        ("bench", "repeats=5"),
+        ("bench rollout", "repeats=5"),
         ("compare", "train.max_steps=50"),
     ],
 )
@@ -376,13 +382,13 @@ def test_help_shows_the_stage_own_set_example_and_readable_metavars(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str, example: str
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")  # one line per option
-    rc, out, _ = run(capsys, command, "--help")
+    rc, out, _ = run(capsys, *command.split(), "--help")
     assert rc == 0 and f"--set {example}" in out and "KEY=VALUE" in out
     assert "<bool>" not in out and "<list[str]>" not in out
     key = example.split("=")[0]
     from qerl_cli import config as cfg
 
-    conf_cls = {"quantize": cfg.QuantizeConfig, "eval": cfg.EvalConfig, "bench": cfg.BenchConfig}
+    conf_cls = {"quantize": cfg.QuantizeConfig, "eval": cfg.EvalConfig, "bench rollout": cfg.BenchConfig}
     if command in conf_cls:  # the example is a key of that stage's own config
         assert key in {f for f in conf_cls[command].__dataclass_fields__}
     else:
@@ -392,15 +398,15 @@ def test_help_shows_the_stage_own_set_example_and_readable_metavars(
 
 def test_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    rc, out, _ = run(capsys, "bench", "--help")
+    rc, out, _ = run(capsys, "bench", "rollout", "--help")
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("│ --")}
     assert rc == 0 and "[default: (256)]" in lines["--prompt-len"] and "[default: (2,8)]" in lines["--batch"]
 
 
 def test_a_flag_overridden_by_set_is_named_as_the_set_key(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _, err = run(capsys, "bench", "--formats", "bf16", "--set", "formats=fp3", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--formats", "bf16", "--set", "formats=fp3", "--dry-run")
     assert rc == 2 and "error: formats: unknown format(s) fp3" in err
-    rc, _, err = run(capsys, "bench", "--gen-len", "8", "--set", "gen_len=0", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--gen-len", "8", "--set", "gen_len=0", "--dry-run")
     assert rc == 2 and "error: gen_len must be > 0" in err
 
 
@@ -419,10 +425,32 @@ OPTIONS = {
         "--adapter", "--benchmarks", "--samples", "--engine", "--data-file", "--output", "-o",
         "--max-new-tokens", "--max-problems", "--rescore", "--baseline", "--config", "--set", "--dry-run",
     },
-    "bench": {
-        "--model", "--formats", "--batch", "--concurrency", "--backends", "--prompt-len", "--gen-len",
-        "--lora-rank", "--engine", "--e2e", "--e2e-recipe", "--prompts-per-step", "--generations",
-        "--output", "-o", "--baseline", "--tolerance", "--config", "--set", "--dry-run",
+    "bench rollout": {
+        "--model", "--formats", "--batch", "--prompt-len", "--gen-len", "--lora-rank", "--engine", "--e2e",
+        "--e2e-recipe", "--prompts-per-step", "--generations", "--memory-cap", "--output", "-o", "--baseline",
+        "--tolerance", "--config", "--set", "--dry-run",
+    },
+    "bench concurrency": {
+        "--model", "--formats", "--concurrency", "--backends", "--prompt-len", "--gen-len", "--lora-rank",
+        "--engine", "--memory-cap", "--output", "-o", "--baseline", "--tolerance", "--config", "--set",
+        "--dry-run",
+    },
+    "bench e2e": {
+        "--model", "--formats", "--prompts-per-step", "--generations", "--prompt-len", "--gen-len",
+        "--lora-rank", "--engine", "--recipe", "--linear-backend", "--memory-cap", "--output", "-o",
+        "--baseline", "--tolerance", "--config", "--set", "--dry-run",
+    },
+    "bench kernels": {
+        "--model", "--formats", "--batch", "--seq-len", "--iters", "--device", "--output", "-o", "--dry-run",
+    },
+    "bench update": {
+        "--model", "--formats", "--fused", "--sequences", "--group", "--prompt-len", "--gen-len",
+        "--micro-batch", "--checkpointing", "--pack", "--lora-rank", "--profile", "--device", "--output",
+        "-o", "--dry-run",
+    },
+    "bench scaling": {"--steps", "--prompts-per-gpu", "--reference", "--output", "-o", "--set", "--dry-run"},
+    "bench quality": {
+        "--rows", "--calib-samples", "--seq-len", "--heldout-rows", "--device", "--output", "-o", "--dry-run",
     },
     "compare": {
         "--arms", "--seeds", "--output", "-o", "--jobs", "--threshold", "--only", "--no-summary", "--set",
@@ -453,7 +481,7 @@ DRY_RUNS = [
          "adapter": "a"},
     ),
     (
-        ["bench", "--model", "tiny", "--engine", "hf", "--formats", "bf16,nvfp4", "--batch", "2",
+        ["bench", "rollout", "--model", "tiny", "--engine", "hf", "--formats", "bf16,nvfp4", "--batch", "2",
          "--prompt-len", "8", "--gen-len", "4", "--lora-rank", "0", "--tolerance", "0.2"],
         {"model": "tiny", "engine": "hf", "formats": ["bf16", "nvfp4"], "batch": [2], "prompt_len": 8,
          "gen_len": 4, "lora_rank": 0, "tolerance": 0.2},
@@ -483,7 +511,9 @@ def check_every_option_is_registered() -> None:
 
     commands = get_command(app).commands
     for name, documented in OPTIONS.items():
-        have = {opt for p in commands[name].params for opt in (*p.opts, *p.secondary_opts) if opt[0] == "-"}
+        group, _, sub = name.partition(" ")  # "bench rollout": a subcommand of the bench group
+        command = commands[group].commands[sub] if sub else commands[group]
+        have = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts) if opt[0] == "-"}
         assert documented <= have, f"qerl {name} lacks {sorted(documented - have)}; it has {sorted(have)}"
         upper = sorted(opt for opt in have if opt != opt.lower())
         assert not upper, f"qerl {name}: options named after their metavar: {upper}"
@@ -510,8 +540,8 @@ def test_help_lists_the_options_under_their_own_names(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    for command in ("quantize", "eval", "bench", "quality"):
-        rc, out, _ = run(capsys, command, "--help")
+    for command in ("quantize", "eval", "bench rollout", "quality"):
+        rc, out, _ = run(capsys, *command.split(), "--help")
         listed = {line.split()[1] for line in out.splitlines() if line.startswith("│ --")}
         assert rc == 0 and {o for o in OPTIONS[command] if o.startswith("--")} <= listed, (command, listed)
     rc, out, _ = run(capsys, "quantize", "--help")

@@ -284,59 +284,6 @@ def test_vllm_engine_joins_the_process_group_and_sizes_max_num_seqs(
     ]
 
 
-def test_multigpu_device_report_arithmetic(tmp_path: Path) -> None:
-    """scripts/device_multigpu_report.py, which turns the multi-GPU runs into their figures."""
-    import importlib.util
-    import json
-
-    spec = importlib.util.spec_from_file_location(
-        "device_multigpu_report", Path(__file__).parents[1] / "scripts" / "device_multigpu_report.py"
-    )
-    assert spec is not None and spec.loader is not None
-    report_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report_mod)
-
-    def write(n: int, tokens: float, step_s: float) -> None:
-        first = {"rollout_tokens": tokens, "time_step_s": 99.0, "time_rollout_s": 50.0, "world_size": n}
-        rows = [first] + [
-            {
-                "rollout_tokens": tokens,
-                "time_step_s": step_s,
-                "time_rollout_s": step_s / 2,
-                "time_update_s": 1.0,
-                "world_size": n,
-                "memory/device_peak_used_gib": 30.0 + n,
-            }
-            for _ in range(2)
-        ]
-        (tmp_path / f"metrics-{n}gpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-    write(1, 1000.0, 10.0)  # 100 tokens/s of whole steps (step 1 is left out)
-    write(2, 2000.0, 11.0)  # twice the prompts, 10% slower steps
-    write(4, 4000.0, 12.5)
-    report = report_mod.build_report(tmp_path, [1, 2, 4], "weak", "vllm", {"1": "0", "2": "0", "4": "0"})
-    one, two, four = report["runs"]
-    assert one["steps"] == 3 and one["steps_timed"] == 2 and one["step_s"] == 10.0
-    assert two["rollout_tokens_per_s_per_gpu"] == pytest.approx(2000 / 5.5 / 2)
-    assert two["scaling_efficiency"] == pytest.approx((2000 / 11) / (2 * 100))
-    assert four["scaling_efficiency"] == pytest.approx((4000 / 12.5) / (4 * 100))
-    assert "scaling_efficiency" not in one and four["device_peak_used_gib"] == 34.0
-    # strong scaling (the same tokens every step): the step times' ratio
-    strong = {"gpus": 4, "step_s": 2.5, "step_tokens_per_s": 1000.0 / 2.5}
-    assert report_mod.scaling_efficiency(one, strong) == pytest.approx(10.0 / (4 * 2.5))
-    # a run that left no metrics has no efficiency, and a failed phase fails the script
-    (tmp_path / "metrics-4gpu.jsonl").unlink()
-    assert report_mod.build_report(tmp_path, [1, 4], "weak", "vllm", {})["runs"][1] == {
-        "gpus": 4,
-        "steps": 0,
-        "scaling_efficiency": None,
-    }
-    argv = [str(tmp_path), "--gpus", "1,2", "--status", "1=0", "--status", "2=124", "--status", "tp2=skipped"]
-    assert report_mod.main(argv) == 1
-    assert json.loads((tmp_path / "multigpu.json").read_text())["exit_status"]["2"] == "124"
-    assert report_mod.main([str(tmp_path), "--gpus", "1,2", "--status", "1=0", "--status", "2=0"]) == 0
-
-
 _GROUP_OF_ONE = """
 import datetime, os, socket, sys
 import torch.distributed as dist

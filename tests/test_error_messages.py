@@ -39,14 +39,14 @@ def test_vllm_hint_keeps_the_extra_name(capsys: pytest.CaptureFixture[str], monk
 
 # -- list values: say which element is wrong -----------------------------------------------------
 def test_bench_batch_names_the_bad_element(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _, err = run(capsys, "bench", "--batch", "2,abc", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--batch", "2,abc", "--dry-run")
     assert rc == 2 and "--batch takes comma-separated positive integers" in err and "'abc'" in err
-    rc, _, err = run(capsys, "bench", "--batch", "0", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--batch", "0", "--dry-run")
     assert rc == 2 and "got '0'" in err
 
 
 def test_config_list_and_dict_errors_name_the_element(capsys, tmp_path: Path) -> None:
-    rc, _, err = run(capsys, "bench", "--set", "batch=[1, x]", "--dry-run")
+    rc, _, err = run(capsys, "bench", "rollout", "--set", "batch=[1, x]", "--dry-run")
     assert rc == 2 and "item 2 ('x') is not int" in err
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {path: m}\nreward: {extra: {'a.b:c': lots}}\ndata: {levels: [3, high]}\n")

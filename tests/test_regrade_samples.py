@@ -1,4 +1,5 @@
-"""scripts/regrade_samples.py: counts the completions whose grade the answer normalisation changes."""
+"""The regrade tool of benchmarks/gemma3-270m-ablation-h100-2026-11-24: counts the completions whose grade
+the answer normalisation changes."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TOOL = REPO / "benchmarks" / "gemma3-270m-ablation-h100-2026-11-24" / "regrade_samples.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("regrade_samples", REPO / "scripts" / "regrade_samples.py")
+    spec = importlib.util.spec_from_file_location("regrade_samples", TOOL)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
@@ -20,7 +22,7 @@ def _script():
 
 def test_regrade_counts_changes_against_the_stored_grades(tmp_path: Path, capsys) -> None:
     records = [
-        # stored grades as the grader of before 2026-11-24 gave them
+        # stored grades as the grader before the answer normalisation gave them
         {"id": "p1", "gold": "72", "completions": ["<answer>72.</answer>", "The answer is 71."],
          "correct": [False, False]},
         {"id": "p2", "gold": "1000", "completions": ["\\boxed{1\\,000}", "The answer is 1000."],

@@ -44,13 +44,16 @@ def test_changelog_follows_keep_a_changelog() -> None:
     assert "keepachangelog.com" in text
 
 
-def _run_book_invocations(script: Path) -> list[tuple[str, list[str]]]:
-    """(command, --flags) of every `qerl COMMAND ...` in a benchmark's run.sh, continuation lines joined."""
+def _run_book_invocations(script: Path) -> list[tuple[str, str, list[str]]]:
+    """(command, its first argument, --flags) of every `qerl COMMAND ...` in a benchmark's run.sh,
+    continuation lines joined; the first argument is the subcommand of a group (`qerl bench rollout`)."""
     text = re.sub(r"\\\n\s*", " ", script.read_text())
     found = []
     for line in text.splitlines():
         for match in re.finditer(r"\bqerl ([a-z][a-z-]*)((?:\s+[^;|&\n]*)?)", line.split("#", 1)[0]):
-            found.append((match.group(1), re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", match.group(2))))
+            first = (match.group(2).split() or [""])[0]
+            flags = re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", match.group(2))
+            found.append((match.group(1), first, flags))
     return found
 
 
@@ -66,9 +69,13 @@ def test_benchmark_run_books_parse_and_use_only_options_qerl_has() -> None:
     for script in scripts:
         assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
         invocations = _run_book_invocations(script)
-        for name, flags in invocations:
+        for name, first, flags in invocations:
             assert name in commands, f"{script}: qerl {name} is no command"
-            known = {opt for param in commands[name].params for opt in param.opts}
+            command = commands[name]
+            if hasattr(command, "commands"):  # a group (qerl bench): its subcommand has the options
+                assert first in command.commands, f"{script}: qerl {name} {first} is no command"
+                command, name = command.commands[first], f"{name} {first}"
+            known = {opt for param in command.params for opt in param.opts}
             unknown = [flag for flag in flags if flag not in known]
             assert not unknown, f"{script}: qerl {name} has no option {unknown}"
 

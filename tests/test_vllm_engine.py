@@ -7,8 +7,8 @@ RMSNorm modules that ``apply_model`` really runs our worker function on. These t
 prove OUR call sequence and mapping (adapter sync with a new id each step, previous adapter
 removed, prefix cache reset, sleep/wake order, AQN noise re-applied after wake without
 accumulating, staleness error, ids/logprobs/finish reasons); they do not prove that vLLM itself
-behaves as modelled here. The device script ``scripts/device_vllm_grpo.py`` checks that part on a
-real GPU with real vLLM.
+behaves as modelled here. On a GPU with real vLLM, ``qerl bench e2e --engine vllm`` runs the same
+calls through the trainer, and every adapter sync's staleness check compares vLLM with the trainer.
 """
 
 from __future__ import annotations

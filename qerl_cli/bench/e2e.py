@@ -49,7 +49,6 @@ from qerl_cli.config import (
     TrainSection,
 )
 from qerl_cli.errors import QerlError
-from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +243,8 @@ def _measure_isolated(
 
 def run_e2e(cfg: BenchConfig, checkpoints: dict[str, Path], engine: str, out: Path) -> list[dict[str, Any]]:
     """One row per format, BF16 first when present (the reference of the speed-ups)."""
+    from qerl_cli.torch_utils import free_accelerator_memory  # torch: the recipe reader above needs none
+
     order = sorted(checkpoints, key=lambda f: f != "bf16")
     rows = []
     for fmt in order:

@@ -19,15 +19,13 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli import formats as format_registry
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
 from qerl_cli.modeling.sources import cache_root  # noqa: F401 - re-exported for bench
 
-FORMATS = ("bf16", "nf4", "nvfp4", "mxfp4")
 GPU_DEFAULT_MODEL = "qwen2.5-7b"
 CPU_DEFAULT_MODEL = "tiny"
-
-
 
 
 def shape_names() -> list[str]:
@@ -62,12 +60,11 @@ def normalize_formats(formats: list[str]) -> list[str]:
     """Lower-case, de-duplicated, known format names, in the order given."""
     seen: list[str] = []
     for name in (f.strip().lower() for f in formats):
-        if name not in FORMATS:
-            raise QerlError(f"unknown format {name!r} in --formats; choose from {', '.join(FORMATS)}")
+        format_registry.check_names([name], dense=True, option="--formats")
         if name not in seen:
             seen.append(name)
     if not seen:
-        raise QerlError(f"--formats is empty; give some of {', '.join(FORMATS)}")
+        raise QerlError(f"--formats is empty; give some of {', '.join(format_registry.model_names())}")
     return seen
 
 

@@ -1,9 +1,10 @@
-"""What ``qerl bench`` measured: :class:`BenchResult`, the typed form of ``bench.json``, and where the
-run's environment is read.
+"""What ``qerl bench rollout``, ``concurrency`` and ``e2e`` measured: :class:`BenchResult`, the typed
+form of ``bench.json`` (the environment comes from :mod:`qerl_cli.bench.header`).
 
 Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
 
-* ``schema``, ``created``, ``device`` (``"gpu"`` or ``"cpu"``) and ``figures_label``, which says how far
+* ``schema``, ``created``, ``command`` (the ``qerl bench`` command line; absent in files of qerl before
+  the bench subcommands), ``device`` (``"gpu"`` or ``"cpu"``) and ``figures_label``, which says how far
   the figures can be trusted (CPU figures are only good for ratios between formats of the same run);
 * ``machine``, ``gpu`` (None on CPU), ``versions``, ``settings``;
 * ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency;
@@ -26,25 +27,17 @@ the files of earlier qerl versions (a ``--baseline``).
 
 from __future__ import annotations
 
-import os
-import platform
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.envinfo import gpu_info, package_versions
+from qerl_cli.bench.header import created_now, gpu_summary, machine_info, versions
 from qerl_cli.errors import QerlError
 
 SCHEMA = "qerl-bench/1"
 REPORT_NAME = "bench.json"
-
-_VERSIONED_PACKAGES = (
-    "qerl", "torch", "transformers", "peft", "vllm", "compressed-tensors", "bitsandbytes", "triton",
-)  # fmt: skip
 
 
 @dataclass
@@ -105,8 +98,8 @@ class BenchFiles:
 
 
 _BENCH_KEYS = (
-    "schema", "created", "device", "figures_label", "machine", "gpu", "versions", "settings", "rollout",
-    "memory", "e2e", "regression", "errors", "complete", "timings", "files",
+    "schema", "created", "command", "device", "figures_label", "machine", "gpu", "versions", "settings",
+    "rollout", "memory", "e2e", "regression", "errors", "complete", "timings", "files",
 )  # fmt: skip
 
 
@@ -131,11 +124,13 @@ class BenchResult:
     timings: BenchTimings | None = None
     files: BenchFiles | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as read
+    command: str | None = None  # the command line; None in the files of earlier versions
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "schema": self.schema,
             "created": self.created,
+            **({"command": self.command} if self.command is not None else {}),
             "device": self.device,
             "figures_label": self.figures_label,
             "machine": self.machine,
@@ -178,45 +173,12 @@ class BenchResult:
             timings=BenchTimings.from_dict(timings) if timings else None,
             files=BenchFiles.from_dict(written) if written else None,
             extra={key: value for key, value in data.items() if key not in _BENCH_KEYS},
+            command=data.get("command"),
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Environment
-# --------------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-    }
-    try:
-        info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not POSIX
-        info["ram_bytes"] = None
-    return info
-
-
-def gpu_summary() -> dict[str, Any] | None:
-    """``bench.json``'s ``gpu``: the first GPU and how many there are; None on the CPU."""
-    gpus = gpu_info()
-    if not gpus:
-        return None
-    import torch
-
-    first = gpus[0]
-    return {
-        "name": first.name,
-        "count": len(gpus),
-        "memory_bytes": first.memory_bytes,
-        "capability": first.capability,
-        "cuda": torch.version.cuda,
-    }
-
-
-def new_report(settings: dict[str, Any]) -> BenchResult:
-    """The report skeleton: environment and settings, no figures yet."""
+def new_report(settings: dict[str, Any], command: str | None = None) -> BenchResult:
+    """The report skeleton: the command, environment and settings, no figures yet."""
     gpu = gpu_summary()
     label = (
         f"GPU figures ({gpu['name']})"
@@ -226,13 +188,14 @@ def new_report(settings: dict[str, Any]) -> BenchResult:
     )
     return BenchResult(
         schema=SCHEMA,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=created_now(),
         device="gpu" if gpu else "cpu",
         figures_label=label,
         machine=machine_info(),
         gpu=gpu,
-        versions={**package_versions(_VERSIONED_PACKAGES), "python": platform.python_version()},
+        versions=versions(),
         settings=settings,
+        command=command,
     )
 
 

@@ -2,13 +2,14 @@
 
 ``app`` is the Typer app and ``main`` the console entry point (``qerl = "qerl_cli.cli:main"``).
 The package splits by responsibility: ``app`` (the app and what every command shares), ``stages``
-(quantize, train, eval, bench, demo, compare), ``tools`` (env, tiny-base, tiny-model, models),
+(quantize, train, eval, demo, compare), ``bench`` and ``bench_tools`` (the ``qerl bench`` group and its
+benchmarks), ``tools`` (env, tiny-base, tiny-model, models, quality),
 ``render`` (what the commands print beside each stage's own table) and ``main`` (exit codes).
 """
 
 from __future__ import annotations
 
-from qerl_cli.cli import stages, tools
+from qerl_cli.cli import bench, bench_tools, stages, tools
 from qerl_cli.cli.app import QerlCommand, app
 from qerl_cli.cli.main import main
 
@@ -17,7 +18,7 @@ from qerl_cli.cli.main import main
 app.command(cls=QerlCommand)(stages.quantize)
 app.command(cls=QerlCommand)(stages.train)
 app.command("eval", cls=QerlCommand)(stages.eval_)
-app.command(cls=QerlCommand)(stages.bench)
+app.add_typer(bench.bench_app, name="bench")  # a group: its benchmarks are registered below
 app.command(cls=QerlCommand)(stages.demo)
 app.command(cls=QerlCommand)(tools.env)
 app.command("tiny-base", cls=QerlCommand)(tools.tiny_base)
@@ -25,5 +26,16 @@ app.command("tiny-model", cls=QerlCommand)(tools.tiny_model)
 app.command("models", cls=QerlCommand)(tools.models_)
 app.command(cls=QerlCommand)(stages.compare)
 app.command(cls=QerlCommand)(tools.quality)
+BENCHMARKS = {
+    "rollout": bench.rollout,
+    "concurrency": bench.concurrency,
+    "e2e": bench.e2e,
+    "kernels": bench_tools.kernels,
+    "update": bench_tools.update,
+    "scaling": bench_tools.scaling,
+    "quality": bench_tools.quality,
+}
+for name, benchmark in BENCHMARKS.items():  # `qerl bench --help` lists them in this order
+    bench.bench_app.command(name, cls=QerlCommand)(benchmark)
 
 __all__ = ["app", "main"]

@@ -49,7 +49,20 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
-_state = {"debug": False}
+_state: dict[str, Any] = {"debug": False, "argv": None}  # argv: what main() was given
+
+
+def record_argv(argv: list[str]) -> None:
+    """Keep the arguments main() was given, for :func:`command_line`."""
+    _state["argv"] = list(argv)
+
+
+def command_line() -> str:
+    """The command as typed (``qerl bench rollout --batch 2,8``), for the reports that record it."""
+    import shlex
+
+    argv = _state["argv"] if _state["argv"] is not None else sys.argv[1:]
+    return shlex.join(["qerl", *argv])
 
 
 def set_option(example: str) -> Any:

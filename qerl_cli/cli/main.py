@@ -18,7 +18,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from qerl_cli.cli.app import app, console, err_console
+from qerl_cli.cli.app import app, console, err_console, record_argv
 from qerl_cli.errors import QerlError
 
 INTERRUPTED = "[red]interrupted[/red] (qerl train continues from its last checkpoint with --resume auto)"
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     # an optional hub kernel is missing, which reads like a failure in every qerl run. qerl's CPU path
     # never calls bitsandbytes' kernels (NF4 is dequantized by qerl's own code), so that one is muted.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = list(argv if argv is not None else sys.argv[1:])
+    debug = "--debug" in args
+    record_argv(args)  # what the reports of `qerl bench` record as their command
     try:
         # standalone_mode=False returns click's exit code instead of calling sys.exit; prog_name keeps
         # usage lines saying "qerl" under `python -m qerl_cli`, torchrun and in-process calls.

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, get_args
 
 import typer
 
@@ -27,19 +27,18 @@ from qerl_cli.cli.app import (
     finish_config,
     given_flags,
     pairs,
-    positive_ints,
     set_option,
     use_free_cpu_threads,
 )
 from qerl_cli.errors import QerlError
 
-# Each stage's --set example is a key of its own config (quantize, eval and bench configs are flat).
+# Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
+# commands are in cli/bench.py).
 QuantizeSet = set_option("trust_remote_code=true")
 TrainSet = set_option("train.learning_rate=2e-5")
 EvalSet = set_option("temperature=1.0")
-BenchSet = set_option("repeats=5")
 CompareSet = set_option("train.max_steps=50")
-Q, E, B = cfg.QuantizeConfig, cfg.EvalConfig, cfg.BenchConfig  # the --help defaults below are theirs
+Q, E = cfg.QuantizeConfig, cfg.EvalConfig  # the --help defaults below are theirs
 QUANT_FORMATS_HELP = " | ".join(get_args(cfg.QuantFormat))  # the config's names, which follow the registry
 
 
@@ -284,131 +283,6 @@ def eval_(
         use_free_cpu_threads()
     results = run_eval(conf)
     console.print(eval_table(results))
-
-
-def bench(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            metavar="MODEL",
-            help="SHAPE (qwen2.5-7b, tiny, ...), hub id or folder.",
-            show_default="qwen2.5-7b with vLLM, else tiny",
-        ),
-    ] = None,
-    formats: Annotated[
-        str | None,
-        config_option(
-            B, "formats", "--formats", metavar="FMT,...", help="Comma list of bf16,nf4,nvfp4,mxfp4."
-        ),
-    ] = None,
-    batch: Annotated[
-        str | None, config_option(B, "batch", "--batch", metavar="N,...", help="Comma list of batch sizes.")
-    ] = None,
-    concurrency: Annotated[
-        str | None,
-        typer.Option(
-            "--concurrency",
-            metavar="N,...",
-            help="Comma list of concurrent sequences, e.g. 8,32,128,256: each format on every "
-            "linear backend, the roofline, and crossover.json for rollout.linear_backend=auto.",
-        ),
-    ] = None,
-    backends: Annotated[
-        str | None,
-        config_option(
-            B,
-            "backends",
-            "--backends",
-            metavar="NAME,...",
-            help="--concurrency: comma list of marlin,humming,fp8.",
-        ),
-    ] = None,
-    prompt_len: Annotated[
-        int | None, config_option(B, "prompt_len", "--prompt-len", metavar="TOKENS", help="Prompt length.")
-    ] = None,
-    gen_len: Annotated[
-        int | None, config_option(B, "gen_len", "--gen-len", metavar="TOKENS", help="Tokens generated.")
-    ] = None,
-    lora_rank: Annotated[
-        int | None,
-        config_option(B, "lora_rank", "--lora-rank", metavar="RANK", help="LoRA rank (0: no LoRA cases)."),
-    ] = None,
-    engine: Annotated[
-        str | None, config_option(B, "engine", "--engine", metavar="ENGINE", help="vllm | hf | auto")
-    ] = None,
-    e2e: Annotated[bool | None, typer.Option("--e2e", help="Also time a whole GRPO step.")] = None,
-    e2e_recipe: Annotated[
-        str | None,
-        typer.Option(
-            "--e2e-recipe",
-            metavar="RECIPE",
-            help="--e2e: a training recipe giving the step's shape and memory settings.",
-        ),
-    ] = None,
-    prompts_per_step: Annotated[
-        int | None,
-        typer.Option(
-            "--prompts-per-step",
-            metavar="N",
-            help="--e2e: prompts per step.",
-            show_default="the largest --batch",
-        ),
-    ] = None,
-    generations: Annotated[
-        int | None,
-        config_option(
-            B, "e2e_generations", "--generations", metavar="N", help="--e2e: completions per prompt."
-        ),
-    ] = None,
-    output: Annotated[str | None, config_option(B, "output", "--output", "-o", metavar="DIR")] = None,
-    baseline: Annotated[
-        str | None, typer.Option("--baseline", metavar="JSON", help="bench.json to gate against.")
-    ] = None,
-    tolerance: Annotated[
-        float | None,
-        config_option(B, "tolerance", "--tolerance", metavar="FRACTION", help="Allowed relative regression."),
-    ] = None,
-    config: ConfigOption = None,
-    set_: BenchSet = None,
-    dry_run: DryRunOption = False,
-) -> None:
-    """Rollout tokens/s and memory, BF16 vs NF4 vs NVFP4 (MXFP4 with --formats); --e2e GRPO step time."""
-    given = {"prompt_len": prompt_len, "gen_len": gen_len, "lora_rank": lora_rank,
-             "e2e_generations": generations, "e2e_prompts_per_step": prompts_per_step}  # fmt: skip
-    values: dict[str, Any] = dict(
-        model=model, formats=csv(formats), batch=positive_ints(batch, "--batch"),
-        concurrency=positive_ints(concurrency, "--concurrency"), backends=csv(backends), engine=engine,
-        e2e=e2e, e2e_recipe=e2e_recipe, output=output, baseline=baseline, tolerance=tolerance, **given,
-    )  # fmt: skip
-    # Only what was typed is a flag: the --e2e-recipe's step shape below is not.
-    flags = given_flags(
-        values, set_, e2e_generations="--generations", e2e_prompts_per_step="--prompts-per-step"
-    )
-    if e2e_recipe:  # the recipe's step shape, under the flags given explicitly
-        from qerl_cli.bench.e2e import recipe_shape
-
-        shape = recipe_shape(e2e_recipe)
-        values.update({k: v for k, v in shape.items() if given.get(k) is None})
-    conf = cfg.load_config(cfg.BenchConfig, config, set_, flags=flags, **values)
-    _check_bench_formats(conf.formats, flags.get("formats", "formats"))
-    if finish_config(conf, dry_run):
-        return
-    from qerl_cli.bench import run_bench
-
-    if render.print_bench(run_bench(conf)):  # a case without figures, or a regression past --baseline
-        raise typer.Exit(1)
-
-
-def _check_bench_formats(chosen: list[str], name: str) -> None:
-    """Refuse a format the bench cannot build before any work, --dry-run included, listing the
-    format registry's (the config layer sits below the registry, so the check is here)."""
-    from qerl_cli import formats
-
-    valid = ["bf16", *formats.names()]
-    unknown = [fmt for fmt in chosen if fmt.strip().lower() not in valid]
-    if unknown:
-        raise QerlError(f"{name}: unknown format(s) {', '.join(unknown)}; choose from {', '.join(valid)}")
 
 
 def demo(

@@ -32,6 +32,7 @@ from qerl_cli.config.sections import (
     ModelSection,
     OutputSection,
     QuantFormat,
+    QuantMethod,
     RewardSection,
     RolloutSection,
     TrainConfig,
@@ -42,8 +43,8 @@ from qerl_cli.config.stages import BenchConfig, EvalConfig, QuantizeConfig
 __all__ = [
     "BENCHMARKS_ALL", "LORA_TARGETS_ALL", "RESOLVED_CONFIG_NAME", "SHIPPED_RECIPES", "AQNSection",
     "AlgorithmSection", "BenchConfig", "DataSection", "EngineName", "EvalConfig", "LoraSection",
-    "ModelFormat", "ModelSection", "OutputSection", "QuantFormat", "QuantizeConfig", "RewardSection",
-    "RolloutSection", "TrainConfig", "TrainSection", "apply_overrides", "dump_yaml", "from_dict",
-    "load_config", "read_yaml", "resolve_recipe", "save_resolved_config", "shipped_recipes", "to_dict",
-    "validate",
+    "ModelFormat", "ModelSection", "OutputSection", "QuantFormat", "QuantMethod", "QuantizeConfig",
+    "RewardSection", "RolloutSection", "TrainConfig", "TrainSection", "apply_overrides", "dump_yaml",
+    "from_dict", "load_config", "read_yaml", "resolve_recipe", "save_resolved_config", "shipped_recipes",
+    "to_dict", "validate",
 ]  # fmt: skip

@@ -13,6 +13,7 @@ from qerl_cli.errors import QerlError
 # The format registry's names (qerl_cli.formats, which this layer sits below: a test holds the two
 # equal). The config's checks and the CLI's help read them from here.
 QuantFormat = Literal["nvfp4", "mxfp4", "nf4"]
+QuantMethod = Literal["gptq", "awq", "rtn"]  # how `qerl quantize` rounds
 ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

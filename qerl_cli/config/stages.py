@@ -9,7 +9,7 @@ from qerl_cli.config.checks import ConfigValueError
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
 from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
-from qerl_cli.config.sections import BENCHMARKS_ALL, EngineName, QuantFormat
+from qerl_cli.config.sections import BENCHMARKS_ALL, EngineName, QuantFormat, QuantMethod
 from qerl_cli.errors import QerlError
 
 
@@ -23,7 +23,7 @@ class QuantizeConfig:
     # The 4-bit format: nvfp4, mxfp4 or nf4.
     format: QuantFormat = "nvfp4"
     # gptq / awq calibrate on `calib`; rtn rounds to nearest (qerl_cli.quantize.validate).
-    method: Literal["gptq", "awq", "rtn"] = "awq"
+    method: QuantMethod = "awq"
     # Calibration dataset: hub id, .jsonl or .parquet.
     calib: str = "open-thoughts/OpenThoughts-114k"
     # Split of a hub calibration dataset.
@@ -156,6 +156,8 @@ class BenchConfig:
     lora_rank: int = 16
     # vllm | hf | auto ("auto": vLLM on a GPU with vLLM installed, else hf).
     engine: EngineName | Literal["auto"] = "auto"
+    # Time the rollout cases (false: only the GRPO steps of e2e, as `qerl bench e2e` runs).
+    rollouts: bool = True
     # Also time whole GRPO steps (rollout and update).
     e2e: bool = False
     # Folder of bench.json and the report.
@@ -192,6 +194,9 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=list)
     # --concurrency: the linear backends measured (marlin, humming, fp8).
     backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
+    # GiB of GPU memory the benchmark may use: a helper process holds the rest, so the engines and the
+    # trainer see a smaller GPU (an 80 GB card's budget on a larger one). null: the whole GPU.
+    memory_cap_gib: float | None = None
 
     def validate(self, where: str = "") -> None:
         # Each key is named as the user wrote it: the CLI turns a key given by a flag into the flag.
@@ -210,6 +215,12 @@ class BenchConfig:
                 _key(where, "backends"), f"has unknown {unknown}; choose from marlin, humming, fp8"
             )
         _positive(where, e2e_generations=self.e2e_generations)
+        if not self.rollouts and not self.e2e:
+            raise ConfigValueError(_key(where, "rollouts"), "is false and e2e too: nothing to measure")
+        if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
+            raise ConfigValueError(
+                _key(where, "memory_cap_gib"), f"must be > 0 GiB, got {self.memory_cap_gib}"
+            )
         if self.e2e_prompts_per_step < 0:
             raise ConfigValueError(
                 _key(where, "e2e_prompts_per_step"),

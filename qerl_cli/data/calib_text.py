@@ -13,7 +13,7 @@ from typing import Any
 
 BUILTIN_NAME = "qerl-text"
 # A calibration this set supports and a CPU runs in minutes: `qerl compare`'s AWQ bases and
-# scripts/quant_quality.py both use it.
+# `qerl bench quality` both use it.
 SMALL_CALIB_SAMPLES = 48
 SMALL_CALIB_SEQ_LEN = 256
 PARAGRAPHS = (

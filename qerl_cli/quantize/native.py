@@ -3,7 +3,7 @@
 The packer and writer of ``qerl_cli.formats.checkpoint`` (compressed-tensors ``nvfp4-pack-quantized`` /
 ``mxfp4-pack-quantized``, bitsandbytes NF4), applied to a real BF16 model's weights: NVFP4 shares one
 global scale across each fused group (q/k/v, gate/up), as llm-compressor does, so vLLM can fuse them.
-Used where llm-compressor is absent (the GPU machine of ``scripts/device_smollm2.sh``) and by
+Used where llm-compressor is absent (``qerl bench quality``'s RTN rows on a GPU machine without it) and by
 ``qerl compare`` to make the 4-bit counterpart of a BF16 base; ``qerl quantize --method rtn`` is the
 llm-compressor route to an equivalent checkpoint.
 

@@ -9,7 +9,11 @@ with examples. ``--output FILE`` writes the same as JSON.
 Each side grades in its own process through that version's worker pool (math-verify, hard
 per-item timeout), so the old code is run as it was, not imitated.
 
-    python scripts/regrade_samples.py runs/eval-smollm2 --old-rev b8cf92e --output regrade.json
+    python benchmarks/gemma3-270m-ablation-h100-2026-11-24/regrade_samples.py runs/eval-smollm2 \
+        --old-rev b8cf92e --output regrade.json
+
+It made this folder's ``regrade_smollm2_with_fixed_grader.json`` (``run.sh regrade``) and
+``first-reward/regrade_with_fixed_grader.json``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/<run>/this file
 # Runs inside the grading subprocess, with the chosen version of qerl_cli first on sys.path.
 _GRADE_SCRIPT = """
 import json, sys

@@ -1,0 +1,89 @@
+"""What every ``qerl bench`` report starts with: the command that made it, when, on which device, and
+the versions of the stack (from :mod:`qerl_cli.envinfo`, the one reader of versions and GPUs).
+
+``bench.json`` (:mod:`qerl_cli.bench.result`) lays these out among its own keys; the other benchmarks'
+JSON files (``kernels.json``, ``update.json``, ``scaling.json``, ``quality.json``) begin with
+:func:`report_header`, so every report says what produced it in the same words.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from qerl_cli import files
+from qerl_cli.envinfo import gpu_info, package_versions
+
+VERSIONED_PACKAGES = (
+    "qerl",
+    "torch",
+    "transformers",
+    "peft",
+    "vllm",
+    "compressed-tensors",
+    "bitsandbytes",
+    "triton",
+)
+
+
+def created_now() -> str:
+    """The report's date: UTC, to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str | None]:
+    return {**package_versions(VERSIONED_PACKAGES), "python": platform.python_version()}
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        info["ram_bytes"] = None
+    return info
+
+
+def gpu_summary() -> dict[str, Any] | None:
+    """The first GPU and how many there are; None on the CPU."""
+    gpus = gpu_info()
+    if not gpus:
+        return None
+    import torch
+
+    first = gpus[0]
+    return {
+        "name": first.name,
+        "count": len(gpus),
+        "memory_bytes": first.memory_bytes,
+        "capability": first.capability,
+        "cuda": torch.version.cuda,
+    }
+
+
+def report_header(schema: str, command: str) -> dict[str, Any]:
+    """``schema``, ``command``, ``created``, ``device`` (the GPU's name, or ``"cpu"``), ``gpu`` (its
+    details, None on the CPU) and ``versions``: the first keys of every benchmark's JSON."""
+    gpu = gpu_summary()
+    return {
+        "schema": schema,
+        "command": command,
+        "created": created_now(),
+        "device": gpu["name"] if gpu else "cpu",
+        "gpu": gpu,
+        "versions": versions(),
+    }
+
+
+def write_report(path: str | Path, data: dict[str, Any]) -> Path:
+    """A benchmark's JSON, written staged (a run cut short leaves the previous file whole)."""
+    return files.write_json(path, data)

@@ -1,0 +1,247 @@
+"""``qerl bench rollout``, ``concurrency`` and ``e2e``: :func:`run_bench` measures every case the
+config asks for and writes ``bench.json``, ``bench.md`` and the charts.
+
+Every ratio in a report comes from measurements of one run, side by side, on one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.bench.ballast import memory_cap
+from qerl_cli.bench.charts import write_charts
+from qerl_cli.bench.concurrency import add_roofline, write_crossover
+from qerl_cli.bench.gate import check_regressions
+from qerl_cli.bench.report import add_speedups, write_markdown
+from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
+from qerl_cli.config import BenchConfig
+from qerl_cli.errors import QerlError
+
+log = logging.getLogger(__name__)
+
+
+def _e2e_shape(cfg: BenchConfig) -> dict[str, Any]:
+    from qerl_cli.bench.e2e import prompts_per_step
+
+    return {"prompts_per_step": prompts_per_step(cfg), "generations": cfg.e2e_generations,
+            "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "recipe": cfg.e2e_recipe}  # fmt: skip
+
+
+def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
+    from qerl_cli.bench.models import describe_source, model_label
+    from qerl_cli.bench.rollout import TEMPERATURE, TOP_P
+
+    return {
+        "model": model_label(model),
+        "model_source": describe_source(model),
+        "engine": engine,
+        "formats": formats,
+        "batch": list(cfg.concurrency or cfg.batch),
+        "concurrency": list(cfg.concurrency),
+        "backends": list(cfg.backends) if cfg.concurrency else None,
+        "prompt_len": cfg.prompt_len,
+        "gen_len": cfg.gen_len,
+        "lora_rank": cfg.lora_rank,
+        "temperature": TEMPERATURE,
+        "top_p": TOP_P,
+        "ignore_eos": True,
+        "warmup": cfg.warmup,
+        "repeats": cfg.repeats,
+        "statistic": "median",
+        "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
+        "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,  # the rollout cases'
+        # The user's; the trainer adds max_num_seqs from the step's shape (recorded in e2e_shape).
+        "e2e_vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" and cfg.e2e else None,
+        "rollouts": cfg.rollouts,
+        "e2e": cfg.e2e,
+        "e2e_shape": _e2e_shape(cfg) if cfg.e2e else None,
+        # vLLM: the without-LoRA rows come from the LoRA-enabled engine, with no adapter active.
+        "one_engine_per_format": engine == "vllm",
+        "seed": cfg.seed,
+        "memory_cap_gib": cfg.memory_cap_gib,
+    }
+
+
+def rollout_vllm_kwargs(cfg: BenchConfig) -> dict[str, Any]:
+    """vLLM settings of the rollout cases: ``max_num_seqs`` is the largest ``--batch`` unless given.
+
+    vLLM captures a CUDA graph for every batch size up to twice ``max_num_seqs`` (at most 512): with its
+    default that is dozens of graphs per engine start, of which the bench uses two. The measured
+    batches run the same graphs either way. (The e2e step's engine is the trainer's, which sizes
+    ``max_num_seqs`` from the step's sequences: ``qerl_cli.rl.setup``.)
+    """
+    return {"max_num_seqs": max(cfg.concurrency or cfg.batch), **cfg.vllm_kwargs}
+
+
+def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[int], lora_dir: Any,
+           settings: dict[str, Any]) -> list[Any]:  # fmt: skip
+    """vLLM: one engine per format (and linear backend, with --concurrency) serves every rank in turn
+    (an engine start is 1-3 minutes); HF: one case per rank (a plain model, then one with LoRA)."""
+    from qerl_cli.bench.concurrency import backends_for
+    from qerl_cli.bench.engines import Case
+
+    def case(rank: int, phases: list[int], backend: str = "marlin") -> Case:
+        return Case(
+            engine=engine, format=fmt, model_dir=str(folder), lora_rank=rank,
+            lora_dir=str(lora_dir) if rank else None, batches=list(cfg.concurrency or cfg.batch),
+            settings=settings, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            vllm_kwargs=rollout_vllm_kwargs(cfg) if engine == "vllm" else dict(cfg.vllm_kwargs),
+            lora_phases=phases, linear_backend=backend,
+        )  # fmt: skip
+
+    if engine == "vllm":
+        backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["marlin"]
+        return [case(max(ranks), ranks, backend) for backend in backends]
+    return [case(rank, []) for rank in ranks]
+
+
+def _case_priority(case: Any) -> int:
+    """Each format on its default kernels first, then the 4-bit alternatives, then BF16's (a sweep cut
+    short keeps the comparisons that matter most)."""
+    if case.linear_backend in ("default", "marlin"):
+        return 0
+    return 2 if case.format == "bf16" else 1
+
+
+def _check_settings(cfg: BenchConfig) -> int:
+    """Refuse settings that cannot give a meaningful figure; returns the fewest timed repeats allowed."""
+    from qerl_cli.bench.rollout import MIN_REPEATS
+
+    cfg.validate("bench")
+    # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
+    min_repeats = 1 if cfg.concurrency or not cfg.rollouts else MIN_REPEATS
+    if cfg.repeats < min_repeats:
+        allowed = "" if min_repeats == 1 else " (`qerl bench concurrency` and `e2e` allow 1)"
+        raise QerlError(f"repeats (--set repeats=N) must be at least {min_repeats} so the median means "
+                        f"something{allowed}")  # fmt: skip
+    if cfg.lora_rank < 0:
+        raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
+    return min_repeats
+
+
+def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path], report: BenchResult,
+                      timings: BenchTimings, settings: dict[str, Any], out: Path) -> None:  # fmt: skip
+    """Every rollout case (format x linear backend, with and without LoRA), default kernels first; the
+    report (and the crossover table) is rewritten after each, so a run cut short keeps what it measured."""
+    from qerl_cli.bench.adapter import write_random_lora
+    from qerl_cli.bench.engines import run_case
+    from qerl_cli.bench.models import cache_root
+
+    model = _measured_model(report, checkpoints)
+    ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
+    (cache_root() / "bench").mkdir(parents=True, exist_ok=True)
+    # The adapter depends on the shape only; it lives beside the cache, not in the uploaded output.
+    with tempfile.TemporaryDirectory(prefix="lora-", dir=cache_root() / "bench") as lora_tmp:
+        lora_dir = (
+            write_random_lora(next(iter(checkpoints.values())), lora_tmp, cfg.lora_rank, seed=cfg.seed)
+            if cfg.lora_rank
+            else None
+        )
+        cases = [c for fmt, folder in checkpoints.items()
+                 for c in _cases(cfg, engine, fmt, folder, ranks, lora_dir, settings)]  # fmt: skip
+        for case in sorted(cases, key=_case_priority):
+            fmt = case.format
+            case_started = time.perf_counter()
+            log.info("bench: %s (%s), LoRA %s, batches %s", fmt, case.linear_backend, case.phases(),
+                     case.batches)  # fmt: skip
+            try:
+                result = run_case(case, isolate=engine == "vllm")
+            except (QerlError, RuntimeError) as exc:
+                if engine != "vllm":
+                    raise
+                # One format vLLM cannot serve here must not hide the others' figures.
+                report.errors += [
+                    {"format": fmt, "backend": case.linear_backend, "lora_rank": r, "error": str(exc)}
+                    for r in case.phases()
+                ]
+            else:
+                report.rollout.extend(result["rollout"])
+                report.memory.extend(result["memory"])
+            label = fmt if case.linear_backend in ("default", "marlin") else f"{fmt}/{case.linear_backend}"
+            spent = time.perf_counter() - case_started
+            timings.formats_s[label] = timings.formats_s.get(label, 0.0) + spent
+            write_json(dataclasses.replace(report, complete=False), out)
+            if cfg.concurrency and engine == "vllm":
+                write_crossover(report, out, model)
+
+
+def _measured_model(report: BenchResult, checkpoints: dict[str, Path]) -> Any:
+    """The model the crossover table's entries name (its label and size), None without a readable config."""
+    from qerl_cli.bench.concurrency import measured_model
+    from qerl_cli.bench.models import model_config
+
+    if not checkpoints:
+        return None
+    try:
+        config = model_config(next(iter(checkpoints.values())))
+    except (OSError, ValueError):
+        return None
+    return measured_model(report.settings.get("model"), config)
+
+
+def _write_outputs(
+    cfg: BenchConfig, engine: str, report: BenchResult, out: Path, checkpoints: dict[str, Path]
+) -> None:
+    written = BenchFiles(json=str(write_json(report, out)))
+    written.markdown = str(write_markdown(report, out))
+    written.charts = [str(p) for p in write_charts(report, out)]
+    if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
+        written.crossover = str(write_crossover(report, out, _measured_model(report, checkpoints)))
+    report.files = written
+    write_json(report, out)  # again, now listing the files
+
+
+def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
+    """Measure every format (with and without LoRA), write ``bench.json``, ``bench.md`` and PNG
+    charts to ``cfg.output``, and return the report; ``command`` is recorded in it (the command line).
+
+    With ``cfg.baseline`` the report's ``regression`` section says whether throughput dropped or
+    memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
+    exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
+    """
+    from qerl_cli.bench.models import (
+        default_model,
+        model_config,
+        normalize_formats,
+        prepare_checkpoints,
+        resolve_engine,
+    )
+
+    min_repeats = _check_settings(cfg)
+    baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
+    engine = resolve_engine(cfg.engine)
+    model = cfg.model or default_model(engine)
+    formats = normalize_formats(cfg.formats)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    report = new_report(_settings(cfg, model, engine, formats), command)
+    checkpoints = prepare_checkpoints(model, formats, cfg.seed)
+    # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
+    # (its engine start and cases), the e2e steps.
+    timings = BenchTimings(checkpoints_s=time.perf_counter() - started)
+    settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
+                "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}  # fmt: skip
+    with memory_cap(cfg.memory_cap_gib):
+        if cfg.rollouts:
+            _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out)
+        if cfg.e2e:
+            from qerl_cli.bench.e2e import run_e2e
+
+            e2e_started = time.perf_counter()
+            report.e2e = run_e2e(cfg, checkpoints, engine, out)
+            timings.e2e_s = time.perf_counter() - e2e_started
+    timings.total_s = time.perf_counter() - started
+    report.timings = timings
+    add_speedups(report)
+    add_roofline(report, {fmt: model_config(folder) for fmt, folder in checkpoints.items()})
+    if baseline is not None:
+        report.regression = check_regressions(report, baseline, cfg.tolerance)
+    _write_outputs(cfg, engine, report, out, checkpoints)
+    return report

@@ -1,0 +1,371 @@
+"""``qerl bench``: the benchmarks, one subcommand each (``qerl bench --help`` lists them).
+
+This module holds the group and the three benchmarks that share ``bench.json`` and its ``--baseline``
+gate: ``rollout``, ``concurrency`` and ``e2e``. The others (``kernels``, ``update``, ``scaling``,
+``quality``) are in :mod:`qerl_cli.cli.bench_tools`. Every subcommand checks what is cheap to check
+(formats against the format registry's names, positive sizes, files that must exist) before torch is
+imported, and exits 2 naming the flag.
+
+``qerl bench ARGS`` without a benchmark still runs ``qerl bench rollout ARGS`` (``concurrency`` when
+ARGS has ``--concurrency``), with a warning, for one release.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, get_args
+
+import typer
+
+from qerl_cli import config as cfg
+from qerl_cli.cli import render
+from qerl_cli.cli.app import (
+    ConfigOption,
+    DryRunOption,
+    QerlGroup,
+    command_line,
+    config_option,
+    csv,
+    err_console,
+    finish_config,
+    given_flags,
+    positive_ints,
+    set_option,
+)
+from qerl_cli.errors import QerlError
+
+B = cfg.BenchConfig  # the --help defaults below are its own
+BenchSet = set_option("repeats=5")
+DEFAULT_CONCURRENCY = [8, 32, 128, 256]  # the concurrency RL rollouts run at (qerl bench concurrency)
+
+
+class BenchGroup(QerlGroup):
+    """``qerl bench``: a bare ``qerl bench [OPTIONS]`` (the command before the subcommands) is
+    ``qerl bench rollout [OPTIONS]``, or ``concurrency`` with ``--concurrency``, with a warning."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        legacy = not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names)
+        if legacy:
+            target = "concurrency" if "--concurrency" in args else "rollout"
+            err_console.print(
+                f"[yellow]warning:[/yellow] `qerl bench` without a benchmark is deprecated and goes in the "
+                f"next release; this runs `qerl bench {target}` (`qerl bench --help` lists the benchmarks)",
+                highlight=False,
+            )
+            args = [target, *args]
+        return super().parse_args(ctx, args)
+
+
+bench_app = typer.Typer(
+    name="bench",
+    cls=BenchGroup,
+    help="Benchmarks, one subcommand each; every one writes JSON with the command, the device, the date "
+    "and the versions of the stack.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def bench_formats() -> list[str]:
+    """What a benchmark can be given: bf16 and the format registry's names (the config's literal of
+    them, which tests hold to the registry: reading it imports no torch)."""
+    return ["bf16", *get_args(cfg.QuantFormat)]
+
+
+def check_formats(chosen: list[str] | None, name: str) -> None:
+    """Refuse a format no benchmark can build before any work (--dry-run included)."""
+    valid = bench_formats()
+    unknown = [fmt for fmt in chosen or [] if fmt.strip().lower() not in valid]
+    if unknown:
+        raise QerlError(f"{name}: unknown format(s) {', '.join(unknown)}; choose from {', '.join(valid)}")
+
+
+def check_exists(path: str | Path | None, flag: str, what: str) -> None:
+    """A file (or the folder holding it) the command reads must be there before any work."""
+    if path is not None and not Path(path).expanduser().exists():
+        raise QerlError(f"{flag} {path}: not found (give {what})")
+
+
+# -- options shared by rollout, concurrency and e2e -----------------------------------------------------
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        metavar="MODEL",
+        help="SHAPE (qwen2.5-7b, tiny, ...), hub id or folder.",
+        show_default="qwen2.5-7b with vLLM, else tiny",
+    ),
+]
+FormatsOption = Annotated[
+    str | None,
+    config_option(
+        B, "formats", "--formats", metavar="FMT,...", help=f"Comma list of {','.join(bench_formats())}."
+    ),
+]
+PromptLenOption = Annotated[
+    int | None, config_option(B, "prompt_len", "--prompt-len", metavar="TOKENS", help="Prompt length.")
+]
+GenLenOption = Annotated[
+    int | None, config_option(B, "gen_len", "--gen-len", metavar="TOKENS", help="Tokens generated.")
+]
+LoraRankOption = Annotated[
+    int | None,
+    config_option(B, "lora_rank", "--lora-rank", metavar="RANK", help="LoRA rank (0: no LoRA cases)."),
+]
+EngineOption = Annotated[
+    str | None, config_option(B, "engine", "--engine", metavar="ENGINE", help="vllm | hf | auto")
+]
+OutputOption = Annotated[str | None, config_option(B, "output", "--output", "-o", metavar="DIR")]
+BaselineOption = Annotated[
+    str | None, typer.Option("--baseline", metavar="JSON", help="bench.json to gate against.")
+]
+ToleranceOption = Annotated[
+    float | None,
+    config_option(B, "tolerance", "--tolerance", metavar="FRACTION", help="Allowed relative regression."),
+]
+GenerationsOption = Annotated[
+    int | None,
+    config_option(B, "e2e_generations", "--generations", metavar="N", help="e2e: completions per prompt."),
+]
+MemoryCapOption = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-cap",
+        metavar="GIB",
+        help="GPU memory the run may use; a helper process holds the rest (an 80 GB budget on a larger GPU).",
+        show_default="the whole GPU",
+    ),
+]
+
+
+def run_bench_command(
+    values: dict[str, Any],
+    *,
+    config: Path | None,
+    sets: list[str] | None,
+    dry_run: bool,
+    recipe: str | None = None,
+    recipe_flag: str = "--e2e-recipe",
+    forced: dict[str, Any] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """Resolve a ``bench.json`` benchmark's config, check it, then run it and render the report.
+
+    ``values`` are the flags (None: not given); ``recipe`` a training recipe whose step shape fills the
+    shape flags not given; ``forced`` keys the subcommand fixes (e2e: no rollout cases); ``defaults``
+    what a subcommand uses for a key that neither flags, ``--config`` nor ``--set`` set."""
+    names = {
+        "e2e_generations": "--generations",
+        "e2e_prompts_per_step": "--prompts-per-step",
+        "e2e_recipe": recipe_flag,
+        "e2e_linear_backend": "--linear-backend",
+        "memory_cap_gib": "--memory-cap",
+    }
+    flags = given_flags(values, sets, **names)
+    check_formats(values.get("formats"), "--formats")
+    check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")
+    values = {**values, **(forced or {})}
+    if recipe:  # the recipe's step shape, under the flags given explicitly (YAML only: no torch yet)
+        from qerl_cli.bench.e2e import recipe_shape
+
+        values.update({k: v for k, v in recipe_shape(recipe).items() if values.get(k) is None})
+    conf = cfg.load_config(cfg.BenchConfig, config, sets, flags=flags, **values)
+    check_formats(conf.formats, flags.get("formats", "formats"))
+    for key, value in (defaults or {}).items():
+        if not getattr(conf, key):
+            setattr(conf, key, list(value))
+    if finish_config(conf, dry_run):
+        return
+    from qerl_cli.bench import run_bench
+
+    # A case without figures, or a regression past --baseline: exit 1.
+    if render.print_bench(run_bench(conf, command=command_line())):
+        raise typer.Exit(1)
+
+
+def rollout(
+    model: ModelOption = None,
+    formats: FormatsOption = None,
+    batch: Annotated[
+        str | None, config_option(B, "batch", "--batch", metavar="N,...", help="Comma list of batch sizes.")
+    ] = None,
+    prompt_len: PromptLenOption = None,
+    gen_len: GenLenOption = None,
+    lora_rank: LoraRankOption = None,
+    engine: EngineOption = None,
+    e2e: Annotated[
+        bool | None, typer.Option("--e2e", help="Also time a whole GRPO step (as `qerl bench e2e`).")
+    ] = None,
+    e2e_recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--e2e-recipe",
+            metavar="RECIPE",
+            help="--e2e: a training recipe giving the step's shape and memory settings.",
+        ),
+    ] = None,
+    prompts_per_step: Annotated[
+        int | None,
+        typer.Option(
+            "--prompts-per-step",
+            metavar="N",
+            help="--e2e: prompts per step.",
+            show_default="the largest --batch",
+        ),
+    ] = None,
+    generations: GenerationsOption = None,
+    memory_cap: MemoryCapOption = None,
+    output: OutputOption = None,
+    baseline: BaselineOption = None,
+    tolerance: ToleranceOption = None,
+    config: ConfigOption = None,
+    set_: BenchSet = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """Rollout tokens/s and memory per format, BF16 vs NF4 vs NVFP4 (MXFP4 with --formats), at --batch."""
+    values: dict[str, Any] = dict(
+        model=model,
+        formats=csv(formats),
+        batch=positive_ints(batch, "--batch"),
+        engine=engine,
+        e2e=e2e,
+        e2e_recipe=e2e_recipe,
+        output=output,
+        baseline=baseline,
+        tolerance=tolerance,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        lora_rank=lora_rank,
+        e2e_generations=generations,
+        e2e_prompts_per_step=prompts_per_step,
+        memory_cap_gib=memory_cap,
+    )
+    run_bench_command(values, config=config, sets=set_, dry_run=dry_run, recipe=e2e_recipe)
+
+
+def concurrency(
+    model: ModelOption = None,
+    formats: FormatsOption = None,
+    sequences: Annotated[
+        str | None,
+        typer.Option(
+            "--concurrency",
+            metavar="N,...",
+            help="Comma list of sequences generated at once.",
+            show_default=",".join(map(str, DEFAULT_CONCURRENCY)),
+        ),
+    ] = None,
+    backends: Annotated[
+        str | None,
+        config_option(
+            B,
+            "backends",
+            "--backends",
+            metavar="NAME,...",
+            help="Linear backends: comma list of marlin,humming,fp8.",
+        ),
+    ] = None,
+    prompt_len: PromptLenOption = None,
+    gen_len: GenLenOption = None,
+    lora_rank: LoraRankOption = None,
+    engine: EngineOption = None,
+    memory_cap: MemoryCapOption = None,
+    output: OutputOption = None,
+    baseline: BaselineOption = None,
+    tolerance: ToleranceOption = None,
+    config: ConfigOption = None,
+    set_: BenchSet = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """Rollout tokens/s at RL concurrency per format x linear backend, against the GPU's roofline.
+
+    With vLLM it writes crossover.json, the table rollout.linear_backend=auto reads.
+    """
+    values: dict[str, Any] = dict(
+        model=model,
+        formats=csv(formats),
+        concurrency=positive_ints(sequences, "--concurrency"),
+        backends=csv(backends),
+        engine=engine,
+        output=output,
+        baseline=baseline,
+        tolerance=tolerance,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        lora_rank=lora_rank,
+        memory_cap_gib=memory_cap,
+    )
+    run_bench_command(
+        values, config=config, sets=set_, dry_run=dry_run, defaults={"concurrency": DEFAULT_CONCURRENCY}
+    )
+
+
+def e2e(
+    model: ModelOption = None,
+    formats: FormatsOption = None,
+    prompts_per_step: Annotated[
+        int | None,
+        typer.Option("--prompts-per-step", metavar="N", help="Prompts per step.", show_default="8"),
+    ] = None,
+    generations: GenerationsOption = None,
+    prompt_len: PromptLenOption = None,
+    gen_len: GenLenOption = None,
+    lora_rank: Annotated[
+        int | None, typer.Option("--lora-rank", metavar="RANK", help="LoRA rank.", show_default="16")
+    ] = None,
+    engine: EngineOption = None,
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            "--recipe",
+            metavar="RECIPE",
+            help="A training recipe giving the step's shape and memory settings (flags given win).",
+        ),
+    ] = None,
+    linear_backend: Annotated[
+        str | None,
+        typer.Option(
+            "--linear-backend",
+            metavar="NAME",
+            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8.",
+            show_default="the recipe's, else auto",
+        ),
+    ] = None,
+    memory_cap: MemoryCapOption = None,
+    output: OutputOption = None,
+    baseline: BaselineOption = None,
+    tolerance: ToleranceOption = None,
+    config: ConfigOption = None,
+    set_: BenchSet = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """GRPO step seconds per base format (generation, logprobs, update, engine sync), real trainer.
+
+    The timed steps are `repeats` (--set repeats=N) after `warmup` untimed ones; the rewards are seeded
+    random numbers, so every step does a real update.
+    """
+    values: dict[str, Any] = dict(
+        model=model,
+        formats=csv(formats),
+        engine=engine,
+        e2e_recipe=recipe,
+        output=output,
+        baseline=baseline,
+        tolerance=tolerance,
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        lora_rank=lora_rank,
+        e2e_generations=generations,
+        e2e_prompts_per_step=prompts_per_step,
+        e2e_linear_backend=linear_backend,
+        memory_cap_gib=memory_cap,
+    )
+    run_bench_command(
+        values,
+        config=config,
+        sets=set_,
+        dry_run=dry_run,
+        recipe=recipe,
+        recipe_flag="--recipe",
+        forced={"e2e": True, "rollouts": False},
+    )

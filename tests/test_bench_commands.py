@@ -1,0 +1,509 @@
+"""Every ``qerl bench`` subcommand: its --help, bad input refused with exit 2 before torch is imported,
+--dry-run, the deprecated bare ``qerl bench``, and the JSON each writes on the CPU with the tiny model
+(the command, the device, the date and the versions first). The library arithmetic of ``scaling``.
+
+Every subcommand runs on the CPU, so none is GPU-only here; the GPU-only parts (``--profile``,
+``--memory-cap``) are tested for their refusal on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from qerl_cli.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = ["rollout", "concurrency", "e2e", "kernels", "update", "scaling", "quality"]
+HEADER = ("schema", "command", "created", "device", "gpu", "versions")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("qerl-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QERL_CACHE_DIR", str(path))
+        mp.setenv("QERL_NUM_THREADS", "1")  # tiny models on shared cores: one thread is fastest
+        yield path
+
+
+# -- help -------------------------------------------------------------------------------------------
+def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    assert list(get_command(app).commands["bench"].commands) == BENCHMARKS
+    rc, out, err = run(capsys, "bench", "--help")
+    assert rc == 0 and err == ""  # the group's help, not the deprecated rollout
+    panel = out.split("Commands", 1)[1]
+    assert all(f"│ {name} " in panel for name in BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_has_help(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    rc, out, err = run(capsys, "bench", name, "--help")
+    assert rc == 0 and err == ""
+    assert f"qerl bench {name}" in out and "--dry-run" in out and "--output" in out
+
+
+# -- bad input: exit 2, naming the flag, before torch is imported -----------------------------------
+def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    missing = str(tmp / "missing.json")
+    return [
+        (["rollout", "--formats", "fp3"], "--formats: unknown format(s) fp3; choose from bf16, nvfp4"),
+        (["rollout", "--batch", "2,0"], "--batch takes comma-separated positive integers"),
+        (["rollout", "--baseline", missing], f"--baseline {missing}: not found"),
+        (["concurrency", "--concurrency", "8,x"], "--concurrency takes comma-separated positive integers"),
+        (["concurrency", "--backends", "cuda"], "--backends has unknown ['cuda']"),
+        (["e2e", "--recipe", str(tmp / "no.yaml")], "recipe file not found"),
+        (["e2e", "--prompts-per-step", "-1"], "--prompts-per-step must be >= 0"),
+        (["e2e", "--memory-cap", "0"], "--memory-cap must be > 0 GiB"),
+        (["kernels", "--formats", "int3"], "--formats: unknown format(s) int3"),
+        (["kernels", "--batch", "0"], "--batch must be a positive integer, got 0"),
+        (["update", "--fused", "fast"], "--fused takes a comma list of off, liger, auto"),
+        (["update", "--micro-batch", "x"], "--micro-batch takes a positive integer or auto"),
+        (["update", "--checkpointing", "maybe"], "--checkpointing takes auto, on or off"),
+        (["update", "--sequences", "5", "--group", "2"], "--sequences (5) must be a multiple of --group (2)"),
+        (["scaling", "tiny", "--steps", "0"], "--steps must be a positive integer, got 0"),
+        (["scaling", "tiny", "--reference", missing], f"--reference {missing}: not found"),
+        (["scaling", "no-such-recipe"], "recipe file not found"),
+        (["quality", "m", "--rows", "nvfp4-foo"], "'nvfp4-foo' is not FORMAT-METHOD"),
+        (["quality", "m", "--rows", "bf16-rtn"], "'bf16-rtn' is not FORMAT-METHOD"),
+        (["quality", "m", "--seq-len", "1"], "--seq-len must be >= 2"),
+    ]
+
+
+DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
+    (["rollout", "--batch", "1,4"], {"batch": [1, 4], "rollouts": True, "e2e": False, "concurrency": []}),
+    (["rollout", "--e2e", "--e2e-recipe", "gsm8k_7b"], {"e2e": True, "gen_len": 2048}),  # the recipe's shape
+    (["concurrency"], {"concurrency": [8, 32, 128, 256]}),
+    (["concurrency", "--concurrency", "16", "--backends", "fp8"], {"concurrency": [16], "backends": ["fp8"]}),
+    (
+        ["e2e", "--prompts-per-step", "4", "--linear-backend", "fp8", "--memory-cap", "79.2"],
+        {
+            "e2e": True,
+            "rollouts": False,
+            "e2e_prompts_per_step": 4,
+            "e2e_linear_backend": "fp8",
+            "memory_cap_gib": 79.2,
+        },
+    ),
+    (["e2e", "--recipe", "gsm8k_7b", "--gen-len", "64"], {"e2e_recipe": "gsm8k_7b", "gen_len": 64}),
+    (["kernels", "--formats", "NVFP4,nf4"], {"formats": ["nvfp4", "nf4"], "batch": 8}),
+    (["update", "--checkpointing", "on", "--micro-batch", "2"], {"checkpointing": True, "micro_batch": 2}),
+    (
+        ["scaling", "tiny", "--steps", "4", "--prompts-per-gpu", "3", "--set", "rollout.num_generations=2"],
+        {
+            "train": lambda t: (t["max_steps"], t["prompts_per_step"]) == (4, 3),
+            "rollout": lambda r: r["num_generations"] == 2,
+            "output": lambda o: o["save_steps"] == 0,
+        },
+    ),
+    (["quality", "m", "--rows", "nf4-rtn,NVFP4-awq"], {"rows": ["nf4-rtn", "nvfp4-awq"], "model": "m"}),
+]
+
+
+def test_bad_input_and_dry_runs_import_no_torch(tmp_path: Path) -> None:
+    """One process: every bad input exits 2 with its message, every --dry-run exits 0, and none of them
+    imported torch (the checks are the cheap ones, made first)."""
+    cases = [[*argv] for argv, _ in bad_inputs(tmp_path)] + [[*argv, "--dry-run"] for argv, _ in DRY_RUNS]
+    code = (
+        "import json, sys\nfrom qerl_cli.cli import main\n"
+        "codes = [main(['bench', *argv]) for argv in json.loads(sys.argv[1])]\n"
+        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300", "QERL_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    bad = len(bad_inputs(tmp_path))
+    assert result["codes"] == [2] * bad + [0] * len(DRY_RUNS), done.stderr
+    assert result["torch"] is False
+    err = " ".join(done.stderr.split())
+    for argv, message in bad_inputs(tmp_path):
+        assert message in err, (argv, message)
+    assert "internal error" not in err
+
+
+@pytest.mark.parametrize(("argv", "expected"), DRY_RUNS)
+def test_dry_run_resolves_the_flags(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: dict
+) -> None:
+    rc, out, err = run(capsys, "bench", *argv, "--dry-run")
+    assert rc == 0, err
+    resolved = yaml.safe_load(out)
+    for key, value in expected.items():
+        ok = value(resolved[key]) if callable(value) else resolved[key] == value
+        assert ok, (key, resolved[key])
+
+
+def test_bare_bench_is_rollout_with_a_warning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rc, out, err = run(capsys, "bench", "--batch", "2", "--dry-run")
+    assert rc == 0 and yaml.safe_load(out)["batch"] == [2]
+    err = " ".join(err.split())
+    assert "deprecated" in err and "runs `qerl bench rollout`" in err
+    rc, out, err = run(capsys, "bench", "--concurrency", "16", "--dry-run")
+    assert rc == 0 and yaml.safe_load(out)["concurrency"] == [16] and "qerl bench concurrency" in err
+    import qerl_cli.bench as bench_mod
+    from qerl_cli.bench.result import read_report
+
+    report = read_report(REPO / "benchmarks" / "h100-2026-11-24" / "sweep-fp8-humming" / "bench.json")
+    seen = []
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: seen.append(command) or report)
+    rc, out, err = run(capsys, "bench")  # the command of CI's GPU job before the subcommands
+    assert rc == 0 and "Rollout throughput" in out and "deprecated" in err and seen == ["qerl bench"]
+    rc, _, err = run(capsys, "bench", "rolout")  # a misspelt benchmark is not the deprecated form
+    assert rc == 2 and "No such command 'rolout'" in err
+
+
+# -- each benchmark's JSON, on the CPU --------------------------------------------------------------
+def check_header(report: dict[str, Any], command: str, schema: str) -> None:
+    assert list(report)[: len(HEADER)] == list(HEADER)
+    assert report["schema"] == schema and report["command"].startswith(f"qerl bench {command} ")
+    assert report["device"] == "cpu" and report["created"][:2] == "20"
+    assert report["versions"]["torch"] and "qerl" in report["versions"]
+
+
+BENCH_SHAPE = [
+    "--model",
+    "tiny",
+    "--engine",
+    "hf",
+    "--formats",
+    "bf16",
+    "--prompt-len",
+    "8",
+    "--gen-len",
+    "2",
+]
+
+
+def test_rollout_writes_bench_json_with_its_command(cache_dir, tmp_path, capsys) -> None:
+    rc, out, err = run(
+        capsys, "bench", "rollout", *BENCH_SHAPE, "--batch", "1", "--lora-rank", "0", "-o", str(tmp_path)
+    )
+    assert rc == 0, err
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["command"].startswith("qerl bench rollout --model tiny") and report["device"] == "cpu"
+    assert list(report)[:4] == ["schema", "created", "command", "device"]
+    assert [r["batch"] for r in report["rollout"]] == [1] and report["e2e"] is None
+
+
+def test_concurrency_writes_bench_json(cache_dir, tmp_path, capsys) -> None:
+    rc, _, err = run(
+        capsys,
+        "bench",
+        "concurrency",
+        *BENCH_SHAPE,
+        "--concurrency",
+        "2",
+        "--lora-rank",
+        "0",
+        "--set",
+        "repeats=1",
+        "--set",
+        "warmup=0",
+        "-o",
+        str(tmp_path),
+    )
+    assert rc == 0, err
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["command"].startswith("qerl bench concurrency") and report["settings"]["concurrency"] == [2]
+    assert [r["batch"] for r in report["rollout"]] == [2] and report["rollout"][0]["roofline"] is None  # CPU
+
+
+def test_e2e_writes_step_phases_and_no_rollout_cases(cache_dir, tmp_path, capsys) -> None:
+    rc, out, err = run(
+        capsys,
+        "bench",
+        "e2e",
+        *BENCH_SHAPE,
+        "--prompts-per-step",
+        "1",
+        "--generations",
+        "2",
+        "--lora-rank",
+        "4",
+        "--set",
+        "repeats=1",
+        "--set",
+        "warmup=0",
+        "-o",
+        str(tmp_path),
+    )
+    assert rc == 0, err
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert (
+        report["command"].startswith("qerl bench e2e") and report["rollout"] == [] and report["memory"] == []
+    )
+    (row,) = report["e2e"]
+    assert row["format"] == "bf16" and row["step_s"] > 0 and row["steps_timed"] == 1
+    assert report["settings"]["rollouts"] is False and "End-to-end GRPO step" in out
+
+
+def test_kernels_writes_its_json(cache_dir, tmp_path, capsys) -> None:
+    rc, out, err = run(
+        capsys,
+        "bench",
+        "kernels",
+        "--model",
+        "tiny",
+        "--formats",
+        "nvfp4",
+        "--batch",
+        "1",
+        "--seq-len",
+        "16",
+        "--iters",
+        "2",
+        "--device",
+        "cpu",
+        "-o",
+        str(tmp_path),
+    )
+    assert rc == 0, err
+    report = json.loads((tmp_path / "kernels.json").read_text())
+    check_header(report, "kernels", "qerl-bench-kernels/1")
+    assert report["errors"] == [] and report["copy_GBps"] > 0
+    (dequant,) = report["dequant"]
+    assert dequant["kernel"] == "torch" and dequant["bit_exact"] is True and dequant["GBps"] > 0
+    (memory,) = report["memory"]
+    assert (
+        memory["detected_format"] == "nvfp4" and 0 < memory["packed_linear_bytes"] < memory["weights_bytes"]
+    )
+    assert memory["weights_bytes"] < memory["bf16_equivalent_bytes"]  # packed 4-bit is smaller than BF16
+    (layer,) = report["layer"]
+    # the same weights give the same output before the timing means anything
+    assert layer["tokens"] == 16 and layer["ms"] > 0 and layer["max_abs_diff"] < 1e-3
+
+
+def test_update_writes_its_json(cache_dir, tmp_path, capsys) -> None:
+    rc, _, err = run(
+        capsys,
+        "bench",
+        "update",
+        "--model",
+        "tiny",
+        "--formats",
+        "nvfp4",
+        "--fused",
+        "off",
+        "--sequences",
+        "2",
+        "--group",
+        "2",
+        "--prompt-len",
+        "4",
+        "--gen-len",
+        "4",
+        "--lora-rank",
+        "4",
+        "--device",
+        "cpu",
+        "-o",
+        str(tmp_path),
+    )
+    assert rc == 0, err
+    report = json.loads((tmp_path / "update.json").read_text())
+    check_header(report, "update", "qerl-bench-update/1")
+    (row,) = report["rows"]
+    assert "error" not in row, row
+    assert (
+        row["format"] == "nvfp4" and row["micro_batch_size"] == 2 and row["gradient_checkpointing"] is False
+    )
+    assert row["update_s"] > 0 and row["tokens_per_s"] == pytest.approx(2 * 8 / row["update_s"])
+    # no GPU peak on the CPU; 2 x 4 completion tokens in the loss
+    assert row["mfu_bf16"] is None and row["loss_tokens"] == 8
+
+
+def test_update_profile_needs_a_gpu(cache_dir, tmp_path, capsys) -> None:
+    rc, _, err = run(
+        capsys, "bench", "update", "--model", "tiny", "--profile", "--device", "cpu", "-o", str(tmp_path)
+    )
+    assert rc == 2 and "--profile" in err and "needs a GPU" in err
+
+
+def test_quality_makes_and_measures_each_base(cache_dir, tiny_model_dir, tmp_path, capsys) -> None:
+    rc, out, err = run(
+        capsys,
+        "bench",
+        "quality",
+        str(tiny_model_dir),
+        "--rows",
+        "nf4-rtn",
+        "--calib-samples",
+        "2",
+        "--seq-len",
+        "16",
+        "--heldout-rows",
+        "2",
+        "--device",
+        "cpu",
+        "-o",
+        str(tmp_path),
+    )
+    assert rc == 0, err
+    report = json.loads((tmp_path / "quality.json").read_text())
+    check_header(report, "quality", "qerl-bench-quality/1")
+    (row,) = report["rows"]
+    assert (
+        row["row"] == "nf4-rtn"
+        and Path(row["folder"]).is_dir()
+        and row["via"] == "qerl quantize --method rtn"
+    )
+    assert row["perplexity"] > 1 and row["kl_to_bf16"] >= 0 and 0 <= row["top1_agreement"] <= 1
+    assert 0 < row["mean_layer_error"] <= row["max_layer_error"] < 1
+    assert (
+        report["quality"]["reference_perplexity"] > 1
+        and "| nf4-rtn |" in (tmp_path / "quality.md").read_text()
+    )
+
+
+def test_scaling_writes_its_json_and_the_efficiency_against_a_reference(
+    cache_dir, tiny_model_dir, tmp_path, capsys
+) -> None:
+    shape = [
+        "--set",
+        f"model.path={tiny_model_dir}",
+        "--set",
+        "rollout.num_generations=2",
+        "--set",
+        "rollout.max_completion_length=4",
+        "--set",
+        "aqn.enabled=false",
+    ]
+    one = tmp_path / "one"
+    rc, out, err = run(
+        capsys, "bench", "scaling", "tiny", "--steps", "2", "--prompts-per-gpu", "1", *shape, "-o", str(one)
+    )
+    assert rc == 0, err
+    report = json.loads((one / "scaling.json").read_text())
+    check_header(report, "scaling", "qerl-bench-scaling/1")
+    run_ = report["run"]
+    assert (
+        report["world_size"] == 1
+        and report["scaling"] == "weak"
+        and report["settings"]["prompts_per_step"] == 1
+    )
+    assert (run_["steps"], run_["steps_timed"]) == (2, 1) and run_["step_tokens_per_s"] > 0
+    assert report["scaling_efficiency"] is None and report["reference"] is None
+    rc, _, err = run(capsys, "bench", "scaling", "tiny", "--steps", "2", *shape, "-o", str(one))
+    assert rc == 2 and "exists" in err  # never mixes two runs' metrics
+    again = tmp_path / "again"
+    rc, _, err = run(
+        capsys,
+        "bench",
+        "scaling",
+        "tiny",
+        "--steps",
+        "2",
+        "--prompts-per-gpu",
+        "1",
+        *shape,
+        "--reference",
+        str(one / "scaling.json"),
+        "-o",
+        str(again),
+    )
+    assert rc == 0, err
+    second = json.loads((again / "scaling.json").read_text())
+    assert second["reference"]["gpus"] == 1 and second["scaling_efficiency"] > 0
+
+
+# -- library ----------------------------------------------------------------------------------------
+def test_scaling_arithmetic() -> None:
+    """Step 1 is left out of the means; efficiency is tokens/s per GPU against the reference's."""
+    from qerl_cli.bench.scaling import run_summary, scaling_efficiency
+
+    def records(n: int, tokens: float, step_s: float) -> list[dict[str, Any]]:
+        first = {"rollout_tokens": tokens, "time_step_s": 99.0, "time_rollout_s": 50.0, "world_size": n}
+        rest = {
+            "rollout_tokens": tokens,
+            "time_step_s": step_s,
+            "time_rollout_s": step_s / 2,
+            "time_update_s": 1.0,
+            "world_size": n,
+            "memory/device_peak_used_gib": 30.0 + n,
+        }
+        return [first, rest, dict(rest)]
+
+    one = run_summary(records(1, 1000.0, 10.0), 1)  # 100 tokens/s of whole steps
+    two = run_summary(records(2, 2000.0, 11.0), 2)  # twice the prompts, 10% slower steps
+    four = run_summary(records(4, 4000.0, 12.5), 4)
+    assert (one["steps"], one["steps_timed"], one["step_s"]) == (3, 2, 10.0)
+    assert two["rollout_tokens_per_s_per_gpu"] == pytest.approx(2000 / 5.5 / 2)
+    assert scaling_efficiency(one, two) == pytest.approx((2000 / 11) / (2 * 100))
+    assert scaling_efficiency(one, four) == pytest.approx((4000 / 12.5) / (4 * 100))
+    assert scaling_efficiency(two, four) == pytest.approx((4000 / 12.5 / 4) / (2000 / 11 / 2))
+    assert four["device_peak_used_gib"] == 34.0
+    # strong scaling (the same tokens every step): the step times' ratio
+    strong = {"gpus": 4, "step_tokens_per_s": 1000.0 / 2.5}
+    assert scaling_efficiency(one, strong) == pytest.approx(10.0 / (4 * 2.5))
+    assert run_summary([], 4) == {"gpus": 4, "steps": 0}
+    assert scaling_efficiency(one, run_summary([], 4)) is None
+
+
+def test_scaling_reference_must_be_a_scaling_report(tmp_path: Path) -> None:
+    from qerl_cli.bench.scaling import read_reference
+    from qerl_cli.errors import QerlError
+
+    other = tmp_path / "bench.json"
+    other.write_text(json.dumps({"schema": "qerl-bench/1"}))
+    with pytest.raises(QerlError, match="not a qerl bench scaling report"):
+        read_reference(other)
+
+
+def test_memory_cap_is_nothing_without_a_cap_and_refused_on_the_cpu() -> None:
+    import torch
+
+    from qerl_cli.bench.ballast import memory_cap
+    from qerl_cli.errors import QerlError
+
+    with memory_cap(None) as held:
+        assert held is None
+    if not torch.cuda.is_available():
+        with pytest.raises(QerlError, match="needs a CUDA GPU"), memory_cap(10.0):
+            pass
+
+
+# -- the repository: benchmarks are commands, not scripts ---------------------------------------------
+def test_ci_runs_the_bench_subcommand_not_the_deprecated_form() -> None:
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "gpu.yml").read_text())
+    runs = [
+        line.strip()
+        for step in workflow["jobs"]["bench"]["steps"]
+        for line in step.get("run", "").splitlines()
+    ]
+    benches = [line for line in runs if line.startswith("qerl bench")]
+    assert benches and all(line.startswith("qerl bench rollout ") for line in benches)
+
+
+def test_scripts_holds_only_the_setup() -> None:
+    """Measurements are `qerl bench` subcommands and a run's commands its benchmarks/<run>/run.sh."""
+    done = subprocess.run(["git", "ls-files", "scripts"], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert done.stdout.split() == ["scripts/setup.sh"]
