@@ -17,7 +17,8 @@
 #   EXTRA_SITE      a site folder with qerl's own dependencies where the machine lacks them
 #   OUT_DIR         default runs/gemma-gap;  JOBS: runs at a time (default 10)
 #   GPUS            the GPUs compare spreads its runs over (`qerl compare --gpus`; default auto: all)
-#   RUNS            ARM/SEED list for compare (default: below); VLLM_KWARGS: compare's rollout.vllm_kwargs
+#   RUNS            ARM/SEED list for compare (default: below); SEEDS: seeds per arm it may name (3)
+#   VLLM_KWARGS     compare's rollout.vllm_kwargs;  SUMMARY=0: compare only runs (--no-summary)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -77,8 +78,9 @@ quality() {
 }
 
 compare() {
-  with_vllm qerl compare "$RECIPE" -o "$OUT_DIR/cmp" --arms "$ARMS" --seeds 3 --only "$RUNS" --jobs "${JOBS:-10}" \
-    --gpus "${GPUS:-auto}" --set "rollout.vllm_kwargs=$VLLM_KWARGS"
+  with_vllm qerl compare "$RECIPE" -o "$OUT_DIR/cmp" --arms "$ARMS" --seeds "${SEEDS:-3}" --only "$RUNS" \
+    --jobs "${JOBS:-10}" --gpus "${GPUS:-auto}" --set "rollout.vllm_kwargs=$VLLM_KWARGS" \
+    $([ "${SUMMARY:-1}" = 0 ] && echo --no-summary)
 }
 
 status() {
