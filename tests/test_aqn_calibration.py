@@ -255,3 +255,15 @@ def test_a_raw_sigma_on_an_awq_base_is_warned_about_with_the_fix() -> None:
     calibrated = _cfg("aqn.enabled=true", "aqn.calibrate=tokens", "aqn.target=0.1")
     assert raw_sigma_warning(calibrated, "awq") is None
     assert raw_sigma_warning(_cfg("aqn.enabled=false"), "awq") is None
+
+
+def test_a_target_near_the_engines_own_floor_is_warned_about() -> None:
+    """vLLM's greedy decoding repeated itself only to 5-7% of the tokens on Gemma 3 270M; a 10% target
+    then calibrated sigma anywhere from 1e-3 to 1.8e-2."""
+    from qerl_cli.rl.aqn_calibration import floor_warning
+
+    assert floor_warning(0.0, 0.1) is None  # a repeatable engine (the HF engine on a CPU)
+    near = floor_warning(0.065, 0.1)
+    assert near is not None and "0.065 of the tokens" in near and "aqn.target >= 0.2" in near
+    far = floor_warning(0.02, 0.1)
+    assert far is not None and "measured on top of that" in far and ">=" not in far

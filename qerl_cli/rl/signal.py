@@ -3,7 +3,7 @@
 GRPO learns only from prompt groups whose samples got different rewards. A 4-bit base that lost its
 BF16 model's skill starts with few such groups and learns less: on Gemma 3 270M the AWQ NVFP4 bases had
 a reward spread in 5-9% of groups over the first steps against BF16's 22-30%, and learned half as much;
-a GPTQ base started with 13-36% (``benchmarks/gemma3-270m-learning-gap-h100-2026-11-27``). ``qerl train``
+a GPTQ base started with 13-36% (``benchmarks/gemma3-270m-learning-gap-2026-11-27``). ``qerl train``
 warns after its first steps (:class:`StartSignal`), ``qerl compare`` in its report; both name the same
 remedies (:func:`remedies`).
 """
