@@ -113,7 +113,7 @@ def quantize(
     set_: QuantizeSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
-    """Quantize a model to NVFP4 / MXFP4 (compressed-tensors, AWQ) or NF4 (bitsandbytes)."""
+    """Quantize a model to NVFP4 / MXFP4 (compressed-tensors; AWQ, GPTQ or RTN) or NF4 (bitsandbytes)."""
     values = dict(
         model=model, format=format, method=method, calib=calib, calib_field=calib_field,
         calib_split=calib_split, device=device, num_samples=num_samples, seq_len=seq_len, output=output,
