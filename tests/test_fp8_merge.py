@@ -288,3 +288,30 @@ def test_merge_from_a_4bit_checkpoint_into_its_fp8_copy(fmt: str, tmp_path) -> N
         scale = params[f"{module}.weight_scale"][rows]
         decoded = fp8.dequantize_per_channel(params[f"{module}.weight"].t()[rows], scale)
         assert ((decoded - reference).abs() <= fp8.rounding_bound(reference, scale) + 1e-7).all(), t
+
+
+def test_worker_merge_reads_the_base_checkpoint_once(tmp_path) -> None:
+    """The function vLLM's worker runs (through LLM.apply_model): the checkpoint index is built on the
+    first merge and kept on the model for the next."""
+    from safetensors.torch import save_file
+
+    from qerl_cli.rollout.vllm_worker import MERGE_BASES_ATTR, worker_merge_lora
+
+    bases = _bases()
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen2", "torch_dtype": "bfloat16"}')
+    save_file({f"{k}.weight": v.contiguous() for k, v in bases.items()}, str(folder / "model.safetensors"))
+    model = _fake_vllm(bases)
+    name = f"{LAYER}.self_attn.k_proj"
+    assert worker_merge_lora(model, str(folder), {name: _delta(KV_OUT, HIDDEN, seed=7)}) == 1
+    index = getattr(model, MERGE_BASES_ATTR)
+    assert worker_merge_lora(model, str(folder), {name: _delta(KV_OUT, HIDDEN, seed=8)}) == 1
+    assert getattr(model, MERGE_BASES_ATTR) is index
+    qkv = dict(model.named_parameters())[f"{LAYER}.self_attn.qkv_proj.weight"].t()
+    scale = dict(model.named_parameters())[f"{LAYER}.self_attn.qkv_proj.weight_scale"]
+    rows = slice(HEADS_OUT, HEADS_OUT + KV_OUT)
+    delta = _delta(KV_OUT, HIDDEN, seed=8)
+    reference = bases[name] + delta.scaling * delta.b @ delta.a
+    decoded = fp8.dequantize_per_channel(qkv[rows], scale[rows])
+    assert ((decoded - reference).abs() <= fp8.rounding_bound(reference, scale[rows]) + 1e-7).all()

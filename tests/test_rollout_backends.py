@@ -475,3 +475,44 @@ def test_an_engine_in_a_slice_of_the_gpu_sizes_its_kv_cache_from_its_share(
     with pytest.raises(QerlError, match="leaves no KV cache room for one full-length sequence"):
         # 4 GiB: the overhead alone (auto: no backend fits, vLLM's default is kept and refused here)
         make_engine(dataclasses.replace(request, gpu_memory_utilization=0.05, linear_backend="auto"))
+
+
+# --------------------------------------------------------------------------------------------
+# fp8-merged: the LoRA merged into the rollout weights (vLLM without LoRA)
+# --------------------------------------------------------------------------------------------
+def test_fp8_merged_is_a_backend_of_every_format_and_weighs_its_weights() -> None:
+    from qerl_cli.rollout.backends import FORMAT_BACKENDS, choose_backend, rollout_weight_format
+
+    assert all("fp8-merged" in allowed for allowed in FORMAT_BACKENDS.values())
+    four = choose_backend("fp8-merged", "nvfp4", concurrency=128, env=env(), table={})
+    assert four.merges_lora and four.needs_fp8_copy and four.weight_format == "fp8"
+    assert four.vllm_kwargs() == {}
+    # A BF16 base: merged BF16 weights (TRL's merged baseline), no FP8 copy, no online FP8.
+    dense = choose_backend("fp8-merged", "bf16", concurrency=128, env=env(capability=(8, 0)), table={})
+    assert dense.merges_lora and not dense.needs_fp8_copy and dense.weight_format == "bf16"
+    assert dense.vllm_kwargs() == {}
+    assert (
+        rollout_weight_format("fp8", "bf16") == "fp8" and rollout_weight_format("marlin", "nvfp4") == "nvfp4"
+    )
+    with pytest.raises(QerlError, match="FP8 tensor cores"):
+        choose_backend("fp8-merged", "nvfp4", concurrency=8, env=env(capability=(8, 0)), table={})
+    # auto never picks it without measurements of it.
+    assert choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=TABLE).backend != "fp8-merged"
+
+
+def test_factory_refuses_fp8_merged_until_the_engine_is_wired(fake_llm: list[dict]) -> None:
+    from qerl_cli.rollout.factory import EngineRequest, make_engine
+
+    request = EngineRequest(
+        "vllm", nvfp4_base(), linear_backend="fp8-merged", gpu_memory_utilization=0.5, max_model_len=64
+    )
+    with pytest.raises(QerlError, match="not wired into the vLLM engine yet.*linear_backend=fp8"):
+        make_engine(request)
+    assert fake_llm == []  # refused before vLLM starts
+
+
+def test_fp8_merged_in_a_recipe_needs_the_vllm_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    from qerl_cli.cli import main
+
+    rc = main(["train", "recipes/tiny.yaml", "--set", "rollout.linear_backend=fp8-merged", "--dry-run"])
+    assert rc == 2 and "engine=vllm" in " ".join(capsys.readouterr().err.split())

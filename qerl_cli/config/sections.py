@@ -100,9 +100,11 @@ class RolloutSection:
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
     # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
-    # once (the trainer keeps the 4-bit base; TIS on); "auto": per GPU and the round's concurrency, the
+    # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
+    # after every update, vLLM without LoRA (BF16 base: merged BF16, TRL's baseline; not wired into the
+    # engine yet: refused at start-up); "auto": per GPU and the round's concurrency, the
     # fastest that fits, from crossover_table (qerl_cli.rollout.backends).
-    linear_backend: Literal["auto", "marlin", "humming", "fp8"] = "auto"
+    linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged"] = "auto"
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None
     # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).
@@ -117,7 +119,7 @@ class RolloutSection:
             generation_batch_size=self.generation_batch_size,
             tensor_parallel_size=self.tensor_parallel_size,
         )
-        if self.linear_backend in ("humming", "fp8") and self.engine != "vllm":
+        if self.linear_backend in ("humming", "fp8", "fp8-merged") and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
                 "(the hf engine runs the trainer's own layers)"

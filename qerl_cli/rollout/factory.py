@@ -28,10 +28,11 @@ from qerl_cli.rollout.backends import (
     BackendChoice,
     MeasuredModel,
     choose_backend,
-    current_environment,
     load_table,
+    rollout_weight_format,
 )
 from qerl_cli.rollout.base import RolloutEngine
+from qerl_cli.rollout.environment import current_environment
 from qerl_cli.torch_utils import DTYPES, resolve_device
 from qerl_cli.torch_utils import dtype_name as torch_dtype_name
 
@@ -207,6 +208,12 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         max_model_len=request.max_model_len, gpu_memory_utilization=request.gpu_memory_utilization,
         kv_cache_dtype=request.kv_cache_dtype,
     )  # fmt: skip
+    if choice.merges_lora:
+        raise QerlError(
+            "rollout.linear_backend=fp8-merged is not wired into the vLLM engine yet (the merge itself is "
+            "qerl_cli.modeling.fp8_merge): use rollout.linear_backend=fp8 (the FP8 copy with vLLM's LoRA) "
+            "or auto"
+        )
     served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
         from qerl_cli.modeling.fp8_rollout import fp8_rollout_checkpoint
@@ -259,7 +266,7 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
     from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes
 
     total = _cuda_total_bytes()
-    fmt = "fp8" if choice.backend == "fp8" else choice.fmt
+    fmt = choice.weight_format
     if not total or request.tensor_parallel_size > 1 or fmt not in WEIGHT_BYTES:
         return {}
     shape = _model_shape(_read_config(model_path))
@@ -320,7 +327,7 @@ def choose_rollout_backend(
     model = MeasuredModel.from_config(config, name=Path(model_path).name)
     total = _cuda_total_bytes()
     if shape is not None and total and isinstance(gpu_memory_utilization, float):
-        sizes = {b: weight_bytes(shape, "fp8" if b == "fp8" else fmt) for b in FORMAT_BACKENDS.get(fmt, ())}
+        sizes = {b: weight_bytes(shape, rollout_weight_format(b, fmt)) for b in FORMAT_BACKENDS.get(fmt, ())}
         budget = int(total * gpu_memory_utilization)
         kv = shape.kv_bytes_per_token(kv_cache_dtype) * max_model_len if max_model_len else None
     env = current_environment(
