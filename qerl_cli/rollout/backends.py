@@ -12,7 +12,8 @@ compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alte
   The trainer keeps its packed 4-bit base: truncated importance sampling corrects the extra rounding.
 * ``fp8-merged``: the ``fp8`` copy with the LoRA merged into it after every update
   (:mod:`qerl_cli.modeling.fp8_merge`), so vLLM runs without its LoRA kernels; on a BF16 base the
-  merged weights stay BF16 (TRL's merged-LoRA baseline). Not wired into the engine factory yet.
+  merged weights stay BF16 (TRL's merged-LoRA baseline). Each sync merges the adapter
+  (``rollout.vllm_lora``); tensor parallelism and trained norms are refused.
 * ``auto``: per GPU and the run's concurrency (sequences one rollout round submits), the backend with
   the highest rollout tokens/s in a crossover table that ``qerl bench --concurrency`` measures, among
   those installed and whose weights leave the KV cache room for the round. Without measurements for
