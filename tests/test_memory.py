@@ -212,10 +212,11 @@ def test_gpu_fraction_is_checked() -> None:
 def test_fp8_kv_cache_forces_tis(caplog: pytest.LogCaptureFixture) -> None:
     from qerl_cli.rl.setup import tis_enabled
 
-    def tis(*overrides: str, backend: str = "trainer") -> bool:
+    def tis(*overrides: str, backend: str = "trainer", fmt: str = "bf16") -> bool:
         base = ["model.path=x", "rollout.engine=hf", "aqn.enabled=false"]
         cfg = load_config(TrainConfig, None, [*base, *overrides])
-        return tis_enabled(cfg, SimpleNamespace(is_quantized=False), backend)  # type: ignore[arg-type]
+        policy = SimpleNamespace(is_quantized=False, base_format=fmt)
+        return tis_enabled(cfg, policy, backend)  # type: ignore[arg-type]
 
     assert tis() is False  # BF16, HF engine, no noise: the same numerics
     assert tis("rollout.kv_cache_dtype=fp8") is True
@@ -224,6 +225,9 @@ def test_fp8_kv_cache_forces_tis(caplog: pytest.LogCaptureFixture) -> None:
     # linear_backend=auto that resolved to the FP8 copy counts like a pinned fp8 (what the engine runs).
     assert tis("algorithm.tis='off'", backend="fp8") is True
     assert tis("algorithm.tis='off'", backend="marlin") is False
+    # fp8-merged holds FP8 weights for a 4-bit base (forced on), merged BF16 ones for a BF16 base.
+    assert tis("algorithm.tis='off'", backend="fp8-merged", fmt="nvfp4") is True
+    assert tis("algorithm.tis='off'", backend="fp8-merged", fmt="bf16") is False
 
 
 def test_auto_values_parse_and_bad_ones_fail() -> None:

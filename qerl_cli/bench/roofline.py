@@ -49,8 +49,11 @@ def gpu_spec(device_name: str | None) -> GpuSpec | None:
 
 
 def rollout_weight_format(fmt: str, backend: str) -> str:
-    """The format the rollout engine's linear weights are held in for ``fmt`` under ``backend``."""
-    return "fp8" if backend == "fp8" else fmt
+    """The format the rollout engine's linear weights are held in for ``fmt`` under ``backend``
+    (:func:`qerl_cli.rollout.backends.rollout_weight_format`, the one rule)."""
+    from qerl_cli.rollout.backends import rollout_weight_format as held_format
+
+    return held_format(backend, fmt)
 
 
 def lora_params(shape: ModelShape, rank: int) -> int:
@@ -112,4 +115,3 @@ def update_flops(shape: ModelShape, sequences: int, seq_len: int, *, lora_rank: 
     head = 4 * shape.vocab * shape.hidden * scored
     attention = 3 * sequences * 2 * seq_len * seq_len * shape.heads * shape.head_dim * shape.layers
     return float(base + head + attention + 6 * lora_params(shape, lora_rank) * tokens)
-

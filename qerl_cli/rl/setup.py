@@ -23,6 +23,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling.aqn import AQNSchedule
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.policy import Policy
+from qerl_cli.rollout.backends import rollout_weight_format
 from qerl_cli.rollout.base import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,12 @@ def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
 
 def tis_enabled(cfg: TrainConfig, policy: Policy, linear_backend: str) -> bool:
     """Whether truncated importance sampling corrects the rollout/trainer mismatch. ``linear_backend`` is
-    what the engine resolved ``rollout.linear_backend`` to: ``auto`` may choose the FP8 copy."""
+    what the engine resolved ``rollout.linear_backend`` to: ``auto`` may choose the FP8 copy, and
+    ``fp8-merged`` holds FP8 weights for a 4-bit base (merged BF16 for a BF16 one)."""
     mode = cfg.algorithm.tis
+    fp8_weights = rollout_weight_format(linear_backend, policy.base_format) == "fp8"  # fp8-merged too
     causes = (("an FP8 KV cache", cfg.rollout.kv_cache_dtype == "fp8"),
-              ("FP8 rollout weights", linear_backend == "fp8"))  # fmt: skip
+              ("FP8 rollout weights", fp8_weights))  # fmt: skip
     fp8 = [what for what, on in causes if on]
     if fp8:
         if mode == "off":

@@ -10,6 +10,10 @@ compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alte
 * ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.modeling.fp8_rollout`),
   served by vLLM's FP8 tensor-core GEMMs at twice the BF16 peak; for a BF16 base, vLLM's online FP8.
   The trainer keeps its packed 4-bit base: truncated importance sampling corrects the extra rounding.
+* ``fp8-merged``: the ``fp8`` copy with the LoRA merged into it after every update
+  (:mod:`qerl_cli.modeling.fp8_merge`), so vLLM runs without its LoRA kernels; on a BF16 base the
+  merged weights stay BF16 (TRL's merged-LoRA baseline). Each sync merges the adapter
+  (``rollout.vllm_lora``); tensor parallelism and trained norms are refused.
 * ``auto``: per GPU and the run's concurrency (sequences one rollout round submits), the backend with
   the highest rollout tokens/s in a crossover table that ``qerl bench --concurrency`` measures, among
   those installed and whose weights leave the KV cache room for the round. Without measurements for
@@ -23,13 +27,13 @@ hidden and MLP widths). An entry without a model (a table written before entries
 only from a table the recipe names itself (``rollout.crossover_table``), as before, never from the
 shipped one.
 
-This module only decides; :func:`qerl_cli.rollout.factory.make_engine` applies the choice.
+This module only decides (for the GPU and packages :mod:`qerl_cli.rollout.environment` finds);
+:func:`qerl_cli.rollout.factory.make_engine` applies the choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
@@ -42,15 +46,16 @@ from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "marlin", "humming", "fp8")
+BACKENDS = ("auto", "marlin", "humming", "fp8", "fp8-merged")
 # The backends each checkpoint format can be served with (first: vLLM's default). NF4 only runs on
 # vLLM's bitsandbytes kernels (or its FP8 copy); a BF16 base runs BF16 GEMMs or vLLM's online FP8.
 # Pinning a 4-bit FP kernel (marlin, humming) for a base that has no such weights keeps its default, so
 # one recipe serves the BF16 and the 4-bit arms of a comparison.
 FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
     **{name: fmt.rollout_backends for name, fmt in formats.FORMATS.items()},
-    formats.DENSE: ("default", "fp8"),
+    formats.DENSE: ("default", "fp8", "fp8-merged"),
 }
+MERGED = "fp8-merged"  # the backend that merges the LoRA into the rollout weights (vLLM without LoRA)
 # The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
 NOT_FP4_FORMATS = (formats.DENSE, *(name for name, fmt in formats.FORMATS.items() if not fmt.fp4))
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
@@ -80,7 +85,17 @@ class BackendChoice:
 
     @property
     def needs_fp8_copy(self) -> bool:
-        return self.backend == "fp8" and self.fmt != "bf16"
+        return self.backend in ("fp8", MERGED) and self.fmt != "bf16"
+
+    @property
+    def merges_lora(self) -> bool:
+        """vLLM runs without LoRA; each sync merges the adapter into its weights."""
+        return self.backend == MERGED
+
+    @property
+    def weight_format(self) -> str:
+        """The format of the weights vLLM holds (what its memory is sized for)."""
+        return rollout_weight_format(self.backend, self.fmt)
 
     def as_record(self) -> dict[str, Any]:
         return {"backend": self.backend, "format": self.fmt, "reason": self.reason,
@@ -100,6 +115,14 @@ class Environment:
     vllm_budget_bytes: int | None = None
     kv_bytes_per_sequence: int | None = None
     overhead_bytes: int = 0
+
+
+def rollout_weight_format(backend: str, fmt: str) -> str:
+    """The format of the weights vLLM holds for a ``fmt`` base on ``backend``: FP8 for the FP8 copies
+    (vLLM's online FP8 of a BF16 base too), BF16 for a BF16 base with the LoRA merged."""
+    if backend == "fp8" or (backend == MERGED and fmt != formats.DENSE):
+        return "fp8"
+    return fmt
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +315,8 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
             have = ".".join(map(str, env.vllm_version))
             return (f"needs vLLM {HUMMING_VLLM[0]}.{HUMMING_VLLM[1]}+ (linear_backend='humming'); this is "
                     f"vLLM {have}: pip install -U \"qerl[vllm]\"")  # fmt: skip
-    if backend == "fp8" and env.capability is not None and env.capability < FP8_CAPABILITY:
+    fp8_weights = rollout_weight_format(backend, fmt) == "fp8"
+    if fp8_weights and env.capability is not None and env.capability < FP8_CAPABILITY:
         return (f"needs FP8 tensor cores (compute capability 8.9+, Ada or Hopper); this GPU is "
                 f"sm{env.capability[0]}{env.capability[1]}")  # fmt: skip
     return None
@@ -421,34 +445,3 @@ def _check_fits(backend: str, fmt: str, weight_bytes: dict[str, int] | None, env
             f"{env.vllm_budget_bytes / 2**30:.1f} GiB; pick rollout.linear_backend=auto or marlin, raise "
             "rollout.gpu_memory_utilization, or shorten rollout.max_completion_length"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# The environment of this process
-# --------------------------------------------------------------------------------------------
-def current_environment(
-    *, vllm_budget_bytes: int | None = None, kv_bytes_per_sequence: int | None = None, overhead_bytes: int = 0
-) -> Environment:
-    """The GPU this process uses and what is installed (no GPU: name and capability None)."""
-    import torch
-
-    gpu = capability = None
-    if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name()
-        capability = tuple(torch.cuda.get_device_capability())
-    return Environment(
-        gpu_name=gpu, capability=capability,  # type: ignore[arg-type]
-        humming_installed=importlib.util.find_spec("humming") is not None,
-        vllm_version=_vllm_version(), vllm_budget_bytes=vllm_budget_bytes,
-        kv_bytes_per_sequence=kv_bytes_per_sequence, overhead_bytes=overhead_bytes,
-    )  # fmt: skip
-
-
-def _vllm_version() -> tuple[int, int] | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        parts = version("vllm").split(".")
-        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
-    except (PackageNotFoundError, ValueError, IndexError):
-        return None

@@ -28,6 +28,9 @@ NORM_MODULES = "rollout/norm_modules"
 STALENESS_GAP = "rollout/staleness_gap"  # nats/token, engine vs trainer, after the last sync
 # nats/token, the engine's base model vs the trainer's (adapters off), when a gap was checked against it
 NUMERICS_GAP = "rollout/numerics_gap"
+# Seconds the last adapter sync took (vLLM: staging and loading the adapter, or merging it into the
+# weights; a sync made while asleep counts its activation at wake-up too).
+SYNC_SECONDS = "rollout/sync_seconds"
 # Figures that add up over rounds and ranks; every other figure is the same on each (rank 0's is kept).
 ADDITIVE_STATS = (SECONDS, GENERATED_TOKENS, COMPLETIONS)
 

@@ -28,10 +28,11 @@ from qerl_cli.rollout.backends import (
     BackendChoice,
     MeasuredModel,
     choose_backend,
-    current_environment,
     load_table,
+    rollout_weight_format,
 )
 from qerl_cli.rollout.base import RolloutEngine
+from qerl_cli.rollout.environment import current_environment
 from qerl_cli.torch_utils import DTYPES, resolve_device
 from qerl_cli.torch_utils import dtype_name as torch_dtype_name
 
@@ -207,6 +208,12 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         max_model_len=request.max_model_len, gpu_memory_utilization=request.gpu_memory_utilization,
         kv_cache_dtype=request.kv_cache_dtype,
     )  # fmt: skip
+    merge_base = None
+    if choice.merges_lora:
+        check_mergeable(request)
+        # vLLM serves the FP8 copy (or the BF16 folder) without LoRA; every sync merges the adapter onto
+        # the trainer's base checkpoint, read from model_path.
+        merge_base = str(model_path)
     served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
         from qerl_cli.modeling.fp8_rollout import fp8_rollout_checkpoint
@@ -220,17 +227,29 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
     engine = VLLMEngine(
         served, model_format=model_format, dtype=torch_dtype_name(request.dtype),
         gpu_memory_utilization=request.gpu_memory_utilization,
-        enable_sleep_mode=request.enable_sleep_mode, enable_lora=request.enable_lora,
+        enable_sleep_mode=request.enable_sleep_mode, enable_lora=request.enable_lora and merge_base is None,
         max_lora_rank=request.max_lora_rank, max_model_len=request.max_model_len,
         staleness_tolerance=request.staleness_tolerance, seed=request.seed,
         trust_remote_code=request.trust_remote_code, revision=request.revision,
         kv_cache_dtype=request.kv_cache_dtype, tensor_parallel_size=request.tensor_parallel_size,
         vllm_kwargs={**choice.vllm_kwargs(), **fixed_kv, **user_kwargs},  # the recipe's vllm_kwargs win
+        merge_base=merge_base,
     )  # fmt: skip
     engine.backend_choice = choice
     if request.adapter is not None:
         engine.sync_adapter(str(request.adapter))
     return engine
+
+
+def check_mergeable(request: EngineRequest) -> None:
+    """What ``fp8-merged`` cannot serve, refused before vLLM starts: its merge writes whole output rows
+    of one GPU's weights (tensor-parallel shards split them across GPUs)."""
+    if request.tensor_parallel_size > 1:
+        raise QerlError(
+            f"rollout.linear_backend=fp8-merged needs rollout.tensor_parallel_size=1 (got "
+            f"{request.tensor_parallel_size}): the merge writes unsharded weights. Use "
+            "rollout.linear_backend=fp8 (the LoRA served by vLLM) for tensor-parallel rollouts"
+        )
 
 
 def _read_config(model_path: str) -> dict[str, Any]:
@@ -259,7 +278,7 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
     from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes
 
     total = _cuda_total_bytes()
-    fmt = "fp8" if choice.backend == "fp8" else choice.fmt
+    fmt = choice.weight_format
     if not total or request.tensor_parallel_size > 1 or fmt not in WEIGHT_BYTES:
         return {}
     shape = _model_shape(_read_config(model_path))
@@ -320,7 +339,7 @@ def choose_rollout_backend(
     model = MeasuredModel.from_config(config, name=Path(model_path).name)
     total = _cuda_total_bytes()
     if shape is not None and total and isinstance(gpu_memory_utilization, float):
-        sizes = {b: weight_bytes(shape, "fp8" if b == "fp8" else fmt) for b in FORMAT_BACKENDS.get(fmt, ())}
+        sizes = {b: weight_bytes(shape, rollout_weight_format(b, fmt)) for b in FORMAT_BACKENDS.get(fmt, ())}
         budget = int(total * gpu_memory_utilization)
         kv = shape.kv_bytes_per_token(kv_cache_dtype) * max_model_len if max_model_len else None
     env = current_environment(

@@ -6,8 +6,9 @@ One ``vllm.LLM`` lives in the trainer's process and shares its GPU. A training s
 2. ``sleep`` (vLLM sleep mode, level 1) offloads its weights and drops its KV cache so the
    update phase gets the memory back;
 3. after the update, ``wake_up`` restores it, then ``sync_adapter`` (or ``sync_policy``) loads
-   the new adapter under a *new* LoRA id without merging it into the 4-bit base, and
-   ``check_staleness`` compares vLLM's logprobs on a probe prompt with the trainer's;
+   the new adapter under a *new* LoRA id without merging it into the 4-bit base (or, with
+   ``merge_base``, ``rollout.linear_backend: fp8-merged``, merges it into vLLM's weights, vLLM running
+   without LoRA), and ``check_staleness`` compares vLLM's logprobs on a probe prompt with the trainer's;
 4. ``set_norm_noise`` sets vLLM's own RMSNorm weights to clean + N(0, sigma^2) (AQN).
 
 vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it. Stages
@@ -15,8 +16,8 @@ never build this class themselves: they ask :func:`qerl_cli.rollout.factory.make
 
 The engine is split by responsibility. Here: start-up, generation, sleep / wake and AQN noise. Beside
 it: ``vllm_setup`` (checkpoint format, GPU check, ``vllm.LLM`` keyword arguments, start-up errors),
-``vllm_lora`` (LoRA sync under a new id every step), ``vllm_staleness`` (the staleness check),
-``vllm_worker`` (functions run in vLLM's worker: AQN noise), ``vllm_outputs`` (output mapping,
+``vllm_lora`` (LoRA sync under a new id every step, or merged), ``vllm_staleness`` (the staleness check),
+``vllm_worker`` (functions run in vLLM's worker: AQN noise, the merge), ``vllm_outputs`` (output mapping,
 logprobs, staleness figures) and ``modeling.adapter`` (adapter folder checks). The names tests and
 callers import stay importable from here.
 """
@@ -44,6 +45,7 @@ from qerl_cli.rollout.base import (
     PERTURBED_NORMS,
     SECONDS,
     STALENESS_GAP,
+    SYNC_SECONDS,
     TOKENS_PER_S,
     RolloutResult,
     SamplingSpec,
@@ -102,8 +104,13 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         kv_cache_dtype: str = "auto",
         vllm_kwargs: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
+        merge_base: str | Path | None = None,
     ) -> None:
         self.model_path = str(model_path)
+        # fp8-merged: the trainer's base checkpoint each sync merges the adapter onto (vLLM without LoRA).
+        self.merge_base = None if merge_base is None else str(merge_base)
+        if self.merge_base is not None:
+            enable_lora = False
         # The linear backend the factory chose (qerl_cli.rollout.backends; also logged), which the bench's
         # rows name.
         self.backend_choice: Any = None
@@ -133,6 +140,11 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         self.enable_sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
         self.enable_lora = bool(kwargs.get("enable_lora", False))
         self.max_lora_rank = int(kwargs.get("max_lora_rank", self.max_lora_rank))
+        if self.merge_base is not None and self.enable_lora:
+            raise QerlError(
+                "rollout.linear_backend=fp8-merged runs vLLM without LoRA, but rollout.vllm_kwargs sets "
+                "enable_lora: drop it, or use rollout.linear_backend=fp8 to serve the LoRA with vLLM"
+            )
 
         self._start(kwargs, gpu_memory_utilization)
 
@@ -189,6 +201,10 @@ class VLLMEngine(AdapterSync, StalenessCheck):
             out[NUMERICS_GAP] = self.last_numerics_gap
         if self.last_sleep_freed_bytes is not None:
             out["rollout/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
+        if self.last_sync_seconds is not None:
+            out[SYNC_SECONDS] = self.last_sync_seconds
+        if self.merge_base is not None:
+            out["rollout/merged_linears"] = float(self.merged_linears)
         return out
 
     # ---- generation ---------------------------------------------------------------------------

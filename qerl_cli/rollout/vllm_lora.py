@@ -1,4 +1,5 @@
-"""LoRA sync of the colocated vLLM engine: the trainer's adapter served under a new LoRA id every step.
+"""LoRA sync of the colocated vLLM engine: the trainer's adapter served under a new LoRA id every step,
+or (``rollout.linear_backend: fp8-merged``) merged into vLLM's linear weights, vLLM running without LoRA.
 
 Part of the vLLM rollout engine (:class:`qerl_cli.rollout.vllm_engine.VLLMEngine` mixes this in).
 
@@ -9,26 +10,41 @@ old weights) makes each sync observable, and the staleness check proves it worke
 
 Adapters are served from copies on tmpfs (``vllm_setup.tmpfs_dir``), never from the trainer's output
 folder, which the next checkpoint may overwrite while vLLM still reads it.
+
+Merge mode (``merge_base`` set: the trainer's base checkpoint): a sync takes the adapter's factors
+(:func:`~qerl_cli.modeling.fp8_merge.lora_deltas` of the live PEFT model, or
+:func:`~qerl_cli.modeling.fp8_merge.deltas_from_tensors` of a saved adapter) and has vLLM's worker
+rewrite each targeted linear as base + B A (:func:`~qerl_cli.rollout.vllm_worker.worker_merge_lora`),
+then resets the prefix cache. Like an adapter load it writes GPU weights, so while vLLM sleeps it is
+only recorded and done at ``wake_up``. A linear an earlier sync merged and this one does not target is
+written back to its base.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
+from qerl_cli.modeling.fp8_merge import LoraDelta, deltas_from_tensors, lora_deltas
 from qerl_cli.rollout.vllm_setup import tmpfs_dir
+from qerl_cli.rollout.vllm_worker import worker_merge_lora
 
 
 class AdapterSync:
-    """The engine's one LoRA slot: stage an adapter, load it under a new id, drop the previous one.
+    """The engine's one LoRA slot: stage an adapter, load it under a new id, drop the previous one (or,
+    with ``merge_base``, merge it into vLLM's weights).
 
-    While vLLM sleeps its LoRA slots are offloaded, so a sync then only records the adapter; the
-    engine's ``wake_up`` activates it (:meth:`_activate_pending`).
+    While vLLM sleeps its LoRA slots (and weights) are offloaded, so a sync then only records the
+    adapter; the engine's ``wake_up`` activates it (:meth:`_activate_pending`).
     """
 
     # The engine's state this mixin reads (set in VLLMEngine.__init__ before any sync).
@@ -37,13 +53,18 @@ class AdapterSync:
     _sleeping: bool
     enable_lora: bool
     max_lora_rank: int
+    merge_base: str | None  # the trainer's base checkpoint the merge reads; None: LoRA served by vLLM
 
     def _init_adapter_state(self) -> None:
         self._lora: Any = None  # the active LoRARequest
         self._pending_lora: Any = None  # loaded by sync while asleep; activated at wake_up
+        self._pending_merge: dict[str, LoraDelta] | None = None  # merge mode: the same
         self._has_pending = False
         self._next_lora_id = 1
         self.num_syncs = 0
+        self.last_sync_seconds: float | None = None  # the last sync, its deferred activation included
+        self.merged_linears = 0  # merge mode: linears the last merge wrote
+        self._merged_shapes: dict[str, tuple[int, int]] = {}  # merge mode: (out, in) of merged linears
         self._stage_root = Path(tempfile.mkdtemp(prefix="qerl-lora-", dir=tmpfs_dir()))
         # The staged copies go when the engine does, closed or not.
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._stage_root, True)
@@ -60,21 +81,30 @@ class AdapterSync:
 
     def sync_adapter(self, adapter_dir: str | Path | None) -> None:
         """Copy the PEFT adapter in ``adapter_dir`` to tmpfs and serve it from the next generate on,
-        under a new LoRA id; ``None`` serves the base model."""
-        if adapter_dir is None:
+        under a new LoRA id (merge mode: merge it); ``None`` serves the base model."""
+        started = time.perf_counter()
+        if self.merge_base is not None:
+            self._merge(None if adapter_dir is None else saved_deltas(Path(adapter_dir)))
+        elif adapter_dir is None:
             self._load(None)
-            return
-        source = Path(adapter_dir)
-        self._validate_adapter(source)
-        staged = adapter_folder.copy_folder(source, self._next_stage_dir())
-        self._load(staged)
+        else:
+            source = Path(adapter_dir)
+            self._validate_adapter(source)
+            self._load(adapter_folder.copy_folder(source, self._next_stage_dir()))
+        self.last_sync_seconds = time.perf_counter() - started
 
     def sync_policy(self, peft_model: Any) -> None:
         """Save the trainer's PEFT model's adapter straight to tmpfs (no round trip through the output
-        folder) and serve it like :meth:`sync_adapter`."""
-        staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
-        self._validate_adapter(staged)
-        self._load(staged)
+        folder) and serve it like :meth:`sync_adapter` (merge mode: merge its factors, no file)."""
+        started = time.perf_counter()
+        if self.merge_base is not None:
+            check_mergeable_policy(peft_model)
+            self._merge(lora_deltas(peft_model))
+        else:
+            staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
+            self._validate_adapter(staged)
+            self._load(staged)
+        self.last_sync_seconds = time.perf_counter() - started
 
     def _next_stage_dir(self) -> Path:
         path = self._stage_root / f"adapter-{self._next_lora_id}"
@@ -104,9 +134,36 @@ class AdapterSync:
 
     def _activate_pending(self) -> None:
         """Serve the adapter synced while vLLM slept (the engine calls this once awake)."""
-        if self._has_pending:
+        if not self._has_pending:
+            return
+        started = time.perf_counter()
+        if self._pending_merge is not None:
+            self._write_merge(self._pending_merge)
+        else:
             self._activate(self._pending_lora)
-            self._pending_lora, self._has_pending = None, False
+        self._pending_lora, self._pending_merge, self._has_pending = None, None, False
+        self.last_sync_seconds = (self.last_sync_seconds or 0.0) + time.perf_counter() - started
+
+    # ---- merge mode ---------------------------------------------------------------------------
+    def _merge(self, deltas: dict[str, LoraDelta] | None) -> None:
+        """Merge ``deltas`` (None: none, the base model) now, or at ``wake_up`` while vLLM sleeps."""
+        self.num_syncs += 1
+        deltas = dict(deltas or {})
+        if self._sleeping:
+            # The merge writes vLLM's weights, which sleep mode has offloaded: defer to wake_up.
+            self._pending_merge, self._has_pending = deltas, True
+            return
+        self._write_merge(deltas)
+
+    def _write_merge(self, deltas: dict[str, LoraDelta]) -> None:
+        for name, (out, inp) in self._merged_shapes.items():
+            # Merged before, not targeted now: back to its base (a zero update, rounded like the rest).
+            deltas.setdefault(name, LoraDelta(torch.zeros(1, inp), torch.zeros(out, 1), 0.0))
+        fn = functools.partial(worker_merge_lora, base_path=self.merge_base, deltas=deltas)
+        self.merged_linears = int(min(self.llm.apply_model(fn))) if deltas else 0
+        self._merged_shapes = {n: (int(d.b.shape[0]), int(d.a.shape[1])) for n, d in deltas.items()}
+        # Cached KV blocks were computed with the previous weights.
+        self.llm.reset_prefix_cache()
 
     def _activate(self, request: Any) -> None:
         engine = self.llm.llm_engine
@@ -135,3 +192,32 @@ class AdapterSync:
         path = Path(request.lora_path)
         if path.parent == self._stage_root:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def check_mergeable_policy(peft_model: Any) -> None:
+    """Refuse a policy that trains more than LoRA factors (``lora.train_norms``: PEFT's modules_to_save):
+    the merge writes B A into the linears only, so the rollouts would use stale copies of the rest."""
+    extra = [n for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
+    if extra:
+        raise QerlError(
+            f"rollout.linear_backend=fp8-merged merges LoRA factors only, but the policy also trains "
+            f"{extra[:3]}{' ...' if len(extra) > 3 else ''}: set lora.train_norms=false, or use "
+            "rollout.linear_backend=fp8 with rollout.engine=hf for trained norms"
+        )
+
+
+def saved_deltas(folder: Path) -> dict[str, LoraDelta]:
+    """The factors of the PEFT adapter saved in ``folder``, refusing one with full modules (trained norms)
+    or DoRA, which a merge of B A cannot serve."""
+    adapter_folder.check_folder(folder)
+    config = adapter_folder.read_config(folder)
+    tensors = adapter_folder.read_weights(folder)
+    extra = [k for k in tensors if ".lora_A." not in k and ".lora_B." not in k]
+    full = config.get("modules_to_save") or extra[:3]
+    if full:
+        raise QerlError(
+            f"the adapter in {folder} also trains full modules ({full}); "
+            "rollout.linear_backend=fp8-merged merges LoRA factors only: retrain with lora.train_norms=false "
+            "or use rollout.linear_backend=fp8"
+        )
+    return deltas_from_tensors(tensors, config)

@@ -51,10 +51,8 @@ def prompt_token_logprobs(token_ids: Sequence[int], prompt_logprobs: Any) -> lis
     return [float(prompt_logprobs[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
 
 
-
 def mean_abs_gap(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
-
 
 
 @dataclass(frozen=True)
@@ -107,7 +105,7 @@ def staleness_message(
         f"(rollout.staleness_tolerance={tolerance}): rollouts are not sampled from the policy being trained."
     )
     if lora_id is None:
-            return (
+        return (
             head + " No adapter is loaded in vLLM: call sync_adapter with the trainer's adapter after each "
             "update."
         )
@@ -137,15 +135,26 @@ def staleness_message(
     )
 
 
+def merged_staleness_message(gap: float, tolerance: float) -> str:
+    """Why vLLM's logprobs are ``gap`` away from the trainer's when the adapter is merged into its
+    weights (fp8-merged): there is no adapter-free vLLM model to tell a stale merge from the weights'
+    rounding."""
+    return (
+        f"vLLM's logprobs differ from the trainer's by {gap:.3f} nats/token on the probe prompt "
+        f"(rollout.staleness_tolerance={tolerance}) with the adapter merged into its weights "
+        "(rollout.linear_backend=fp8-merged): the merge is not the trainer's policy (another base than "
+        "model.path, or FP8 rounding past the tolerance). Use rollout.linear_backend=fp8, which serves the "
+        "LoRA in vLLM and tells the FP8 copy's numerics from a stale adapter"
+    )
+
+
 def to_result(outputs: Sequence[Any], n: int) -> RolloutResult:
     """Group vLLM RequestOutputs (n completions each, sorted by index) into a RolloutResult."""
     prompt_ids: list[list[int]] = []
     groups: list[list[Completion]] = []
     for output in outputs:
         if len(output.outputs) != n:
-            raise RuntimeError(
-                f"vLLM returned {len(output.outputs)} completions for a prompt, expected {n}"
-            )
+            raise RuntimeError(f"vLLM returned {len(output.outputs)} completions for a prompt, expected {n}")
         prompt_ids.append(list(output.prompt_token_ids))
         group = []
         for completion in sorted(output.outputs, key=lambda c: c.index):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.vllm_outputs import (
     mean_abs_gap,
+    merged_staleness_message,
     numerics_explain,
     prompt_token_logprobs,
     staleness_message,
@@ -30,6 +31,7 @@ class StalenessCheck:
     _vllm: Any  # the vLLM names rollout.vllm_setup._import_vllm returns
     _sleeping: bool
     _lora: Any  # the active LoRARequest (rollout.vllm_lora)
+    merge_base: str | None  # fp8-merged: the adapter is in vLLM's weights (no LoRARequest)
     _noise_sigma: float
     staleness_tolerance: float
     last_staleness_gap: float | None
@@ -106,6 +108,8 @@ class StalenessCheck:
         )
         if explained.ok if explained is not None else gap <= self.staleness_tolerance:
             return gap
+        if self.merge_base is not None:
+            raise QerlError(merged_staleness_message(gap, self.staleness_tolerance))
         raise QerlError(
             staleness_message(
                 gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp, explained

@@ -1,5 +1,6 @@
 """Functions that run inside vLLM's worker through ``LLM.apply_model``: AQN noise on vLLM's own
-RMSNorm weights. Module level so they pickle; part of the vLLM rollout engine (``rollout.vllm_engine``).
+RMSNorm weights, and the LoRA merged into its linear weights (``fp8-merged``). Module level so they
+pickle; part of the vLLM rollout engine (``rollout.vllm_engine``).
 
 vLLM's Gemma models use ``GemmaRMSNorm`` (weight initialised to 0, scale ``1 + w`` computed in float32
 at every forward): it is found by name like ``RMSNorm``, and noise added to its stored weight is noise
@@ -13,10 +14,14 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.aqn import find_norm_modules, is_rms_norm, perturb_norm_weights
+from qerl_cli.modeling.fp8_merge import DEFAULT_CHUNK_ROWS, CheckpointBases, LoraDelta, write_merged
 
 # Attribute on vLLM's model (worker side) holding the clean norm weights, on CPU: CPU copies are
 # unaffected by sleep-mode offloading and cost ~0.4 MB for a 7B model.
 CLEAN_NORMS_ATTR = "_qerl_clean_norm_weights"
+# Attribute on vLLM's model (worker side) holding the index of the trainer's base checkpoint the merge
+# reads (file of each tensor, shapes learnt): built on the first merge, reused by every later one.
+MERGE_BASES_ATTR = "_qerl_merge_bases"
 
 
 def is_vllm_norm(name: str, module: nn.Module) -> bool:
@@ -59,10 +64,22 @@ def worker_set_norm_noise(model: nn.Module, sigma: float, seed: int) -> tuple[in
     return count, (changed / total if total else 0.0)
 
 
-
 def no_norms_error(model_path: str) -> QerlError:
     return QerlError(
         f"AQN is on but vLLM's model for {model_path} has no RMSNorm module with a weight to perturb; "
         "turn AQN off (aqn.enabled=false) or use rollout.engine=hf for this architecture"
     )
 
+
+def worker_merge_lora(
+    model: nn.Module, base_path: str, deltas: dict[str, LoraDelta], chunk_rows: int = DEFAULT_CHUNK_ROWS
+) -> int:
+    """Rewrite every linear the adapter targets as base + LoRA (``qerl_cli.modeling.fp8_merge``), in
+    place in vLLM's parameters; the base is read from the trainer's checkpoint at ``base_path``, so
+    repeated merges never compound roundings. Returns the number of linears written. Call it awake:
+    sleep mode has the weights offloaded."""
+    bases = getattr(model, MERGE_BASES_ATTR, None)
+    if bases is None or str(bases.folder) != str(base_path):
+        bases = CheckpointBases(base_path)
+        setattr(model, MERGE_BASES_ATTR, bases)
+    return write_merged(model, bases, deltas, chunk_rows=chunk_rows)
