@@ -468,11 +468,17 @@ def test_an_arm_with_its_own_model_path_keeps_it(tiny_model_dir: Path, tmp_path:
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_calibrated_bases_come_from_qerl_quantize_once(
-    tiny_model_dir: Path, tmp_path: Path, method: str
+    tiny_model_dir: Path, tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("llmcompressor", reason=f"base_method={method} needs llm-compressor (qerl[quantize])")
+    from qerl_cli.data import calib_text
     from qerl_cli.files import is_complete_folder
     from qerl_cli.modeling.loading import detect_format, read_config
+
+    # The wiring, not the calibration, is under test: a smaller calibration set than compare's own
+    # (48 x 256 tokens: a minute of AWQ grid search in BF16 on a CPU), passed through as compare's.
+    monkeypatch.setattr(calib_text, "SMALL_CALIB_SAMPLES", 8)
+    monkeypatch.setattr(calib_text, "SMALL_CALIB_SEQ_LEN", 64)
 
     data = {"model": {"path": str(tiny_model_dir)}}
     arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
@@ -481,9 +487,9 @@ def test_calibrated_bases_come_from_qerl_quantize_once(
     assert awq == tmp_path / "out" / "bases" / f"nvfp4-{method}" and is_complete_folder(awq)
     assert detect_format(read_config(awq)) == "nvfp4"
     report = json.loads((awq / "qerl_quant.json").read_text())
-    assert report["method"] == method and report["calibration"]["source"] == "qerl-text", report[
-        "calibration"
-    ]
+    calibration = report["calibration"]
+    assert report["method"] == method and calibration["source"] == "qerl-text", calibration
+    assert (calibration["requested_samples"], calibration["seq_len"]) == (8, 64), calibration
     stamp = (awq / "config.json").stat().st_mtime_ns
     assert runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out", method=method) == bases
     assert (awq / "config.json").stat().st_mtime_ns == stamp  # made once, then reused

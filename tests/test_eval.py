@@ -42,17 +42,6 @@ CUSTOM_FIXTURE = {
 }
 
 
-def hanging_grade(completion: str, gold: str) -> bool:
-    """A grader that hangs on marked completions (stand-in for a SymPy blow-up)."""
-    import time
-
-    from qerl_cli.rewards.grading import grade
-
-    if "HANG" in completion:
-        time.sleep(600)
-    return grade(completion, gold)
-
-
 class ScriptedEngine:
     """A RolloutEngine that answers each prompt with the scripted completions of its question."""
 
@@ -186,7 +175,9 @@ def _render(renderable) -> str:
 
 
 def test_grader_hang_is_a_counted_zero_not_a_stall(tmp_path, files, monkeypatch) -> None:
-    monkeypatch.setattr(run_module, "Grader", functools.partial(Grader, grade_fn=hanging_grade))
+    monkeypatch.setattr(
+        run_module, "Grader", functools.partial(Grader, grade_fn="grader_hooks:hang_if_marked")
+    )
     engine = ScriptedEngine(script(CUSTOM_FIXTURE), build_tokenizer())
     cfg = make_cfg(
         tmp_path,

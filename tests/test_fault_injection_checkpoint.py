@@ -256,7 +256,13 @@ def _uninterrupted_then_start(tmp_path: Path, model: Path, fault: str) -> tuple[
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_checkpoint_write_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sigkill_during_a_checkpoint_write_then_resume_at_the_cli(
+    capsys, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl train` SIGKILLed while writing checkpoint-4, then `qerl train --resume`: the same next
+    batches, and every step's metrics equal those of the uninterrupted run."""
+    import qerl_cli.rewards
+
     straight, proc, out = _uninterrupted_then_start(tmp_path, tiny_model_dir, SLOW_MANIFEST)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
@@ -264,10 +270,17 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tiny_model_dir: Path, tmp
     assert (out / ".checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
     assert ckpt.find_last_checkpoint(out).name == "checkpoint-2"
     resumed = FakeReward()
-    result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=resumed)
-    assert result.resumed_from.endswith("checkpoint-2") and result.steps == 4
-    assert resumed.batches == straight.batches[2:]  # identical next batches
+    monkeypatch.setattr(qerl_cli.rewards, "build_reward_fn", lambda cfg, **kwargs: resumed)
+    rc, err = run(capsys, "train", str(tmp_path / "r.yaml"), "--resume", str(out))
+    assert rc == 0, err
+    assert resumed.batches == straight.batches[2:]  # resumed at step 3, with identical next batches
     assert not (out / ".checkpoint-4.tmp").exists() and ckpt.checkpoint_problem(out / "checkpoint-4") is None
+    a = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # steps 3 and 4 of the killed run were redone once
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("reward_mean", "entropy", "loss", "grad_norm", "data_position"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -191,17 +190,10 @@ def test_an_unwritable_output_folder(capsys, tiny_model_dir: Path, tmp_path: Pat
 
 
 # -- graders and data ---------------------------------------------------------------------------
-def crash_on_seven(completion: str, gold: str) -> bool:
-    """A grader that kills its own worker process (a segfault in a native library, say)."""
-    if "7" in completion:
-        os._exit(3)
-    return completion.strip() == gold
-
-
 def test_a_grader_that_kills_its_worker_scores_zero_and_the_pool_goes_on() -> None:
     from qerl_cli.rewards import Grader
 
-    with Grader(workers=1, timeout_s=5.0, grade_fn=f"{__name__}:crash_on_seven") as grader:
+    with Grader(workers=1, timeout_s=5.0, grade_fn="grader_hooks:crash_on_seven") as grader:
         results = grader.grade_many(["1", "7", "3"], ["1", "7", "3"])
         assert [r.correct for r in results] == [True, False, True]
         assert results[1].error or results[1].timed_out

@@ -9,7 +9,7 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
-from qerl_cli.formats.fp4 import e2m1_codes, e2m1_values, pack_low_first, unpack_low_first
+from qerl_cli.formats.fp4 import decode_packed, e2m1_codes, e2m1_values, pack_low_first, unpack_low_first
 from qerl_cli.formats.nf4 import NF4Format, dynamic_map
 
 SHAPES = [(64, 128), (96, 512), (33, 256)]
@@ -85,6 +85,15 @@ def test_e2m1_round_half_even_and_packing() -> None:
     packed = pack_low_first(codes.reshape(1, -1))
     assert packed[0, 0].item() == (codes[1].item() << 4) | codes[0].item()
     assert torch.equal(unpack_low_first(packed).reshape(-1), codes)
+
+
+def test_the_byte_table_decodes_as_unpack_then_decode() -> None:
+    """decode_packed (the dequantization path) gives every byte's two values, signed zeros included."""
+    packed = torch.arange(256, dtype=torch.uint8).flip(0).reshape(8, 32)
+    chain, table = e2m1_values(unpack_low_first(packed)), decode_packed(packed)
+    assert table.shape == (8, 64) and table.dtype == torch.float32
+    assert torch.equal(table, chain) and torch.equal(table.signbit(), chain.signbit())
+    assert table.signbit().sum() == 256  # the nibbles 8-15, half of all, are negative (8 is -0.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
