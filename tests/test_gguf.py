@@ -9,10 +9,12 @@ tensor names, norms stored as ``1 + w`` (as llama.cpp's converter does for Gemma
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -322,6 +324,34 @@ def test_gemma_alias_without_its_parts_says_how_to_get_them(
 
 
 # ---------------------------------------------------------------- the real Gemma 3 270M (when present)
+@contextlib.contextmanager
+def transformers_reads_gguf_metadata_once() -> Iterator[None]:
+    """transformers' GGUF load reads the file's metadata (its whole vocabulary, in Python) anew for the
+    config, the tokenizer and the model: 40 of 90 s of CPU for Gemma's 262,144 tokens. Inside this, the
+    metadata-only reads of a file return a copy of its first one; the weights are read as before, so
+    the load is transformers' own, as the real-model tests need. Modules that do not bind the reader
+    (another transformers version) are left alone: the load is then only slower."""
+    import copy
+    import importlib
+
+    source = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    read, cache = source.load_gguf_checkpoint, {}
+
+    def read_once(path, return_tensors: bool = False, **kwargs):
+        if return_tensors or kwargs:
+            return read(path, return_tensors=return_tensors, **kwargs)
+        if str(path) not in cache:
+            cache[str(path)] = read(path, return_tensors=False)
+        return copy.deepcopy(cache[str(path)])  # each caller gets its own, as from a fresh read
+
+    readers = ("modeling_gguf_pytorch_utils", "configuration_utils", "tokenization_utils_tokenizers",
+               "models.auto.tokenization_auto")  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        for name in readers:
+            module = importlib.import_module(f"transformers.{name}")
+            if getattr(module, "load_gguf_checkpoint", None) is read:
+                patch.setattr(module, "load_gguf_checkpoint", read_once)
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +373,8 @@ def test_real_gemma3_270m_tokenizer_rebuilt_and_logits_equal(real_gemma_gguf: Pa
     folder = Path(sources.resolve_model_source("gemma3-270m"))
     assert json.loads((folder / sources.SOURCE_RECORD).read_text())["tokenizer"].startswith("rebuilt")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    reference, broken = sources.load_gguf(real_gemma_gguf)  # BF16, as qerl converts it
+    with transformers_reads_gguf_metadata_once():
+        reference, broken = sources.load_gguf(real_gemma_gguf)  # BF16, as qerl converts it
     text = "Mia has 23 apples and picks 45 more. How many apples does Mia have now?"
     assert _tokens(tokenizer, text)[:7] == ["Mia", "▁has", "▁", "2", "3", "▁apples", "▁and"]
     assert _tokens(broken, text)[:3] == ["Mia", "▁h", "as"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_gguf import transformers_reads_gguf_metadata_once
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import sources
@@ -68,7 +69,8 @@ def smol_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smol_bf16(smol_cache: Path) -> Path:
-    return Path(sources.resolve_model_source("smollm2-135m-instruct"))
+    with transformers_reads_gguf_metadata_once():  # the conversion loads the file with transformers
+        return Path(sources.resolve_model_source("smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +94,8 @@ def test_gguf_load_equals_transformers_own(smol_bf16: Path) -> None:
     from qerl_cli.modeling.loading import load_policy_model
 
     gguf = Path(json.loads((smol_bf16 / sources.SOURCE_RECORD).read_text())["gguf"])
-    reference, ref_tokenizer = sources.load_gguf(gguf)
+    with transformers_reads_gguf_metadata_once():
+        reference, ref_tokenizer = sources.load_gguf(gguf)
     ours, fmt = load_policy_model("smollm2-135m-instruct")  # the alias, through qerl's loader
     assert fmt == "bf16"
     tokenizer = AutoTokenizer.from_pretrained(smol_bf16)
