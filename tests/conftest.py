@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -40,33 +39,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from qerl_cli.modeling.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="session")
-def warm_tiny_base(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The warm-started tiny base of recipes/tiny.yaml and ``qerl demo`` (``prepare_tiny_base`` with its
-    defaults: BF16 and NVFP4 folders), read-only; returns ``prepare_tiny_base``'s dict.
-
-    Its warm start takes minutes of CPU, so it is built once per run: the first xdist worker to ask
-    builds it under a file lock in the run's shared temporary folder, and the others read it there.
-    """
-    from filelock import FileLock  # huggingface_hub's dependency, so always installed beside transformers
-
-    from qerl_cli.rl.warmstart import prepare_tiny_base
-
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the run's folder, above every worker's own
-    record = shared / "warm-tiny-base.json"
-    with FileLock(str(shared / "warm-tiny-base.lock")):
-        if not record.is_file():
-            shutil.rmtree(shared / "warm-tiny-base", ignore_errors=True)  # a failed build's remains
-            built = prepare_tiny_base(shared / "warm-tiny-base")
-            built["paths"] = {fmt: str(folder) for fmt, folder in built["paths"].items()}
-            record.write_text(json.dumps(built))
-    base = json.loads(record.read_text())
-    base["paths"] = {fmt: Path(folder) for fmt, folder in base["paths"].items()}
-    return base
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

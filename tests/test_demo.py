@@ -1,4 +1,5 @@
-"""Synthetic tasks, the tiny warm start and in-memory quantization, and (slow) ``qerl demo`` itself."""
+"""Synthetic tasks, the tiny warm start and in-memory quantization, and (slow) that recipes/tiny.yaml
+learns: ``qerl demo`` on its NVFP4 base, and the recipe on its BF16 base."""
 
 from __future__ import annotations
 
@@ -110,10 +111,19 @@ def test_demo_config_is_the_tiny_recipe() -> None:
     assert {s: d for s, d in differing.items() if d and s != "output"} == {}
 
 
-# -- the demo (slow: minutes on 2 cores) ----------------------------------------------------------
+# -- the tiny recipe learns (slow: minutes on 2 cores) -----------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The warm-started base of recipes/tiny.yaml and `qerl demo` (BF16 and NVFP4 folders), built once
+    for both tests below: its warm start is minutes of CPU."""
+    from qerl_cli.rl.warmstart import prepare_tiny_base
+
+    return prepare_tiny_base(tmp_path_factory.mktemp("tiny-base"))
+
+
 @pytest.mark.slow
 def test_demo_learns_and_its_adapter_beats_the_base_under_qerl_eval(
-    warm_tiny_base: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tiny_base: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`qerl demo`: the shipped tiny recipe's settings (test_demo_config_is_the_tiny_recipe) on the NVFP4
     base with AQN. The training reward rises, and `qerl eval` of the adapter over the NVFP4 base scores
@@ -128,11 +138,11 @@ def test_demo_learns_and_its_adapter_beats_the_base_under_qerl_eval(
     from qerl_cli.rl.tracking import PLOT_FILE, read_metrics
 
     def prebuilt(out_dir: Path, cfg: warmstart.WarmStartConfig, *, formats: tuple[str, ...]) -> dict:
-        # The base the demo asks for is the one the fixture built (minutes of CPU, once per run).
+        # The base the demo asks for is the module's (its default settings), built once.
         assert cfg == warmstart.WarmStartConfig() and formats == ("nvfp4",)
-        for fmt, folder in warm_tiny_base["paths"].items():
+        for fmt, folder in tiny_base["paths"].items():
             shutil.copytree(folder, Path(out_dir) / fmt)
-        return {**warm_tiny_base, "paths": {"nvfp4": Path(out_dir) / "nvfp4"}}
+        return {**tiny_base, "paths": {"nvfp4": Path(out_dir) / "nvfp4"}}
 
     monkeypatch.setattr(warmstart, "prepare_tiny_base", prebuilt)
     out = tmp_path / "demo"
@@ -149,3 +159,18 @@ def test_demo_learns_and_its_adapter_beats_the_base_under_qerl_eval(
     assert (out / "train" / "adapter" / "adapter_model.safetensors").is_file()
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (out / "train" / PLOT_FILE).is_file() == has_matplotlib
+
+
+@pytest.mark.slow
+def test_tiny_recipe_reward_rises_on_a_bf16_base(tiny_base: dict, tmp_path: Path) -> None:
+    """The BF16 LoRA baseline learns too: recipes/tiny.yaml itself on the BF16 base."""
+    from qerl_cli.rl.trainer import train
+
+    cfg = load_config(
+        TrainConfig,
+        REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml",
+        [f"model.path={tiny_base['paths']['bf16']}", f"output.dir={tmp_path / 'bf16'}"],
+    )
+    assert cfg.aqn.enabled
+    result = train(cfg, progress=False)
+    assert result.reward_last10 - result.reward_first10 >= 0.3, result

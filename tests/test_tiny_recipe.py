@@ -50,8 +50,7 @@ def test_tiny_recipe_on_a_fresh_clone(capsys, tmp_path: Path, monkeypatch: pytes
     ]
     rc, _, err = run(capsys, "train", recipe, *quick)
     assert rc == 2 and "runs/tiny-base/nvfp4" in err and "qerl tiny-base" in err
-    # A short warm start: this test is about the commands; test_demo.py and test_trainer.py are about
-    # the learning.
+    # A short warm start: this test is about the commands, tests/test_demo.py about the learning.
     monkeypatch.setattr(
         warmstart,
         "WarmStartConfig",

@@ -1,5 +1,5 @@
 """The training loop: data stream, token batches, trainer logprobs, a full tiny run, exact resume,
-a hanging grader, divergence handling, and (slow) the reward rise of recipes/tiny.yaml."""
+a hanging grader, divergence handling. That recipes/tiny.yaml learns is tests/test_demo.py's."""
 
 from __future__ import annotations
 
@@ -370,21 +370,6 @@ def test_resume_without_checkpoint_is_a_user_error(tiny_model_dir: Path, tmp_pat
             progress=False,
             reward_fn=FakeReward(),
         )
-
-
-# -- acceptance (slow): the shipped tiny recipe learns ---------------------------------------------
-# On the NVFP4 base with AQN it is `qerl demo` (tests/test_demo.py), whose settings are the recipe's.
-@pytest.mark.slow
-def test_tiny_recipe_reward_rises_on_a_bf16_base(warm_tiny_base: dict, tmp_path: Path) -> None:
-    """The BF16 LoRA baseline learns too."""
-    cfg = load_config(
-        TrainConfig,
-        REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml",
-        [f"model.path={warm_tiny_base['paths']['bf16']}", f"output.dir={tmp_path / 'bf16'}"],
-    )
-    assert cfg.aqn.enabled
-    result = train(cfg, progress=False)
-    assert result.reward_last10 - result.reward_first10 >= 0.3, result
 
 
 def test_a_failed_start_closes_what_it_opened_and_not_what_it_was_lent(
