@@ -327,7 +327,7 @@ def e2e(
         typer.Option(
             "--linear-backend",
             metavar="NAME",
-            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8.",
+            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8 | fp8-merged.",
             show_default="the recipe's, else auto",
         ),
     ] = None,

@@ -102,8 +102,8 @@ class RolloutSection:
     # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
     # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
     # after every update, vLLM without LoRA (BF16 base: merged BF16, TRL's baseline; tensor_parallel_size
-    # 1 and lora.train_norms off); "auto": per GPU and the round's concurrency, the
-    # fastest that fits, from crossover_table (qerl_cli.rollout.backends).
+    # 1 and lora.train_norms off; tested on CPUs only, not yet run on a GPU); "auto": per GPU and the
+    # round's concurrency, the fastest that fits, from crossover_table (qerl_cli.rollout.backends).
     linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged"] = "auto"
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None
