@@ -5,6 +5,10 @@ FP8 scale per 16 weights) and an optional bias. Each forward dequantizes into a 
 in the compute dtype, multiplies, and drops it. The custom autograd function saves only the packed
 buffers, so backward re-dequantizes to produce the input gradient; the weight itself gets no gradient.
 That is what lets LoRA adapters train on top of a 4-bit base without a BF16 copy of the base weights.
+
+With ``base_compute = "fp8"`` (:func:`set_base_compute`, ``train.base_compute``) the layer runs both
+GEMMs in FP8 instead, on two FP8 copies of its weight derived once from the packed buffers
+(:mod:`qerl_cli.modeling.fp8_update`); the packed buffers stay the layer's only state.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from torch import nn
 from qerl_cli import formats
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.kernels import dequantize as kernel_dequantize
+from qerl_cli.modeling.fp8_update import Fp8LinearFunction, Fp8Weight
+
+BASE_COMPUTES = ("bf16", "fp8")
 
 
 class _PackedLinearFunction(torch.autograd.Function):
@@ -56,7 +63,13 @@ class QuantLinear(nn.Module):
     """Drop-in, frozen replacement for ``nn.Linear`` whose weight stays packed in a 4-bit format.
 
     ``compute_dtype`` is the dtype the matmul runs in; ``None`` follows the input's dtype.
+    ``base_compute``: "bf16" (dequantize, multiply in ``compute_dtype``) or "fp8" (FP8 GEMMs on the
+    cached copies of :meth:`fp8_weight`).
     """
+
+    base_compute: str = "bf16"
+    # A plain attribute, not a buffer: never in state_dict(), never in a checkpoint.
+    _fp8: Fp8Weight | None = None
 
     def __init__(
         self,
@@ -131,16 +144,35 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return kernel_dequantize(self.fmt, self.packed_buffers(), self.out_features, self.in_features, dtype)
 
+    def _packed_key(self) -> tuple:
+        """Identity of the packed buffers' contents: a copy into them (version) or a move (pointer)
+        changes it."""
+        return tuple((buf.data_ptr(), buf._version, buf.device) for buf in self.packed_buffers().values())
+
+    @torch.no_grad()
+    def fp8_weight(self) -> Fp8Weight:
+        """The FP8 copies of the weight, derived from the packed buffers on first use and again only
+        when those change."""
+        key = self._packed_key()
+        if self._fp8 is None or self._fp8.key != key:
+            self._fp8 = None  # free the stale copies before deriving the new ones
+            self._fp8 = Fp8Weight.derive(self.dequantized_weight(torch.float32), key)
+        return self._fp8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
             x = x.to(self.compute_dtype)
+        if self.base_compute == "fp8":
+            return Fp8LinearFunction.apply(x, self.bias, self.fp8_weight())
         return _PackedLinearFunction.apply(
             x, self.bias, self.fmt, self.out_features, self.in_features, self._packed_names,
             *self.packed_buffers().values(),
         )  # fmt: skip
 
     def _apply(self, fn, recurse: bool = True):
-        """``.to(dtype)`` / ``.half()`` must not cast packed buffers: keep their dtype, follow the device."""
+        """``.to(dtype)`` / ``.half()`` must not cast packed buffers: keep their dtype, follow the device.
+        The FP8 copies are dropped (re-derived on the new device when next used)."""
+        self._fp8 = None
         for name, buf in self._buffers.items():
             if buf is None:
                 continue
@@ -153,7 +185,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}" + (", base_compute=fp8" if self.base_compute == "fp8" else "")
         )
 
 
@@ -164,4 +196,29 @@ def packed_nbytes(module: nn.Module) -> int:
         for layer in module.modules()
         if isinstance(layer, QuantLinear)
         for buf in layer.packed_buffers().values()
+    )
+
+
+def set_base_compute(module: nn.Module, mode: str) -> int:
+    """Run every QuantLinear under ``module`` in ``mode`` ("bf16" or "fp8"); returns the bytes of the
+    FP8 copies now held. "fp8" derives them now (one layer at a time), so memory measured afterwards
+    counts them; "bf16" drops them. No check of the device here: off an FP8 GPU the FP8 GEMMs are
+    emulated (what the CPU tests use); ``train.base_compute`` is checked in ``modeling.base_compute``.
+    """
+    if mode not in BASE_COMPUTES:
+        raise ValueError(f"base_compute must be one of {BASE_COMPUTES}, got {mode!r}")
+    for layer in module.modules():
+        if isinstance(layer, QuantLinear):
+            layer.base_compute = mode
+            if mode == "fp8":
+                layer.fp8_weight()
+            else:
+                layer._fp8 = None
+    return fp8_cache_nbytes(module)
+
+
+def fp8_cache_nbytes(module: nn.Module) -> int:
+    """Bytes of the FP8 weight copies held by the QuantLinear layers under ``module``."""
+    return sum(
+        layer._fp8.nbytes for layer in module.modules() if isinstance(layer, QuantLinear) and layer._fp8
     )
