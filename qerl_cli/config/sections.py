@@ -312,6 +312,12 @@ class TrainSection:
     # each sequence, the attention kept within it): no compute on padding. Pays with a variable-length
     # attention (flash-attention); with SDPA the attention of a packed row is computed densely.
     pack_sequences: bool = False
+    # The frozen 4-bit base's GEMMs in the update (qerl_cli.modeling.base_compute). bf16: dequantize the
+    # packed weight per GEMM. fp8: FP8 E4M3 GEMMs (per-token activation scales) on two FP8 copies of
+    # each base weight, derived once and held all run: 2 bytes per base weight (a 7B: ~12 GiB), an error
+    # without a GPU of FP8 tensor cores (compute capability >= 8.9). auto: fp8 on such a GPU with a 4-bit
+    # base when the memory plan fits the copies, else bf16. A BF16 base always computes in BF16.
+    base_compute: Literal["auto", "bf16", "fp8"] = "auto"
     # The fraction of the GPU's memory this run may use: the memory plan (qerl_cli.rl.memory) sizes
     # the micro-batch, checkpointing and vLLM's "auto" share within it. Below 1 when runs share a GPU
     # (`qerl compare --jobs N` sets it for each run); 1: the whole GPU, as measured free.
@@ -330,6 +336,11 @@ class TrainSection:
         )
         if self.micro_batch_size != "auto":
             _positive(where, micro_batch_size=self.micro_batch_size)
+        if self.base_compute not in ("auto", "bf16", "fp8"):
+            raise QerlError(
+                f"{where}.base_compute must be auto, bf16 or fp8 (the update's base GEMMs), got "
+                f"{self.base_compute!r}: set it to auto unless you need one of them"
+            )
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking)")
         if not 0 < self.gpu_fraction <= 1:

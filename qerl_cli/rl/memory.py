@@ -246,6 +246,7 @@ def plan_memory(
     sleep_mode: bool = True,
     gpu_fraction: float = 1.0,
     used_bytes: int = 0,
+    static_extra_bytes: int = 0,
 ) -> MemoryPlan:
     """Resolve the ``auto`` settings from sizes and the GPU's memory (``free_bytes`` is measured
     after the trainer's model is loaded and before vLLM starts; None on a CPU).
@@ -256,12 +257,17 @@ def plan_memory(
     With ``gpu_fraction`` below 1 (runs sharing one GPU) the plan stays within that slice of the total:
     what is free is the slice less ``used_bytes`` (what this process already holds on the device), not
     the device's free memory (other runs take theirs). vLLM's share stays a fraction of the whole GPU,
-    as vLLM defines it: at most ``gpu_fraction``."""
+    as vLLM defines it: at most ``gpu_fraction``.
+
+    ``static_extra_bytes``: what the trainer holds beyond the base and LoRA (the FP8 weight copies of
+    ``train.base_compute: fp8``), in the static estimate; already held, so ``free_bytes`` excludes it."""
     colocated = engine == "vllm"
     if colocated and not sleep_mode:
         _check_share_without_sleep(gpu_memory_utilization)
-    figures: dict[str, float] = {"memory/trainer_static_estimate_gib": trainer_static_bytes(
-        shape, fmt, lora_rank, lora_targets) / GIB}  # fmt: skip
+    figures: dict[str, float] = {"memory/trainer_static_estimate_gib": (trainer_static_bytes(
+        shape, fmt, lora_rank, lora_targets) + static_extra_bytes) / GIB}  # fmt: skip
+    if static_extra_bytes:
+        figures["memory/fp8_base_copies_gib"] = static_extra_bytes / GIB
     if total_bytes is None or free_bytes is None:
         return _cpu_plan(micro_batch, checkpointing, gpu_memory_utilization, sequences_per_step,
                          logprob_chunk, figures)  # fmt: skip
@@ -405,9 +411,12 @@ class PeakTracker:
         return out
 
 
-def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPlan:
+def plan_for_run(
+    cfg: Any, model: torch.nn.Module, base_format: str, static_extra_bytes: int = 0
+) -> MemoryPlan:
     """The memory plan of a training run (``cfg``: TrainConfig) for its loaded policy ``model``,
-    measured now (after the trainer loaded, before vLLM starts); turns checkpointing on if chosen."""
+    measured now (after the trainer loaded, before vLLM starts); turns checkpointing on if chosen.
+    ``static_extra_bytes``: as in :func:`plan_memory`."""
     from qerl_cli.rl.policy import enable_gradient_checkpointing
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -425,7 +434,7 @@ def plan_for_run(cfg: Any, model: torch.nn.Module, base_format: str) -> MemoryPl
         gpu_memory_utilization=rollout.gpu_memory_utilization, logprob_chunk=train.logprob_chunk_tokens,
         total_bytes=info[1] if info else None, free_bytes=info[0] if info else None,
         engine=rollout.engine, kv_dtype=rollout.kv_cache_dtype, sleep_mode=rollout.enable_sleep_mode,
-        gpu_fraction=fraction, used_bytes=used,
+        gpu_fraction=fraction, used_bytes=used, static_extra_bytes=static_extra_bytes,
     )  # fmt: skip
     if train.gradient_checkpointing == "auto" and plan.gradient_checkpointing:
         enable_gradient_checkpointing(model)

@@ -34,6 +34,7 @@ from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.adapter import save_peft_model
+from qerl_cli.modeling.base_compute import apply_base_compute
 from qerl_cli.modeling.error_init import init_folder, read_info
 from qerl_cli.modeling.fused_kernels import AppliedKernels, apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
@@ -93,6 +94,7 @@ class Policy:
     dtype: torch.dtype
     base_format: str  # "bf16", "nvfp4", "mxfp4", "nf4"
     fused_kernels: str = "off"  # what train.fused_kernels resolved to ("liger" or "off")
+    base_compute: str = "bf16"  # what train.base_compute resolved to ("bf16" or "fp8"; modeling.base_compute)
     # Liger's process-wide RoPE patch, put back by close() (qerl_cli.modeling.fused_kernels)
     kernels: AppliedKernels = field(default_factory=lambda: AppliedKernels(kind="off"))
     # lora.init eora / svd: CPU copies of the LoRA matrices at step 0 (the KL reference); None: zeros
@@ -213,6 +215,7 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
         base.config.use_cache = False  # training forwards; generation asks for the cache explicitly
         model = attach_lora(base, cfg)
         model.to(device)
+        base_compute = apply_base_compute(model, cfg.train.base_compute, device)  # after the move
         initial_adapter = load_lora_init(model, cfg, fmt)
         tokenizer = load_tokenizer(
             cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
@@ -223,7 +226,8 @@ def build_policy(cfg: TrainConfig, device: torch.device | None = None) -> Policy
         kernels.restore()
         raise
     return Policy(model=model, tokenizer=tokenizer, device=device, dtype=dtype, base_format=fmt,
-                  fused_kernels=kernels.kind, kernels=kernels, initial_adapter=initial_adapter)  # fmt: skip
+                  fused_kernels=kernels.kind, base_compute=base_compute, kernels=kernels,
+                  initial_adapter=initial_adapter)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from qerl_cli.rl import setup
 from qerl_cli.rl.aqn_calibration import NoiseProbe, before_rollout, calibrate_once, raw_sigma_warning
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
-from qerl_cli.rl.memory import PeakTracker, plan_for_run, release_cached_memory
+from qerl_cli.rl.memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
@@ -90,7 +90,7 @@ class Trainer:
             setup.materialize_optimizer_state(self.optimizer)
             # Before vLLM starts: its "auto" share is what the loaded trainer (optimizer state
             # included) leaves free.
-            self.memory = plan_for_run(cfg, self.policy.model, self.policy.base_format)
+            self.memory = setup.plan_with_base_compute(cfg, self.policy)  # the FP8 base copies counted
             self.peaks = PeakTracker()
             self.last_samples: list[dict[str, Any]] = []  # the last step's completions.jsonl records
             problems = load_training_problems(cfg)

@@ -1,0 +1,83 @@
+"""``train.base_compute``: whether the frozen 4-bit base's GEMMs run in BF16 or FP8 in the update.
+
+The numerics are in :mod:`qerl_cli.modeling.fp8_update`; here is the choice, made in one place
+(:func:`apply_base_compute`, called by ``rl.policy.build_policy``). Its memory is counted by the run's
+plan (``rl.setup.plan_with_base_compute``).
+
+* ``bf16``: dequantize the packed weight per GEMM (the path qerl always had);
+* ``fp8``: FP8 GEMMs on two FP8 copies of each 4-bit weight (2 bytes per base weight, held for the
+  whole run). Needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9) and a 4-bit base;
+  asked for anywhere else it is an error, never a silent fallback;
+* ``auto``: ``fp8`` where it can run (such a GPU, a 4-bit base), else ``bf16``; and ``bf16`` again
+  if the memory plan does not fit with the copies (``rl.setup.plan_with_base_compute``).
+
+A BF16 base (plain ``nn.Linear``) always computes in BF16: it has no 4-bit weight to keep, and an FP8
+copy beside its BF16 weight would cost memory for a speed-up this option does not aim at.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from qerl_cli.errors import QerlError
+from qerl_cli.modeling.fp8_update import FP8_MIN_CAPABILITY, check_dims
+from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
+
+log = logging.getLogger(__name__)
+GIB = 2**30
+
+CHOICES = ("auto", "bf16", "fp8")
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``; None for a CPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+def resolve_base_compute(
+    choice: str, *, quantized: bool, capability: tuple[int, int] | None, bad_dims: str | None = None
+) -> tuple[str, str]:
+    """(``bf16`` or ``fp8``, why) for ``train.base_compute=choice``; ``quantized``: the base has 4-bit
+    (QuantLinear) layers; ``capability``: the training GPU's (None: a CPU); ``bad_dims``: a layer shape
+    FP8 GEMMs cannot take. Raises QerlError where ``fp8`` is asked for and cannot run."""
+    if choice not in CHOICES:
+        raise QerlError(f"train.base_compute must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "bf16":
+        return "bf16", "train.base_compute=bf16"
+    where = (
+        "the CPU" if capability is None else f"a GPU of compute capability {capability[0]}.{capability[1]}"
+    )
+    problem = None
+    if not quantized:
+        problem = "the base is BF16 (FP8 GEMMs are for a 4-bit base)"
+    elif capability is None or capability < FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, FP8_MIN_CAPABILITY))
+        problem = f"training runs on {where}, without FP8 tensor cores (compute capability >= {need})"
+    elif bad_dims:
+        problem = f"a base layer has {bad_dims} (FP8 GEMMs need multiples of 16)"
+    if problem is None:
+        return "fp8", f"train.base_compute={choice}: a 4-bit base on {where} with FP8 tensor cores"
+    if choice == "fp8":
+        raise QerlError(
+            f"train.base_compute=fp8 cannot run: {problem}. Set train.base_compute to auto or bf16"
+        )
+    return "bf16", f"train.base_compute=auto: {problem}"
+
+
+def apply_base_compute(model: nn.Module, choice: str, device: torch.device) -> str:
+    """Resolve ``choice`` for ``model`` (the loaded base, on ``device``), set it on every 4-bit layer
+    (deriving the FP8 copies now, so the memory plan measures them), log what and why; returns the
+    mode."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    bad = next((why for m in layers if (why := check_dims(m.out_features, m.in_features))), None)
+    mode, why = resolve_base_compute(choice, quantized=bool(layers), capability=device_capability(device),
+                                     bad_dims=bad)  # fmt: skip
+    held = set_base_compute(model, mode) if layers else 0
+    log.info("base GEMMs in the update: %s (%s)%s", mode.upper(), why,
+             f"; FP8 weight copies {held / GIB:.2f} GiB" if held else "")  # fmt: skip
+    return mode
