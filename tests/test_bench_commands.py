@@ -75,6 +75,7 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["kernels", "--formats", "int3"], "--formats: unknown format(s) int3"),
         (["kernels", "--batch", "0"], "--batch must be a positive integer, got 0"),
         (["update", "--fused", "fast"], "--fused takes a comma list of off, liger, auto"),
+        (["update", "--base-compute", "fp16"], "--base-compute takes a comma list of bf16, fp8, auto"),
         (["update", "--micro-batch", "x"], "--micro-batch takes a positive integer or auto"),
         (["update", "--checkpointing", "maybe"], "--checkpointing takes auto, on or off"),
         (["update", "--sequences", "5", "--group", "2"], "--sequences (5) must be a multiple of --group (2)"),
@@ -105,6 +106,7 @@ DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
     (["e2e", "--recipe", "gsm8k_7b", "--gen-len", "64"], {"e2e_recipe": "gsm8k_7b", "gen_len": 64}),
     (["kernels", "--formats", "NVFP4,nf4"], {"formats": ["nvfp4", "nf4"], "batch": 8}),
     (["update", "--checkpointing", "on", "--micro-batch", "2"], {"checkpointing": True, "micro_batch": 2}),
+    (["update", "--base-compute", "bf16,fp8"], {"base_compute": ["bf16", "fp8"]}),
     (
         ["scaling", "tiny", "--steps", "4", "--prompts-per-gpu", "3", "--set", "rollout.num_generations=2"],
         {
@@ -311,6 +313,8 @@ def test_update_writes_its_json(cache_dir, tmp_path, capsys) -> None:
         "nvfp4",
         "--fused",
         "off",
+        "--base-compute",
+        "bf16,fp8",
         "--sequences",
         "2",
         "--group",
@@ -326,14 +330,17 @@ def test_update_writes_its_json(cache_dir, tmp_path, capsys) -> None:
         "-o",
         str(tmp_path),
     )
-    assert rc == 0, err
+    assert rc == 1, err  # exit 1: a case (FP8 on the CPU, below) has an error instead of figures
     report = json.loads((tmp_path / "update.json").read_text())
     check_header(report, "update", "qerl-bench-update/1")
-    (row,) = report["rows"]
+    row, fp8 = report["rows"]  # side by side: the base's GEMMs in BF16, then FP8
     assert "error" not in row, row
     assert (
         row["format"] == "nvfp4" and row["micro_batch_size"] == 2 and row["gradient_checkpointing"] is False
     )
+    assert row["base_compute"] == "bf16" and row["mfu_fp8"] is None
+    # FP8 GEMMs need FP8 tensor cores: on the CPU the case is refused, saying so, not run in BF16
+    assert fp8["base_compute"] == "fp8" and "train.base_compute=fp8 cannot run" in fp8["error"]
     assert row["update_s"] > 0 and row["tokens_per_s"] == pytest.approx(2 * 8 / row["update_s"])
     # no GPU peak on the CPU; 2 x 4 completion tokens in the loss
     assert row["mfu_bf16"] is None and row["loss_tokens"] == 8

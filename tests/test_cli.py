@@ -444,9 +444,9 @@ OPTIONS = {
         "--model", "--formats", "--batch", "--seq-len", "--iters", "--device", "--output", "-o", "--dry-run",
     },
     "bench update": {
-        "--model", "--formats", "--fused", "--sequences", "--group", "--prompt-len", "--gen-len",
-        "--micro-batch", "--checkpointing", "--pack", "--lora-rank", "--profile", "--device", "--output",
-        "-o", "--dry-run",
+        "--model", "--formats", "--fused", "--base-compute", "--sequences", "--group", "--prompt-len",
+        "--gen-len", "--micro-batch", "--checkpointing", "--pack", "--lora-rank", "--profile", "--device",
+        "--output", "-o", "--dry-run",
     },
     "bench scaling": {"--steps", "--prompts-per-gpu", "--reference", "--output", "-o", "--set", "--dry-run"},
     "bench quality": {

@@ -1,6 +1,7 @@
-"""``qerl bench update``: the GRPO update phase alone, per base format and fused-kernel setting
-(``update.json``): seconds, tokens/s, MFU and peak memory, and with ``profile`` where the GPU's time
-goes (the profiler's CUDA kernels by category).
+"""``qerl bench update``: the GRPO update phase alone, per base format, fused-kernel setting and base
+compute (``train.base_compute``: the 4-bit base's GEMMs in BF16 or FP8) (``update.json``): seconds,
+tokens/s, MFU and peak memory, and with ``profile`` where the GPU's time goes (the profiler's CUDA
+kernels by category).
 
 Each case is the trainer's policy (a 4-bit base in QuantLinear layers, or BF16; LoRA on every
 projection), a batch of ``sequences`` rollouts of exactly ``prompt_len + gen_len`` random tokens with
@@ -9,7 +10,9 @@ random 0/1 rewards (every group has a reward spread), one warm-up update of one 
 (``qerl_cli.rl.memory``) for the whole GPU minus what a sleeping vLLM keeps; on the CPU ``auto`` is
 every sequence in one micro-batch without checkpointing. MFU counts the useful FLOPs (forward and
 input-gradient backward of the base, attention, LoRA, the LM head; recomputation not) against the
-GPU's dense BF16 peak (:mod:`qerl_cli.bench.roofline`).
+GPU's dense BF16 peak (:mod:`qerl_cli.bench.roofline`), ``mfu_bf16``; ``mfu_fp8`` is the same FLOPs
+against the dense FP8 peak (half the fraction on Hopper), the ceiling of an ``fp8`` row's base GEMMs.
+A BF16 base has no FP8 GEMMs: its ``fp8`` cases are skipped.
 
 Fused-kernel settings are the outer loop: Liger patches transformers' classes for the process while a
 policy holds them, so every case without it runs before the first case with it.
@@ -55,6 +58,7 @@ class UpdateSettings:
     model: str = "qwen2.5-7b"
     formats: list[str] = field(default_factory=lambda: ["bf16", "nvfp4"])
     fused: list[str] = field(default_factory=lambda: ["off", "liger"])  # train.fused_kernels per case
+    base_compute: list[str] = field(default_factory=lambda: ["bf16"])  # train.base_compute per case
     sequences: int = 32
     group: int = 8  # completions per prompt
     prompt_len: int = 256
@@ -92,12 +96,15 @@ def random_rollouts(
     return batch
 
 
-def case_config(settings: UpdateSettings, folder: Path, fused: str, cuda: bool) -> TrainConfig:
+def case_config(
+    settings: UpdateSettings, folder: Path, fused: str, cuda: bool, base_compute: str = "bf16"
+) -> TrainConfig:
     cfg = TrainConfig()
     cfg.model.path = str(folder)
     cfg.model.dtype = "bfloat16" if cuda else "float32"  # float32: the CPU's fast path
     cfg.lora.rank, cfg.lora.alpha = settings.lora_rank, 2 * settings.lora_rank
     cfg.train.fused_kernels = fused  # type: ignore[assignment]
+    cfg.train.base_compute = base_compute  # type: ignore[assignment]
     cfg.train.gradient_checkpointing = "auto"
     cfg.train.pack_sequences = settings.pack
     cfg.train.device = "cuda" if cuda else "cpu"
@@ -125,10 +132,15 @@ def _plan(settings: UpdateSettings, shape: ModelShape, fmt: str, cuda: bool) -> 
 
 
 def run_case(
-    settings: UpdateSettings, fmt: str, folder: Path, fused: str, device: torch.device
+    settings: UpdateSettings,
+    fmt: str,
+    folder: Path,
+    fused: str,
+    device: torch.device,
+    base_compute: str = "bf16",
 ) -> dict[str, Any]:
     cuda = device.type == "cuda"
-    cfg = case_config(settings, folder, fused, cuda)
+    cfg = case_config(settings, folder, fused, cuda, base_compute)
     policy = build_policy(cfg, device)
     try:
         shape = ModelShape.from_config(policy.model.get_base_model().config.to_dict())
@@ -170,6 +182,7 @@ def run_case(
         row = {
             "format": fmt,
             "fused_kernels": policy.fused_kernels,
+            "base_compute": policy.base_compute,
             "pack_sequences": settings.pack,
             "sequences": settings.sequences,
             "prompt_len": settings.prompt_len,
@@ -180,6 +193,7 @@ def run_case(
             "tokens_per_s": settings.sequences * seq_len / seconds,
             "useful_flops": flops,
             "mfu_bf16": flops / seconds / spec.bf16_flops if spec else None,
+            "mfu_fp8": flops / seconds / spec.fp8_flops if spec and spec.fp8_flops else None,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "loss_tokens": stats.get("num_tokens"),
         }
@@ -220,8 +234,8 @@ def profile_update(
 
 
 def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -> dict[str, Any]:
-    """Every (fused setting, format) case; ``update.json`` is rewritten after each, so a run cut short
-    keeps what it measured. A failing case is recorded as its error and the next one runs."""
+    """Every (fused setting, format, base compute) case; ``update.json`` is rewritten after each, so a
+    run cut short keeps what it measured. A failing case is recorded as its error and the next one runs."""
     from qerl_cli.torch_utils import resolve_device
 
     device = resolve_device(settings.device)
@@ -234,35 +248,48 @@ def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -
     path = Path(out_dir) / REPORT_NAME
     write_report(path, report)
     for fused in settings.fused:
-        for fmt in settings.formats:
+        for fmt, compute in cases(settings):
             try:
-                row = run_case(settings, fmt, folders[fmt], fused, device)
+                row = run_case(settings, fmt, folders[fmt], fused, device, compute)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others' figures
-                row = {"format": fmt, "fused_kernels": fused, "error": f"{type(exc).__name__}: {exc}"}
+                row = {"format": fmt, "fused_kernels": fused, "base_compute": compute,
+                       "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
             report["rows"].append(row)
             write_report(path, report)
     return report
+
+
+def cases(settings: UpdateSettings) -> list[tuple[str, str]]:
+    """(format, base compute) pairs, each format's base computes side by side; a BF16 base only in BF16."""
+    return [(fmt, compute) for fmt in settings.formats for compute in settings.base_compute
+            if fmt != "bf16" or compute != "fp8"]  # fmt: skip
 
 
 def update_table(report: dict[str, Any]):  # -> rich.table.Table
     from rich.table import Table
 
     table = Table(title=f"GRPO update on {report['device']} ({report['settings']['model']})")
-    for name in ("format", "fused", "micro-batch", "ckpt", "update s", "tokens/s", "MFU", "peak GiB"):
+    columns = ("format", "fused", "base", "micro-batch", "ckpt", "update s", "tokens/s", "MFU (BF16 peak)",
+               "MFU (FP8 peak)", "peak GiB")  # fmt: skip
+    for name in columns:
         table.add_column(name)
     for row in report["rows"]:
+        compute = row.get("base_compute", "bf16")  # reports written before base_compute: BF16
         if "error" in row:
-            table.add_row(row["format"], row["fused_kernels"], "-", "-", "error", row["error"][:60], "-", "-")
+            table.add_row(row["format"], row["fused_kernels"], compute, "-", "-", "error", row["error"][:60],
+                          "-", "-", "-")  # fmt: skip
             continue
-        mfu, peak = row["mfu_bf16"], row["peak_allocated_gib"]
+        mfu, mfu_fp8, peak = row["mfu_bf16"], row.get("mfu_fp8"), row["peak_allocated_gib"]
         table.add_row(
             row["format"],
             row["fused_kernels"],
+            compute,
             str(row["micro_batch_size"]),
             str(row["gradient_checkpointing"]),
             f"{row['update_s']:.3f}",
             f"{row['tokens_per_s']:.0f}",
             f"{mfu:.1%}" if mfu is not None else "-",
+            f"{mfu_fp8:.1%}" if mfu_fp8 is not None else "-",
             f"{peak:.1f}" if peak is not None else "-",
         )
     return table

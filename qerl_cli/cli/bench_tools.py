@@ -126,6 +126,14 @@ def update(
         str,
         typer.Option("--fused", metavar="KIND,...", help="train.fused_kernels per case: off, liger, auto."),
     ] = "off,liger",
+    base_compute: Annotated[
+        str,
+        typer.Option(
+            "--base-compute",
+            metavar="KIND,...",
+            help="train.base_compute per case: bf16, fp8, auto (the 4-bit base's GEMMs).",
+        ),
+    ] = "bf16",
     sequences: Annotated[int, typer.Option("--sequences", metavar="N", help="Rollouts in the batch.")] = 32,
     group: Annotated[int, typer.Option("--group", metavar="N", help="Completions per prompt.")] = 8,
     prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="TOKENS", help="Prompt tokens.")] = 256,
@@ -146,7 +154,8 @@ def update(
     output: OutputOption = "bench_results",
     dry_run: DryRunOption = False,
 ) -> None:
-    """The GRPO update phase alone: seconds, tokens/s, MFU, peak memory per format and fused kernels.
+    """The GRPO update phase alone: seconds, tokens/s, MFU, peak memory per format, fused kernels and
+    base compute (--base-compute bf16,fp8 measures both side by side).
 
     Random rollouts of exactly --prompt-len + --gen-len tokens, one warm-up update, one timed.
     """
@@ -156,6 +165,9 @@ def update(
     unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
     if unknown or not kinds:
         raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
+    computes = csv(base_compute) or []
+    if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
+        raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
     if not chosen:
         raise QerlError("--formats needs at least one format (e.g. bf16,nvfp4)")
     for flag, value in (
@@ -176,6 +188,7 @@ def update(
         model=model,
         formats=[f.lower() for f in chosen],
         fused=kinds,
+        base_compute=computes,
         sequences=sequences,
         group=group,
         prompt_len=prompt_len,
