@@ -103,6 +103,17 @@ def test_the_bound_catches_wrong_scales() -> None:
     assert row_error(per_tensor, x.reshape(-1, 256).double() @ w.t()) > 5 * ROW_BOUND
 
 
+def test_tokens_rounded_in_chunks_round_as_all_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 50, 64) * torch.rand(3, 50, 1)
+    whole_codes, whole_scale = quantize_rows(x)
+    monkeypatch.setattr(fp8_update, "QUANTIZE_CHUNK", 64 * 7)  # 7 tokens a chunk: 22 chunks, one ragged
+    codes, scale = quantize_rows(x)
+    assert codes.is_contiguous() and codes.shape == (150, 64) and scale.shape == (150, 1)
+    assert torch.equal(codes.view(torch.uint8), whole_codes.view(torch.uint8)) and torch.equal(
+        scale, whole_scale
+    )
+
+
 def test_bias_is_added_and_the_bf16_path_is_unchanged() -> None:
     q = layer("nvfp4", 128, 256, bias=True)
     with torch.no_grad():
