@@ -118,6 +118,8 @@ def test_tis_weights_cap() -> None:
     assert stats["tis_weight_max"] == pytest.approx(2.0)
     assert stats["tis_raw_weight_max"] == pytest.approx(3.0)
     assert stats["tis_capped_fraction"] == pytest.approx(1 / 3)
+    # The logprob gap: mean |log ratio| over the three kept tokens, the padded one left out.
+    assert stats["rollout_logprob_gap"] == pytest.approx((math.log(2.0) + 0.0 + math.log(3.0)) / 3)
     with pytest.raises(QerlError, match="cap"):
         tis_weights(old, rollout, mask, cap=0.0)
 
@@ -200,3 +202,14 @@ def test_bool_mask_and_per_token_advantages_match_float_mask_and_per_sequence() 
     ref_loss, _ = policy_loss(lp, lp, adv, mask, loss_type="dapo")
     loss, _ = policy_loss(lp, lp, adv.unsqueeze(1).expand(2, 4), mask.bool(), loss_type="dapo")
     assert loss.item() == pytest.approx(ref_loss.item())
+
+
+def test_a_logprob_gap_above_the_bound_warns_loudly(caplog: pytest.LogCaptureFixture) -> None:
+    from qerl_cli.rl.update import warn_on_logprob_gap
+
+    with caplog.at_level("WARNING"):
+        assert not warn_on_logprob_gap(0.05, 0.25)
+        assert not warn_on_logprob_gap(None, 0.25)  # no rollout logprobs: nothing to gate
+        assert not caplog.records
+        assert warn_on_logprob_gap(0.4, 0.25)
+    assert "0.400 nats/token" in caplog.text and "rollout.logprob_gap_warn=0.250" in caplog.text

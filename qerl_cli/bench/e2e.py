@@ -57,6 +57,8 @@ DEFAULT_E2E_RANK = 16
 # (report field, trainer metric) pairs read from each step's record.
 PHASE_METRICS = (("generation_s", "time_rollout_s"), ("logprobs_s", "time_logprobs_s"),
                  ("update_s", "time_update_s"))
+# The per-step figures each row keeps: timings, memory, rollout figures (the engine's, the logprob gap).
+STEP_FIELDS = ("time_", "memory/", "rollout_tokens", "rollout/", "rollout_logprob_gap")
 
 
 class RandomReward:
@@ -214,8 +216,7 @@ def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_
     for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/device_peak_used_gib"):
         values = [r[key] for r in timed if key in r]
         row[key.split("/")[1]] = max(values) if values else None
-    row["steps"] = [{k: v for k, v in r.items() if k.startswith(("time_", "memory/", "rollout_tokens"))}
-                    for r in records]  # fmt: skip
+    row["steps"] = [{k: v for k, v in r.items() if k.startswith(STEP_FIELDS)} for r in records]
     row["completion_tokens_per_step"] = median("rollout_tokens")
     peak = row["peak_allocated_gib"]
     row["peak_allocated_bytes"] = int(peak * 2**30) if peak is not None else None

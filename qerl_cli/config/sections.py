@@ -97,6 +97,10 @@ class RolloutSection:
     # Stop with an error when vLLM's and the trainer's logprobs on a probe prompt differ by more
     # than this mean absolute gap (nats/token) after an adapter sync.
     staleness_tolerance: float = 0.5
+    # Warn loudly when a step's mean |trainer - rollout| logprob over its trained tokens (the metric
+    # rollout_logprob_gap, nats/token) exceeds this: the rollout numerics (an FP8 copy, a merged
+    # LoRA) then differ more from the trainer's than truncated importance sampling is meant to absorb.
+    logprob_gap_warn: float = 0.25
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
     # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
@@ -118,6 +122,7 @@ class RolloutSection:
             max_completion_length=self.max_completion_length,
             generation_batch_size=self.generation_batch_size,
             tensor_parallel_size=self.tensor_parallel_size,
+            logprob_gap_warn=self.logprob_gap_warn,
         )
         if self.linear_backend in ("humming", "fp8", "fp8-merged") and self.engine != "vllm":
             raise QerlError(

@@ -15,6 +15,9 @@ import torch
 
 from qerl_cli.errors import QerlError
 
+# The step metric of the rollout/trainer logprob gap (``rollout.logprob_gap_warn`` gates it).
+LOGPROB_GAP = "rollout_logprob_gap"
+
 
 def tis_weights(
     old_logprobs: torch.Tensor,
@@ -27,7 +30,8 @@ def tis_weights(
     All tensors are ``[B, T]``; ``mask`` marks completion tokens. Weights at masked-out positions are
     0 (padding may hold arbitrary log-probabilities, so it is never exponentiated). Stats are over
     the masked tokens: ``tis_weight_mean``, ``tis_weight_max`` (after the cap),
-    ``tis_raw_weight_max`` (before it) and ``tis_capped_fraction``.
+    ``tis_raw_weight_max`` (before it), ``tis_capped_fraction`` and ``rollout_logprob_gap`` (mean
+    |old - rollout| logprob, nats/token).
     """
     if cap <= 0:
         raise QerlError(f"the truncated importance sampling cap must be positive, got {cap}")
@@ -45,11 +49,14 @@ def tis_weights(
     n = keep.sum()
     if n == 0:
         return weights, {"tis_weight_mean": 0.0, "tis_weight_max": 0.0, "tis_raw_weight_max": 0.0,
-                         "tis_capped_fraction": 0.0}
+                         "tis_capped_fraction": 0.0, LOGPROB_GAP: 0.0}
     stats = {
         "tis_weight_mean": (weights.sum() / n).item(),
         "tis_weight_max": weights[keep].max().item(),
         "tis_raw_weight_max": raw[keep].max().item(),
         "tis_capped_fraction": ((raw > cap) & keep).sum().item() / n.item(),
+        # How far the rollout engine's numerics (FP8 copy, merged LoRA, AQN off in the trainer) are
+        # from the trainer's on the tokens actually trained on: mean |log ratio|, nats/token.
+        LOGPROB_GAP: (log_ratio.abs().sum() / n).item(),
     }
     return weights, stats

@@ -10,6 +10,7 @@ micro-batch gradients add up to the full-batch gradient.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,10 +23,13 @@ from torch import nn
 from qerl_cli.config import TrainConfig
 from qerl_cli.rl.advantages import group_advantages
 from qerl_cli.rl.distributed import Distributed
+from qerl_cli.rl.importance import LOGPROB_GAP
 from qerl_cli.rl.losses import NonFiniteLossError, policy_loss
 from qerl_cli.rl.policy import Policy, TokenBatch, batched_logprobs, completion_logprobs, make_token_batch
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.sampling import truncation_mask
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,7 +90,24 @@ def update_policy(
     merged["time_update_s"] = t2 - t1
     if cfg.algorithm.beta == 0:
         merged.pop("kl", None)  # no reference pass was run: there is no KL figure
+    warn_on_logprob_gap(merged.get(LOGPROB_GAP), cfg.rollout.logprob_gap_warn)
     return merged
+
+
+def warn_on_logprob_gap(gap: float | None, bound: float) -> bool:
+    """Warn (and return True) when the rollout engine's logprobs on the trained tokens sit further
+    from the trainer's than ``rollout.logprob_gap_warn``: TIS still corrects the step, but a gap this
+    large means the rollout model is not the policy being trained closely enough to trust."""
+    if gap is None or gap <= bound:
+        return False
+    log.warning(
+        "!!! the rollout/trainer logprob gap is %.3f nats/token, above rollout.logprob_gap_warn=%.3f: "
+        "the rollout engine samples from a model that differs from the trainer's policy (FP8 copy, "
+        "merged LoRA, kernels). Check rollout.linear_backend (fp8 / fp8-merged round the weights once "
+        "more; marlin does not) and the staleness probe; TIS keeps correcting the step.",
+        gap, bound,
+    )  # fmt: skip
+    return True
 
 
 def fixed_inputs(cfg: TrainConfig, policy: Policy, batch: Rollouts, micro_batch_size: int) -> FixedInputs:

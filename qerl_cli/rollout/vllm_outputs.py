@@ -55,6 +55,11 @@ def mean_abs_gap(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(len(a), 1)
 
 
+# Rollout weights on other numerics (an FP8 copy, merged or not) may put vLLM's base model this many
+# staleness tolerances away from the trainer's.
+BASE_TOLERANCE_FACTOR = 2.0
+
+
 @dataclass(frozen=True)
 class NumericsCheck:
     """Whether a staleness gap is the rollout weights' numerics: ``base_gap``, vLLM's base model vs the
@@ -68,7 +73,7 @@ class NumericsCheck:
     @property
     def ok(self) -> bool:
         # Twice the tolerance for the bases: TIS corrects rollouts a little off the policy, not far off.
-        return self.effect_gap <= self.tolerance and self.base_gap <= 2 * self.tolerance
+        return self.effect_gap <= self.tolerance and self.base_gap <= BASE_TOLERANCE_FACTOR * self.tolerance
 
 
 def numerics_explain(
