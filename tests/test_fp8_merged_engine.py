@@ -207,17 +207,20 @@ def test_a_stale_merge_fails_the_staleness_check_with_the_alternative(
 # --------------------------------------------------------------------------------------------
 # The factory and the recipe
 # --------------------------------------------------------------------------------------------
-def test_fp8_merged_is_a_backend_of_every_format_and_weighs_its_weights() -> None:
+def test_every_format_has_a_merged_backend_and_it_weighs_its_weights() -> None:
     from qerl_cli.rollout.backends import FORMAT_BACKENDS, choose_backend, rollout_weight_format
 
-    assert all("fp8-merged" in allowed for allowed in FORMAT_BACKENDS.values())
+    assert all(("fp8-merged" in allowed) != ("merged" in allowed) for allowed in FORMAT_BACKENDS.values())
     four = choose_backend("fp8-merged", "nvfp4", concurrency=128, env=env(), table={})
     assert four.merges_lora and four.needs_fp8_copy and four.weight_format == "fp8"
     assert four.vllm_kwargs() == {}
-    # A BF16 base: merged BF16 weights (TRL's merged baseline), no FP8 copy, no online FP8.
-    dense = choose_backend("fp8-merged", "bf16", concurrency=128, env=env(capability=(8, 0)), table={})
-    assert dense.merges_lora and not dense.needs_fp8_copy and dense.weight_format == "bf16"
-    assert dense.vllm_kwargs() == {}
+    # A BF16 base: merged BF16 weights (TRL's merged baseline), no FP8 copy, no online FP8; either merge
+    # name means the base's own merge, so one recipe serves both arms of a comparison.
+    for name in ("merged", "fp8-merged"):
+        dense = choose_backend(name, "bf16", concurrency=128, env=env(capability=(8, 0)), table={})
+        assert dense.backend == "merged" and dense.merges_lora and not dense.needs_fp8_copy
+        assert dense.weight_format == "bf16" and dense.vllm_kwargs() == {}
+    assert choose_backend("merged", "nvfp4", concurrency=8, env=env(), table={}).backend == "fp8-merged"
     assert (
         rollout_weight_format("fp8", "bf16") == "fp8" and rollout_weight_format("marlin", "nvfp4") == "nvfp4"
     )
@@ -226,6 +229,33 @@ def test_fp8_merged_is_a_backend_of_every_format_and_weighs_its_weights() -> Non
     # auto never picks it without measurements of it.
     table = {"gpus": {}}
     assert choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=table).backend != "fp8-merged"
+
+
+def test_auto_picks_the_merged_backend_where_measured_fastest_if_the_run_can_merge_and_it_fits() -> None:
+    from test_rollout_backends import QWEN7B, TABLE, choose_backend
+
+    entry = dict(TABLE["gpus"]["NVIDIA H100 80GB HBM3"]["nvfp4+lora"])
+    entry["fp8-merged"] = {"8": 1400.0, "32": 4300.0, "128": 12000.0, "256": 13500.0}
+    table = {"gpus": {"NVIDIA H100 80GB HBM3": {"nvfp4+lora": entry}}}
+    merging = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=table, merge_ok=True)
+    assert merging.backend == "fp8-merged" and merging.predicted_tokens_per_s == 12000.0
+    assert "fp8-merged 12000 tok/s" in merging.reason
+    assert choose_backend("auto", "nvfp4", concurrency=8, env=env(), table=table, merge_ok=True).backend == (
+        "marlin"
+    )
+    # Not the trainer's engine (eval, a bench without a policy) or no LoRA: the merge has nothing to serve.
+    assert choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=table).backend == "fp8"
+    assert (
+        choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=table, merge_ok=True, lora=False)
+        .backend != "fp8-merged"
+    )
+    # A memory plan where the FP8 weights leave no KV room (a 32B on 80 GB): the 4-bit kernels.
+    gib = 2**30
+    sizes = {"marlin": 18 * gib, "humming": 18 * gib, "fp8": 33 * gib, "fp8-merged": 33 * gib}
+    tight = env(vllm_budget_bytes=34 * gib, kv_bytes_per_sequence=gib)
+    choice = choose_backend("auto", "nvfp4", concurrency=128, env=tight, table=table, weight_bytes=sizes,
+                            merge_ok=True, model=QWEN7B)  # fmt: skip
+    assert choice.backend in ("marlin", "humming") and "fp8-merged" in choice.candidates
 
 
 def test_factory_serves_the_fp8_copy_without_lora_and_keeps_the_trainers_base(

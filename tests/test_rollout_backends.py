@@ -353,6 +353,23 @@ def test_bench_measures_each_format_on_its_backends() -> None:
     assert backends_for("nvfp4", ["marlin", "fp8", "humming"]) == ["marlin", "fp8", "humming"]
     assert backends_for("bf16", ["marlin", "fp8", "humming"]) == ["default", "fp8"]
     assert backends_for("nf4", ["humming"]) == ["default"]
+    # Either merge name measures each base's own merge, once.
+    both = ["marlin", "fp8-merged", "merged"]
+    assert backends_for("nvfp4", both) == ["marlin", "fp8-merged"]
+    assert backends_for("bf16", both) == ["default", "merged"]
+
+
+def test_a_merged_rows_bound_has_no_lora_bytes() -> None:
+    from qerl_cli.modeling.random_checkpoint import SHAPES
+
+    rows = [{"format": "nvfp4", "backend": b, "lora_rank": 16, "batch": 128, "output_tokens_per_s": 9000.0}
+            for b in ("fp8", "fp8-merged")]  # fmt: skip
+    report = BenchResult(schema=SCHEMA, created="now", device="gpu", figures_label="", machine={},
+                         gpu={"name": H100}, versions={}, settings={"prompt_len": 256, "gen_len": 2048},
+                         rollout=rows)  # fmt: skip
+    add_roofline(report, {"nvfp4": SHAPES["qwen2.5-7b"]})
+    lora, merged = (row["roofline"]["bound_tokens_per_s"] for row in report.rollout)
+    assert merged > lora  # the same FP8 weights, without the adapter's bytes
 
 
 def test_an_alternative_is_chosen_only_against_a_measured_default() -> None:

@@ -17,7 +17,14 @@ from qerl_cli.bench.labels import lora_label
 from qerl_cli.bench.result import BenchResult
 from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, rollout_weight_format
 from qerl_cli.modeling.model_shape import ModelShape
-from qerl_cli.rollout.backends import FORMAT_BACKENDS, MODEL_FIELD, MeasuredModel, table_key
+from qerl_cli.rollout.backends import (
+    FORMAT_BACKENDS,
+    MERGED_BACKENDS,
+    MODEL_FIELD,
+    MeasuredModel,
+    format_merge,
+    table_key,
+)
 
 CROSSOVER_FILE = "crossover.json"
 ROOFLINE_COLUMNS = ("format", "backend", "LoRA", "sequences", "output tok/s", "bound tok/s", "of bandwidth",
@@ -25,10 +32,11 @@ ROOFLINE_COLUMNS = ("format", "backend", "LoRA", "sequences", "output tok/s", "b
 
 
 def backends_for(fmt: str, requested: list[str]) -> list[str]:
-    """The backends a ``fmt`` base is measured on: those of ``requested`` it has; BF16 and NF4 always
-    on their default kernels too."""
+    """The backends a ``fmt`` base is measured on: those of ``requested`` it has (a merge name as this
+    base's merge: ``fp8-merged`` and ``merged`` both measure it once); BF16 and NF4 always on their
+    default kernels too."""
     allowed = FORMAT_BACKENDS.get(fmt, ("default",))
-    chosen = [b for b in requested if b in allowed]
+    chosen = list(dict.fromkeys(b for b in (format_merge(r, fmt) for r in requested) if b in allowed))
     if "default" in allowed:
         chosen = ["default", *[b for b in chosen if b != "default"]]
     return chosen or [allowed[0]]
@@ -47,7 +55,8 @@ def add_roofline(report: BenchResult, model_configs: dict[str, dict[str, Any]]) 
             ModelShape.from_config(config), spec,
             weight_format=rollout_weight_format(row["format"], row.get("backend", "default")),
             concurrency=row["batch"], prompt_len=settings["prompt_len"], gen_len=settings["gen_len"],
-            lora_rank=row["lora_rank"],
+            # A merged backend serves the adapter inside the weights: no LoRA bytes to read.
+            lora_rank=0 if row.get("backend") in MERGED_BACKENDS else row["lora_rank"],
         )  # fmt: skip
         row["roofline"] = {**bound, **fractions(row["output_tokens_per_s"], bound)}
 

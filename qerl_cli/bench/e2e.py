@@ -137,9 +137,11 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         train.logprob_chunk_tokens = recipe.train.logprob_chunk_tokens
         train.fused_kernels = recipe.train.fused_kernels
         train.pack_sequences = recipe.train.pack_sequences
+        train.base_compute = recipe.train.base_compute
         kv_cache_dtype = recipe.rollout.kv_cache_dtype
         backend, table = recipe.rollout.linear_backend, recipe.rollout.crossover_table
     backend = cfg.e2e_linear_backend or backend
+    train.base_compute = cfg.e2e_base_compute or train.base_compute
     return TrainConfig(
         model=ModelSection(path=model_dir),
         lora=LoraSection(rank=rank, alpha=2 * rank),

@@ -184,9 +184,14 @@ def measure_case(case: Case) -> dict[str, Any]:
             memory_rows.append({
                 "format": case.format, "backend": backend, "lora_rank": rank,
                 "checkpoint_bytes": checkpoint_tensor_bytes(case.model_dir), **info, **probe.result(),
-                **({"engine_lora_enabled": True} if shared else {}),
+                **({"engine_lora_enabled": True} if shared and not _merges(engine) else {}),
             })  # fmt: skip
     return {"rollout": rollout_rows, "memory": memory_rows}
+
+
+def _merges(engine: Any) -> bool:
+    """Whether the engine merges the adapter into its weights (started without LoRA)."""
+    return bool(getattr(getattr(engine, "backend_choice", None), "merges_lora", False))
 
 
 def _backend_label(engine: Any, case: Case) -> str:

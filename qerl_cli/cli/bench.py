@@ -159,6 +159,7 @@ def run_bench_command(
         "e2e_prompts_per_step": "--prompts-per-step",
         "e2e_recipe": recipe_flag,
         "e2e_linear_backend": "--linear-backend",
+        "e2e_base_compute": "--base-compute",
         "memory_cap_gib": "--memory-cap",
     }
     flags = given_flags(values, sets, **names)
@@ -327,7 +328,16 @@ def e2e(
         typer.Option(
             "--linear-backend",
             metavar="NAME",
-            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8 | fp8-merged.",
+            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8 | fp8-merged | merged.",
+            show_default="the recipe's, else auto",
+        ),
+    ] = None,
+    base_compute: Annotated[
+        str | None,
+        typer.Option(
+            "--base-compute",
+            metavar="NAME",
+            help="train.base_compute of the steps: auto | bf16 | fp8 (the frozen base's update GEMMs).",
             show_default="the recipe's, else auto",
         ),
     ] = None,
@@ -358,6 +368,7 @@ def e2e(
         e2e_generations=generations,
         e2e_prompts_per_step=prompts_per_step,
         e2e_linear_backend=linear_backend,
+        e2e_base_compute=base_compute,
         memory_cap_gib=memory_cap,
     )
     run_bench_command(

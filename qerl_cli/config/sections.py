@@ -105,10 +105,11 @@ class RolloutSection:
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
     # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
     # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
-    # after every update, vLLM without LoRA (BF16 base: merged BF16, TRL's baseline; tensor_parallel_size
-    # 1 and lora.train_norms off; tested on CPUs only, not yet run on a GPU); "auto": per GPU and the
+    # after every update, vLLM without LoRA; "merged": the same for a BF16 base, kept BF16 (TRL's
+    # baseline; either merge name means the base's own merge; tensor_parallel_size 1 and
+    # lora.train_norms off); "auto": per GPU and the
     # round's concurrency, the fastest that fits, from crossover_table (qerl_cli.rollout.backends).
-    linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged"] = "auto"
+    linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"] = "auto"
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None
     # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).
@@ -124,15 +125,16 @@ class RolloutSection:
             tensor_parallel_size=self.tensor_parallel_size,
             logprob_gap_warn=self.logprob_gap_warn,
         )
-        if self.linear_backend in ("humming", "fp8", "fp8-merged") and self.engine != "vllm":
+        if self.linear_backend in ("humming", "fp8", "fp8-merged", "merged") and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
                 "(the hf engine runs the trainer's own layers)"
             )
-        if self.linear_backend == "fp8-merged" and self.tensor_parallel_size > 1:
+        if self.linear_backend in ("fp8-merged", "merged") and self.tensor_parallel_size > 1:
             raise QerlError(
-                f"{where}.linear_backend=fp8-merged needs {where}.tensor_parallel_size=1 (the merge writes "
-                f"unsharded weights): use {where}.linear_backend=fp8 for tensor-parallel rollouts"
+                f"{where}.linear_backend={self.linear_backend} needs {where}.tensor_parallel_size=1 "
+                f"(the merge writes unsharded weights): use {where}.linear_backend=fp8 for tensor-parallel "
+                "rollouts"
             )
         if self.tensor_parallel_size > 1 and self.engine != "vllm":
             raise QerlError(
@@ -398,10 +400,11 @@ class TrainConfig:
     def validate(self, where: str = "") -> None:
         if not self.model.path:
             raise QerlError("model.path is empty: set it in the recipe or with --set model.path=DIR")
-        if self.rollout.linear_backend == "fp8-merged" and self.lora.train_norms:
+        if self.rollout.linear_backend in ("fp8-merged", "merged") and self.lora.train_norms:
             raise QerlError(
-                "rollout.linear_backend=fp8-merged merges the LoRA factors only, so trained norms would "
-                "stay stale in vLLM: set lora.train_norms=false or rollout.linear_backend=fp8"
+                f"rollout.linear_backend={self.rollout.linear_backend} merges the LoRA factors only, so "
+                "trained norms would stay stale in vLLM: set lora.train_norms=false or "
+                "rollout.linear_backend=fp8"
             )
         share, fraction = self.rollout.gpu_memory_utilization, self.train.gpu_fraction
         if self.rollout.engine == "vllm" and share != "auto" and float(share) > fraction:

@@ -96,6 +96,7 @@ def make_engine(
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         linear_backend=cfg.rollout.linear_backend,
         concurrency=per_round,
+        merge_ok=not cfg.lora.train_norms,  # a merge serves LoRA factors only; factory checks the rest
         crossover_table=cfg.rollout.crossover_table,
         max_num_seqs=min(per_round, VLLM_DEFAULT_MAX_NUM_SEQS),
         external_launcher=distributed,
@@ -171,7 +172,7 @@ def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
 def tis_enabled(cfg: TrainConfig, policy: Policy, linear_backend: str) -> bool:
     """Whether truncated importance sampling corrects the rollout/trainer mismatch. ``linear_backend`` is
     what the engine resolved ``rollout.linear_backend`` to: ``auto`` may choose the FP8 copy, and
-    ``fp8-merged`` holds FP8 weights for a 4-bit base (merged BF16 for a BF16 one)."""
+    ``fp8-merged`` holds FP8 weights for a 4-bit base (``merged``, a BF16 base's, stays BF16)."""
     mode = cfg.algorithm.tis
     fp8_weights = rollout_weight_format(linear_backend, policy.base_format) == "fp8"  # fp8-merged too
     causes = (("an FP8 KV cache", cfg.rollout.kv_cache_dtype == "fp8"),

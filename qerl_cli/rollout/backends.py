@@ -11,8 +11,10 @@ compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alte
   served by vLLM's FP8 tensor-core GEMMs at twice the BF16 peak; for a BF16 base, vLLM's online FP8.
   The trainer keeps its packed 4-bit base: truncated importance sampling corrects the extra rounding.
 * ``fp8-merged``: the ``fp8`` copy with the LoRA merged into it after every update
-  (:mod:`qerl_cli.modeling.fp8_merge`), so vLLM runs without its LoRA kernels; on a BF16 base the
-  merged weights stay BF16 (TRL's merged-LoRA baseline). Each sync merges the adapter
+  (:mod:`qerl_cli.modeling.fp8_merge`), so vLLM runs without its LoRA kernels;
+* ``merged``: the same for a BF16 base, whose merged weights stay BF16 (TRL's merged-LoRA baseline).
+  Either name pinned for a base of the other kind means that base's merge, so one recipe serves
+  every arm of a comparison. Each sync merges the adapter
   (``rollout.vllm_lora``); tensor parallelism and trained norms are refused.
 * ``auto``: per GPU and the run's concurrency (sequences one rollout round submits), the backend with
   the highest rollout tokens/s in a crossover table that ``qerl bench --concurrency`` measures, among
@@ -46,16 +48,19 @@ from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "marlin", "humming", "fp8", "fp8-merged")
+BACKENDS = ("auto", "marlin", "humming", "fp8", "fp8-merged", "merged")
 # The backends each checkpoint format can be served with (first: vLLM's default). NF4 only runs on
 # vLLM's bitsandbytes kernels (or its FP8 copy); a BF16 base runs BF16 GEMMs or vLLM's online FP8.
 # Pinning a 4-bit FP kernel (marlin, humming) for a base that has no such weights keeps its default, so
 # one recipe serves the BF16 and the 4-bit arms of a comparison.
 FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
     **{name: fmt.rollout_backends for name, fmt in formats.FORMATS.items()},
-    formats.DENSE: ("default", "fp8", "fp8-merged"),
+    formats.DENSE: ("default", "fp8", "merged"),
 }
-MERGED = "fp8-merged"  # the backend that merges the LoRA into the rollout weights (vLLM without LoRA)
+# The backends that merge the LoRA into the rollout weights (vLLM without LoRA): into the FP8 copy of a
+# 4-bit base, into a BF16 base's own weights.
+FP8_MERGED, DENSE_MERGED = "fp8-merged", "merged"
+MERGED_BACKENDS = (FP8_MERGED, DENSE_MERGED)
 # The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
 NOT_FP4_FORMATS = (formats.DENSE, *(name for name, fmt in formats.FORMATS.items() if not fmt.fp4))
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
@@ -85,12 +90,12 @@ class BackendChoice:
 
     @property
     def needs_fp8_copy(self) -> bool:
-        return self.backend in ("fp8", MERGED) and self.fmt != "bf16"
+        return self.backend in ("fp8", FP8_MERGED) and self.fmt != formats.DENSE
 
     @property
     def merges_lora(self) -> bool:
         """vLLM runs without LoRA; each sync merges the adapter into its weights."""
-        return self.backend == MERGED
+        return self.backend in MERGED_BACKENDS
 
     @property
     def weight_format(self) -> str:
@@ -120,7 +125,7 @@ class Environment:
 def rollout_weight_format(backend: str, fmt: str) -> str:
     """The format of the weights vLLM holds for a ``fmt`` base on ``backend``: FP8 for the FP8 copies
     (vLLM's online FP8 of a BF16 base too), BF16 for a BF16 base with the LoRA merged."""
-    if backend == "fp8" or (backend == MERGED and fmt != formats.DENSE):
+    if backend == "fp8" or (backend == FP8_MERGED and fmt != formats.DENSE):
         return "fp8"
     return fmt
 
@@ -322,6 +327,14 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
     return None
 
 
+def format_merge(backend: str, fmt: str) -> str:
+    """A merge backend named for a base of the other kind, as this base's merge (``merged`` for a BF16
+    base, ``fp8-merged`` for a 4-bit one); any other backend unchanged."""
+    if backend not in MERGED_BACKENDS:
+        return backend
+    return DENSE_MERGED if fmt == formats.DENSE else FP8_MERGED
+
+
 def sequences_that_fit(weight_bytes: int, env: Environment) -> int | None:
     """Full-length sequences whose KV cache fits beside ``weight_bytes`` in vLLM's budget (None: not
     known)."""
@@ -345,6 +358,7 @@ def choose_backend(
     lora: bool = True,
     model: MeasuredModel | None = None,
     unknown_model_ok: bool = True,
+    merge_ok: bool = False,
 ) -> BackendChoice:
     """Resolve ``rollout.linear_backend`` for a ``fmt`` checkpoint and a round of ``concurrency`` sequences.
 
@@ -353,7 +367,8 @@ def choose_backend(
     (``weight_bytes``: per backend) and takes the best, from the table's entry for this GPU and format
     measured on a model comparable to ``model`` (the run's); an entry that names no model only when
     ``unknown_model_ok`` (the recipe named the table itself). With no such measurements it keeps vLLM's
-    default, and the reason says why.
+    default, and the reason says why. ``auto`` weighs the merged backends only with ``merge_ok`` (the
+    trainer's engine, LoRA on): they serve a LoRA policy by rewriting vLLM's weights at every sync.
     """
     if requested not in BACKENDS:
         raise QerlError(
@@ -361,6 +376,7 @@ def choose_backend(
         )
     default = FORMAT_BACKENDS.get(fmt, ("default",))[0]
     if requested != "auto":
+        requested = format_merge(requested, fmt)
         if requested in ("marlin", "humming") and fmt in NOT_FP4_FORMATS:
             return BackendChoice(default, fmt, f"{requested} serves FP4 weights only: a {fmt} base keeps "
                                  f"vLLM's default", concurrency)  # fmt: skip
@@ -376,6 +392,8 @@ def choose_backend(
     candidates: dict[str, float | None] = {}
     for backend in FORMAT_BACKENDS.get(fmt, ("default",)):
         if unavailable_reason(backend, fmt, env) is not None or backend not in measured:
+            continue
+        if backend in MERGED_BACKENDS and not (merge_ok and lora):
             continue
         fits = sequences_that_fit((weight_bytes or {}).get(backend, 0), env) if weight_bytes else None
         if fits == 0:

@@ -76,6 +76,9 @@ class EngineRequest:
     # Sequences one rollout round submits, which the backend choice is weighed for (0: max_num_seqs,
     # else 256).
     concurrency: int = 0
+    # auto may choose a merged backend (the LoRA merged into vLLM's weights each sync): only the trainer's
+    # engine, whose policy the merge can serve (LoRA factors only, one GPU per engine), says so.
+    merge_ok: bool = False
     crossover_table: str | None = None  # None: the shipped crossover table
     # vLLM's max_num_seqs (None: vLLM's default): sized to a round, vLLM captures CUDA graphs only for
     # batch sizes the stage submits.
@@ -207,6 +210,7 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         crossover_table=request.crossover_table, lora=request.enable_lora,
         max_model_len=request.max_model_len, gpu_memory_utilization=request.gpu_memory_utilization,
         kv_cache_dtype=request.kv_cache_dtype,
+        merge_ok=request.merge_ok and request.tensor_parallel_size == 1,
     )  # fmt: skip
     merge_base = None
     if choice.merges_lora:
@@ -242,11 +246,11 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
 
 
 def check_mergeable(request: EngineRequest) -> None:
-    """What ``fp8-merged`` cannot serve, refused before vLLM starts: its merge writes whole output rows
-    of one GPU's weights (tensor-parallel shards split them across GPUs)."""
+    """What a merged backend (``fp8-merged``, ``merged``) cannot serve, refused before vLLM starts: its
+    merge writes whole output rows of one GPU's weights (tensor-parallel shards split them across GPUs)."""
     if request.tensor_parallel_size > 1:
         raise QerlError(
-            f"rollout.linear_backend=fp8-merged needs rollout.tensor_parallel_size=1 (got "
+            f"rollout.linear_backend={request.linear_backend} needs rollout.tensor_parallel_size=1 (got "
             f"{request.tensor_parallel_size}): the merge writes unsharded weights. Use "
             "rollout.linear_backend=fp8 (the LoRA served by vLLM) for tensor-parallel rollouts"
         )
@@ -316,6 +320,7 @@ def choose_rollout_backend(
     max_model_len: int | None = None,
     gpu_memory_utilization: float | None = None,
     kv_cache_dtype: str = "auto",
+    merge_ok: bool = False,
 ) -> BackendChoice:
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
@@ -347,6 +352,6 @@ def choose_rollout_backend(
     )
     choice = choose_backend(requested, fmt, concurrency=concurrency, env=env,
                             table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,
-                            unknown_model_ok=crossover_table is not None)  # fmt: skip
+                            unknown_model_ok=crossover_table is not None, merge_ok=merge_ok)  # fmt: skip
     log.info("rollout linear backend: %s (%s)", choice.backend, choice.reason)
     return choice
