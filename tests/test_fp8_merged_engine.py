@@ -307,3 +307,41 @@ def test_what_fp8_merged_cannot_run_is_refused_at_config_time(
     sets = [arg for o in ["rollout.linear_backend=fp8-merged", *overrides] for arg in ("--set", o)]
     rc = main(["train", "recipes/tiny.yaml", *sets, "--dry-run"])
     assert rc == 2 and message in " ".join(capsys.readouterr().err.split())
+
+
+# --------------------------------------------------------------------------------------------
+# Where the merge reads the base
+# --------------------------------------------------------------------------------------------
+def test_vllm_in_process_merges_onto_the_trainers_layers_not_the_checkpoint(
+    tmp_path: Path, merge_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, llm, bases = merged_engine(tmp_path)
+    model = policy(bases)
+    (tmp_path / "base" / "model.safetensors").unlink()  # a sync that read the checkpoint would fail
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engine.sync_policy(model)
+    assert_merged(llm, bases, lora_deltas(model))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM in another process: the checkpoint
+    with pytest.raises(Exception, match="model.safetensors|No such file"):
+        engine.sync_policy(model)
+
+
+def test_policy_bases_dequantize_a_4bit_layer_exactly_as_the_checkpoint_reads() -> None:
+    from qerl_cli import formats
+    from qerl_cli.modeling.fp8_merge import PolicyBases
+    from qerl_cli.modeling.lora import attach_lora
+    from qerl_cli.modeling.quant_linear import QuantLinear
+
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 32, bias=False)
+    fmt = formats.get("nvfp4")
+    checkpoint = fmt.quantize(dense.weight.detach())
+    root = nn.Module()
+    root.add_module("q_proj", QuantLinear.from_linear(dense, fmt))
+    root.add_module("norm", nn.LayerNorm(64))  # PEFT wants a parameter to place the adapter by
+    bases = PolicyBases(attach_lora(root, r=4, alpha=8, target_modules=["q_proj"], task_type=None))
+    assert set(bases.layers) == {"q_proj"} and bases.out_features("q_proj") == 32
+    got = bases.dequantized("q_proj", torch.device("cpu"))
+    torch.testing.assert_close(got, fmt.dequantize(checkpoint, torch.float32), rtol=0, atol=0)
+    with pytest.raises(QerlError, match="no LoRA layer k_proj"):
+        bases.dequantized("k_proj", torch.device("cpu"))

@@ -23,6 +23,7 @@ written back to its base.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 import time
@@ -34,7 +35,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
-from qerl_cli.modeling.fp8_merge import LoraDelta, deltas_from_tensors, lora_deltas
+from qerl_cli.modeling.fp8_merge import BaseWeights, LoraDelta, PolicyBases, deltas_from_tensors, lora_deltas
 from qerl_cli.rollout.vllm_setup import tmpfs_dir
 from qerl_cli.rollout.vllm_worker import worker_merge_lora
 
@@ -59,6 +60,7 @@ class AdapterSync:
         self._lora: Any = None  # the active LoRARequest
         self._pending_lora: Any = None  # loaded by sync while asleep; activated at wake_up
         self._pending_merge: dict[str, LoraDelta] | None = None  # merge mode: the same
+        self._merge_bases: BaseWeights | None = None  # merge mode: the trainer's layers (None: checkpoint)
         self._has_pending = False
         self._next_lora_id = 1
         self.num_syncs = 0
@@ -99,7 +101,9 @@ class AdapterSync:
         started = time.perf_counter()
         if self.merge_base is not None:
             check_mergeable_policy(peft_model)
-            self._merge(lora_deltas(peft_model))
+            # vLLM in this process (qerl's default): merge onto the trainer's layers, read nowhere else.
+            in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            self._merge(lora_deltas(peft_model), PolicyBases(peft_model) if in_process else None)
         else:
             staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
             self._validate_adapter(staged)
@@ -145,10 +149,12 @@ class AdapterSync:
         self.last_sync_seconds = (self.last_sync_seconds or 0.0) + time.perf_counter() - started
 
     # ---- merge mode ---------------------------------------------------------------------------
-    def _merge(self, deltas: dict[str, LoraDelta] | None) -> None:
-        """Merge ``deltas`` (None: none, the base model) now, or at ``wake_up`` while vLLM sleeps."""
+    def _merge(self, deltas: dict[str, LoraDelta] | None, bases: BaseWeights | None = None) -> None:
+        """Merge ``deltas`` (None: none, the base model) onto ``bases`` (None: the checkpoint at
+        ``merge_base``) now, or at ``wake_up`` while vLLM sleeps."""
         self.num_syncs += 1
         deltas = dict(deltas or {})
+        self._merge_bases = bases
         if self._sleeping:
             # The merge writes vLLM's weights, which sleep mode has offloaded: defer to wake_up.
             self._pending_merge, self._has_pending = deltas, True
@@ -159,7 +165,8 @@ class AdapterSync:
         for name, (out, inp) in self._merged_shapes.items():
             # Merged before, not targeted now: back to its base (a zero update, rounded like the rest).
             deltas.setdefault(name, LoraDelta(torch.zeros(1, inp), torch.zeros(out, 1), 0.0))
-        fn = functools.partial(worker_merge_lora, base_path=self.merge_base, deltas=deltas)
+        fn = functools.partial(worker_merge_lora, base_path=self.merge_base, deltas=deltas,
+                               bases=self._merge_bases)  # fmt: skip
         self.merged_linears = int(min(self.llm.apply_model(fn))) if deltas else 0
         self._merged_shapes = {n: (int(d.b.shape[0]), int(d.a.shape[1])) for n, d in deltas.items()}
         # Cached KV blocks were computed with the previous weights.

@@ -14,7 +14,13 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.aqn import find_norm_modules, is_rms_norm, perturb_norm_weights
-from qerl_cli.modeling.fp8_merge import DEFAULT_CHUNK_ROWS, CheckpointBases, LoraDelta, write_merged
+from qerl_cli.modeling.fp8_merge import (
+    DEFAULT_CHUNK_ROWS,
+    BaseWeights,
+    CheckpointBases,
+    LoraDelta,
+    write_merged,
+)
 
 # Attribute on vLLM's model (worker side) holding the clean norm weights, on CPU: CPU copies are
 # unaffected by sleep-mode offloading and cost ~0.4 MB for a 7B model.
@@ -72,14 +78,19 @@ def no_norms_error(model_path: str) -> QerlError:
 
 
 def worker_merge_lora(
-    model: nn.Module, base_path: str, deltas: dict[str, LoraDelta], chunk_rows: int = DEFAULT_CHUNK_ROWS
+    model: nn.Module,
+    base_path: str,
+    deltas: dict[str, LoraDelta],
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    bases: BaseWeights | None = None,
 ) -> int:
     """Rewrite every linear the adapter targets as base + LoRA (``qerl_cli.modeling.fp8_merge``), in
-    place in vLLM's parameters; the base is read from the trainer's checkpoint at ``base_path``, so
-    repeated merges never compound roundings. Returns the number of linears written. Call it awake:
-    sleep mode has the weights offloaded."""
-    bases = getattr(model, MERGE_BASES_ATTR, None)
-    if bases is None or str(bases.folder) != str(base_path):
-        bases = CheckpointBases(base_path)
-        setattr(model, MERGE_BASES_ATTR, bases)
+    place in vLLM's parameters; the base is ``bases`` (the trainer's layers, vLLM in its process) or read
+    from the trainer's checkpoint at ``base_path``, so repeated merges never compound roundings. Returns
+    the number of linears written. Call it awake: sleep mode has the weights offloaded."""
+    if bases is None:
+        bases = getattr(model, MERGE_BASES_ATTR, None)
+        if bases is None or str(bases.folder) != str(base_path):
+            bases = CheckpointBases(base_path)
+            setattr(model, MERGE_BASES_ATTR, bases)
     return write_merged(model, bases, deltas, chunk_rows=chunk_rows)
