@@ -272,6 +272,41 @@ def test_the_memory_plan_counts_the_copies() -> None:
     assert counted["memory/fp8_base_copies_gib"] == 1
 
 
+def test_projections_sharing_an_input_round_it_once(monkeypatch) -> None:
+    """q/k/v (and gate/up) take the same x: it is rounded once, again only after an in-place write,
+    never kept alive by the cache, and the cache is dropped when backward starts."""
+    fp8_update._LastInput.clear()
+    layers = [layer("nvfp4", 32, 64) for _ in range(3)]
+    for q in layers:
+        set_base_compute(q, "fp8")
+        q.fp8_weight()  # derived before counting the roundings of activations
+    calls = []
+    real = fp8_update.quantize_rows
+    monkeypatch.setattr(fp8_update, "quantize_rows", lambda t: calls.append(t.shape) or real(t))
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    h = x * 1.0  # a non-leaf activation, as a norm's output
+    outs = [q(h) for q in layers]
+    assert len(calls) == 1
+    for q, out in zip(layers, outs, strict=True):  # the shared rounding is the right one
+        fp8 = q.fp8_weight()
+        want = emulated_mm(*real(h.detach()), fp8.rows, fp8.row_scale, h.dtype)
+        assert torch.equal(out, want.reshape(out.shape))
+    with torch.no_grad():
+        h.mul_(2.0)  # a new version: rounded anew
+        layers[0](h)
+    assert len(calls) == 2
+    other = h.clone()
+    layers[1](other)  # another tensor of the same contents: rounded anew
+    assert len(calls) == 3 and fp8_update._LastInput.rounded is not None
+    sum(o.sum() for o in outs).backward()  # (h changed in place after use: nothing saved it)
+    assert fp8_update._LastInput.rounded is None
+    y = torch.randn(3, 64)
+    layers[0](y)
+    assert fp8_update._LastInput.rounded is not None
+    del y  # the cache holds no reference to its input; its codes go with it
+    assert fp8_update._LastInput.rounded is None
+
+
 # --------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------

@@ -29,17 +29,19 @@ emulation): the CPU tests check the numerics the GPU runs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from qerl_cli.formats.fp8 import FP8_DTYPE, quantize_per_channel
+from qerl_cli.kernels.fp8_rows import kernel_applies, triton_quantize_rows
 
 # FP8 tensor cores: Ada (8.9) and Hopper (9.0) and later.
 FP8_MIN_CAPABILITY = (8, 9)
 # torch._scaled_mm wants K and N (both dims of B) to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
-# Elements rounded to FP8 at a time by quantize_rows (16M: ~200 MB of float32 temporaries).
+# Elements rounded to FP8 at a time by quantize_rows's torch path (16M: ~200 MB of float32 temporaries).
 QUANTIZE_CHUNK = 2**24
 
 
@@ -52,12 +54,16 @@ def native_fp8(device: torch.device) -> bool:
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., D]`` -> (contiguous E4M3 ``[M, D]``, float32 ``[M, 1]`` scales): one scale per row
-    (token), the rounding of :func:`qerl_cli.formats.fp8.quantize_per_channel`.
+    (token), the rounding of :func:`qerl_cli.formats.fp8.quantize_per_channel`, bit for bit.
 
-    Rows are independent, so they are rounded :data:`QUANTIZE_CHUNK` elements at a time: the float32
-    temporaries of the rounding (about 12 bytes an element) stay ~200 MB whatever the micro-batch,
-    where a 7B MLP input of 16k tokens would otherwise take 3.6 GB for an instant."""
+    On CUDA one fused Triton kernel does it (:mod:`qerl_cli.kernels.fp8_rows`: the input read twice,
+    one byte an element written, no temporaries). Elsewhere the torch reference runs, on
+    :data:`QUANTIZE_CHUNK` elements at a time (rows are independent): its float32 temporaries (about
+    12 bytes an element) stay ~200 MB whatever the micro-batch, where a 7B MLP input of 16k tokens
+    would otherwise take 3.6 GB for an instant."""
     flat = t.reshape(-1, t.shape[-1])
+    if kernel_applies(flat):
+        return triton_quantize_rows(flat)
     rows = max(1, QUANTIZE_CHUNK // max(1, flat.shape[1]))
     if flat.shape[0] <= rows:
         codes, scale = quantize_per_channel(flat)
@@ -145,6 +151,35 @@ def check_dims(out_features: int, in_features: int) -> str | None:
     return None
 
 
+class _LastInput:
+    """The FP8 rounding of the last input :class:`Fp8LinearFunction` saw, so the projections that share
+    one input (q/k/v, gate/up) round it once.
+
+    A hit needs the very same tensor object, alive (a weak reference: the cache never keeps an input
+    alive, and its codes go when the input does) and with an unchanged version counter (no in-place
+    write since). One entry only; it is dropped when backward starts."""
+
+    ref: weakref.ref | None = None
+    version = -1
+    rounded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def clear(cls, _ref=None) -> None:
+        if _ref is None or _ref is cls.ref:  # a dying earlier input must not clear a newer entry
+            cls.ref, cls.version, cls.rounded = None, -1, None
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_inference():  # inference tensors have no version counter: no caching
+            return quantize_rows(x)
+        if cls.ref is not None and cls.ref() is x and cls.version == x._version and cls.rounded is not None:
+            return cls.rounded
+        cls.clear()
+        rounded = quantize_rows(x)
+        cls.ref, cls.version, cls.rounded = weakref.ref(x, cls.clear), x._version, rounded
+        return rounded
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` and ``dx = dy W`` as FP8 GEMMs on a layer's :class:`Fp8Weight`.
 
@@ -155,13 +190,14 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, weight: Fp8Weight):  # type: ignore[override]
         ctx.weight = weight
-        codes, scale = quantize_rows(x)
+        codes, scale = _LastInput.quantize(x)
         out = fp8_mm(codes, scale, weight.rows, weight.row_scale, x.dtype)
         out = out.reshape(*x.shape[:-1], weight.rows.shape[0])
         return out if bias is None else out + bias.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
+        _LastInput.clear()
         grad_input = None
         if ctx.needs_input_grad[0]:
             weight: Fp8Weight = ctx.weight
