@@ -514,3 +514,15 @@ def test_scripts_holds_only_the_setup() -> None:
     if done.returncode != 0:
         pytest.skip("not a git checkout")
     assert done.stdout.split() == ["scripts/setup.sh"]
+
+
+def test_the_sweep_takes_every_linear_backend_but_auto() -> None:
+    """A sweep of the merged backends was refused on an H100 after the 16 x 8 runs (`--backends has
+    unknown ['fp8-merged']`): the list the bench checks is rollout.linear_backend's."""
+    from qerl_cli import config as cfg
+    from qerl_cli.config.stages import SWEPT_BACKENDS
+    from qerl_cli.rollout.backends import BACKENDS
+
+    assert ("auto", *SWEPT_BACKENDS) == BACKENDS
+    conf = cfg.load_config(cfg.BenchConfig, None, ["backends=[fp8-merged, merged]", "concurrency=[8]"])
+    assert conf.backends == ["fp8-merged", "merged"]

@@ -125,21 +125,25 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)
 def test_kernel_bit_exact_on_gpu(dtype) -> None:
-    """Both roundings (the GPU's FP8 convert where it has one, and the integer one) against the torch
-    reference on the same GPU, and against the CPU reference."""
+    """Both roundings (the GPU's FP8 convert where it has one, and the integer one) against the CPU
+    reference. Not against torch on the GPU: its division by a scalar is a multiplication by the
+    reciprocal there, one ulp off the correctly rounded quotient for some rows (seen on an H100: 6-9
+    scales of 12 differed, and the codes of those rows with them), while the CPU divides exactly, as the
+    kernel does."""
     from qerl_cli.kernels import quantize_rows_fp8, triton_quantize_rows
     from qerl_cli.kernels.fp8_rows import hardware_cast
 
+    def on_cpu(rounded: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return rounded[0].cpu(), rounded[1].cpu()
+
     for k in (1, 700, 3584, 18944):
         x = sample_rows(k, dtype, device="cuda")
-        want = quantize_per_channel(x)
-        assert_same(quantize_rows_fp8(x), want)
-        assert_same(triton_quantize_rows(x, hw_cast=False), want)
+        want = quantize_per_channel(x.cpu())
+        assert_same(on_cpu(quantize_rows_fp8(x)), want)
+        assert_same(on_cpu(triton_quantize_rows(x, hw_cast=False)), want)
         if hardware_cast(x.device):
-            assert_same(triton_quantize_rows(x, hw_cast=True), want)
-        cpu = quantize_per_channel(x.cpu())
-        assert_same(tuple(t.cpu() for t in quantize_rows_fp8(x)), cpu)
-    values = rounding_cases().cuda()
-    x = torch.cat([torch.tensor([FP8_MAX], device="cuda"), values]).reshape(1, -1)
-    assert_same(quantize_rows_fp8(x), quantize_per_channel(x))
-    assert_same(triton_quantize_rows(x, hw_cast=False), quantize_per_channel(x))
+            assert_same(on_cpu(triton_quantize_rows(x, hw_cast=True)), want)
+    values = rounding_cases()
+    x = torch.cat([torch.tensor([FP8_MAX]), values]).reshape(1, -1)
+    assert_same(on_cpu(quantize_rows_fp8(x.cuda())), quantize_per_channel(x))
+    assert_same(on_cpu(triton_quantize_rows(x.cuda(), hw_cast=False)), quantize_per_channel(x))

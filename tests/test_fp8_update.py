@@ -228,10 +228,19 @@ def test_the_policy_applies_the_choice_in_one_place(monkeypatch: pytest.MonkeyPa
     cpu = torch.device("cpu")
     assert base_compute.apply_base_compute(model, "auto", cpu) == "bf16" and fp8_cache_nbytes(model) == 0
     monkeypatch.setattr(base_compute, "device_capability", lambda device: (9, 0))  # as on an H100
-    assert base_compute.apply_base_compute(model, "auto", cpu) == "fp8"
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert all(m.base_compute == "fp8" for m in layers)
-    assert fp8_cache_nbytes(model) == sum(Fp8Weight.bytes_for(m.out_features, m.in_features) for m in layers)
+    # The tiny model's layers are far below FP8_MIN_GEMM_DIM: FP8 is on, but no layer gains from it.
+    assert base_compute.apply_base_compute(model, "auto", cpu) == "fp8"
+    assert all(m.base_compute == "bf16" for m in layers) and fp8_cache_nbytes(model) == 0
+    smallest = min(min(m.out_features, m.in_features) for m in layers)
+    largest = max(min(m.out_features, m.in_features) for m in layers)
+    assert smallest < largest  # some layers are larger than others: the rule splits them
+    monkeypatch.setattr(base_compute, "FP8_MIN_GEMM_DIM", largest)
+    assert base_compute.apply_base_compute(model, "auto", cpu) == "fp8"
+    big = [m for m in layers if min(m.out_features, m.in_features) >= largest]
+    assert all(m.base_compute == "fp8" for m in big)
+    assert all(m.base_compute == "bf16" for m in layers if m not in big)
+    assert fp8_cache_nbytes(model) == sum(Fp8Weight.bytes_for(m.out_features, m.in_features) for m in big)
 
 
 def test_build_policy_refuses_fp8_on_the_cpu_and_auto_stays_bf16(tiny_model_dir: Path) -> None:

@@ -12,6 +12,10 @@ from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.sections import BENCHMARKS_ALL, EngineName, QuantFormat, QuantMethod
 from qerl_cli.errors import QerlError
 
+# The linear backends a concurrency sweep measures: rollout.linear_backend's values but auto
+# (qerl_cli.rollout.backends.BACKENDS; a test keeps the two lists one).
+SWEPT_BACKENDS = ("marlin", "humming", "fp8", "fp8-merged", "merged")
+
 
 # --------------------------------------------------------------------------------------------
 # Quantize, eval, bench
@@ -194,7 +198,7 @@ class BenchConfig:
     # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
     # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.
     concurrency: list[int] = field(default_factory=list)
-    # --concurrency: the linear backends measured (marlin, humming, fp8).
+    # --concurrency: the linear backends measured (marlin, humming, fp8, fp8-merged, merged).
     backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
     # GiB of GPU memory the benchmark may use: a helper process holds the rest, so the engines and the
     # trainer see a smaller GPU (an 80 GB card's budget on a larger one). null: the whole GPU.
@@ -211,10 +215,10 @@ class BenchConfig:
             raise ConfigValueError(
                 _key(where, "concurrency"), f"needs positive integers, got {self.concurrency}"
             )
-        unknown = sorted(set(self.backends) - {"marlin", "humming", "fp8"})
+        unknown = sorted(set(self.backends) - set(SWEPT_BACKENDS))
         if unknown:
             raise ConfigValueError(
-                _key(where, "backends"), f"has unknown {unknown}; choose from marlin, humming, fp8"
+                _key(where, "backends"), f"has unknown {unknown}; choose from {', '.join(SWEPT_BACKENDS)}"
             )
         _positive(where, e2e_generations=self.e2e_generations)
         if not self.rollouts and not self.e2e:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.fp8_update import FP8_MIN_CAPABILITY, check_dims
+from qerl_cli.modeling.fp8_update import FP8_MIN_CAPABILITY, FP8_MIN_GEMM_DIM, check_dims
 from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def apply_base_compute(model: nn.Module, choice: str, device: torch.device) -> s
     bad = next((why for m in layers if (why := check_dims(m.out_features, m.in_features))), None)
     mode, why = resolve_base_compute(choice, quantized=bool(layers), capability=device_capability(device),
                                      bad_dims=bad)  # fmt: skip
-    held = set_base_compute(model, mode) if layers else 0
+    held = set_base_compute(model, mode, min_dim=FP8_MIN_GEMM_DIM) if layers else 0
     log.info("base GEMMs in the update: %s (%s)%s", mode.upper(), why,
              f"; FP8 weight copies {held / GIB:.2f} GiB" if held else "")  # fmt: skip
     return mode

@@ -199,9 +199,10 @@ def packed_nbytes(module: nn.Module) -> int:
     )
 
 
-def set_base_compute(module: nn.Module, mode: str) -> int:
-    """Run every QuantLinear under ``module`` in ``mode`` ("bf16" or "fp8"); returns the bytes of the
-    FP8 copies now held. "fp8" derives them now (one layer at a time), so memory measured afterwards
+def set_base_compute(module: nn.Module, mode: str, min_dim: int = 0) -> int:
+    """Run every QuantLinear under ``module`` in ``mode`` ("bf16" or "fp8"; under "fp8" a layer whose
+    smaller dimension is below ``min_dim`` stays BF16: its GEMMs are too small to gain); returns the bytes
+    of the FP8 copies now held. "fp8" derives them now (one layer at a time), so memory measured afterwards
     counts them; "bf16" drops them. No check of the device here: off an FP8 GPU the FP8 GEMMs are
     emulated (what the CPU tests use); ``train.base_compute`` is checked in ``modeling.base_compute``.
     """
@@ -209,8 +210,9 @@ def set_base_compute(module: nn.Module, mode: str) -> int:
         raise ValueError(f"base_compute must be one of {BASE_COMPUTES}, got {mode!r}")
     for layer in module.modules():
         if isinstance(layer, QuantLinear):
-            layer.base_compute = mode
-            if mode == "fp8":
+            large = min(layer.out_features, layer.in_features) >= min_dim
+            layer.base_compute = mode if large else "bf16"
+            if layer.base_compute == "fp8":
                 layer.fp8_weight()
             else:
                 layer._fp8 = None
