@@ -41,11 +41,12 @@ from qerl_cli.kernels.fp8_rows import kernel_applies, triton_quantize_rows
 FP8_MIN_CAPABILITY = (8, 9)
 # torch._scaled_mm wants K and N (both dims of B) to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
-# A layer whose smaller dimension is below this keeps BF16 GEMMs under train.base_compute=fp8. Measured on
-# an H100 (forward + input gradient of a 4608-token micro-batch): FP8 1.30x BF16 at 18944x3584 and 1.32x
-# at 3584x18944 (the 7B MLP), but 0.48x at 3584x3584 and 0.18x at 512x3584 (attention), where the ~0.5 ms
-# of host work per call (rounding kernel launch, cuBLASLt FP8 setup) outweighs the GEMM's saving.
-FP8_MIN_GEMM_DIM = 8192
+# A layer of fewer weights than this keeps BF16 GEMMs under train.base_compute=fp8. Measured on an H100
+# (forward + input gradient of a 4608-token micro-batch): FP8 1.30x BF16 at 18944x3584 and 1.32x at
+# 3584x18944 (the 7B MLP, 68M weights), but 0.48x at 3584x3584 and 0.18x at 512x3584 (attention, 13M and
+# 1.8M), where the ~0.5 ms of host work per call (rounding kernel launch, cuBLASLt FP8 setup) outweighs
+# the GEMM's saving.
+FP8_MIN_WEIGHTS = 2**25
 # Elements rounded to FP8 at a time by quantize_rows's torch path (16M: ~200 MB of float32 temporaries).
 QUANTIZE_CHUNK = 2**24
 
@@ -146,9 +147,9 @@ def emulated_mm(
         return ((a.float() * a_scale) @ (b.float() * b_scale).t()).to(out_dtype)
 
 
-def fp8_pays(out_features: int, in_features: int, min_dim: int = FP8_MIN_GEMM_DIM) -> bool:
-    """Whether an ``[out, in]`` layer's GEMMs are large enough for FP8 to beat BF16 (``FP8_MIN_GEMM_DIM``)."""
-    return min(out_features, in_features) >= min_dim
+def fp8_pays(out_features: int, in_features: int, min_weights: int = FP8_MIN_WEIGHTS) -> bool:
+    """Whether an ``[out, in]`` layer's GEMMs are large enough for FP8 to beat BF16 (``FP8_MIN_WEIGHTS``)."""
+    return out_features * in_features >= min_weights
 
 
 def check_dims(out_features: int, in_features: int) -> str | None:

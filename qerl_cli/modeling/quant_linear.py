@@ -20,7 +20,7 @@ from torch import nn
 from qerl_cli import formats
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.kernels import dequantize as kernel_dequantize
-from qerl_cli.modeling.fp8_update import Fp8LinearFunction, Fp8Weight
+from qerl_cli.modeling.fp8_update import Fp8LinearFunction, Fp8Weight, fp8_pays
 
 BASE_COMPUTES = ("bf16", "fp8")
 
@@ -199,10 +199,10 @@ def packed_nbytes(module: nn.Module) -> int:
     )
 
 
-def set_base_compute(module: nn.Module, mode: str, min_dim: int = 0) -> int:
-    """Run every QuantLinear under ``module`` in ``mode`` ("bf16" or "fp8"; under "fp8" a layer whose
-    smaller dimension is below ``min_dim`` stays BF16: its GEMMs are too small to gain); returns the bytes
-    of the FP8 copies now held. "fp8" derives them now (one layer at a time), so memory measured afterwards
+def set_base_compute(module: nn.Module, mode: str, min_weights: int = 0) -> int:
+    """Run every QuantLinear under ``module`` in ``mode`` ("bf16" or "fp8"; under "fp8" a layer of fewer
+    than ``min_weights`` weights stays BF16: its GEMMs are too small to gain); returns the bytes of the
+    FP8 copies now held. "fp8" derives them now (one layer at a time), so memory measured afterwards
     counts them; "bf16" drops them. No check of the device here: off an FP8 GPU the FP8 GEMMs are
     emulated (what the CPU tests use); ``train.base_compute`` is checked in ``modeling.base_compute``.
     """
@@ -210,7 +210,7 @@ def set_base_compute(module: nn.Module, mode: str, min_dim: int = 0) -> int:
         raise ValueError(f"base_compute must be one of {BASE_COMPUTES}, got {mode!r}")
     for layer in module.modules():
         if isinstance(layer, QuantLinear):
-            large = min(layer.out_features, layer.in_features) >= min_dim
+            large = fp8_pays(layer.out_features, layer.in_features, min_weights)
             layer.base_compute = mode if large else "bf16"
             if layer.base_compute == "fp8":
                 layer.fp8_weight()

@@ -21,9 +21,9 @@ from torch import nn
 from qerl_cli.config import TrainConfig, to_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.aqn import AQNSchedule
-from qerl_cli.modeling.quant_linear import fp8_cache_nbytes, set_base_compute
+from qerl_cli.modeling.quant_linear import fp8_cache_nbytes
 from qerl_cli.rl.distributed import Distributed
-from qerl_cli.rl.memory import GIB, MemoryPlan, plan_for_run
+from qerl_cli.rl.memory import MemoryPlan, plan_for_run
 from qerl_cli.rl.policy import Policy
 from qerl_cli.rollout.backends import rollout_weight_format
 from qerl_cli.rollout.base import RolloutEngine
@@ -139,20 +139,10 @@ def check_parallel_settings(cfg: TrainConfig, dist: Distributed) -> None:
 
 def plan_with_base_compute(cfg: TrainConfig, policy: Policy) -> MemoryPlan:
     """The run's memory plan (``rl.memory.plan_for_run``) with the FP8 base copies of
-    ``train.base_compute`` (``modeling.base_compute``) counted in the trainer's static memory. Under
-    ``auto``, a plan that does not fit with them is made again without them (the base back in BF16,
-    ``policy.base_compute`` updated); an explicit ``fp8`` keeps the plan's error."""
+    ``train.base_compute=fp8`` (``modeling.base_compute``) counted in the trainer's static memory; a
+    plan that does not fit with them fails with the plan's error (``auto`` never holds them)."""
     held = fp8_cache_nbytes(policy.model)
-    try:
-        return plan_for_run(cfg, policy.model, policy.base_format, static_extra_bytes=held)
-    except QerlError as exc:
-        if not held or cfg.train.base_compute != "auto":
-            raise
-        log.warning("base GEMMs in the update: BF16 after all (train.base_compute=auto): the plan does not "
-                    "fit with the %.2f GiB of FP8 weight copies: %s", held / GIB, exc)  # fmt: skip
-        set_base_compute(policy.model, "bf16")
-        policy.base_compute = "bf16"
-        return plan_for_run(cfg, policy.model, policy.base_format)
+    return plan_for_run(cfg, policy.model, policy.base_format, static_extra_bytes=held)
 
 
 def make_aqn_schedule(cfg: TrainConfig) -> AQNSchedule | None:
