@@ -33,6 +33,17 @@ if _no_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the Triton kernels of CPU tensors under the interpreter (tests/test_kernels.py and the FP8
+    rounding kernel's tests); skipped with a GPU, whose compiled kernels the gpu tests cover."""
+    if not _no_cuda():
+        pytest.skip("kernels are compiled for the GPU in this process; the gpu tests cover them")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)")
+    monkeypatch.setenv("QERL_TRITON_CPU", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 model folder (seed 0), shared read-only by the whole session."""

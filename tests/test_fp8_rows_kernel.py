@@ -3,8 +3,6 @@ CPU interpreter here, the GPU's own FP8 convert in the gpu test."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,15 +11,6 @@ from qerl_cli.formats.fp8 import FP8_MAX, quantize_per_channel
 # tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton when there is no GPU;
 # the ``interpreter`` fixture then routes CPU tensors to the kernel (QERL_TRITON_CPU=1).
 pytest.importorskip("triton")
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("kernels are compiled for the GPU in this process; the gpu tests cover them")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)")
-    monkeypatch.setenv("QERL_TRITON_CPU", "1")
 
 
 def sample_rows(k: int, dtype: torch.dtype, device="cpu") -> torch.Tensor:

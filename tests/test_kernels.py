@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -22,15 +20,6 @@ FORMATS = [
 ]
 # 40 x 192 = 3840 bytes packed: not a multiple of the kernel's 1024-byte tile, so the masked tail runs.
 SHAPES = [(40, 192), (64, 512)]
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("kernels are compiled for the GPU in this process; the gpu tests cover them")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)")
-    monkeypatch.setenv("QERL_TRITON_CPU", "1")
 
 
 def sample_weight(shape, device="cpu") -> torch.Tensor:
