@@ -202,6 +202,9 @@ def test_a_stale_merge_fails_the_staleness_check_with_the_alternative(
     assert engine.check_staleness(probe, lambda p: [-1.0 - 0.01 * t for t in p[1:]]) == pytest.approx(0.0)
     with pytest.raises(QerlError, match="merged into its weights.*linear_backend=fp8"):
         engine.check_staleness(probe, lambda p: [-0.5 - 0.01 * t for t in p[1:]])
+    # The FP8 copy's own rounding may take up to twice the tolerance, as the fp8 backend's base models
+    # may differ (a random-weight 7B on an H100: 0.54 nats/token against a tolerance of 0.5).
+    assert engine.check_staleness(probe, lambda p: [-0.85 - 0.01 * t for t in p[1:]]) == pytest.approx(0.15)
 
 
 # --------------------------------------------------------------------------------------------

@@ -135,6 +135,26 @@ def test_32b_nvfp4_plan_on_an_80gb_cap() -> None:
     assert kv_tokens > 20 * 5120
 
 
+def test_72b_nvfp4_plan_on_one_h200_at_bigmath_lengths() -> None:
+    """bigmath_72b's plan: one H200, 1024 + 4096 tokens, every setting on auto (not yet run on a GPU)."""
+    from qerl_cli.config.loading import load_config
+    from qerl_cli.config.sections import TrainConfig
+
+    recipe = load_config(TrainConfig, "bigmath_72b", [])
+    seq_len = recipe.rollout.max_prompt_length + recipe.rollout.max_completion_length
+    plan = _plan("qwen2.5-72b", "nvfp4", H200_TOTAL, H200_TOTAL - GIB, seq_len=seq_len)
+    s = shape("qwen2.5-72b")
+    vllm_budget = plan.gpu_memory_utilization * H200_TOTAL
+    assert plan.figures["memory/trainer_static_estimate_gib"] < 50  # 41.4 GiB of NVFP4 weights, LoRA, Adam
+    assert plan.gradient_checkpointing and plan.micro_batch_size >= 1
+    assert vllm_budget <= plan.figures["memory/free_after_trainer_gib"] * GIB - mem.DEFAULT_MARGIN
+    # vLLM holds its own NVFP4 copy and KV room for at least 16 full-length sequences at once.
+    kv_tokens = (vllm_budget - mem.weight_bytes(s, "nvfp4") - mem.VLLM_OVERHEAD) / s.kv_bytes_per_token()
+    assert kv_tokens > 16 * seq_len
+    with pytest.raises(QerlError):  # and it does not fit an 80 GB GPU
+        _plan("qwen2.5-72b", "nvfp4", H200_TOTAL, H100_FREE, seq_len=seq_len)
+
+
 def test_32b_bf16_does_not_fit_on_80gb_and_says_why() -> None:
     with pytest.raises(QerlError, match=r"it needs at least \d+\.\d GiB"):
         _plan("qwen2.5-32b", "bf16", H200_TOTAL, H100_FREE)
