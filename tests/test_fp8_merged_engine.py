@@ -205,6 +205,13 @@ def test_a_stale_merge_fails_the_staleness_check_with_the_alternative(
     # The FP8 copy's own rounding may take up to twice the tolerance, as the fp8 backend's base models
     # may differ (a random-weight 7B on an H100: 0.54 nats/token against a tolerance of 0.5).
     assert engine.check_staleness(probe, lambda p: [-0.85 - 0.01 * t for t in p[1:]]) == pytest.approx(0.15)
+    # A BF16 merge has no FP8 rounding to allow for: the plain tolerance, and the message says which.
+    from qerl_cli.rollout.backends import BackendChoice
+
+    engine.backend_choice = BackendChoice("merged", "bf16", "pinned by rollout.linear_backend")
+    bf16_message = r"allowed: 1 x rollout.staleness_tolerance=0.1.*linear_backend=merged"
+    with pytest.raises(QerlError, match=bf16_message):
+        engine.check_staleness(probe, lambda p: [-0.85 - 0.01 * t for t in p[1:]])
 
 
 # --------------------------------------------------------------------------------------------

@@ -172,9 +172,9 @@ def measure_case(case: Case) -> dict[str, Any]:
     with open_engine(case) as (engine, tokenizer, info):
         probe.sample()
         _complete_kv_info(info, case, settings, model_config)
-        for rank in case.phases():
-            if rank and getattr(engine, "lora_request", True) is None:
-                engine.sync_adapter(case.lora_dir)  # the second phase of a shared vLLM engine
+        for phase, rank in enumerate(case.phases()):
+            if phase and rank:  # the second phase of a shared vLLM engine (the first got it at start)
+                engine.sync_adapter(case.lora_dir)
             rows = measure_rollout(engine, tokenizer, case.batches, settings, on_sample=probe.sample,
                                    vocab_size=model_config.get("vocab_size"))
             shared = len(case.phases()) > 1

@@ -9,7 +9,7 @@ plan (``rl.setup.plan_with_base_compute``).
   whole run). Needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9) and a 4-bit base;
   asked for anywhere else it is an error, never a silent fallback;
 * ``auto``: ``bf16``. Measured on an H100 for a 7B (``benchmarks/h100-2026-11-27-merged``), FP8 on
-  every layer made the update 1.00x as fast, and on the MLP layers alone (:data:`FP8_MIN_WEIGHTS`)
+  every layer made the update 0.99x as fast, and on the MLP layers alone (:data:`FP8_MIN_WEIGHTS`)
   1.06x, for 11-12 GiB of copies that the rollout's KV cache would otherwise hold.
 
 A BF16 base (plain ``nn.Linear``) always computes in BF16: it has no 4-bit weight to keep, and an FP8
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.fp8_update import FP8_MIN_CAPABILITY, FP8_MIN_WEIGHTS, check_dims
+from qerl_cli.modeling.fp8_update import FP8_MIN_CAPABILITY, FP8_MIN_WEIGHTS, check_dims, fp8_pays
 from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
 
 log = logging.getLogger(__name__)
@@ -41,24 +41,29 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def resolve_base_compute(
-    choice: str, *, quantized: bool, capability: tuple[int, int] | None, bad_dims: str | None = None
+    choice: str, *, quantized: bool | None, capability: tuple[int, int] | None, bad_dims: str | None = None
 ) -> tuple[str, str]:
     """(``bf16`` or ``fp8``, why) for ``train.base_compute=choice``; ``quantized``: the base has 4-bit
-    (QuantLinear) layers; ``capability``: the training GPU's (None: a CPU); ``bad_dims``: a layer shape
-    FP8 GEMMs cannot take. Raises QerlError where ``fp8`` is asked for and cannot run."""
+    layers large enough for FP8 GEMMs to pay (:data:`FP8_MIN_WEIGHTS`); ``capability``: the training
+    GPU's (None: a CPU); ``bad_dims``: such a layer's shape FP8 GEMMs cannot take. A BF16 base keeps
+    BF16 (so one recipe serves the BF16 and the 4-bit arms of a comparison); otherwise raises QerlError
+    where ``fp8`` is asked for and cannot run or would run no layer."""
     if choice not in CHOICES:
         raise QerlError(f"train.base_compute must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "bf16":
         return "bf16", "train.base_compute=bf16"
     if choice == "auto":
-        return "bf16", ("train.base_compute=auto keeps BF16: FP8 update GEMMs measured 1.00-1.06x of BF16 "
+        return "bf16", ("train.base_compute=auto keeps BF16: FP8 update GEMMs measured 0.99-1.06x of BF16 "
                         "on an H100 for 11-12 GiB of weight copies")  # fmt: skip
+    if quantized is None:
+        return "bf16", "train.base_compute=fp8: the base is BF16, which computes in BF16"
     where = (
         "the CPU" if capability is None else f"a GPU of compute capability {capability[0]}.{capability[1]}"
     )
     problem = None
     if not quantized:
-        problem = "the base is BF16 (FP8 GEMMs are for a 4-bit base)"
+        problem = (f"no 4-bit layer of this model has the {FP8_MIN_WEIGHTS:,} weights where FP8 GEMMs "
+                   "beat BF16 (the largest layers of a 7B and up do)")  # fmt: skip
     elif capability is None or capability < FP8_MIN_CAPABILITY:
         need = ".".join(map(str, FP8_MIN_CAPABILITY))
         problem = f"training runs on {where}, without FP8 tensor cores (compute capability >= {need})"
@@ -76,10 +81,11 @@ def apply_base_compute(model: nn.Module, choice: str, device: torch.device) -> s
     (deriving the FP8 copies now, so the memory plan measures them), log what and why; returns the
     mode."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    bad = next((why for m in layers if (why := check_dims(m.out_features, m.in_features))), None)
-    mode, why = resolve_base_compute(choice, quantized=bool(layers), capability=device_capability(device),
-                                     bad_dims=bad)  # fmt: skip
+    large = [m for m in layers if fp8_pays(m.out_features, m.in_features, FP8_MIN_WEIGHTS)]
+    bad = next((why for m in large if (why := check_dims(m.out_features, m.in_features))), None)
+    mode, why = resolve_base_compute(choice, quantized=bool(large) if layers else None,
+                                     capability=device_capability(device), bad_dims=bad)  # fmt: skip
     held = set_base_compute(model, mode, min_weights=FP8_MIN_WEIGHTS) if layers else 0
-    log.info("base GEMMs in the update: %s (%s)%s", mode.upper(), why,
-             f"; FP8 weight copies {held / GIB:.2f} GiB" if held else "")  # fmt: skip
+    fp8_layers = f"; {len(large)} of {len(layers)} layers in FP8, copies {held / GIB:.2f} GiB" if held else ""
+    log.info("base GEMMs in the update: %s (%s)%s", mode.upper(), why, fp8_layers)
     return mode

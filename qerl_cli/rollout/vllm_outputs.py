@@ -140,16 +140,20 @@ def staleness_message(
     )
 
 
-def merged_staleness_message(gap: float, tolerance: float) -> str:
+def merged_staleness_message(gap: float, tolerance: float, factor: float, backend: str) -> str:
     """Why vLLM's logprobs are ``gap`` away from the trainer's when the adapter is merged into its
-    weights (fp8-merged): there is no adapter-free vLLM model to tell a stale merge from the weights'
-    rounding."""
+    weights (``backend``: fp8-merged or merged), allowed ``factor`` x ``tolerance``: there is no
+    adapter-free vLLM model to tell a stale merge from the weights' rounding."""
+    fp8 = backend == "fp8-merged"
+    alternative = (
+        "rollout.linear_backend=fp8, which serves the LoRA in vLLM and tells the FP8 copy's numerics from a "
+        "stale adapter" if fp8 else "the default rollout.linear_backend, which serves the LoRA in vLLM"
+    )
     return (
-        f"vLLM's logprobs differ from the trainer's by {gap:.3f} nats/token on the probe prompt "
-        f"(rollout.staleness_tolerance={tolerance}) with the adapter merged into its weights "
-        "(rollout.linear_backend=fp8-merged): the merge is not the trainer's policy (another base than "
-        "model.path, or FP8 rounding past the tolerance). Use rollout.linear_backend=fp8, which serves the "
-        "LoRA in vLLM and tells the FP8 copy's numerics from a stale adapter"
+        f"vLLM's logprobs differ from the trainer's by {gap:.3f} nats/token on the probe prompt (allowed: "
+        f"{factor:g} x rollout.staleness_tolerance={tolerance}) with the adapter merged into its weights "
+        f"(rollout.linear_backend={backend}): the merge is not the trainer's policy (another base than "
+        f"model.path{', or FP8 rounding past the allowance' if fp8 else ''}). Use {alternative}"
     )
 
 

@@ -108,12 +108,17 @@ class StalenessCheck:
             detail,
         )
         if self.merge_base is not None:
-            # Merged weights carry the FP8 copy's rounding, which the fp8 backend lets the two base
+            # FP8 merged weights carry the FP8 copy's rounding, which the fp8 backend lets the two base
             # models differ by up to twice the tolerance; with no adapter-free vLLM model to take it
             # out, the merged model gets the same allowance (a 7B random-weight base measured 0.54).
-            if gap <= BASE_TOLERANCE_FACTOR * self.staleness_tolerance:
+            # A BF16 merge rounds to BF16 only: the plain tolerance.
+            choice = getattr(self, "backend_choice", None)
+            fp8 = choice is None or choice.weight_format == "fp8"
+            factor = BASE_TOLERANCE_FACTOR if fp8 else 1.0
+            if gap <= factor * self.staleness_tolerance:
                 return gap
-            raise QerlError(merged_staleness_message(gap, BASE_TOLERANCE_FACTOR * self.staleness_tolerance))
+            backend = choice.backend if choice is not None else "fp8-merged"
+            raise QerlError(merged_staleness_message(gap, self.staleness_tolerance, factor, backend))
         if explained.ok if explained is not None else gap <= self.staleness_tolerance:
             return gap
         raise QerlError(
