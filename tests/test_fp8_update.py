@@ -22,7 +22,7 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig, TrainSection, load_config
 from qerl_cli.errors import QerlError
-from qerl_cli.formats.fp8 import quantize_per_channel
+from qerl_cli.formats.fp8 import has_fp8_tensor_cores, quantize_per_channel
 from qerl_cli.modeling import base_compute, fp8_update
 from qerl_cli.modeling.base_compute import resolve_base_compute
 from qerl_cli.modeling.fp8_update import Fp8Weight, emulated_mm, quantize_rows
@@ -326,7 +326,7 @@ def test_projections_sharing_an_input_round_it_once(monkeypatch) -> None:
 def test_scaled_mm_matches_the_emulation_on_the_gpu() -> None:
     """torch._scaled_mm (row-wise scales, BF16 out) against the same FP8 codes multiplied in float32:
     only the accumulation order and the BF16 rounding of the output differ."""
-    if not fp8_update.native_fp8(torch.device("cuda")):
+    if not has_fp8_tensor_cores(torch.device("cuda")):
         pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
     q = layer("nvfp4", 384, 512).cuda()
     x, dy = (t.cuda().to(torch.bfloat16) for t in inputs(384, 512))

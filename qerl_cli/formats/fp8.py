@@ -12,6 +12,8 @@ The weight is the dequantized 4-bit weight rounded once more, to E4M3 with a per
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -20,6 +22,27 @@ FP8_MAX = 448.0  # the largest finite E4M3 value
 FP8_RELATIVE_STEP = 2.0**-3
 # The smallest E4M3 subnormal step, as a multiple of the scale (2^-9): the absolute rounding floor.
 FP8_SUBNORMAL_STEP = 2.0**-9
+# FP8 tensor cores and the FP8 convert instruction: Ada (compute capability 8.9), Hopper (9.0) and later.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device`` (None for any other), looked up once per GPU: the
+    FP8 update asks it on every GEMM."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    capability = cuda_capability(device)
+    return capability is not None and capability >= FP8_MIN_CAPABILITY
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,14 +21,12 @@ from functools import cache
 
 import torch
 
-from qerl_cli.formats.fp8 import FP8_DTYPE, quantize_per_channel
+from qerl_cli.formats.fp8 import FP8_DTYPE, has_fp8_tensor_cores, quantize_per_channel
 from qerl_cli.kernels.dequant import interpreter_enabled, use_triton_for
 
 # Elements of a row per loop step of the kernel.
 BLOCK = 1024
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The GPU's native float32 -> E4M3 convert (cvt.rn.satfinite.e4m3x2.f32): Ada and Hopper and later.
-HW_CAST_MIN_CAPABILITY = (8, 9)
 
 
 @cache
@@ -41,9 +39,8 @@ def _kernels():  # -> the qerl_cli.kernels._triton_fp8_rows module
 
 def hardware_cast(device: torch.device) -> bool:
     """Whether the kernel rounds with the GPU's FP8 convert instruction (else in integer arithmetic)."""
-    if device.type != "cuda" or interpreter_enabled():
-        return False
-    return tuple(torch.cuda.get_device_capability(device)) >= HW_CAST_MIN_CAPABILITY
+    # The GPU's native float32 -> E4M3 convert (cvt.rn.satfinite.e4m3x2.f32) comes with FP8 tensor cores.
+    return not interpreter_enabled() and has_fp8_tensor_cores(device)
 
 
 def triton_quantize_rows(x: torch.Tensor, hw_cast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,20 +24,15 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.fp8_update import FP8_MIN_CAPABILITY, FP8_MIN_WEIGHTS, check_dims, fp8_pays
+from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
+from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an H100 in for it
+from qerl_cli.modeling.fp8_update import FP8_MIN_WEIGHTS, check_dims, fp8_pays
 from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
 
 log = logging.getLogger(__name__)
 GIB = 2**30
 
 CHOICES = ("auto", "bf16", "fp8")
-
-
-def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """The CUDA compute capability of ``device``; None for a CPU."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
 
 
 def resolve_base_compute(

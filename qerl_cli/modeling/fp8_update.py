@@ -34,11 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_cli.formats.fp8 import FP8_DTYPE, quantize_per_channel
+from qerl_cli.formats.fp8 import FP8_DTYPE, has_fp8_tensor_cores, quantize_per_channel
 from qerl_cli.kernels.fp8_rows import kernel_applies, triton_quantize_rows
 
-# FP8 tensor cores: Ada (8.9) and Hopper (9.0) and later.
-FP8_MIN_CAPABILITY = (8, 9)
 # torch._scaled_mm wants K and N (both dims of B) to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
 # A layer of fewer weights than this keeps BF16 GEMMs under train.base_compute=fp8. Measured on an H100
@@ -49,13 +47,6 @@ FP8_DIM_MULTIPLE = 16
 FP8_MIN_WEIGHTS = 2**25
 # Elements rounded to FP8 at a time by quantize_rows's torch path (16M: ~200 MB of float32 temporaries).
 QUANTIZE_CHUNK = 2**24
-
-
-def native_fp8(device: torch.device) -> bool:
-    """Whether ``device`` runs FP8 GEMMs on tensor cores (``torch._scaled_mm``)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return tuple(torch.cuda.get_device_capability(device)) >= FP8_MIN_CAPABILITY
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +122,7 @@ def fp8_mm(
     ``b`` row-major ``[N, K]`` is exactly the column-major ``[K, N]`` operand ``torch._scaled_mm``
     wants (``b.t()``, no copy); its scales go in as the contiguous ``[1, N]`` row.
     """
-    if native_fp8(a.device):
+    if has_fp8_tensor_cores(a.device):
         out = torch._scaled_mm(a, b.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1),
                                out_dtype=torch.bfloat16)  # fmt: skip
         return out.to(out_dtype)

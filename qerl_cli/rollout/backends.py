@@ -45,6 +45,7 @@ from typing import Any
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
+from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ FP8_MERGED, DENSE_MERGED = "fp8-merged", "merged"
 MERGED_BACKENDS = (FP8_MERGED, DENSE_MERGED)
 # The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
 NOT_FP4_FORMATS = (formats.DENSE, *(name for name, fmt in formats.FORMATS.items() if not fmt.fp4))
-FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper on
 HUMMING_VLLM = (0, 26)  # the first vLLM with linear_backend="humming"
 SHIPPED_TABLE = Path(__file__).with_name("crossover.json")
 
@@ -321,7 +321,7 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
             return (f"needs vLLM {HUMMING_VLLM[0]}.{HUMMING_VLLM[1]}+ (linear_backend='humming'); this is "
                     f"vLLM {have}: pip install -U \"qerl[vllm]\"")  # fmt: skip
     fp8_weights = rollout_weight_format(backend, fmt) == "fp8"
-    if fp8_weights and env.capability is not None and env.capability < FP8_CAPABILITY:
+    if fp8_weights and env.capability is not None and env.capability < FP8_MIN_CAPABILITY:
         return (f"needs FP8 tensor cores (compute capability 8.9+, Ada or Hopper); this GPU is "
                 f"sm{env.capability[0]}{env.capability[1]}")  # fmt: skip
     return None
