@@ -203,13 +203,14 @@ def test_a_tiny_4bit_lora_model_trains_alike_in_fp8() -> None:
 # The choice
 # --------------------------------------------------------------------------------------------
 def test_auto_resolves_by_device_and_base() -> None:
-    # auto keeps BF16 everywhere: FP8 update GEMMs measured 1.00-1.06x of BF16 on an H100.
+    # auto keeps BF16 everywhere: FP8 update GEMMs measured 0.99-1.06x of BF16 on an H100.
     for capability in (None, (8, 0), (8, 9), (9, 0)):
         mode, why = resolve_base_compute("auto", quantized=True, capability=capability)
         assert mode == "bf16" and "measured" in why
     assert resolve_base_compute("fp8", quantized=True, capability=(9, 0))[0] == "fp8"  # an H100
     assert resolve_base_compute("fp8", quantized=True, capability=(8, 9))[0] == "fp8"  # Ada
     assert resolve_base_compute("bf16", quantized=True, capability=(9, 0))[0] == "bf16"
+    assert resolve_base_compute("bf16", quantized=None, capability=None)[0] == "bf16"
     # A BF16 base keeps BF16 under fp8: one recipe serves the BF16 and the 4-bit arms of a comparison.
     assert resolve_base_compute("fp8", quantized=None, capability=(9, 0))[0] == "bf16"
 

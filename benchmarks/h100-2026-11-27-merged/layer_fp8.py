@@ -1,6 +1,7 @@
 """One frozen layer's forward + input gradient in BF16 and in FP8 (``train.base_compute: fp8``), on one GPU.
 
-Run from the repository root (the figures of README.md section 3 came from it on one H100 80GB HBM3):
+Run from the repository root. The figures of README.md section 3 came from an untidied form of this
+script (the same shapes, timing and calls) on one H100 80GB HBM3; this form has not been run since:
 
     PYTHONPATH=$PWD python3 benchmarks/h100-2026-11-27-merged/layer_fp8.py
 """

@@ -322,7 +322,7 @@ class TrainSection:
     # The frozen 4-bit base's GEMMs in the update (qerl_cli.modeling.base_compute). bf16: dequantize the
     # packed weight per GEMM. fp8: FP8 E4M3 GEMMs (per-token activation scales) on two FP8 copies of
     # large base weight (>= 2^25 weights; smaller layers keep BF16), derived once and held all run: 2
-    # bytes per such weight (a 7B: ~11 GiB), an error without a GPU of FP8 tensor cores (compute
+    # bytes per such weight (a 7B: 10.6 GiB), an error without a GPU of FP8 tensor cores (compute
     # capability >= 8.9) or no layer that large. auto: bf16 (fp8 measured 0.99-1.06x of it on an H100, a
     # 7B). A BF16 base always computes in BF16.
     base_compute: Literal["auto", "bf16", "fp8"] = "auto"

@@ -10,7 +10,8 @@ plan (``rl.setup.plan_with_base_compute``).
   asked for anywhere else it is an error, never a silent fallback;
 * ``auto``: ``bf16``. Measured on an H100 for a 7B (``benchmarks/h100-2026-11-27-merged``), FP8 on
   every layer made the update 0.99x as fast, and on the MLP layers alone (:data:`FP8_MIN_WEIGHTS`)
-  1.06x, for 11-12 GiB of copies that the rollout's KV cache would otherwise hold.
+  1.06x, for copies of 10.6 GiB (MLP only, their size by arithmetic) to 12.2 GiB (every layer, measured)
+  that the rollout's KV cache would otherwise hold.
 
 A BF16 base (plain ``nn.Linear``) always computes in BF16: it has no 4-bit weight to keep, and an FP8
 copy beside its BF16 weight would cost memory for a speed-up this option does not aim at.
@@ -49,7 +50,7 @@ def resolve_base_compute(
         return "bf16", "train.base_compute=bf16"
     if choice == "auto":
         return "bf16", ("train.base_compute=auto keeps BF16: FP8 update GEMMs measured 0.99-1.06x of BF16 "
-                        "on an H100 for 11-12 GiB of weight copies")  # fmt: skip
+                        "on an H100 (a 7B) for 10.6-12.2 GiB of weight copies")  # fmt: skip
     if quantized is None:
         return "bf16", "train.base_compute=fp8: the base is BF16, which computes in BF16"
     where = (
