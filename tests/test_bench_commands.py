@@ -82,6 +82,7 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["scaling", "tiny", "--steps", "0"], "--steps must be a positive integer, got 0"),
         (["scaling", "tiny", "--reference", missing], f"--reference {missing}: not found"),
         (["scaling", "no-such-recipe"], "recipe file not found"),
+        (["scaling", "tiny", "--format", "fp3"], "--format: unknown format(s) fp3"),
         (["quality", "m", "--rows", "nvfp4-foo"], "'nvfp4-foo' is not FORMAT-METHOD"),
         (["quality", "m", "--rows", "bf16-rtn"], "'bf16-rtn' is not FORMAT-METHOD"),
         (["quality", "m", "--seq-len", "1"], "--seq-len must be >= 2"),
@@ -112,7 +113,7 @@ DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
         {
             "train": lambda t: (t["max_steps"], t["prompts_per_step"]) == (4, 3),
             "rollout": lambda r: r["num_generations"] == 2,
-            "output": lambda o: o["save_steps"] == 0,
+            "output": lambda o: o["save_steps"] == 4,  # the last step: a run to resume
         },
     ),
     (["quality", "m", "--rows", "nf4-rtn,NVFP4-awq"], {"rows": ["nf4-rtn", "nvfp4-awq"], "model": "m"}),
@@ -434,6 +435,80 @@ def test_scaling_writes_its_json_and_the_efficiency_against_a_reference(
     assert rc == 0, err
     second = json.loads((again / "scaling.json").read_text())
     assert second["reference"]["gpus"] == 1 and second["scaling_efficiency"] > 0
+
+
+def test_scaling_synthetic_job_and_its_checkpoint_resumes(
+    cache_dir, tiny_model_dir, tmp_path, capsys
+) -> None:
+    """--synthetic swaps in bench e2e's prompts and random rewards; the last step's checkpoint lets
+    `qerl train RUN/config.yaml --resume RUN` go on (under torchrun: on another number of GPUs)."""
+    out = tmp_path / "syn"
+    shape = ["--set", "rollout.num_generations=2", "--set", "rollout.max_completion_length=4"]
+    rc, _, err = run(
+        capsys, "bench", "scaling", "tiny", "--model", str(tiny_model_dir), "--synthetic", "--steps", "2",
+        "--prompts-per-gpu", "2", *shape, "-o", str(out),
+    )  # fmt: skip
+    assert rc == 0, err
+    report = json.loads((out / "scaling.json").read_text())
+    assert report["settings"]["job"] == "synthetic prompts, random rewards"
+    assert report["settings"]["model"] == str(tiny_model_dir)
+    saved = yaml.safe_load((out / "run" / "config.yaml").read_text())
+    assert saved["data"]["dataset"] == "synthetic-addition" and saved["data"]["template"] == "plain"
+    assert saved["algorithm"]["mask_truncated"] is False
+    assert saved["rollout"]["max_prompt_length"] == 64 + 64  # the recipe's, and room for the template
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and "time_checkpoint_s" in rows[-1]
+    assert (out / "run" / "checkpoint-2").is_dir()
+    # Seeded uniform rewards, not grades: a tiny untrained model's completions earn no 0/1 pattern.
+    assert all(0.0 < r["reward_mean"] < 1.0 for r in rows)
+    rc, _, err = run(
+        capsys, "train", str(out / "run" / "config.yaml"), "--resume", str(out / "run"),
+        "--set", "train.max_steps=3",
+    )  # fmt: skip
+    assert rc == 0, err
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(cache_dir, capsys) -> None:
+    rc, out, err = run(
+        capsys, "bench", "scaling", "gsm8k_7b", "--model", "qwen2.5-7b", "--synthetic", "--prompts-per-gpu",
+        "16", "--dry-run",
+    )  # fmt: skip
+    assert rc == 0, err
+    conf = yaml.safe_load(out)
+    target = cache_dir / "bench" / "qwen2.5-7b" / "nvfp4-seed0"
+    assert conf["model"]["path"] == str(target) and not target.exists()
+    assert conf["data"]["dataset"] == "synthetic-addition"
+    # gsm8k_7b's 256-token prompts: filler to ~256 byte-level tokens, the bound 64 above
+    assert conf["rollout"]["max_prompt_length"] == 320 and len(conf["data"]["system_prompt"]) == 256 - 48
+    assert conf["train"]["prompts_per_step"] == 16 and conf["output"]["save_steps"] == 3
+
+
+def test_scaling_other_local_ranks_wait_for_rank_zeros_checkpoint(cache_dir, monkeypatch) -> None:
+    """Under torchrun only local rank 0 writes a shape's checkpoint; the others wait for it, and say
+    so when it never comes."""
+    import threading
+
+    from qerl_cli.bench.models import shape_checkpoint_path
+    from qerl_cli.bench.scaling import model_folder
+    from qerl_cli.errors import QerlError
+    from qerl_cli.files import write_folder_once
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    target = shape_checkpoint_path("qwen2.5-0.5b", "mxfp4")
+    with pytest.raises(QerlError, match="local rank 0 did not write"):
+        model_folder("qwen2.5-0.5b", "mxfp4", write=True, wait_s=0.1)
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text("{}")
+
+    writer = threading.Timer(0.5, write_folder_once, (target, write))
+    writer.start()
+    try:
+        assert model_folder("qwen2.5-0.5b", "mxfp4", write=True, wait_s=60) == target
+    finally:
+        writer.join()
+    assert (target / "config.json").is_file()
 
 
 # -- library ----------------------------------------------------------------------------------------

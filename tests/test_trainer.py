@@ -173,6 +173,7 @@ def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> Non
         NOISE_SIGMA,
         "time_rollout_s",
         "time_update_s",
+        "time_aqn_s",
         "rollout_tokens_per_s",
         "grad_norm",
         "lr",

@@ -73,6 +73,8 @@ class RandomReward:
 
 # Characters of a synthetic-addition question with the plain template, rounded up.
 QUESTION_ALLOWANCE = 48
+# Tokens added to rollout.max_prompt_length, a bound: the padded prompts (chat template included) fit.
+PROMPT_SLACK = 64
 FILLER = "Add the two numbers and give only the sum. "
 
 
@@ -109,7 +111,7 @@ def filler_system_prompt(prompt_len: int, tokenizer: Any = None) -> str | None:
     return (FILLER * (room // len(FILLER) + 1))[:room]
 
 
-def _folder_tokenizer(model_dir: str) -> Any:
+def folder_tokenizer(model_dir: str) -> Any:
     """The tokenizer saved with ``model_dir``, or None when it has none (e.g. a name in a test)."""
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         return None
@@ -121,7 +123,7 @@ def _folder_tokenizer(model_dir: str) -> Any:
 def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
     """The same GRPO job for every format; only ``model_dir`` changes between formats."""
     steps = cfg.warmup + cfg.repeats
-    filler = filler_system_prompt(cfg.prompt_len, _folder_tokenizer(model_dir))
+    filler = filler_system_prompt(cfg.prompt_len, folder_tokenizer(model_dir))
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
     prompts = prompts_per_step(cfg)
     recipe = _recipe(cfg.e2e_recipe, model_dir) if cfg.e2e_recipe else None
@@ -148,8 +150,7 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         rollout=RolloutSection(
             engine=engine,  # type: ignore[arg-type]
             num_generations=cfg.e2e_generations,
-            # A bound: the padded synthetic prompts (chat template included) must fit.
-            max_prompt_length=cfg.prompt_len + 64,
+            max_prompt_length=cfg.prompt_len + PROMPT_SLACK,
             max_completion_length=cfg.gen_len,
             temperature=1.0,
             top_p=1.0,

@@ -98,6 +98,11 @@ def _save_tokenizer(tokenizer, folder: Path) -> None:
     (folder / "config.json").write_text("{}")  # AutoTokenizer looks for a config beside the tokenizer
 
 
+def shape_checkpoint_path(shape: str, fmt: str, seed: int = 0) -> Path:
+    """Where :func:`shape_checkpoint` keeps ``shape`` in ``fmt`` (written or not)."""
+    return cache_root() / "bench" / shape.lower() / f"{fmt}-seed{seed}"
+
+
 def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
     """The cached random-weight checkpoint of ``shape`` in ``fmt`` (written on first use)."""
     from qerl_cli.modeling.random_checkpoint import write_random_checkpoint
@@ -109,7 +114,7 @@ def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
     def write(tmp: Path) -> None:
         write_random_checkpoint(tmp, name, fmt, seed=seed, device=device, tokenizer_from=tokenizer_from)
 
-    return write_folder_once(cache_root() / "bench" / name / f"{fmt}-seed{seed}", write)
+    return write_folder_once(shape_checkpoint_path(name, fmt, seed), write)
 
 
 def _local_folder(model: str) -> Path:

@@ -8,6 +8,13 @@ Step 1 is left out of the means (CUDA graphs, autotuning, vLLM's first sleep), u
 one. Throughput is generated rollout tokens (summed over ranks) per second of whole steps, so runs
 that generate different amounts (weak scaling; completions ending at EOS) compare fairly.
 
+``synthetic``: the recipe's data and reward are replaced by ``qerl bench e2e``'s job (synthetic
+prompts padded to about ``rollout.max_prompt_length`` tokens, seeded random rewards), for random-weight
+checkpoints (``--model SHAPE``): grading their text measures nothing, and every completion of random
+weights runs to the length limit, so ``algorithm.mask_truncated`` is turned off (masking them all
+would leave no token to learn from). The last step is checkpointed (after its timing) so a run can be
+resumed, also on another number of GPUs (``qerl train RUN/config.yaml --resume RUN``).
+
 Weak scaling (``prompts_per_gpu``): ``train.prompts_per_step`` is that many per process, so the global
 batch grows with the GPUs; strong scaling (without it): the recipe's global batch on every count.
 Efficiency of N GPUs against a reference run on M: ``(tokens/s_N / N) / (tokens/s_M / M)`` (1.0:
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,14 +83,63 @@ def read_reference(path: str | Path) -> dict[str, Any]:
 
 
 def scaled_config(
-    cfg: TrainConfig, out_dir: Path, steps: int, prompts_per_gpu: int | None, world: int
+    cfg: TrainConfig,
+    out_dir: Path,
+    steps: int,
+    prompts_per_gpu: int | None,
+    world: int,
+    *,
+    synthetic: bool = False,
 ) -> TrainConfig:
     cfg.train.max_steps = steps
     cfg.output.dir = str(out_dir / RUN_DIR)
-    cfg.output.save_steps = 0  # checkpoints are not part of a step's time
+    # One checkpoint, after the last step's timing (its own time_checkpoint_s): the run can be resumed.
+    cfg.output.save_steps = steps
     if prompts_per_gpu:
         cfg.train.prompts_per_step = prompts_per_gpu * world
+    if synthetic:
+        synthetic_job(cfg)
     return cfg
+
+
+def synthetic_job(cfg: TrainConfig) -> None:
+    """``qerl bench e2e``'s prompts in place of the recipe's data (the reward: :func:`run_scaling`)."""
+    from qerl_cli.bench.e2e import E2E_DATASET, PROMPT_SLACK, filler_system_prompt, folder_tokenizer
+    from qerl_cli.config import DataSection
+
+    prompt_len = cfg.rollout.max_prompt_length
+    filler = filler_system_prompt(prompt_len, folder_tokenizer(cfg.model.path))
+    cfg.data = DataSection(dataset=E2E_DATASET, shuffle=False, template="plain", system_prompt=filler)
+    cfg.rollout.max_prompt_length = prompt_len + PROMPT_SLACK
+    cfg.algorithm.mask_truncated = False
+
+
+def model_folder(model: str, fmt: str, *, write: bool, wait_s: float = 1800.0) -> Path:
+    """``--model``: a folder as given, or the random-weight checkpoint of a shape in ``fmt``.
+
+    Under torchrun only local rank 0 writes a shape's checkpoint; the other ranks wait for it (a
+    7B is a minute's work on a GPU, which four ranks would otherwise each do). ``write=False`` (a dry
+    run) only names the folder.
+    """
+    from qerl_cli.bench.models import is_shape, shape_checkpoint, shape_checkpoint_path
+    from qerl_cli.files import is_complete_folder
+
+    if not is_shape(model):
+        return Path(model).expanduser()
+    if not write:
+        return shape_checkpoint_path(model, fmt)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        return shape_checkpoint(model, fmt)
+    target = shape_checkpoint_path(model, fmt)
+    deadline = time.monotonic() + wait_s
+    while not is_complete_folder(target):
+        if time.monotonic() > deadline:
+            raise QerlError(
+                f"local rank 0 did not write {target} within {wait_s:.0f} s; see its log, or write the "
+                "checkpoint first with a one-process run of the same --model"
+            )
+        time.sleep(2.0)
+    return target
 
 
 def run_scaling(
@@ -93,29 +150,36 @@ def run_scaling(
     steps: int,
     prompts_per_gpu: int | None = None,
     reference: str | None = None,
+    synthetic: bool = False,
 ) -> dict[str, Any]:
-    """Train ``steps`` steps on this world (every rank runs this), summarise; rank 0 writes
-    ``scaling.json``. Every rank returns the same report."""
+    """Train the :func:`scaled_config` ``cfg`` on this world (every rank runs this), summarise; rank 0
+    writes ``scaling.json``. Every rank returns the same report."""
+    from qerl_cli.bench.e2e import RandomReward
     from qerl_cli.rl.tracking import METRICS_FILE, read_metrics
     from qerl_cli.rl.trainer import train
 
     out = Path(out_dir)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     ref = read_reference(reference) if reference else None  # a bad file fails before any training
-    cfg = scaled_config(cfg, out, steps, prompts_per_gpu, world)
-    result = train(cfg, progress=False)
-    run = run_summary(read_metrics(out / RUN_DIR / METRICS_FILE), result.world_size)
+    reward = RandomReward(cfg.train.seed) if synthetic else None
+    result = train(cfg, progress=False, reward_fn=reward)
+    # GPUs in use: one per process, times the rollout's tensor-parallel ranks (they share the first).
+    gpus = result.world_size * cfg.rollout.tensor_parallel_size
+    run = run_summary(read_metrics(out / RUN_DIR / METRICS_FILE), gpus)
     report: dict[str, Any] = {
         **report_header(SCHEMA, command),
         "world_size": result.world_size,
         "scaling": "weak" if prompts_per_gpu else "strong",
         "settings": {
             "model": cfg.model.path,
+            "job": "synthetic prompts, random rewards" if synthetic else "the recipe's data and reward",
+            "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+            "linear_backend": cfg.rollout.linear_backend,
             "engine": cfg.rollout.engine,
             "steps": steps,
             "prompts_per_step": cfg.train.prompts_per_step,
             "prompts_per_gpu": prompts_per_gpu,
             "generations": cfg.rollout.num_generations,
+            "max_prompt_length": cfg.rollout.max_prompt_length,
             "max_completion_length": cfg.rollout.max_completion_length,
         },
         "run": run,
@@ -141,8 +205,9 @@ def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
         ("device", report["device"]),
         ("steps timed", run.get("steps_timed", 0)),
         ("step s", run.get("step_s")),
-        ("rollout tokens/s per process (GPU)", run.get("rollout_tokens_per_s_per_gpu")),
-        ("step tokens/s per process (GPU)", run.get("step_tokens_per_s_per_gpu")),
+        ("GPUs", run.get("gpus")),
+        ("rollout tokens/s per GPU", run.get("rollout_tokens_per_s_per_gpu")),
+        ("step tokens/s per GPU", run.get("step_tokens_per_s_per_gpu")),
         ("scaling efficiency", "-" if efficiency is None else f"{efficiency:.1%}"),
     ]
     for label, value in rows:

@@ -239,6 +239,25 @@ def scaling(
         str | None,
         typer.Option("--reference", metavar="JSON", help="scaling.json of a run on fewer GPUs (efficiency)."),
     ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            metavar="MODEL",
+            help="A model folder, or a SHAPE (qwen2.5-7b, ...: random weights in --format), for model.path.",
+        ),
+    ] = None,
+    model_format: Annotated[
+        str, typer.Option("--format", metavar="FORMAT", help="The format of a --model SHAPE.")
+    ] = "nvfp4",
+    synthetic: Annotated[
+        bool,
+        typer.Option(
+            "--synthetic",
+            help="Synthetic prompts and random rewards, as bench e2e (for random weights, where grading "
+            "measures nothing).",
+        ),
+    ] = False,
     output: OutputOption = "bench_results",
     set_: ScalingSet = None,
     dry_run: DryRunOption = False,
@@ -246,19 +265,24 @@ def scaling(
     """Data-parallel GRPO: step time, tokens/s per GPU, scaling efficiency against --reference.
 
     One world size per run: `qerl bench scaling RECIPE -o one` on one GPU, then `torchrun
-    --nproc-per-node N -m qerl_cli bench scaling RECIPE --reference one/scaling.json -o n`.
+    --nproc-per-node N -m qerl_cli bench scaling RECIPE --reference one/scaling.json -o n`. The last
+    step is checkpointed: `qerl train n/run/config.yaml --resume n/run` goes on, on any number of GPUs.
     """
     positive("--steps", steps)
     if prompts_per_gpu is not None:
         positive("--prompts-per-gpu", prompts_per_gpu)
+    check_formats([model_format], "--format")
     check_exists(reference, "--reference", "the scaling.json of a run on fewer GPUs")
     run_dir = Path(output) / "run"
     if int(os.environ.get("RANK", "0")) == 0 and run_dir.exists():  # rank 0: the others start alongside
         raise QerlError(f"{run_dir} exists (an earlier scaling run): choose another --output or remove it")
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
-    from qerl_cli.bench.scaling import scaled_config
+    from qerl_cli.bench.scaling import model_folder, scaled_config
 
-    conf = scaled_config(conf, Path(output), steps, prompts_per_gpu, int(os.environ.get("WORLD_SIZE", "1")))
+    if model:
+        conf.model.path = str(model_folder(model, model_format.lower(), write=not dry_run))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    conf = scaled_config(conf, Path(output), steps, prompts_per_gpu, world, synthetic=synthetic)
     if finish_config(conf, dry_run):
         return
     from qerl_cli.bench.scaling import REPORT_NAME, run_scaling, scaling_table
@@ -273,6 +297,7 @@ def scaling(
         steps=steps,
         prompts_per_gpu=prompts_per_gpu,
         reference=reference,
+        synthetic=synthetic,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         console.print(scaling_table(report))

@@ -259,9 +259,12 @@ class Trainer:
         step_start = time.perf_counter()
         self.peaks.start_step()
         self.engine.wake_up()
+        aqn_start = time.perf_counter()
         aqn_metrics = self.prepare_aqn()  # may calibrate the schedule: read sigma after it
         sigma = self.schedule.sigma(self.step) if self.schedule is not None else 0.0
         perturbed = self.engine.set_norm_noise(sigma, self._noise_seed())
+        # A noisy stage's first step probes the noise's effect (greedy generations): seconds, not ms.
+        aqn_metrics["time_aqn_s"] = time.perf_counter() - aqn_start
         generated, kept, stats = self.collect()
         self.last_samples = rl_rollouts.sample_groups(generated, self.cfg.output.log_completions)
         self.peaks.sample()  # the rollout phase: vLLM awake
