@@ -289,6 +289,7 @@ FORMAT_ARGS = {
     ("quantize", "format"): (["quantize", "m", "--set", "format=fp3", "--dry-run"], "4bit"),
     ("bench", "--formats"): (["bench", "rollout", "--formats", "bf16,fp3", "--dry-run"], "weights"),
     ("bench", "formats"): (["bench", "rollout", "--set", "formats=fp3", "--dry-run"], "weights"),
+    ("bench", "--format"): (["bench", "scaling", "tiny", "--format", "fp3", "--dry-run"], "weights"),
     ("tiny-base", "--formats"): (["tiny-base", "{tmp}/base", "--formats", "bf16,fp3"], "weights"),
     ("train", "model.format"): (["train", "{recipe}", "--set", "model.format=fp3", "--dry-run"], "model"),
     ("compare", "model.format"): (["compare", "{recipe}", "--set", "model.format=fp3", *TMP_OUT], "model"),

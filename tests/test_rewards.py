@@ -224,3 +224,31 @@ def test_reward_fn_rejects_bad_extra_paths() -> None:
         build_reward_fn(RewardSection(extra={f"{__name__}:missing_fn": 1.0}))
     with pytest.raises(QerlError, match="weight"):
         build_reward_fn(RewardSection(correctness_weight=0.0, format_weight=0.0))
+
+
+def test_a_python_without_math_verify_is_refused_before_any_model_loads(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dir, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A device image without math-verify once showed only "a grader worker exited during start-up",
+    after the model and vLLM had loaded; now the grader pool and `qerl train` say what to install first."""
+    import importlib.util
+
+    from qerl_cli.cli import main
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args, **kwargs):
+        return None if name == "math_verify" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(QerlError, match="pip install 'math-verify>=0.8'"):
+        Grader(workers=1)
+    Grader(workers=1, grade_fn="test_rewards:hanging_grade").close()  # a grader of one's own needs none
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the check")
+
+    monkeypatch.setattr("qerl_cli.rl.trainer.build_policy", no_model)
+    out = tmp_path / "run"
+    rc = main(["train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set", f"output.dir={out}"])
+    assert rc == 2 and "math-verify" in capsys.readouterr().err

@@ -29,6 +29,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from qerl_cli.errors import QerlError
 from qerl_cli.rewards.extract import (
     Extraction,
     ExtractionMethod,
@@ -43,6 +44,20 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # math-verify's own alarm-based limit (seconds, whole numbers) when running on the main thread.
 SOFT_TIMEOUT_S = 5
+
+
+def require_math_verify() -> None:
+    """Refuse, before any model or GPU work, a Python that cannot import math-verify: otherwise each
+    grader worker dies at start-up and the pool can only report an exit code."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("math_verify") is None:
+        raise QerlError(
+            f"the math grader needs math-verify, which this Python ({sys.executable}) cannot import: "
+            "pip install 'math-verify>=0.8' (a qerl dependency; where vLLM comes as a separate bundle, "
+            "install it there too)"
+        )
 
 
 @dataclass(frozen=True)

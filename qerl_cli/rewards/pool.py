@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rewards.grading import GradeResult
+from qerl_cli.rewards.grading import GradeResult, require_math_verify
 from qerl_cli.rewards.worker import READY, SYS_PATH_ENV, resolve_callable
 
 GradeFn = Callable[[str, str], "GradeResult | bool"]
@@ -107,6 +107,8 @@ class Grader:
         self.num_workers = workers
         self.timeout_s = float(timeout_s)
         self._grade_fn = grade_fn_ref(grade_fn)
+        if self._grade_fn == DEFAULT_GRADE_FN:
+            require_math_verify()
         self._workers: list[_Worker] = []
         self.total_timeouts = 0
         self.total_restarts = 0

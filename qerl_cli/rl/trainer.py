@@ -79,6 +79,10 @@ class Trainer:
         lent = {"engine": engine is not None, "reward_fn": reward_fn is not None}
         try:
             setup.check_parallel_settings(cfg, self.dist)
+            if reward_fn is None:
+                from qerl_cli.rewards.grading import require_math_verify
+
+                require_math_verify()  # before the model loads: the grader workers need it
             self.out_dir = ensure_output_dir(cfg.output.dir, "output.dir")
             setup.seed_everything(cfg.train.seed)  # the same on every rank: the same LoRA init
             device = self.dist.device(resolve_device(cfg.train.device, "train.device"))
