@@ -83,6 +83,7 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["scaling", "tiny", "--reference", missing], f"--reference {missing}: not found"),
         (["scaling", "no-such-recipe"], "recipe file not found"),
         (["scaling", "tiny", "--format", "fp3"], "--format: unknown format(s) fp3"),
+        (["scaling", "tiny", "--format", "nvfp4"], "--format names the format of a --model SHAPE"),
         (["quality", "m", "--rows", "nvfp4-foo"], "'nvfp4-foo' is not FORMAT-METHOD"),
         (["quality", "m", "--rows", "bf16-rtn"], "'bf16-rtn' is not FORMAT-METHOD"),
         (["quality", "m", "--seq-len", "1"], "--seq-len must be >= 2"),
@@ -451,6 +452,11 @@ def test_scaling_synthetic_job_and_its_checkpoint_resumes(
     assert rc == 0, err
     report = json.loads((out / "scaling.json").read_text())
     assert report["settings"]["job"] == "synthetic prompts, random rewards"
+    # what the engine ran, beside what the recipe asked for (auto's choice is the figure's context)
+    assert (report["settings"]["linear_backend"], report["settings"]["linear_backend_requested"]) == (
+        "trainer",
+        "auto",
+    )
     assert report["settings"]["model"] == str(tiny_model_dir)
     saved = yaml.safe_load((out / "run" / "config.yaml").read_text())
     assert saved["data"]["dataset"] == "synthetic-addition" and saved["data"]["template"] == "plain"
@@ -470,7 +476,17 @@ def test_scaling_synthetic_job_and_its_checkpoint_resumes(
     assert [r["step"] for r in rows] == [1, 2, 3]
 
 
-def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(cache_dir, capsys) -> None:
+def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
+    cache_dir, tiny_model_dir, capsys, caplog
+) -> None:
+    rc, out, err = run(
+        capsys, "bench", "scaling", "tiny", "--model", "qwen2.5-0.5b", "--format", "MXFP4", "--dry-run"
+    )
+    assert rc == 0, err
+    assert yaml.safe_load(out)["model"]["path"] == str(cache_dir / "bench" / "qwen2.5-0.5b" / "mxfp4-seed0")
+    assert "Add --synthetic" in caplog.text  # random weights graded on the recipe's data: warned
+    rc, _, err = run(capsys, "bench", "scaling", "tiny", "--model", str(tiny_model_dir), "--format", "nvfp4")
+    assert rc == 2 and "applies to a --model SHAPE" in err
     rc, out, err = run(
         capsys, "bench", "scaling", "gsm8k_7b", "--model", "qwen2.5-7b", "--synthetic", "--prompts-per-gpu",
         "16", "--dry-run",
@@ -514,7 +530,7 @@ def test_scaling_other_local_ranks_wait_for_rank_zeros_checkpoint(cache_dir, mon
 # -- library ----------------------------------------------------------------------------------------
 def test_scaling_arithmetic() -> None:
     """Step 1 is left out of the means; efficiency is tokens/s per GPU against the reference's."""
-    from qerl_cli.bench.scaling import run_summary, scaling_efficiency
+    from qerl_cli.bench.scaling import gpus_in_use, run_summary, scaling_efficiency, scaling_kind
 
     def records(n: int, tokens: float, step_s: float) -> list[dict[str, Any]]:
         first = {"rollout_tokens": tokens, "time_step_s": 99.0, "time_rollout_s": 50.0, "world_size": n}
@@ -523,6 +539,8 @@ def test_scaling_arithmetic() -> None:
             "time_step_s": step_s,
             "time_rollout_s": step_s / 2,
             "time_update_s": 1.0,
+            "rollout/sync_seconds": 0.5,
+            "time_aqn_s": 0.25,
             "world_size": n,
             "memory/device_peak_used_gib": 30.0 + n,
         }
@@ -532,6 +550,7 @@ def test_scaling_arithmetic() -> None:
     two = run_summary(records(2, 2000.0, 11.0), 2)  # twice the prompts, 10% slower steps
     four = run_summary(records(4, 4000.0, 12.5), 4)
     assert (one["steps"], one["steps_timed"], one["step_s"]) == (3, 2, 10.0)
+    assert (one["sync_s"], one["aqn_s"]) == (0.5, 0.25)  # step 1 has neither: left out of the means
     assert two["rollout_tokens_per_s_per_gpu"] == pytest.approx(2000 / 5.5 / 2)
     assert scaling_efficiency(one, two) == pytest.approx((2000 / 11) / (2 * 100))
     assert scaling_efficiency(one, four) == pytest.approx((4000 / 12.5) / (4 * 100))
@@ -542,6 +561,13 @@ def test_scaling_arithmetic() -> None:
     assert scaling_efficiency(one, strong) == pytest.approx(10.0 / (4 * 2.5))
     assert run_summary([], 4) == {"gpus": 4, "steps": 0}
     assert scaling_efficiency(one, run_summary([], 4)) is None
+    # Older runs without the sync / AQN metrics show none, not zero.
+    old_rows = [{k: v for k, v in r.items() if k != "time_aqn_s"} for r in records(1, 1.0, 1.0)]
+    assert run_summary(old_rows, 1)["aqn_s"] is None
+    # A tensor-parallel process counts the rollout's GPUs, and is not a weak-scaling run.
+    assert (gpus_in_use(1, 2), gpus_in_use(4, 1)) == (2, 4)
+    kinds = (scaling_kind(16, 2), scaling_kind(16, 1), scaling_kind(None, 1))
+    assert kinds == ("tensor-parallel", "weak", "strong")
 
 
 def test_scaling_reference_must_be_a_scaling_report(tmp_path: Path) -> None:

@@ -22,9 +22,14 @@ mkdir -p "$OUT_DIR"
 qerl() { python3 -m qerl_cli "$@"; }
 
 recipe() {  # gsm8k_7b (AQN, TIS, LoRA r16 on every projection) with every memory setting on auto
+  # rollout.linear_backend fp8 (FP8 copy + vLLM's LoRA kernels): what auto chose on the day, pinned so a
+  # rerun measures the same backend (auto now picks fp8-merged). Written under a per-process name and
+  # renamed: parts started side by side must not read each other's half-written file.
+  local tmp="$OUT_DIR/.gsm8k_7b-auto.$$.yaml"
   qerl train gsm8k_7b --dry-run --set train.micro_batch_size=auto --set train.gradient_checkpointing=auto \
-    --set rollout.gpu_memory_utilization=auto --set "rollout.vllm_kwargs=$VLLM_KWARGS" \
-    > "$OUT_DIR/gsm8k_7b-auto.yaml"
+    --set rollout.gpu_memory_utilization=auto --set rollout.linear_backend=fp8 \
+    --set "rollout.vllm_kwargs=$VLLM_KWARGS" > "$tmp"
+  mv -f "$tmp" "$OUT_DIR/gsm8k_7b-auto.yaml"
   echo "$OUT_DIR/gsm8k_7b-auto.yaml"
 }
 
@@ -43,7 +48,7 @@ case "${1:-}" in
   dp4) CUDA_VISIBLE_DEVICES=0,1,2,3 scale 4 dp4 --reference "$OUT_DIR/dp1/scaling.json" ;;
   resume)  # the same global batch (64 prompts) on half the GPUs: 32 prompts x 8 a rank
     CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 -m qerl_cli train "$OUT_DIR/dp4/run/config.yaml" \
-      --resume "$OUT_DIR/dp4/run" --set train.max_steps=$((STEPS + 1)) ;;
+      --resume "$OUT_DIR/dp4/run" --set train.max_steps=$((STEPS + 1)) ;;  # the grader's reward, not random
   tp2) CUDA_VISIBLE_DEVICES=2,3 scale 1 tp2 --set rollout.tensor_parallel_size=2 \
       --reference "$OUT_DIR/dp1/scaling.json" ;;
   *) echo "usage: run.sh checkpoint|dp1|dp2 [REF]|dp4|resume|tp2" >&2; exit 2 ;;

@@ -3,7 +3,7 @@ the scaling efficiency against a run on fewer GPUs (``scaling.json``).
 
 One invocation measures one world size, as ``qerl train`` runs: plain for one process, under torchrun
 for N (``torchrun --nproc-per-node N -m qerl_cli bench scaling RECIPE --reference ONE/scaling.json``).
-It trains ``steps`` steps of the recipe (no checkpoints), then rank 0 summarises ``metrics.jsonl``.
+It trains ``steps`` steps of the recipe, then rank 0 summarises ``metrics.jsonl``.
 Step 1 is left out of the means (CUDA graphs, autotuning, vLLM's first sleep), unless it is the only
 one. Throughput is generated rollout tokens (summed over ranks) per second of whole steps, so runs
 that generate different amounts (weak scaling; completions ending at EOS) compare fairly.
@@ -12,17 +12,24 @@ that generate different amounts (weak scaling; completions ending at EOS) compar
 prompts padded to about ``rollout.max_prompt_length`` tokens, seeded random rewards), for random-weight
 checkpoints (``--model SHAPE``): grading their text measures nothing, and every completion of random
 weights runs to the length limit, so ``algorithm.mask_truncated`` is turned off (masking them all
-would leave no token to learn from). The last step is checkpointed (after its timing) so a run can be
-resumed, also on another number of GPUs (``qerl train RUN/config.yaml --resume RUN``).
+would leave no token to learn from). Each rank draws its own rewards (the seed and the rank).
+
+The last step is checkpointed (after its timing, ``output.save_steps`` set to ``steps``) so a run can
+go on, also on another number of GPUs: ``qerl train RUN/config.yaml --resume RUN --set
+train.max_steps=MORE``. The resolved ``config.yaml`` holds the synthetic data but not the random
+rewards, which are the benchmark's own: a resumed run grades with the recipe's reward.
 
 Weak scaling (``prompts_per_gpu``): ``train.prompts_per_step`` is that many per process, so the global
-batch grows with the GPUs; strong scaling (without it): the recipe's global batch on every count.
+batch grows with the GPUs (a tensor-parallel process spans ``rollout.tensor_parallel_size`` GPUs and
+still takes that many: its report says ``tensor-parallel``, not ``weak``); strong scaling (without
+it): the recipe's global batch on every count.
 Efficiency of N GPUs against a reference run on M: ``(tokens/s_N / N) / (tokens/s_M / M)`` (1.0:
 linear); with equal tokens per step (strong scaling, M = 1) that is ``step_s_1 / (N x step_s_N)``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -38,6 +45,8 @@ SCHEMA = "qerl-bench-scaling/1"
 REPORT_NAME = "scaling.json"
 RUN_DIR = "run"  # the training run's folder inside the output folder
 
+log = logging.getLogger(__name__)
+
 
 def run_summary(records: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
     """Means over the timed steps of one run's metrics rows."""
@@ -48,6 +57,9 @@ def run_summary(records: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
     def mean(key: str) -> float:
         return statistics.mean(float(r.get(key, 0.0)) for r in timed)
 
+    def mean_if_logged(key: str) -> float | None:  # None for runs that predate the metric
+        return mean(key) if any(key in r for r in timed) else None
+
     step_s, rollout_s, tokens = mean("time_step_s"), mean("time_rollout_s"), mean("rollout_tokens")
     return {
         "gpus": gpus,
@@ -57,6 +69,9 @@ def run_summary(records: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
         "step_s": step_s,
         "rollout_s": rollout_s,
         "update_s": mean("time_update_s"),
+        # Parts of the rest of a step: the adapter sync, and AQN (its once-a-stage probe included).
+        "sync_s": mean_if_logged("rollout/sync_seconds"),
+        "aqn_s": mean_if_logged("time_aqn_s"),
         "rollout_tokens_per_step": tokens,
         "rollout_tokens_per_s": tokens / max(rollout_s, 1e-9),
         "rollout_tokens_per_s_per_gpu": tokens / max(rollout_s, 1e-9) / gpus,
@@ -114,8 +129,11 @@ def synthetic_job(cfg: TrainConfig) -> None:
     cfg.algorithm.mask_truncated = False
 
 
-def model_folder(model: str, fmt: str, *, write: bool, wait_s: float = 1800.0) -> Path:
-    """``--model``: a folder as given, or the random-weight checkpoint of a shape in ``fmt``.
+def model_folder(
+    model: str, fmt: str | None, *, write: bool, synthetic: bool = True, wait_s: float = 1800.0
+) -> Path:
+    """``--model``: a folder as given, or the random-weight checkpoint of a shape in ``fmt`` (NVFP4 by
+    default).
 
     Under torchrun only local rank 0 writes a shape's checkpoint; the other ranks wait for it (a
     7B is a minute's work on a GPU, which four ranks would otherwise each do). ``write=False`` (a dry
@@ -125,7 +143,17 @@ def model_folder(model: str, fmt: str, *, write: bool, wait_s: float = 1800.0) -
     from qerl_cli.files import is_complete_folder
 
     if not is_shape(model):
+        if fmt is not None:
+            raise QerlError(f"--format {fmt} applies to a --model SHAPE; {model} has its own format")
         return Path(model).expanduser()
+    fmt = (fmt or "nvfp4").lower()
+    if not synthetic:
+        log.warning(
+            "--model %s has random weights and the recipe's data and grader: rewards stay near 0 and most "
+            "completions run to the length limit (masked with algorithm.mask_truncated). Add --synthetic "
+            "for bench e2e's prompts and random rewards",
+            model,
+        )
     if not write:
         return shape_checkpoint_path(model, fmt)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -142,6 +170,17 @@ def model_folder(model: str, fmt: str, *, write: bool, wait_s: float = 1800.0) -
     return target
 
 
+def gpus_in_use(world_size: int, tensor_parallel_size: int) -> int:
+    """One GPU per process, times the rollout's tensor-parallel ranks (they share the first)."""
+    return world_size * tensor_parallel_size
+
+
+def scaling_kind(prompts_per_gpu: int | None, tensor_parallel_size: int) -> str:
+    if tensor_parallel_size > 1:
+        return "tensor-parallel"
+    return "weak" if prompts_per_gpu else "strong"
+
+
 def run_scaling(
     cfg: TrainConfig,
     out_dir: str | Path,
@@ -155,25 +194,27 @@ def run_scaling(
     """Train the :func:`scaled_config` ``cfg`` on this world (every rank runs this), summarise; rank 0
     writes ``scaling.json``. Every rank returns the same report."""
     from qerl_cli.bench.e2e import RandomReward
+    from qerl_cli.rl.stream import derive_seed
     from qerl_cli.rl.tracking import METRICS_FILE, read_metrics
     from qerl_cli.rl.trainer import train
 
     out = Path(out_dir)
     ref = read_reference(reference) if reference else None  # a bad file fails before any training
-    reward = RandomReward(cfg.train.seed) if synthetic else None
+    rank = int(os.environ.get("RANK", "0"))
+    reward = RandomReward(derive_seed(cfg.train.seed, "bench-reward", rank)) if synthetic else None
     result = train(cfg, progress=False, reward_fn=reward)
-    # GPUs in use: one per process, times the rollout's tensor-parallel ranks (they share the first).
-    gpus = result.world_size * cfg.rollout.tensor_parallel_size
-    run = run_summary(read_metrics(out / RUN_DIR / METRICS_FILE), gpus)
+    tp = cfg.rollout.tensor_parallel_size
+    run = run_summary(read_metrics(out / RUN_DIR / METRICS_FILE), gpus_in_use(result.world_size, tp))
     report: dict[str, Any] = {
         **report_header(SCHEMA, command),
         "world_size": result.world_size,
-        "scaling": "weak" if prompts_per_gpu else "strong",
+        "scaling": scaling_kind(prompts_per_gpu, tp),
         "settings": {
             "model": cfg.model.path,
             "job": "synthetic prompts, random rewards" if synthetic else "the recipe's data and reward",
-            "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
-            "linear_backend": cfg.rollout.linear_backend,
+            "tensor_parallel_size": tp,
+            "linear_backend": result.linear_backend,  # what the engine ran (auto resolved)
+            "linear_backend_requested": cfg.rollout.linear_backend,
             "engine": cfg.rollout.engine,
             "steps": steps,
             "prompts_per_step": cfg.train.prompts_per_step,
@@ -191,6 +232,10 @@ def run_scaling(
     return report
 
 
+def _seconds(run: dict[str, Any], keys: tuple[str, ...]) -> str:
+    return " / ".join("-" if run.get(k) is None else f"{run[k]:.1f}" for k in keys)
+
+
 def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
     from rich.table import Table
 
@@ -205,6 +250,7 @@ def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
         ("device", report["device"]),
         ("steps timed", run.get("steps_timed", 0)),
         ("step s", run.get("step_s")),
+        ("rollout / update / sync / AQN s", _seconds(run, ("rollout_s", "update_s", "sync_s", "aqn_s"))),
         ("GPUs", run.get("gpus")),
         ("rollout tokens/s per GPU", run.get("rollout_tokens_per_s_per_gpu")),
         ("step tokens/s per GPU", run.get("step_tokens_per_s_per_gpu")),

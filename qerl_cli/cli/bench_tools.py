@@ -248,8 +248,11 @@ def scaling(
         ),
     ] = None,
     model_format: Annotated[
-        str, typer.Option("--format", metavar="FORMAT", help="The format of a --model SHAPE.")
-    ] = "nvfp4",
+        str | None,
+        typer.Option(
+            "--format", metavar="FORMAT", help="The format of a --model SHAPE.", show_default="nvfp4"
+        ),
+    ] = None,
     synthetic: Annotated[
         bool,
         typer.Option(
@@ -266,12 +269,14 @@ def scaling(
 
     One world size per run: `qerl bench scaling RECIPE -o one` on one GPU, then `torchrun
     --nproc-per-node N -m qerl_cli bench scaling RECIPE --reference one/scaling.json -o n`. The last
-    step is checkpointed: `qerl train n/run/config.yaml --resume n/run` goes on, on any number of GPUs.
+    step is checkpointed: `qerl train n/run/config.yaml --resume n/run --set train.max_steps=MORE` goes
+    on, on any number of GPUs (with the recipe's reward: --synthetic's random rewards are the bench's).
     """
     positive("--steps", steps)
     if prompts_per_gpu is not None:
         positive("--prompts-per-gpu", prompts_per_gpu)
-    check_formats([model_format], "--format")
+    if model_format is not None:
+        check_formats([model_format], "--format")
     check_exists(reference, "--reference", "the scaling.json of a run on fewer GPUs")
     run_dir = Path(output) / "run"
     if int(os.environ.get("RANK", "0")) == 0 and run_dir.exists():  # rank 0: the others start alongside
@@ -280,7 +285,9 @@ def scaling(
     from qerl_cli.bench.scaling import model_folder, scaled_config
 
     if model:
-        conf.model.path = str(model_folder(model, model_format.lower(), write=not dry_run))
+        conf.model.path = str(model_folder(model, model_format, write=not dry_run, synthetic=synthetic))
+    elif model_format is not None:
+        raise QerlError("--format names the format of a --model SHAPE; give --model too")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     conf = scaled_config(conf, Path(output), steps, prompts_per_gpu, world, synthetic=synthetic)
     if finish_config(conf, dry_run):

@@ -24,6 +24,8 @@ class TrainResult:
     reward_first10: float  # mean training reward of the first 10 steps (nan: no step recorded)
     reward_last10: float
     plot: str | None  # training_curves.png; None without matplotlib or without steps
+    # The rollout's linear kernels as the engine resolved rollout.linear_backend (auto's choice).
+    linear_backend: str | None = None
     # The last step's metrics.jsonl record: its keys are the trainer's metric names, which grow with
     # the trainer, so they stay a mapping.
     final: dict[str, Any] = field(default_factory=dict)

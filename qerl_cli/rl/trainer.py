@@ -328,6 +328,7 @@ def train(
     out_dir = Path(cfg.output.dir)
     trainer = Trainer(cfg, reward_fn=reward_fn)
     dist = trainer.dist
+    linear_backend = trainer.engine.linear_backend  # before close(): auto's choice, for the summary
     try:
         try:
             resumed_from = trainer.resume_from(resume) if resume else None
@@ -365,6 +366,7 @@ def train(
         reward_first10=mean(rewards[:10]),
         reward_last10=mean(rewards[-10:]),
         plot=str(plot) if plot else None,
+        linear_backend=linear_backend,
         final=records[-1] if records else {},
     )
 
