@@ -23,6 +23,7 @@ from torch import nn
 from qerl_cli.config import TrainConfig, TrainSection, load_config
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import has_fp8_tensor_cores, quantize_per_channel
+from qerl_cli.kernels import fp8_rows
 from qerl_cli.modeling import base_compute, fp8_update
 from qerl_cli.modeling.base_compute import resolve_base_compute
 from qerl_cli.modeling.fp8_update import Fp8Weight, emulated_mm, quantize_rows
@@ -106,7 +107,7 @@ def test_the_bound_catches_wrong_scales() -> None:
 def test_tokens_rounded_in_chunks_round_as_all_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(3, 50, 64) * torch.rand(3, 50, 1)
     whole_codes, whole_scale = quantize_rows(x)
-    monkeypatch.setattr(fp8_update, "QUANTIZE_CHUNK", 64 * 7)  # 7 tokens a chunk: 22 chunks, one ragged
+    monkeypatch.setattr(fp8_rows, "REFERENCE_CHUNK", 64 * 7)  # 7 tokens a chunk: 22 chunks, one ragged
     codes, scale = quantize_rows(x)
     assert codes.is_contiguous() and codes.shape == (150, 64) and scale.shape == (150, 1)
     assert torch.equal(codes.view(torch.uint8), whole_codes.view(torch.uint8)) and torch.equal(

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qerl_cli.formats.fp8 import FP8_DTYPE, has_fp8_tensor_cores, quantize_per_channel
-from qerl_cli.kernels.fp8_rows import kernel_applies, triton_quantize_rows
+from qerl_cli.formats.fp8 import has_fp8_tensor_cores
+from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
 
 # torch._scaled_mm wants K and N (both dims of B) to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
@@ -46,33 +46,14 @@ FP8_DIM_MULTIPLE = 16
 # host work per FP8 call: the rounding kernel's launch, torch._scaled_mm, the autograd function), which
 # outweighs the GEMM's saving.
 FP8_MIN_WEIGHTS = 2**25
-# Elements rounded to FP8 at a time by quantize_rows's torch path (16M: ~200 MB of float32 temporaries).
-QUANTIZE_CHUNK = 2**24
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., D]`` -> (contiguous E4M3 ``[M, D]``, float32 ``[M, 1]`` scales): one scale per row
-    (token), the rounding of :func:`qerl_cli.formats.fp8.quantize_per_channel`, bit for bit.
-
-    On CUDA one fused Triton kernel does it (:mod:`qerl_cli.kernels.fp8_rows`: the input read twice,
-    one byte an element written, no temporaries). Elsewhere the torch reference runs, on
-    :data:`QUANTIZE_CHUNK` elements at a time (rows are independent): its float32 temporaries (about
-    12 bytes an element) stay ~200 MB whatever the micro-batch, where a 7B MLP input of 16k tokens
-    would otherwise take 3.6 GB for an instant."""
-    flat = t.reshape(-1, t.shape[-1])
-    if kernel_applies(flat):
-        return triton_quantize_rows(flat)
-    rows = max(1, QUANTIZE_CHUNK // max(1, flat.shape[1]))
-    if flat.shape[0] <= rows:
-        codes, scale = quantize_per_channel(flat)
-        return codes.contiguous(), scale.contiguous()
-    codes = torch.empty(flat.shape, dtype=FP8_DTYPE, device=flat.device)
-    scale = torch.empty((flat.shape[0], 1), dtype=torch.float32, device=flat.device)
-    for begin in range(0, flat.shape[0], rows):
-        codes[begin : begin + rows], scale[begin : begin + rows] = quantize_per_channel(
-            flat[begin : begin + rows]
-        )
-    return codes, scale
+    (token), the rounding of :func:`qerl_cli.formats.fp8.quantize_per_channel`, bit for bit
+    (:func:`qerl_cli.kernels.fp8_rows.quantize_rows_fp8`: one fused Triton kernel on CUDA, the torch
+    reference in bounded chunks elsewhere)."""
+    return quantize_rows_fp8(t.reshape(-1, t.shape[-1]))
 
 
 @dataclass
