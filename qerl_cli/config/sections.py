@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from qerl_cli.config.checks import aqn_sigmas as _aqn_sigmas
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
@@ -16,6 +16,12 @@ QuantFormat = Literal["nvfp4", "mxfp4", "nf4"]
 QuantMethod = Literal["gptq", "awq", "rtn"]  # how `qerl quantize` rounds
 ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
+# rollout.linear_backend's values (qerl_cli.rollout.backends chooses and checks them).
+LinearBackend = Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"]
+# The backends that merge the adapter into the rollout weights (a 4-bit base's FP8 copy, a BF16 base).
+MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")
+# train.base_compute's values (qerl_cli.modeling.base_compute).
+BaseCompute = Literal["auto", "bf16", "fp8"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BENCHMARKS_ALL = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
 RESOLVED_CONFIG_NAME = "config.yaml"
@@ -109,7 +115,7 @@ class RolloutSection:
     # baseline; either merge name means the base's own merge; tensor_parallel_size 1 and
     # lora.train_norms off); "auto": per GPU and the
     # round's concurrency, the fastest that fits, from crossover_table (qerl_cli.rollout.backends).
-    linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"] = "auto"
+    linear_backend: LinearBackend = "auto"
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None
     # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).
@@ -125,12 +131,12 @@ class RolloutSection:
             tensor_parallel_size=self.tensor_parallel_size,
             logprob_gap_warn=self.logprob_gap_warn,
         )
-        if self.linear_backend in ("humming", "fp8", "fp8-merged", "merged") and self.engine != "vllm":
+        if self.linear_backend in ("humming", "fp8", *MERGED_LINEAR_BACKENDS) and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
                 "(the hf engine runs the trainer's own layers)"
             )
-        if self.linear_backend in ("fp8-merged", "merged") and self.tensor_parallel_size > 1:
+        if self.linear_backend in MERGED_LINEAR_BACKENDS and self.tensor_parallel_size > 1:
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} needs {where}.tensor_parallel_size=1 "
                 f"(the merge writes unsharded weights): use {where}.linear_backend=fp8 for tensor-parallel "
@@ -325,7 +331,7 @@ class TrainSection:
     # bytes per such weight (a 7B: 10.6 GiB), an error without a GPU of FP8 tensor cores (compute
     # capability >= 8.9) or no layer that large. auto: bf16 (fp8 measured 0.99-1.06x of it on an H100, a
     # 7B). A BF16 base always computes in BF16.
-    base_compute: Literal["auto", "bf16", "fp8"] = "auto"
+    base_compute: BaseCompute = "auto"
     # The fraction of the GPU's memory this run may use: the memory plan (qerl_cli.rl.memory) sizes
     # the micro-batch, checkpointing and vLLM's "auto" share within it. Below 1 when runs share a GPU
     # (`qerl compare --jobs N` sets it for each run); 1: the whole GPU, as measured free.
@@ -344,7 +350,7 @@ class TrainSection:
         )
         if self.micro_batch_size != "auto":
             _positive(where, micro_batch_size=self.micro_batch_size)
-        if self.base_compute not in ("auto", "bf16", "fp8"):
+        if self.base_compute not in get_args(BaseCompute):
             raise QerlError(
                 f"{where}.base_compute must be auto, bf16 or fp8 (the update's base GEMMs), got "
                 f"{self.base_compute!r}: set it to auto unless you need one of them"
@@ -401,7 +407,7 @@ class TrainConfig:
     def validate(self, where: str = "") -> None:
         if not self.model.path:
             raise QerlError("model.path is empty: set it in the recipe or with --set model.path=DIR")
-        if self.rollout.linear_backend in ("fp8-merged", "merged") and self.lora.train_norms:
+        if self.rollout.linear_backend in MERGED_LINEAR_BACKENDS and self.lora.train_norms:
             raise QerlError(
                 f"rollout.linear_backend={self.rollout.linear_backend} merges the LoRA factors only, so "
                 "trained norms would stay stale in vLLM: set lora.train_norms=false or "

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from qerl_cli.config.checks import ConfigValueError
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
 from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
-from qerl_cli.config.sections import BENCHMARKS_ALL, EngineName, QuantFormat, QuantMethod
+from qerl_cli.config.sections import (
+    BENCHMARKS_ALL,
+    BaseCompute,
+    EngineName,
+    LinearBackend,
+    QuantFormat,
+    QuantMethod,
+)
 from qerl_cli.errors import QerlError
 
-# The linear backends a concurrency sweep measures: rollout.linear_backend's values but auto
-# (qerl_cli.rollout.backends.BACKENDS; a test keeps the two lists one).
-SWEPT_BACKENDS = ("marlin", "humming", "fp8", "fp8-merged", "merged")
+# The linear backends a concurrency sweep measures: rollout.linear_backend's values but auto.
+SWEPT_BACKENDS = tuple(b for b in get_args(LinearBackend) if b != "auto")
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,7 +114,7 @@ class EvalConfig:
     # The linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends). "marlin" by
     # default: an evaluation scores the 4-bit weights exactly as trained; "auto" / "fp8" may serve the FP8
     # copy (faster at high concurrency, one more rounding of every weight).
-    linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"] = "marlin"
+    linear_backend: LinearBackend = "marlin"
     # vLLM engine: extra keyword arguments of vllm.LLM.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     # Re-grade the samples saved in this folder instead of generating.
@@ -191,9 +197,9 @@ class BenchConfig:
     # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
     e2e_recipe: str | None = None
     # --e2e: rollout.linear_backend of the timed steps (the recipe's when it sets one).
-    e2e_linear_backend: Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"] | None = None
+    e2e_linear_backend: LinearBackend | None = None
     # --e2e: train.base_compute of the timed steps (the recipe's when it sets one, else auto).
-    e2e_base_compute: Literal["auto", "bf16", "fp8"] | None = None
+    e2e_base_compute: BaseCompute | None = None
     # --concurrency: sequences generated at once (instead of --batch), each measured on every linear
     # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
     # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.

@@ -20,10 +20,12 @@ copy beside its BF16 weight would cost memory for a speed-up this option does no
 from __future__ import annotations
 
 import logging
+from typing import get_args
 
 import torch
 from torch import nn
 
+from qerl_cli.config.sections import BaseCompute
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an H100 in for it
@@ -33,7 +35,7 @@ from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
 log = logging.getLogger(__name__)
 GIB = 2**30
 
-CHOICES = ("auto", "bf16", "fp8")
+CHOICES: tuple[str, ...] = get_args(BaseCompute)
 
 
 def resolve_base_compute(

@@ -41,15 +41,16 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from qerl_cli import formats
+from qerl_cli.config.sections import MERGED_LINEAR_BACKENDS, LinearBackend
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "marlin", "humming", "fp8", "fp8-merged", "merged")
+BACKENDS: tuple[str, ...] = get_args(LinearBackend)  # rollout.linear_backend's values
 # The backends each checkpoint format can be served with (first: vLLM's default). NF4 only runs on
 # vLLM's bitsandbytes kernels (or its FP8 copy); a BF16 base runs BF16 GEMMs or vLLM's online FP8.
 # Pinning a 4-bit FP kernel (marlin, humming) for a base that has no such weights keeps its default, so
@@ -60,8 +61,8 @@ FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
 }
 # The backends that merge the LoRA into the rollout weights (vLLM without LoRA): into the FP8 copy of a
 # 4-bit base, into a BF16 base's own weights.
-FP8_MERGED, DENSE_MERGED = "fp8-merged", "merged"
-MERGED_BACKENDS = (FP8_MERGED, DENSE_MERGED)
+FP8_MERGED, DENSE_MERGED = MERGED_LINEAR_BACKENDS
+MERGED_BACKENDS = MERGED_LINEAR_BACKENDS
 # The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
 NOT_FP4_FORMATS = (formats.DENSE, *(name for name, fmt in formats.FORMATS.items() if not fmt.fp4))
 HUMMING_VLLM = (0, 26)  # the first vLLM with linear_backend="humming"
