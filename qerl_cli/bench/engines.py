@@ -34,11 +34,11 @@ from qerl_cli.bench.memory import (
     kv_bytes_per_token,
     module_tensor_bytes,
     read_model_config,
-    vllm_in_process,
     vllm_kv_cache,
 )
 from qerl_cli.bench.rollout import RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.vllm_setup import vllm_in_process
 from qerl_cli.torch_utils import free_accelerator_memory
 
 

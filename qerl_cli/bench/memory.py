@@ -14,7 +14,6 @@ Three ways to see GPU memory, and the report always says which one produced a fi
 from __future__ import annotations
 
 import json
-import os
 import resource
 import struct
 import sys
@@ -199,7 +198,3 @@ class MemoryProbe:
             "method": self.method,
         }
 
-
-def vllm_in_process() -> bool:
-    """Whether a ``vllm.LLM`` built now keeps its engine core (and its memory) in this process."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"

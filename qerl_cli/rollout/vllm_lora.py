@@ -23,7 +23,6 @@ written back to its base.
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 import tempfile
 import time
@@ -36,7 +35,7 @@ import torch
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.fp8_merge import BaseWeights, LoraDelta, PolicyBases, deltas_from_tensors, lora_deltas
-from qerl_cli.rollout.vllm_setup import tmpfs_dir
+from qerl_cli.rollout.vllm_setup import tmpfs_dir, vllm_in_process
 from qerl_cli.rollout.vllm_worker import worker_merge_lora
 
 
@@ -102,8 +101,7 @@ class AdapterSync:
         if self.merge_base is not None:
             check_mergeable_policy(peft_model)
             # vLLM in this process (qerl's default): merge onto the trainer's layers, read nowhere else.
-            in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-            self._merge(lora_deltas(peft_model), PolicyBases(peft_model) if in_process else None)
+            self._merge(lora_deltas(peft_model), PolicyBases(peft_model) if vllm_in_process() else None)
         else:
             staged = adapter_folder.save_peft_model(peft_model, self._next_stage_dir())
             self._validate_adapter(staged)

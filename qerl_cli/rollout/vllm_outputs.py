@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qerl_cli.rollout.backends import FP8_MERGED
 from qerl_cli.rollout.base import Completion, FinishReason, RolloutResult
 
 
@@ -144,7 +145,7 @@ def merged_staleness_message(gap: float, tolerance: float, factor: float, backen
     """Why vLLM's logprobs are ``gap`` away from the trainer's when the adapter is merged into its
     weights (``backend``: fp8-merged or merged), allowed ``factor`` x ``tolerance``: there is no
     adapter-free vLLM model to tell a stale merge from the weights' rounding."""
-    fp8 = backend == "fp8-merged"
+    fp8 = backend == FP8_MERGED
     alternative = (
         "rollout.linear_backend=fp8, which serves the LoRA in vLLM and tells the FP8 copy's numerics from a "
         "stale adapter" if fp8 else "the default rollout.linear_backend, which serves the LoRA in vLLM"

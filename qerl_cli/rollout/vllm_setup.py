@@ -120,6 +120,12 @@ def check_gpu_supports(fmt: CheckpointFormat) -> None:
         )
 
 
+def vllm_in_process() -> bool:
+    """Whether a ``vllm.LLM`` built now keeps its engine core (its model and memory) in this process:
+    what qerl sets before it imports vLLM (:func:`_import_vllm`) unless the environment says otherwise."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
 def _import_vllm() -> SimpleNamespace:
     """The pieces of vLLM we use, imported on first engine construction."""
     # Keep the engine core in this process: LLM.apply_model then runs our noise function on the

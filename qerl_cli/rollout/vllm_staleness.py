@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.backends import FP8_MERGED
 from qerl_cli.rollout.vllm_outputs import (
     BASE_TOLERANCE_FACTOR,
     mean_abs_gap,
@@ -117,7 +118,7 @@ class StalenessCheck:
             factor = BASE_TOLERANCE_FACTOR if fp8 else 1.0
             if gap <= factor * self.staleness_tolerance:
                 return gap
-            backend = choice.backend if choice is not None else "fp8-merged"
+            backend = choice.backend if choice is not None else FP8_MERGED
             raise QerlError(merged_staleness_message(gap, self.staleness_tolerance, factor, backend))
         if explained.ok if explained is not None else gap <= self.staleness_tolerance:
             return gap
