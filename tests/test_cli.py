@@ -449,7 +449,10 @@ OPTIONS = {
         "--gen-len", "--micro-batch", "--checkpointing", "--pack", "--lora-rank", "--profile", "--device",
         "--output", "-o", "--dry-run",
     },
-    "bench scaling": {"--steps", "--prompts-per-gpu", "--reference", "--output", "-o", "--set", "--dry-run"},
+    "bench scaling": {
+        "--steps", "--prompts-per-gpu", "--reference", "--model", "--format", "--synthetic", "--output", "-o",
+        "--set", "--dry-run",
+    },
     "bench quality": {
         "--rows", "--calib-samples", "--seq-len", "--heldout-rows", "--device", "--output", "-o", "--dry-run",
     },
