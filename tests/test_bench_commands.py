@@ -265,6 +265,8 @@ def test_e2e_writes_step_phases_and_no_rollout_cases(cache_dir, tmp_path, capsys
     )
     (row,) = report["e2e"]
     assert row["format"] == "bf16" and row["step_s"] > 0 and row["steps_timed"] == 1
+    # What the engine ran beside what was asked for (the HF engine generates with the trainer's modules).
+    assert (row["linear_backend"], row["linear_backend_requested"]) == ("trainer", "auto")
     assert report["settings"]["rollouts"] is False and "End-to-end GRPO step" in out
 
 
@@ -515,6 +517,7 @@ def test_scaling_other_local_ranks_wait_for_rank_zeros_checkpoint(cache_dir, mon
     target = shape_checkpoint_path("qwen2.5-0.5b", "mxfp4")
     with pytest.raises(QerlError, match="local rank 0 did not write"):
         model_folder("qwen2.5-0.5b", "mxfp4", write=True, wait_s=0.1)
+
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text("{}")
 
@@ -613,7 +616,6 @@ def test_scripts_holds_only_the_setup() -> None:
     assert done.stdout.split() == ["scripts/setup.sh"]
 
 
-
 def test_update_records_an_fp8_case_that_cannot_run_and_exits_1(cache_dir, tmp_path, capsys) -> None:
     """FP8 GEMMs need FP8 tensor cores (and layers large enough to gain): on the CPU the fp8 case is a row
     saying so, not a BF16 run under the fp8 label, and the command exits 1."""
@@ -623,6 +625,7 @@ def test_update_records_an_fp8_case_that_cannot_run_and_exits_1(cache_dir, tmp_p
     assert rc == 1
     (row,) = json.loads((tmp_path / "update.json").read_text())["rows"]
     assert row["base_compute"] == "fp8" and "train.base_compute=fp8 cannot run" in row["error"]
+
 
 def test_the_sweep_takes_every_linear_backend_but_auto() -> None:
     """A sweep of the merged backends was refused on an H100 after the 16 x 8 runs (`--backends has
