@@ -242,7 +242,7 @@ def test_every_format_has_a_merged_backend_and_it_weighs_its_weights() -> None:
 
 
 def test_auto_picks_the_merged_backend_where_measured_fastest_if_the_run_can_merge_and_it_fits() -> None:
-    from test_rollout_backends import QWEN7B, TABLE, choose_backend
+    from test_rollout_backends import QWEN7B, TABLE, choose_backend  # FP8 copies allowed (auto_fp8)
 
     entry = dict(TABLE["gpus"]["NVIDIA H100 80GB HBM3"]["nvfp4+lora"])
     entry["fp8-merged"] = {"8": 1400.0, "32": 4300.0, "128": 12000.0, "256": 13500.0}

@@ -46,9 +46,12 @@ def env(**overrides) -> Environment:
     return Environment(**values)
 
 
-def choose_backend(*args, model: MeasuredModel | None = QWEN7B, **kwargs) -> BackendChoice:
-    """The choice for a run of the tables' own model unless a test names another."""
-    return backends.choose_backend(*args, model=model, **kwargs)
+def choose_backend(
+    *args, model: MeasuredModel | None = QWEN7B, fp8_ok: bool = True, **kwargs
+) -> BackendChoice:
+    """The choice for a run of the tables' own model, FP8 copies allowed (``rollout.auto_fp8``), unless a
+    test says otherwise."""
+    return backends.choose_backend(*args, model=model, fp8_ok=fp8_ok, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,6 +427,16 @@ def test_the_shipped_table_names_its_model_and_does_not_steer_a_small_one() -> N
         assert merged.backend == "fp8-merged", merged.reason
         dense = choose_backend("auto", "bf16", concurrency=n, env=env(), table=shipped, merge_ok=True)
         assert dense.backend == "merged", dense.reason  # TRL's baseline: BF16 with the LoRA merged
+    # Without rollout.auto_fp8 (the default) the 7B keeps Marlin + LoRA and the BF16 base its merge; the
+    # reason names the faster FP8 copy passed over and the setting that allows it.
+    kept = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=shipped, merge_ok=True,
+                          fp8_ok=False)  # fmt: skip
+    assert kept.backend == "marlin" and "not the FP8 copies (rollout.auto_fp8 off" in kept.reason
+    assert "fp8-merged" in kept.reason.split("not the FP8 copies")[1]
+    dense = choose_backend(
+        "auto", "bf16", concurrency=128, env=env(), table=shipped, merge_ok=True, fp8_ok=False
+    )
+    assert dense.backend == "merged", dense.reason  # the BF16 merge keeps BF16 numerics
     qwen32b = MeasuredModel("qwen2.5-32b", 32_763_876_352, 5120, 27648, 64)
     big = choose_backend("auto", "nvfp4", concurrency=8, env=env(), table=shipped, merge_ok=True,
                          model=qwen32b)  # fmt: skip
@@ -475,8 +488,10 @@ def test_the_factory_weighs_the_table_against_the_checkpoints_size(
     old = tmp_path / "old.json"  # a table of an unnamed model, named by the recipe: used as before
     old.write_text(json.dumps({"gpus": {H100: {"nvfp4+lora": {
         b: p for b, p in TABLE["gpus"][H100]["nvfp4+lora"].items() if b != "model"}}}}))  # fmt: skip
-    engine = make_engine(EngineRequest("vllm", base, gpu_memory_utilization=0.5, max_model_len=64,
-                                       concurrency=128, crossover_table=str(old)))  # fmt: skip
+    request = EngineRequest("vllm", base, gpu_memory_utilization=0.5, max_model_len=64, concurrency=128,
+                            crossover_table=str(old))  # fmt: skip
+    assert make_engine(request).backend_choice.backend == "humming"  # rollout.auto_fp8 off: not the FP8 copy
+    engine = make_engine(dataclasses.replace(request, auto_fp8=True))
     assert engine.backend_choice.backend == "fp8"
 
 

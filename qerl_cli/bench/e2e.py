@@ -135,7 +135,7 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         share = recipe.rollout.gpu_memory_utilization if recipe else 0.3
     train = TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.e2e_generations,
                          seed=cfg.seed)  # fmt: skip
-    kv_cache_dtype, backend, table = "auto", "auto", None
+    kv_cache_dtype, backend, table, auto_fp8 = "auto", "auto", None, False
     if recipe is not None:  # the recipe's memory and kernel settings, so the step runs as training would
         train.micro_batch_size = recipe.train.micro_batch_size
         train.gradient_checkpointing = recipe.train.gradient_checkpointing
@@ -145,6 +145,7 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         train.base_compute = recipe.train.base_compute
         kv_cache_dtype = recipe.rollout.kv_cache_dtype
         backend, table = recipe.rollout.linear_backend, recipe.rollout.crossover_table
+        auto_fp8 = recipe.rollout.auto_fp8
     backend = cfg.e2e_linear_backend or backend
     train.base_compute = cfg.e2e_base_compute or train.base_compute
     return TrainConfig(
@@ -163,6 +164,7 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
             max_lora_rank=rank,
             linear_backend=backend if engine == "vllm" else "auto",  # type: ignore[arg-type]
             crossover_table=table,
+            auto_fp8=auto_fp8,
             vllm_kwargs=dict(cfg.vllm_kwargs),
         ),
         algorithm=AlgorithmSection(tis="on"),
@@ -295,6 +297,10 @@ def _worker(argv: list[str]) -> int:
 
     cfg = from_dict(BenchConfig, spec["cfg"])
     out = Path(argv[1])
+    # qerl's own decisions (which rollout backend auto chose and why, the memory plan) in the console,
+    # as `qerl train` prints them; other libraries stay at warnings.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("qerl_cli").setLevel(logging.INFO)
     try:
         row = measure_format(cfg, spec["format"], spec["model_dir"], spec["engine"], spec["out_dir"])
     except Exception as exc:  # noqa: BLE001 - recorded in the row; the parent goes on with other formats

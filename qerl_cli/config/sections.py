@@ -114,8 +114,15 @@ class RolloutSection:
     # after every update, vLLM without LoRA; "merged": the same for a BF16 base, kept BF16 (TRL's
     # baseline; either merge name means the base's own merge; tensor_parallel_size 1 and
     # lora.train_norms off); "auto": per GPU and the
-    # round's concurrency, the fastest that fits, from crossover_table (qerl_cli.rollout.backends).
+    # round's concurrency, the fastest that fits, from crossover_table (qerl_cli.rollout.backends),
+    # among the kernels that keep the checkpoint's numerics unless auto_fp8 is on.
     linear_backend: LinearBackend = "auto"
+    # Let "auto" choose an FP8 copy of the weights (fp8, fp8-merged; vLLM's online FP8 for a BF16 base)
+    # where it was measured faster. Off: an FP8 rollout rounds weights and activations once more, and on
+    # Gemma 3 270M the fp8-merged arm's rollout/trainer gap was 5x Marlin + LoRA's and it ended 7.7
+    # points lower (1.4 standard errors; benchmarks/h100x2-2026-11-27-fp8-merged). Pinning
+    # linear_backend to fp8 or fp8-merged chooses them regardless.
+    auto_fp8: bool = False
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None
     # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).

@@ -97,6 +97,7 @@ def make_engine(
         linear_backend=cfg.rollout.linear_backend,
         concurrency=per_round,
         merge_ok=not cfg.lora.train_norms,  # a merge serves LoRA factors only; factory checks the rest
+        auto_fp8=cfg.rollout.auto_fp8,
         crossover_table=cfg.rollout.crossover_table,
         max_num_seqs=min(per_round, VLLM_DEFAULT_MAX_NUM_SEQS),
         external_launcher=distributed,

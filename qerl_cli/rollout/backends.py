@@ -360,6 +360,7 @@ def choose_backend(
     model: MeasuredModel | None = None,
     unknown_model_ok: bool = True,
     merge_ok: bool = False,
+    fp8_ok: bool = False,
 ) -> BackendChoice:
     """Resolve ``rollout.linear_backend`` for a ``fmt`` checkpoint and a round of ``concurrency`` sequences.
 
@@ -369,7 +370,9 @@ def choose_backend(
     measured on a model comparable to ``model`` (the run's); an entry that names no model only when
     ``unknown_model_ok`` (the recipe named the table itself). With no such measurements it keeps vLLM's
     default, and the reason says why. ``auto`` weighs the merged backends only with ``merge_ok`` (the
-    trainer's engine, LoRA on): they serve a LoRA policy by rewriting vLLM's weights at every sync.
+    trainer's engine, LoRA on): they serve a LoRA policy by rewriting vLLM's weights at every sync,
+    and the FP8 copies (weights and activations rounded once more) only with ``fp8_ok``
+    (``rollout.auto_fp8``); the reason names a faster FP8 copy it passed over.
     """
     if requested not in BACKENDS:
         raise QerlError(
@@ -391,6 +394,7 @@ def choose_backend(
     entries = key_entries(gpu_entry(table, env.gpu_name), table_key(fmt, lora))
     measured, source, why_not = _pick_entry(entries, model, unknown_model_ok, what)
     candidates: dict[str, float | None] = {}
+    passed_over: dict[str, float] = {}  # FP8 copies auto may not choose (fp8_ok off), as predicted
     for backend in FORMAT_BACKENDS.get(fmt, ("default",)):
         if unavailable_reason(backend, fmt, env) is not None or backend not in measured:
             continue
@@ -399,7 +403,12 @@ def choose_backend(
         fits = sequences_that_fit((weight_bytes or {}).get(backend, 0), env) if weight_bytes else None
         if fits == 0:
             continue
-        candidates[backend] = interpolate(measured[backend], min(concurrency, fits or concurrency))
+        predicted = interpolate(measured[backend], min(concurrency, fits or concurrency))
+        if rollout_weight_format(backend, fmt) == "fp8" and fmt != "fp8" and not fp8_ok:
+            if predicted is not None:
+                passed_over[backend] = predicted
+            continue
+        candidates[backend] = predicted
     scored = {b: v for b, v in candidates.items() if v is not None}
     if default not in scored:  # an alternative is only chosen against a measured default
         why = why_not or (f"no crossover measurements for {what}" if not measured
@@ -411,6 +420,12 @@ def choose_backend(
     reason = f"fastest measured at {concurrency} sequences on {env.gpu_name} ({source}): " + ", ".join(
         f"{b} {v:.0f} tok/s" for b, v in ranked
     )
+    faster = {b: v for b, v in passed_over.items() if v > scored[best]}
+    if faster:
+        reason += (
+            "; not the FP8 copies (rollout.auto_fp8 off: they round weights and activations once more), "
+            + ", ".join(f"{b} {v:.0f} tok/s" for b, v in sorted(faster.items(), key=lambda kv: -kv[1]))
+        )
     return BackendChoice(best, fmt, reason, concurrency, scored[best], candidates)
 
 

@@ -79,6 +79,8 @@ class EngineRequest:
     # auto may choose a merged backend (the LoRA merged into vLLM's weights each sync): only the trainer's
     # engine, whose policy the merge can serve (LoRA factors only, one GPU per engine), says so.
     merge_ok: bool = False
+    # auto may choose an FP8 copy of the weights (rollout.auto_fp8); pinned FP8 backends run regardless.
+    auto_fp8: bool = False
     crossover_table: str | None = None  # None: the shipped crossover table
     # vLLM's max_num_seqs (None: vLLM's default): sized to a round, vLLM captures CUDA graphs only for
     # batch sizes the stage submits.
@@ -210,7 +212,7 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         crossover_table=request.crossover_table, lora=request.enable_lora,
         max_model_len=request.max_model_len, gpu_memory_utilization=request.gpu_memory_utilization,
         kv_cache_dtype=request.kv_cache_dtype,
-        merge_ok=request.merge_ok and request.tensor_parallel_size == 1,
+        merge_ok=request.merge_ok and request.tensor_parallel_size == 1, fp8_ok=request.auto_fp8,
     )  # fmt: skip
     merge_base = None
     if choice.merges_lora:
@@ -321,6 +323,7 @@ def choose_rollout_backend(
     gpu_memory_utilization: float | None = None,
     kv_cache_dtype: str = "auto",
     merge_ok: bool = False,
+    fp8_ok: bool = False,
 ) -> BackendChoice:
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
@@ -352,6 +355,7 @@ def choose_rollout_backend(
     )
     choice = choose_backend(requested, fmt, concurrency=concurrency, env=env,
                             table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,
-                            unknown_model_ok=crossover_table is not None, merge_ok=merge_ok)  # fmt: skip
+                            unknown_model_ok=crossover_table is not None, merge_ok=merge_ok,
+                            fp8_ok=fp8_ok)  # fmt: skip
     log.info("rollout linear backend: %s (%s)", choice.backend, choice.reason)
     return choice
