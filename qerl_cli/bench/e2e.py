@@ -55,11 +55,8 @@ log = logging.getLogger(__name__)
 E2E_DATASET = "synthetic-addition"
 DEFAULT_E2E_RANK = 16
 # (report field, trainer metric) pairs read from each step's record.
-PHASE_METRICS = (
-    ("generation_s", "time_rollout_s"),
-    ("logprobs_s", "time_logprobs_s"),
-    ("update_s", "time_update_s"),
-)
+PHASE_METRICS = (("generation_s", "time_rollout_s"), ("logprobs_s", "time_logprobs_s"),
+                 ("update_s", "time_update_s"))
 # The per-step figures each row keeps: timings, memory, rollout figures (the engine's, the logprob gap).
 STEP_FIELDS = ("time_", "memory/", "rollout_tokens", "rollout/", "rollout_logprob_gap")
 
@@ -169,13 +166,8 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         ),
         algorithm=AlgorithmSection(tis="on"),
         aqn=AQNSection(enabled=False),
-        data=DataSection(
-            dataset=E2E_DATASET,
-            max_samples=prompts * steps,
-            shuffle=False,
-            template="plain",
-            system_prompt=filler,
-        ),  # fmt: skip
+        data=DataSection(dataset=E2E_DATASET, max_samples=prompts * steps, shuffle=False, template="plain",
+                         system_prompt=filler),  # fmt: skip
         train=train,
         output=OutputSection(dir=out_dir, save_steps=0, save_total_limit=None),
     )
@@ -248,22 +240,12 @@ def _measure_isolated(
 
     with tempfile.TemporaryDirectory(prefix="qerl-e2e-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "cfg": asdict(cfg),
-                    "format": fmt,
-                    "model_dir": model_dir,
-                    "engine": engine,
-                    "out_dir": out_dir,
-                }
-            )
-        )
+        spec.write_text(json.dumps({"cfg": asdict(cfg), "format": fmt, "model_dir": model_dir,
+                                    "engine": engine, "out_dir": out_dir}))
         env = dict(os.environ)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        proc = subprocess.run(
-            [sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env, check=False
-        )
+        proc = subprocess.run([sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env,
+                              check=False)
         if not out.is_file():  # e.g. killed for memory: the report says so and qerl bench exits 1
             return {"format": fmt, "error": f"the e2e worker exited with code {proc.returncode}, no result"}
         return json.loads(out.read_text())

@@ -404,7 +404,7 @@ def choose_backend(
         if fits == 0:
             continue
         predicted = interpolate(measured[backend], min(concurrency, fits or concurrency))
-        if rollout_weight_format(backend, fmt) == "fp8" and fmt != "fp8" and not fp8_ok:
+        if rollout_weight_format(backend, fmt) == "fp8" and not fp8_ok:
             if predicted is not None:
                 passed_over[backend] = predicted
             continue
