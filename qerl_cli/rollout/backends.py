@@ -18,8 +18,10 @@ compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alte
   (``rollout.vllm_lora``); tensor parallelism and trained norms are refused.
 * ``auto``: per GPU and the run's concurrency (sequences one rollout round submits), the backend with
   the highest rollout tokens/s in a crossover table that ``qerl bench --concurrency`` measures, among
-  those installed and whose weights leave the KV cache room for the round. Without measurements for
-  this GPU and format, or with measurements of a model of another size only, it keeps vLLM's default.
+  those installed and whose weights leave the KV cache room for the round; the FP8 copies only with
+  ``rollout.auto_fp8`` (they round weights and activations once more, which on Gemma 3 270M cost
+  held-out accuracy). Without measurements for this GPU and format, or with measurements of a model of
+  another size only, it keeps vLLM's default.
 
 Where the crossover lies depends on the model's layer widths (a small model's GEMMs turn compute-bound
 at other concurrencies than a 7B's), so every table entry names the model it was measured on
