@@ -267,6 +267,7 @@ def test_e2e_writes_step_phases_and_no_rollout_cases(cache_dir, tmp_path, capsys
     assert row["format"] == "bf16" and row["step_s"] > 0 and row["steps_timed"] == 1
     # What the engine ran beside what was asked for (the HF engine generates with the trainer's modules).
     assert (row["linear_backend"], row["linear_backend_requested"]) == ("trainer", "auto")
+    assert row["base_compute_requested"] == "auto"
     assert report["settings"]["rollouts"] is False and "End-to-end GRPO step" in out
 
 

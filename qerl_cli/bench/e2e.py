@@ -221,7 +221,7 @@ def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_
     # What the engine ran (auto resolved: the run log says why) beside what was asked for.
     row["linear_backend"] = trainer.engine.linear_backend
     row["linear_backend_requested"] = trainer.cfg.rollout.linear_backend
-    row["base_compute"] = trainer.cfg.train.base_compute
+    row["base_compute_requested"] = trainer.cfg.train.base_compute  # the run log says what it resolved to
     for key in ("memory/peak_allocated_gib", "memory/peak_reserved_gib", "memory/device_peak_used_gib"):
         values = [r[key] for r in timed if key in r]
         row[key.split("/")[1]] = max(values) if values else None
