@@ -128,14 +128,7 @@ def gemm(args: argparse.Namespace) -> dict:
     for m in args.rows:
         entry: dict = {"rows": m}
         for scheme in ("per-channel", "per-tensor"):
-            try:
-                seconds = time_gemm(scheme, m, ops)
-            except Exception as exc:  # noqa: BLE001 - vLLM's op refused these arguments: torch's kernels
-                if ops is None:
-                    raise
-                print(f"vLLM's ops failed ({exc}); timing torch._scaled_mm instead", flush=True)
-                ops = None
-                seconds = time_gemm(scheme, m, ops)
+            seconds = time_gemm(scheme, m, ops)
             entry[scheme] = {"seconds": seconds, "weight_read_tb_per_s": weight_bytes / seconds / 1e12,
                              "tflops": 2 * m * weight_bytes / seconds / 1e12}  # fmt: skip
         entry["per_tensor_speedup"] = entry["per-channel"]["seconds"] / entry["per-tensor"]["seconds"]
