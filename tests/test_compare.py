@@ -652,7 +652,7 @@ def test_awq_is_the_default_base_method_and_its_absence_is_explained(
     assert arms_mod.read_settings({"threshold": 0.5}).base_method == "awq"
     assert inspect.signature(runner.prepare_bases).parameters["method"].default == "awq"
     assert arms_mod.read_settings({"base_method": "rtn"}).base_method == "rtn"  # still an option
-    recipes = Path(__file__).resolve().parents[1] / "qerl_cli" / "config" / "recipes"
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
     for name in ("smollm2_wordproblems.yaml", "gemma3_270m_wordproblems.yaml"):  # the real-model recipes
         assert runs_mod.load_recipe(recipes / name)[1].base_method == "awq", name
         # Their documented quantize step makes an AWQ base (qerl quantize's default method).
