@@ -743,7 +743,7 @@ def test_compare_files_read_back_key_for_key(
 
 
 def test_plan_runs_every_arm_of_a_seed_before_the_next_seed() -> None:
-    """An ablation stopped part way (a device lease ending) has compared every arm on its first seeds."""
+    """An ablation stopped part way (its GPU time ending) has compared every arm on its first seeds."""
     ablation = SimpleNamespace(arms={"a": {}, "b": {}, "c": {}}, seeds=2, base_seed=5)
     assert runner._plan(ablation, ["a", "b", "c"], None) == [
         ("a", 5),
