@@ -1,0 +1,154 @@
+"""Triton JIT kernels behind :mod:`qerl_cli.kernels.nvfp4_gemm` (this module imports triton at load time).
+
+Kernel bodies must live at module level: Triton resolves the helper ``@triton.jit`` functions they
+call through the defining module's globals.
+"""
+
+import triton
+import triton.language as tl
+
+from qerl_cli.kernels._triton_dequant import _e4m3
+
+# F32_DOT (the CPU interpreter): Triton 3.9's interpreter multiplies BF16 dot operands as their raw bits,
+# so there both operands go in as float32 -- the same products (BF16 x BF16 is exact in float32).
+
+# The decode below yields each E2M1 value times 2**-14 (see _e2m1_pair); the block multiplier is scaled
+# by 2**14 to undo it. Both scalings are exact, so the product is the reference's float32 product.
+DECODE_UNSCALE = tl.constexpr(16384.0)
+
+
+@triton.jit
+def _e2m1_pair(byte):
+    # One packed byte (int32) -> its (even, odd) E2M1 values as float32, each times 2**-14. The 3-bit
+    # magnitude code of E2M1 is exactly the low exponent bits and top mantissa bit of an FP16 number
+    # whose exponent bias is 14 more (15 vs 1), subnormal 0.5 included (FP16 keeps its subnormals,
+    # where an FP32 bit trick would meet flush-to-zero): three integer ops per value, no select.
+    low = ((byte & 7) << 9) | ((byte & 8) << 12)
+    high = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    low = low.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = high.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN: tl.constexpr,
+                 BK: tl.constexpr):  # fmt: skip
+    # The dequantized bf16 tile W[offs_n, k0:k0+BK], built in registers: bytes as [BN, BK/16, 8] (one
+    # block of 16 values per middle index), so each block's multiplier broadcasts without a gather.
+    blocks = k0 // 16 + tl.arange(0, BK // 16)
+    block_mask = n_mask[:, None] & (blocks[None, :] < K // 16)
+    byte_offs = offs_n[:, None, None] * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    byte = tl.load(packed_ptr + byte_offs, mask=block_mask[:, :, None], other=0).to(tl.int32)
+    raw_scale = tl.load(scale_ptr + offs_n[:, None] * (K // 16) + blocks[None, :], mask=block_mask, other=0)
+    # The reference's multiplier, float32 scale / global scale correctly rounded, then exactly x 2**14.
+    mult = tl.math.div_rn(_e4m3(raw_scale.to(tl.int32)), global_scale) * DECODE_UNSCALE
+    low, high = _e2m1_pair(byte)
+    low = (low * mult[:, :, None]).to(tl.bfloat16)
+    high = (high * mult[:, :, None]).to(tl.bfloat16)
+    return tl.reshape(tl.interleave(low, high), (BN, BK))
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
+              stride_ym, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr,
+              R_PAD: tl.constexpr, XA_SPLITS: tl.constexpr):  # fmt: skip
+    # acc is y^T for this tile, [BN, BM] in float32: add bias and the LoRA expansion, round once to bf16.
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if HAS_LORA:
+        r = tl.arange(0, R_PAD)
+        xa_offs = offs_m[None, :] * R_PAD + r[:, None]
+        xa = tl.load(xa_ptr + xa_offs, mask=m_mask[None, :], other=0.0)
+        for s in tl.static_range(1, XA_SPLITS):  # the shrink's K-split partials, summed in a fixed order
+            xa += tl.load(xa_ptr + s * M * R_PAD + xa_offs, mask=m_mask[None, :], other=0.0)
+        b = tl.load(lora_b_ptr + offs_n[:, None] * RANK + r[None, :],
+                    mask=n_mask[:, None] & (r[None, :] < RANK), other=0.0).to(tl.float32)  # fmt: skip
+        acc += lora_scaling * tl.dot(b, xa, input_precision="tf32")
+    y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def nvfp4_gemm_kernel(
+    x_ptr, packed_ptr, scale_ptr, global_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_ym, lora_scaling,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
+    XA_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+):  # fmt: skip
+    # y^T tile [BN, BM] = W tile [BN, K] @ x^T [K, BM]: the weight is the MMA's left operand (rows of
+    # 64 per warpgroup on Hopper), so a handful of tokens is the narrow right side, as small as 16.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BM)
+    pid_m = pid % num_m  # M tiles of one weight tile run side by side: the weight is read once from HBM
+    pid_n = pid // num_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    global_scale = tl.load(global_scale_ptr)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
+    k_begin = split * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BK):
+        w = _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN, BK)
+        ks = k0 + offs_k
+        x_mask = m_mask[None, :] & (ks[:, None] < K)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + ks[:, None], mask=x_mask, other=0.0)
+        if F32_DOT:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    if SPLIT_K == 1:
+        _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
+                  stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS)  # fmt: skip
+    else:
+        # Serial split-K: every split leaves its partial in the workspace; the last one to arrive at the
+        # tile's counter sums them all in split order (deterministic), runs the epilogue and resets the
+        # counter for the next call. acq_rel orders the partials' stores before the counter.
+        tile_offs = offs_m[None, :] * N + offs_n[:, None]
+        tile_mask = n_mask[:, None] & m_mask[None, :]
+        tl.store(ws_ptr + split * M * N + tile_offs, acc, mask=tile_mask)
+        arrived = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BN, BM), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    ws_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg"
+                )
+            _epilogue(total, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling,
+                      y_ptr, stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS)  # fmt: skip
+            tl.atomic_xchg(lock_ptr + pid, 0)
+
+
+@triton.jit
+def lora_shrink_kernel(
+    x_ptr, a_ptr, xa_ptr, M, K, stride_xm,
+    RANK: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):  # fmt: skip
+    # xa[split, m, :] = x[m, k-range of split] @ A[:, k-range]^T in float32: the LoRA projection, once per
+    # call; the K split spreads a few rows over many programs and the GEMM's epilogue sums the partials.
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    r = tl.arange(0, R_PAD)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLITS), BK) * BK
+    k_begin = split * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    acc = tl.zeros((BM, R_PAD), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+                    mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)  # fmt: skip
+        at = tl.load(
+            a_ptr + r[None, :] * K + ks[:, None], mask=(r[None, :] < RANK) & (ks[:, None] < K), other=0.0
+        )
+        if F32_DOT:
+            acc = tl.dot(x.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, at, acc)
+    tl.store(xa_ptr + split * M * R_PAD + offs_m[:, None] * R_PAD + r[None, :], acc, mask=offs_m[:, None] < M)
