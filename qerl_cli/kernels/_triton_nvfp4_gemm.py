@@ -10,11 +10,21 @@ import triton.language as tl
 from qerl_cli.kernels._triton_dequant import _e4m3
 
 # F32_DOT (the CPU interpreter): Triton 3.9's interpreter multiplies BF16 dot operands as their raw bits,
-# so there both operands go in as float32 -- the same products (BF16 x BF16 is exact in float32).
+# and its float32 -> BF16 cast truncates. There the weight tile stays float32, rounded to BF16 values by
+# _rne_bf16 (the GPU's cast), and both operands go in as float32: the same products, since BF16 x BF16
+# is exact in float32, so the interpreter computes what the GPU does.
 
 # The decode below yields each E2M1 value times 2**-14 (see _e2m1_pair); the block multiplier is scaled
 # by 2**14 to undo it. Both scalings are exact, so the product is the reference's float32 product.
 DECODE_UNSCALE = tl.constexpr(16384.0)
+
+
+@triton.jit
+def _rne_bf16(v):
+    # float32 -> the nearest BF16 value (ties to even), still as float32: integer arithmetic on the bits.
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -32,7 +42,7 @@ def _e2m1_pair(byte):
 
 @triton.jit
 def _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN: tl.constexpr,
-                 BK: tl.constexpr):  # fmt: skip
+                 BK: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     # The dequantized bf16 tile W[offs_n, k0:k0+BK], built in registers: bytes as [BN, BK/16, 8] (one
     # block of 16 values per middle index), so each block's multiplier broadcasts without a gather.
     blocks = k0 // 16 + tl.arange(0, BK // 16)
@@ -43,15 +53,19 @@ def _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN:
     # The reference's multiplier, float32 scale / global scale correctly rounded, then exactly x 2**14.
     mult = tl.math.div_rn(_e4m3(raw_scale.to(tl.int32)), global_scale) * DECODE_UNSCALE
     low, high = _e2m1_pair(byte)
-    low = (low * mult[:, :, None]).to(tl.bfloat16)
-    high = (high * mult[:, :, None]).to(tl.bfloat16)
+    if F32_DOT:
+        low = _rne_bf16(low * mult[:, :, None])
+        high = _rne_bf16(high * mult[:, :, None])
+    else:
+        low = (low * mult[:, :, None]).to(tl.bfloat16)
+        high = (high * mult[:, :, None]).to(tl.bfloat16)
     return tl.reshape(tl.interleave(low, high), (BN, BK))
 
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
               stride_ym, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr,
-              R_PAD: tl.constexpr, XA_SPLITS: tl.constexpr):  # fmt: skip
+              R_PAD: tl.constexpr, XA_SPLITS: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     # acc is y^T for this tile, [BN, BM] in float32: add bias and the LoRA expansion, round once to bf16.
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -64,6 +78,8 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_p
         b = tl.load(lora_b_ptr + offs_n[:, None] * RANK + r[None, :],
                     mask=n_mask[:, None] & (r[None, :] < RANK), other=0.0).to(tl.float32)  # fmt: skip
         acc += lora_scaling * tl.dot(b, xa, input_precision="tf32")
+    if F32_DOT:
+        acc = _rne_bf16(acc)  # so the interpreter's truncating cast below is exact
     y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
     tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
@@ -94,17 +110,17 @@ def nvfp4_gemm_kernel(
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BK):
-        w = _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN, BK)
+        w = _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN, BK, F32_DOT)
         ks = k0 + offs_k
         x_mask = m_mask[None, :] & (ks[:, None] < K)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + ks[:, None], mask=x_mask, other=0.0)
-        if F32_DOT:
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        if F32_DOT:  # noqa: SIM108 - a constexpr branch: only one side is compiled
+            acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
-                  stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS)  # fmt: skip
+                  stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS, F32_DOT)  # fmt: skip
     else:
         # Serial split-K: every split leaves its partial in the workspace; the last one to arrive at the
         # tile's counter sums them all in split order (deterministic), runs the epilogue and resets the
@@ -120,7 +136,7 @@ def nvfp4_gemm_kernel(
                     ws_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg"
                 )
             _epilogue(total, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling,
-                      y_ptr, stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS)  # fmt: skip
+                      y_ptr, stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS, F32_DOT)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 

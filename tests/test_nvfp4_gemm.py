@@ -1,0 +1,191 @@
+"""The NVFP4 GEMM (qerl_cli.kernels.nvfp4_gemm) against a float64 reference: the Triton kernel under the
+CPU interpreter at every row bucket, odd shapes, bias, LoRA and split-K; on a GPU bit-exact dequantization,
+the compiled kernel at real shapes, and vLLM's Marlin NVFP4 kernel on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_cli import formats
+from qerl_cli.kernels.nvfp4_gemm import (
+    BUCKETS,
+    LoraWeights,
+    Nvfp4Weight,
+    check_operands,
+    config_for,
+    nvfp4_linear,
+    nvfp4_linear_reference,
+    with_split,
+)
+
+# tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton when there is no GPU;
+# the ``interpreter`` fixture then routes CPU tensors to the kernel (QERL_TRITON_CPU=1).
+pytest.importorskip("triton")
+
+ROW_BUCKETS = (1, 3, 8, 17, 64, 129, 256)
+
+
+def make_case(n: int, k: int, m: int, rank: int = 5, device: str = "cpu", seed: int = 0):
+    """NVFP4 weight of an ``[n, k]`` random matrix (a zero block, an outlier), x, bias and a LoRA."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn((n, k), generator=gen, device=device) * 0.05
+    w[0, :16] = 0  # an all-zero block: its scale is compressed-tensors' 0.125
+    w[1, 3] = 1.5
+    weight = Nvfp4Weight.from_buffers(formats.get("nvfp4").quantize(w.to(torch.bfloat16)))
+    x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
+    bias = (torch.randn((n,), generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    a = (torch.randn((rank, k), generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    b = (torch.randn((n, rank), generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    return weight, x, bias, LoraWeights(a, b, 1.5)
+
+
+def float64_reference(x, weight, bias, lora):
+    """The exact result of the kernel's inputs (the dequantized BF16 weight), and each term's magnitude."""
+    w = weight.dequantize(torch.bfloat16).double()
+    xd = x.double()
+    y = xd @ w.T
+    base_mag = xd.abs() @ w.abs().T
+    lora_mag = torch.zeros_like(y)
+    if bias is not None:
+        y += bias.double()
+        base_mag += bias.double().abs()
+    if lora is not None:
+        a, b = lora.a.double(), lora.b.double()
+        y += lora.scaling * (xd @ a.T) @ b.T
+        lora_mag = lora.scaling * (xd.abs() @ a.abs().T) @ b.abs().T
+    return y, base_mag, lora_mag
+
+
+def assert_within_bf16(got, x, weight, bias, lora, ulps: float) -> None:
+    """``got`` within ``ulps`` BF16 units (2**-7 relative; one round-to-nearest is 0.5) of the float64
+    result, plus float32 accumulation and (GPU) the epilogue's TF32 LoRA expansion."""
+    ref, base_mag, lora_mag = float64_reference(x, weight, bias, lora)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    tol = ulps * 2**-7 * ref.abs() + 2**-18 * base_mag + 2**-10 * lora_mag
+    err = (got.double() - ref).abs()
+    worst = int((err - tol).argmax())
+    assert bool((err <= tol).all()), (
+        f"max error {float(err.max()):.3g}; at flat index {worst}: got {float(got.flatten()[worst])}, "
+        f"want {float(ref.flatten()[worst])}"
+    )
+
+
+# N = 40 and 72: not a multiple of any block_n; K = 48 and 160: multiples of 16, not of any block_k.
+@pytest.mark.parametrize("m", ROW_BUCKETS)
+@pytest.mark.parametrize("extras", ["plain", "bias+lora"])
+def test_kernel_matches_float64_in_interpreter(interpreter, m, extras) -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    n, k = (40, 48) if m > 64 else (72, 160)
+    weight, x, bias, lora = make_case(n, k, m, seed=m)
+    if extras == "plain":
+        bias, lora = None, None
+    got = triton_nvfp4_linear(x, weight, bias, lora)
+    assert_within_bf16(got, x, weight, bias, lora, ulps=0.5)
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_matches_in_interpreter(interpreter, split) -> None:
+    from qerl_cli.kernels.nvfp4_gemm import _LOCKS, triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(72, 256, 17, rank=16)
+    config = with_split(config_for(17), split)
+    config = type(config)(16, 64, 32, split_k=split)  # 8 K tiles: every split gets some
+    got = triton_nvfp4_linear(x, weight, bias, lora, config)
+    assert_within_bf16(got, x, weight, bias, lora, ulps=0.5)
+    assert int(_LOCKS[x.device].count_nonzero()) == 0  # the reducing programs reset their counters
+    assert torch.equal(triton_nvfp4_linear(x, weight, bias, lora, config), got)  # deterministic
+
+
+def test_kernel_dequantizes_like_the_format_in_interpreter(interpreter) -> None:
+    """x = I gives the dequantized weight itself: the kernel's tile is the format's own dequantization,
+    bit for bit (as on a GPU below)."""
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, _, _, _ = make_case(24, 64, 1)
+    got = triton_nvfp4_linear(torch.eye(64, dtype=torch.bfloat16), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+
+
+def test_leading_dims_and_routing(monkeypatch) -> None:
+    """``[..., K]`` input; CPU tensors take the torch reference unless the interpreter is asked for."""
+    monkeypatch.delenv("QERL_TRITON_CPU", raising=False)
+    weight, x, bias, lora = make_case(40, 48, 6)
+    got = nvfp4_linear(x.reshape(2, 3, 48), weight, bias, lora)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), nvfp4_linear_reference(x, weight, bias, lora))
+    assert_within_bf16(got.reshape(6, 40), x, weight, bias, lora, ulps=0.5)
+
+
+def test_buckets_cover_every_row_count() -> None:
+    bounds = [bound for bound, _ in BUCKETS]
+    assert bounds == sorted(bounds) and bounds[-1] >= 2**31
+    for m in (*ROW_BUCKETS, 4096):
+        config = config_for(m)
+        assert config.block_k % 16 == 0 and config.block_m >= 16 and config.block_n >= 16
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda w, x, b, lora: (w, x[:, :32], b, lora), "input features"),
+        (lambda w, x, b, lora: (w, x, b[:3], lora), "bias must be"),
+        (lambda w, x, b, lora: (w, x, b, LoraWeights(lora.a, lora.b[:4], 1.0)), "LoRA A must be"),
+        (
+            lambda w, x, b, lora: (Nvfp4Weight(w.packed, w.scale[:, :2], w.global_scale), x, b, lora),
+            "weight_scale",
+        ),
+    ],
+)
+def test_bad_operands_name_what_is_wrong(change, message) -> None:
+    weight, x, bias, lora = change(*make_case(40, 48, 2))
+    with pytest.raises(ValueError, match=message):
+        check_operands(x, weight, bias, lora)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_dequantization_bit_exact_on_gpu() -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, _, _, _ = make_case(192, 256, 1, device="cuda")
+    got = triton_nvfp4_linear(torch.eye(256, dtype=torch.bfloat16, device="cuda"), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", (*ROW_BUCKETS, 512))
+@pytest.mark.parametrize(("n", "k"), [(4608, 3584), (3584, 18944), (1000, 1040)])
+def test_kernel_matches_float64_on_gpu(m, n, k) -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(n, k, m, rank=16, device="cuda", seed=m)
+    for b, adapter in ((None, None), (bias, lora)):
+        assert_within_bf16(triton_nvfp4_linear(x, weight, b, adapter), x, weight, b, adapter, ulps=0.5)
+    for split in (1, 3):
+        config = with_split(config_for(m), split)
+        assert_within_bf16(triton_nvfp4_linear(x, weight, bias, lora, config), x, weight, bias, lora, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@gpu
+@pytest.mark.parametrize("m", [8, 128])
+def test_kernel_agrees_with_marlin(m) -> None:
+    """vLLM's Marlin NVFP4 on the same checkpoint buffers: both near the float64 result, and each other."""
+    from qerl_cli.bench.gemm import marlin_linear
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, x, _, _ = make_case(4608, 3584, m, device="cuda")
+    ref, _, _ = float64_reference(x, weight, None, None)
+    ours = triton_nvfp4_linear(x, weight).double()
+    marlin = marlin_linear(weight.packed, weight.scale, weight.global_scale)(x).double()
+    scale = ref.abs().max()
+    assert float((ours - ref).abs().max() / scale) < 2**-8
+    assert float((marlin - ref).abs().max() / scale) < 2**-6  # Marlin's own BF16 scale arithmetic
+    assert float((ours - marlin).abs().max() / scale) < 2**-6
