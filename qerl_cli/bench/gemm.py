@@ -22,6 +22,7 @@ tensor-core peak (BF16's; FP8's for ``fp8``) of :mod:`qerl_cli.bench.roofline`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -237,11 +238,13 @@ def run_gemm(
     shapes: list[str],
     rows: list[int],
     record: Callable[[dict[str, Any]], None],
+    on_error: Callable[[str, str], None],
     backends: tuple[str, ...] = BACKENDS,
     seed: int = 0,
 ) -> list[str]:
     """Measure every (shape, linear, rows, backend, adapter) on the current CUDA GPU, handing each row
-    to ``record`` as it is measured; returns the backends skipped (with why)."""
+    to ``record`` as it is measured and each failed one to ``on_error`` (case, error); returns the
+    backends skipped (with why)."""
     from qerl_cli.bench.roofline import gpu_spec
     from qerl_cli.formats.fp8 import has_fp8_tensor_cores
 
@@ -258,10 +261,12 @@ def run_gemm(
     for model in shapes:
         for index, (linear, (n, k)) in enumerate(model_linears(model).items()):
             layer = _Layer(n, k, device, seed + index)
-            for m in rows:
-                for backend in chosen:
-                    for lora in (False, True):
-                        record(measure_gemm(layer, model, linear, m, backend, lora, spec).to_dict())
+            for m, backend, lora in itertools.product(rows, chosen, (False, True)):
+                try:
+                    record(measure_gemm(layer, model, linear, m, backend, lora, spec).to_dict())
+                except Exception as exc:  # noqa: BLE001 - recorded; the other figures still run
+                    case = f"{model} {linear} m={m} {backend}{' +lora' if lora else ''}"
+                    on_error(case, f"{type(exc).__name__}: {exc}")
             del layer
             torch.cuda.empty_cache()
     return skipped

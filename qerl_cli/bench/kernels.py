@@ -283,9 +283,12 @@ def run_kernels(
             report["gemm"].append(row)
             write_report(path, report)
 
+        def failed(case: str, error: str) -> None:
+            report["errors"].append({"section": "gemm", "format": "nvfp4", "case": case, "error": error})
+
         settings = report["settings"]
         skipped = attempt(
-            "gemm", "nvfp4", gemm.run_gemm, settings["gemm_shapes"], settings["gemm_rows"], record
+            "gemm", "nvfp4", gemm.run_gemm, settings["gemm_shapes"], settings["gemm_rows"], record, failed
         )
         report["gemm_skipped"] += skipped or []
     write_report(path, report)
