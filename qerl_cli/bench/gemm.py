@@ -169,8 +169,11 @@ def _copies(layer: _Layer, backend: str) -> int:
     return max(2, min(MAX_COPIES, -(-L2_MULTIPLE * l2 // layer.weight_bytes(backend))))
 
 
-def _calls(layer: _Layer, backend: str, x: torch.Tensor, lora: bool) -> tuple[list[Callable], Callable]:
-    """The calls over distinct weight copies, and one call to check the output with."""
+def _calls(
+    layer: _Layer, backend: str, x: torch.Tensor, lora: bool, config: Any = None
+) -> tuple[list[Callable], Callable]:
+    """The calls over distinct weight copies, and one call to check the output with (``config``: the
+    qerl kernel's tile config, None for its bucket's)."""
     from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
     from qerl_cli.kernels.nvfp4_gemm import Nvfp4Weight, triton_nvfp4_linear
     from qerl_cli.modeling.fp8_update import fp8_mm
@@ -198,7 +201,7 @@ def _calls(layer: _Layer, backend: str, x: torch.Tensor, lora: bool) -> tuple[li
             w = Nvfp4Weight(w.packed.clone(), w.scale.clone(), w.global_scale.clone())
         if backend == "marlin":
             return with_lora(marlin_linear(w.packed, w.scale, w.global_scale))
-        return lambda: triton_nvfp4_linear(x, w, lora=adapter)
+        return lambda: triton_nvfp4_linear(x, w, lora=adapter, config=config)
 
     calls = [one(i) for i in range(_copies(layer, backend))]
     return calls, calls[0]
@@ -234,6 +237,29 @@ def measure_gemm(
     )  # fmt: skip
 
 
+def tune_configs(
+    layer: _Layer,
+    model: str,
+    linear: str,
+    rows: list[int],
+    tune: Callable[[dict[str, Any]], None],
+    on_error: Callable[[str, str], None],
+) -> None:
+    """Time qerl's kernel (no adapter) in every candidate tile config of each row count's bucket."""
+    from qerl_cli.kernels.nvfp4_gemm import candidates_for
+
+    for m in rows:
+        x = torch.randn((m, layer.k), device=layer.bf16.device, dtype=torch.bfloat16)
+        for position, config in enumerate(candidates_for(m)):
+            try:
+                us = graph_us(_calls(layer, "qerl-nvfp4", x, False, config)[0])
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run is recorded
+                on_error(f"tune {model} {linear} m={m} {config.label()}", f"{type(exc).__name__}: {exc}")
+                continue
+            tune({"model": model, "linear": linear, "n": layer.n, "k": layer.k, "m": m,
+                  "config": config.label(), "bucket_default": position == 0, "us": us})  # fmt: skip
+
+
 def run_gemm(
     shapes: list[str],
     rows: list[int],
@@ -241,10 +267,12 @@ def run_gemm(
     on_error: Callable[[str, str], None],
     backends: tuple[str, ...] = BACKENDS,
     seed: int = 0,
+    tune: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[str]:
     """Measure every (shape, linear, rows, backend, adapter) on the current CUDA GPU, handing each row
-    to ``record`` as it is measured and each failed one to ``on_error`` (case, error); returns the
-    backends skipped (with why)."""
+    to ``record`` as it is measured and each failed one to ``on_error`` (case, error); with ``tune``,
+    first every candidate tile config of qerl's kernel (no adapter) to it. Returns the backends skipped
+    (with why)."""
     from qerl_cli.bench.roofline import gpu_spec
     from qerl_cli.formats.fp8 import has_fp8_tensor_cores
 
@@ -261,6 +289,8 @@ def run_gemm(
     for model in shapes:
         for index, (linear, (n, k)) in enumerate(model_linears(model).items()):
             layer = _Layer(n, k, device, seed + index)
+            if tune is not None:
+                tune_configs(layer, model, linear, rows, tune, on_error)
             for m, backend, lora in itertools.product(rows, chosen, (False, True)):
                 try:
                     record(measure_gemm(layer, model, linear, m, backend, lora, spec).to_dict())

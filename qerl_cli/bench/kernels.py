@@ -201,9 +201,11 @@ def run_kernels(
     seed: int = 0,
     gemm_shapes: tuple[str, ...] | None = None,
     gemm_rows: tuple[int, ...] | None = None,
+    gemm_tune: bool = True,
 ) -> dict[str, Any]:
     """Every section for every 4-bit format of ``formats``; writes and returns ``kernels.json``.
-    ``gemm_shapes`` / ``gemm_rows`` (None: :mod:`qerl_cli.bench.gemm`'s defaults) size the GEMM section."""
+    ``gemm_shapes`` / ``gemm_rows`` (None: :mod:`qerl_cli.bench.gemm`'s defaults) size the GEMM section;
+    ``gemm_tune`` times qerl's NVFP4 kernel in each candidate tile config first (``gemm_tuning``)."""
     from qerl_cli.bench import gemm
     from qerl_cli.torch_utils import resolve_device
 
@@ -225,12 +227,14 @@ def run_kernels(
             "dequant_shape": list(shape),
             "gemm_shapes": list(gemm_shapes or gemm.DEFAULT_SHAPES),
             "gemm_rows": list(gemm_rows or gemm.DEFAULT_ROWS),
+            "gemm_tune": gemm_tune,
         },
         "copy_GBps": None,
         "dequant": [],
         "memory": [],
         "layer": [],
         "gemm": [],
+        "gemm_tuning": [],
         "gemm_skipped": [],
         "errors": [],
     }
@@ -283,13 +287,18 @@ def run_kernels(
             report["gemm"].append(row)
             write_report(path, report)
 
+        def tuned(row: dict[str, Any]) -> None:
+            report["gemm_tuning"].append(row)
+            write_report(path, report)
+
         def failed(case: str, error: str) -> None:
             report["errors"].append({"section": "gemm", "format": "nvfp4", "case": case, "error": error})
 
         settings = report["settings"]
         skipped = attempt(
-            "gemm", "nvfp4", gemm.run_gemm, settings["gemm_shapes"], settings["gemm_rows"], record, failed
-        )
+            "gemm", "nvfp4", gemm.run_gemm, settings["gemm_shapes"], settings["gemm_rows"], record, failed,
+            tune=tuned if gemm_tune else None,
+        )  # fmt: skip
         report["gemm_skipped"] += skipped or []
     write_report(path, report)
     return report

@@ -54,8 +54,10 @@ class TileConfig:
 
 
 # (largest M of the bucket, config): the first bucket whose bound is >= M. The tokens are the MMA's
-# narrow side (the kernel computes y^T), so block_m follows M up to 128; the weight side stays 64-128
-# rows (one or two Hopper warpgroup MMAs) and deep K tiles keep enough bytes in flight per SM.
+# narrow side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's
+# warpgroup MMA, 64 rows per 4 warps), so block_m follows M up to 128. These are starting points
+# checked to compile to wgmma without spills (tests/test_nvfp4_gemm.py); ``qerl bench kernels`` times
+# every config of CANDIDATES on the GPU it runs on, to tune them.
 BUCKETS: tuple[tuple[int, TileConfig], ...] = (
     (16, TileConfig(16, 64, 256, num_warps=4, num_stages=4)),
     (32, TileConfig(32, 64, 256, num_warps=4, num_stages=4)),
@@ -63,11 +65,29 @@ BUCKETS: tuple[tuple[int, TileConfig], ...] = (
     (128, TileConfig(128, 64, 128, num_warps=4, num_stages=3)),
     (2**62, TileConfig(128, 128, 64, num_warps=8, num_stages=3)),
 )
+# Alternatives per bucket (same bounds as BUCKETS) for the bench's tuning pass.
+CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
+    16: (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 128, 8, 4), TileConfig(16, 64, 256, 4, 3)),
+    32: (TileConfig(32, 64, 128, 4, 4), TileConfig(32, 128, 128, 8, 3)),
+    64: (TileConfig(64, 64, 256, 4, 3), TileConfig(64, 128, 128, 8, 3), TileConfig(64, 64, 64, 4, 5)),
+    128: (TileConfig(128, 64, 64, 4, 4), TileConfig(128, 128, 64, 8, 3), TileConfig(64, 64, 128, 4, 4)),
+    2**62: (TileConfig(128, 64, 128, 4, 3), TileConfig(256, 64, 64, 8, 3), TileConfig(128, 128, 128, 8, 3)),
+}
+# Split K until about this many programs per SM: a CTA keeps only num_stages tiles in flight, so one per
+# SM cannot cover HBM latency; a split costs a float32 workspace round trip (through L2).
+PROGRAMS_PER_SM = 2
+MIN_K_TILES_PER_SPLIT = 4
 
 
 def config_for(m: int) -> TileConfig:
     """The tile config of the bucket ``m`` rows fall in."""
     return next(config for bound, config in BUCKETS if m <= bound)
+
+
+def candidates_for(m: int) -> tuple[TileConfig, ...]:
+    """The bucket's config of ``m`` rows first, then its alternatives to time against it."""
+    bound = next(bound for bound, _ in BUCKETS if m <= bound)
+    return (config_for(m), *CANDIDATES[bound])
 
 
 @dataclass(frozen=True)
@@ -181,12 +201,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_k_for(config: TileConfig, m: int, n: int, k: int, device: torch.device) -> int:
-    """K splits that bring the programs near one per SM, each split keeping >= 4 K tiles."""
-    if config.split_k is not None:
-        return max(1, min(config.split_k, -(-k // config.block_k)))
-    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    """K splits that bring the programs to about PROGRAMS_PER_SM per SM, each split keeping at least
+    MIN_K_TILES_PER_SPLIT K tiles (fewer would leave the pipeline nothing to overlap)."""
     k_tiles = -(-k // config.block_k)
-    return max(1, min(_sm_count(device) // tiles, k_tiles // 4))
+    if config.split_k is not None:
+        return max(1, min(config.split_k, k_tiles))
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    wanted = -(-PROGRAMS_PER_SM * _sm_count(device) // tiles)
+    return max(1, min(wanted, k_tiles // MIN_K_TILES_PER_SPLIT))
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
