@@ -108,6 +108,22 @@ def test_kernel_dequantizes_like_the_format_in_interpreter(interpreter) -> None:
     assert torch.equal(got, weight.dequantize(torch.bfloat16))
 
 
+def test_every_byte_and_scale_in_interpreter(interpreter) -> None:
+    """All 256 bytes (every pair of codes) under finite E4M3 scales from subnormal to 448
+    and an arbitrary global scale: still the format's own dequantization, bit for bit."""
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    n, k = 16, 64  # 16 rows x 32 bytes = 512 bytes: every byte value twice
+    packed = torch.arange(n * k // 2, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(n, k // 2)
+    scale_bits = torch.tensor(
+        [1, 7, 8, 9, 56, 100, 126, 0x77, 0x3F, 0x40, 0x41, 0x70, 0x7E, 0x30, 0x38, 0x08]
+    )
+    scale = scale_bits.repeat(n * k // 16 // 16).to(torch.uint8).reshape(n, k // 16).view(torch.float8_e4m3fn)
+    weight = Nvfp4Weight(packed, scale, torch.tensor([123.456]))
+    got = triton_nvfp4_linear(torch.eye(k, dtype=torch.bfloat16), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+
+
 def test_leading_dims_and_routing(monkeypatch) -> None:
     """``[..., K]`` input; CPU tensors take the torch reference unless the interpreter is asked for."""
     monkeypatch.delenv("QERL_TRITON_CPU", raising=False)
