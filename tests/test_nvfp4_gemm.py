@@ -108,19 +108,24 @@ def test_kernel_dequantizes_like_the_format_in_interpreter(interpreter) -> None:
     assert torch.equal(got, weight.dequantize(torch.bfloat16))
 
 
-def test_every_byte_and_scale_in_interpreter(interpreter) -> None:
-    """All 256 bytes (every pair of codes) under finite E4M3 scales from subnormal to 448
-    and an arbitrary global scale: still the format's own dequantization, bit for bit."""
-    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
-
+def every_byte_weight(device: str = "cpu") -> Nvfp4Weight:
+    """All 256 bytes (every pair of codes) under finite E4M3 scales from subnormal to 448 and an
+    arbitrary global scale: ``[16, 64]``."""
     n, k = 16, 64  # 16 rows x 32 bytes = 512 bytes: every byte value twice
     packed = torch.arange(n * k // 2, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(n, k // 2)
     scale_bits = torch.tensor(
         [1, 7, 8, 9, 56, 100, 126, 0x77, 0x3F, 0x40, 0x41, 0x70, 0x7E, 0x30, 0x38, 0x08]
     )
     scale = scale_bits.repeat(n * k // 16 // 16).to(torch.uint8).reshape(n, k // 16).view(torch.float8_e4m3fn)
-    weight = Nvfp4Weight(packed, scale, torch.tensor([123.456]))
-    got = triton_nvfp4_linear(torch.eye(k, dtype=torch.bfloat16), weight).T
+    return Nvfp4Weight(packed.to(device), scale.to(device), torch.tensor([123.456], device=device))
+
+
+def test_every_byte_and_scale_in_interpreter(interpreter) -> None:
+    """Every code pair and a range of scales: still the format's own dequantization, bit for bit."""
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight = every_byte_weight()
+    got = triton_nvfp4_linear(torch.eye(64, dtype=torch.bfloat16), weight).T
     assert torch.equal(got, weight.dequantize(torch.bfloat16))
 
 
@@ -170,6 +175,9 @@ def test_dequantization_bit_exact_on_gpu() -> None:
 
     weight, _, _, _ = make_case(192, 256, 1, device="cuda")
     got = triton_nvfp4_linear(torch.eye(256, dtype=torch.bfloat16, device="cuda"), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+    weight = every_byte_weight("cuda")
+    got = triton_nvfp4_linear(torch.eye(64, dtype=torch.bfloat16, device="cuda"), weight).T
     assert torch.equal(got, weight.dequantize(torch.bfloat16))
 
 
