@@ -7,7 +7,14 @@ import pytest
 import torch
 from rich.console import Console
 
-from qerl_cli.bench.gemm import BACKENDS, gemm_table, model_linears
+from qerl_cli.bench.gemm import (
+    BACKENDS,
+    GemmSettings,
+    empty_sections,
+    gemm_section,
+    gemm_table,
+    model_linears,
+)
 from qerl_cli.kernels.nvfp4_gemm import candidates_for, config_for
 
 
@@ -45,6 +52,17 @@ def test_table_has_one_line_per_linear_and_rows() -> None:
     assert "10.0 (50%) / 12.5 (50%)" in text and "4.0 (50%) / -" in text
     assert "marlin" not in text and "fp8" not in text  # only the backends measured get a column
     assert sum("4608 x 3584" in line for line in text.splitlines()) == 2  # rows 8 and 128
+
+
+@pytest.mark.parametrize(
+    ("formats", "cuda", "why"),
+    [(["bf16", "nf4"], True, "nvfp4 is not among --formats"), (["nvfp4"], False, "on a CUDA GPU only")],
+)
+def test_section_says_why_it_measured_nothing(formats, cuda, why) -> None:
+    report = {"settings": {"formats": formats, **GemmSettings().to_dict()}, "errors": [], **empty_sections()}
+    gemm_section(report, lambda: None, cuda)
+    assert report["gemm"] == [] and report["errors"] == []
+    assert len(report["gemm_skipped"]) == 1 and why in report["gemm_skipped"][0]
 
 
 @pytest.mark.gpu

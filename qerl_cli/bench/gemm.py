@@ -302,6 +302,53 @@ def run_gemm(
     return skipped
 
 
+@dataclass(frozen=True)
+class GemmSettings:
+    """What the GEMM section measures: model shapes, token counts, and whether it first times qerl's
+    kernel in each candidate tile config (``gemm_tuning``)."""
+
+    shapes: tuple[str, ...] = DEFAULT_SHAPES
+    rows: tuple[int, ...] = DEFAULT_ROWS
+    tune: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its entries of ``kernels.json``'s ``settings``."""
+        return {"gemm_shapes": list(self.shapes), "gemm_rows": list(self.rows), "gemm_tune": self.tune}
+
+
+def empty_sections() -> dict[str, list]:
+    return {"gemm": [], "gemm_tuning": [], "gemm_skipped": []}
+
+
+def gemm_section(report: dict[str, Any], save: Callable[[], None], cuda: bool) -> None:
+    """``kernels.json``'s GEMM section, as its ``settings`` say (``formats`` with ``nvfp4``,
+    ``gemm_shapes``, ``gemm_rows``, ``gemm_tune``): rows into ``gemm`` and ``gemm_tuning``, failed
+    figures into ``errors``, what was left out and why into ``gemm_skipped``; ``save`` after each
+    figure, so a run cut short keeps them."""
+    if "nvfp4" not in report["settings"]["formats"]:
+        report["gemm_skipped"].append("all: nvfp4 is not among --formats")
+        return
+    if not cuda:
+        report["gemm_skipped"].append("all: the GEMMs are timed on a CUDA GPU only")
+        return
+
+    def keep(section: str) -> Callable[[dict[str, Any]], None]:
+        def add(row: dict[str, Any]) -> None:
+            report[section].append(row)
+            save()
+
+        return add
+
+    def failed(case: str, error: str) -> None:
+        report["errors"].append({"section": "gemm", "format": "nvfp4", "case": case, "error": error})
+
+    settings = report["settings"]
+    tune = keep("gemm_tuning") if settings["gemm_tune"] else None
+    report["gemm_skipped"] += run_gemm(
+        settings["gemm_shapes"], settings["gemm_rows"], keep("gemm"), failed, tune=tune
+    )
+
+
 def gemm_table(rows: list[dict[str, Any]], device: str):  # -> rich.table.Table
     """One line per (model, linear, tokens): each backend's microseconds and share of the HBM bound,
     without / with the adapter."""

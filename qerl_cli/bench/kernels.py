@@ -199,13 +199,10 @@ def run_kernels(
     seq_len: int = 1024,
     iters: int = 10,
     seed: int = 0,
-    gemm_shapes: tuple[str, ...] | None = None,
-    gemm_rows: tuple[int, ...] | None = None,
-    gemm_tune: bool = True,
+    gemm_settings: Any = None,
 ) -> dict[str, Any]:
     """Every section for every 4-bit format of ``formats``; writes and returns ``kernels.json``.
-    ``gemm_shapes`` / ``gemm_rows`` (None: :mod:`qerl_cli.bench.gemm`'s defaults) size the GEMM section;
-    ``gemm_tune`` times qerl's NVFP4 kernel in each candidate tile config first (``gemm_tuning``)."""
+    ``gemm_settings``: a :class:`qerl_cli.bench.gemm.GemmSettings` (None: its defaults)."""
     from qerl_cli.bench import gemm
     from qerl_cli.torch_utils import resolve_device
 
@@ -225,17 +222,13 @@ def run_kernels(
             "iters": iters,
             "layer_dtype": str(dtype).removeprefix("torch."),
             "dequant_shape": list(shape),
-            "gemm_shapes": list(gemm_shapes or gemm.DEFAULT_SHAPES),
-            "gemm_rows": list(gemm_rows or gemm.DEFAULT_ROWS),
-            "gemm_tune": gemm_tune,
+            **(gemm_settings or gemm.GemmSettings()).to_dict(),
         },
         "copy_GBps": None,
         "dequant": [],
         "memory": [],
         "layer": [],
-        "gemm": [],
-        "gemm_tuning": [],
-        "gemm_skipped": [],
+        **gemm.empty_sections(),
         "errors": [],
     }
     path = Path(out_dir) / REPORT_NAME
@@ -277,29 +270,7 @@ def run_kernels(
         del loaded_model
         if cuda:
             torch.cuda.empty_cache()
-    if "nvfp4" not in formats:
-        report["gemm_skipped"].append("all: nvfp4 is not among --formats")
-    elif not cuda:
-        report["gemm_skipped"].append("all: the GEMMs are timed on a CUDA GPU only")
-    else:
-
-        def record(row: dict[str, Any]) -> None:
-            report["gemm"].append(row)
-            write_report(path, report)
-
-        def tuned(row: dict[str, Any]) -> None:
-            report["gemm_tuning"].append(row)
-            write_report(path, report)
-
-        def failed(case: str, error: str) -> None:
-            report["errors"].append({"section": "gemm", "format": "nvfp4", "case": case, "error": error})
-
-        settings = report["settings"]
-        skipped = attempt(
-            "gemm", "nvfp4", gemm.run_gemm, settings["gemm_shapes"], settings["gemm_rows"], record, failed,
-            tune=tuned if gemm_tune else None,
-        )  # fmt: skip
-        report["gemm_skipped"] += skipped or []
+    attempt("gemm", "nvfp4", gemm.gemm_section, report, lambda: write_report(path, report), cuda)
     write_report(path, report)
     return report
 
