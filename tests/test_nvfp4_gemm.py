@@ -98,6 +98,16 @@ def test_split_k_matches_in_interpreter(interpreter, split) -> None:
     assert torch.equal(triton_nvfp4_linear(x, weight, bias, lora, config), got)  # deterministic
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_whole_tiles_take_the_unmasked_path_in_interpreter(interpreter, split) -> None:
+    """N and K multiples of the tile (as every model's are): the kernel's mask-free variant."""
+    from qerl_cli.kernels.nvfp4_gemm import TileConfig, triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(128, 256, 5, rank=16, seed=split)
+    got = triton_nvfp4_linear(x, weight, bias, lora, TileConfig(16, 64, 64, split_k=split))
+    assert_within_bf16(got, x, weight, bias, lora, ulps=0.5)
+
+
 def test_kernel_dequantizes_like_the_format_in_interpreter(interpreter) -> None:
     """x = I gives the dequantized weight itself: the kernel's tile is the format's own dequantization,
     bit for bit (as on a GPU below)."""
@@ -230,7 +240,7 @@ signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "global_scale_ptr": "*fp3
               "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
 signature |= dict.fromkeys(("M", "N", "K", "stride_xm", "stride_ym"), "i32")
 constants = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora), RANK=16,
-                 R_PAD=16, XA_SPLITS=4 if lora else 1, F32_DOT=False)
+                 R_PAD=16, XA_SPLITS=4 if lora else 1, EVEN=True, F32_DOT=False)  # EVEN: the models' shapes
 signature |= dict.fromkeys(constants, "constexpr")
 order = list(kernels.nvfp4_gemm_kernel.arg_names)
 # Pointers and sizes 16-aligned, as the launcher specializes them for real shapes.

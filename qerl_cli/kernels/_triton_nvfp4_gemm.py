@@ -46,14 +46,19 @@ def _e2m1_pair(byte):
 
 @triton.jit
 def _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN: tl.constexpr,
-                 BK: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
+                 BK: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     # The dequantized bf16 tile W[offs_n, k0:k0+BK], built in registers: bytes as [BN, BK/16, 8] (one
     # block of 16 values per middle index), so each block's multiplier broadcasts without a gather.
     blocks = k0 // 16 + tl.arange(0, BK // 16)
     block_mask = n_mask[:, None] & (blocks[None, :] < K // 16)
     byte_offs = offs_n[:, None, None] * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    byte = tl.load(packed_ptr + byte_offs, mask=block_mask[:, :, None], other=0).to(tl.int32)
-    raw_scale = tl.load(scale_ptr + offs_n[:, None] * (K // 16) + blocks[None, :], mask=block_mask, other=0)
+    scale_offs = offs_n[:, None] * (K // 16) + blocks[None, :]
+    if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
+        byte = tl.load(packed_ptr + byte_offs).to(tl.int32)
+        raw_scale = tl.load(scale_ptr + scale_offs)
+    else:
+        byte = tl.load(packed_ptr + byte_offs, mask=block_mask[:, :, None], other=0).to(tl.int32)
+        raw_scale = tl.load(scale_ptr + scale_offs, mask=block_mask, other=0)
     # The reference's multiplier, float32 scale / global scale correctly rounded, then exactly x 2**14.
     mult = tl.math.div_rn(_e4m3(raw_scale.to(tl.int32)), global_scale) * DECODE_UNSCALE
     low, high = _e2m1_pair(byte)
@@ -94,7 +99,7 @@ def nvfp4_gemm_kernel(
     M, N, K, stride_xm, stride_ym, lora_scaling,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
-    XA_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+    XA_SPLITS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     # y^T tile [BN, BM] = W tile [BN, K] @ x^T [K, BM]: the weight is the MMA's left operand (rows of
     # 64 per warpgroup on Hopper), so a handful of tokens is the narrow right side, as small as 16.
@@ -114,9 +119,9 @@ def nvfp4_gemm_kernel(
     offs_k = tl.arange(0, BK)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BK):
-        w = _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN, BK, F32_DOT)
+        w = _weight_tile(packed_ptr, scale_ptr, global_scale, offs_n, n_mask, k0, K, BN, BK, EVEN, F32_DOT)
         ks = k0 + offs_k
-        x_mask = m_mask[None, :] & (ks[:, None] < K)
+        x_mask = m_mask[None, :] if EVEN else m_mask[None, :] & (ks[:, None] < K)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + ks[:, None], mask=x_mask, other=0.0)
         if F32_DOT:  # noqa: SIM108 - a constexpr branch: only one side is compiled
             acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")

@@ -276,6 +276,7 @@ def triton_nvfp4_linear(
         m, n, k, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,
+        EVEN=k % config.block_k == 0 and n % config.block_n == 0,
         F32_DOT=not x.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y.reshape(*lead, n)
