@@ -211,17 +211,17 @@ def split_k_for(config: TileConfig, m: int, n: int, k: int, device: torch.device
     return max(1, min(wanted, k_tiles // MIN_K_TILES_PER_SPLIT))
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCKS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _locks(device: torch.device, tiles: int) -> torch.Tensor:
     """The split-K counters, zero between calls (the reducing program resets its own); one set per
-    device, so calls on one device must not overlap on different streams."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < tiles:
-        locks = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _LOCKS[device] = locks
-    return locks
+    device, so calls on one device must not overlap on different streams. A set outgrown is kept, not
+    freed: a CUDA graph captured with it still points at it."""
+    held = _LOCKS.setdefault(device, [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return held[-1]
 
 
 def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:
