@@ -149,6 +149,16 @@ def test_leading_dims_and_routing(monkeypatch) -> None:
     assert_within_bf16(got.reshape(6, 40), x, weight, bias, lora, ulps=0.5)
 
 
+def test_fused_lora_takes_a_bf16_adapter() -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(40, 48, 2)
+    with pytest.raises(ValueError, match="cast the adapter to BF16"):
+        triton_nvfp4_linear(x, weight, bias, LoraWeights(lora.a.float(), lora.b, 1.0))
+    with pytest.raises(ValueError, match="BF16 activations"):
+        triton_nvfp4_linear(x.float(), weight)
+
+
 def test_buckets_cover_every_row_count() -> None:
     bounds = [bound for bound, _ in BUCKETS]
     assert bounds == sorted(bounds) and bounds[-1] >= 2**31
@@ -163,6 +173,10 @@ def test_buckets_cover_every_row_count() -> None:
         (lambda w, x, b, lora: (w, x[:, :32], b, lora), "input features"),
         (lambda w, x, b, lora: (w, x, b[:3], lora), "bias must be"),
         (lambda w, x, b, lora: (w, x, b, LoraWeights(lora.a, lora.b[:4], 1.0)), "LoRA A must be"),
+        (
+            lambda w, x, b, lora: (Nvfp4Weight(w.packed, w.scale.float(), w.global_scale), x, b, lora),
+            "float8_e4m3fn",
+        ),
         (
             lambda w, x, b, lora: (Nvfp4Weight(w.packed, w.scale[:, :2], w.global_scale), x, b, lora),
             "weight_scale",

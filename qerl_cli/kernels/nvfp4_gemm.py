@@ -152,10 +152,15 @@ def check_operands(
     n, k = weight.out_features, weight.in_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight {k}")
-    if weight.packed.dtype != torch.uint8 or weight.scale.shape != (n, k // BLOCK):
+    scale = weight.scale
+    if (
+        weight.packed.dtype != torch.uint8
+        or scale.dtype != torch.float8_e4m3fn
+        or scale.shape != (n, k // BLOCK)
+    ):
         raise ValueError(
-            f"expected weight_packed uint8 [N, K/2] and weight_scale [N, K/{BLOCK}]; got "
-            f"{weight.packed.dtype} {tuple(weight.packed.shape)} and {tuple(weight.scale.shape)}"
+            f"expected weight_packed uint8 [N, K/2] and weight_scale float8_e4m3fn [N, K/{BLOCK}]; got "
+            f"{weight.packed.dtype} {tuple(weight.packed.shape)} and {scale.dtype} {tuple(scale.shape)}"
         )
     if weight.global_scale.numel() != 1:
         raise ValueError(
@@ -251,6 +256,9 @@ def triton_nvfp4_linear(
     check_operands(x, weight, bias, lora)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the NVFP4 GEMM takes BF16 activations, got {x.dtype}")
+    if lora is not None and lora.a.dtype != torch.bfloat16:
+        # The projection multiplies x by A on the tensor cores, both BF16 (as vLLM keeps its adapters).
+        raise ValueError(f"the fused LoRA takes a BF16 A, got {lora.a.dtype}; cast the adapter to BF16")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -271,7 +279,8 @@ def triton_nvfp4_linear(
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8), weight.global_scale,
+        x2, weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8),
+        weight.global_scale.to(torch.float32),
         bias if bias is not None else y, xa, lora_b, y, ws, locks,
         m, n, k, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, SPLIT_K=split,
