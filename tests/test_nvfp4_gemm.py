@@ -250,7 +250,7 @@ from qerl_cli.kernels import _triton_nvfp4_gemm as kernels
 
 bm, bn, bk, warps, stages, split, lora = (int(v) for v in sys.argv[1:])
 signature = dict.fromkeys(("x_ptr", "bias_ptr", "lora_b_ptr", "y_ptr"), "*bf16")
-signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "global_scale_ptr": "*fp32", "xa_ptr": "*fp32",
+signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "mult_ptr": "*fp32", "xa_ptr": "*fp32",
               "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
 signature |= dict.fromkeys(("M", "N", "K", "stride_xm", "stride_ym"), "i32")
 constants = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora), RANK=16,

@@ -30,6 +30,8 @@ from qerl_cli import formats
 from qerl_cli.kernels.dequant import use_triton_for
 
 BLOCK = 16  # NVFP4's block of values sharing one E4M3 scale
+# The kernel decodes E2M1 values times 2**-14 (_triton_nvfp4_gemm._e2m1_pair); its multipliers undo it.
+DECODE_UNSCALE = 16384.0
 MAX_RANK = 128
 # The shrink kernel's K split never exceeds this: the GEMM epilogue reads every split's partial.
 MAX_XA_SPLITS = 8
@@ -103,17 +105,34 @@ class LoraWeights:
         return self.a.shape[0]
 
 
+def code_multipliers(global_scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[256]``: the block multiplier of every E4M3 scale code under ``global_scale`` -- the
+    format's own ``block_multipliers``, so the very float32 division -- times :data:`DECODE_UNSCALE`
+    (exact). The kernel looks each block's multiplier up here instead of decoding and dividing."""
+    codes = torch.arange(256, dtype=torch.int32, device=global_scale.device).to(torch.uint8)
+    buffers = {"weight_scale": codes.view(torch.float8_e4m3fn)[None, :], "weight_global_scale": global_scale}
+    return (formats.get("nvfp4").block_multipliers(buffers).reshape(256) * DECODE_UNSCALE).contiguous()
+
+
 @dataclass(frozen=True)
 class Nvfp4Weight:
-    """One linear's NVFP4 buffers (checkpoint layout) and its sizes."""
+    """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``multipliers`` is
+    :func:`code_multipliers` of its global scale, computed once (None: on every call)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
+    multipliers: torch.Tensor | None = None
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> Nvfp4Weight:
-        return cls(buffers["weight_packed"], buffers["weight_scale"], buffers["weight_global_scale"])
+        global_scale = buffers["weight_global_scale"]
+        return cls(
+            buffers["weight_packed"], buffers["weight_scale"], global_scale, code_multipliers(global_scale)
+        )
+
+    def kernel_multipliers(self) -> torch.Tensor:
+        return self.multipliers if self.multipliers is not None else code_multipliers(self.global_scale)
 
     @property
     def out_features(self) -> int:
@@ -280,7 +299,7 @@ def triton_nvfp4_linear(
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
         x2, weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8),
-        weight.global_scale.to(torch.float32),
+        weight.kernel_multipliers(),
         bias if bias is not None else y, xa, lora_b, y, ws, locks,
         m, n, k, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BK=config.block_k, SPLIT_K=split,
