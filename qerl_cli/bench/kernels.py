@@ -9,7 +9,11 @@
   on a GPU also the memory allocated by loading it and the peak while loading;
 * ``layer``: forward + input-gradient backward (a frozen base, as under LoRA) of the first decoder layer
   on ``batch x seq_len`` tokens, 4-bit against the same layer holding the dequantized weights densely,
-  timed in interleaved rounds so clocks and temperature affect both alike.
+  timed in interleaved rounds so clocks and temperature affect both alike;
+* ``gemm`` (on a CUDA GPU, when ``nvfp4`` is among the formats): the decode step's linears of the 7B
+  and 32B shapes at 8-256 tokens, cuBLAS BF16, FP8 W8A8, vLLM's Marlin NVFP4 (with vLLM installed) and
+  qerl's NVFP4 GEMM, each with and without a rank-16 adapter, against the HBM and tensor-core bounds
+  (:mod:`qerl_cli.bench.gemm`).
 
 Each section records its error and the others still run; the CLI exits 1 when one failed.
 """
@@ -195,8 +199,11 @@ def run_kernels(
     seq_len: int = 1024,
     iters: int = 10,
     seed: int = 0,
+    gemm_settings: Any = None,
 ) -> dict[str, Any]:
-    """Every section for every 4-bit format of ``formats``; writes and returns ``kernels.json``."""
+    """Every section for every 4-bit format of ``formats``; writes and returns ``kernels.json``.
+    ``gemm_settings``: a :class:`qerl_cli.bench.gemm.GemmSettings` (None: its defaults)."""
+    from qerl_cli.bench import gemm
     from qerl_cli.torch_utils import resolve_device
 
     torch_device = resolve_device(device)
@@ -215,11 +222,13 @@ def run_kernels(
             "iters": iters,
             "layer_dtype": str(dtype).removeprefix("torch."),
             "dequant_shape": list(shape),
+            **(gemm_settings or gemm.GemmSettings()).to_dict(),
         },
         "copy_GBps": None,
         "dequant": [],
         "memory": [],
         "layer": [],
+        **gemm.empty_sections(),
         "errors": [],
     }
     path = Path(out_dir) / REPORT_NAME
@@ -261,12 +270,16 @@ def run_kernels(
         del loaded_model
         if cuda:
             torch.cuda.empty_cache()
+    attempt("gemm", "nvfp4", gemm.gemm_section, report, lambda: write_report(path, report), cuda)
     write_report(path, report)
     return report
 
 
-def kernels_table(report: dict[str, Any]):  # -> rich.table.Table
+def kernels_table(report: dict[str, Any]):  # -> a rich renderable: the formats' table (and the GEMMs')
+    from rich.console import Group
     from rich.table import Table
+
+    from qerl_cli.bench.gemm import gemm_table
 
     table = Table(title=f"4-bit kernels on {report['device']} ({report['settings']['model']})")
     for name in (
@@ -296,4 +309,6 @@ def kernels_table(report: dict[str, Any]):  # -> rich.table.Table
             f"{layer['ms']:.2f} ms" if layer else "-",
             f"{layer['ratio']:.2f}x" if layer else "-",
         )
+    if report.get("gemm"):
+        return Group(table, gemm_table(report["gemm"], report["device"]))
     return table

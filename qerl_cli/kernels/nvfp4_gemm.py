@@ -1,0 +1,328 @@
+"""W4A16 NVFP4 GEMM with an optional fused LoRA: ``y = x @ dequant(W)^T (+ bias) (+ s * (x @ A^T) @ B^T)``.
+
+``x`` is ``[..., K]`` BF16; ``W`` is one linear's NVFP4 buffers exactly as the checkpoint stores them
+(:mod:`qerl_cli.formats.nvfp4`: ``weight_packed`` uint8 ``[N, K/2]`` with the even column in the low
+nibble, ``weight_scale`` E4M3 ``[N, K/16]``, ``weight_global_scale`` float32 ``[1]``). The Triton kernel
+dequantizes each weight tile in registers (the dense weight never reaches global memory) to the very
+BF16 values of the format's own ``dequantize_buffers(..., torch.bfloat16)`` -- E2M1 value times the
+correctly rounded float32 ``scale / global_scale``, rounded once -- and multiplies with float32
+accumulation; the output is rounded to BF16 once, after bias and LoRA.
+
+The LoRA runs as two kernels: a small one computes ``x @ A^T`` once (float32, split over K so a few rows
+still fill the GPU), and the GEMM's epilogue adds ``s * xa @ B^T`` to its float32 accumulator, so no
+separate pass over ``y`` exists. When the output has fewer tiles than the GPU has SMs (a few hundred
+tokens through a 7B's attention projections) the K dimension is split too: each split leaves a float32
+partial in a workspace and the last to finish sums them in a fixed order (deterministic) and writes ``y``.
+
+Tile configs are chosen by the number of rows (:data:`BUCKETS`). :func:`nvfp4_linear` routes like
+:func:`qerl_cli.kernels.dequant.use_triton_for`: CUDA tensors (or CPU tensors under the interpreter) to
+the kernel, anything else to :func:`nvfp4_linear_reference` (dequantize, then matmul).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+import torch
+
+from qerl_cli import formats
+from qerl_cli.kernels.dequant import use_triton_for
+
+BLOCK = 16  # NVFP4's block of values sharing one E4M3 scale
+# The kernel decodes E2M1 values times 2**-14 (_triton_nvfp4_gemm._e2m1_pair); its multipliers undo it.
+DECODE_UNSCALE = 16384.0
+MAX_RANK = 128
+# The shrink kernel's K split never exceeds this: the GEMM epilogue reads every split's partial.
+MAX_XA_SPLITS = 8
+SHRINK_BLOCK_M = 16
+SHRINK_BLOCK_K = 128
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape of the GEMM kernel. ``split_k`` None: chosen per call to fill the GPU's SMs."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int | None = None
+
+    def label(self) -> str:
+        split = "auto" if self.split_k is None else str(self.split_k)
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}split{split}"
+
+
+# (largest M of the bucket, config): the first bucket whose bound is >= M. The tokens are the MMA's
+# narrow side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's
+# warpgroup MMA, 64 rows per 4 warps), so block_m follows M up to 128. These are starting points
+# checked to compile to wgmma without spills (tests/test_nvfp4_gemm.py); ``qerl bench kernels`` times
+# every config of CANDIDATES on the GPU it runs on, to tune them.
+BUCKETS: tuple[tuple[int, TileConfig], ...] = (
+    (16, TileConfig(16, 64, 256, num_warps=4, num_stages=4)),
+    (32, TileConfig(32, 64, 256, num_warps=4, num_stages=4)),
+    (64, TileConfig(64, 64, 128, num_warps=4, num_stages=4)),
+    (128, TileConfig(128, 64, 128, num_warps=4, num_stages=3)),
+    (2**62, TileConfig(128, 128, 64, num_warps=8, num_stages=3)),
+)
+# Alternatives per bucket (same bounds as BUCKETS) for the bench's tuning pass.
+CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
+    16: (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 128, 8, 4), TileConfig(16, 64, 256, 4, 3)),
+    32: (TileConfig(32, 64, 128, 4, 4), TileConfig(32, 128, 128, 8, 3)),
+    64: (TileConfig(64, 64, 256, 4, 3), TileConfig(64, 128, 128, 8, 3), TileConfig(64, 64, 64, 4, 5)),
+    128: (TileConfig(128, 64, 64, 4, 4), TileConfig(128, 128, 64, 8, 3), TileConfig(64, 64, 128, 4, 4)),
+    2**62: (TileConfig(128, 64, 128, 4, 3), TileConfig(256, 64, 64, 8, 3), TileConfig(128, 128, 128, 8, 3)),
+}
+# Split K until about this many programs per SM: a CTA keeps only num_stages tiles in flight, so one per
+# SM cannot cover HBM latency; a split costs a float32 workspace round trip (through L2).
+PROGRAMS_PER_SM = 2
+MIN_K_TILES_PER_SPLIT = 4
+
+
+def config_for(m: int) -> TileConfig:
+    """The tile config of the bucket ``m`` rows fall in."""
+    return next(config for bound, config in BUCKETS if m <= bound)
+
+
+def candidates_for(m: int) -> tuple[TileConfig, ...]:
+    """The bucket's config of ``m`` rows first, then its alternatives to time against it."""
+    bound = next(bound for bound, _ in BUCKETS if m <= bound)
+    return (config_for(m), *CANDIDATES[bound])
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """One LoRA adapter of a linear, ``y += scaling * (x @ a^T) @ b^T``: ``a`` [r, K], ``b`` [N, r]."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+def code_multipliers(global_scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[256]``: the block multiplier of every E4M3 scale code under ``global_scale`` -- the
+    format's own ``block_multipliers``, so the very float32 division -- times :data:`DECODE_UNSCALE`
+    (exact). The kernel looks each block's multiplier up here instead of decoding and dividing."""
+    codes = torch.arange(256, dtype=torch.int32, device=global_scale.device).to(torch.uint8)
+    buffers = {"weight_scale": codes.view(torch.float8_e4m3fn)[None, :], "weight_global_scale": global_scale}
+    return (formats.get("nvfp4").block_multipliers(buffers).reshape(256) * DECODE_UNSCALE).contiguous()
+
+
+@dataclass(frozen=True)
+class Nvfp4Weight:
+    """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``multipliers`` is
+    :func:`code_multipliers` of its global scale, computed once (None: on every call)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    multipliers: torch.Tensor | None = None
+
+    @classmethod
+    def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> Nvfp4Weight:
+        global_scale = buffers["weight_global_scale"]
+        return cls(
+            buffers["weight_packed"], buffers["weight_scale"], global_scale, code_multipliers(global_scale)
+        )
+
+    def kernel_multipliers(self) -> torch.Tensor:
+        return self.multipliers if self.multipliers is not None else code_multipliers(self.global_scale)
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 2
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {
+            "weight_packed": self.packed,
+            "weight_scale": self.scale,
+            "weight_global_scale": self.global_scale,
+        }
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dense ``[N, K]`` weight by the format's own (torch) dequantization."""
+        return formats.get("nvfp4").dequantize_buffers(
+            self.buffers(), self.out_features, self.in_features, dtype
+        )
+
+
+@cache
+def _kernels():  # -> the qerl_cli.kernels._triton_nvfp4_gemm module
+    """Import the kernels on first use so importing this module never imports triton."""
+    from qerl_cli.kernels import _triton_nvfp4_gemm
+
+    return _triton_nvfp4_gemm
+
+
+def check_operands(
+    x: torch.Tensor, weight: Nvfp4Weight, bias: torch.Tensor | None, lora: LoraWeights | None
+) -> None:
+    """Shapes and dtypes the kernel needs, each failure saying what was passed and what is expected."""
+    n, k = weight.out_features, weight.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the NVFP4 weight {k}")
+    scale = weight.scale
+    if (
+        weight.packed.dtype != torch.uint8
+        or scale.dtype != torch.float8_e4m3fn
+        or scale.shape != (n, k // BLOCK)
+    ):
+        raise ValueError(
+            f"expected weight_packed uint8 [N, K/2] and weight_scale float8_e4m3fn [N, K/{BLOCK}]; got "
+            f"{weight.packed.dtype} {tuple(weight.packed.shape)} and {scale.dtype} {tuple(scale.shape)}"
+        )
+    if weight.global_scale.numel() != 1:
+        raise ValueError(
+            f"weight_global_scale must hold one value, got shape {tuple(weight.global_scale.shape)}"
+        )
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if lora is not None:
+        r = lora.rank
+        if lora.a.shape != (r, k) or lora.b.shape != (n, r):
+            raise ValueError(
+                f"LoRA A must be [r, {k}] and B [{n}, r]; got {tuple(lora.a.shape)} and {tuple(lora.b.shape)}"
+            )
+        if not 1 <= r <= MAX_RANK:
+            raise ValueError(f"LoRA rank {r} outside 1..{MAX_RANK}")
+
+
+def nvfp4_linear_reference(
+    x: torch.Tensor,
+    weight: Nvfp4Weight,
+    bias: torch.Tensor | None = None,
+    lora: LoraWeights | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The same result by dequantizing (the format's torch path) and matmul in ``dtype`` (float64 to
+    check the kernel), cast back to ``x``'s dtype."""
+    check_operands(x, weight, bias, lora)
+    w = weight.dequantize(torch.bfloat16).to(dtype)
+    xs = x.to(dtype)
+    y = xs @ w.T
+    if bias is not None:
+        y = y + bias.to(dtype)
+    if lora is not None:
+        y = y + lora.scaling * ((xs @ lora.a.to(dtype).T) @ lora.b.to(dtype).T)
+    return y.to(x.dtype)
+
+
+@cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number makes the CPU tests take the split-K path too
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_for(config: TileConfig, m: int, n: int, k: int, device: torch.device) -> int:
+    """K splits that bring the programs to about PROGRAMS_PER_SM per SM, each split keeping at least
+    MIN_K_TILES_PER_SPLIT K tiles (fewer would leave the pipeline nothing to overlap)."""
+    k_tiles = -(-k // config.block_k)
+    if config.split_k is not None:
+        return max(1, min(config.split_k, k_tiles))
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    wanted = -(-PROGRAMS_PER_SM * _sm_count(device) // tiles)
+    return max(1, min(wanted, k_tiles // MIN_K_TILES_PER_SPLIT))
+
+
+_LOCKS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K counters, zero between calls (the reducing program resets its own); one set per
+    device, so calls on one device must not overlap on different streams. A set outgrown is kept, not
+    freed: a CUDA graph captured with it still points at it."""
+    held = _LOCKS.setdefault(device, [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:
+    """float32 K-split partials ``[splits, M, r_pad]`` of ``x @ A^T`` (summed by the GEMM's epilogue)."""
+    m, k = x.shape
+    r_pad = max(16, 1 << (lora.rank - 1).bit_length())
+    k_tiles = -(-k // SHRINK_BLOCK_K)
+    m_tiles = -(-m // SHRINK_BLOCK_M)
+    splits = max(1, min(MAX_XA_SPLITS, k_tiles, _sm_count(x.device) // m_tiles))
+    xa = torch.empty((splits, m, r_pad), dtype=torch.float32, device=x.device)
+    a = lora.a.contiguous()
+    _kernels().lora_shrink_kernel[(m_tiles, splits)](
+        x, a, xa, m, k, x.stride(0), RANK=lora.rank, R_PAD=r_pad, BM=SHRINK_BLOCK_M, BK=SHRINK_BLOCK_K,
+        SPLITS=splits, F32_DOT=not x.is_cuda,
+    )  # fmt: skip
+    return xa, splits
+
+
+def triton_nvfp4_linear(
+    x: torch.Tensor,
+    weight: Nvfp4Weight,
+    bias: torch.Tensor | None = None,
+    lora: LoraWeights | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """:func:`nvfp4_linear` with the Triton kernels (``config`` None: the bucket of ``x``'s rows)."""
+    check_operands(x, weight, bias, lora)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the NVFP4 GEMM takes BF16 activations, got {x.dtype}")
+    if lora is not None and lora.a.dtype != torch.bfloat16:
+        # The projection multiplies x by A on the tensor cores, both BF16 (as vLLM keeps its adapters).
+        raise ValueError(f"the fused LoRA takes a BF16 A, got {lora.a.dtype}; cast the adapter to BF16")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = weight.out_features
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    config = config or config_for(m)
+    split = split_k_for(config, m, n, k, x.device)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    locks = _locks(x.device, tiles)
+    if lora is not None:
+        xa, xa_splits = lora_shrink(x2, lora)
+        lora_b, rank, r_pad, scaling = lora.b.contiguous(), lora.rank, xa.shape[-1], float(lora.scaling)
+    else:
+        xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
+    _kernels().nvfp4_gemm_kernel[(tiles, split)](
+        x2, weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8),
+        weight.kernel_multipliers(),
+        bias if bias is not None else y, xa, lora_b, y, ws, locks,
+        m, n, k, x2.stride(0), y.stride(0), scaling,
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, SPLIT_K=split,
+        HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,
+        EVEN=k % config.block_k == 0 and n % config.block_n == 0,
+        F32_DOT=not x.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y.reshape(*lead, n)
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    weight: Nvfp4Weight,
+    bias: torch.Tensor | None = None,
+    lora: LoraWeights | None = None,
+) -> torch.Tensor:
+    """``x @ dequant(W)^T (+ bias) (+ LoRA)``: the Triton kernel for BF16 on CUDA (or under the
+    interpreter), else the torch reference in float32."""
+    if x.dtype == torch.bfloat16 and use_triton_for(x):
+        return triton_nvfp4_linear(x, weight, bias, lora)
+    return nvfp4_linear_reference(x, weight, bias, lora)
+
+
+def with_split(config: TileConfig, split_k: int | None) -> TileConfig:
+    """``config`` with a fixed (or automatic, None) K split: for sweeps and tests."""
+    return replace(config, split_k=split_k)

@@ -1,0 +1,85 @@
+"""``qerl bench kernels``' GEMM section (qerl_cli.bench.gemm): the linears it measures, its table, and on
+a GPU one small sweep whose every backend agrees with the float32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rich.console import Console
+
+from qerl_cli.bench.gemm import (
+    BACKENDS,
+    GemmSettings,
+    empty_sections,
+    gemm_section,
+    gemm_table,
+    model_linears,
+)
+from qerl_cli.kernels.nvfp4_gemm import candidates_for, config_for
+
+
+def test_linears_are_vllms_fused_projections() -> None:
+    assert model_linears("qwen2.5-7b") == {
+        "qkv": (3584 + 2 * 512, 3584),
+        "o": (3584, 3584),
+        "gate_up": (2 * 18944, 3584),
+        "down": (3584, 18944),
+    }
+    assert model_linears("qwen2.5-32b") == {
+        "qkv": (5120 + 2 * 1024, 5120),
+        "o": (5120, 5120),
+        "gate_up": (2 * 27648, 5120),
+        "down": (5120, 27648),
+    }
+
+
+def test_candidates_start_with_the_bucket_config() -> None:
+    for m in (1, 16, 17, 100, 128, 129, 4096):
+        candidates = candidates_for(m)
+        assert candidates[0] == config_for(m) and len(set(candidates)) == len(candidates)
+
+
+def test_table_has_one_line_per_linear_and_rows() -> None:
+    def row(backend: str, m: int, lora: bool, us: float) -> dict:
+        return {"model": "qwen2.5-7b", "linear": "qkv", "n": 4608, "k": 3584, "m": m, "backend": backend,
+                "lora": lora, "us": us, "of_hbm_bound": 0.5}  # fmt: skip
+
+    rows = [row("bf16", 8, False, 10.0), row("bf16", 8, True, 12.5), row("qerl-nvfp4", 8, False, 4.0),
+            row("bf16", 128, False, 20.0)]  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(gemm_table(rows, "NVIDIA H200"))
+    text = console.export_text()
+    assert "10.0 (50%) / 12.5 (50%)" in text and "4.0 (50%) / -" in text
+    assert "marlin" not in text and "fp8" not in text  # only the backends measured get a column
+    assert sum("4608 x 3584" in line for line in text.splitlines()) == 2  # rows 8 and 128
+
+
+@pytest.mark.parametrize(
+    ("formats", "cuda", "why"),
+    [(["bf16", "nf4"], True, "nvfp4 is not among --formats"), (["nvfp4"], False, "on a CUDA GPU only")],
+)
+def test_section_says_why_it_measured_nothing(formats, cuda, why) -> None:
+    report = {"settings": {"formats": formats, **GemmSettings().to_dict()}, "errors": [], **empty_sections()}
+    gemm_section(report, lambda: None, cuda)
+    assert report["gemm"] == [] and report["errors"] == []
+    assert len(report["gemm_skipped"]) == 1 and why in report["gemm_skipped"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_sweep_on_gpu() -> None:
+    from qerl_cli.bench.gemm import run_gemm
+
+    rows: list[dict] = []
+    tuning: list[dict] = []
+    errors: list[tuple[str, str]] = []
+    skipped = run_gemm(["qwen2.5-0.5b"], [8, 128], rows.append, lambda c, e: errors.append((c, e)),
+                       tune=tuning.append)  # fmt: skip
+    assert errors == []
+    measured = {r["backend"] for r in rows}
+    assert measured | {s.split(":")[0] for s in skipped} == set(BACKENDS)
+    for r in rows:
+        assert r["us"] > 0 and 0 < r["of_hbm_bound"] < 1.2
+        # NVFP4 backends compute on the very weights of the reference; FP8 rounds weights and activations
+        assert r["max_rel_err"] < (0.08 if r["backend"] == "fp8" else 0.02), r
+    assert {t["m"] for t in tuning} == {8, 128} and any(t["bucket_default"] for t in tuning)

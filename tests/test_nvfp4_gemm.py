@@ -1,0 +1,309 @@
+"""The NVFP4 GEMM (qerl_cli.kernels.nvfp4_gemm) against a float64 reference: the Triton kernel under the
+CPU interpreter at every row bucket, odd shapes, bias, LoRA and split-K; on a GPU bit-exact dequantization,
+the compiled kernel at real shapes, and vLLM's Marlin NVFP4 kernel on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qerl_cli import formats
+from qerl_cli.kernels.nvfp4_gemm import (
+    BUCKETS,
+    LoraWeights,
+    Nvfp4Weight,
+    check_operands,
+    config_for,
+    nvfp4_linear,
+    nvfp4_linear_reference,
+    with_split,
+)
+
+# tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton when there is no GPU;
+# the ``interpreter`` fixture then routes CPU tensors to the kernel (QERL_TRITON_CPU=1).
+pytest.importorskip("triton")
+
+ROW_BUCKETS = (1, 3, 8, 17, 64, 129, 256)
+
+
+def make_case(n: int, k: int, m: int, rank: int = 5, device: str = "cpu", seed: int = 0):
+    """NVFP4 weight of an ``[n, k]`` random matrix (a zero block, an outlier), x, bias and a LoRA."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn((n, k), generator=gen, device=device) * 0.05
+    w[0, :16] = 0  # an all-zero block: its scale is compressed-tensors' 0.125
+    w[1, 3] = 1.5
+    weight = Nvfp4Weight.from_buffers(formats.get("nvfp4").quantize(w.to(torch.bfloat16)))
+    x = torch.randn((m, k), generator=gen, device=device).to(torch.bfloat16)
+    bias = (torch.randn((n,), generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    a = (torch.randn((rank, k), generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    b = (torch.randn((n, rank), generator=gen, device=device) * 0.1).to(torch.bfloat16)
+    return weight, x, bias, LoraWeights(a, b, 1.5)
+
+
+def float64_reference(x, weight, bias, lora):
+    """The exact result of the kernel's inputs (the dequantized BF16 weight), and each term's magnitude."""
+    w = weight.dequantize(torch.bfloat16).double()
+    xd = x.double()
+    y = xd @ w.T
+    base_mag = xd.abs() @ w.abs().T
+    lora_mag = torch.zeros_like(y)
+    if bias is not None:
+        y += bias.double()
+        base_mag += bias.double().abs()
+    if lora is not None:
+        a, b = lora.a.double(), lora.b.double()
+        y += lora.scaling * (xd @ a.T) @ b.T
+        lora_mag = lora.scaling * (xd.abs() @ a.abs().T) @ b.abs().T
+    return y, base_mag, lora_mag
+
+
+def assert_within_bf16(got, x, weight, bias, lora, ulps: float) -> None:
+    """``got`` within ``ulps`` BF16 units (2**-7 relative; one round-to-nearest is 0.5) of the float64
+    result, plus float32 accumulation and (GPU) the epilogue's TF32 LoRA expansion."""
+    ref, base_mag, lora_mag = float64_reference(x, weight, bias, lora)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    tol = ulps * 2**-7 * ref.abs() + 2**-18 * base_mag + 2**-10 * lora_mag
+    err = (got.double() - ref).abs()
+    worst = int((err - tol).argmax())
+    assert bool((err <= tol).all()), (
+        f"max error {float(err.max()):.3g}; at flat index {worst}: got {float(got.flatten()[worst])}, "
+        f"want {float(ref.flatten()[worst])}"
+    )
+
+
+# N = 40 and 72: not a multiple of any block_n; K = 48 and 160: multiples of 16, not of any block_k.
+@pytest.mark.parametrize("m", ROW_BUCKETS)
+@pytest.mark.parametrize("extras", ["plain", "bias+lora"])
+def test_kernel_matches_float64_in_interpreter(interpreter, m, extras) -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    n, k = (40, 48) if m > 64 else (72, 160)
+    weight, x, bias, lora = make_case(n, k, m, seed=m)
+    if extras == "plain":
+        bias, lora = None, None
+    got = triton_nvfp4_linear(x, weight, bias, lora)
+    assert_within_bf16(got, x, weight, bias, lora, ulps=0.5)
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_matches_in_interpreter(interpreter, split) -> None:
+    from qerl_cli.kernels.nvfp4_gemm import _LOCKS, triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(72, 256, 17, rank=16)
+    config = with_split(config_for(17), split)
+    config = type(config)(16, 64, 32, split_k=split)  # 8 K tiles: every split gets some
+    got = triton_nvfp4_linear(x, weight, bias, lora, config)
+    assert_within_bf16(got, x, weight, bias, lora, ulps=0.5)
+    assert int(_LOCKS[x.device][-1].count_nonzero()) == 0  # the reducing programs reset their counters
+    assert torch.equal(triton_nvfp4_linear(x, weight, bias, lora, config), got)  # deterministic
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_whole_tiles_take_the_unmasked_path_in_interpreter(interpreter, split) -> None:
+    """N and K multiples of the tile (as every model's are): the kernel's mask-free variant."""
+    from qerl_cli.kernels.nvfp4_gemm import TileConfig, triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(128, 256, 5, rank=16, seed=split)
+    got = triton_nvfp4_linear(x, weight, bias, lora, TileConfig(16, 64, 64, split_k=split))
+    assert_within_bf16(got, x, weight, bias, lora, ulps=0.5)
+
+
+def test_kernel_dequantizes_like_the_format_in_interpreter(interpreter) -> None:
+    """x = I gives the dequantized weight itself: the kernel's tile is the format's own dequantization,
+    bit for bit (as on a GPU below)."""
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, _, _, _ = make_case(24, 64, 1)
+    got = triton_nvfp4_linear(torch.eye(64, dtype=torch.bfloat16), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+
+
+def every_byte_weight(device: str = "cpu") -> Nvfp4Weight:
+    """All 256 bytes (every pair of codes) under finite E4M3 scales from subnormal to 448 and an
+    arbitrary global scale: ``[16, 64]``."""
+    n, k = 16, 64  # 16 rows x 32 bytes = 512 bytes: every byte value twice
+    packed = torch.arange(n * k // 2, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(n, k // 2)
+    scale_bits = torch.tensor(
+        [1, 7, 8, 9, 56, 100, 126, 0x77, 0x3F, 0x40, 0x41, 0x70, 0x7E, 0x30, 0x38, 0x08]
+    )
+    scale = scale_bits.repeat(n * k // 16 // 16).to(torch.uint8).reshape(n, k // 16).view(torch.float8_e4m3fn)
+    return Nvfp4Weight(packed.to(device), scale.to(device), torch.tensor([123.456], device=device))
+
+
+def test_every_byte_and_scale_in_interpreter(interpreter) -> None:
+    """Every code pair and a range of scales: still the format's own dequantization, bit for bit."""
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight = every_byte_weight()
+    got = triton_nvfp4_linear(torch.eye(64, dtype=torch.bfloat16), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+
+
+def test_leading_dims_and_routing(monkeypatch) -> None:
+    """``[..., K]`` input; CPU tensors take the torch reference unless the interpreter is asked for."""
+    monkeypatch.delenv("QERL_TRITON_CPU", raising=False)
+    weight, x, bias, lora = make_case(40, 48, 6)
+    got = nvfp4_linear(x.reshape(2, 3, 48), weight, bias, lora)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), nvfp4_linear_reference(x, weight, bias, lora))
+    assert_within_bf16(got.reshape(6, 40), x, weight, bias, lora, ulps=0.5)
+
+
+def test_fused_lora_takes_a_bf16_adapter() -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(40, 48, 2)
+    with pytest.raises(ValueError, match="cast the adapter to BF16"):
+        triton_nvfp4_linear(x, weight, bias, LoraWeights(lora.a.float(), lora.b, 1.0))
+    with pytest.raises(ValueError, match="BF16 activations"):
+        triton_nvfp4_linear(x.float(), weight)
+
+
+def test_buckets_cover_every_row_count() -> None:
+    bounds = [bound for bound, _ in BUCKETS]
+    assert bounds == sorted(bounds) and bounds[-1] >= 2**31
+    for m in (*ROW_BUCKETS, 4096):
+        config = config_for(m)
+        assert config.block_k % 16 == 0 and config.block_m >= 16 and config.block_n >= 16
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda w, x, b, lora: (w, x[:, :32], b, lora), "input features"),
+        (lambda w, x, b, lora: (w, x, b[:3], lora), "bias must be"),
+        (lambda w, x, b, lora: (w, x, b, LoraWeights(lora.a, lora.b[:4], 1.0)), "LoRA A must be"),
+        (
+            lambda w, x, b, lora: (Nvfp4Weight(w.packed, w.scale.float(), w.global_scale), x, b, lora),
+            "float8_e4m3fn",
+        ),
+        (
+            lambda w, x, b, lora: (Nvfp4Weight(w.packed, w.scale[:, :2], w.global_scale), x, b, lora),
+            "weight_scale",
+        ),
+    ],
+)
+def test_bad_operands_name_what_is_wrong(change, message) -> None:
+    weight, x, bias, lora = change(*make_case(40, 48, 2))
+    with pytest.raises(ValueError, match=message):
+        check_operands(x, weight, bias, lora)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@gpu
+def test_dequantization_bit_exact_on_gpu() -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, _, _, _ = make_case(192, 256, 1, device="cuda")
+    got = triton_nvfp4_linear(torch.eye(256, dtype=torch.bfloat16, device="cuda"), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+    weight = every_byte_weight("cuda")
+    got = triton_nvfp4_linear(torch.eye(64, dtype=torch.bfloat16, device="cuda"), weight).T
+    assert torch.equal(got, weight.dequantize(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", (*ROW_BUCKETS, 512))
+@pytest.mark.parametrize(("n", "k"), [(4608, 3584), (3584, 18944), (1000, 1040)])
+def test_kernel_matches_float64_on_gpu(m, n, k) -> None:
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, x, bias, lora = make_case(n, k, m, rank=16, device="cuda", seed=m)
+    for b, adapter in ((None, None), (bias, lora)):
+        assert_within_bf16(triton_nvfp4_linear(x, weight, b, adapter), x, weight, b, adapter, ulps=0.5)
+    for split in (1, 3):
+        config = with_split(config_for(m), split)
+        assert_within_bf16(triton_nvfp4_linear(x, weight, bias, lora, config), x, weight, bias, lora, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@gpu
+@pytest.mark.parametrize("m", [8, 128])
+def test_kernel_agrees_with_marlin(m) -> None:
+    """vLLM's Marlin NVFP4 on the same checkpoint buffers: both near the float64 result, and each other."""
+    from qerl_cli.bench.gemm import marlin_linear
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    weight, x, _, _ = make_case(4608, 3584, m, device="cuda")
+    ref, _, _ = float64_reference(x, weight, None, None)
+    ours = triton_nvfp4_linear(x, weight).double()
+    marlin = marlin_linear(weight.packed, weight.scale, weight.global_scale)(x).double()
+    scale = ref.abs().max()
+    assert float((ours - ref).abs().max() / scale) < 2**-8
+    assert float((marlin - ref).abs().max() / scale) < 2**-6  # Marlin's own BF16 scale arithmetic
+    assert float((ours - marlin).abs().max() / scale) < 2**-6
+
+
+# Run in a child process: this one may have Triton in interpreter mode (tests/conftest.py), where the
+# kernels are not compilable JIT functions. Prints the sm_90 PTX of the GEMM kernel for one config.
+COMPILE_FOR_HOPPER = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qerl_cli.kernels import _triton_nvfp4_gemm as kernels
+
+bm, bn, bk, warps, stages, split, lora = (int(v) for v in sys.argv[1:])
+signature = dict.fromkeys(("x_ptr", "bias_ptr", "lora_b_ptr", "y_ptr"), "*bf16")
+signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "mult_ptr": "*fp32", "xa_ptr": "*fp32",
+              "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
+signature |= dict.fromkeys(("M", "N", "K", "stride_xm", "stride_ym"), "i32")
+constants = dict(BM=bm, BN=bn, BK=bk, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora), RANK=16,
+                 R_PAD=16, XA_SPLITS=4 if lora else 1, EVEN=True, F32_DOT=False)  # EVEN: the models' shapes
+signature |= dict.fromkeys(constants, "constexpr")
+order = list(kernels.nvfp4_gemm_kernel.arg_names)
+# Pointers and sizes 16-aligned, as the launcher specializes them for real shapes.
+aligned = [n for n in order if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_ym")]
+source = ASTSource(kernels.nvfp4_gemm_kernel, {n: signature[n] for n in order},
+                   constexprs={(order.index(n),): v for n, v in constants.items()},
+                   attrs={(order.index(n),): [["tt.divisibility", 16]] for n in aligned})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucket", [bound for bound, _ in BUCKETS])
+def test_bucket_configs_compile_to_hopper_mma(bucket, tmp_path) -> None:
+    """Every bucket's config, plain and with LoRA and split K, compiles for sm_90 to warpgroup MMAs
+    (the dequantized weight as their register operand) fed by asynchronous copies: what makes it a
+    Hopper kernel rather than an mma.sync one. Needs no GPU, only Triton's compiler."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    config = dict(BUCKETS)[bucket]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    for split, lora in ((1, 0), (2, 1)):
+        args = [
+            config.block_m,
+            config.block_n,
+            config.block_k,
+            config.num_warps,
+            config.num_stages,
+            split,
+            lora,
+        ]
+        ptx = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, *map(str, args)], env=env,
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx)
+        assert mmas, "no BF16 wgmma with a register A operand"
+        assert "cp.async" in ptx, "the K loop's loads are not pipelined"
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+        if ptxas.exists():  # Triton's own ptxas for this PTX version: registers and spills
+            ptx_file = tmp_path / "k.ptx"
+            ptx_file.write_text(ptx)
+            command = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o", os.devnull]
+            info = subprocess.run(command, capture_output=True, text=True, check=True).stderr
+            assert " 0 bytes spill stores" in info, info
