@@ -1,6 +1,6 @@
 """Every ``qerl bench`` subcommand: its --help, bad input refused with exit 2 before torch is imported,
---dry-run, the deprecated bare ``qerl bench``, and the JSON each writes on the CPU with the tiny model
-(the command, the device, the date and the versions first). The library arithmetic of ``scaling``.
+--dry-run, the bare ``qerl bench`` (the rollout benchmark), and the JSON each writes on the CPU with the
+tiny model (the command, the device, the date and the versions first). The library arithmetic of ``scaling``.
 
 Every subcommand runs on the CPU, so none is GPU-only here; the GPU-only parts (``--profile``,
 ``--memory-cap``) are tested for their refusal on the CPU.
@@ -162,25 +162,28 @@ def test_dry_run_resolves_the_flags(
         assert ok, (key, resolved[key])
 
 
-def test_bare_bench_is_rollout_with_a_warning(
+def test_bare_bench_is_the_default_rollout_benchmark_without_a_warning(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`qerl bench --batch 2,8` is the form users' CI runs: the rollout benchmark, not deprecated."""
     rc, out, err = run(capsys, "bench", "--batch", "2", "--dry-run")
     assert rc == 0 and yaml.safe_load(out)["batch"] == [2]
-    err = " ".join(err.split())
-    assert "deprecated" in err and "runs `qerl bench rollout`" in err
+    assert "deprecated" not in err and "warning" not in err
     rc, out, err = run(capsys, "bench", "--concurrency", "16", "--dry-run")
-    assert rc == 0 and yaml.safe_load(out)["concurrency"] == [16] and "qerl bench concurrency" in err
+    assert rc == 0 and yaml.safe_load(out)["concurrency"] == [16] and "deprecated" not in err
     import qerl_cli.bench as bench_mod
     from qerl_cli.bench.result import read_report
 
     report = read_report(REPO / "benchmarks" / "h100-2026-11-24" / "sweep-fp8-humming" / "bench.json")
     seen = []
     monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: seen.append(command) or report)
-    rc, out, err = run(capsys, "bench")  # the command of CI's GPU job before the subcommands
-    assert rc == 0 and "Rollout throughput" in out and "deprecated" in err and seen == ["qerl bench"]
-    rc, _, err = run(capsys, "bench", "rolout")  # a misspelt benchmark is not the deprecated form
+    rc, out, err = run(capsys, "bench", "--batch", "2,8")  # the command of CI's GPU job
+    assert rc == 0 and "Rollout throughput" in out and "deprecated" not in err
+    assert seen == ["qerl bench --batch 2,8"]
+    rc, _, err = run(capsys, "bench", "rolout")  # a misspelt benchmark is not the default benchmark
     assert rc == 2 and "No such command 'rolout'" in err
+    rc, out, err = run(capsys, "bench", "--help")
+    assert rc == 0 and "without a benchmark runs `qerl bench rollout" in " ".join(out.split())
 
 
 # -- each benchmark's JSON, on the CPU --------------------------------------------------------------
@@ -598,7 +601,9 @@ def test_memory_cap_is_nothing_without_a_cap_and_refused_on_the_cpu() -> None:
 
 
 # -- the repository: benchmarks are commands, not scripts ---------------------------------------------
-def test_ci_runs_the_bench_subcommand_not_the_deprecated_form() -> None:
+def test_ci_runs_the_users_bench_command_and_the_gpu_tests() -> None:
+    """The GPU job runs what users run (`qerl bench --batch 2,8`) and the tests marked gpu or vllm, in
+    one process (every vLLM test starts an engine on the one GPU)."""
     workflow = yaml.safe_load((REPO / ".github" / "workflows" / "gpu.yml").read_text())
     runs = [
         line.strip()
@@ -606,7 +611,9 @@ def test_ci_runs_the_bench_subcommand_not_the_deprecated_form() -> None:
         for line in step.get("run", "").splitlines()
     ]
     benches = [line for line in runs if line.startswith("qerl bench")]
-    assert benches and all(line.startswith("qerl bench rollout ") for line in benches)
+    assert benches and all(line.startswith("qerl bench --batch 2,8 ") for line in benches)
+    (tests,) = [line for line in runs if "-m pytest" in line]
+    assert '-m "gpu or vllm"' in tests and "-n 0" in tests
 
 
 def test_scripts_holds_only_the_setup() -> None:

@@ -6,8 +6,9 @@ gate: ``rollout``, ``concurrency`` and ``e2e``. The others (``kernels``, ``updat
 (formats against the format registry's names, positive sizes, files that must exist) before torch is
 imported, and exits 2 naming the flag.
 
-``qerl bench ARGS`` without a benchmark still runs ``qerl bench rollout ARGS`` (``concurrency`` when
-ARGS has ``--concurrency``), with a warning, for one release.
+``qerl bench [OPTIONS]`` without a benchmark is the group's default benchmark: ``qerl bench rollout
+[OPTIONS]`` (``concurrency`` when the options have ``--concurrency``). It is the form CI jobs run
+(``qerl bench --batch 2,8``), documented and kept.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from qerl_cli.cli.app import (
     command_line,
     config_option,
     csv,
-    err_console,
     finish_config,
     given_flags,
     positive_ints,
@@ -40,27 +40,28 @@ DEFAULT_CONCURRENCY = [8, 32, 128, 256]  # the concurrency RL rollouts run at (q
 
 
 class BenchGroup(QerlGroup):
-    """``qerl bench``: a bare ``qerl bench [OPTIONS]`` (the command before the subcommands) is
-    ``qerl bench rollout [OPTIONS]``, or ``concurrency`` with ``--concurrency``, with a warning."""
+    """``qerl bench``: a bare ``qerl bench [OPTIONS]`` runs the default benchmark, ``qerl bench rollout
+    [OPTIONS]`` (``concurrency`` with ``--concurrency``); ``qerl bench --help`` lists the benchmarks."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        legacy = not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names)
-        if legacy:
-            target = "concurrency" if "--concurrency" in args else "rollout"
-            err_console.print(
-                f"[yellow]warning:[/yellow] `qerl bench` without a benchmark is deprecated and goes in the "
-                f"next release; this runs `qerl bench {target}` (`qerl bench --help` lists the benchmarks)",
-                highlight=False,
-            )
-            args = [target, *args]
+        if not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names):
+            args = [default_benchmark(args), *args]
         return super().parse_args(ctx, args)
+
+
+def default_benchmark(args: list[str]) -> str:
+    """The benchmark a bare ``qerl bench [OPTIONS]`` runs: the rollout benchmark, or the concurrency
+    sweep when the options name ``--concurrency``."""
+    sweep = any(a == "--concurrency" or a.startswith("--concurrency=") for a in args)
+    return "concurrency" if sweep else "rollout"
 
 
 bench_app = typer.Typer(
     name="bench",
     cls=BenchGroup,
     help="Benchmarks, one subcommand each; every one writes JSON with the command, the device, the date "
-    "and the versions of the stack.",
+    "and the versions of the stack. `qerl bench [OPTIONS]` without a benchmark runs `qerl bench rollout "
+    "[OPTIONS]` (the default benchmark; `concurrency` with --concurrency).",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
