@@ -38,20 +38,6 @@ def is_shape(name: str) -> bool:
     return name.lower() in shape_names()
 
 
-def resolve_engine(engine: str) -> str:
-    """``auto``: vLLM when a GPU and vLLM are both present, else HF."""
-    from qerl_cli.bench.engines import vllm_available
-
-    if engine == "auto":
-        return "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
-    if engine == "vllm":
-        if not torch.cuda.is_available():
-            raise QerlError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf here")
-        if not vllm_available():
-            raise QerlError('--engine vllm needs vLLM: pip install "qerl[vllm]" (or use --engine hf)')
-    return engine
-
-
 def default_model(engine: str) -> str:
     return GPU_DEFAULT_MODEL if engine == "vllm" else CPU_DEFAULT_MODEL
 

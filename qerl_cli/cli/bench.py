@@ -13,12 +13,14 @@ imported, and exits 2 naming the flag.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, get_args
 
 import typer
 
 from qerl_cli import config as cfg
+from qerl_cli.bench.plan import given_keys
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -79,6 +81,13 @@ def check_formats(chosen: list[str] | None, name: str) -> None:
     unknown = [fmt for fmt in chosen or [] if fmt.strip().lower() not in valid]
     if unknown:
         raise QerlError(f"{name}: unknown format(s) {', '.join(unknown)}; choose from {', '.join(valid)}")
+
+
+def int_list(value: str | None, flag: str) -> list[int] | None:
+    """``"2,8"`` -> [2, 8]: positive integers, no empty element (``2,,8`` is a typo, not ``2,8``)."""
+    if value is not None and any(not item.strip() for item in value.split(",")):
+        raise QerlError(f"{flag} takes comma-separated positive integers (e.g. {flag} 2,8), got '{value}'")
+    return positive_ints(value, flag)
 
 
 def check_exists(path: str | Path | None, flag: str, what: str) -> None:
@@ -166,6 +175,11 @@ def run_bench_command(
     flags = given_flags(values, sets, **names)
     check_formats(values.get("formats"), "--formats")
     check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")
+    if values.get("tolerance") is not None:
+        from qerl_cli.bench.preflight import check_tolerance
+
+        check_tolerance(values["tolerance"])
+    given = given_keys(values, sets, config)
     values = {**values, **(forced or {})}
     if recipe:  # the recipe's step shape, under the flags given explicitly (YAML only: no torch yet)
         from qerl_cli.bench.e2e import recipe_shape
@@ -176,8 +190,14 @@ def run_bench_command(
     for key, value in (defaults or {}).items():
         if not getattr(conf, key):
             setattr(conf, key, list(value))
+    from qerl_cli.bench.plan import bench_plan
+
+    # The engine, packages, model and output checked, and the CPU's lengths filled in, before any work.
+    plan = bench_plan(conf, given=given, backends_given="backends" in given)
     if finish_config(conf, dry_run):
+        sys.stdout.write("".join(f"# {line}\n" for line in plan.lines()))  # YAML comments: still a config
         return
+    print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none
     from qerl_cli.bench import run_bench
 
     # A case without figures, or a regression past --baseline: exit 1.
@@ -228,7 +248,7 @@ def rollout(
     values: dict[str, Any] = dict(
         model=model,
         formats=csv(formats),
-        batch=positive_ints(batch, "--batch"),
+        batch=int_list(batch, "--batch"),
         engine=engine,
         e2e=e2e,
         e2e_recipe=e2e_recipe,
@@ -286,7 +306,7 @@ def concurrency(
     values: dict[str, Any] = dict(
         model=model,
         formats=csv(formats),
-        concurrency=positive_ints(sequences, "--concurrency"),
+        concurrency=int_list(sequences, "--concurrency"),
         backends=csv(backends),
         engine=engine,
         output=output,

@@ -17,6 +17,14 @@ import yaml
 from rich.markup import escape
 
 from qerl_cli import config as cfg
+from qerl_cli.bench.preflight import (
+    Requirement,
+    check_output,
+    check_requirements,
+    describe_model,
+    gpu_available,
+    resolve_engine,
+)
 from qerl_cli.cli.app import (
     DryRunOption,
     command_line,
@@ -57,6 +65,27 @@ def default_model(model: str | None, device: str) -> str:
     import torch
 
     return "qwen2.5-7b" if torch.cuda.is_available() else "tiny"
+
+
+def default_fused() -> str:
+    """``--fused``'s default: Liger beside the plain update where liger-kernel is installed (the dev install
+    has none, and its default must run there)."""
+    from qerl_cli.modeling.fused_kernels import liger_installed
+
+    return "off,liger" if liger_installed() else "off"
+
+
+def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> None:
+    """What a benchmark with its own report can check before any work (--dry-run included): the output
+    folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model."""
+    check_output(output)
+    if gpu_only and device.startswith("cpu"):
+        raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")
+    if (device.startswith("cuda") or gpu_only) and not gpu_available():
+        what = gpu_only or f"--device {device}"
+        raise QerlError(f"{what} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)")
+    if model:
+        describe_model(model)
 
 
 def dry_run_settings(settings: dict[str, Any], dry_run: bool) -> bool:
@@ -105,6 +134,7 @@ def kernels(
         device=device,
         output=output,
     )
+    check_tool(output, device, model)
     if dry_run_settings(settings, dry_run):
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
@@ -123,9 +153,14 @@ def update(
         str, typer.Option("--formats", metavar="FMT,...", help="Comma list of base formats.")
     ] = "bf16,nvfp4",
     fused: Annotated[
-        str,
-        typer.Option("--fused", metavar="KIND,...", help="train.fused_kernels per case: off, liger, auto."),
-    ] = "off,liger",
+        str | None,
+        typer.Option(
+            "--fused",
+            metavar="KIND,...",
+            help="train.fused_kernels per case: off, liger, auto.",
+            show_default="off,liger with liger-kernel installed, else off",
+        ),
+    ] = None,
     base_compute: Annotated[
         str,
         typer.Option(
@@ -161,10 +196,12 @@ def update(
     """
     chosen = csv(formats) or []
     check_formats(chosen or None, "--formats")
-    kinds = csv(fused) or []
+    kinds = csv(fused if fused is not None else default_fused()) or []
     unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
     if unknown or not kinds:
         raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
+    if "liger" in kinds:
+        check_requirements([Requirement("liger_kernel", "liger", "--fused liger")])
     computes = csv(base_compute) or []
     if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
         raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
@@ -200,6 +237,7 @@ def update(
         profile=profile,
         device=device,
     )
+    check_tool(output, device, model, gpu_only="--profile" if profile else None)
     if dry_run_settings({**settings, "output": output}, dry_run):
         return
     from qerl_cli.bench.update import REPORT_NAME, UpdateSettings, run_update, update_table
@@ -290,6 +328,9 @@ def scaling(
         raise QerlError("--format names the format of a --model SHAPE; give --model too")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     conf = scaled_config(conf, Path(output), steps, prompts_per_gpu, world, synthetic=synthetic)
+    check_output(output)
+    if conf.rollout.engine == "vllm":  # the recipe's engine: a GPU and vLLM, checked before the model loads
+        resolve_engine("vllm")
     if finish_config(conf, dry_run):
         return
     from qerl_cli.bench.scaling import REPORT_NAME, run_scaling, scaling_table
@@ -354,6 +395,7 @@ def quality(
         heldout_rows=heldout_rows,
         device=device,
     )
+    check_tool(output, device, None)
     if dry_run_settings({**settings, "output": output}, dry_run):
         return
     from qerl_cli.bench.quality import REPORT_NAME, QualitySettings, run_quality
