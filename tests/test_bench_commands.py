@@ -66,6 +66,10 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     return [
         (["rollout", "--formats", "fp3"], "--formats: unknown format(s) fp3; choose from bf16, nvfp4"),
         (["rollout", "--batch", "2,0"], "--batch takes comma-separated positive integers"),
+        (["rollout", "--batch", "2,,8"], "positive integers (e.g. --batch 2,8), got '2,,8'"),
+        (["rollout", "--tolerance", "-1"], "--tolerance is a fraction >= 0"),
+        (["e2e", "--tolerance", "-0.5"], "--tolerance is a fraction >= 0"),
+        (["concurrency", "--concurrency", "8,,32"], "--concurrency takes comma-separated positive integers"),
         (["rollout", "--baseline", missing], f"--baseline {missing}: not found"),
         (["concurrency", "--concurrency", "8,x"], "--concurrency takes comma-separated positive integers"),
         (["concurrency", "--backends", "cuda"], "--backends has unknown ['cuda']"),
@@ -121,14 +125,18 @@ DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
 ]
 
 
-def test_bad_input_and_dry_runs_import_no_torch(tmp_path: Path) -> None:
-    """One process: every bad input exits 2 with its message, every --dry-run exits 0, and none of them
-    imported torch (the checks are the cheap ones, made first)."""
-    cases = [[*argv] for argv, _ in bad_inputs(tmp_path)] + [[*argv, "--dry-run"] for argv, _ in DRY_RUNS]
+def test_bad_input_imports_no_torch_and_dry_runs_exit_0(tmp_path: Path) -> None:
+    """One process: every bad input exits 2 with its message without importing torch (the checks are the
+    cheap ones, made first), then every --dry-run exits 0 (those may ask torch for the GPU)."""
+    bad_cases = [[*argv] for argv, _ in bad_inputs(tmp_path)]
+    cases = [bad_cases, [[*argv, "--dry-run"] for argv, _ in DRY_RUNS]]
     code = (
         "import json, sys\nfrom qerl_cli.cli import main\n"
-        "codes = [main(['bench', *argv]) for argv in json.loads(sys.argv[1])]\n"
-        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules}))\n"
+        "bad, dry = json.loads(sys.argv[1])\n"
+        "codes = [main(['bench', *argv]) for argv in bad]\n"
+        "torch = 'torch' in sys.modules\n"
+        "codes += [main(['bench', *argv]) for argv in dry]\n"
+        "print(json.dumps({'codes': codes, 'torch': torch}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300", "QERL_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(

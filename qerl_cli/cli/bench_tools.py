@@ -23,6 +23,7 @@ from qerl_cli.bench.preflight import (
     check_requirements,
     describe_model,
     gpu_available,
+    package_available,
     resolve_engine,
 )
 from qerl_cli.cli.app import (
@@ -69,10 +70,9 @@ def default_model(model: str | None, device: str) -> str:
 
 def default_fused() -> str:
     """``--fused``'s default: Liger beside the plain update where liger-kernel is installed (the dev install
-    has none, and its default must run there)."""
-    from qerl_cli.modeling.fused_kernels import liger_installed
-
-    return "off,liger" if liger_installed() else "off"
+    has none, and its default must run there). Asked of the package index, not of
+    ``modeling.fused_kernels``, whose import would bring torch before the arguments are checked."""
+    return "off,liger" if package_available("liger_kernel") else "off"
 
 
 def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> None:
