@@ -25,15 +25,18 @@ from qerl_cli.bench.progress import clock
 from qerl_cli.config import BenchConfig
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
-# given: the GPU's 256 + 512 took 15-35 minutes on a shared 2-core machine.
-CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
+# given: with the GPU's 256 + 512 it took 15-35 minutes on a shared 2-core machine, and with 64 + 32
+# still 10 (NF4 and NVFP4 dequantize every layer at every decode step there).
+CPU_LENGTHS = {"prompt_len": 32, "gen_len": 16}
 # Tokens of a warm-up generation (bench.rollout.WARMUP_TOKENS, repeated so this module needs no torch).
 WARMUP_TOKENS = 64
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on an H100 / H200
-CPU_STEP_S = 0.04  # one decode step of the tiny shape on the CPU, at batch 1 ...
-CPU_STEP_PER_SEQUENCE_S = 0.015  # ... and what each further sequence of the batch adds
+# One decode step of the tiny shape on a 2-core CPU at batch 2 and 8 on average, per format (measured
+# under load, halved): the 4-bit formats dequantize every layer at every step.
+CPU_STEP_S = {"bf16": 0.08, "nvfp4": 0.19, "mxfp4": 0.19, "nf4": 0.28}
+CPU_MEAN_BATCH = 5.0  # the mean batch those figures are of (the default --batch 2,8)
 
 
 @dataclass
@@ -95,34 +98,41 @@ def apply_cpu_lengths(cfg: BenchConfig, engine: str, given: set[str]) -> list[st
     return [f"CPU lengths: {said} (the GPU's defaults take a quarter of an hour here; give them to override)"]
 
 
-def _rollout_cases(cfg: BenchConfig, engine: str, formats: list[str]) -> tuple[list[str], int, int]:
-    """(case labels, figures, decode steps) of the rollout cases, as bench.run builds them."""
+def _rollout_cases(
+    cfg: BenchConfig, engine: str, formats: list[str]
+) -> tuple[list[str], int, dict[str, int]]:
+    """(case labels, figures, decode steps per format) of the rollout cases, as bench.run builds them."""
     ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
     batches = list(cfg.concurrency or cfg.batch)
-    labels: list[str] = []
-    if engine == "vllm":
-        from qerl_cli.bench.concurrency import backends_for
-
-        for fmt in formats:
-            backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["default"]
-            labels += [fmt if b in ("default", "marlin") else f"{fmt}/{b}" for b in backends]
-        phases = len(ranks)
-    else:
-        labels = [f"{fmt} LoRA {rank}" if rank else fmt for fmt in formats for rank in ranks]
-        phases = 1
-    figures = len(labels) * phases * len(batches)
     per_batch = cfg.warmup * (min(cfg.gen_len, WARMUP_TOKENS) + 1) + cfg.repeats * (cfg.gen_len + 1)
-    return labels, figures, figures * per_batch
+    labels: list[str] = []
+    steps: dict[str, int] = {}
+    for fmt in formats:
+        if engine == "vllm":
+            from qerl_cli.bench.concurrency import backends_for
+
+            backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["default"]
+            mine = [fmt if b in ("default", "marlin") else f"{fmt}/{b}" for b in backends]
+            figures = len(mine) * len(ranks) * len(batches)  # one engine serves every LoRA rank
+        else:
+            mine = [f"{fmt} LoRA {rank}" if rank else fmt for rank in ranks]
+            figures = len(mine) * len(batches)
+        labels += mine
+        steps[fmt] = figures * per_batch
+    figures_total = sum(steps.values()) // per_batch
+    return labels, figures_total, steps
 
 
-def _estimate(cfg: BenchConfig, engine: str, model: str, labels: list[str], steps: int) -> float | None:
+def _estimate(
+    cfg: BenchConfig, engine: str, model: str, labels: list[str], steps: dict[str, int]
+) -> float | None:
     if engine == "vllm":
-        return len(labels) * VLLM_START_S + steps * VLLM_STEP_S
+        return len(labels) * VLLM_START_S + sum(steps.values()) * VLLM_STEP_S
     if model.lower() != "tiny":
         return None  # a real-size model on the CPU: no recorded figure to scale
     batches = list(cfg.concurrency or cfg.batch)
-    mean_batch = sum(batches) / len(batches)
-    return steps * (CPU_STEP_S + CPU_STEP_PER_SEQUENCE_S * (mean_batch - 1))
+    scale = 0.5 + 0.5 * (sum(batches) / len(batches)) / CPU_MEAN_BATCH  # half the cost is per sequence
+    return sum(n * CPU_STEP_S.get(fmt, CPU_STEP_S["nf4"]) * scale for fmt, n in steps.items())
 
 
 def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool = True) -> BenchPlan:
