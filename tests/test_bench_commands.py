@@ -491,7 +491,7 @@ def test_scaling_synthetic_job_and_its_checkpoint_resumes(
 
 
 def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
-    cache_dir, tiny_model_dir, capsys, caplog
+    cache_dir, tiny_model_dir, capsys, caplog, monkeypatch
 ) -> None:
     rc, out, err = run(
         capsys, "bench", "scaling", "tiny", "--model", "qwen2.5-0.5b", "--format", "MXFP4", "--dry-run"
@@ -501,6 +501,13 @@ def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
     assert "Add --synthetic" in caplog.text  # random weights graded on the recipe's data: warned
     rc, _, err = run(capsys, "bench", "scaling", "tiny", "--model", str(tiny_model_dir), "--format", "nvfp4")
     assert rc == 2 and "applies to a --model SHAPE" in err
+    rc, _, err = run(capsys, "bench", "scaling", "gsm8k_7b", "--dry-run")
+    if not torch_cuda():  # gsm8k_7b rolls out with vLLM: its dry run checks for a GPU and vLLM
+        assert rc == 2 and "--engine vllm needs a CUDA GPU" in err
+    from qerl_cli.bench import preflight
+
+    monkeypatch.setattr(preflight, "gpu_available", lambda: True)  # the GPU machine it is prepared for
+    monkeypatch.setattr(preflight, "vllm_available", lambda: True)
     rc, out, err = run(
         capsys, "bench", "scaling", "gsm8k_7b", "--model", "qwen2.5-7b", "--synthetic", "--prompts-per-gpu",
         "16", "--dry-run",
@@ -513,6 +520,12 @@ def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
     # gsm8k_7b's 256-token prompts: filler to ~256 byte-level tokens, the bound 64 above
     assert conf["rollout"]["max_prompt_length"] == 320 and len(conf["data"]["system_prompt"]) == 256 - 48
     assert conf["train"]["prompts_per_step"] == 16 and conf["output"]["save_steps"] == 3
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_scaling_other_local_ranks_wait_for_rank_zeros_checkpoint(cache_dir, monkeypatch) -> None:
