@@ -648,12 +648,13 @@ def test_scripts_holds_only_the_setup() -> None:
 def test_update_records_an_fp8_case_that_cannot_run_and_exits_1(cache_dir, tmp_path, capsys) -> None:
     """FP8 GEMMs need FP8 tensor cores (and layers large enough to gain): on the CPU the fp8 case is a row
     saying so, not a BF16 run under the fp8 label, and the command exits 1."""
-    rc, _, _ = run(capsys, "bench", "update", "--model", "tiny", "--formats", "nvfp4", "--fused", "off",
-                   "--base-compute", "fp8", "--sequences", "2", "--group", "2", "--prompt-len", "4",
-                   "--gen-len", "4", "--lora-rank", "4", "--device", "cpu", "-o", str(tmp_path))  # fmt: skip
+    shape = ["--sequences", "2", "--group", "2", "--prompt-len", "4", "--gen-len", "4", "--lora-rank", "4"]
+    rc, out, _ = run(capsys, "bench", "update", "--model", "tiny", "--formats", "nvfp4", "--fused", "off",
+                     "--base-compute", "fp8", *shape, "--device", "cpu", "-o", str(tmp_path))  # fmt: skip
     assert rc == 1
     (row,) = json.loads((tmp_path / "update.json").read_text())["rows"]
     assert row["base_compute"] == "fp8" and "train.base_compute=fp8 cannot run" in row["error"]
+    assert row["error"] in " ".join(out.split())  # in full below the table, which cuts it short
 
 
 def test_the_sweep_takes_every_linear_backend_but_auto() -> None:

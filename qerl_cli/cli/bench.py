@@ -33,6 +33,7 @@ from qerl_cli.cli.app import (
     given_flags,
     positive_ints,
     set_option,
+    use_free_cpu_threads,
 )
 from qerl_cli.errors import QerlError
 
@@ -204,6 +205,10 @@ def run_bench_command(
         return
     print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none
     from qerl_cli.bench import run_bench
+    from qerl_cli.bench.preflight import gpu_available
+
+    if plan.engine == "hf" and not gpu_available():
+        use_free_cpu_threads()  # the CPU's free cores only: a thread sharing a busy core stalls the others
 
     # A case without figures, or a regression past --baseline: exit 1.
     if render.print_bench(run_bench(conf, command=command_line())):

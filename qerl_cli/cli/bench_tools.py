@@ -246,6 +246,11 @@ def update(
     settings["model"] = default_model(model, device)
     report = run_update(UpdateSettings(**settings), output, command=command_line())
     console.print(update_table(report))
+    for row in report["rows"]:  # the table cuts an error short: each in full, once
+        if "error" in row:
+            compute = row.get("base_compute", "bf16")
+            case = f"{row['format']}, fused {row['fused_kernels']}, base compute {compute}"
+            console.print(f"error ({case}): {row['error']}", markup=False, highlight=False)
     _done(Path(output) / REPORT_NAME, any("error" in row for row in report["rows"]))
 
 
