@@ -7,7 +7,7 @@ cases. ``--dry-run`` prints it; a run prints it at its start.
 
 The estimate is rough and says so: per-token costs from the recorded runs (the default bench on one
 H100 or H200: 300-560 s for three vLLM engines, most of it engine starts; the tiny model on a loaded
-2-core CPU: 50-130 ms per decode step), not a measurement of this machine.
+2-core CPU: 40-80 ms per decode step), not a measurement of this machine.
 
 On a CPU the default model is the tiny shape on the transformers engine, whose decode steps cost as
 much at 512 tokens as a GPU's: there the lengths the user did not give are ``CPU_LENGTHS``, so the
@@ -25,8 +25,8 @@ from qerl_cli.bench.progress import clock
 from qerl_cli.config import BenchConfig
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
-# given: the GPU's 256 + 512 make a quarter of an hour there; these, about two minutes on a shared
-# 2-core machine.
+# given: the GPU's 256 + 512 make a quarter of an hour there; with these the default bench took 86 s on
+# a 2-core machine shared with other work.
 CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
 # Tokens of a warm-up generation (bench.rollout.WARMUP_TOKENS, repeated so this module needs no torch).
 WARMUP_TOKENS = 64
@@ -35,7 +35,7 @@ VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the meas
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on an H100 / H200
 # One decode step of the tiny shape on a loaded 2-core CPU (one free thread), at batch 2 and 8 on
 # average, per format: NF4 dequantizes its code book at every step.
-CPU_STEP_S = {"bf16": 0.07, "nvfp4": 0.05, "mxfp4": 0.05, "nf4": 0.13}
+CPU_STEP_S = {"bf16": 0.05, "nvfp4": 0.04, "mxfp4": 0.04, "nf4": 0.08}
 CPU_MEAN_BATCH = 5.0  # the mean batch those figures are of (the default --batch 2,8)
 
 
