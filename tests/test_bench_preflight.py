@@ -254,3 +254,16 @@ def test_scaling_parts_add_up_to_the_mean_step_and_old_runs_keep_their_sync() ->
     old = [{"time_step_s": 4.0, "rollout/sync_seconds": 0.5, "rollout_tokens": 1.0}] * 2
     summary = run_summary(old, 1)
     assert summary["sync_s"] == 0.5 and summary["sleep_s"] is None and summary["other_s"] is None
+
+
+def test_the_dry_run_checks_the_model_folder_against_the_formats(capsys, tmp_path: Path) -> None:
+    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint
+
+    folder = write_random_checkpoint(tmp_path / "nvfp4", "tiny", "nvfp4")
+    rc, _, err = run(capsys, "bench", "--model", str(folder), "--engine", "hf", "--dry-run")
+    assert rc == 2 and "already a nvfp4 checkpoint, so only --formats nvfp4" in err
+    rc, out, err = run(capsys, "bench", "--model", str(folder), "--formats", "nvfp4", "--engine", "hf",
+                       "--dry-run")  # fmt: skip
+    assert rc == 0 and "(a local nvfp4 folder)" in out, err
+    rc, _, err = run(capsys, "bench", "--model", str(tmp_path / "none"), "--dry-run")
+    assert rc == 2 and "no such folder" in err

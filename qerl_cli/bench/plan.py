@@ -160,7 +160,7 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
             requirements += backend_needs
     preflight.check_requirements(requirements)
     preflight.check_output(cfg.output)
-    plan = BenchPlan(engine, model, preflight.describe_model(model), formats, notes=notes)
+    plan = BenchPlan(engine, model, preflight.describe_model(model, formats), formats, notes=notes)
     if cfg.rollouts:
         plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
         plan.estimate_s = _estimate(cfg, engine, model, plan.cases, steps)

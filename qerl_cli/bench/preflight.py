@@ -129,9 +129,10 @@ def check_output(path: str | Path, flag: str = "--output") -> None:
         raise QerlError(f"{flag} {path}: {existing} is not writable; give a folder you can write to")
 
 
-def describe_model(model: str) -> str:
-    """How the bench will get ``model`` (checked without reading or downloading it)."""
-    from qerl_cli.bench.models import is_shape
+def describe_model(model: str, formats: list[str] | None = None) -> str:
+    """How the bench will get ``model`` (checked without reading its weights or downloading it); a
+    local folder's checkpoint format must serve ``formats``."""
+    from qerl_cli.bench.models import check_folder_formats, is_shape
 
     if is_shape(model):
         return f"{model.lower()} (a random-weight shape, written once per format into the cache)"
@@ -141,7 +142,8 @@ def describe_model(model: str) -> str:
             raise QerlError(
                 f"--model {model} has no config.json; give a model folder, a hub id or a shape name"
             )
-        return f"{path} (a local folder)"
+        own = check_folder_formats(model, path, formats) if formats else None
+        return f"{path} (a local {own or 'model'} folder)"
     if model.startswith((".", "/", "~")):
         raise QerlError(f"--model {model}: no such folder; give a model folder, a hub id or a shape name")
     return f"{model} (a hub id, downloaded at the start)"
