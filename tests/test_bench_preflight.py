@@ -267,3 +267,14 @@ def test_the_dry_run_checks_the_model_folder_against_the_formats(capsys, tmp_pat
     assert rc == 0 and "(a local nvfp4 folder)" in out, err
     rc, _, err = run(capsys, "bench", "--model", str(tmp_path / "none"), "--dry-run")
     assert rc == 2 and "no such folder" in err
+
+
+def test_quality_default_rows_skip_awq_without_llm_compressor_named_rows_need_it(monkeypatch, capsys) -> None:
+    from qerl_cli.cli import bench_tools
+
+    monkeypatch.setattr(bench_tools, "package_available", lambda m: m != "llmcompressor")
+    monkeypatch.setattr(preflight, "package_available", lambda m: m != "llmcompressor")
+    rc, out, err = run(capsys, "bench", "quality", "m", "--dry-run")
+    assert rc == 0 and yaml.safe_load(out)["rows"] == ["nvfp4-rtn", "mxfp4-rtn", "nf4-rtn"], err
+    rc, _, err = run(capsys, "bench", "quality", "m", "--rows", "nvfp4-awq,nf4-rtn", "--dry-run")
+    assert rc == 2 and "--rows nvfp4-awq needs the llmcompressor package" in err and "qerl[quantize]" in err

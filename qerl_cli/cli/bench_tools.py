@@ -38,6 +38,8 @@ from qerl_cli.cli.app import (
 from qerl_cli.cli.bench import check_exists, check_formats
 from qerl_cli.errors import QerlError
 
+# bench quality's rows when --rows is not given (its AWQ row where llm-compressor is installed).
+DEFAULT_QUALITY_ROWS = "nvfp4-rtn,nvfp4-awq,mxfp4-rtn,nf4-rtn"
 OutputOption = Annotated[str, typer.Option("--output", "-o", metavar="DIR", help="Folder of the report.")]
 DeviceOption = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda[:N].")]
 ModelOption = Annotated[
@@ -362,9 +364,14 @@ def quality(
         str, typer.Argument(metavar="BF16_MODEL", help="The BF16 model (folder, .gguf or alias).")
     ],
     rows: Annotated[
-        str,
-        typer.Option("--rows", metavar="FORMAT-METHOD,...", help="The bases to make and measure."),
-    ] = "nvfp4-rtn,nvfp4-awq,mxfp4-rtn,nf4-rtn",
+        str | None,
+        typer.Option(
+            "--rows",
+            metavar="FORMAT-METHOD,...",
+            help="The bases to make and measure.",
+            show_default=f"{DEFAULT_QUALITY_ROWS} (the awq row only with llm-compressor installed)",
+        ),
+    ] = None,
     calib_samples: Annotated[
         int, typer.Option("--calib-samples", metavar="N", help="Calibration rows of qerl-text (awq, gptq).")
     ] = 48,
@@ -381,13 +388,16 @@ def quality(
     Perplexity, KL to BF16 and top-1 agreement on held-out text, by the library of `qerl quality`
     (which measures bases you already have), beside each base's weight error.
     """
-    chosen = [r.lower() for r in csv(rows) or []]
+    chosen = [r.lower() for r in csv(rows if rows is not None else DEFAULT_QUALITY_ROWS) or []]
     if not chosen:
         raise QerlError("--rows needs at least one FORMAT-METHOD (e.g. nvfp4-rtn)")
     from qerl_cli.bench.quality import parse_row  # no torch: the rows are checked before any import of it
 
-    for row in chosen:
-        parse_row(row)
+    calibrated = [row for row in chosen if parse_row(row)[1] != "rtn"]  # AWQ, GPTQ: llm-compressor's
+    if calibrated and not package_available("llmcompressor"):
+        if rows is not None:  # asked for by name: it must run
+            check_requirements([Requirement("llmcompressor", "quantize", f"--rows {','.join(calibrated)}")])
+        chosen = [row for row in chosen if row not in calibrated]  # the default measures what is installed
     for flag, value in (("--calib-samples", calib_samples), ("--heldout-rows", heldout_rows)):
         positive(flag, value)
     if seq_len < 2:
