@@ -198,15 +198,7 @@ def update(
     """
     chosen = csv(formats) or []
     check_formats(chosen or None, "--formats")
-    kinds = csv(fused if fused is not None else default_fused()) or []
-    unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
-    if unknown or not kinds:
-        raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
-    if "liger" in kinds:
-        check_requirements([Requirement("liger_kernel", "liger", "--fused liger")])
-    computes = csv(base_compute) or []
-    if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
-        raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
+    kinds, computes = update_cases(fused, base_compute)
     if not chosen:
         raise QerlError("--formats needs at least one format (e.g. bf16,nvfp4)")
     for flag, value in (
@@ -254,6 +246,21 @@ def update(
             case = f"{row['format']}, fused {row['fused_kernels']}, base compute {compute}"
             console.print(f"error ({case}): {row['error']}", markup=False, highlight=False)
     _done(Path(output) / REPORT_NAME, any("error" in row for row in report["rows"]))
+
+
+def update_cases(fused: str | None, base_compute: str) -> tuple[list[str], list[str]]:
+    """``--fused`` (its default: what is installed) and ``--base-compute`` checked: (fused kinds, base
+    computes); Liger asked for must be installed."""
+    kinds = csv(fused if fused is not None else default_fused()) or []
+    unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
+    if unknown or not kinds:
+        raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
+    if "liger" in kinds:
+        check_requirements([Requirement("liger_kernel", "liger", "--fused liger")])
+    computes = csv(base_compute) or []
+    if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
+        raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
+    return kinds, computes
 
 
 def _int(text: str) -> int:
