@@ -637,6 +637,17 @@ def test_ci_runs_the_users_bench_command_and_the_gpu_tests() -> None:
     assert '-m "gpu or vllm"' in tests and "-n 0" in tests
 
 
+def test_the_real_vllm_tests_carry_the_markers_the_gpu_job_selects() -> None:
+    """tests/test_vllm_real.py runs in the GPU job only if its tests carry gpu / vllm (and are skipped
+    elsewhere by tests/conftest.py for the same marks)."""
+    import test_vllm_real
+
+    assert {mark.name for mark in test_vllm_real.pytestmark} == {"gpu", "vllm"}
+    tests = [name for name in dir(test_vllm_real) if name.startswith("test_")]
+    tests += [name for name in dir(test_vllm_real.TestLoraEngine) if name.startswith("test_")]
+    assert len(tests) >= 7  # start, sync, staleness, noise, sleep/wake, NVFP4, the merge backends
+
+
 def test_scripts_holds_only_the_setup() -> None:
     """Measurements are `qerl bench` subcommands and a run's commands its benchmarks/<run>/run.sh."""
     done = subprocess.run(["git", "ls-files", "scripts"], cwd=REPO, capture_output=True, text=True)
