@@ -58,7 +58,9 @@ class BenchPlan:
         estimate = (
             f"~{clock(self.estimate_s)} (an estimate from recorded runs, not a measurement of this machine)"
             if self.estimate_s is not None
-            else "no estimate for this model and engine"
+            else "no estimate (a GRPO step's time depends on the trainer's whole setup)"
+            if self.e2e_steps
+            else "no estimate for this model on this engine"
         )
         items: dict[str, Any] = {
             "engine": self.engine,
