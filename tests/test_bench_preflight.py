@@ -278,3 +278,20 @@ def test_quality_default_rows_skip_awq_without_llm_compressor_named_rows_need_it
     assert rc == 0 and yaml.safe_load(out)["rows"] == ["nvfp4-rtn", "mxfp4-rtn", "nf4-rtn"], err
     rc, _, err = run(capsys, "bench", "quality", "m", "--rows", "nvfp4-awq,nf4-rtn", "--dry-run")
     assert rc == 2 and "--rows nvfp4-awq needs the llmcompressor package" in err and "qerl[quantize]" in err
+
+
+def test_the_gpu_default_plans_three_engines_within_the_recorded_ci_time(monkeypatch, capsys) -> None:
+    """CI's `qerl bench --batch 2,8` on a GPU: three vLLM engines (each serving its LoRA case), 12
+    figures, and an estimate inside what the recorded H100 / H200 runs took (300-560 s)."""
+    fake_machine(monkeypatch, gpu=True, missing=())
+    rc, out, err = run(capsys, "bench", "--batch", "2,8", "--dry-run")
+    assert rc == 0, err
+    conf = yaml.safe_load(out)
+    assert (conf["prompt_len"], conf["gen_len"]) == (256, 512)  # the GPU keeps the recorded defaults
+    plan = [line.removeprefix("#").strip() for line in out.splitlines() if line.startswith("#")]
+    assert "engine: vllm" in plan and "cases: 3 (bf16; nf4; nvfp4)" in plan and "rollout figures: 12" in plan
+    from qerl_cli.bench.plan import bench_plan
+    from qerl_cli.config import BenchConfig
+
+    estimate = bench_plan(BenchConfig(batch=[2, 8])).estimate_s
+    assert estimate is not None and 300 <= estimate <= 560
