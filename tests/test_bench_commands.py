@@ -48,7 +48,7 @@ def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) ->
 
     assert list(get_command(app).commands["bench"].commands) == BENCHMARKS
     rc, out, err = run(capsys, "bench", "--help")
-    assert rc == 0 and err == ""  # the group's help, not the deprecated rollout
+    assert rc == 0 and err == ""  # the group's help, not the default benchmark
     panel = out.split("Commands", 1)[1]
     assert all(f"│ {name} " in panel for name in BENCHMARKS)
 
