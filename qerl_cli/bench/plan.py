@@ -25,8 +25,8 @@ from qerl_cli.bench.progress import clock
 from qerl_cli.config import BenchConfig
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
-# given: the GPU's 256 + 512 make a quarter of an hour there; with these the default bench took 86 s on
-# a 2-core machine shared with other work.
+# given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
+# of an hour); with these the default bench took 86 s on a 2-core machine shared with other work.
 CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
 # Tokens of a warm-up generation (bench.rollout.WARMUP_TOKENS, repeated so this module needs no torch).
 WARMUP_TOKENS = 64
@@ -97,7 +97,8 @@ def apply_cpu_lengths(cfg: BenchConfig, engine: str, given: set[str]) -> list[st
     if not changed:
         return []
     said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())
-    return [f"CPU lengths: {said} (the GPU's defaults take a quarter of an hour here; give them to override)"]
+    why = "the GPU's 256 + 512 are ten times the decode steps; give them to override"
+    return [f"CPU lengths: {said} ({why})"]
 
 
 def _rollout_cases(
