@@ -1,6 +1,6 @@
 """Every ``qerl bench`` subcommand: its --help, bad input refused with exit 2 before torch is imported,
---dry-run, the deprecated bare ``qerl bench``, and the JSON each writes on the CPU with the tiny model
-(the command, the device, the date and the versions first). The library arithmetic of ``scaling``.
+--dry-run, the bare ``qerl bench`` (the rollout benchmark), and the JSON each writes on the CPU with the
+tiny model (the command, the device, the date and the versions first). The library arithmetic of ``scaling``.
 
 Every subcommand runs on the CPU, so none is GPU-only here; the GPU-only parts (``--profile``,
 ``--memory-cap``) are tested for their refusal on the CPU.
@@ -48,7 +48,7 @@ def test_bench_help_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) ->
 
     assert list(get_command(app).commands["bench"].commands) == BENCHMARKS
     rc, out, err = run(capsys, "bench", "--help")
-    assert rc == 0 and err == ""  # the group's help, not the deprecated rollout
+    assert rc == 0 and err == ""  # the group's help, not the default benchmark
     panel = out.split("Commands", 1)[1]
     assert all(f"│ {name} " in panel for name in BENCHMARKS)
 
@@ -66,6 +66,10 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     return [
         (["rollout", "--formats", "fp3"], "--formats: unknown format(s) fp3; choose from bf16, nvfp4"),
         (["rollout", "--batch", "2,0"], "--batch takes comma-separated positive integers"),
+        (["rollout", "--batch", "2,,8"], "positive integers (e.g. --batch 2,8), got '2,,8'"),
+        (["rollout", "--tolerance", "-1"], "--tolerance is a fraction >= 0"),
+        (["e2e", "--tolerance", "-0.5"], "--tolerance is a fraction >= 0"),
+        (["concurrency", "--concurrency", "8,,32"], "--concurrency takes comma-separated positive integers"),
         (["rollout", "--baseline", missing], f"--baseline {missing}: not found"),
         (["concurrency", "--concurrency", "8,x"], "--concurrency takes comma-separated positive integers"),
         (["concurrency", "--backends", "cuda"], "--backends has unknown ['cuda']"),
@@ -121,14 +125,18 @@ DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
 ]
 
 
-def test_bad_input_and_dry_runs_import_no_torch(tmp_path: Path) -> None:
-    """One process: every bad input exits 2 with its message, every --dry-run exits 0, and none of them
-    imported torch (the checks are the cheap ones, made first)."""
-    cases = [[*argv] for argv, _ in bad_inputs(tmp_path)] + [[*argv, "--dry-run"] for argv, _ in DRY_RUNS]
+def test_bad_input_imports_no_torch_and_dry_runs_exit_0(tmp_path: Path) -> None:
+    """One process: every bad input exits 2 with its message without importing torch (the checks are the
+    cheap ones, made first), then every --dry-run exits 0 (those may ask torch for the GPU)."""
+    bad_cases = [[*argv] for argv, _ in bad_inputs(tmp_path)]
+    cases = [bad_cases, [[*argv, "--dry-run"] for argv, _ in DRY_RUNS]]
     code = (
         "import json, sys\nfrom qerl_cli.cli import main\n"
-        "codes = [main(['bench', *argv]) for argv in json.loads(sys.argv[1])]\n"
-        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules}))\n"
+        "bad, dry = json.loads(sys.argv[1])\n"
+        "codes = [main(['bench', *argv]) for argv in bad]\n"
+        "torch = 'torch' in sys.modules\n"
+        "codes += [main(['bench', *argv]) for argv in dry]\n"
+        "print(json.dumps({'codes': codes, 'torch': torch}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300", "QERL_CACHE_DIR": str(tmp_path)}
     done = subprocess.run(
@@ -162,25 +170,28 @@ def test_dry_run_resolves_the_flags(
         assert ok, (key, resolved[key])
 
 
-def test_bare_bench_is_rollout_with_a_warning(
+def test_bare_bench_is_the_default_rollout_benchmark_without_a_warning(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`qerl bench --batch 2,8` is the form users' CI runs: the rollout benchmark, not deprecated."""
     rc, out, err = run(capsys, "bench", "--batch", "2", "--dry-run")
     assert rc == 0 and yaml.safe_load(out)["batch"] == [2]
-    err = " ".join(err.split())
-    assert "deprecated" in err and "runs `qerl bench rollout`" in err
+    assert "deprecated" not in err and "warning" not in err
     rc, out, err = run(capsys, "bench", "--concurrency", "16", "--dry-run")
-    assert rc == 0 and yaml.safe_load(out)["concurrency"] == [16] and "qerl bench concurrency" in err
+    assert rc == 0 and yaml.safe_load(out)["concurrency"] == [16] and "deprecated" not in err
     import qerl_cli.bench as bench_mod
     from qerl_cli.bench.result import read_report
 
     report = read_report(REPO / "benchmarks" / "h100-2026-11-24" / "sweep-fp8-humming" / "bench.json")
     seen = []
     monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: seen.append(command) or report)
-    rc, out, err = run(capsys, "bench")  # the command of CI's GPU job before the subcommands
-    assert rc == 0 and "Rollout throughput" in out and "deprecated" in err and seen == ["qerl bench"]
-    rc, _, err = run(capsys, "bench", "rolout")  # a misspelt benchmark is not the deprecated form
+    rc, out, err = run(capsys, "bench", "--batch", "2,8")  # the command of CI's GPU job
+    assert rc == 0 and "Rollout throughput" in out and "deprecated" not in err
+    assert seen == ["qerl bench --batch 2,8"]
+    rc, _, err = run(capsys, "bench", "rolout")  # a misspelt benchmark is not the default benchmark
     assert rc == 2 and "No such command 'rolout'" in err
+    rc, out, err = run(capsys, "bench", "--help")
+    assert rc == 0 and "without a benchmark runs `qerl bench rollout" in " ".join(out.split())
 
 
 # -- each benchmark's JSON, on the CPU --------------------------------------------------------------
@@ -480,7 +491,7 @@ def test_scaling_synthetic_job_and_its_checkpoint_resumes(
 
 
 def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
-    cache_dir, tiny_model_dir, capsys, caplog
+    cache_dir, tiny_model_dir, capsys, caplog, monkeypatch
 ) -> None:
     rc, out, err = run(
         capsys, "bench", "scaling", "tiny", "--model", "qwen2.5-0.5b", "--format", "MXFP4", "--dry-run"
@@ -490,6 +501,13 @@ def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
     assert "Add --synthetic" in caplog.text  # random weights graded on the recipe's data: warned
     rc, _, err = run(capsys, "bench", "scaling", "tiny", "--model", str(tiny_model_dir), "--format", "nvfp4")
     assert rc == 2 and "applies to a --model SHAPE" in err
+    rc, _, err = run(capsys, "bench", "scaling", "gsm8k_7b", "--dry-run")
+    if not torch_cuda():  # gsm8k_7b rolls out with vLLM: its dry run checks for a GPU and vLLM
+        assert rc == 2 and "--engine vllm needs a CUDA GPU" in err
+    from qerl_cli.bench import preflight
+
+    monkeypatch.setattr(preflight, "gpu_available", lambda: True)  # the GPU machine it is prepared for
+    monkeypatch.setattr(preflight, "vllm_available", lambda: True)
     rc, out, err = run(
         capsys, "bench", "scaling", "gsm8k_7b", "--model", "qwen2.5-7b", "--synthetic", "--prompts-per-gpu",
         "16", "--dry-run",
@@ -502,6 +520,12 @@ def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
     # gsm8k_7b's 256-token prompts: filler to ~256 byte-level tokens, the bound 64 above
     assert conf["rollout"]["max_prompt_length"] == 320 and len(conf["data"]["system_prompt"]) == 256 - 48
     assert conf["train"]["prompts_per_step"] == 16 and conf["output"]["save_steps"] == 3
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_scaling_other_local_ranks_wait_for_rank_zeros_checkpoint(cache_dir, monkeypatch) -> None:
@@ -598,7 +622,9 @@ def test_memory_cap_is_nothing_without_a_cap_and_refused_on_the_cpu() -> None:
 
 
 # -- the repository: benchmarks are commands, not scripts ---------------------------------------------
-def test_ci_runs_the_bench_subcommand_not_the_deprecated_form() -> None:
+def test_ci_runs_the_users_bench_command_and_the_gpu_tests() -> None:
+    """The GPU job runs what users run (`qerl bench --batch 2,8`) and the tests marked gpu or vllm, in
+    one process (every vLLM test starts an engine on the one GPU)."""
     workflow = yaml.safe_load((REPO / ".github" / "workflows" / "gpu.yml").read_text())
     runs = [
         line.strip()
@@ -606,7 +632,20 @@ def test_ci_runs_the_bench_subcommand_not_the_deprecated_form() -> None:
         for line in step.get("run", "").splitlines()
     ]
     benches = [line for line in runs if line.startswith("qerl bench")]
-    assert benches and all(line.startswith("qerl bench rollout ") for line in benches)
+    assert benches and all(line.startswith("qerl bench --batch 2,8 ") for line in benches)
+    (tests,) = [line for line in runs if "-m pytest" in line]
+    assert '-m "gpu or vllm"' in tests and "-n 0" in tests
+
+
+def test_the_real_vllm_tests_carry_the_markers_the_gpu_job_selects() -> None:
+    """tests/test_vllm_real.py runs in the GPU job only if its tests carry gpu / vllm (and are skipped
+    elsewhere by tests/conftest.py for the same marks)."""
+    import test_vllm_real
+
+    assert {mark.name for mark in test_vllm_real.pytestmark} == {"gpu", "vllm"}
+    tests = [name for name in dir(test_vllm_real) if name.startswith("test_")]
+    tests += [name for name in dir(test_vllm_real.TestLoraEngine) if name.startswith("test_")]
+    assert len(tests) >= 7  # start, sync, staleness, noise, sleep/wake, NVFP4, the merge backends
 
 
 def test_scripts_holds_only_the_setup() -> None:
@@ -620,12 +659,13 @@ def test_scripts_holds_only_the_setup() -> None:
 def test_update_records_an_fp8_case_that_cannot_run_and_exits_1(cache_dir, tmp_path, capsys) -> None:
     """FP8 GEMMs need FP8 tensor cores (and layers large enough to gain): on the CPU the fp8 case is a row
     saying so, not a BF16 run under the fp8 label, and the command exits 1."""
-    rc, _, _ = run(capsys, "bench", "update", "--model", "tiny", "--formats", "nvfp4", "--fused", "off",
-                   "--base-compute", "fp8", "--sequences", "2", "--group", "2", "--prompt-len", "4",
-                   "--gen-len", "4", "--lora-rank", "4", "--device", "cpu", "-o", str(tmp_path))  # fmt: skip
+    shape = ["--sequences", "2", "--group", "2", "--prompt-len", "4", "--gen-len", "4", "--lora-rank", "4"]
+    rc, out, _ = run(capsys, "bench", "update", "--model", "tiny", "--formats", "nvfp4", "--fused", "off",
+                     "--base-compute", "fp8", *shape, "--device", "cpu", "-o", str(tmp_path))  # fmt: skip
     assert rc == 1
     (row,) = json.loads((tmp_path / "update.json").read_text())["rows"]
     assert row["base_compute"] == "fp8" and "train.base_compute=fp8 cannot run" in row["error"]
+    assert row["error"] in " ".join(out.split())  # in full below the table, which cuts it short
 
 
 def test_the_sweep_takes_every_linear_backend_but_auto() -> None:

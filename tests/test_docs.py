@@ -135,6 +135,8 @@ def unknown_commands(text: str, root: Any) -> list[str]:
             path.append(word)
         if command is root:
             continue
+        if hasattr(command, "default_subcommand"):  # `qerl bench --batch 2,8`: the group's default one
+            command = command.commands[command.default_subcommand(flags)]
         known = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
         unknown = [flag for flag in flags if flag not in known | {"--help"}]
         if unknown:

@@ -13,12 +13,19 @@ Rewards are seeded random numbers instead of math grading: grading costs the sam
 format, and random rewards give every group nonzero advantages, so each step does a real update.
 AQN is off and TIS on for every format, so every format runs the same algorithm.
 
-Phases, per step (median over the timed steps, after one warm-up step):
-``generation`` (rollout), ``logprobs`` (the no-grad old-policy / reference pass; the trainer runs
-one only when ``num_iterations > 1`` or ``beta > 0``, so 0 with the paper's settings, where the
-policy's logprobs are part of the update), ``update`` (forward + backward + optimizer), ``sync``
-(sleep, wake-up, noise and adapter sync of the rollout engine), and ``step`` (all of it, rewards
-and bookkeeping included).
+Phases of a step, each counted once (the trainer's ``time_*_s``, ``rl.tracking.STEP_PARTS``):
+``aqn`` (the noise and, at a noisy stage's first step, its probe; AQN is off here), ``generation``
+(rollout), ``reward``, ``sleep`` (vLLM gives its memory to the update), ``logprobs`` (the no-grad
+old-policy / reference pass; the trainer runs one only when ``num_iterations > 1`` or ``beta > 0``, so
+0 with the paper's settings, where the policy's logprobs are part of the update), ``update`` (forward +
+backward + optimizer), ``wake`` (vLLM's weights and KV cache back), ``sync`` (the adapter loaded into
+the engine, or merged into its weights, and the staleness probe), and ``other`` (the step's bookkeeping:
+advantages, the scheduler, memory release, its figures), which add up to ``step`` exactly. The figures
+are those of the median step (by step time; the lower one of an even count) among the timed steps, so
+they add up; every step's are kept in the row's ``steps``.
+
+Before, ``sync`` was the wall time of the engine's sleep, its wake-ups and noise and the trainer's
+adapter sync together, and the wake-up inside the sync's staleness check was counted twice.
 """
 
 from __future__ import annotations
@@ -31,8 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +59,18 @@ log = logging.getLogger(__name__)
 
 E2E_DATASET = "synthetic-addition"
 DEFAULT_E2E_RANK = 16
-# (report field, trainer metric) pairs read from each step's record.
-PHASE_METRICS = (("generation_s", "time_rollout_s"), ("logprobs_s", "time_logprobs_s"),
-                 ("update_s", "time_update_s"))
+# (report field, trainer metric) of each part of a step (rl.tracking.STEP_PARTS, in its order); with
+# "other_s" they add up to "step_s".
+PHASE_METRICS = (
+    ("aqn_s", "time_aqn_s"),
+    ("generation_s", "time_rollout_s"),
+    ("reward_s", "time_reward_s"),
+    ("sleep_s", "time_sleep_s"),
+    ("logprobs_s", "time_logprobs_s"),
+    ("update_s", "time_update_s"),
+    ("wake_s", "time_wake_s"),
+    ("sync_s", "time_sync_s"),
+)
 # The per-step figures each row keeps: timings, memory, rollout figures (the engine's, the logprob gap).
 STEP_FIELDS = ("time_", "memory/", "rollout_tokens", "rollout/", "rollout_logprob_gap")
 
@@ -173,45 +187,46 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
     )
 
 
-def _timed(fn: Callable[..., Any], sink: list[float]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            sink.append(time.perf_counter() - start)
+def step_phases(record: dict[str, Any]) -> dict[str, float]:
+    """The parts of one step's record under the report's names, ``other_s`` and ``step_s``: the parts and
+    ``other_s`` add up to ``step_s``."""
+    from qerl_cli.rl.tracking import step_other_s
 
-    return wrapper
+    phases = {field: float(record.get(metric, 0.0)) for field, metric in PHASE_METRICS}
+    phases["other_s"] = step_other_s(record) or 0.0
+    phases["step_s"] = float(record.get("time_step_s", 0.0))
+    return phases
+
+
+def median_step(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The record of the median step by ``time_step_s`` (the lower of the two middle ones)."""
+    ordered = sorted(records, key=lambda r: float(r.get("time_step_s", 0.0)))
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
     """Run warm-up + timed GRPO steps in this process; one e2e row for ``fmt``."""
+    from qerl_cli.bench.progress import Progress
     from qerl_cli.rl.trainer import Trainer
 
     trainer = Trainer(e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed))
     if trainer.policy.base_format != fmt:
         raise QerlError(f"{model_dir} loaded as {trainer.policy.base_format}, expected {fmt}")
-    # Time the engine hand-offs by wrapping them on this trainer instance only.
-    sync_calls: list[float] = []
-    trainer._sync_engine = _timed(trainer._sync_engine, sync_calls)  # type: ignore[method-assign]
-    for name in ("sleep", "wake_up", "set_norm_noise"):
-        setattr(trainer.engine, name, _timed(getattr(trainer.engine, name), sync_calls))
     records = []
-    for _ in range(cfg.warmup + cfg.repeats):
-        sync_calls.clear()
-        record = trainer.train_step()
-        record["time_sync_s"] = sum(sync_calls)
-        records.append(record)
+    steps = cfg.warmup + cfg.repeats
+    progress = Progress(f"bench e2e {fmt}", steps)
+    for index in range(steps):
+        label = f"step {index + 1}{' (warm-up)' if index < cfg.warmup else ''}"
+        progress.start(label)
+        records.append(trainer.train_step())
+        progress.finish(label, f"{records[-1].get('time_step_s', 0.0):.2f} s")
     timed = records[cfg.warmup :]
 
     def median(key: str) -> float:
         return statistics.median(float(r.get(key, 0.0)) for r in timed)
 
     row: dict[str, Any] = {"format": fmt, "lora_rank": cfg.lora_rank or DEFAULT_E2E_RANK}
-    for field_name, metric in PHASE_METRICS:
-        row[field_name] = median(metric)
-    row["sync_s"] = median("time_sync_s")
-    row["step_s"] = median("time_step_s")
+    row.update(step_phases(median_step(timed)))  # one step's parts: they add up to its step_s
     row["steps_timed"] = len(timed)
     row["sequences_per_step"] = prompts_per_step(cfg) * cfg.e2e_generations
     row["micro_batch_size"] = trainer.memory.micro_batch_size

@@ -14,7 +14,6 @@ process would see less memory, and its peak figures would include the first engi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -62,10 +61,6 @@ class Case:
 
     def phases(self) -> list[int]:
         return list(self.lora_phases) or [self.lora_rank]
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 # --------------------------------------------------------------------------------------------

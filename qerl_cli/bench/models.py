@@ -38,20 +38,6 @@ def is_shape(name: str) -> bool:
     return name.lower() in shape_names()
 
 
-def resolve_engine(engine: str) -> str:
-    """``auto``: vLLM when a GPU and vLLM are both present, else HF."""
-    from qerl_cli.bench.engines import vllm_available
-
-    if engine == "auto":
-        return "vllm" if torch.cuda.is_available() and vllm_available() else "hf"
-    if engine == "vllm":
-        if not torch.cuda.is_available():
-            raise QerlError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf here")
-        if not vllm_available():
-            raise QerlError('--engine vllm needs vLLM: pip install "qerl[vllm]" (or use --engine hf)')
-    return engine
-
-
 def default_model(engine: str) -> str:
     return GPU_DEFAULT_MODEL if engine == "vllm" else CPU_DEFAULT_MODEL
 
@@ -152,19 +138,26 @@ def _rtn_checkpoint(source: Path, fmt: str) -> Path:
     return write_folder_once(target, write)
 
 
+def check_folder_formats(model: str, folder: Path, formats: list[str]) -> str:
+    """The format of the checkpoint in ``folder``; a 4-bit one serves its own format only (a BF16 one
+    is quantized to the others)."""
+    own = folder_format(folder)
+    others = [f for f in formats if f != own]
+    if own != "bf16" and others:
+        raise QerlError(
+            f"{model} is already a {own} checkpoint, so only --formats {own} can be measured from it "
+            f"(not {', '.join(others)}); give the BF16 model to compare formats"
+        )
+    return own
+
+
 def prepare_checkpoints(model: str, formats: list[str], seed: int = 0) -> dict[str, Path]:
     """{format: local folder} for every requested format."""
     if is_shape(model):
         return {fmt: shape_checkpoint(model, fmt, seed) for fmt in formats}
     folder = _local_folder(model)
-    own = folder_format(folder)
+    own = check_folder_formats(model, folder, formats)
     if own != "bf16":
-        others = [f for f in formats if f != own]
-        if others:
-            raise QerlError(
-                f"{model} is already a {own} checkpoint, so only --formats {own} can be measured from it "
-                f"(not {', '.join(others)}); give the BF16 model to compare formats"
-            )
         return {own: folder}
     return {fmt: folder if fmt == "bf16" else _rtn_checkpoint(folder, fmt) for fmt in formats}
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from qerl_cli.bench.header import report_header, write_report
+from qerl_cli.bench.progress import Progress
 from qerl_cli.config import QuantFormat, QuantMethod
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text
@@ -131,14 +132,18 @@ def run_quality(settings: QualitySettings, out_dir: str | Path, *, command: str)
         "quality": None,
         "rows": [],
     }
+    progress = Progress("bench quality", len(settings.rows) + 1)  # each base, then the measurement
     for row in settings.rows:
+        progress.start(f"make {row}")
         try:  # one row's failure (e.g. a package missing on a GPU image) must not lose the others
             entry = make_base(row, settings, bf16, out / row)
         except Exception as exc:  # noqa: BLE001 - recorded in the table, then the next row
             entry = {"row": row, "skipped": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
+        progress.finish(f"make {row}", entry.get("skipped", "done"))
         report["rows"].append(entry)
         write_report(out / REPORT_NAME, report)
     made = [r for r in report["rows"] if "skipped" not in r]
+    progress.start(f"measure {len(made)} base(s) against BF16")
     if made:
         quality = measure_quality(
             bf16,
@@ -154,6 +159,7 @@ def run_quality(settings: QualitySettings, out_dir: str | Path, *, command: str)
                 kl_to_bf16=measured.kl_to_reference,
                 top1_agreement=measured.top1_agreement,
             )
+    progress.finish(f"measure {len(made)} base(s) against BF16")
     write_report(out / REPORT_NAME, report)
     atomic_write_text(out / "quality.md", quality_markdown(report))
     return report

@@ -14,7 +14,9 @@ from qerl_cli.bench.result import BenchResult
 
 MARKDOWN_NAME = "bench.md"
 REFERENCE_FORMAT = "bf16"
-E2E_PHASES = ("generation_s", "logprobs_s", "update_s", "sync_s")
+# The parts of a step in bench e2e's rows (bench.e2e.PHASE_METRICS, then "other_s"); they add up to step_s.
+E2E_PHASES = ("aqn_s", "generation_s", "reward_s", "sleep_s", "logprobs_s", "update_s", "wake_s", "sync_s",
+              "other_s")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,7 +68,8 @@ def _speedup(value: Any) -> str:
 
 ROLLOUT_COLUMNS = ("format", "LoRA", "batch", "output tok/s", "vs BF16", "prefill tok/s", "decode ms/tok")
 MEMORY_COLUMNS = ("format", "LoRA", "weights", "peak allocated", "peak reserved", "KV cache", "measured by")
-E2E_COLUMNS = ("format", "generation s", "logprobs s", "update s", "sync s", "step s", "vs BF16")
+E2E_COLUMNS = ("format", "AQN s", "generation s", "reward s", "sleep s", "logprobs s", "update s", "wake s",
+               "sync s", "other s", "step s", "vs BF16")  # fmt: skip
 
 
 def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:

@@ -17,6 +17,7 @@ from qerl_cli.bench.ballast import memory_cap
 from qerl_cli.bench.charts import write_charts
 from qerl_cli.bench.concurrency import add_roofline, write_crossover
 from qerl_cli.bench.gate import check_regressions
+from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.report import add_speedups, write_markdown
 from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
 from qerl_cli.config import BenchConfig
@@ -125,7 +126,8 @@ def _check_settings(cfg: BenchConfig) -> int:
 
 
 def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path], report: BenchResult,
-                      timings: BenchTimings, settings: dict[str, Any], out: Path) -> None:  # fmt: skip
+                      timings: BenchTimings, settings: dict[str, Any], out: Path,
+                      started: float) -> None:  # fmt: skip
     """Every rollout case (format x linear backend, with and without LoRA), default kernels first; the
     report (and the crossover table) is rewritten after each, so a run cut short keeps what it measured."""
     from qerl_cli.bench.adapter import write_random_lora
@@ -144,11 +146,15 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
         )
         cases = [c for fmt, folder in checkpoints.items()
                  for c in _cases(cfg, engine, fmt, folder, ranks, lora_dir, settings)]  # fmt: skip
-        for case in sorted(cases, key=_case_priority):
+        ordered = sorted(cases, key=_case_priority)
+        progress = Progress("bench", len(ordered), started=started)
+        for case in ordered:
             fmt = case.format
+            label = fmt if case.linear_backend in ("default", "marlin") else f"{fmt}/{case.linear_backend}"
+            case_label = f"{label}, LoRA {'/'.join(map(str, case.phases()))}, batches {case.batches}"
             case_started = time.perf_counter()
-            log.info("bench: %s (%s), LoRA %s, batches %s", fmt, case.linear_backend, case.phases(),
-                     case.batches)  # fmt: skip
+            progress.start(case_label)
+            outcome = "done"
             try:
                 result = run_case(case, isolate=engine == "vllm")
             except (QerlError, RuntimeError) as exc:
@@ -159,12 +165,13 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
                     {"format": fmt, "backend": case.linear_backend, "lora_rank": r, "error": str(exc)}
                     for r in case.phases()
                 ]
+                outcome = f"failed ({str(exc)[:200]})"
             else:
                 report.rollout.extend(result["rollout"])
                 report.memory.extend(result["memory"])
-            label = fmt if case.linear_backend in ("default", "marlin") else f"{fmt}/{case.linear_backend}"
             spent = time.perf_counter() - case_started
             timings.formats_s[label] = timings.formats_s.get(label, 0.0) + spent
+            progress.finish(case_label, outcome)
             write_json(dataclasses.replace(report, complete=False), out)
             if cfg.concurrency and engine == "vllm":
                 write_crossover(report, out, model)
@@ -204,24 +211,20 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
     exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
     """
-    from qerl_cli.bench.models import (
-        default_model,
-        model_config,
-        normalize_formats,
-        prepare_checkpoints,
-        resolve_engine,
-    )
+    from qerl_cli.bench.models import model_config, prepare_checkpoints
+    from qerl_cli.bench.plan import bench_plan
 
     min_repeats = _check_settings(cfg)
     baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
-    engine = resolve_engine(cfg.engine)
-    model = cfg.model or default_model(engine)
-    formats = normalize_formats(cfg.formats)
+    # Every package, the engine, the output folder: checked before the first checkpoint is written.
+    plan = bench_plan(cfg)
+    engine, model, formats = plan.engine, plan.model, plan.formats
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
     report = new_report(_settings(cfg, model, engine, formats), command)
+    Progress("bench", 0, started=started).say(f"preparing the {', '.join(formats)} checkpoints of {model}")
     checkpoints = prepare_checkpoints(model, formats, cfg.seed)
     # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
     # (its engine start and cases), the e2e steps.
@@ -230,7 +233,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
                 "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}  # fmt: skip
     with memory_cap(cfg.memory_cap_gib):
         if cfg.rollouts:
-            _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out)
+            _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out, started)
         if cfg.e2e:
             from qerl_cli.bench.e2e import run_e2e
 

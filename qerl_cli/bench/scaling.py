@@ -38,8 +38,10 @@ from typing import Any
 
 from qerl_cli import files
 from qerl_cli.bench.header import report_header, write_report
+from qerl_cli.bench.progress import Progress
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
+from qerl_cli.rl.tracking import step_other_s
 
 SCHEMA = "qerl-bench-scaling/1"
 REPORT_NAME = "scaling.json"
@@ -61,6 +63,9 @@ def run_summary(records: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
         return mean(key) if any(key in r for r in timed) else None
 
     step_s, rollout_s, tokens = mean("time_step_s"), mean("time_rollout_s"), mean("rollout_tokens")
+    # Runs that time every part of a step (rl.tracking.STEP_PARTS): the means of the parts and of the
+    # rest add up to step_s. Older runs logged the engine's own sync seconds only, and no sleep or wake.
+    parts = all("time_sync_s" in r for r in timed)
     return {
         "gpus": gpus,
         "steps": len(records),
@@ -69,9 +74,14 @@ def run_summary(records: list[dict[str, Any]], gpus: int) -> dict[str, Any]:
         "step_s": step_s,
         "rollout_s": rollout_s,
         "update_s": mean("time_update_s"),
-        # Parts of the rest of a step: the adapter sync, and AQN (its once-a-stage probe included).
-        "sync_s": mean_if_logged("rollout/sync_seconds"),
-        "aqn_s": mean_if_logged("time_aqn_s"),
+        "reward_s": mean_if_logged("time_reward_s"),
+        "logprobs_s": mean_if_logged("time_logprobs_s"),
+        "aqn_s": mean_if_logged("time_aqn_s"),  # its once-a-stage probe included
+        "sleep_s": mean("time_sleep_s") if parts else None,
+        "wake_s": mean("time_wake_s") if parts else None,
+        # the adapter sync and its staleness probe
+        "sync_s": mean("time_sync_s") if parts else mean_if_logged("rollout/sync_seconds"),
+        "other_s": statistics.mean(step_other_s(r) or 0.0 for r in timed) if parts else None,
         "rollout_tokens_per_step": tokens,
         "rollout_tokens_per_s": tokens / max(rollout_s, 1e-9),
         "rollout_tokens_per_s_per_gpu": tokens / max(rollout_s, 1e-9) / gpus,
@@ -202,7 +212,13 @@ def run_scaling(
     ref = read_reference(reference) if reference else None  # a bad file fails before any training
     rank = int(os.environ.get("RANK", "0"))
     reward = RandomReward(derive_seed(cfg.train.seed, "bench-reward", rank)) if synthetic else None
-    result = train(cfg, progress=False, reward_fn=reward)
+    progress = Progress("bench scaling", steps)
+
+    def on_step(step: int, record: dict[str, Any]) -> None:  # one line a step (rank 0), for the logs
+        if rank == 0:
+            progress.finish(f"step {step}", seconds=float(record.get("time_step_s", 0.0)))
+
+    result = train(cfg, progress=False, reward_fn=reward, on_step=on_step)
     tp = cfg.rollout.tensor_parallel_size
     run = run_summary(read_metrics(out / RUN_DIR / METRICS_FILE), gpus_in_use(result.world_size, tp))
     report: dict[str, Any] = {
@@ -232,6 +248,11 @@ def run_scaling(
     return report
 
 
+# The table's two rows of a step's parts (run_summary's names): with "other_s" they add up to step_s.
+ROLLOUT_UPDATE_PARTS = ("rollout_s", "reward_s", "logprobs_s", "update_s")
+ENGINE_PARTS = ("aqn_s", "sleep_s", "wake_s", "sync_s", "other_s")
+
+
 def _seconds(run: dict[str, Any], keys: tuple[str, ...]) -> str:
     return " / ".join("-" if run.get(k) is None else f"{run[k]:.1f}" for k in keys)
 
@@ -250,7 +271,8 @@ def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
         ("device", report["device"]),
         ("steps timed", run.get("steps_timed", 0)),
         ("step s", run.get("step_s")),
-        ("rollout / update / sync / AQN s", _seconds(run, ("rollout_s", "update_s", "sync_s", "aqn_s"))),
+        ("rollout / reward / logprobs / update s", _seconds(run, ROLLOUT_UPDATE_PARTS)),
+        ("AQN / sleep / wake / sync / other s", _seconds(run, ENGINE_PARTS)),
         ("GPUs", run.get("gpus")),
         ("rollout tokens/s per GPU", run.get("rollout_tokens_per_s_per_gpu")),
         ("step tokens/s per GPU", run.get("step_tokens_per_s_per_gpu")),

@@ -31,6 +31,7 @@ import torch
 
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.models import prepare_checkpoints
+from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.roofline import gpu_spec, update_flops
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
@@ -249,13 +250,17 @@ def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -
     report: dict[str, Any] = {**report_header(SCHEMA, command), "settings": asdict(settings), "rows": []}
     path = Path(out_dir) / REPORT_NAME
     write_report(path, report)
+    progress = Progress("bench update", len(settings.fused) * len(cases(settings)))
     for fused in settings.fused:
         for fmt, compute in cases(settings):
+            label = f"{fmt}, fused {fused}, base compute {compute}"
+            progress.start(label)
             try:
                 row = run_case(settings, fmt, folders[fmt], fused, device, compute)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others' figures
                 row = {"format": fmt, "fused_kernels": fused, "base_compute": compute,
                        "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+            progress.finish(label, f"failed ({row['error'][:200]})" if "error" in row else "done")
             report["rows"].append(row)
             write_report(path, report)
     return report

@@ -6,18 +6,21 @@ gate: ``rollout``, ``concurrency`` and ``e2e``. The others (``kernels``, ``updat
 (formats against the format registry's names, positive sizes, files that must exist) before torch is
 imported, and exits 2 naming the flag.
 
-``qerl bench ARGS`` without a benchmark still runs ``qerl bench rollout ARGS`` (``concurrency`` when
-ARGS has ``--concurrency``), with a warning, for one release.
+``qerl bench [OPTIONS]`` without a benchmark is the group's default benchmark: ``qerl bench rollout
+[OPTIONS]`` (``concurrency`` when the options have ``--concurrency``). It is the form CI jobs run
+(``qerl bench --batch 2,8``), documented and kept.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, get_args
 
 import typer
 
 from qerl_cli import config as cfg
+from qerl_cli.bench.plan import given_keys
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -26,11 +29,11 @@ from qerl_cli.cli.app import (
     command_line,
     config_option,
     csv,
-    err_console,
     finish_config,
     given_flags,
     positive_ints,
     set_option,
+    use_free_cpu_threads,
 )
 from qerl_cli.errors import QerlError
 
@@ -40,27 +43,33 @@ DEFAULT_CONCURRENCY = [8, 32, 128, 256]  # the concurrency RL rollouts run at (q
 
 
 class BenchGroup(QerlGroup):
-    """``qerl bench``: a bare ``qerl bench [OPTIONS]`` (the command before the subcommands) is
-    ``qerl bench rollout [OPTIONS]``, or ``concurrency`` with ``--concurrency``, with a warning."""
+    """``qerl bench``: a bare ``qerl bench [OPTIONS]`` runs the default benchmark, ``qerl bench rollout
+    [OPTIONS]`` (``concurrency`` with ``--concurrency``); ``qerl bench --help`` lists the benchmarks."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        legacy = not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names)
-        if legacy:
-            target = "concurrency" if "--concurrency" in args else "rollout"
-            err_console.print(
-                f"[yellow]warning:[/yellow] `qerl bench` without a benchmark is deprecated and goes in the "
-                f"next release; this runs `qerl bench {target}` (`qerl bench --help` lists the benchmarks)",
-                highlight=False,
-            )
-            args = [target, *args]
+        if not args or (args[0].startswith("-") and args[0] not in ctx.help_option_names):
+            args = [self.default_subcommand(args), *args]
         return super().parse_args(ctx, args)
+
+    def default_subcommand(self, args: list[str]) -> str:
+        """The subcommand ``qerl bench ARGS`` runs (what tools that read commands ask, e.g. the docs'
+        check of every command shown)."""
+        return default_benchmark(args)
+
+
+def default_benchmark(args: list[str]) -> str:
+    """The benchmark a bare ``qerl bench [OPTIONS]`` runs: the rollout benchmark, or the concurrency
+    sweep when the options name ``--concurrency``."""
+    sweep = any(a == "--concurrency" or a.startswith("--concurrency=") for a in args)
+    return "concurrency" if sweep else "rollout"
 
 
 bench_app = typer.Typer(
     name="bench",
     cls=BenchGroup,
     help="Benchmarks, one subcommand each; every one writes JSON with the command, the device, the date "
-    "and the versions of the stack.",
+    "and the versions of the stack. `qerl bench [OPTIONS]` without a benchmark runs `qerl bench rollout "
+    "[OPTIONS]` (the default benchmark; `concurrency` with --concurrency).",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
@@ -78,6 +87,13 @@ def check_formats(chosen: list[str] | None, name: str) -> None:
     unknown = [fmt for fmt in chosen or [] if fmt.strip().lower() not in valid]
     if unknown:
         raise QerlError(f"{name}: unknown format(s) {', '.join(unknown)}; choose from {', '.join(valid)}")
+
+
+def int_list(value: str | None, flag: str) -> list[int] | None:
+    """``"2,8"`` -> [2, 8]: positive integers, no empty element (``2,,8`` is a typo, not ``2,8``)."""
+    if value is not None and any(not item.strip() for item in value.split(",")):
+        raise QerlError(f"{flag} takes comma-separated positive integers (e.g. {flag} 2,8), got '{value}'")
+    return positive_ints(value, flag)
 
 
 def check_exists(path: str | Path | None, flag: str, what: str) -> None:
@@ -165,6 +181,11 @@ def run_bench_command(
     flags = given_flags(values, sets, **names)
     check_formats(values.get("formats"), "--formats")
     check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")
+    if values.get("tolerance") is not None:
+        from qerl_cli.bench.preflight import check_tolerance
+
+        check_tolerance(values["tolerance"])
+    given = given_keys(values, sets, config)
     values = {**values, **(forced or {})}
     if recipe:  # the recipe's step shape, under the flags given explicitly (YAML only: no torch yet)
         from qerl_cli.bench.e2e import recipe_shape
@@ -175,9 +196,19 @@ def run_bench_command(
     for key, value in (defaults or {}).items():
         if not getattr(conf, key):
             setattr(conf, key, list(value))
+    from qerl_cli.bench.plan import bench_plan
+
+    # The engine, packages, model and output checked, and the CPU's lengths filled in, before any work.
+    plan = bench_plan(conf, given=given, backends_given="backends" in given)
     if finish_config(conf, dry_run):
+        sys.stdout.write("".join(f"# {line}\n" for line in plan.lines()))  # YAML comments: still a config
         return
+    print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none
     from qerl_cli.bench import run_bench
+    from qerl_cli.bench.preflight import gpu_available
+
+    if plan.engine == "hf" and not gpu_available():
+        use_free_cpu_threads()  # the CPU's free cores only: a thread sharing a busy core stalls the others
 
     # A case without figures, or a regression past --baseline: exit 1.
     if render.print_bench(run_bench(conf, command=command_line())):
@@ -227,7 +258,7 @@ def rollout(
     values: dict[str, Any] = dict(
         model=model,
         formats=csv(formats),
-        batch=positive_ints(batch, "--batch"),
+        batch=int_list(batch, "--batch"),
         engine=engine,
         e2e=e2e,
         e2e_recipe=e2e_recipe,
@@ -285,7 +316,7 @@ def concurrency(
     values: dict[str, Any] = dict(
         model=model,
         formats=csv(formats),
-        concurrency=positive_ints(sequences, "--concurrency"),
+        concurrency=int_list(sequences, "--concurrency"),
         backends=csv(backends),
         engine=engine,
         output=output,

@@ -17,6 +17,15 @@ import yaml
 from rich.markup import escape
 
 from qerl_cli import config as cfg
+from qerl_cli.bench.preflight import (
+    Requirement,
+    check_output,
+    check_requirements,
+    describe_model,
+    gpu_available,
+    package_available,
+    resolve_engine,
+)
 from qerl_cli.cli.app import (
     DryRunOption,
     command_line,
@@ -29,6 +38,8 @@ from qerl_cli.cli.app import (
 from qerl_cli.cli.bench import check_exists, check_formats
 from qerl_cli.errors import QerlError
 
+# bench quality's rows when --rows is not given (its AWQ row where llm-compressor is installed).
+DEFAULT_QUALITY_ROWS = "nvfp4-rtn,nvfp4-awq,mxfp4-rtn,nf4-rtn"
 OutputOption = Annotated[str, typer.Option("--output", "-o", metavar="DIR", help="Folder of the report.")]
 DeviceOption = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda[:N].")]
 ModelOption = Annotated[
@@ -57,6 +68,26 @@ def default_model(model: str | None, device: str) -> str:
     import torch
 
     return "qwen2.5-7b" if torch.cuda.is_available() else "tiny"
+
+
+def default_fused() -> str:
+    """``--fused``'s default: Liger beside the plain update where liger-kernel is installed (the dev install
+    has none, and its default must run there). Asked of the package index, not of
+    ``modeling.fused_kernels``, whose import would bring torch before the arguments are checked."""
+    return "off,liger" if package_available("liger_kernel") else "off"
+
+
+def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> None:
+    """What a benchmark with its own report can check before any work (--dry-run included): the output
+    folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model."""
+    check_output(output)
+    if gpu_only and device.startswith("cpu"):
+        raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")
+    if (device.startswith("cuda") or gpu_only) and not gpu_available():
+        what = gpu_only or f"--device {device}"
+        raise QerlError(f"{what} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)")
+    if model:
+        describe_model(model)
 
 
 def dry_run_settings(settings: dict[str, Any], dry_run: bool) -> bool:
@@ -105,6 +136,7 @@ def kernels(
         device=device,
         output=output,
     )
+    check_tool(output, device, model)
     if dry_run_settings(settings, dry_run):
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
@@ -123,9 +155,14 @@ def update(
         str, typer.Option("--formats", metavar="FMT,...", help="Comma list of base formats.")
     ] = "bf16,nvfp4",
     fused: Annotated[
-        str,
-        typer.Option("--fused", metavar="KIND,...", help="train.fused_kernels per case: off, liger, auto."),
-    ] = "off,liger",
+        str | None,
+        typer.Option(
+            "--fused",
+            metavar="KIND,...",
+            help="train.fused_kernels per case: off, liger, auto.",
+            show_default="off,liger with liger-kernel installed, else off",
+        ),
+    ] = None,
     base_compute: Annotated[
         str,
         typer.Option(
@@ -161,13 +198,7 @@ def update(
     """
     chosen = csv(formats) or []
     check_formats(chosen or None, "--formats")
-    kinds = csv(fused) or []
-    unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
-    if unknown or not kinds:
-        raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
-    computes = csv(base_compute) or []
-    if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
-        raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
+    kinds, computes = update_cases(fused, base_compute)
     if not chosen:
         raise QerlError("--formats needs at least one format (e.g. bf16,nvfp4)")
     for flag, value in (
@@ -200,6 +231,7 @@ def update(
         profile=profile,
         device=device,
     )
+    check_tool(output, device, model, gpu_only="--profile" if profile else None)
     if dry_run_settings({**settings, "output": output}, dry_run):
         return
     from qerl_cli.bench.update import REPORT_NAME, UpdateSettings, run_update, update_table
@@ -208,7 +240,27 @@ def update(
     settings["model"] = default_model(model, device)
     report = run_update(UpdateSettings(**settings), output, command=command_line())
     console.print(update_table(report))
+    for row in report["rows"]:  # the table cuts an error short: each in full, once
+        if "error" in row:
+            compute = row.get("base_compute", "bf16")
+            case = f"{row['format']}, fused {row['fused_kernels']}, base compute {compute}"
+            console.print(f"error ({case}): {row['error']}", markup=False, highlight=False)
     _done(Path(output) / REPORT_NAME, any("error" in row for row in report["rows"]))
+
+
+def update_cases(fused: str | None, base_compute: str) -> tuple[list[str], list[str]]:
+    """``--fused`` (its default: what is installed) and ``--base-compute`` checked: (fused kinds, base
+    computes); Liger asked for must be installed."""
+    kinds = csv(fused if fused is not None else default_fused()) or []
+    unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
+    if unknown or not kinds:
+        raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
+    if "liger" in kinds:
+        check_requirements([Requirement("liger_kernel", "liger", "--fused liger")])
+    computes = csv(base_compute) or []
+    if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
+        raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
+    return kinds, computes
 
 
 def _int(text: str) -> int:
@@ -290,6 +342,9 @@ def scaling(
         raise QerlError("--format names the format of a --model SHAPE; give --model too")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     conf = scaled_config(conf, Path(output), steps, prompts_per_gpu, world, synthetic=synthetic)
+    check_output(output)
+    if conf.rollout.engine == "vllm":  # the recipe's engine: a GPU and vLLM, checked before the model loads
+        resolve_engine("vllm")
     if finish_config(conf, dry_run):
         return
     from qerl_cli.bench.scaling import REPORT_NAME, run_scaling, scaling_table
@@ -316,9 +371,14 @@ def quality(
         str, typer.Argument(metavar="BF16_MODEL", help="The BF16 model (folder, .gguf or alias).")
     ],
     rows: Annotated[
-        str,
-        typer.Option("--rows", metavar="FORMAT-METHOD,...", help="The bases to make and measure."),
-    ] = "nvfp4-rtn,nvfp4-awq,mxfp4-rtn,nf4-rtn",
+        str | None,
+        typer.Option(
+            "--rows",
+            metavar="FORMAT-METHOD,...",
+            help="The bases to make and measure.",
+            show_default=f"{DEFAULT_QUALITY_ROWS} (the awq row only with llm-compressor installed)",
+        ),
+    ] = None,
     calib_samples: Annotated[
         int, typer.Option("--calib-samples", metavar="N", help="Calibration rows of qerl-text (awq, gptq).")
     ] = 48,
@@ -335,13 +395,16 @@ def quality(
     Perplexity, KL to BF16 and top-1 agreement on held-out text, by the library of `qerl quality`
     (which measures bases you already have), beside each base's weight error.
     """
-    chosen = [r.lower() for r in csv(rows) or []]
+    chosen = [r.lower() for r in csv(rows if rows is not None else DEFAULT_QUALITY_ROWS) or []]
     if not chosen:
         raise QerlError("--rows needs at least one FORMAT-METHOD (e.g. nvfp4-rtn)")
     from qerl_cli.bench.quality import parse_row  # no torch: the rows are checked before any import of it
 
-    for row in chosen:
-        parse_row(row)
+    calibrated = [row for row in chosen if parse_row(row)[1] != "rtn"]  # AWQ, GPTQ: llm-compressor's
+    if calibrated and not package_available("llmcompressor"):
+        if rows is not None:  # asked for by name: it must run
+            check_requirements([Requirement("llmcompressor", "quantize", f"--rows {','.join(calibrated)}")])
+        chosen = [row for row in chosen if row not in calibrated]  # the default measures what is installed
     for flag, value in (("--calib-samples", calib_samples), ("--heldout-rows", heldout_rows)):
         positive(flag, value)
     if seq_len < 2:
@@ -354,6 +417,7 @@ def quality(
         heldout_rows=heldout_rows,
         device=device,
     )
+    check_tool(output, device, None)
     if dry_run_settings({**settings, "output": output}, dry_run):
         return
     from qerl_cli.bench.quality import REPORT_NAME, QualitySettings, run_quality

@@ -25,6 +25,20 @@ PLOT_FILE = "training_curves.png"
 # The AQN sigma a step's rollouts were sampled with is logged under the engines' name, NOISE_SIGMA. Runs
 # written before that also logged it as "aqn_sigma", and the oldest only so: readers still accept it.
 OLD_SIGMA_KEYS = ("aqn_sigma",)
+# The parts of a GRPO step the trainer times (``Trainer.train_step``), in the order they run: AQN (its
+# probe and the noise), the rollouts and their rewards, the engine's sleep, the update (the old-policy
+# logprobs, then forward, backward and optimizer), the engine's wake-up, the adapter sync with its
+# staleness probe. Each second is in one part only; with the step's bookkeeping (advantages, the
+# scheduler, memory release, its figures: :func:`step_other_s`) they add up to ``time_step_s``.
+STEP_PARTS = ("time_aqn_s", "time_rollout_s", "time_reward_s", "time_sleep_s", "time_logprobs_s",
+              "time_update_s", "time_wake_s", "time_sync_s")  # fmt: skip
+
+
+def step_other_s(record: dict[str, Any]) -> float | None:
+    """Seconds of a step's record outside its timed parts (None for a record without ``time_step_s``)."""
+    if "time_step_s" not in record:
+        return None
+    return float(record["time_step_s"]) - sum(float(record.get(k, 0.0)) for k in STEP_PARTS)
 
 
 def _jsonable(value: Any) -> Any:

@@ -262,7 +262,11 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         step_start = time.perf_counter()
         self.peaks.start_step()
+        # Each part of a step is timed once (time_*_s), so that with the rest (bookkeeping) they add up to
+        # time_step_s: the wake-up is usually done at the end of the previous step, before its sync.
+        wake_start = time.perf_counter()
         self.engine.wake_up()
+        wake_s = time.perf_counter() - wake_start
         aqn_start = time.perf_counter()
         aqn_metrics = self.prepare_aqn()  # may calibrate the schedule: read sigma after it
         sigma = self.schedule.sigma(self.step) if self.schedule is not None else 0.0
@@ -272,7 +276,9 @@ class Trainer:
         generated, kept, stats = self.collect()
         self.last_samples = rl_rollouts.sample_groups(generated, self.cfg.output.log_completions)
         self.peaks.sample()  # the rollout phase: vLLM awake
+        sleep_start = time.perf_counter()
         self.engine.sleep()
+        sleep_s = time.perf_counter() - sleep_start
         record: dict[str, Any] = {
             "step": self.step + 1,
             "lr": self.scheduler.get_last_lr()[0],
@@ -298,7 +304,15 @@ class Trainer:
         self.peaks.sample()  # the update phase: activations still cached
         # The adapter sync wakes vLLM (staleness probe): hand the update's cached blocks back first.
         record.update(release_cached_memory())
-        self._sync_engine()
+        # Awake first, so the sync below loads the adapter at once and the wake-up is timed on its own.
+        wake_start = time.perf_counter()
+        self.engine.wake_up()
+        wake_s += time.perf_counter() - wake_start
+        sync_start = time.perf_counter()
+        self._sync_engine()  # the adapter sync and the staleness probe
+        record["time_sync_s"] = time.perf_counter() - sync_start
+        record["time_sleep_s"] = sleep_s
+        record["time_wake_s"] = wake_s
         record.update(self.engine.stats())  # the engine's state after the sync (staleness gap)
         record.update(self.peaks.metrics())
         record["time_step_s"] = time.perf_counter() - step_start

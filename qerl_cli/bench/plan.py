@@ -1,0 +1,173 @@
+"""What ``qerl bench rollout`` / ``concurrency`` / ``e2e`` will measure, checked before any work, and
+roughly how long it will take: :func:`bench_plan`.
+
+The plan resolves the engine (a GPU without vLLM is refused unless ``--engine hf``), the model, the
+formats and their packages (:mod:`qerl_cli.bench.preflight`) and the output folder, and counts the
+cases. ``--dry-run`` prints it; a run prints it at its start.
+
+The estimate is rough and says so: per-token costs from the recorded runs (the default bench on one
+H100 or H200: 300-560 s for three vLLM engines, most of it engine starts; the tiny model on a loaded
+2-core CPU: 40-80 ms per decode step), not a measurement of this machine.
+
+On a CPU the default model is the tiny shape on the transformers engine, whose decode steps cost as
+much at 512 tokens as a GPU's: there the lengths the user did not give are ``CPU_LENGTHS``, so the
+default ``qerl bench`` takes a few minutes, not a quarter of an hour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.bench import preflight
+from qerl_cli.bench.progress import clock
+from qerl_cli.config import BenchConfig
+
+# Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
+# given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
+# of an hour); with these the default bench took 86 s on a 2-core machine shared with other work.
+CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
+# Tokens of a warm-up generation (bench.rollout.WARMUP_TOKENS, repeated so this module needs no torch).
+WARMUP_TOKENS = 64
+# Rough costs behind the estimate (see the module docstring).
+VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
+VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on an H100 / H200
+# One decode step of the tiny shape on a loaded 2-core CPU (one free thread), at batch 2 and 8 on
+# average, per format: NF4 dequantizes its code book at every step.
+CPU_STEP_S = {"bf16": 0.05, "nvfp4": 0.04, "mxfp4": 0.04, "nf4": 0.08}
+CPU_MEAN_BATCH = 5.0  # the mean batch those figures are of (the default --batch 2,8)
+
+
+@dataclass
+class BenchPlan:
+    """What a bench.json benchmark will do, resolved and checked."""
+
+    engine: str
+    model: str
+    model_source: str
+    formats: list[str]
+    cases: list[str] = field(default_factory=list)  # one per engine start (vLLM) or per case (HF)
+    measurements: int = 0  # (case, LoRA phase, batch) figures
+    e2e_steps: int = 0  # GRPO steps over all formats (warm-up included)
+    estimate_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """The plan as the run's first lines (and --dry-run's)."""
+        estimate = (
+            f"~{clock(self.estimate_s)} (an estimate from recorded runs, not a measurement of this machine)"
+            if self.estimate_s is not None
+            else "no estimate (a GRPO step's time depends on the trainer's whole setup)"
+            if self.e2e_steps
+            else "no estimate for this model on this engine"
+        )
+        items: dict[str, Any] = {
+            "engine": self.engine,
+            "model": self.model_source,
+            "formats": ", ".join(self.formats),
+            "cases": f"{len(self.cases)} ({'; '.join(self.cases)})" if self.cases else None,
+            "rollout figures": self.measurements or None,
+            "GRPO steps": self.e2e_steps or None,
+            "time": estimate,
+        }
+        return ["plan:", *(f"  {line}" for line in preflight.summary(items)), *(f"  {n}" for n in self.notes)]
+
+
+def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | None) -> set[str]:
+    """The config keys the user set: flags given, ``--set`` keys, and the keys of a ``--config`` file."""
+    keys = {key for key, value in values.items() if value is not None}
+    keys |= {item.partition("=")[0].strip() for item in sets or []}
+    if config is not None and Path(config).is_file():
+        import yaml
+
+        data = yaml.safe_load(Path(config).read_text()) or {}
+        keys |= set(data) if isinstance(data, dict) else set()
+    return keys
+
+
+def apply_cpu_lengths(cfg: BenchConfig, engine: str, given: set[str]) -> list[str]:
+    """The CPU's lengths for the default model on the transformers engine, where the user gave none;
+    the notes that say so."""
+    if engine != "hf" or cfg.model or cfg.e2e_recipe:
+        return []
+    changed = {k: v for k, v in CPU_LENGTHS.items() if k not in given and getattr(cfg, k) != v}
+    for key, value in changed.items():
+        setattr(cfg, key, value)
+    if not changed:
+        return []
+    said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in changed.items())
+    why = "the GPU's 256 + 512 are ten times the decode steps; give them to override"
+    return [f"CPU lengths: {said} ({why})"]
+
+
+def _rollout_cases(
+    cfg: BenchConfig, engine: str, formats: list[str]
+) -> tuple[list[str], int, dict[str, int]]:
+    """(case labels, figures, decode steps per format) of the rollout cases, as bench.run builds them."""
+    ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
+    batches = list(cfg.concurrency or cfg.batch)
+    per_batch = cfg.warmup * (min(cfg.gen_len, WARMUP_TOKENS) + 1) + cfg.repeats * (cfg.gen_len + 1)
+    labels: list[str] = []
+    steps: dict[str, int] = {}
+    for fmt in formats:
+        if engine == "vllm":
+            from qerl_cli.bench.concurrency import backends_for
+
+            backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["default"]
+            mine = [fmt if b in ("default", "marlin") else f"{fmt}/{b}" for b in backends]
+            figures = len(mine) * len(ranks) * len(batches)  # one engine serves every LoRA rank
+        else:
+            mine = [f"{fmt} LoRA {rank}" if rank else fmt for rank in ranks]
+            figures = len(mine) * len(batches)
+        labels += mine
+        steps[fmt] = figures * per_batch
+    figures_total = sum(steps.values()) // per_batch
+    return labels, figures_total, steps
+
+
+def _estimate(
+    cfg: BenchConfig, engine: str, model: str, labels: list[str], steps: dict[str, int]
+) -> float | None:
+    if engine == "vllm":
+        return len(labels) * VLLM_START_S + sum(steps.values()) * VLLM_STEP_S
+    if model.lower() != "tiny":
+        return None  # a real-size model on the CPU: no recorded figure to scale
+    batches = list(cfg.concurrency or cfg.batch)
+    scale = 0.5 + 0.5 * (sum(batches) / len(batches)) / CPU_MEAN_BATCH  # half the cost is per sequence
+    return sum(n * CPU_STEP_S.get(fmt, CPU_STEP_S["nf4"]) * scale for fmt, n in steps.items())
+
+
+def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool = True) -> BenchPlan:
+    """Resolve and check ``cfg`` (engine, packages, model, output) and count its work; with ``given``
+    (the keys the user set: the CLI), the CPU's lengths fill the others on the transformers engine.
+
+    Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
+    format or linear backend whose package is missing, an output folder that cannot be written, a
+    negative ``--tolerance``."""
+    from qerl_cli.bench.models import default_model, normalize_formats
+
+    preflight.check_tolerance(cfg.tolerance)
+    engine = preflight.resolve_engine(cfg.engine)
+    notes = apply_cpu_lengths(cfg, engine, given) if given is not None else []
+    model = cfg.model or default_model(engine)
+    formats = normalize_formats(cfg.formats)
+    requirements = preflight.format_requirements(engine, formats)
+    if cfg.concurrency and cfg.rollouts:
+        backend_needs = preflight.backend_requirements(engine, formats, cfg.backends)
+        if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
+            # The default sweep measures what is installed; a backend asked for by name must run.
+            cfg.backends = [b for b in cfg.backends if b != "humming"]
+            notes.append('backends: humming left out (not installed: pip install "qerl[humming]")')
+        else:
+            requirements += backend_needs
+    preflight.check_requirements(requirements)
+    preflight.check_output(cfg.output)
+    plan = BenchPlan(engine, model, preflight.describe_model(model, formats), formats, notes=notes)
+    if cfg.rollouts:
+        plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
+        plan.estimate_s = _estimate(cfg, engine, model, plan.cases, steps)
+    if cfg.e2e:
+        plan.e2e_steps = len(formats) * (cfg.warmup + cfg.repeats)
+        plan.estimate_s = None  # a GRPO step's time depends on the trainer's whole setup
+    return plan

@@ -1,0 +1,154 @@
+"""What a benchmark needs, checked before its first measurement: the engine's package and a GPU, each
+format's and linear backend's packages, numbers that mean something, a writable output folder.
+
+A GPU runner without vLLM used to measure the tiny model on the transformers engine and pass CI with
+figures that say nothing about rollouts; a runner without bitsandbytes spent minutes on BF16 before the
+NF4 cases failed. Each check here raises :class:`~qerl_cli.errors.QerlError` (exit 2) naming what is
+missing and the extra that installs it, before any checkpoint is written or any engine started.
+
+Importing this module imports no torch: the GPU probe (:func:`gpu_available`) imports it when asked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qerl_cli.errors import QerlError
+
+VLLM_EXTRA = 'pip install "qerl[vllm]"'
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A Python package a case needs, and the qerl extra (pyproject) that installs it."""
+
+    module: str  # the import name
+    extra: str  # qerl's optional-dependency group
+    why: str  # what needs it, for the message
+
+    def missing(self) -> bool:
+        return not package_available(self.module)
+
+    def message(self) -> str:
+        return (
+            f"{self.why} needs the {self.module} package, which is not installed: "
+            f'pip install "qerl[{self.extra}]"'
+        )
+
+
+def package_available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def vllm_available() -> bool:
+    """Whether vLLM is installed (the availability helper every bench path asks)."""
+    return package_available("vllm")
+
+
+def gpu_available() -> bool:
+    """Whether a CUDA GPU is visible (the GPU probe every bench path asks; imports torch)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_engine(engine: str) -> str:
+    """``--engine`` resolved: ``hf`` as asked; ``vllm`` needs a GPU and vLLM; ``auto`` is vLLM on a GPU
+    and the transformers engine on a CPU.
+
+    On a GPU without vLLM, ``auto`` is refused: the transformers engine's figures on a GPU say nothing
+    about rollouts (a CI runner missing the extra would pass with meaningless numbers). ``--engine hf``
+    measures it on purpose."""
+    if engine == "hf":
+        return "hf"
+    gpu = gpu_available()
+    if engine == "vllm" and not gpu:
+        raise QerlError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf here")
+    if engine == "auto" and not gpu:
+        return "hf"
+    if not vllm_available():
+        raise QerlError(
+            "a GPU is visible but vLLM is not installed, so the rollout figures would be the transformers "
+            f"engine's, which say nothing about rollouts on this GPU: {VLLM_EXTRA} (or give --engine hf to "
+            "measure the transformers engine on purpose)"
+        )
+    return "vllm"
+
+
+def format_requirements(engine: str, formats: list[str]) -> list[Requirement]:
+    """The packages the formats need on ``engine``: vLLM serves NF4 through bitsandbytes (the format
+    registry's ``vllm_quantization``); qerl's own layers (the transformers engine, the trainer) need
+    none."""
+    if engine != "vllm":
+        return []
+    from qerl_cli import formats as registry
+
+    needs = []
+    for name in formats:
+        if name in registry.FORMATS and registry.get(name).vllm_quantization == "bitsandbytes":
+            needs.append(Requirement("bitsandbytes", "nf4", f"the {name} case on vLLM"))
+    return needs
+
+
+def backend_requirements(engine: str, formats: list[str], backends: list[str]) -> list[Requirement]:
+    """The packages the linear backends of a ``--concurrency`` sweep need for these formats."""
+    if engine != "vllm":
+        return []
+    from qerl_cli.bench.concurrency import backends_for
+
+    if any("humming" in backends_for(fmt, backends) for fmt in formats):
+        return [Requirement("humming", "humming", "the humming linear backend")]
+    return []
+
+
+def check_requirements(requirements: list[Requirement]) -> None:
+    """Refuse, naming every missing package and its extra, before any work."""
+    missing = list(dict.fromkeys(r.message() for r in requirements if r.missing()))
+    if missing:
+        raise QerlError("; ".join(missing) + " (or leave that case out)")
+
+
+def check_tolerance(tolerance: float, flag: str = "--tolerance") -> None:
+    if not tolerance >= 0:  # also refuses NaN
+        raise QerlError(f"{flag} is a fraction >= 0 (0.1: 10% regression allowed), got {tolerance}")
+
+
+def check_output(path: str | Path, flag: str = "--output") -> None:
+    """The output folder can be made and written (its nearest existing parent is writable)."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise QerlError(f"{flag} {path} is a file; give a folder")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise QerlError(f"{flag} {path}: {existing} is not writable; give a folder you can write to")
+
+
+def describe_model(model: str, formats: list[str] | None = None) -> str:
+    """How the bench will get ``model`` (checked without reading its weights or downloading it); a
+    local folder's checkpoint format must serve ``formats``."""
+    from qerl_cli.bench.models import check_folder_formats, is_shape
+
+    if is_shape(model):
+        return f"{model.lower()} (a random-weight shape, written once per format into the cache)"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QerlError(
+                f"--model {model} has no config.json; give a model folder, a hub id or a shape name"
+            )
+        own = check_folder_formats(model, path, formats) if formats else None
+        return f"{path} (a local {own or 'model'} folder)"
+    if model.startswith((".", "/", "~")):
+        raise QerlError(f"--model {model}: no such folder; give a model folder, a hub id or a shape name")
+    return f"{model} (a hub id, downloaded at the start)"
+
+
+def summary(items: dict[str, Any]) -> list[str]:
+    """``key: value`` lines of a plan."""
+    return [f"{key}: {value}" for key, value in items.items() if value is not None]
