@@ -145,7 +145,7 @@ def run_demo(
 
     console.print(f"[bold]4/5[/bold] training LoRA on the NVFP4 base: GRPO + AQN, {steps} steps ...")
     cfg = demo_train_config(nvfp4_dir, out / "train", steps=steps, seed=seed)
-    result = train(cfg)
+    result = train(cfg, overwrite=True)  # the demo's own folder: a re-run replaces its last training
 
     console.print("[bold]5/5[/bold] qerl eval of the trained adapter on the same held-out problems ...")
     after = evaluate(nvfp4_dir, Path(result.adapter), out / "eval_after", seed=seed)

@@ -132,7 +132,9 @@ def test_train_renders_its_summary(
         reward_first10=0.125, reward_last10=0.5, plot=None, final={"step": 4},
     )  # fmt: skip
     seen = []
-    monkeypatch.setattr(trainer_mod, "train", lambda conf, resume=None: seen.append(resume) or result)
+    monkeypatch.setattr(
+        trainer_mod, "train", lambda conf, resume=None, overwrite=False: seen.append(resume) or result
+    )
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  path: m\ntrain:\n  device: cuda\noutput:\n  dir: {tmp_path / 'run'}\n")
     rc, out, _ = run(capsys, "train", str(recipe), "--resume", "auto")
@@ -421,7 +423,7 @@ OPTIONS = {
         "--num-samples", "--seq-len", "--output", "-o", "--overwrite", "--skip-incompatible", "--eval-ppl",
         "--lora-init", "--lora-init-rank", "--config", "--set", "--dry-run",
     },
-    "train": {"--set", "--resume", "--dry-run", "--keys"},
+    "train": {"--set", "--resume", "--overwrite", "--dry-run", "--keys"},
     "eval": {
         "--adapter", "--benchmarks", "--samples", "--engine", "--data-file", "--output", "-o",
         "--max-new-tokens", "--max-problems", "--rescore", "--baseline", "--config", "--set", "--dry-run",

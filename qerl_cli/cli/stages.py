@@ -152,6 +152,14 @@ def train(
             help="Continue from the last complete checkpoint in DIR ('auto': the recipe's output dir).",
         ),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Delete the run already in output.dir (metrics, completions, checkpoints, adapter) and "
+            "start over; without it, qerl train refuses a folder that holds a run.",
+        ),
+    ] = False,
     dry_run: DryRunOption = False,
     keys: Annotated[
         bool,
@@ -182,7 +190,9 @@ def train(
     if runs_on_cpu(conf.train.device):
         use_free_cpu_threads()
     result = run_train(
-        conf, resume=None if resume is None else (conf.output.dir if resume == "auto" else resume)
+        conf,
+        resume=None if resume is None else (conf.output.dir if resume == "auto" else resume),
+        overwrite=overwrite,
     )
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
