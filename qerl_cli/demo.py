@@ -122,7 +122,8 @@ def run_demo(
     console = console or Console()
     out = Path(out_dir)
     start = time.perf_counter()
-    console.rule("[bold]qerl demo[/bold]: tiny Qwen2 -> NVFP4 -> GRPO + AQN, offline on the CPU")
+    # A heading line, not a rule: a rule spans the console's width, which is wide when piped.
+    console.print("[bold]qerl demo[/bold]: tiny Qwen2 -> NVFP4 -> GRPO + AQN, offline on the CPU")
 
     console.print("[bold]1/5[/bold] building the tiny base model (supervised warm start) ...")
     base = prepare_tiny_base(out / "base", WarmStartConfig(task=DEMO_TASK, seed=seed), formats=("nvfp4",))

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
@@ -47,8 +48,34 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (CI logs, `| tee`, a file) has no terminal width: rich would wrap and cut tables at 80
+# columns there. A log is read later, wide: so tables keep every cell whole unless COLUMNS says otherwise.
+PIPED_WIDTH = 1000
+
+
+class _CliConsole(Console):
+    """rich's console, :data:`PIPED_WIDTH` wide when its stream is not a terminal and COLUMNS is unset
+    (both read at each print: a test, or a caller, may change either after the console was made)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit():
+            return size
+        return ConsoleDimensions(PIPED_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A console of the CLI: the terminal's width on a terminal; piped, COLUMNS or :data:`PIPED_WIDTH`."""
+    return _CliConsole(stderr=stderr)
+
+
+console = output_console()
+err_console = output_console(stderr=True)
 _state: dict[str, Any] = {"debug": False, "argv": None}  # argv: what main() was given
 
 
@@ -179,6 +206,30 @@ def use_free_cpu_threads() -> None:
     choice = choose()
     if choice.lowered:
         err_console.print(f"[dim]{escape(choice.reason)}[/dim]")
+
+
+def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
+    """A recipe or ``--config`` argument that names a folder or a binary file is the user's to fix:
+    say which, and what is expected, before the YAML reader takes a folder for a missing file or
+    fails on undecodable bytes. (A shipped recipe's bare name is not a path: the config resolves it.)"""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.y*ml"))[:4]
+        inside = f" (it holds {', '.join(yamls)})" if yamls else ""
+        raise QerlError(
+            f"{what} {path} is a folder{inside}; give a recipe YAML file in it, or a shipped recipe's "
+            "name (tiny, gsm8k_7b, ...)"
+        )
+    if path.is_file():
+        try:
+            path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise QerlError(
+                f"{what} {path} is not a text YAML file (byte {exc.start} is not UTF-8 text); "
+                "give a recipe YAML file"
+            ) from None
 
 
 def finish_config(config: Any, dry_run: bool) -> bool:

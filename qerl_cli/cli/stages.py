@@ -18,8 +18,10 @@ import typer
 from qerl_cli import config as cfg
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
+    PIPED_WIDTH,
     ConfigOption,
     DryRunOption,
+    check_recipe_path,
     config_default,
     config_option,
     console,
@@ -120,6 +122,7 @@ def quantize(
         overwrite=overwrite, skip_incompatible=skip_incompatible, eval_ppl=eval_ppl, lora_init=lora_init,
         lora_init_rank=lora_init_rank,
     )  # fmt: skip
+    check_recipe_path(config, "--config")
     conf = cfg.load_config(
         cfg.QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values
     )
@@ -181,6 +184,7 @@ def train(
         # click's, or typer's vendored copy of click (typer >= 0.28), whichever raised BadParameter here.
         missing = importlib.import_module(typer.BadParameter.__module__).MissingParameter
         raise missing(ctx=ctx, param_type="argument", param_hint="'RECIPE'")
+    check_recipe_path(recipe)
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
     if finish_config(conf, dry_run):
         return
@@ -217,10 +221,13 @@ def print_keys(config: type, prefix: str) -> None:
             highlight=False,
             soft_wrap=True,
         )
-        meaning = textwrap.fill(
-            doc.help, max(40, console.width), initial_indent=" " * 4, subsequent_indent=" " * 4
-        )
+        meaning = textwrap.fill(doc.help, _wrap_width(), initial_indent=" " * 4, subsequent_indent=" " * 4)
         console.print(escape(meaning), highlight=False, soft_wrap=True)
+
+
+def _wrap_width() -> int:
+    """The key help's line width: the terminal's (or COLUMNS); piped without COLUMNS, a readable 100."""
+    return 100 if console.width >= PIPED_WIDTH else max(40, console.width)
 
 
 def eval_(
@@ -283,6 +290,7 @@ def eval_(
         max_problems=max_problems, rescore=rescore, baseline=baseline,
     )  # fmt: skip
     flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
+    check_recipe_path(config, "--config")
     conf = cfg.load_config(cfg.EvalConfig, config, set_, flags=flags, **values)
     if finish_config(conf, dry_run):
         return
@@ -355,6 +363,7 @@ def compare(
     from qerl_cli.compare import compare_table, run_compare
     from qerl_cli.torch_utils import runs_on_cpu
 
+    check_recipe_path(recipe)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)
         use_free_cpu_threads()
