@@ -102,7 +102,10 @@ def check_model_source(
         return
     if not looks_like_hub_id(text):
         suffix = f"; {hint}" if hint else ""
-        raise QerlError(f"{what} {text}: no such folder (and not a Hugging Face Hub id owner/name){suffix}")
+        raise QerlError(
+            f"{what} {text}: no such folder, and not a Hugging Face Hub id (owner/name) or a model alias "
+            f"(qerl models lists them){suffix}"
+        )
     if _in_hub_cache(text, revision):
         return
     if hub_offline_by_env() or not hub_reachable():
@@ -113,7 +116,10 @@ def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hi
     import json
 
     if not path.is_dir():
-        raise QerlError(f"{what} {path} is a file; give the model's folder (with config.json and weights)")
+        raise QerlError(
+            f"{what} {path} is a file, not a model folder: give a model folder (config.json and "
+            "*.safetensors), a Hugging Face Hub id (owner/name), a .gguf file or a model alias (qerl models)"
+        )
     config_file = path / "config.json"
     if not config_file.is_file():
         raise QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")

@@ -20,6 +20,7 @@ from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
+from qerl_cli.modeling.source_checks import check_model_source
 from qerl_cli.quantize import error_init, pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
@@ -176,6 +177,14 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
     check_lora_init(cfg.lora_init, method)
     # A missing model folder or a taken output answers in well under a second; importing
     # llm-compressor (below) takes ~7 s, so it comes after.
+    # A file, a missing folder or a Hub id while offline is answered here, at once, naming what is
+    # expected (the Hub lookup below would retry, then call a file a missing folder).
+    check_model_source(
+        cfg.model,
+        what="MODEL",
+        trust_remote_code=cfg.trust_remote_code,
+        trust_hint="--set trust_remote_code=true",
+    )
     source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     output = check_output(
         Path(cfg.output) if cfg.output else default_output(source, fmt), source, cfg.overwrite
