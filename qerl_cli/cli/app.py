@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
@@ -76,7 +77,20 @@ def output_console(stderr: bool = False) -> Console:
 
 console = output_console()
 err_console = output_console(stderr=True)
-_state: dict[str, Any] = {"debug": False, "argv": None}  # argv: what main() was given
+# argv: what main() was given; stop_hint: see set_stop_hint
+_state: dict[str, Any] = {"debug": False, "argv": None, "stop_hint": None}
+
+
+def set_stop_hint(hint: Callable[[], str] | None) -> None:
+    """What the running command tells a user whose run stopped (Ctrl-C, a full disk): how to go on.
+    A callable, asked when it stops, as the answer depends on what was saved by then; None: nothing
+    to add (a command that simply starts over)."""
+    _state["stop_hint"] = hint
+
+
+def stop_hint() -> str | None:
+    hint = _state.get("stop_hint")
+    return hint() if hint is not None else None
 
 
 def record_argv(argv: list[str]) -> None:

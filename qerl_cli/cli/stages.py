@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, get_args
 
 import typer
+from rich.markup import escape
 
 from qerl_cli import config as cfg
 from qerl_cli.cli import render
@@ -26,10 +27,12 @@ from qerl_cli.cli.app import (
     config_option,
     console,
     csv,
+    err_console,
     finish_config,
     given_flags,
     pairs,
     set_option,
+    set_stop_hint,
     use_free_cpu_threads,
 )
 from qerl_cli.errors import QerlError
@@ -186,18 +189,27 @@ def train(
         raise missing(ctx=ctx, param_type="argument", param_hint="'RECIPE'")
     check_recipe_path(recipe)
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
-    if finish_config(conf, dry_run):
+    from qerl_cli.rl.preflight import preflight
+    from qerl_cli.rl.run_folder import check_resume_or_overwrite
+
+    check_resume_or_overwrite(resume, overwrite)
+    resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
+
+    if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
+        checks = preflight(conf, resume=resume_dir, overwrite=overwrite)
+        err_console.print("[bold]checked, nothing loaded or written:[/bold]")
+        for check in checks:
+            err_console.print(f"  {escape(check.what)}: {escape(check.found)}", highlight=False)
         return
+    from qerl_cli.rl.run_folder import stop_hint
     from qerl_cli.rl.trainer import train as run_train
     from qerl_cli.torch_utils import runs_on_cpu
 
     if runs_on_cpu(conf.train.device):
         use_free_cpu_threads()
-    result = run_train(
-        conf,
-        resume=None if resume is None else (conf.output.dir if resume == "auto" else resume),
-        overwrite=overwrite,
-    )
+    preflight(conf, resume=resume_dir, overwrite=overwrite)  # seconds, before a model loads for minutes
+    set_stop_hint(lambda: stop_hint(conf.output.dir, conf.output.save_steps))
+    result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
 
@@ -206,8 +218,6 @@ def print_keys(config: type, prefix: str) -> None:
     """Each key of ``config`` under ``prefix`` (a section, a key, or "" for all): dotted name, type,
     default, and the comment that documents it where it is declared (qerl_cli.config.keydocs)."""
     import textwrap
-
-    from rich.markup import escape
 
     from qerl_cli.config.keydocs import key_docs, sections
 

@@ -40,6 +40,14 @@ RUN_ENTRIES = (
 _STAGED = re.compile(r"^\..+\.tmp$")
 
 
+def check_resume_or_overwrite(resume: str | Path | None, overwrite: bool) -> None:
+    """``--resume`` continues a run in its folder, ``--overwrite`` deletes it: not both."""
+    if resume is not None and overwrite:
+        raise QerlError(
+            "--resume continues the run in its folder and --overwrite deletes it: give one of them"
+        )
+
+
 def run_entries(out_dir: str | Path) -> list[Path]:
     """The entries of ``out_dir`` that hold a run's results: non-empty metrics or completions, an
     adapter, a compare result, checkpoint folders. Empty when the folder is new or holds none."""
@@ -76,6 +84,18 @@ def check_fresh_start(out_dir: str | Path, *, overwrite: bool, clear: bool = Tru
         )
     if clear:
         clear_run(out)
+
+
+def stop_hint(out_dir: str | Path, save_steps: int) -> str:
+    """How to go on after a run into ``out_dir`` stopped (Ctrl-C, a full disk): resume from its last
+    checkpoint, or, before the first one, start over (``--resume auto`` would find nothing)."""
+    if list_checkpoints(out_dir):
+        return "qerl train continues from its last checkpoint with --resume auto"
+    every = f"every {save_steps} steps" if save_steps > 0 else "never (output.save_steps=0)"
+    return (
+        f"nothing was saved yet: no checkpoint in {out_dir} (one is written {every}); re-run the same "
+        "command, with --overwrite if the run got as far as writing metrics"
+    )
 
 
 def clear_run(out_dir: str | Path) -> list[Path]:

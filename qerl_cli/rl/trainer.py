@@ -53,6 +53,7 @@ from qerl_cli.rl.run_folder import (
     ADAPTER_DIR,
     PROMPTS_FILE,
     check_fresh_start,
+    check_resume_or_overwrite,
     missing_folders,
     remove_if_empty,
 )
@@ -336,10 +337,7 @@ def train(
     Under torchrun every rank runs this function (see ``rl.distributed``); rank 0 alone writes the
     run's files, and every rank returns the same summary.
     """
-    if resume is not None and overwrite:
-        raise QerlError(
-            "--resume continues the run in its folder and --overwrite deletes it: give one of them"
-        )
+    check_resume_or_overwrite(resume, overwrite)
     out_dir = Path(cfg.output.dir)
     created = missing_folders(out_dir)
     if resume is None:  # every rank refuses alike; rank 0 alone owns the run's files, and clears them
