@@ -235,6 +235,16 @@ def print_keys(config: type, prefix: str) -> None:
         console.print(escape(meaning), highlight=False, soft_wrap=True)
 
 
+def at_least_one(values: dict[str, object], **flags: str) -> None:
+    """Each of ``flags`` (config key -> flag) that was given holds a whole number >= 1: ``--samples 0``
+    would otherwise mean "the benchmark's default" in silence, and a negative count nothing sensible."""
+    for key, flag in flags.items():
+        value = values.get(key)
+        if isinstance(value, int) and value < 1:
+            default = " (leave it out for each benchmark's default)" if key == "samples" else ""
+            raise QerlError(f"{flag} must be at least 1, got {value}{default}")
+
+
 def _wrap_width() -> int:
     """The key help's line width: the terminal's (or COLUMNS); piped without COLUMNS, a readable 100."""
     return 100 if console.width >= PIPED_WIDTH else max(40, console.width)
@@ -262,7 +272,14 @@ def eval_(
         typer.Option("--samples", metavar="N", help="Samples per problem.", show_default="per benchmark"),
     ] = None,
     engine: Annotated[
-        str | None, config_option(E, "engine", "--engine", metavar="ENGINE", help="vllm | hf")
+        str | None,
+        config_option(
+            E,
+            "engine",
+            "--engine",
+            metavar="ENGINE",
+            help="auto (vLLM on a GPU with vLLM, else hf) | vllm | hf",
+        ),
     ] = None,
     data_file: Annotated[
         list[str] | None,
@@ -299,14 +316,20 @@ def eval_(
         data_files=pairs(data_file, "--data-file"), output=output, max_new_tokens=max_new_tokens,
         max_problems=max_problems, rescore=rescore, baseline=baseline,
     )  # fmt: skip
+    at_least_one(
+        samples="--samples", max_problems="--max-problems", max_new_tokens="--max-new-tokens", values=values
+    )
     flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
     check_recipe_path(config, "--config")
     conf = cfg.load_config(cfg.EvalConfig, config, set_, flags=flags, **values)
     if finish_config(conf, dry_run):
         return
     from qerl_cli.evaluation import eval_table, run_eval
+    from qerl_cli.evaluation.run import resolve_engine
     from qerl_cli.torch_utils import runs_on_cpu
 
+    if not conf.rescore:
+        conf.engine = resolve_engine(conf.engine)  # auto decided here: the thread choice depends on it
     if conf.engine == "hf" and runs_on_cpu(conf.device):
         use_free_cpu_threads()
     results = run_eval(conf)
