@@ -21,8 +21,19 @@ from qerl_cli.errors import QerlError
 
 
 class _ReadableHelp:
-    """Help without a type column for flags: typer 0.29 prints each option's Python type, a flag's
-    (``--dry-run``, ``--help``) as ``<bool>``, though a flag takes no value."""
+    """Help as a reader expects it:
+
+    - no type column for flags: typer 0.29 prints each option's Python type, a flag's (``--dry-run``,
+      ``--help``) as ``<bool>``, though a flag takes no value;
+    - docstring paragraphs reflowed to the terminal's width: typer keeps their source line breaks, which
+      broke lines mid-sentence in any other width (a paragraph starting with ``\b`` keeps its lines);
+    - required arguments in the usage line as their names (``MODEL``), not typer 0.29's ``{MODEL}``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if self.help:  # type: ignore[has-type]
+            self.help = reflow(self.help)  # type: ignore[has-type]
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)  # type: ignore[misc]
@@ -30,6 +41,28 @@ class _ReadableHelp:
             if getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""
         return params
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [_plain_usage(piece) for piece in super().collect_usage_pieces(ctx)]  # type: ignore[misc]
+
+
+def reflow(text: str) -> str:
+    """A docstring's paragraphs each on one line (click and typer wrap them to the terminal)."""
+    import inspect
+
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
+
+
+def _plain_usage(piece: str) -> str:
+    """``{MODEL}`` -> ``MODEL``; ``{[LABEL=]PATH...}...`` -> ``[LABEL=]PATH...`` (the dots said once)."""
+    import re
+
+    match = re.fullmatch(r"\{(.*)\}(\.\.\.)?", piece)
+    if match is None:
+        return piece
+    inner, dots = match.groups()
+    return inner if inner.endswith("...") else inner + (dots or "")
 
 
 class QerlGroup(_ReadableHelp, TyperGroup):
@@ -46,7 +79,7 @@ app = typer.Typer(
     help="Quantization-enhanced RL (QeRL, arXiv 2510.11696): GRPO/DAPO with LoRA on a 4-bit base.",
     # A bare `qerl` prints the help and exits 2, as click (>= 8.2) and typer do for a group.
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
 )
 # Piped output (CI logs, `| tee`, a file) has no terminal width: rich would wrap and cut tables at 80
