@@ -206,3 +206,45 @@ def use_free_cpu_threads(env: Mapping[str, str] | None = None) -> ThreadChoice:
 def runs_on_cpu(device_name: str) -> bool:
     """Whether a config's device setting (``auto``, ``cpu``, ``cuda:1``) means the CPU on this machine."""
     return device_name.split(":")[0] == "cpu" or (device_name == "auto" and not torch.cuda.is_available())
+
+
+# -- CPU time estimates ----------------------------------------------------------------------------
+# What train, quantize and eval say at their start on a CPU: an estimate from the configuration, said to
+# be one. The rate is the one CPU run measured end to end: AWQ of SmolLM2-135M on 256 x 2048 calibration
+# tokens took about 48 min on 2 cores, 2 x 135M parameters x 524k tokens = 1.4e14 FLOPs, i.e. ~25 GFLOP/s
+# a thread. Sampling one token at a time uses the cores far worse (small matrices, the per-token Python
+# of generate): counted 4x. A 4-bit base is dequantized at every forward and backward: counted 1.5x. The
+# SmolLM2 recipe's training (BF16 base, 2 threads) comes out at ~18 min a step this way; measured, its
+# first step had not ended after 17 min.
+CPU_FLOPS_PER_THREAD = 25e9
+DECODE_COST = 4.0
+FOUR_BIT_COST = 1.5
+
+
+def cpu_seconds(
+    params: int,
+    *,
+    forward_tokens: float = 0.0,
+    decode_tokens: float = 0.0,
+    backward_tokens: float = 0.0,
+    four_bit: bool = False,
+    threads: int | None = None,
+) -> float:
+    """Estimated CPU seconds of a model of ``params`` parameters processing that many tokens: forward
+    passes (prefill, calibration, logprobs), tokens sampled one at a time, and backward passes (twice a
+    forward's cost), on ``threads`` threads (torch's count by default)."""
+    work = forward_tokens + DECODE_COST * decode_tokens + 2.0 * backward_tokens
+    seconds = 2.0 * params * work / (CPU_FLOPS_PER_THREAD * (threads or torch.get_num_threads()))
+    return seconds * (FOUR_BIT_COST if four_bit else 1.0)
+
+
+def duration(seconds: float) -> str:
+    """``75`` -> ``1m15s``, ``5400`` -> ``1h30m``, ``200000`` -> ``2.3 days``: how long, for a line."""
+    seconds = max(0, round(seconds))
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

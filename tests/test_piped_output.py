@@ -14,7 +14,8 @@ import pytest
 from rich.table import Table
 
 from qerl_cli.cli.app import PIPED_WIDTH, output_console
-from qerl_cli.rl.tracking import StepLines, duration, progress_bar
+from qerl_cli.rl.tracking import StepLines, progress_bar
+from qerl_cli.torch_utils import duration
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,7 +78,9 @@ def test_progress_is_lines_when_not_a_terminal() -> None:
     assert out.getvalue().startswith("train step 2/2 reward 1.000")
 
 
-@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (59.6, "1m00s"), (75, "1m15s"), (3725, "1h02m")])
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0, "0s"), (59.6, "1m00s"), (75, "1m15s"), (3725, "1h02m"), (200_000, "2.3 days")]
+)
 def test_duration(seconds: float, text: str) -> None:
     assert duration(seconds) == text
 

@@ -233,6 +233,16 @@ def positive_ints(value: str | None, flag: str) -> list[int] | None:
     return [int(item) for item in items]
 
 
+def at_least_one(values: dict[str, object], **flags: str) -> None:
+    """Each of ``flags`` (config key -> flag) that was given holds a whole number >= 1: ``--samples 0``
+    would otherwise mean "the benchmark's default" in silence, and a negative count nothing sensible."""
+    for key, flag in flags.items():
+        value = values.get(key)
+        if isinstance(value, int) and value < 1:
+            default = " (leave it out for each benchmark's default)" if key == "samples" else ""
+            raise QerlError(f"{flag} must be at least 1, got {value}{default}")
+
+
 def pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
     if not values:
         return None

@@ -22,6 +22,7 @@ from qerl_cli.cli.app import (
     PIPED_WIDTH,
     ConfigOption,
     DryRunOption,
+    at_least_one,
     check_recipe_path,
     config_default,
     config_option,
@@ -35,6 +36,7 @@ from qerl_cli.cli.app import (
     set_stop_hint,
     use_free_cpu_threads,
 )
+from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
 from qerl_cli.errors import QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
@@ -136,7 +138,7 @@ def quantize(
 
     if runs_on_cpu(conf.device):  # GPTQ and the EoRA start's factorisations stall on oversubscribed cores
         use_free_cpu_threads()
-    console.print(quantize_table(run_quantize(conf)))
+    console.print(quantize_table(run_quantize(conf, log=stage_log)))
 
 
 def train(
@@ -189,7 +191,7 @@ def train(
         raise missing(ctx=ctx, param_type="argument", param_hint="'RECIPE'")
     check_recipe_path(recipe)
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
-    from qerl_cli.rl.preflight import preflight
+    from qerl_cli.rl.preflight import cpu_estimate, preflight
     from qerl_cli.rl.run_folder import check_resume_or_overwrite
 
     check_resume_or_overwrite(resume, overwrite)
@@ -205,9 +207,12 @@ def train(
     from qerl_cli.rl.trainer import train as run_train
     from qerl_cli.torch_utils import runs_on_cpu
 
-    if runs_on_cpu(conf.train.device):
+    on_cpu = runs_on_cpu(conf.train.device)
+    if on_cpu:
         use_free_cpu_threads()
     preflight(conf, resume=resume_dir, overwrite=overwrite)  # seconds, before a model loads for minutes
+    if on_cpu and int(os.environ.get("RANK", "0")) == 0:
+        say_estimate(cpu_estimate(conf))
     set_stop_hint(lambda: stop_hint(conf.output.dir, conf.output.save_steps))
     result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
@@ -233,16 +238,6 @@ def print_keys(config: type, prefix: str) -> None:
         )
         meaning = textwrap.fill(doc.help, _wrap_width(), initial_indent=" " * 4, subsequent_indent=" " * 4)
         console.print(escape(meaning), highlight=False, soft_wrap=True)
-
-
-def at_least_one(values: dict[str, object], **flags: str) -> None:
-    """Each of ``flags`` (config key -> flag) that was given holds a whole number >= 1: ``--samples 0``
-    would otherwise mean "the benchmark's default" in silence, and a negative count nothing sensible."""
-    for key, flag in flags.items():
-        value = values.get(key)
-        if isinstance(value, int) and value < 1:
-            default = " (leave it out for each benchmark's default)" if key == "samples" else ""
-            raise QerlError(f"{flag} must be at least 1, got {value}{default}")
 
 
 def _wrap_width() -> int:
@@ -332,6 +327,8 @@ def eval_(
         conf.engine = resolve_engine(conf.engine)  # auto decided here: the thread choice depends on it
     if conf.engine == "hf" and runs_on_cpu(conf.device):
         use_free_cpu_threads()
+        if not conf.rescore:
+            say_estimate(eval_cpu_estimate(conf))
     results = run_eval(conf)
     console.print(eval_table(results))
 

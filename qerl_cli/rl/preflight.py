@@ -114,3 +114,49 @@ def grader() -> Checked:
 
     require_math_verify()
     return Checked("reward grader", "math-verify installed")
+
+
+def model_parameters(path: str) -> tuple[int, bool] | None:
+    """(parameter count, whether 4-bit) from a local model folder's config.json; None for a Hub id or
+    a config qerl cannot size (then no estimate is said)."""
+    import json
+
+    from qerl_cli.modeling.model_shape import ModelShape
+    from qerl_cli.modeling.sources import resolve_model_source
+
+    config_file = Path(resolve_model_source(path)) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        return ModelShape.from_config(config).parameters(), bool(config.get("quantization_config"))
+    except (OSError, ValueError, QerlError):
+        return None
+
+
+def cpu_estimate(cfg: TrainConfig) -> str | None:
+    """What a CPU run of ``cfg`` should take, from its configuration (steps x prompts x generations x
+    tokens on the model's parameters; ``torch_utils.cpu_seconds``), labelled as an estimate."""
+    from qerl_cli.torch_utils import cpu_seconds, duration
+
+    sized = model_parameters(cfg.model.path)
+    if sized is None:
+        return None
+    params, four_bit = sized
+    completions = cfg.train.prompts_per_step * cfg.rollout.num_generations
+    prompt, answer = cfg.rollout.max_prompt_length, cfg.rollout.max_completion_length
+    trained = completions * (prompt + answer) * cfg.algorithm.num_iterations
+    step = cpu_seconds(
+        params,
+        forward_tokens=completions * prompt + trained,
+        decode_tokens=completions * answer,
+        backward_tokens=trained,
+        four_bit=four_bit,
+    )
+    import torch
+
+    steps, prompts, generations = cfg.train.max_steps, cfg.train.prompts_per_step, cfg.rollout.num_generations
+    return (
+        f"estimate on this CPU ({torch.get_num_threads()} threads): up to ~{duration(step)} a step, "
+        f"~{duration(step * steps)} for {steps} steps ({prompts} prompts x {generations} completions of up "
+        f"to {answer} tokens on {params / 1e6:.0f}M parameters; worked out from the configuration, it may be "
+        "off 2x either way: the step lines show the real pace)"
+    )

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.base import NOISE_SIGMA
+from qerl_cli.torch_utils import duration
 
 log = logging.getLogger(__name__)
 
@@ -194,16 +195,6 @@ def _figures(record: dict[str, Any]) -> str:
         f"reward {record.get('reward_mean', 0):.3f} acc {record.get('accuracy', 0):.3f} "
         f"sigma {step_sigma(record):.1e}"
     )
-
-
-def duration(seconds: float) -> str:
-    """``75`` -> ``1m15s``: how long, for a log line."""
-    seconds = max(0, round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 class StepLines:
