@@ -152,3 +152,30 @@ def test_the_missing_model_hint_fits_the_recipe() -> None:
     assert "qerl tiny-base" in tiny and "--set model.path=DIR" in tiny
     other = missing_model_hint("/data/my-model", "mxfp4")
     assert "qerl quantize MODEL --format mxfp4 -o /data/my-model" in other and "tiny-base" not in other
+
+
+def test_the_cpu_estimate_is_said_from_the_configuration(tmp_path: Path) -> None:
+    """SmolLM2-135M's shape, the shipped recipe's work: an estimate, labelled as one, in minutes a step."""
+    import json
+
+    from qerl_cli.config import TrainConfig, load_config
+    from qerl_cli.rl.preflight import cpu_estimate
+    from qerl_cli.torch_utils import cpu_seconds
+
+    shape = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = load_config(TrainConfig, "smollm2_wordproblems", [f"model.path={tmp_path}"])
+    line = cpu_estimate(cfg)
+    assert line is not None and line.startswith("estimate on this CPU (")
+    assert (
+        "a step" in line
+        and "for 100 steps" in line
+        and "16 prompts x 8 completions of up to 128 tokens" in line
+    )
+    assert "135M parameters" in line and "may be off 2x" in line
+    # The one measured rate the estimates rest on: AWQ of SmolLM2-135M, 256 x 2048 tokens, 2 cores, ~48 min.
+    assert 40 * 60 < cpu_seconds(134_515_008, forward_tokens=256 * 2048, threads=2) < 56 * 60
+    assert (
+        cpu_estimate(load_config(TrainConfig, "smollm2_wordproblems", ["model.path=org/hub-model"])) is None
+    )

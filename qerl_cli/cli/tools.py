@@ -50,7 +50,11 @@ def tiny_base(
     from qerl_cli.rl.warmstart import build_tiny_base
 
     use_free_cpu_threads()
-    paths = build_tiny_base(out, formats=tuple(csv(formats) or ()), seed=seed, overwrite=overwrite)
+    from qerl_cli.cli.progress import stage_log
+
+    paths = build_tiny_base(
+        out, formats=tuple(csv(formats) or ()), seed=seed, overwrite=overwrite, report=stage_log
+    )
     for fmt, path in paths.items():
         console.print(f"{fmt}: {path}", markup=False, highlight=False)
 

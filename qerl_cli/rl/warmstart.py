@@ -276,9 +276,11 @@ def build_tiny_base(
     seed: int = 0,
     overwrite: bool = False,
     cfg: WarmStartConfig | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """``qerl tiny-base``: :func:`prepare_tiny_base` into ``out_dir``, refusing to replace an existing
-    base unless ``overwrite``. Returns ``{format: folder}``."""
+    base unless ``overwrite``; ``report`` gets the warm start's progress lines. Returns
+    ``{format: folder}``."""
     out = Path(out_dir)
     if not formats:
         raise QerlError("--formats is empty: give e.g. bf16,nvfp4")
@@ -291,7 +293,8 @@ def build_tiny_base(
     # Built beside the target and moved in once complete: a failed or interrupted rebuild leaves the
     # old base as it was. Each format folder replaces its namesake; the rest of the folder stays.
     with staged_folder(out, existing="merge") as staging:
-        built = prepare_tiny_base(staging, cfg or WarmStartConfig(seed=seed), formats=formats)["paths"]
+        warm = cfg or WarmStartConfig(seed=seed)
+        built = prepare_tiny_base(staging, warm, formats=formats, report=report)["paths"]
         for folder in set(staging.iterdir()) - set(built.values()):
             shutil.rmtree(folder)  # bf16 is always built (the others are quantized from it); not asked for
     for name in set(existing) - {Path(f).name for f in built.values()}:
