@@ -10,8 +10,11 @@ folder without them; ``overwrite=True`` removes them first.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME
@@ -129,3 +132,20 @@ def remove_if_empty(folders: list[Path]) -> None:
             folder.rmdir()  # only an empty folder: anything written stays
         except OSError:
             return
+
+
+@contextmanager
+def run_folder(out_dir: str | Path, *, resume: str | Path | None, overwrite: bool) -> Iterator[Path]:
+    """Around a training run into ``out_dir``: a fresh run (no ``resume``) refuses a folder holding
+    another run unless ``overwrite``, which clears it (rank 0 alone, under torchrun: every rank refuses
+    alike); a run that fails before writing anything leaves no empty folder behind."""
+    check_resume_or_overwrite(resume, overwrite)
+    out = Path(out_dir)
+    created = missing_folders(out)
+    if resume is None:
+        check_fresh_start(out, overwrite=overwrite, clear=int(os.environ.get("RANK", "0")) == 0)
+    try:
+        yield out
+    except BaseException:
+        remove_if_empty(created)
+        raise

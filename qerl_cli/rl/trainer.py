@@ -26,7 +26,6 @@ in ``rl.setup``, checkpoints in ``rl.checkpoint``, metrics and the progress bar 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,14 +48,7 @@ from qerl_cli.rl.memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
-from qerl_cli.rl.run_folder import (
-    ADAPTER_DIR,
-    PROMPTS_FILE,
-    check_fresh_start,
-    check_resume_or_overwrite,
-    missing_folders,
-    remove_if_empty,
-)
+from qerl_cli.rl.run_folder import ADAPTER_DIR, PROMPTS_FILE, run_folder
 from qerl_cli.rl.signal import StartSignal
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
@@ -337,16 +329,8 @@ def train(
     Under torchrun every rank runs this function (see ``rl.distributed``); rank 0 alone writes the
     run's files, and every rank returns the same summary.
     """
-    check_resume_or_overwrite(resume, overwrite)
-    out_dir = Path(cfg.output.dir)
-    created = missing_folders(out_dir)
-    if resume is None:  # every rank refuses alike; rank 0 alone owns the run's files, and clears them
-        check_fresh_start(out_dir, overwrite=overwrite, clear=int(os.environ.get("RANK", "0")) == 0)
-    try:
+    with run_folder(cfg.output.dir, resume=resume, overwrite=overwrite):
         return _train(cfg, resume, on_step=on_step, progress=progress, reward_fn=reward_fn)
-    except BaseException:
-        remove_if_empty(created)  # a start that failed before writing anything leaves no empty folder
-        raise
 
 
 def _train(
