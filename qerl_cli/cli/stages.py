@@ -133,6 +133,10 @@ def quantize(
     )
     if finish_config(conf, dry_run):
         return
+    if not sys.stderr.isatty():  # a log: the progress bars of transformers and llm-compressor are
+        # carriage-return noise there (the stage lines say what runs); read when they are imported, below.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from qerl_cli.quantize import quantize_table, run_quantize
     from qerl_cli.torch_utils import runs_on_cpu
 
