@@ -26,9 +26,9 @@ ADAPTER_DIR = "adapter"
 PROMPTS_FILE = "prompt.json"
 # What `qerl compare` writes beside a run's own files (its per-run result and held-out evaluation):
 # named here by their file names, as this layer cannot import compare's constants.
-COMPARE_FILES = ("result.json", "heldout")
+COMPARE_RESULT, COMPARE_HELDOUT = "result.json", "heldout"
 # A run's results: a folder holding any of these holds a run that a fresh start would damage.
-RESULT_ENTRIES = (METRICS_FILE, COMPLETIONS_FILE, ADAPTER_DIR, "result.json")
+RESULT_ENTRIES = (METRICS_FILE, COMPLETIONS_FILE, ADAPTER_DIR, COMPARE_RESULT)
 # Everything a run writes, removed by --overwrite (checkpoint-N folders are matched by CHECKPOINT_RE).
 RUN_ENTRIES = (
     *RESULT_ENTRIES,
@@ -37,7 +37,7 @@ RUN_ENTRIES = (
     PROMPTS_FILE,
     "tensorboard",
     "wandb",
-    *COMPARE_FILES,
+    COMPARE_HELDOUT,
 )
 # Staged writes an interrupted run may leave (files.atomic_write_text's ".NAME.*.tmp").
 _STAGED = re.compile(r"^\..+\.tmp$")
