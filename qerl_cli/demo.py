@@ -116,16 +116,24 @@ def run_demo(
     from rich.markup import escape
     from rich.table import Table
 
+    from qerl_cli.files import ensure_output_dir
     from qerl_cli.rl.trainer import train
     from qerl_cli.rl.warmstart import WarmStartConfig, prepare_tiny_base
 
     console = console or Console()
-    out = Path(out_dir)
+    # A folder that cannot be written fails now, not after the minutes of warm start and training.
+    out = ensure_output_dir(out_dir, "--output")
     start = time.perf_counter()
-    console.rule("[bold]qerl demo[/bold]: tiny Qwen2 -> NVFP4 -> GRPO + AQN, offline on the CPU")
+    # A heading line, not a rule: a rule spans the console's width, which is wide when piped.
+    console.print("[bold]qerl demo[/bold]: tiny Qwen2 -> NVFP4 -> GRPO + AQN, offline on the CPU")
 
     console.print("[bold]1/5[/bold] building the tiny base model (supervised warm start) ...")
-    base = prepare_tiny_base(out / "base", WarmStartConfig(task=DEMO_TASK, seed=seed), formats=("nvfp4",))
+    base = prepare_tiny_base(
+        out / "base",
+        WarmStartConfig(task=DEMO_TASK, seed=seed),
+        formats=("nvfp4",),
+        report=lambda line: console.print(f"    {line}", markup=False, highlight=False),
+    )
     ws = base["warm_start"]
     console.print(
         f"    warm start, standing in for pretraining: {ws['clean_steps']} supervised steps on worked "
@@ -145,7 +153,7 @@ def run_demo(
 
     console.print(f"[bold]4/5[/bold] training LoRA on the NVFP4 base: GRPO + AQN, {steps} steps ...")
     cfg = demo_train_config(nvfp4_dir, out / "train", steps=steps, seed=seed)
-    result = train(cfg)
+    result = train(cfg, overwrite=True)  # the demo's own folder: a re-run replaces its last training
 
     console.print("[bold]5/5[/bold] qerl eval of the trained adapter on the same held-out problems ...")
     after = evaluate(nvfp4_dir, Path(result.adapter), out / "eval_after", seed=seed)

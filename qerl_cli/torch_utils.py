@@ -74,7 +74,7 @@ class CpuLoad:
 
     cores: int  # CPUs this process may run on (its affinity set)
     quota_cores: float | None  # the cgroup's CPU quota in cores; None when unlimited
-    load_1min: float  # /proc/loadavg's one-minute average, for the whole machine
+    busy_others: float  # cores other processes kept busy during the reading (/proc/stat less our own)
     runnable_others: int  # threads of other processes runnable right now (median of a few samples)
     torch_default: int  # what torch would use (its physical-core count, or OMP_NUM_THREADS)
 
@@ -94,10 +94,12 @@ def choose_cpu_threads(load: CpuLoad, env: Mapping[str, str]) -> ThreadChoice:
     """The thread count for a CPU path: ``QERL_NUM_THREADS`` when set, torch's own count when
     ``OMP_NUM_THREADS`` is set (torch has already read it), else the cores free now.
 
-    Free cores are the usable ones (affinity, capped by a cgroup quota) less the busiest reading of
-    other work: the one-minute load average (which lags a process that just started) or the runnable
-    threads seen now (which miss one that just paused). A core counts as free when at least 3/4 of it
-    is: one thread too many costs tenfold, one too few at most the share of that core.
+    Free cores are the usable ones (affinity, capped by a cgroup quota) less the busier reading of
+    other work now: the CPU time other processes used during a short window (our own subtracted), or
+    the runnable threads of other processes seen in it. Not the load average: its one-minute mean still
+    counts the command the user ran just before (a finished process, or the user's own earlier qerl
+    command), which halved the demo's threads on an idle machine. A core counts as free when at least
+    3/4 of it is: one thread too many costs tenfold, one too few at most the share of that core.
     """
     explicit = env.get(THREADS_ENV, "").strip()
     if explicit:
@@ -109,7 +111,7 @@ def choose_cpu_threads(load: CpuLoad, env: Mapping[str, str]) -> ThreadChoice:
             load.torch_default, load.torch_default, f"{load.torch_default} CPU threads (OMP_NUM_THREADS)"
         )
     usable = float(load.cores)
-    busy = max(load.load_1min, float(load.runnable_others))
+    busy = max(load.busy_others, float(load.runnable_others))
     if load.quota_cores is not None and load.quota_cores < load.cores:
         # A container: the load figures describe the whole host, of which this cgroup has a share.
         busy *= load.quota_cores / load.cores
@@ -136,21 +138,55 @@ def _cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
         return None
 
 
-def read_cpu_load(samples: int = 5, interval_s: float = 0.02) -> CpuLoad:
-    """Read the machine's load now (about 0.1 s); without /proc (not Linux) nothing counts as busy."""
+def _stat_jiffies(stat: Path = Path("/proc/stat")) -> tuple[int, int, int] | None:
+    """(busy, total) CPU time of the whole machine in clock ticks, and its CPU count; None without /proc."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    fields = [int(x) for x in lines[0].split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is already inside user and nice)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    busy = sum(fields[:8]) - idle
+    cpus = sum(1 for line in lines[1:] if line.startswith("cpu") and line[3:4].isdigit())
+    return busy, busy + idle, max(1, cpus)
+
+
+def _own_jiffies(stat: Path = Path("/proc/self/stat")) -> int:
+    """This process's CPU time (user + system, every thread) in clock ticks."""
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+
+
+def others_busy_cores(before: tuple[int, int, int], after: tuple[int, int, int], own_ticks: int) -> float:
+    """Cores kept busy by other processes between two /proc/stat readings, ``own_ticks`` (this process's
+    CPU time meanwhile) taken out."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return max(0.0, (busy - own_ticks) / total * after[2])
+
+
+def read_cpu_load(samples: int = 6, interval_s: float = 0.05) -> CpuLoad:
+    """Read the machine's load now (about 0.25 s); without /proc (not Linux) nothing counts as busy."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    load_1min, running = 0.0, []
+    start, own_start = _stat_jiffies(), _own_jiffies()
+    running = []
     for index in range(samples):
         try:
             fields = Path("/proc/loadavg").read_text().split()
         except OSError:
             break
-        load_1min = float(fields[0])
         running.append(int(fields[3].split("/")[0]) - 1)  # less this thread, which is reading
         if index + 1 < samples:
             time.sleep(interval_s)
+    end, own_end = _stat_jiffies(), _own_jiffies()
+    busy = others_busy_cores(start, end, own_end - own_start) if start and end else 0.0
     others = max(0, round(statistics.median(running))) if running else 0
-    return CpuLoad(cores, _cgroup_quota_cores(), load_1min, others, torch.get_num_threads())
+    return CpuLoad(cores, _cgroup_quota_cores(), busy, others, torch.get_num_threads())
 
 
 _chosen: ThreadChoice | None = None
@@ -170,3 +206,45 @@ def use_free_cpu_threads(env: Mapping[str, str] | None = None) -> ThreadChoice:
 def runs_on_cpu(device_name: str) -> bool:
     """Whether a config's device setting (``auto``, ``cpu``, ``cuda:1``) means the CPU on this machine."""
     return device_name.split(":")[0] == "cpu" or (device_name == "auto" and not torch.cuda.is_available())
+
+
+# -- CPU time estimates ----------------------------------------------------------------------------
+# What train, quantize and eval say at their start on a CPU: an estimate from the configuration, said to
+# be one. The rate is the one CPU run measured end to end: AWQ of SmolLM2-135M on 256 x 2048 calibration
+# tokens took about 48 min on 2 cores, 2 x 135M parameters x 524k tokens = 1.4e14 FLOPs, i.e. ~25 GFLOP/s
+# a thread. Sampling one token at a time uses the cores far worse (small matrices, the per-token Python
+# of generate): counted 4x. A 4-bit base is dequantized at every forward and backward: counted 1.5x. The
+# SmolLM2 recipe's training (BF16 base, 2 threads) comes out at ~18 min a step this way; measured, its
+# first step had not ended after 17 min.
+CPU_FLOPS_PER_THREAD = 25e9
+DECODE_COST = 4.0
+FOUR_BIT_COST = 1.5
+
+
+def cpu_seconds(
+    params: int,
+    *,
+    forward_tokens: float = 0.0,
+    decode_tokens: float = 0.0,
+    backward_tokens: float = 0.0,
+    four_bit: bool = False,
+    threads: int | None = None,
+) -> float:
+    """Estimated CPU seconds of a model of ``params`` parameters processing that many tokens: forward
+    passes (prefill, calibration, logprobs), tokens sampled one at a time, and backward passes (twice a
+    forward's cost), on ``threads`` threads (torch's count by default)."""
+    work = forward_tokens + DECODE_COST * decode_tokens + 2.0 * backward_tokens
+    seconds = 2.0 * params * work / (CPU_FLOPS_PER_THREAD * (threads or torch.get_num_threads()))
+    return seconds * (FOUR_BIT_COST if four_bit else 1.0)
+
+
+def duration(seconds: float) -> str:
+    """``75`` -> ``1m15s``, ``5400`` -> ``1h30m``, ``200000`` -> ``2.3 days``: how long, for a line."""
+    seconds = max(0, round(seconds))
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def machine(
     cores: int = 2, load: float = 0.0, others: int = 0, default: int | None = None, quota: float | None = None
 ) -> CpuLoad:
+    """``load``: cores other processes kept busy during the reading; ``others``: their runnable threads."""
     return CpuLoad(cores, quota, load, others, cores if default is None else default)
 
 
@@ -27,8 +28,8 @@ def machine(
     [
         (machine(load=0.1), 2),  # an idle 2-core machine: both cores
         (machine(load=1.0, others=1), 1),  # the issue's case: one CPU-bound process beside
-        (machine(load=0.05, others=1), 1),  # that process just started: the load average lags, not "now"
-        (machine(load=1.0, others=0), 1),  # it just paused: the load average still counts it
+        (machine(load=0.05, others=1), 1),  # that process just started: runnable now, little CPU time yet
+        (machine(load=1.0, others=0), 1),  # it was busy during the window, not runnable at the samples
         (machine(load=9.0, others=8), 1),  # never below one thread
         (machine(cores=16, default=8), 8),  # never more than torch's own (physical-core) count
         (machine(cores=4, load=1.2), 3),  # a core counts as free when 3/4 of it is
@@ -75,9 +76,27 @@ def test_the_cgroup_quota_is_read(tmp_path: Path) -> None:
 
 
 def test_the_load_is_read_from_this_machine() -> None:
-    view = torch_utils.read_cpu_load(samples=2, interval_s=0.0)
-    assert view.cores >= 1 and view.load_1min >= 0.0 and view.runnable_others >= 0
+    view = torch_utils.read_cpu_load(samples=2, interval_s=0.01)
+    assert view.cores >= 1 and view.busy_others >= 0.0 and view.runnable_others >= 0
     assert view.torch_default == torch.get_num_threads()
+
+
+def test_only_other_processes_cpu_time_counts(tmp_path: Path) -> None:
+    """The busy cores are the machine's CPU time less this process's own, over the window: not the load
+    average, which still counts the user's previous command after it ended."""
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 1 0 0 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0 0 0\n")
+    before = torch_utils._stat_jiffies(stat)
+    assert before == (150, 1000, 2)
+    # 100 ticks later on 2 CPUs (200 CPU ticks): 120 busy, of which 80 were this process's.
+    stat.write_text("cpu  200 0 70 860 70 0 0 0 0 0\ncpu0 1 0 0 0 0 0 0 0 0 0\ncpu1 1 0 0 0 0 0 0 0 0 0\n")
+    after = torch_utils._stat_jiffies(stat)
+    assert torch_utils.others_busy_cores(before, after, own_ticks=80) == pytest.approx(0.4)
+    assert torch_utils.others_busy_cores(before, after, own_ticks=120) == 0.0  # an idle machine but us
+    assert choose_cpu_threads(machine(load=0.0, others=0), {}).threads == 2  # whatever the load average
+    own = tmp_path / "self"
+    own.write_text("42 (a (b) c) R 1 2 3 4 5 6 7 8 9 10 17 5 0 0 20 0 1 0\n")
+    assert torch_utils._own_jiffies(own) == 22
 
 
 def test_the_choice_is_made_once_and_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,10 +62,14 @@ def test_warm_start_lowers_the_loss_and_reports_its_phases() -> None:
 
     model = build_tiny_model(0).float()
     cfg = WarmStartConfig(max_steps=30, check_every=30, noisy_steps=5, batch_size=8, probe_size=4)
+    lines: list[str] = []
     result = supervised_warm_start(
-        model, build_tokenizer(), make_problems("synthetic-addition", "train"), cfg
+        model, build_tokenizer(), make_problems("synthetic-addition", "train"), cfg, lines.append
     )
     assert (result.clean_steps, result.noisy_steps) == (30, 5)
+    # Progress a log can show: the probe check, then the noisy phase.
+    assert lines[0].startswith("warm start step 30: probe accuracy ") and "done at 70%" in lines[0]
+    assert lines[1] == "warm start: 5 steps on worked additions with slips"
     assert sum(result.losses[-5:]) < sum(result.losses[:5])
     assert 0.0 <= result.final_accuracy <= 1.0
 
@@ -174,3 +178,12 @@ def test_tiny_recipe_reward_rises_on_a_bf16_base(tiny_base: dict, tmp_path: Path
     assert cfg.aqn.enabled
     result = train(cfg, progress=False)
     assert result.reward_last10 - result.reward_first10 >= 0.3, result
+
+
+def test_demo_refuses_an_unwritable_output_before_any_work(tmp_path: Path) -> None:
+    from qerl_cli.demo import run_demo
+
+    (tmp_path / "blocker").write_text("keep me")
+    with pytest.raises(QerlError, match="--output .*blocker/demo cannot be written"):
+        run_demo(tmp_path / "blocker" / "demo", steps=1)
+    assert (tmp_path / "blocker").read_text() == "keep me"

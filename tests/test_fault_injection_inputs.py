@@ -128,7 +128,7 @@ def test_a_model_path_that_is_a_file(capsys, tmp_path: Path) -> None:
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"x")
     rc, err = run(capsys, "eval", str(weights), "--benchmarks", "gsm8k", "-o", str(tmp_path / "e"))
-    assert rc == 2 and "is a file; give the model's folder" in err
+    assert rc == 2 and "is a file, not a model folder: give a model folder" in err
     assert weights.read_bytes() == b"x"
 
 

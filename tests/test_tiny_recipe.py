@@ -75,7 +75,7 @@ def test_a_failed_tiny_base_rebuild_keeps_the_old_base(
     old.mkdir(parents=True)
     (old / "model.safetensors").write_text("the old weights")
 
-    def crash(out_dir, cfg, formats):
+    def crash(out_dir, cfg, formats, report=None):
         (Path(out_dir) / "bf16").mkdir(parents=True)  # half a new base, then the failure
         raise KeyboardInterrupt
 

@@ -4,7 +4,8 @@
 The package splits by responsibility: ``app`` (the app and what every command shares), ``stages``
 (quantize, train, eval, demo, compare), ``bench`` and ``bench_tools`` (the ``qerl bench`` group and its
 benchmarks), ``tools`` (env, tiny-base, tiny-model, models, quality),
-``render`` (what the commands print beside each stage's own table) and ``main`` (exit codes).
+``render`` (what the commands print beside each stage's own table), ``progress`` (stage lines and CPU
+estimates) and ``main`` (exit codes).
 """
 
 from __future__ import annotations

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
@@ -19,8 +21,19 @@ from qerl_cli.errors import QerlError
 
 
 class _ReadableHelp:
-    """Help without a type column for flags: typer 0.29 prints each option's Python type, a flag's
-    (``--dry-run``, ``--help``) as ``<bool>``, though a flag takes no value."""
+    """Help as a reader expects it:
+
+    - no type column for flags: typer 0.29 prints each option's Python type, a flag's (``--dry-run``,
+      ``--help``) as ``<bool>``, though a flag takes no value;
+    - docstring paragraphs reflowed to the terminal's width: typer keeps their source line breaks, which
+      broke lines mid-sentence in any other width (a paragraph starting with ``\b`` keeps its lines);
+    - required arguments in the usage line as their names (``MODEL``), not typer 0.29's ``{MODEL}``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        if self.help:  # type: ignore[has-type]
+            self.help = reflow(self.help)  # type: ignore[has-type]
 
     def get_params(self, ctx: Any) -> list[Any]:
         params = super().get_params(ctx)  # type: ignore[misc]
@@ -28,6 +41,28 @@ class _ReadableHelp:
             if getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""
         return params
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [_plain_usage(piece) for piece in super().collect_usage_pieces(ctx)]  # type: ignore[misc]
+
+
+def reflow(text: str) -> str:
+    """A docstring's paragraphs each on one line (click and typer wrap them to the terminal)."""
+    import inspect
+
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
+
+
+def _plain_usage(piece: str) -> str:
+    """``{MODEL}`` -> ``MODEL``; ``{[LABEL=]PATH...}...`` -> ``[LABEL=]PATH...`` (the dots said once)."""
+    import re
+
+    match = re.fullmatch(r"\{(.*)\}(\.\.\.)?", piece)
+    if match is None:
+        return piece
+    inner, dots = match.groups()
+    return inner if inner.endswith("...") else inner + (dots or "")
 
 
 class QerlGroup(_ReadableHelp, TyperGroup):
@@ -44,12 +79,51 @@ app = typer.Typer(
     help="Quantization-enhanced RL (QeRL, arXiv 2510.11696): GRPO/DAPO with LoRA on a 4-bit base.",
     # A bare `qerl` prints the help and exits 2, as click (>= 8.2) and typer do for a group.
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
-_state: dict[str, Any] = {"debug": False, "argv": None}  # argv: what main() was given
+# Piped output (CI logs, `| tee`, a file) has no terminal width: rich would wrap and cut tables at 80
+# columns there. A log is read later, wide: so tables keep every cell whole unless COLUMNS says otherwise.
+PIPED_WIDTH = 1000
+
+
+class _CliConsole(Console):
+    """rich's console, :data:`PIPED_WIDTH` wide when its stream is not a terminal and COLUMNS is unset
+    (both read at each print: a test, or a caller, may change either after the console was made)."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit():
+            return size
+        return ConsoleDimensions(PIPED_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A console of the CLI: the terminal's width on a terminal; piped, COLUMNS or :data:`PIPED_WIDTH`."""
+    return _CliConsole(stderr=stderr)
+
+
+console = output_console()
+err_console = output_console(stderr=True)
+# argv: what main() was given; stop_hint: see set_stop_hint
+_state: dict[str, Any] = {"debug": False, "argv": None, "stop_hint": None}
+
+
+def set_stop_hint(hint: Callable[[], str] | None) -> None:
+    """What the running command tells a user whose run stopped (Ctrl-C, a full disk): how to go on.
+    A callable, asked when it stops, as the answer depends on what was saved by then; None: nothing
+    to add (a command that simply starts over)."""
+    _state["stop_hint"] = hint
+
+
+def stop_hint() -> str | None:
+    hint = _state.get("stop_hint")
+    return hint() if hint is not None else None
 
 
 def record_argv(argv: list[str]) -> None:
@@ -159,6 +233,16 @@ def positive_ints(value: str | None, flag: str) -> list[int] | None:
     return [int(item) for item in items]
 
 
+def at_least_one(values: dict[str, object], **flags: str) -> None:
+    """Each of ``flags`` (config key -> flag) that was given holds a whole number >= 1: ``--samples 0``
+    would otherwise mean "the benchmark's default" in silence, and a negative count nothing sensible."""
+    for key, flag in flags.items():
+        value = values.get(key)
+        if isinstance(value, int) and value < 1:
+            default = " (leave it out for each benchmark's default)" if key == "samples" else ""
+            raise QerlError(f"{flag} must be at least 1, got {value}{default}")
+
+
 def pairs(values: list[str] | None, flag: str) -> dict[str, str] | None:
     if not values:
         return None
@@ -179,6 +263,30 @@ def use_free_cpu_threads() -> None:
     choice = choose()
     if choice.lowered:
         err_console.print(f"[dim]{escape(choice.reason)}[/dim]")
+
+
+def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
+    """A recipe or ``--config`` argument that names a folder or a binary file is the user's to fix:
+    say which, and what is expected, before the YAML reader takes a folder for a missing file or
+    fails on undecodable bytes. (A shipped recipe's bare name is not a path: the config resolves it.)"""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.y*ml"))[:4]
+        inside = f" (it holds {', '.join(yamls)})" if yamls else ""
+        raise QerlError(
+            f"{what} {path} is a folder{inside}; give a recipe YAML file in it, or a shipped recipe's "
+            "name (tiny, gsm8k_7b, ...)"
+        )
+    if path.is_file():
+        try:
+            path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise QerlError(
+                f"{what} {path} is not a text YAML file (byte {exc.start} is not UTF-8 text); "
+                "give a recipe YAML file"
+            ) from None
 
 
 def finish_config(config: Any, dry_run: bool) -> bool:

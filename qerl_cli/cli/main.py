@@ -18,10 +18,9 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from qerl_cli.cli.app import app, console, err_console, record_argv
+from qerl_cli.cli.app import app, console, err_console, record_argv, set_stop_hint, stop_hint
 from qerl_cli.errors import QerlError
 
-INTERRUPTED = "[red]interrupted[/red] (qerl train continues from its last checkpoint with --resume auto)"
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
 
 
@@ -35,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     debug = "--debug" in args
     record_argv(args)  # what the reports of `qerl bench` record as their command
+    set_stop_hint(None)  # a command that can be continued sets its own (qerl train)
     try:
         # standalone_mode=False returns click's exit code instead of calling sys.exit; prog_name keeps
         # usage lines saying "qerl" under `python -m qerl_cli`, torchrun and in-process calls.
@@ -51,24 +51,31 @@ def main(argv: list[str] | None = None) -> int:
             return _internal_error(exc, debug)
         # A full disk, a quota, a read-only or foreign folder: the user's to fix, so no traceback.
         where = escape(f" {exc.filename}" if exc.filename else "")
+        hint = stop_hint()
         err_console.print(
             f"[bold red]error:[/bold red] [red]cannot write{where}: {escape(exc.strerror or str(exc))}[/red] "
-            "(free space or choose another output folder; a training run continues with --resume auto)"
+            f"(free space or choose another output folder{escape(f'; {hint}' if hint else '')})"
         )
         return 2
     except typer.Abort:
         err_console.print("[red]aborted[/red]")
         return 130
     except KeyboardInterrupt:
-        err_console.print(INTERRUPTED)
+        _print_interrupted()
         return 130
     except Exception as exc:  # click's and typer's usage errors are the user's; the rest are bugs
         if _is_click_error(exc):
             return _show_click_error(exc)
         return _internal_error(exc, debug)
     if rc == 130:  # typer turns Ctrl-C into a silent Exit(130) when not in standalone mode
-        err_console.print(INTERRUPTED)
+        _print_interrupted()
     return rc if isinstance(rc, int) else 0
+
+
+def _print_interrupted() -> None:
+    """ "interrupted", and how to go on where the command says (qerl train: resume, or start over)."""
+    hint = stop_hint()
+    err_console.print("[red]interrupted[/red]" + (f" ({escape(hint)})" if hint else ""))
 
 
 def _is_click_error(exc: BaseException) -> bool:

@@ -14,22 +14,29 @@ from pathlib import Path
 from typing import Annotated, get_args
 
 import typer
+from rich.markup import escape
 
 from qerl_cli import config as cfg
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
+    PIPED_WIDTH,
     ConfigOption,
     DryRunOption,
+    at_least_one,
+    check_recipe_path,
     config_default,
     config_option,
     console,
     csv,
+    err_console,
     finish_config,
     given_flags,
     pairs,
     set_option,
+    set_stop_hint,
     use_free_cpu_threads,
 )
+from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
 from qerl_cli.errors import QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
@@ -120,17 +127,22 @@ def quantize(
         overwrite=overwrite, skip_incompatible=skip_incompatible, eval_ppl=eval_ppl, lora_init=lora_init,
         lora_init_rank=lora_init_rank,
     )  # fmt: skip
+    check_recipe_path(config, "--config")
     conf = cfg.load_config(
         cfg.QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values
     )
     if finish_config(conf, dry_run):
         return
+    if not sys.stderr.isatty():  # a log: the progress bars of transformers and llm-compressor are
+        # carriage-return noise there (the stage lines say what runs); read when they are imported, below.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from qerl_cli.quantize import quantize_table, run_quantize
     from qerl_cli.torch_utils import runs_on_cpu
 
     if runs_on_cpu(conf.device):  # GPTQ and the EoRA start's factorisations stall on oversubscribed cores
         use_free_cpu_threads()
-    console.print(quantize_table(run_quantize(conf)))
+    console.print(quantize_table(run_quantize(conf, log=stage_log)))
 
 
 def train(
@@ -152,6 +164,14 @@ def train(
             help="Continue from the last complete checkpoint in DIR ('auto': the recipe's output dir).",
         ),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Delete the run already in output.dir (metrics, completions, checkpoints, adapter) and "
+            "start over; without it, qerl train refuses a folder that holds a run.",
+        ),
+    ] = False,
     dry_run: DryRunOption = False,
     keys: Annotated[
         bool,
@@ -173,17 +193,32 @@ def train(
         # click's, or typer's vendored copy of click (typer >= 0.28), whichever raised BadParameter here.
         missing = importlib.import_module(typer.BadParameter.__module__).MissingParameter
         raise missing(ctx=ctx, param_type="argument", param_hint="'RECIPE'")
+    check_recipe_path(recipe)
     conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
-    if finish_config(conf, dry_run):
+    from qerl_cli.rl.preflight import cpu_estimate, preflight
+    from qerl_cli.rl.run_folder import check_resume_or_overwrite
+
+    check_resume_or_overwrite(resume, overwrite)
+    resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
+
+    if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
+        checks = preflight(conf, resume=resume_dir, overwrite=overwrite)
+        err_console.print("[bold]checked, nothing loaded or written:[/bold]")
+        for check in checks:
+            err_console.print(f"  {escape(check.what)}: {escape(check.found)}", highlight=False)
         return
+    from qerl_cli.rl.run_folder import stop_hint
     from qerl_cli.rl.trainer import train as run_train
     from qerl_cli.torch_utils import runs_on_cpu
 
-    if runs_on_cpu(conf.train.device):
+    on_cpu = runs_on_cpu(conf.train.device)
+    if on_cpu:
         use_free_cpu_threads()
-    result = run_train(
-        conf, resume=None if resume is None else (conf.output.dir if resume == "auto" else resume)
-    )
+    preflight(conf, resume=resume_dir, overwrite=overwrite)  # seconds, before a model loads for minutes
+    if on_cpu and int(os.environ.get("RANK", "0")) == 0:
+        say_estimate(cpu_estimate(conf))
+    set_stop_hint(lambda: stop_hint(conf.output.dir, conf.output.save_steps))
+    result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
 
@@ -192,8 +227,6 @@ def print_keys(config: type, prefix: str) -> None:
     """Each key of ``config`` under ``prefix`` (a section, a key, or "" for all): dotted name, type,
     default, and the comment that documents it where it is declared (qerl_cli.config.keydocs)."""
     import textwrap
-
-    from rich.markup import escape
 
     from qerl_cli.config.keydocs import key_docs, sections
 
@@ -207,10 +240,13 @@ def print_keys(config: type, prefix: str) -> None:
             highlight=False,
             soft_wrap=True,
         )
-        meaning = textwrap.fill(
-            doc.help, max(40, console.width), initial_indent=" " * 4, subsequent_indent=" " * 4
-        )
+        meaning = textwrap.fill(doc.help, _wrap_width(), initial_indent=" " * 4, subsequent_indent=" " * 4)
         console.print(escape(meaning), highlight=False, soft_wrap=True)
+
+
+def _wrap_width() -> int:
+    """The key help's line width: the terminal's (or COLUMNS); piped without COLUMNS, a readable 100."""
+    return 100 if console.width >= PIPED_WIDTH else max(40, console.width)
 
 
 def eval_(
@@ -235,7 +271,14 @@ def eval_(
         typer.Option("--samples", metavar="N", help="Samples per problem.", show_default="per benchmark"),
     ] = None,
     engine: Annotated[
-        str | None, config_option(E, "engine", "--engine", metavar="ENGINE", help="vllm | hf")
+        str | None,
+        config_option(
+            E,
+            "engine",
+            "--engine",
+            metavar="ENGINE",
+            help="auto (vLLM on a GPU with vLLM, else hf) | vllm | hf",
+        ),
     ] = None,
     data_file: Annotated[
         list[str] | None,
@@ -272,15 +315,24 @@ def eval_(
         data_files=pairs(data_file, "--data-file"), output=output, max_new_tokens=max_new_tokens,
         max_problems=max_problems, rescore=rescore, baseline=baseline,
     )  # fmt: skip
+    at_least_one(
+        samples="--samples", max_problems="--max-problems", max_new_tokens="--max-new-tokens", values=values
+    )
     flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
+    check_recipe_path(config, "--config")
     conf = cfg.load_config(cfg.EvalConfig, config, set_, flags=flags, **values)
     if finish_config(conf, dry_run):
         return
     from qerl_cli.evaluation import eval_table, run_eval
+    from qerl_cli.evaluation.run import resolve_engine
     from qerl_cli.torch_utils import runs_on_cpu
 
+    if not conf.rescore:
+        conf.engine = resolve_engine(conf.engine)  # auto decided here: the thread choice depends on it
     if conf.engine == "hf" and runs_on_cpu(conf.device):
         use_free_cpu_threads()
+        if not conf.rescore:
+            say_estimate(eval_cpu_estimate(conf))
     results = run_eval(conf)
     console.print(eval_table(results))
 
@@ -345,6 +397,7 @@ def compare(
     from qerl_cli.compare import compare_table, run_compare
     from qerl_cli.torch_utils import runs_on_cpu
 
+    check_recipe_path(recipe)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)
         use_free_cpu_threads()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, get_args
+from typing import Annotated, Any, get_args
 
 import typer
 from rich.markup import escape
@@ -50,7 +50,11 @@ def tiny_base(
     from qerl_cli.rl.warmstart import build_tiny_base
 
     use_free_cpu_threads()
-    paths = build_tiny_base(out, formats=tuple(csv(formats) or ()), seed=seed, overwrite=overwrite)
+    from qerl_cli.cli.progress import stage_log
+
+    paths = build_tiny_base(
+        out, formats=tuple(csv(formats) or ()), seed=seed, overwrite=overwrite, report=stage_log
+    )
     for fmt, path in paths.items():
         console.print(f"{fmt}: {path}", markup=False, highlight=False)
 
@@ -108,9 +112,23 @@ def quality(
     if rows <= 0 or seq_len < 2:
         raise QerlError("--rows must be > 0 and --seq-len >= 2")
     parsed = [parse_candidate(text) for text in candidates]
+    _check_quality_paths(reference, parsed)
     use_free_cpu_threads()
     report = measure_quality(reference, parsed, device=device, rows=rows, seq_len=seq_len)
     console.print(quality_table(report))
     if output is not None:
         write_json(output, report.to_dict())
         console.print(f"wrote {escape(str(output))}")
+
+
+def _check_quality_paths(reference: str, candidates: list[Any]) -> None:
+    """Every model and adapter named, before any model loads: a missing folder is named as one (not
+    a failed Hub lookup of a path-shaped "repo id")."""
+    from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+    from qerl_cli.modeling.source_checks import check_model_source
+
+    check_model_source(reference, what="BF16_MODEL")
+    for candidate in candidates:
+        check_model_source(candidate.path, what=f"candidate {candidate.label}")
+        if candidate.adapter:
+            check_adapter_folder(candidate.adapter, what=f"candidate {candidate.label}'s adapter")

@@ -68,7 +68,8 @@ def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress
         return RunResult.from_dict(json.loads(done.read_text()))
     start = time.perf_counter()
     resume = str(out) if out.is_dir() and list_checkpoints(out) else None
-    summary = train(conf, resume=resume, progress=progress)
+    # Without a checkpoint, what the folder holds is a failed attempt of this same run: start it over.
+    summary = train(conf, resume=resume, progress=progress, overwrite=resume is None)
     figures = heldout.evaluate_heldout(conf, settings, summary.adapter, out / "heldout")
     records = read_metrics(out / "metrics.jsonl")
     result = RunResult(

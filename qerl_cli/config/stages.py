@@ -85,8 +85,8 @@ class EvalConfig:
     benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS_ALL))
     # Samples per problem; 0 takes the benchmark's default (4 for gsm8k/math500, 16 for aime/amc).
     samples: int = 0
-    # vllm | hf.
-    engine: EngineName = "vllm"
+    # auto | vllm | hf; auto: vLLM where a GPU and vLLM are present, else the HF engine.
+    engine: EngineName | Literal["auto"] = "auto"
     # A benchmark's local data file, by benchmark name.
     data_files: dict[str, str] = field(default_factory=dict)
     # Folder of results.json and the samples.

@@ -38,10 +38,13 @@ from typing import Any, Literal
 
 from qerl_cli.data.problem import Problem
 from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and callers reach it here
+    _LOCAL_FILE_HINT,
     _hub_failure,
     _hub_records,
     _HubLoadError,
+    _in_local_cache,
     _is_local,
+    _offline,
     load_hub_records,
     read_records,
 )
@@ -376,3 +379,38 @@ def load_problems(
     if shuffle:
         random.Random(seed).shuffle(problems)
     return problems[:max_samples] if max_samples else problems
+
+
+def check_reachable(dataset: str, what: str = "data.dataset") -> str:
+    """Where ``dataset``'s problems would come from, checked without loading them (a QerlError at once
+    when they cannot come): a synthetic task, a local file that exists, or a Hub dataset that is in the
+    local cache or on a reachable Hub. Before minutes of model loading, not after."""
+    if dataset.startswith(SYNTHETIC_PREFIX):
+        return "a synthetic task, generated here"
+    if _is_local(dataset):
+        if not Path(dataset).is_file():
+            raise QerlError(f"{what} {dataset}: no such file (.jsonl/.json/.parquet/.csv, or a dataset name)")
+        return f"the local file {dataset}"
+    if dataset in REGISTRY:
+        hub_ids = [src.hub_id for src in REGISTRY[dataset].sources]
+    elif "/" in dataset:
+        hub_ids = [dataset]
+    else:
+        get_spec(dataset)  # raises the "unknown dataset" error with the choices
+        raise AssertionError("unreachable")
+    cached = [hub_id for hub_id in hub_ids if _in_local_cache(hub_id)]
+    if cached:
+        return f"{cached[0]}, in the local Hugging Face cache"
+    from qerl_cli.modeling.source_checks import hub_reachable
+
+    if _offline() or not hub_reachable():
+        why = (
+            "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"
+            if _offline()
+            else "the Hub cannot be reached"
+        )
+        raise QerlError(
+            f"{what} {dataset} comes from the Hugging Face Hub ({', '.join(hub_ids)}), {why}, and it is "
+            f"not in the local cache. {_LOCAL_FILE_HINT}"
+        )
+    return f"{hub_ids[0]}, on the Hugging Face Hub (reachable; downloaded at the start)"

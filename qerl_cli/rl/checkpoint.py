@@ -322,7 +322,8 @@ def find_last_checkpoint(path: str | Path) -> Path:
             raise QerlError(f"--resume {path}: no such directory")
         raise QerlError(
             f"--resume {path}: no complete checkpoint-N/ inside; nothing to resume from "
-            "(checkpoints are written every output.save_steps steps)"
+            "(checkpoints are written every output.save_steps steps): start the run again without "
+            "--resume, adding --overwrite to replace what the stopped run left there"
         )
     skipped = []
     for _, candidate in reversed(found):

@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.base import NOISE_SIGMA
+from qerl_cli.torch_utils import duration
 
 log = logging.getLogger(__name__)
 
@@ -162,10 +165,15 @@ def plot_training_curves(records: list[dict[str, Any]], out_path: str | Path) ->
     return out
 
 
-def progress_bar(enabled: bool, total: int, done: int) -> Any:
-    """A context manager yielding ``update(record)``: a rich bar with ETA, or a no-op."""
+def progress_bar(enabled: bool, total: int, done: int, stream: TextIO | None = None) -> Any:
+    """A context manager yielding ``update(record)``: a rich bar with ETA on a terminal, a log line per
+    step where stdout is not one (CI logs, ``| tee``, ``nohup``: a live bar there prints nothing until
+    the end), or a no-op."""
     if not enabled:
         return nullcontext(lambda record: None)
+    out = stream if stream is not None else sys.stdout
+    if not out.isatty():
+        return nullcontext(StepLines(total, done, out))
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -189,15 +197,42 @@ def progress_bar(enabled: bool, total: int, done: int) -> Any:
             task = prog.add_task("", total=total, completed=done)
 
             def update(record: dict[str, Any]) -> None:
-                prog.update(
-                    task,
-                    advance=1,
-                    description=(
-                        f"reward {record.get('reward_mean', 0):.3f} acc {record.get('accuracy', 0):.3f} "
-                        f"sigma {step_sigma(record):.1e}"
-                    ),
-                )
+                prog.update(task, advance=1, description=_figures(record))
 
             yield update
 
     return bar()
+
+
+def _figures(record: dict[str, Any]) -> str:
+    return (
+        f"reward {record.get('reward_mean', 0):.3f} acc {record.get('accuracy', 0):.3f} "
+        f"sigma {step_sigma(record):.1e}"
+    )
+
+
+class StepLines:
+    """Progress as plain lines, flushed as they happen: ``train step 3/60 reward ... step 2.1s eta 2m05s``.
+
+    Every step gets a line unless steps come faster than ``every_s`` apart (then the first, the last and
+    one each ``every_s``), so a log shows progress without a line per millisecond."""
+
+    def __init__(self, total: int, done: int, out: TextIO, every_s: float = 5.0) -> None:
+        self.total, self.done, self.out, self.every_s = total, done, out, every_s
+        self.start = time.monotonic()
+        self.first = done
+        self.last_line = float("-inf")
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last_line < self.every_s and self.done not in (self.first + 1, self.total):
+            return
+        self.last_line = now
+        per_step = (now - self.start) / (self.done - self.first)
+        step_s = float(record.get("time_step_s", per_step))
+        eta = duration(per_step * (self.total - self.done))
+        self.out.write(
+            f"train step {self.done}/{self.total} {_figures(record)} step {step_s:.1f}s eta {eta}\n"
+        )
+        self.out.flush()

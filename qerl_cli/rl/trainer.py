@@ -48,6 +48,7 @@ from qerl_cli.rl.memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
+from qerl_cli.rl.run_folder import ADAPTER_DIR, PROMPTS_FILE, run_folder
 from qerl_cli.rl.signal import StartSignal
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
@@ -58,8 +59,6 @@ from qerl_cli.torch_utils import resolve_device
 
 log = logging.getLogger(__name__)
 
-ADAPTER_DIR = "adapter"
-PROMPTS_FILE = "prompt.json"
 StepCallback = Callable[[int, dict[str, Any]], None]
 
 __all__ = ["PromptStream", "Rollouts", "TrainResult", "Trainer", "derive_seed", "train"]
@@ -329,8 +328,13 @@ def train(
     on_step: StepCallback | None = None,
     progress: bool = True,
     reward_fn: Any = None,
+    overwrite: bool = False,
 ) -> TrainResult:
     """Run (or continue, with ``resume`` = a run dir or checkpoint dir) a training run.
+
+    A fresh run (no ``resume``) refuses an ``output.dir`` that holds another run's results, unless
+    ``overwrite``, which deletes them first (``rl.run_folder``); a start that fails leaves no empty
+    output folder behind.
 
     Returns its summary: output dir, adapter path, steps, first/last-10-step reward means, the plot
     path and the last step's metrics. ``on_step(step, record)`` is called after each step's metrics
@@ -339,6 +343,13 @@ def train(
     Under torchrun every rank runs this function (see ``rl.distributed``); rank 0 alone writes the
     run's files, and every rank returns the same summary.
     """
+    with run_folder(cfg.output.dir, resume=resume, overwrite=overwrite):
+        return _train(cfg, resume, on_step=on_step, progress=progress, reward_fn=reward_fn)
+
+
+def _train(
+    cfg: TrainConfig, resume: str | None, *, on_step: StepCallback | None, progress: bool, reward_fn: Any
+) -> TrainResult:
     out_dir = Path(cfg.output.dir)
     trainer = Trainer(cfg, reward_fn=reward_fn)
     dist = trainer.dist

@@ -19,7 +19,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -134,11 +134,16 @@ def _batch_tensors(batch: list[tuple[list[int], list[int]]], pad: int) -> dict[s
 
 
 def supervised_warm_start(
-    model: nn.Module, tokenizer: Any, problems: list[Problem], cfg: WarmStartConfig
+    model: nn.Module,
+    tokenizer: Any,
+    problems: list[Problem],
+    cfg: WarmStartConfig,
+    report: Callable[[str], None] | None = None,
 ) -> WarmStartResult:
     """Train ``model`` in place: clean worked problems until the probe accuracy reaches
     ``cfg.target_accuracy`` (or ``cfg.max_steps``), then ``cfg.noisy_steps`` steps on worked problems
-    of which a share ``cfg.label_noise`` hold a slip."""
+    of which a share ``cfg.label_noise`` hold a slip. ``report`` gets a line at each probe check, so a
+    log shows the minute of warm start move."""
     if not problems:
         raise QerlError("the warm start needs at least one problem")
     clean = _Examples(problems, tokenizer, cfg.template, 0.0)
@@ -164,9 +169,16 @@ def supervised_warm_start(
         step(clean)
         if n % cfg.check_every == 0 or n == cfg.max_steps:
             accuracy = sampled_accuracy(model, tokenizer, probe, cfg.template, seed=cfg.seed + n)
+            if report is not None:
+                report(
+                    f"warm start step {n}: probe accuracy {accuracy:.0%} (done at {cfg.target_accuracy:.0%}, "
+                    f"or step {cfg.max_steps})"
+                )
             if accuracy >= cfg.target_accuracy:
                 break
     clean_steps = len(losses)
+    if report is not None and cfg.label_noise > 0:
+        report(f"warm start: {cfg.noisy_steps} steps on worked additions with slips")
     for _ in range(cfg.noisy_steps if cfg.label_noise > 0 else 0):
         step(noisy)
     final = (
@@ -179,7 +191,11 @@ def supervised_warm_start(
 
 
 def prepare_tiny_base(
-    out_dir: str | Path, cfg: WarmStartConfig | None = None, *, formats: tuple[str, ...] = ("bf16", "nvfp4")
+    out_dir: str | Path,
+    cfg: WarmStartConfig | None = None,
+    *,
+    formats: tuple[str, ...] = ("bf16", "nvfp4"),
+    report: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Build the tiny model, warm-start it, and write ``out_dir/<format>`` for each format.
 
@@ -196,7 +212,8 @@ def prepare_tiny_base(
     model = build_tiny_model(seed=cfg.seed).float()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        result = supervised_warm_start(model, tokenizer, make_problems(cfg.task, "train", seed=cfg.seed), cfg)
+        problems = make_problems(cfg.task, "train", seed=cfg.seed)
+        result = supervised_warm_start(model, tokenizer, problems, cfg, report)
     model = model.to(torch.bfloat16)
     paths: dict[str, Path] = {}
     bf16_dir = save_model_folder(model, tokenizer, out / "bf16")
@@ -259,9 +276,11 @@ def build_tiny_base(
     seed: int = 0,
     overwrite: bool = False,
     cfg: WarmStartConfig | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> dict[str, Path]:
     """``qerl tiny-base``: :func:`prepare_tiny_base` into ``out_dir``, refusing to replace an existing
-    base unless ``overwrite``. Returns ``{format: folder}``."""
+    base unless ``overwrite``; ``report`` gets the warm start's progress lines. Returns
+    ``{format: folder}``."""
     out = Path(out_dir)
     if not formats:
         raise QerlError("--formats is empty: give e.g. bf16,nvfp4")
@@ -274,7 +293,8 @@ def build_tiny_base(
     # Built beside the target and moved in once complete: a failed or interrupted rebuild leaves the
     # old base as it was. Each format folder replaces its namesake; the rest of the folder stays.
     with staged_folder(out, existing="merge") as staging:
-        built = prepare_tiny_base(staging, cfg or WarmStartConfig(seed=seed), formats=formats)["paths"]
+        warm = cfg or WarmStartConfig(seed=seed)
+        built = prepare_tiny_base(staging, warm, formats=formats, report=report)["paths"]
         for folder in set(staging.iterdir()) - set(built.values()):
             shutil.rmtree(folder)  # bf16 is always built (the others are quantized from it); not asked for
     for name in set(existing) - {Path(f).name for f in built.values()}:

@@ -1,0 +1,51 @@
+"""What a long command prints as it goes: stage lines and CPU time estimates, on stderr and plain, so
+a log (CI, ``| tee``, ``nohup``) shows them as they happen while stdout keeps the command's result."""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+from qerl_cli import config as cfg
+from qerl_cli.cli.app import err_console
+
+
+def stage_log(line: str) -> None:
+    """A long stage's progress line, on stderr and plain (paths hold brackets): a log reads it as is."""
+    err_console.print(line, markup=False, highlight=False)
+
+
+def say_estimate(line: str | None) -> None:
+    """A CPU time estimate at a long command's start (stderr: stdout stays the command's result)."""
+    if line:
+        err_console.print(escape(line), highlight=False)
+
+
+def eval_cpu_estimate(conf: cfg.EvalConfig) -> str | None:
+    """What sampling on this CPU should take: per 100 completions of up to ``max_new_tokens``, and for
+    each benchmark when ``--max-problems`` fixes the count (an estimate from the configuration)."""
+    import torch
+
+    from qerl_cli.data.benchmarks import default_samples
+    from qerl_cli.rl.preflight import model_parameters
+    from qerl_cli.torch_utils import cpu_seconds, duration
+
+    sized = model_parameters(conf.model) if conf.model else None
+    if sized is None:
+        return None
+    params, four_bit = sized
+    prompt_tokens = 256  # a question in the chat template, about
+    one = cpu_seconds(
+        params, forward_tokens=prompt_tokens, decode_tokens=conf.max_new_tokens, four_bit=four_bit
+    )
+    per = f"~{duration(100 * one)} per 100 completions of up to {conf.max_new_tokens} tokens"
+    if conf.max_problems:
+        counts = {
+            name: conf.max_problems * (conf.samples or default_samples(name)) for name in conf.benchmarks
+        }
+        per += "; " + ", ".join(
+            f"{name} ({n} completions) ~{duration(n * one)}" for name, n in counts.items()
+        )
+    return (
+        f"estimate on this CPU ({torch.get_num_threads()} threads, {params / 1e6:.0f}M parameters): {per} "
+        "(worked out from the configuration, it may be off 2x either way; --max-problems N evaluates fewer)"
+    )

@@ -1,0 +1,100 @@
+"""Output that is not a terminal (CI logs, `| tee`, `nohup`): `qerl train` prints a line per step as the
+steps happen (a live bar there prints nothing until the end), and tables keep long cells whole instead of
+cutting them at 80 columns."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.table import Table
+
+from qerl_cli.cli.app import PIPED_WIDTH, output_console
+from qerl_cli.rl.tracking import StepLines, progress_bar
+from qerl_cli.torch_utils import duration
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_piped_train_prints_step_lines_as_they_happen(tiny_model_dir: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model:\n  path: {tiny_model_dir}\n  dtype: float32\n"
+        "data:\n  dataset: synthetic-addition\n  template: plain\n"
+        "rollout:\n  num_generations: 4\n  max_completion_length: 8\n  max_prompt_length: 64\n"
+        "train:\n  prompts_per_step: 2\n  max_steps: 3\n  micro_batch_size: 4\n  device: cpu\n"
+        "  gradient_checkpointing: false\n"
+        "lora:\n  rank: 4\n  alpha: 8\n"
+        "reward:\n  grader_workers: 1\n"
+        f"output:\n  dir: {tmp_path / 'run'}\n  save_steps: 3\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "QERL_NUM_THREADS": "1"}
+    env.pop("COLUMNS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qerl_cli", "train", str(recipe)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("train step 1/3 "):
+                # The line arrived while the run still had steps, the adapter and the summary to do.
+                assert proc.poll() is None
+                break
+        else:
+            pytest.fail(f"no step line in the piped output: {''.join(lines)}")
+        assert "reward" in line and "eta" in line and "step " in line
+        rest = proc.stdout.read()
+    finally:
+        rc = proc.wait(timeout=300)
+    assert rc == 0
+    assert "train step 3/3 " in rest and "qerl train" in rest  # the last step, then the summary
+
+
+def test_step_lines_throttle_fast_steps() -> None:
+    out = io.StringIO()
+    lines = StepLines(total=5, done=0, out=out, every_s=3600)
+    for _ in range(5):
+        lines({"reward_mean": 0.5, "accuracy": 0.25, "time_step_s": 0.1})
+    printed = out.getvalue().splitlines()
+    assert [line.split()[2] for line in printed] == ["1/5", "5/5"]  # the first and the last
+    assert "reward 0.500 acc 0.250" in printed[0] and "step 0.1s" in printed[0]
+
+
+def test_progress_is_lines_when_not_a_terminal() -> None:
+    out = io.StringIO()
+    with progress_bar(True, 2, 1, stream=out) as update:
+        update({"reward_mean": 1.0})
+    assert out.getvalue().startswith("train step 2/2 reward 1.000")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0, "0s"), (59.6, "1m00s"), (75, "1m15s"), (3725, "1h02m"), (200_000, "2.3 days")]
+)
+def test_duration(seconds: float, text: str) -> None:
+    assert duration(seconds) == text
+
+
+def test_a_piped_table_keeps_a_long_cell_whole(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = output_console()  # stdout is pytest's capture here, not a terminal
+    assert console.width == PIPED_WIDTH
+    long_cell = "runs/" + "a-very-long-folder-name/" * 8 + "adapter"
+    table = Table(title="t")
+    table.add_column("what")
+    table.add_column("value")
+    table.add_row("adapter", long_cell)
+    console.print(table)
+    assert long_cell in capsys.readouterr().out  # on one line, not cut or wrapped at 80 columns

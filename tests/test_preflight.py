@@ -1,0 +1,181 @@
+"""`qerl train` checks what is cheap before it loads a model (output folder, model, dataset, engine
+package, GPU), and `qerl train --dry-run` runs exactly these checks, saying what each found."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl_cli.cli import main
+from qerl_cli.modeling.source_checks import missing_model_hint
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, " ".join(err.split())
+
+
+def recipe(tmp_path: Path, model: Path | str, *lines: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        f"model:\n  path: {model}\ntrain:\n  device: cpu\n"
+        f"output:\n  dir: {tmp_path / 'runs' / 'x'}\n" + "".join(line + "\n" for line in lines)
+    )
+    return path
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks must answer before training (a model load) starts."""
+    import qerl_cli.rl.trainer as trainer_mod
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("training started before the cheap checks refused")
+
+    monkeypatch.setattr(trainer_mod, "train", must_not_run)
+
+
+def test_dry_run_says_what_it_checked_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    rc, out, err = run(
+        capsys,
+        "train",
+        str(recipe(tmp_path, tiny_model_dir)),
+        "--set",
+        "data.dataset=synthetic-addition",
+        "--dry-run",
+    )
+    assert rc == 0, err
+    assert yaml.safe_load(out)["model"]["path"] == str(tiny_model_dir)  # the YAML stays reusable on stdout
+    assert "checked, nothing loaded or written:" in err
+    for what in (
+        "output.dir",
+        "train.device",
+        "model.path",
+        "data.dataset",
+        "rollout.engine",
+        "reward grader",
+    ):
+        assert f"{what}:" in err
+    assert "a new folder (made when the run starts)" in err and "a synthetic task" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_hub_dataset_offline_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch, no_training
+) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setattr("qerl_cli.data.datasets._in_local_cache", lambda hub_id: False)
+    for extra in ([], ["--dry-run"]):
+        rc, _, err = run(
+            capsys, "train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=gsm8k", *extra
+        )
+        assert rc == 2, err
+        assert "data.dataset gsm8k comes from the Hugging Face Hub (openai/gsm8k" in err
+        assert "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)" in err and "data.dataset=PATH" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_local_dataset_file_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
+) -> None:
+    rc, _, err = run(
+        capsys,
+        "train",
+        str(recipe(tmp_path, tiny_model_dir)),
+        "--set",
+        f"data.dataset={tmp_path / 'no.jsonl'}",
+    )
+    assert rc == 2 and f"data.dataset {tmp_path / 'no.jsonl'}: no such file" in err
+
+
+def test_vllm_missing_is_said_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch, no_training
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    rc, _, err = run(
+        capsys,
+        "train",
+        str(recipe(tmp_path, tiny_model_dir)),
+        "--set",
+        "rollout.engine=vllm",
+        "--set",
+        "data.dataset=synthetic-addition",
+    )
+    assert rc == 2 and "rollout.engine=vllm needs vLLM, which is not installed" in err
+    assert "--set rollout.engine=hf" in err
+
+
+def test_an_output_folder_under_a_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
+) -> None:
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = run(
+        capsys,
+        "train",
+        str(recipe(tmp_path, tiny_model_dir)),
+        "--set",
+        f"output.dir={tmp_path / 'afile' / 'run'}",
+        "--dry-run",
+    )
+    assert rc == 2 and "cannot be written" in err and "afile is a file, not a folder" in err
+
+
+def test_a_folder_holding_a_run_is_refused_by_the_dry_run_too(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    run_dir = tmp_path / "runs" / "x"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
+    rc, _, err = run(capsys, "train", str(path), "--dry-run")
+    assert rc == 2 and "already holds a training run" in err
+    rc, _, err = run(capsys, "train", str(path), "--dry-run", "--overwrite")
+    assert rc == 0 and "holds a run, which --overwrite deletes when the run starts" in err
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'  # a dry run deletes nothing
+
+
+def test_the_missing_model_hint_fits_the_recipe() -> None:
+    bigmath = missing_model_hint("./Qwen2.5-14B-Instruct-NVFP4")
+    assert "qerl quantize Qwen/Qwen2.5-14B-Instruct --format nvfp4 -o ./Qwen2.5-14B-Instruct-NVFP4" in bigmath
+    assert "--set model.path=DIR" in bigmath and "tiny-base" not in bigmath
+    tiny = missing_model_hint("runs/tiny-base/nvfp4")
+    assert "qerl tiny-base" in tiny and "--set model.path=DIR" in tiny
+    other = missing_model_hint("/data/my-model", "mxfp4")
+    assert "qerl quantize MODEL --format mxfp4 -o /data/my-model" in other and "tiny-base" not in other
+
+
+def test_the_cpu_estimate_is_said_from_the_configuration(tmp_path: Path) -> None:
+    """SmolLM2-135M's shape, the shipped recipe's work: an estimate, labelled as one, in minutes a step."""
+    import json
+
+    from qerl_cli.config import TrainConfig, load_config
+    from qerl_cli.rl.preflight import cpu_estimate
+    from qerl_cli.torch_utils import cpu_seconds
+
+    shape = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+             "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    cfg = load_config(TrainConfig, "smollm2_wordproblems", [f"model.path={tmp_path}"])
+    line = cpu_estimate(cfg)
+    assert line is not None and line.startswith("estimate on this CPU (")
+    assert (
+        "a step" in line
+        and "for 100 steps" in line
+        and "16 prompts x 8 completions of up to 128 tokens" in line
+    )
+    assert "135M parameters" in line and "may be off 2x" in line
+    # The one measured rate the estimates rest on: AWQ of SmolLM2-135M, 256 x 2048 tokens, 2 cores, ~48 min.
+    assert 40 * 60 < cpu_seconds(134_515_008, forward_tokens=256 * 2048, threads=2) < 56 * 60
+    assert (
+        cpu_estimate(load_config(TrainConfig, "smollm2_wordproblems", ["model.path=org/hub-model"])) is None
+    )
