@@ -898,3 +898,40 @@ def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_r
         runner.prepare_bases(
             data, {**arms, "s": {**arms["e"], "lora.init": "svd"}}, TINY_SETS, tmp_path / "x"
         )
+
+
+def test_heldout_samples_beyond_one_sample_at_the_recipes_temperature() -> None:
+    """One sample: greedy. k samples: the recipe's rollout temperature and top_p (the policy GRPO trains),
+    unless compare.heldout_temperature says otherwise; k greedy copies of one answer are refused."""
+    conf = SimpleNamespace(rollout=SimpleNamespace(temperature=0.7, top_p=0.95))
+    sampling = heldout_mod.heldout_sampling
+    assert sampling(conf, arms_mod.read_settings({})) == (0.0, 1.0)
+    assert sampling(conf, arms_mod.read_settings({"heldout_samples": 4})) == (0.7, 0.95)
+    hotter = arms_mod.read_settings({"heldout_samples": 4, "heldout_temperature": 1})
+    assert sampling(conf, hotter) == (1.0, 0.95)
+    assert sampling(conf, arms_mod.read_settings({"heldout_temperature": 0.5})) == (0.5, 1.0)
+    with pytest.raises(QerlError, match="heldout_samples=4 at compare.heldout_temperature=0 would grade one"):
+        arms_mod.read_settings({"heldout_samples": 4, "heldout_temperature": 0})
+
+
+def test_a_sampled_heldout_evaluation_asks_qerl_eval_for_k_samples_at_temperature(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli import evaluation
+
+    asked = []
+
+    def fake_eval(eval_cfg, log):
+        asked.append(eval_cfg)
+        metrics = SimpleNamespace(pass_at_1=0.5, pass_at_1_se=0.1, num_problems=4)
+        return SimpleNamespace(benchmarks={"synthetic-addition": SimpleNamespace(metrics=metrics)})
+
+    monkeypatch.setattr(evaluation, "run_eval", fake_eval)
+    data, settings = runs_mod.load_recipe(_recipe(tmp_path, tiny_model_dir, {"heldout_samples": 4}))
+    conf = runs_mod.arm_config(data, {}, [*TINY_SETS, "rollout.temperature=0.9"], 0, tmp_path, "a", {})
+    score = heldout_mod.evaluate_heldout(conf, settings, None, tmp_path / "heldout")
+    (eval_cfg,) = asked
+    assert (eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p) == (4, 0.9, conf.rollout.top_p)
+    assert score.samples == 4 and score.pass_at_1 == 0.5
+    greedy = heldout_mod._base_eval_key(conf, arms_mod.read_settings({}))
+    assert greedy["heldout_temperature"] == 0.0 and "heldout_top_p" not in greedy  # kept keys unchanged
