@@ -13,9 +13,17 @@ from qerl_cli import stats
 from qerl_cli.compare import heldout as heldout_mod
 from qerl_cli.compare import parallel, runner
 from qerl_cli.compare.arms import read_settings
-from qerl_cli.compare.results import CompareReport, RunResult
+from qerl_cli.compare.results import NEEDS_SEEDS, CompareReport, RunResult
 from qerl_cli.compare.summary import compare_table, markdown
-from qerl_cli.compare.verdict import NEEDS_SEEDS, arm_verdicts, decide, verdict_warnings, verdict_words
+from qerl_cli.compare.verdict import (
+    arm_verdicts,
+    decide,
+    interval_cell,
+    verdict_cell,
+    verdict_line,
+    verdict_warnings,
+    verdict_words,
+)
 from qerl_cli.errors import QerlError
 
 
@@ -61,7 +69,7 @@ def test_an_arm_well_above_the_reference_is_better_with_its_interval_and_p() -> 
     assert verdict.verdict == "better" and verdict.seeds_needed is None
     # 3 + 3 seeds: C(6, 3) = 20 relabelings, enumerated; only the observed one and its mirror reach 10.
     assert (verdict.p_value, verdict.p_exact, verdict.p_relabelings) == (pytest.approx(0.1), True, 20)
-    line = verdict.line()
+    line = verdict_line(verdict)
     assert line.startswith("nvfp4-aqn vs bf16-lora: +10.0 points, 95% interval [+")
     assert "permutation p = 0.100 (exact, 20 relabelings): better" in line
     assert verdict.notes == [] and verdict_warnings([verdict]) == []
@@ -78,8 +86,9 @@ def test_an_unresolved_verdict_says_how_many_seeds_would_resolve_it() -> None:
     assert verdict.verdict == "unresolved"
     assert verdict.seeds_needed == stats.seeds_for_width(stats.sd(nvfp4), stats.sd(bf16), 5.0)
     assert verdict.seeds_needed > 3
-    assert f"unresolved at a 5-point margin; about {verdict.seeds_needed} seeds per arm" in verdict.line()
-    assert verdict.cell() == f"unresolved (~{verdict.seeds_needed} seeds/arm)"
+    needed = f"unresolved at a 5-point margin; about {verdict.seeds_needed} seeds per arm"
+    assert needed in verdict_line(verdict)
+    assert verdict_cell(verdict) == f"unresolved (~{verdict.seeds_needed} seeds/arm)"
 
 
 def test_under_two_seeds_an_arm_gets_no_verdict_and_says_why() -> None:
@@ -88,8 +97,9 @@ def test_under_two_seeds_an_arm_gets_no_verdict_and_says_why() -> None:
         "nvfp4-aqn": [_run("nvfp4-aqn", 0, 0.35)],
     }
     (verdict,) = arm_verdicts(results, "bf16-lora", 5.0)
-    assert verdict.verdict == NEEDS_SEEDS and verdict.difference is None and verdict.cell() == NEEDS_SEEDS
-    assert "1 seed(s) against 3; an interval needs ≥2 seeds in both arms" in verdict.line()
+    assert verdict.verdict == NEEDS_SEEDS and verdict.difference is None
+    assert verdict_cell(verdict) == NEEDS_SEEDS
+    assert "1 seed(s) against 3; an interval needs ≥2 seeds in both arms" in verdict_line(verdict)
     alone = arm_verdicts({"nvfp4-aqn": results["nvfp4-aqn"] * 2, "bf16-lora": results["bf16-lora"][:1]},
                          "bf16-lora", 5.0)  # fmt: skip
     assert alone[0].verdict == NEEDS_SEEDS  # the reference's single seed refuses it too
@@ -102,7 +112,8 @@ def test_runs_of_two_machine_kinds_are_warned_of_and_two_invocations_noted() -> 
     }
     (verdict,) = arm_verdicts(results, "bf16-lora", 5.0)
     assert verdict.notes == ["mixed machines: NVIDIA H100, NVIDIA H200", "runs from 2 invocations"]
-    assert verdict.line().endswith("(mixed machines: NVIDIA H100, NVIDIA H200) (runs from 2 invocations)")
+    notes = "(mixed machines: NVIDIA H100, NVIDIA H200) (runs from 2 invocations)"
+    assert verdict_line(verdict).endswith(notes)
     (warning,) = verdict_warnings([verdict])
     assert warning.startswith("nvfp4-aqn vs bf16-lora mixes runs made on NVIDIA H100, NVIDIA H200")
     same = {arm: [_run(arm, s, 0.3, invocation=f"i{s}") for s in range(2)] for arm in results}
@@ -154,11 +165,11 @@ def test_the_report_carries_verdicts_and_every_seeds_heldout_figure(
     assert verdict["verdict"] == report.verdicts[0].verdict == decide(verdict["low"], verdict["high"], 4.0)
     assert CompareReport.from_dict(saved).to_dict() == saved
     md = (out / "compare.md").read_text()
-    assert "## Verdicts" in md and f"- {report.verdicts[0].line()}" in md
+    assert "## Verdicts" in md and f"- {verdict_line(report.verdicts[0])}" in md
     assert "| vs bf16-lora, points [95% CI] | verdict |" in md and "| reference | - |" in md
     table = compare_table(report)
     assert table.columns[-1].header == "verdict" and list(table.columns[-2].cells) == [
-        "reference", report.verdicts[0].interval_cell()
+        "reference", interval_cell(report.verdicts[0])
     ]  # fmt: skip
 
 

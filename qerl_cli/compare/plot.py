@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 
 from qerl_cli.compare.curves import FINAL_FRACTION, trailing_mean, window
-from qerl_cli.compare.results import RunResult
-from qerl_cli.compare.verdict import ArmVerdict
+from qerl_cli.compare.results import ArmVerdict, RunResult
+from qerl_cli.compare.verdict import verdict_cell
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def _plot_intervals(ax, verdicts: list[ArmVerdict], styles: dict[str, tuple[str,
                     color=colour, capsize=4)  # fmt: skip
     ax.axvline(0.0, color="black", linewidth=0.8)
     ax.axvline(-margin, color="grey", linestyle="--", linewidth=0.8, label=f"-margin ({margin:g})")
-    ax.set_yticks(range(len(verdicts)), [f"{v.arm}: {v.cell()}" for v in verdicts], fontsize="small")
+    labels = [f"{v.arm}: {verdict_cell(v)}" for v in verdicts]
+    ax.set_yticks(range(len(verdicts)), labels, fontsize="small")
     ax.invert_yaxis()
     ax.set_xlabel(f"held-out pass@1 - {reference}'s (points), 95% interval")
     ax.legend(fontsize="small")

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
-
-from qerl_cli.compare.verdict import ArmVerdict
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +175,41 @@ class SeedCurve:
     seed: int
     reward: list[float]
     entropy: list[float]
+
+
+@dataclass
+class ArmVerdict:
+    """One arm against the reference (``compare.json``'s ``verdicts``). Figures are in points."""
+
+    arm: str
+    reference: str
+    margin: float
+    verdict: str  # one of VERDICTS, or NEEDS_SEEDS (compare.verdict says how each is decided)
+    seeds: list[int]  # the arm's seeds compared
+    reference_seeds: list[int]
+    difference: float | None = None  # mean(arm) - mean(reference)
+    low: float | None = None  # its 95% interval (Welch)
+    high: float | None = None
+    df: float | None = None  # Welch-Satterthwaite
+    p_value: float | None = None  # two-sided permutation test
+    p_exact: bool | None = None  # every relabeling enumerated, else Monte Carlo
+    p_relabelings: int | None = None  # relabelings enumerated or drawn
+    seeds_needed: int | None = None  # unresolved: seeds per arm for an interval narrower than the margin
+    devices: list[str] = field(default_factory=list)  # of the arm's and the reference's runs
+    invocations: list[str] = field(default_factory=list)  # the compare invocations that made them
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ArmVerdict:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+VERDICTS = ("better", "not worse", "worse", "unresolved")
+NEEDS_SEEDS = "needs ≥2 seeds"  # the verdict of an arm or reference of fewer seeds
 
 
 @dataclass

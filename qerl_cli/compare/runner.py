@@ -50,7 +50,7 @@ from qerl_cli.compare.parallel import (
 )
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
 from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
-from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin
+from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -279,7 +279,7 @@ def _summarize(
     report = write_report(a.out, a.arms, seeds, a.settings, threshold, skipped=skipped, recipe=a.recipe,
                           base_heldout=start, base_labels=labels)  # fmt: skip
     for verdict in report.verdicts:
-        log.info("%s", verdict.line())
+        log.info("%s", verdict_line(verdict))
     for warning in report.warnings:
         log.warning("%s", warning)
     return report, base_failures

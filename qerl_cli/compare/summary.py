@@ -22,6 +22,8 @@
   reward spread in fewer than :data:`MIN_SIGNAL_FRACTION` of cases is named in ``warnings``: its
   base starts with too little signal for GRPO.
 - base: the format of the arm's base and how it was quantized (AWQ or RTN), in every report.
+- vs the reference and verdict: each arm's held-out pass@1 minus the reference arm's, in points, with its
+  95% interval, and the verdict at the margin (:mod:`~qerl_cli.compare.verdict` says how).
 """
 
 from __future__ import annotations

@@ -31,20 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
 
+from qerl_cli.compare.results import NEEDS_SEEDS, ArmVerdict, RunResult
 from qerl_cli.errors import QerlError
 from qerl_cli.stats import PERMUTATION_DRAWS, permutation_test, sd, seeds_for_width, welch_interval
 
 DEFAULT_REFERENCE = "bf16-lora"
 DEFAULT_MARGIN = 5.0  # points of held-out pass@1
 CONFIDENCE = 0.95
-if TYPE_CHECKING:  # results.py holds ArmVerdict in the report: no import back at run time
-    from qerl_cli.compare.results import RunResult
-
-VERDICTS = ("better", "not worse", "worse", "unresolved")
-NEEDS_SEEDS = "needs ≥2 seeds"
+_SEED_LIMIT = 10000  # seeds_needed searched up to
 UNRECORDED = "unrecorded"  # a run written before result.json recorded its device or invocation
 
 
@@ -69,82 +64,52 @@ def verdict_words(verdict: str, margin: float) -> str:
     }.get(verdict, verdict)
 
 
-@dataclass
-class ArmVerdict:
-    """One arm against the reference (``compare.json``'s ``verdicts``). Figures are in points."""
+def p_method(v: ArmVerdict) -> str:
+    """How the permutation p was had: "exact, 20 relabelings" or "Monte Carlo, 20000 draws"."""
+    if v.p_exact is None:
+        return ""
+    if v.p_exact:
+        return f"exact, {v.p_relabelings} relabelings"
+    return f"Monte Carlo, {v.p_relabelings} draws"
 
-    arm: str
-    reference: str
-    margin: float
-    verdict: str  # one of VERDICTS, or NEEDS_SEEDS
-    seeds: list[int]  # the arm's seeds compared
-    reference_seeds: list[int]
-    difference: float | None = None  # mean(arm) - mean(reference)
-    low: float | None = None  # its 95% interval (Welch)
-    high: float | None = None
-    df: float | None = None  # Welch-Satterthwaite
-    p_value: float | None = None  # two-sided permutation test
-    p_exact: bool | None = None  # every relabeling enumerated, else Monte Carlo
-    p_relabelings: int | None = None  # relabelings enumerated or drawn
-    seeds_needed: int | None = None  # unresolved: seeds per arm for an interval narrower than the margin
-    devices: list[str] = field(default_factory=list)  # of the arm's and the reference's runs
-    invocations: list[str] = field(default_factory=list)  # the compare invocations that made them
-    notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+def verdict_cell(v: ArmVerdict) -> str:
+    """The table's verdict cell."""
+    if v.verdict == "unresolved":
+        needed = f"~{v.seeds_needed}" if v.seeds_needed else f">{_SEED_LIMIT}"
+        return f"unresolved ({needed} seeds/arm)"
+    return v.verdict
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ArmVerdict:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
 
-    @property
-    def p_method(self) -> str:
-        if self.p_exact is None:
-            return ""
-        if self.p_exact:
-            return f"exact, {self.p_relabelings} relabelings"
-        return f"Monte Carlo, {self.p_relabelings} draws"
+def interval_cell(v: ArmVerdict) -> str:
+    """The table's difference cell: "+1.2 [-8.3, +10.7]"."""
+    if v.difference is None or v.low is None or v.high is None:
+        return "-"
+    return f"{v.difference:+.1f} [{v.low:+.1f}, {v.high:+.1f}]"
 
-    def cell(self) -> str:
-        """The table's verdict cell."""
-        if self.verdict == "unresolved":
-            needed = f"~{self.seeds_needed}" if self.seeds_needed else f">{_SEED_LIMIT}"
-            return f"unresolved ({needed} seeds/arm)"
-        return self.verdict
 
-    def interval_cell(self) -> str:
-        """The table's difference cell: "+1.2 [-8.3, +10.7]"."""
-        if self.difference is None or self.low is None or self.high is None:
-            return "-"
-        return f"{self.difference:+.1f} [{self.low:+.1f}, {self.high:+.1f}]"
-
-    def line(self) -> str:
-        """The verdict as a sentence (compare.md, the log)."""
-        head = f"{self.arm} vs {self.reference}"
-        if self.verdict == NEEDS_SEEDS:
-            text = (
-                f"{head}: no verdict, {len(self.seeds)} seed(s) against {len(self.reference_seeds)}; an "
-                "interval needs ≥2 seeds in both arms (run the same command with --seeds 2 or more)"
+def verdict_line(v: ArmVerdict) -> str:
+    """The verdict as a sentence (compare.md, the log)."""
+    head = f"{v.arm} vs {v.reference}"
+    if v.verdict == NEEDS_SEEDS:
+        text = (
+            f"{head}: no verdict, {len(v.seeds)} seed(s) against {len(v.reference_seeds)}; an "
+            "interval needs ≥2 seeds in both arms (run the same command with --seeds 2 or more)"
+        )
+    else:
+        text = (
+            f"{head}: {v.difference:+.1f} points, 95% interval [{v.low:+.1f}, {v.high:+.1f}] "
+            f"(Welch, df {v.df:.1f}; {len(v.seeds)} vs {len(v.reference_seeds)} seeds), "
+            f"permutation p = {v.p_value:.3f} ({p_method(v)}): "
+            f"{verdict_words(v.verdict, v.margin)}"
+        )
+        if v.verdict == "unresolved":
+            text += (
+                f"; about {v.seeds_needed} seeds per arm at this scatter would resolve it"
+                if v.seeds_needed
+                else f"; more than {_SEED_LIMIT} seeds per arm at this scatter would be needed"
             )
-        else:
-            text = (
-                f"{head}: {self.difference:+.1f} points, 95% interval [{self.low:+.1f}, {self.high:+.1f}] "
-                f"(Welch, df {self.df:.1f}; {len(self.seeds)} vs {len(self.reference_seeds)} seeds), "
-                f"permutation p = {self.p_value:.3f} ({self.p_method}): "
-                f"{verdict_words(self.verdict, self.margin)}"
-            )
-            if self.verdict == "unresolved":
-                text += (
-                    f"; about {self.seeds_needed} seeds per arm at this scatter would resolve it"
-                    if self.seeds_needed
-                    else f"; more than {_SEED_LIMIT} seeds per arm at this scatter would be needed"
-                )
-        return text + "".join(f" ({note})" for note in self.notes)
-
-
-_SEED_LIMIT = 10000  # seeds_needed searched up to
+    return text + "".join(f" ({note})" for note in v.notes)
 
 
 def arm_verdicts(
@@ -224,7 +189,7 @@ def verdict_cells(arm: str, verdicts: list[ArmVerdict], reference: str | None) -
     if arm == reference:
         return ["reference", "-"]
     found = next((v for v in verdicts if v.arm == arm), None)
-    return [found.interval_cell(), found.cell()] if found else ["-", "-"]
+    return [interval_cell(found), verdict_cell(found)] if found else ["-", "-"]
 
 
 def verdict_headers(reference: str | None) -> list[str]:
@@ -251,5 +216,5 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
         f"with the seeds per arm at which an interval at this scatter is narrower than {m} points (and so "
         "resolves).",
         "",
-        *(f"- {v.line()}" for v in verdicts),
+        *(f"- {verdict_line(v)}" for v in verdicts),
     ]
