@@ -245,3 +245,30 @@ def test_children_record_their_parents_invocation_and_get_batch_invariant_vllm(
     assert parallel.invocation_id() != "parent-1"  # not a child: its own invocation
     monkeypatch.setenv(parallel.CHILD_ENV, "1")
     assert parallel.invocation_id() == "parent-1"
+
+
+def test_the_documented_verdict_line_is_what_the_code_writes() -> None:
+    """docs/compare.md's example: 30%, 45%, 38% (bf16-lora) against 28%, 47%, 33% (nvfp4-aqn)."""
+    results = {
+        "bf16-lora": [_run("bf16-lora", s, p) for s, p in enumerate((0.30, 0.45, 0.38))],
+        "nvfp4-aqn": [_run("nvfp4-aqn", s, p) for s, p in enumerate((0.28, 0.47, 0.33))],
+    }
+    (verdict,) = arm_verdicts(results, "bf16-lora", 5.0)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "compare.md").read_text()
+    assert f"\n{verdict_line(verdict)}\n" in docs
+    assert stats.seeds_for_width(9.7, 9.7, 5.0) == 117 and "is 117 seeds an arm" in docs
+
+
+def test_the_plot_draws_each_arms_interval_of_the_difference(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from qerl_cli.compare.plot import plot_curves
+
+    results = {
+        "bf16-lora": [_run("bf16-lora", s, 0.3 + s / 50) for s in range(3)],
+        "nvfp4-aqn": [_run("nvfp4-aqn", s, 0.32 + s / 50) for s in range(3)],
+        "nvfp4-lora": [_run("nvfp4-lora", 0, 0.2)],
+    }
+    verdicts = arm_verdicts(results, "bf16-lora", 5.0)
+    assert [v.verdict for v in verdicts] == ["not worse", NEEDS_SEEDS]
+    path = plot_curves(results, tmp_path / "compare.png", "CPU", verdicts)
+    assert path is not None and path.stat().st_size > 0
