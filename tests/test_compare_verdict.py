@@ -4,6 +4,7 @@ the seeds an unresolved one needs, the refusal under 2 seeds, and where and when
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,22 @@ def test_the_plot_draws_each_arms_interval_of_the_difference(tmp_path: Path) -> 
     assert [v.verdict for v in verdicts] == ["not worse", NEEDS_SEEDS]
     path = plot_curves(results, tmp_path / "compare.png", "CPU", verdicts)
     assert path is not None and path.stat().st_size > 0
+
+
+def test_batch_invariant_runs_get_vllms_mode_and_hf_runs_are_told_it_does_nothing(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    handed: list[dict] = []
+    monkeypatch.setattr(runner, "run_parallel", lambda *a, **kw: handed.append(kw) or [])
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    sets = [*TINY_SETS, "rollout.engine=vllm", "compare.batch_invariant=true"]
+    runner.run_compare(recipe, ["bf16-lora"], 1, tmp_path / "v", sets=sets, summarize=False)
+    (kw,) = handed
+    assert kw["environment"] == {"VLLM_BATCH_INVARIANT": "1"}
+    assert re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", kw["invocation"])
+    _fake_runs(monkeypatch, {"bf16-lora": [0.3]})
+    with caplog.at_level("WARNING"):
+        runner.run_compare(
+            recipe, ["bf16-lora"], 1, tmp_path / "h", sets=[*TINY_SETS, "compare.batch_invariant=true"]
+        )
+    assert "compare.batch_invariant is vLLM's mode: these runs' hf engine does not use it" in caplog.text

@@ -224,6 +224,8 @@ def _train(
     interval = ablation.settings.start_interval_s
     # What every child gets: the invocation its run records, and vLLM's batch-invariant mode if asked.
     environment = child_environment(ablation.settings.batch_invariant)
+    if ablation.settings.batch_invariant and "vllm" not in engines and todo:
+        log.warning("compare.batch_invariant is vLLM's mode: these runs' hf engine does not use it")
     child = {"invocation": ablation.invocation, "environment": environment}
     children = not os.environ.get(CHILD_ENV)
     width = max(1, min(jobs, len(todo)))
