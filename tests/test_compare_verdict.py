@@ -292,3 +292,27 @@ def test_batch_invariant_runs_get_vllms_mode_and_hf_runs_are_told_it_does_nothin
             recipe, ["bf16-lora"], 1, tmp_path / "h", sets=[*TINY_SETS, "compare.batch_invariant=true"]
         )
     assert "compare.batch_invariant is vLLM's mode: these runs' hf engine does not use it" in caplog.text
+
+
+@pytest.mark.slow
+def test_the_documented_tiny_example_runs_as_written(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/compare.md's `qerl compare tiny ...` (minutes on 2 cores), from a folder where `qerl tiny-base`
+    wrote runs/tiny-base/bf16: here the session's tiny model stands in for its warm-started one."""
+    import shlex
+    import shutil
+
+    from qerl_cli.cli import main
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "compare.md").read_text()
+    text = re.search(r"^(qerl compare tiny .*)$", docs.replace("\\\n", " "), re.M)
+    assert text is not None
+    command = shlex.split(text.group(1))
+    shutil.copytree(tiny_model_dir, tmp_path / "runs" / "tiny-base" / "bf16")
+    monkeypatch.chdir(tmp_path)
+    assert main(command[1:]) == 0
+    report = CompareReport.from_dict(json.loads((tmp_path / "runs" / "cmp" / "compare.json").read_text()))
+    assert [row.seeds for row in report.arms] == [2, 2]
+    (verdict,) = report.verdicts
+    assert (verdict.arm, verdict.reference) == ("nvfp4-aqn", "bf16-lora") and verdict.low is not None

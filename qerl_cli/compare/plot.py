@@ -82,11 +82,13 @@ def _plot_intervals(ax, verdicts: list[ArmVerdict], styles: dict[str, tuple[str,
             continue
         ax.errorbar([v.difference], [row], xerr=[[v.difference - v.low], [v.high - v.difference]], fmt="o",
                     color=colour, capsize=4)  # fmt: skip
+        ax.annotate(verdict_cell(v), (v.difference, row), textcoords="offset points", xytext=(0, 7),
+                    ha="center", fontsize="small")  # fmt: skip
     ax.axvline(0.0, color="black", linewidth=0.8)
     ax.axvline(-margin, color="grey", linestyle="--", linewidth=0.8, label=f"-margin ({margin:g})")
-    labels = [f"{v.arm}: {verdict_cell(v)}" for v in verdicts]
-    ax.set_yticks(range(len(verdicts)), labels, fontsize="small")
-    ax.invert_yaxis()
-    ax.set_xlabel(f"held-out pass@1 - {reference}'s (points), 95% interval")
+    ax.set_yticks(range(len(verdicts)), [v.arm for v in verdicts], fontsize="small")
+    ax.set_ylim(len(verdicts) - 0.5, -0.5)  # the first arm on top, room above each for its verdict
+    ax.set_xlabel("held-out pass@1 difference (points), 95% interval")
+    ax.set_title(f"vs {reference}, margin {margin:g} points", fontsize="medium")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3, axis="x")
