@@ -69,7 +69,7 @@ class CompareSettings:
     heldout_problems: int = 64
     # Samples per held-out problem; pass@1 is each problem's share of correct samples, averaged. 1: one
     # greedy answer. k > 1: k samples at heldout_temperature (unset: the recipe's rollout.temperature and
-    # top_p), which measures the policy GRPO trains rather than its mode, with less scatter per seed.
+    # top_p): the policy GRPO trains rather than its mode, and k answers a problem rather than one.
     heldout_samples: int = 1
     # Temperature of the held-out samples. Unset: 0 (greedy) with one sample, the recipe's
     # rollout.temperature with several. 0 with several samples is refused (k copies of one answer).
