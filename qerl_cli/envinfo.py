@@ -66,6 +66,44 @@ def gpu_info() -> list[GpuInfo]:
     return gpus
 
 
+# The kernel module's version line on Linux, read when NVML's Python binding is not installed.
+_NVIDIA_PROC_VERSION = "/proc/driver/nvidia/version"
+
+
+def _nvml_driver() -> str | None:
+    try:
+        import pynvml  # nvidia-ml-py, which vLLM installs
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no NVIDIA driver loaded
+        return None
+    try:
+        version = pynvml.nvmlSystemGetDriverVersion()
+    finally:
+        pynvml.nvmlShutdown()
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _proc_driver() -> str | None:
+    try:
+        with open(_NVIDIA_PROC_VERSION, encoding="utf-8") as handle:
+            first = handle.readline()
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 16 ..."
+    return next((word for word in first.split() if word[:1].isdigit() and "." in word), None)
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version ("570.86.15"), or None where there is none to read.
+
+    A report says which driver measured its figures: torch knows only the CUDA version it was built for.
+    """
+    return _nvml_driver() or _proc_driver()
+
+
 def collect() -> dict[str, Any]:
     import torch
 
@@ -77,6 +115,7 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
+        "driver": gpu_driver(),
         "packages": package_versions(),
         "gpus": [
             {

@@ -233,7 +233,7 @@ def test_a_run_calibrates_once_logs_each_stage_and_resumes_without_recalibrating
 def test_the_gemma_recipe_sweeps_calibrated_targets(tmp_path: Path) -> None:
     from qerl_cli.compare import runs as runs_mod
 
-    recipe = REPO / "qerl_cli" / "config" / "recipes" / "gemma3_270m_wordproblems.yaml"
+    recipe = REPO / "recipes" / "gemma3_270m_wordproblems.yaml"
     data, settings = runs_mod.load_recipe(recipe)
     for arm, target in (("nvfp4-aqn-t1pct", 0.01), ("nvfp4-aqn-t3pct", 0.03), ("nvfp4-aqn-t10pct", 0.10)):
         conf = runs_mod.arm_config(data, settings.arms[arm], [], 0, tmp_path, arm, {})

@@ -380,7 +380,7 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     import yaml
 
     # A shipped recipe with values no default has, so each assert below can only pass if it came from it.
-    recipe = Path(__file__).resolve().parents[1] / "qerl_cli" / "config" / "recipes" / "gsm8k_7b.yaml"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k_7b.yaml"
     data = yaml.safe_load(recipe.read_text())
     data["rollout"].update(num_generations=6, gpu_memory_utilization=0.25)
     data["train"].update(micro_batch_size=3, gradient_checkpointing=False)

@@ -56,7 +56,7 @@ def test_train_dry_run_prints_the_override(capsys: pytest.CaptureFixture[str]) -
     rc, out, _ = run(
         capsys,
         "train",
-        str(REPO / "qerl_cli/config/recipes/bigmath_14b.yaml"),
+        str(REPO / "recipes/bigmath_14b.yaml"),
         "--dry-run",
         "--set",
         "train.learning_rate=2e-5",
@@ -171,7 +171,7 @@ def test_compare_renders_its_report(
     report = CompareReport.from_dict(data)
     results = iter([CompareResult(output="out", runs=9, ran=0, report=report), CompareResult("out", 9, 0)])
     monkeypatch.setattr(compare_mod, "run_compare", lambda *a, **k: next(results))
-    recipe = str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml")
+    recipe = str(REPO / "recipes" / "tiny.yaml")
     rc, out, _ = run(capsys, "compare", recipe)
     assert rc == 0 and "qerl compare (threshold 0.216)" in out and "compare.json, compare.md" in out
     rc, out, _ = run(capsys, "compare", recipe, "--no-summary")  # nothing to render
@@ -476,7 +476,7 @@ DRY_RUNS = [
          "seq_len": 64, "lora_init": "svd", "lora_init_rank": 4},
     ),
     (
-        ["train", str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"), "--set", "train.max_steps=3"],
+        ["train", str(REPO / "recipes" / "tiny.yaml"), "--set", "train.max_steps=3"],
         {"train": lambda train: train["max_steps"] == 3},
     ),
     (

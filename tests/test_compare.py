@@ -652,7 +652,7 @@ def test_awq_is_the_default_base_method_and_its_absence_is_explained(
     assert arms_mod.read_settings({"threshold": 0.5}).base_method == "awq"
     assert inspect.signature(runner.prepare_bases).parameters["method"].default == "awq"
     assert arms_mod.read_settings({"base_method": "rtn"}).base_method == "rtn"  # still an option
-    recipes = Path(__file__).resolve().parents[1] / "qerl_cli" / "config" / "recipes"
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
     for name in ("smollm2_wordproblems.yaml", "gemma3_270m_wordproblems.yaml"):  # the real-model recipes
         assert runs_mod.load_recipe(recipes / name)[1].base_method == "awq", name
         # Their documented quantize step makes an AWQ base (qerl quantize's default method).
@@ -743,7 +743,7 @@ def test_compare_files_read_back_key_for_key(
 
 
 def test_plan_runs_every_arm_of_a_seed_before_the_next_seed() -> None:
-    """An ablation stopped part way (a device lease ending) has compared every arm on its first seeds."""
+    """An ablation stopped part way (its GPU time ending) has compared every arm on its first seeds."""
     ablation = SimpleNamespace(arms={"a": {}, "b": {}, "c": {}}, seeds=2, base_seed=5)
     assert runner._plan(ablation, ["a", "b", "c"], None) == [
         ("a", 5),

@@ -245,7 +245,7 @@ def test_key_docs_read_the_comment_block_and_the_line_comment() -> None:
     assert "compare" in docs and "aqn" not in docs  # sections are expanded into their keys
 
 
-# -- shipped recipes: package data, found by name or by their repository path ------------------------------
+# -- shipped recipes: found by name or by their repository path (the wheel: tests/test_packaging.py) ---
 
 
 def test_every_shipped_recipe_loads() -> None:
@@ -268,13 +268,3 @@ def test_recipe_names_resolve_to_the_shipped_copy(tmp_path: Path, monkeypatch: p
     for missing in ("nope", "recipes/nope.yaml", "elsewhere/tiny.yaml", "tiny.json"):
         with pytest.raises(QerlError, match=r"recipe file not found: .*shipped with qerl.*gsm8k_7b"):
             cfg.resolve_recipe(missing)
-
-
-def test_the_package_data_carries_the_recipes() -> None:
-    import tomllib
-
-    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"]["qerl_cli"]
-    package = Path(cfg.__file__).resolve().parents[1]  # qerl_cli/
-    shipped = {p for pattern in globs for p in package.glob(pattern)}
-    assert set(cfg.SHIPPED_RECIPES.glob("*.y*ml")) <= shipped

@@ -103,10 +103,10 @@ def test_runs_on_cpu() -> None:
     [
         ["demo", "--steps", "1", "-o", "out"],
         ["tiny-base", "out"],
-        ["train", str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"), "--set", "output.dir=out"],
+        ["train", str(REPO / "recipes" / "tiny.yaml"), "--set", "output.dir=out"],
         ["eval", "tiny", "--engine", "hf", "--set", "device=cpu", "--benchmarks", "gsm8k", "-o", "out"],
         pytest.param(
-            ["compare", str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"), "-o", "out"],
+            ["compare", str(REPO / "recipes" / "tiny.yaml"), "-o", "out"],
             marks=pytest.mark.skipif(torch.cuda.is_available(), reason="each run chooses on a GPU"),
         ),
     ],

@@ -93,7 +93,7 @@ def test_quantize_folder_loads_as_quant_linear(tiny_model_dir: Path, tmp_path: P
 def test_demo_config_is_the_tiny_recipe() -> None:
     from qerl_cli.demo import demo_train_config
 
-    recipe = load_config(TrainConfig, REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml")
+    recipe = load_config(TrainConfig, REPO / "recipes" / "tiny.yaml")
     demo = demo_train_config(recipe.model.path, recipe.output.dir, steps=recipe.train.max_steps, seed=0)
     differing = {
         section: {
@@ -168,7 +168,7 @@ def test_tiny_recipe_reward_rises_on_a_bf16_base(tiny_base: dict, tmp_path: Path
 
     cfg = load_config(
         TrainConfig,
-        REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml",
+        REPO / "recipes" / "tiny.yaml",
         [f"model.path={tiny_base['paths']['bf16']}", f"output.dir={tmp_path / 'bf16'}"],
     )
     assert cfg.aqn.enabled

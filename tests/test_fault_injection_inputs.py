@@ -30,7 +30,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 def train_argv(model: Path | str, out: Path, *sets: str) -> list[str]:
     args = [
         "train",
-        str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"),
+        str(REPO / "recipes" / "tiny.yaml"),
         f"--set=model.path={model}",
         f"--set=output.dir={out}",
     ]

@@ -112,11 +112,11 @@ def _named_paths(readme: Path) -> set[str]:
 
 
 def _exists(name: str, folder: Path) -> bool:
-    """``name`` is there from the README's folder, from the repository root (recipes/ by its old path
-    too), or as the tail of a path inside the run folder (``heldout/results.json`` of every run)."""
+    """``name`` is there from the README's folder, from the repository root (``recipes/NAME.yaml``), or as
+    the tail of a path inside the run folder (``heldout/results.json`` of every run)."""
     want_dir = name.endswith("/")
     bare = name.rstrip("/")
-    roots = [folder, REPO, REPO / "qerl_cli" / "config"]
+    roots = [folder, REPO]
     if any((root / bare).is_dir() if want_dir else (root / bare).is_file() for root in roots):
         return True
     inside = (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_dir() == want_dir)

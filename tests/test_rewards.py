@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -153,16 +154,22 @@ def test_pool_grades_in_order() -> None:
 def test_pool_kills_a_hanging_grade_and_keeps_going() -> None:
     timeout = 1.0
     with Grader(workers=1, timeout_s=timeout, grade_fn=hanging_grade) as grader:
-        grader.grade_many(["warm"], ["warm"])  # start-up is not part of the timing
+        grader.grade_many(["warm"], ["warm"])
+        hung_worker = grader._workers[0].process  # the one worker grades "1", then hangs on the first HANG
         start = time.monotonic()
         results = grader.grade_many(["1", "HANG", "3", "HANG"], ["1", "2", "3", "4"])
         elapsed = time.monotonic() - start
+        # Each hang is cut at the timeout and its item scored as one; the items after it are graded.
         assert [r.correct for r in results] == [True, False, True, False]
         assert [r.timed_out for r in results] == [False, True, False, True]
         assert grader.total_timeouts == 2
-        # each hang costs about one timeout; a replacement worker starts in the background
-        assert elapsed < 2 * timeout + 4.0
+        # The hanging worker was killed (not left sleeping) and replaced, once per hang.
+        assert hung_worker.returncode == -signal.SIGKILL
+        assert grader.total_restarts == 2
         assert grader.grade_many(["5"], ["5"])[0].correct  # the pool still works afterwards
+        # Only a guard against the kill not happening (a hang sleeps 600 s); the time a busy machine
+        # takes to start a replacement worker is no part of what is checked.
+        assert elapsed < 120
 
 
 def test_pool_survives_a_grader_exception() -> None:

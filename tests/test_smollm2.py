@@ -150,7 +150,7 @@ def test_train_one_grpo_step_on_nvfp4_smollm2(
         "train.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_completion_length=4",
         "reward.grader_workers=1", f"output.dir={out}", "output.save_steps=0",
     ]  # fmt: skip
-    argv = ["train", str(REPO / "qerl_cli" / "config" / "recipes" / "smollm2_wordproblems.yaml")]
+    argv = ["train", str(REPO / "recipes" / "smollm2_wordproblems.yaml")]
     for item in sets:
         argv += ["--set", item]
     assert main(argv) == 0

@@ -20,13 +20,13 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 # -- the tiny recipe works on a fresh clone ------------------------------------------------------
 def test_tiny_recipe_names_a_real_command() -> None:
-    text = (REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml").read_text()
+    text = (REPO / "recipes" / "tiny.yaml").read_text()
     assert "qerl tiny-base" in text and "python -m" not in text
 
 
 def test_tiny_recipe_without_its_base_names_the_command(capsys, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    rc, _, err = run(capsys, "train", str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml"))
+    rc, _, err = run(capsys, "train", str(REPO / "recipes" / "tiny.yaml"))
     assert rc == 2 and "runs/tiny-base/nvfp4" in err and "qerl tiny-base" in err
 
 
@@ -39,7 +39,7 @@ def test_tiny_recipe_on_a_fresh_clone(capsys, tmp_path: Path, monkeypatch: pytes
     from qerl_cli.rl import warmstart
 
     monkeypatch.chdir(tmp_path)
-    recipe = str(REPO / "qerl_cli" / "config" / "recipes" / "tiny.yaml")
+    recipe = str(REPO / "recipes" / "tiny.yaml")
     quick = [
         "--set",
         "train.max_steps=1",

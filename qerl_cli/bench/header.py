@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.envinfo import gpu_info, package_versions
+from qerl_cli.envinfo import gpu_driver, gpu_info, package_versions
 
 VERSIONED_PACKAGES = (
     "qerl",
@@ -40,8 +39,9 @@ def versions() -> dict[str, str | None]:
 
 
 def machine_info() -> dict[str, Any]:
+    """What the figures depend on: the OS, the CPU and its cores, the memory. Not the machine's name,
+    which says nothing to a reader elsewhere (the GPU, its count and driver are in :func:`gpu_summary`)."""
     info: dict[str, Any] = {
-        "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -54,7 +54,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def gpu_summary() -> dict[str, Any] | None:
-    """The first GPU and how many there are; None on the CPU."""
+    """The first GPU, how many there are and the driver; None on the CPU."""
     gpus = gpu_info()
     if not gpus:
         return None
@@ -67,6 +67,7 @@ def gpu_summary() -> dict[str, Any] | None:
         "memory_bytes": first.memory_bytes,
         "capability": first.capability,
         "cuda": torch.version.cuda,
+        "driver": gpu_driver(),
     }
 
 

@@ -176,6 +176,12 @@ def _markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> li
     return [*lines, ""]
 
 
+def machine_line(machine: dict[str, Any]) -> str:
+    """The cores and memory, "16 CPUs, 128 GiB RAM" (a report from before ram_bytes has only the cores)."""
+    ram = machine.get("ram_bytes")
+    return f"{machine['cpu_count']} CPUs" + (f", {ram / 2**30:.0f} GiB RAM" if ram else "")
+
+
 def to_markdown(report: BenchResult) -> str:
     gpu = report.gpu
     versions = report.versions
@@ -184,8 +190,9 @@ def to_markdown(report: BenchResult) -> str:
         "",
         f"**{report.figures_label}**",
         "",
-        f"Machine: {report.machine['hostname']} ({report.machine['cpu_count']} CPUs)"
-        + (f", GPU: {gpu['name']} x{gpu['count']}, CUDA {gpu['cuda']}" if gpu else ", no GPU"),
+        f"Machine: {machine_line(report.machine)}"
+        + (f", GPU: {gpu['name']} x{gpu['count']}, CUDA {gpu['cuda']}" if gpu else ", no GPU")
+        + (f", driver {gpu['driver']}" if gpu and gpu.get("driver") else ""),
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         "",

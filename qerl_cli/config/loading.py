@@ -239,8 +239,17 @@ class _RecipeLoader(yaml.SafeLoader):
             self._refuse_duplicates(value_node, path, seen_nodes)
 
 
-# The recipes that ship with qerl (package data, so `pip install qerl` carries them).
-SHIPPED_RECIPES = Path(__file__).resolve().parent / "recipes"
+def _shipped_recipes_dir() -> Path:
+    """Where the shipped recipes are: ``qerl_cli/recipes/`` in an installed wheel (setup.py maps the
+    repository's ``recipes/`` onto that package), else ``recipes/`` beside ``qerl_cli/`` in a clone or an
+    editable install, their one home. The package's folder is looked at first, so an installed qerl never
+    reads a stray ``recipes/`` folder of site-packages."""
+    package = Path(__file__).resolve().parents[1]
+    in_wheel = package / "recipes"
+    return in_wheel if in_wheel.is_dir() else package.parent / "recipes"
+
+
+SHIPPED_RECIPES = _shipped_recipes_dir()
 
 
 def shipped_recipes() -> list[str]:
@@ -250,8 +259,8 @@ def shipped_recipes() -> list[str]:
 
 def resolve_recipe(path: str | Path) -> Path:
     """``path`` when it is a file; else the shipped recipe it names: a bare name (``gsm8k_7b``,
-    ``gsm8k_7b.yaml``) or a ``recipes/NAME.yaml`` path (the repository's old layout, and the README's
-    commands run anywhere)."""
+    ``gsm8k_7b.yaml``) or a ``recipes/NAME.yaml`` path (the repository's layout, so the README's
+    commands also run outside a clone)."""
     path = Path(path)
     if path.is_file():
         return path

@@ -35,7 +35,7 @@ BASES: dict[str, tuple[str | None, str]] = {
     "bf16-lora-g16": ("gemma-3-270m-q4_k_m-c1d3c160", "bf16"),
     "nvfp4-lora-t1": ("nvfp4-awq-7ae4ea09", "nvfp4 AWQ"),
     "nvfp4-dequant-lora": ("nvfp4-awq-dequantized-3abc8174", "nvfp4 AWQ dequantized to BF16"),
-    # Its machine was lost before the RTN base's own held-out evaluation ran (the run had finished).
+    # The run stopped before the RTN base's own held-out evaluation ran (training had finished).
     "nvfp4-lora-rtn": (None, "nvfp4 RTN"),
 }
 

@@ -1,0 +1,42 @@
+"""A report records the machine by what its figures depend on, never by the machine's name."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from qerl_cli import envinfo
+from qerl_cli.bench import header
+from qerl_cli.bench.report import machine_line, to_markdown
+from qerl_cli.bench.result import new_report
+
+
+def test_machine_info_has_the_cores_and_memory_not_the_host_name() -> None:
+    info = header.machine_info()
+    assert "hostname" not in info
+    assert info["cpu_count"] and info["cpu_count"] >= 1
+    assert socket.gethostname() not in {str(value) for value in info.values()}
+
+
+def test_the_markdown_names_cores_memory_gpu_and_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "count": 2, "memory_bytes": 80 * 2**30, "capability": "9.0",
+           "cuda": "12.8", "driver": "570.86.15"}  # fmt: skip
+    monkeypatch.setattr("qerl_cli.bench.result.gpu_summary", lambda: gpu)
+    settings = {"model": "tiny", "engine": "hf", "prompt_len": 8, "gen_len": 8, "repeats": 3}
+    report = new_report(settings, command="qerl bench rollout")
+    report.machine = {"cpu_count": 16, "ram_bytes": 128 * 2**30, "platform": "Linux", "processor": "x86_64"}
+    text = to_markdown(report)
+    assert "Machine: 16 CPUs, 128 GiB RAM, GPU: NVIDIA H100 80GB HBM3 x2, CUDA 12.8, driver 570.86.15" in text
+    # A report written before the memory was recorded still reads.
+    assert machine_line({"cpu_count": 16}) == "16 CPUs"
+
+
+def test_the_driver_is_read_from_the_kernel_module_without_nvml(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(envinfo, "_nvml_driver", lambda: None)
+    version_file = tmp_path / "version"
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 16 2025\n")
+    monkeypatch.setattr(envinfo, "_NVIDIA_PROC_VERSION", str(version_file))
+    assert envinfo.gpu_driver() == "570.86.15"
+    monkeypatch.setattr(envinfo, "_NVIDIA_PROC_VERSION", str(tmp_path / "absent"))
+    assert envinfo.gpu_driver() is None
