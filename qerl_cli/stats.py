@@ -185,14 +185,14 @@ def permutation_test(
     return PermutationTest((1 + hits) / (1 + draws), False, draws)
 
 
-def seeds_for_width(sd_a: float, sd_b: float, width: float, confidence: float = 0.95,
-                    limit: int = 10000) -> int | None:  # fmt: skip
+def seeds_for_half_width(sd_a: float, sd_b: float, half_width: float, confidence: float = 0.95,
+                         limit: int = 10000) -> int | None:  # fmt: skip
     """The least n (>= 2) seeds per arm at which Welch's ``confidence`` interval of the difference, at
-    these standard deviations, is narrower than ``width``: t(df_n) * sqrt((sd_a^2 + sd_b^2) / n) <
-    width / 2, with df_n Welch's for n a side. None: more than ``limit``."""
+    these standard deviations, is no wider than ± ``half_width``: t(df_n) * sqrt((sd_a^2 + sd_b^2) / n)
+    <= half_width, with df_n Welch's for n a side. None: more than ``limit``."""
     var = sd_a * sd_a + sd_b * sd_b
     for n in range(2, limit + 1):
         df = welch_df(sd_a * sd_a, n, sd_b * sd_b, n)
-        if t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(var / n) < width / 2.0:
+        if t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(var / n) <= half_width:
             return n
     return None

@@ -85,11 +85,13 @@ def test_an_unresolved_verdict_says_how_many_seeds_would_resolve_it() -> None:
     }
     (verdict,) = arm_verdicts(results, "bf16-lora", 5.0)
     assert verdict.verdict == "unresolved"
-    assert verdict.seeds_needed == stats.seeds_for_width(stats.sd(nvfp4), stats.sd(bf16), 5.0)
+    assert verdict.seeds_needed == stats.seeds_for_half_width(stats.sd(nvfp4), stats.sd(bf16), 5.0)
     assert verdict.seeds_needed > 3
-    needed = f"unresolved at a 5-point margin; about {verdict.seeds_needed} seeds per arm"
+    needed = (
+        f"unresolved at a 5-point margin; {verdict.seeds_needed} seeds per arm at this scatter would narrow"
+    )
     assert needed in verdict_line(verdict)
-    assert verdict_cell(verdict) == f"unresolved (~{verdict.seeds_needed} seeds/arm)"
+    assert verdict_cell(verdict) == f"unresolved ({verdict.seeds_needed} seeds/arm for ±5)"
 
 
 def test_under_two_seeds_an_arm_gets_no_verdict_and_says_why() -> None:
@@ -248,16 +250,23 @@ def test_children_record_their_parents_invocation_and_get_batch_invariant_vllm(
     assert parallel.invocation_id() == "parent-1"
 
 
-def test_the_documented_verdict_line_is_what_the_code_writes() -> None:
-    """docs/compare.md's example: 30%, 45%, 38% (bf16-lora) against 28%, 47%, 33% (nvfp4-aqn)."""
-    results = {
-        "bf16-lora": [_run("bf16-lora", s, p) for s, p in enumerate((0.30, 0.45, 0.38))],
-        "nvfp4-aqn": [_run("nvfp4-aqn", s, p) for s, p in enumerate((0.28, 0.47, 0.33))],
-    }
+def test_a_recorded_runs_verdict_is_its_readmes_and_the_documented_one() -> None:
+    """The five seeds a side of benchmarks/gemma3-270m-verdict-h200-2026-11-28 (its result.json files):
+    the README worked it out as -6.8 [-13.9, +0.4], df 5.5, exact p 0.048 over 252 relabelings, 9 seeds
+    for ±5; docs/compare.md shows the line."""
+    from qerl_cli.compare.summary import load_results
+
+    repo = Path(__file__).resolve().parents[1]
+    runs = repo / "benchmarks" / "gemma3-270m-verdict-h200-2026-11-28" / "runs"
+    results = load_results(runs, ["bf16-lora", "nvfp4-lora"], list(range(5)))
     (verdict,) = arm_verdicts(results, "bf16-lora", 5.0)
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "compare.md").read_text()
+    assert (round(verdict.difference, 1), round(verdict.low, 1), round(verdict.high, 1)) == (-6.8, -13.9, 0.4)
+    assert round(verdict.df, 1) == 5.5 and round(verdict.p_value, 3) == 0.048 and verdict.p_relabelings == 252
+    assert verdict.verdict == "unresolved" and verdict.seeds_needed == 9
+    assert verdict.notes == [] and verdict.devices == ["NVIDIA H200"]
+    docs = (repo / "docs" / "compare.md").read_text()
     assert f"\n{verdict_line(verdict)}\n" in docs
-    assert stats.seeds_for_width(9.7, 9.7, 5.0) == 117 and "is 117 seeds an arm" in docs
+    assert stats.seeds_for_half_width(9.7, 9.7, 5.0) == 31 and "is 31 seeds an arm" in docs
 
 
 def test_the_plot_draws_each_arms_interval_of_the_difference(tmp_path: Path) -> None:

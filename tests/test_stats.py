@@ -82,26 +82,26 @@ def test_permutation_p_is_a_seeded_monte_carlo_past_the_enumeration_limit() -> N
     assert apart.p_value == pytest.approx(1 / (1 + stats.PERMUTATION_DRAWS), abs=3e-4)  # never 0
 
 
-def test_seeds_for_width_of_a_hand_worked_case() -> None:
-    """sd 1 both, width 2: the half-width t(df 2(n-1)) * sqrt(2 / n) falls below 1 first at n = 9
+def test_seeds_for_half_width_of_a_hand_worked_case() -> None:
+    """sd 1 both, ±1: the half-width t(df 2(n-1)) * sqrt(2 / n) reaches 1 first at n = 9
     (t(16) = 2.1199 x 0.4714 = 0.9993), not at n = 8 (t(14) = 2.1448 x 0.5 = 1.0724)."""
-    assert stats.seeds_for_width(1.0, 1.0, 2.0) == 9
-    assert stats.seeds_for_width(0.0, 0.0, 1.0) == 2  # no scatter: the least an interval needs
-    assert stats.seeds_for_width(100.0, 100.0, 0.01, limit=50) is None
+    assert stats.seeds_for_half_width(1.0, 1.0, 1.0) == 9
+    assert stats.seeds_for_half_width(0.0, 0.0, 1.0) == 2  # no scatter: the least an interval needs
+    assert stats.seeds_for_half_width(100.0, 100.0, 0.01, limit=50) is None
 
 
 @pytest.mark.parametrize(("sd_a", "sd_b", "width"), [(9.7, 9.7, 5.0), (3.0, 12.0, 5.0), (0.5, 0.2, 1.0)])
-def test_seeds_for_width_is_the_least_n_whose_interval_is_narrower(
+def test_seeds_for_half_width_is_the_least_n_whose_interval_is_as_narrow(
     sd_a: float, sd_b: float, width: float
 ) -> None:
-    n = stats.seeds_for_width(sd_a, sd_b, width)
+    n = stats.seeds_for_half_width(sd_a, sd_b, width / 2)
     assert n is not None
 
     def half(k: int) -> float:
         df = stats.welch_df(sd_a**2, k, sd_b**2, k)
         return stats.t_quantile(0.975, df) * math.sqrt((sd_a**2 + sd_b**2) / k)
 
-    assert half(n) < width / 2 and (n == 2 or half(n - 1) >= width / 2)
+    assert half(n) <= width / 2 and (n == 2 or half(n - 1) > width / 2)
 
 
 def test_sd_is_the_sample_standard_deviation() -> None:

@@ -194,7 +194,7 @@ class ArmVerdict:
     p_value: float | None = None  # two-sided permutation test
     p_exact: bool | None = None  # every relabeling enumerated, else Monte Carlo
     p_relabelings: int | None = None  # relabelings enumerated or drawn
-    seeds_needed: int | None = None  # unresolved: seeds per arm for an interval narrower than the margin
+    seeds_needed: int | None = None  # unresolved: seeds per arm for an interval of ± the margin
     devices: list[str] = field(default_factory=list)  # of the arm's and the reference's runs
     invocations: list[str] = field(default_factory=list)  # the compare invocations that made them
     notes: list[str] = field(default_factory=list)

@@ -18,9 +18,10 @@ For every arm but the reference, from the per-seed held-out pass@1 of both (in p
   The edges belong to the weaker verdict: low = 0 is not ``better``, low = -M is not ``not worse``,
   high = 0 is not ``worse``.
 - for ``unresolved``, the seeds per arm the observed scatter would need: the least n at which the
-  interval, at both arms' standard deviations over seeds, is narrower than M
-  (:func:`qerl_cli.stats.seeds_for_width`). An interval narrower than M cannot hold both -M and 0, so
-  it resolves whatever the difference turns out to be.
+  interval, at both arms' standard deviations over seeds, is no wider than ±M
+  (:func:`qerl_cli.stats.seeds_for_half_width`; docs/defaults.md's "seeds per arm for ±5"). Such an
+  interval resolves a difference above 0 (not worse) or below -M (worse); one between the two may take
+  more.
 
 An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds.
 Runs of an arm and its reference made on different GPUs (or CPUs) get a note in the verdict and a
@@ -34,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from qerl_cli.compare.results import NEEDS_SEEDS, ArmVerdict, RunResult
 from qerl_cli.errors import QerlError
-from qerl_cli.stats import PERMUTATION_DRAWS, permutation_test, sd, seeds_for_width, welch_interval
+from qerl_cli.stats import PERMUTATION_DRAWS, permutation_test, sd, seeds_for_half_width, welch_interval
 
 DEFAULT_REFERENCE = "bf16-lora"
 DEFAULT_MARGIN = 5.0  # points of held-out pass@1
@@ -76,8 +77,8 @@ def p_method(v: ArmVerdict) -> str:
 def verdict_cell(v: ArmVerdict) -> str:
     """The table's verdict cell."""
     if v.verdict == "unresolved":
-        needed = f"~{v.seeds_needed}" if v.seeds_needed else f">{_SEED_LIMIT}"
-        return f"unresolved ({needed} seeds/arm)"
+        needed = v.seeds_needed or f">{_SEED_LIMIT}"
+        return f"unresolved ({needed} seeds/arm for ±{v.margin:g})"
     return v.verdict
 
 
@@ -105,9 +106,9 @@ def verdict_line(v: ArmVerdict) -> str:
         )
         if v.verdict == "unresolved":
             text += (
-                f"; about {v.seeds_needed} seeds per arm at this scatter would resolve it"
+                f"; {v.seeds_needed} seeds per arm at this scatter would narrow it to ±{v.margin:g} points"
                 if v.seeds_needed
-                else f"; more than {_SEED_LIMIT} seeds per arm at this scatter would be needed"
+                else f"; more than {_SEED_LIMIT} seeds per arm at this scatter to narrow it to ±{v.margin:g}"
             )
     return text + "".join(f" ({note})" for note in v.notes)
 
@@ -148,7 +149,8 @@ def _verdict(
     verdict.p_value, verdict.p_exact, verdict.p_relabelings = test.p_value, test.exact, test.relabelings
     verdict.verdict = decide(interval.low, interval.high, margin)
     if verdict.verdict == "unresolved":
-        verdict.seeds_needed = seeds_for_width(sd(a) or 0.0, sd(b) or 0.0, margin, CONFIDENCE, _SEED_LIMIT)
+        spread = (sd(a) or 0.0, sd(b) or 0.0)
+        verdict.seeds_needed = seeds_for_half_width(*spread, margin, CONFIDENCE, _SEED_LIMIT)
     return verdict
 
 
@@ -213,8 +215,7 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
         "means with its 95% interval (Welch's t, Welch-Satterthwaite df), and a two-sided permutation test's "
         f"p. Margin {m} points, fixed before the runs: better (the interval's lower end > 0), else not "
         f"worse by more than {m} points (lower end > -{m}), else worse (upper end < 0), else unresolved, "
-        f"with the seeds per arm at which an interval at this scatter is narrower than {m} points (and so "
-        "resolves).",
+        f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points.",
         "",
         *(f"- {verdict_line(v)}" for v in verdicts),
     ]
