@@ -308,7 +308,7 @@ def test_the_documented_tiny_example_runs_as_written(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """docs/compare.md's `qerl compare tiny ...` (minutes on 2 cores), from a folder where `qerl tiny-base`
-    wrote runs/tiny-base/bf16: here the session's tiny model stands in for its warm-started one."""
+    wrote runs/tiny-base/bf16: here the tests' tiny model stands in for its warm-started one."""
     import shlex
     import shutil
 
