@@ -171,6 +171,7 @@ def test_the_report_carries_verdicts_and_every_seeds_heldout_figure(
     assert "## Verdicts" in md and f"- {verdict_line(report.verdicts[0])}" in md
     assert "| vs bf16-lora, points [95% CI] | verdict |" in md and "| reference | - |" in md
     table = compare_table(report)
+    assert "against bf16-lora's, 95% Welch interval, 4-point margin" in str(table.caption)
     assert table.columns[-1].header == "verdict" and list(table.columns[-2].cells) == [
         "reference", interval_cell(report.verdicts[0])
     ]  # fmt: skip

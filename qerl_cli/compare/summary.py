@@ -257,9 +257,15 @@ def compare_table(report: CompareReport):  # -> rich.table.Table
         table.add_column(header, justify="left" if header == "arm" else "right")
     for row in report.arms:
         table.add_row(*_cells(row, report))
+    verdicts = (
+        f"Verdicts: held-out pass@1 against {report.reference}'s, 95% Welch interval, "
+        f"{report.margin:g}-point margin (compare.md has each with its permutation p). "
+        if report.reference and report.margin is not None
+        else ""
+    )
     table.caption = (
         f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
-        f"{report.output}: compare.json, compare.md, compare.png"
+        f"{verdicts}{report.output}: compare.json, compare.md, compare.png"
     )
     return table
 
