@@ -15,9 +15,10 @@
   paper's "quantization raises entropy" claim, before any training.
 - start reward and no-spread groups: the mean training reward, and the share of prompt groups whose
   rewards were all equal, over the first 10% of steps (at least one). They come from the runs' own
-  ``metrics.jsonl`` rather than from the base's held-out evaluation, because that evaluation is greedy
-  (one answer a problem) while GRPO learns only from groups of ``rollout.num_generations`` samples at
-  the training temperature that differ in reward: the training's first steps are that measurement.
+  ``metrics.jsonl`` rather than from the base's held-out evaluation, because that evaluation gives a
+  problem one greedy answer or a few samples while GRPO learns only from groups of
+  ``rollout.num_generations`` samples at the training temperature that differ in reward: the training's
+  first steps are that measurement.
   AQN's first stage is noise-free, so those steps see the base as it is. An arm whose groups have a
   reward spread in fewer than :data:`MIN_SIGNAL_FRACTION` of cases is named in ``warnings``: its
   base starts with too little signal for GRPO.
