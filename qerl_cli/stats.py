@@ -1,4 +1,6 @@
-"""Plain-Python statistics over lists of figures (no torch), for every layer: the one mean helper.
+"""Plain-Python statistics over lists of figures (no torch, no scipy), for every layer: the one mean
+helper, the sample standard deviation, Student's t, and two-sample comparisons (Welch's interval, a
+permutation test, the seeds an interval of a given width needs).
 
 Callers differ in what the mean of nothing is (NaN in a step's metrics, 0.0 for a reward mean, None
 for a missing figure of a report), so :func:`mean` takes it as ``empty``.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar, overload
 
 _Empty = TypeVar("_Empty")
@@ -25,3 +28,177 @@ def mean(values: Sequence[float], *, empty: object = math.nan) -> object:
 def present(values: Iterable[float | None]) -> list[float]:
     """The figures that were measured: None and NaN (a missing figure) left out."""
     return [v for v in values if v is not None and not math.isnan(v)]
+
+
+def sd(values: Sequence[float]) -> float | None:
+    """The sample standard deviation (n - 1 in the denominator); None under two values."""
+    if len(values) < 2:
+        return None
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+# -- Student's t, without scipy (not a dependency) ------------------------------------------------
+
+
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz), which
+    converges quickly for x < (a + 1) / (a + b + 2)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 1000):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def _regularized_beta(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_fraction(a, b, x) / a
+    # The symmetry I_x(a, b) = 1 - I_{1-x}(b, a) keeps the fraction where it converges.
+    return 1.0 - math.exp(log_front) * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` (> 0, not necessarily whole) degrees of freedom."""
+    if df <= 0:
+        raise ValueError(f"degrees of freedom must be > 0, got {df}")
+    tail = 0.5 * _regularized_beta(df / 2.0, 0.5, df / (df + t * t))  # P(T > |t|)
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t with P(T <= t) = ``p`` (0 < p < 1) for Student's t with ``df`` degrees of freedom: the CDF
+    inverted by bisection, to ~1e-12 (Welch's df is fractional, so no table would do)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:  # df = 1, p = 0.9995: t = 636.6
+        high *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if t_cdf(mid, df) < p:
+            low = mid
+        else:
+            high = mid
+        if high - low < 1e-12 * max(1.0, high):
+            break
+    return 0.5 * (low + high)
+
+
+# -- two independent samples ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WelchInterval:
+    """The confidence interval of mean(a) - mean(b) by Welch's t (unequal variances)."""
+
+    difference: float
+    low: float
+    high: float
+    se: float  # sqrt(s_a^2 / n_a + s_b^2 / n_b)
+    df: float  # Welch-Satterthwaite
+    t: float  # the t quantile used
+    confidence: float
+
+
+def welch_df(var_a: float, n_a: int, var_b: float, n_b: int) -> float:
+    """The Welch-Satterthwaite degrees of freedom of two sample variances. Both zero (0 / 0): the pooled
+    n_a + n_b - 2, which then scales a zero standard error anyway."""
+    va, vb = var_a / n_a, var_b / n_b
+    denominator = va * va / (n_a - 1) + vb * vb / (n_b - 1)
+    return (va + vb) ** 2 / denominator if denominator > 0 else float(n_a + n_b - 2)
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> WelchInterval:
+    """mean(a) - mean(b) with its two-sided ``confidence`` interval (Welch's t); two values each at least."""
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"Welch's interval needs 2 values a sample at least, got {len(a)} and {len(b)}")
+    var_a, var_b = sd(a) ** 2, sd(b) ** 2  # type: ignore[operator]  # two values each: not None
+    se = math.sqrt(var_a / len(a) + var_b / len(b))
+    df = welch_df(var_a, len(a), var_b, len(b))
+    t = t_quantile(0.5 + confidence / 2.0, df)
+    difference = mean(a) - mean(b)
+    return WelchInterval(difference, difference - t * se, difference + t * se, se, df, t, confidence)
+
+
+@dataclass(frozen=True)
+class PermutationTest:
+    """A two-sided permutation test of mean(a) - mean(b): how often a relabeling of the pooled values
+    gives a difference at least as far from 0 as the observed one."""
+
+    p_value: float
+    exact: bool  # every relabeling enumerated; else ``relabelings`` seeded random ones
+    relabelings: int
+
+
+# Relabelings enumerated at most; beyond, a seeded Monte Carlo of as many draws.
+PERMUTATION_DRAWS = 20000
+
+
+def permutation_test(
+    a: Sequence[float], b: Sequence[float], *, draws: int = PERMUTATION_DRAWS, seed: int = 0
+) -> PermutationTest:
+    """Exact when the C(n_a + n_b, n_a) ways to split the pooled values are at most ``draws``: p is the
+    share of them (the observed one included) whose |difference of means| reaches the observed one.
+    Otherwise ``draws`` random splits (``seed``): p = (1 + hits) / (1 + draws), which never says 0."""
+    import itertools
+    import random
+
+    pooled = [*a, *b]
+    n_a, total = len(a), sum(pooled)
+    n_b = len(pooled) - n_a
+    if n_a == 0 or n_b == 0:
+        raise ValueError("a permutation test needs values in both samples")
+
+    def distance(sum_a: float) -> float:
+        return abs(sum_a / n_a - (total - sum_a) / n_b)
+
+    # A relabeling whose difference ties the observed one counts: the tolerance keeps float sums in
+    # another order from missing it.
+    observed = distance(sum(a)) * (1.0 - 1e-12) - 1e-12
+    if math.comb(len(pooled), n_a) <= draws:
+        splits = list(itertools.combinations(pooled, n_a))
+        hits = sum(distance(sum(split)) >= observed for split in splits)
+        return PermutationTest(hits / len(splits), True, len(splits))
+    rng = random.Random(seed)
+    hits = sum(distance(sum(rng.sample(pooled, n_a))) >= observed for _ in range(draws))
+    return PermutationTest((1 + hits) / (1 + draws), False, draws)
+
+
+def seeds_for_half_width(sd_a: float, sd_b: float, half_width: float, confidence: float = 0.95,
+                         limit: int = 10000) -> int | None:  # fmt: skip
+    """The least n (>= 2) seeds per arm at which Welch's ``confidence`` interval of the difference, at
+    these standard deviations, is no wider than ± ``half_width``: t(df_n) * sqrt((sd_a^2 + sd_b^2) / n)
+    <= half_width, with df_n Welch's for n a side. None: more than ``limit``."""
+    from statistics import NormalDist
+
+    var = sd_a * sd_a + sd_b * sd_b
+    # t > z at every df, so no n below the normal approximation's z^2 * var / half_width^2 will do: the
+    # search starts there and takes a few steps rather than thousands of t quantiles.
+    z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
+    start = max(2, math.floor(z * z * var / half_width**2)) if half_width > 0 else limit + 1
+    for n in range(start, limit + 1):
+        df = welch_df(sd_a * sd_a, n, sd_b * sd_b, n)
+        if t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(var / n) <= half_width:
+            return n
+    return None

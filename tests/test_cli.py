@@ -463,6 +463,7 @@ OPTIONS = {
     },
     "compare": {
         "--arms", "--seeds", "--output", "-o", "--jobs", "--threshold", "--only", "--no-summary", "--set",
+        "--reference", "--margin",
     },
     "demo": {"--output", "-o", "--steps", "--seed"},
     "env": {"--json"},
@@ -499,7 +500,9 @@ DRY_RUNS = [
 # The commands without --dry-run: what click parses each option into (nothing runs).
 PARSES = [
     (["compare", "r.yaml", "--arms", "a,b", "--seeds", "2", "--jobs", "2", "--only", "a/0", "--threshold",
-      "0.5"], {"arms": "a,b", "seeds": 2, "jobs": 2, "only": "a/0", "threshold": 0.5}),
+      "0.5", "--reference", "b", "--margin", "2.5"],
+     {"arms": "a,b", "seeds": 2, "jobs": 2, "only": "a/0", "threshold": 0.5, "reference": "b",
+      "margin": 2.5}),
     (["demo", "--steps", "2", "--seed", "3", "-o", "d"], {"steps": 2, "seed": 3, "output": "d"}),
     (["tiny-base", "--seed", "1", "--formats", "bf16"], {"seed": 1, "formats": "bf16"}),
     (["tiny-model", "out", "--seed", "3"], {"seed": 3}),

@@ -144,7 +144,7 @@ def test_vllm_runs_get_a_process_each_and_share_the_gpu_with_jobs(
     calls: list[tuple[int, float, list[str], float | None]] = []
     monkeypatch.setattr(
         runner, "run_parallel",
-        lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None, gpus=None:
+        lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None, gpus=None, **kw:
         calls.append((width, interval, child_sets, ready)) or [],
     )  # fmt: skip
     # An in-process vLLM keeps its GPU memory after close: even sequential runs go to child processes.
@@ -191,7 +191,7 @@ def test_runs_sharing_the_gpu_run_vllm_without_sleep_mode_and_with_their_own_sha
     sets = [*TINY_SETS, "rollout.engine=vllm"]
     calls: list[list[str]] = []
 
-    def stand_in(todo, recipe, seeds, out, child_sets, *args) -> list[str]:
+    def stand_in(todo, recipe, seeds, out, child_sets, *args, **kw) -> list[str]:
         calls.append(child_sets)
         return []
 
@@ -240,7 +240,7 @@ def test_sleep_mode_forced_on_for_runs_sharing_the_gpu_is_refused(
         runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "c", summarize=False, jobs=2,
                            sets=[*sets, "rollout.gpu_memory_utilization=auto"])  # fmt: skip
     # One at a time, sleep mode stays the user's.
-    monkeypatch.setattr(runner, "run_parallel", lambda todo, recipe, seeds, out, child_sets, *a: [])
+    monkeypatch.setattr(runner, "run_parallel", lambda todo, recipe, seeds, out, child_sets, *a, **kw: [])
     runner.run_compare(recipe, ["sleepy"], 2, tmp_path / "d", sets=sets, jobs=1, summarize=False)
     # From the command line: exit 2 with the message.
     from qerl_cli.cli import main
@@ -429,7 +429,7 @@ def test_compare_shares_each_gpu_among_the_runs_spread_onto_it(
     calls: list[tuple[list[str], int, list[str] | None]] = []
     monkeypatch.setattr(
         runner, "run_parallel",
-        lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None, gpus=None:
+        lambda todo, recipe, seeds, out, child_sets, width, interval=0.0, ready=None, gpus=None, **kw:
         calls.append((child_sets, width, gpus)) or [],
     )  # fmt: skip
     runner.run_compare(recipe, ["bf16-lora"], 6, tmp_path / "a", sets=sets, jobs=6, gpus="0,1",
@@ -519,7 +519,7 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int] | None = N
     """run_one without training: writes a result.json (or raises for ``fail``), records the runs."""
     ran = []
 
-    def fake_run(conf, settings, arm, progress):
+    def fake_run(conf, settings, arm, progress, invocation=None):
         ran.append((arm, conf.train.seed))
         if (arm, conf.train.seed) == fail:
             raise QerlError("training diverged at step 2: the gradient norm is nan")
@@ -679,7 +679,7 @@ def test_start_signal_columns_and_the_starving_base_warning(
     """The tiny model's compare with runs whose first steps had (almost) no groups with a reward spread."""
     no_spread = {"bf16-lora": [0.5, 0.75, 0.75], "nvfp4-aqn": [1.0, 0.5, 0.25]}
 
-    def fake_run(conf, settings, arm, progress):
+    def fake_run(conf, settings, arm, progress, invocation=None):
         result = RunResult(arm, conf.train.seed, [0.1, 0.3, 0.5], [1.0, 0.9, 0.8], _score(0.5, 0.1),
                            zero_std_group_fraction=no_spread[arm])  # fmt: skip
         (Path(conf.output.dir) / "result.json").parent.mkdir(parents=True, exist_ok=True)
@@ -898,3 +898,40 @@ def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_r
         runner.prepare_bases(
             data, {**arms, "s": {**arms["e"], "lora.init": "svd"}}, TINY_SETS, tmp_path / "x"
         )
+
+
+def test_heldout_samples_beyond_one_sample_at_the_recipes_temperature() -> None:
+    """One sample: greedy. k samples: the recipe's rollout temperature and top_p (the policy GRPO trains),
+    unless compare.heldout_temperature says otherwise; k greedy copies of one answer are refused."""
+    conf = SimpleNamespace(rollout=SimpleNamespace(temperature=0.7, top_p=0.95))
+    sampling = heldout_mod.heldout_sampling
+    assert sampling(conf, arms_mod.read_settings({})) == (0.0, 1.0)
+    assert sampling(conf, arms_mod.read_settings({"heldout_samples": 4})) == (0.7, 0.95)
+    hotter = arms_mod.read_settings({"heldout_samples": 4, "heldout_temperature": 1})
+    assert sampling(conf, hotter) == (1.0, 0.95)
+    assert sampling(conf, arms_mod.read_settings({"heldout_temperature": 0.5})) == (0.5, 1.0)
+    with pytest.raises(QerlError, match="heldout_samples=4 at compare.heldout_temperature=0 would grade one"):
+        arms_mod.read_settings({"heldout_samples": 4, "heldout_temperature": 0})
+
+
+def test_a_sampled_heldout_evaluation_asks_qerl_eval_for_k_samples_at_temperature(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli import evaluation
+
+    asked = []
+
+    def fake_eval(eval_cfg, log):
+        asked.append(eval_cfg)
+        metrics = SimpleNamespace(pass_at_1=0.5, pass_at_1_se=0.1, num_problems=4)
+        return SimpleNamespace(benchmarks={"synthetic-addition": SimpleNamespace(metrics=metrics)})
+
+    monkeypatch.setattr(evaluation, "run_eval", fake_eval)
+    data, settings = runs_mod.load_recipe(_recipe(tmp_path, tiny_model_dir, {"heldout_samples": 4}))
+    conf = runs_mod.arm_config(data, {}, [*TINY_SETS, "rollout.temperature=0.9"], 0, tmp_path, "a", {})
+    score = heldout_mod.evaluate_heldout(conf, settings, None, tmp_path / "heldout")
+    (eval_cfg,) = asked
+    assert (eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p) == (4, 0.9, conf.rollout.top_p)
+    assert score.samples == 4 and score.pass_at_1 == 0.5
+    greedy = heldout_mod._base_eval_key(conf, arms_mod.read_settings({}))
+    assert greedy["heldout_temperature"] == 0.0 and "heldout_top_p" not in greedy  # kept keys unchanged

@@ -391,6 +391,24 @@ def compare(
         ),
     ] = "auto",
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            "--reference",
+            metavar="ARM",
+            help="Arm the verdicts compare with (compare.reference).",
+            show_default="bf16-lora",
+        ),
+    ] = None,
+    margin: Annotated[
+        float | None,
+        typer.Option(
+            "--margin",
+            metavar="POINTS",
+            help="Verdicts' margin in held-out pass@1 points (compare.margin).",
+            show_default="5",
+        ),
+    ] = None,
     set_: CompareSet = None,
 ) -> None:
     """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
@@ -404,6 +422,7 @@ def compare(
     result = run_compare(
         recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
         summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(), gpus=gpus,
+        reference=reference, margin=margin,
     )  # fmt: skip
     if result.report is not None:  # None with --no-summary
         console.print(compare_table(result.report))

@@ -17,7 +17,10 @@ train`` never sees::
 
     compare:
       threshold: 0.5             # reward for "steps to threshold" (default: see summary.py)
-      heldout_problems: 64       # held-out split, greedy, pass@1 with its standard error
+      heldout_problems: 64       # held-out split, pass@1 with its standard error
+      heldout_samples: 4         # per problem, at the recipe's temperature (1: greedy)
+      reference: bf16-lora       # the arm the verdicts compare with (the default)
+      margin: 5                  # points: "not worse" is a 95% interval above -5
       base_method: awq           # (default), gptq or rtn: how 4-bit bases are made from the BF16 model
       arms:
         mxfp4-aqn: {model.format: mxfp4, aqn.enabled: true}
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qerl_cli import formats
+from qerl_cli.compare.verdict import DEFAULT_MARGIN, check_margin
 from qerl_cli.config import from_dict
 from qerl_cli.errors import QerlError
 
@@ -61,9 +65,24 @@ RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the 
 @dataclass
 class CompareSettings:
     threshold: float | None = None
+    # Held-out problems each run and base is evaluated on (the first of the task's held-out split).
     heldout_problems: int = 64
+    # Samples per held-out problem; pass@1 is each problem's share of correct samples, averaged. 1: one
+    # greedy answer. k > 1: k samples at heldout_temperature (unset: the recipe's rollout.temperature and
+    # top_p): the policy GRPO trains rather than its mode, and k answers a problem rather than one.
     heldout_samples: int = 1
-    heldout_temperature: float = 0.0  # greedy: the model's own answer, no sampling noise
+    # Temperature of the held-out samples. Unset: 0 (greedy) with one sample, the recipe's
+    # rollout.temperature with several. 0 with several samples is refused (k copies of one answer).
+    heldout_temperature: float | None = None
+    # The arm every other arm's held-out pass@1 is compared with (the verdicts of compare.md). Unset:
+    # bf16-lora when it is among the arms, else no verdicts.
+    reference: str | None = None
+    # The verdicts' margin, in points of held-out pass@1, fixed before the runs: "not worse" is a 95%
+    # interval of arm - reference whose lower end is above -margin.
+    margin: float = DEFAULT_MARGIN
+    # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in every run's environment): a run's numerics no
+    # longer depend on how vLLM batches its requests, so a seed reproduces its run. Slower; GPU only.
+    batch_invariant: bool = False
     # How a BF16 recipe model's 4-bit counterparts are made: AWQ through llm-compressor on the shipped
     # qerl-text calibration set (the quantization `qerl quantize` uses by default and the paper's bases
     # have, offline) or round to nearest (qerl's own packing, seconds, no extra package). AWQ by default:
@@ -104,10 +123,16 @@ def read_settings(section: Any) -> CompareSettings:
             "compare.heldout_problems and compare.heldout_samples must be > 0, got "
             f"{settings.heldout_problems} and {settings.heldout_samples}"
         )
-    if not settings.heldout_temperature >= 0:
+    temperature = settings.heldout_temperature
+    if temperature is not None and not temperature >= 0:
+        raise QerlError(f"compare.heldout_temperature must be >= 0 (0: greedy), got {temperature}")
+    if temperature == 0 and settings.heldout_samples > 1:
         raise QerlError(
-            f"compare.heldout_temperature must be >= 0 (0: greedy), got {settings.heldout_temperature}"
+            f"compare.heldout_samples={settings.heldout_samples} at compare.heldout_temperature=0 would "
+            "grade one greedy answer that many times: leave heldout_temperature unset (the recipe's "
+            "rollout.temperature) or set it above 0, or take heldout_samples=1"
         )
+    settings.margin = check_margin(settings.margin)
     if settings.start_interval_s is not None and not settings.start_interval_s >= 0:
         raise QerlError(f"compare.start_interval_s must be >= 0 seconds, got {settings.start_interval_s}")
     if not settings.engine_ready_timeout_s >= 0:

@@ -34,16 +34,29 @@ def heldout_benchmark(conf: cfg.TrainConfig) -> str:
     )
 
 
+def heldout_sampling(conf: cfg.TrainConfig, settings: CompareSettings) -> tuple[float, float]:
+    """(temperature, top_p) of the held-out evaluation: greedy for one sample a problem; for k > 1 the
+    recipe's rollout temperature and top_p (the policy as GRPO samples it), unless
+    ``compare.heldout_temperature`` is set."""
+    if settings.heldout_temperature is not None:
+        temperature = settings.heldout_temperature
+    else:
+        temperature = conf.rollout.temperature if settings.heldout_samples > 1 else 0.0
+    return temperature, conf.rollout.top_p if settings.heldout_samples > 1 else 1.0
+
+
 def evaluate_heldout(
     conf: cfg.TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
 ) -> HeldoutScore:
-    """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base)."""
+    """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base): each
+    problem's share of correct answers among ``compare.heldout_samples``, averaged over the problems."""
     from qerl_cli.evaluation import run_eval
 
     bench = heldout_benchmark(conf)
+    temperature, top_p = heldout_sampling(conf, settings)
     eval_cfg = cfg.EvalConfig(
         model=conf.model.path, adapter=adapter, benchmarks=[bench], samples=settings.heldout_samples,
-        engine="hf", output=str(out), temperature=settings.heldout_temperature, top_p=1.0,
+        engine="hf", output=str(out), temperature=temperature, top_p=top_p,
         max_new_tokens=conf.rollout.max_completion_length, max_problems=settings.heldout_problems,
         seed=conf.train.seed, template=conf.data.template, system_prompt=conf.data.system_prompt,
         grader_workers=max(1, conf.reward.grader_workers), device=conf.train.device, dtype=conf.model.dtype,
@@ -63,12 +76,17 @@ def evaluate_heldout(
 def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
     """Everything an untrained base's held-out figures depend on: a change to any of it re-evaluates."""
     d, r = conf.data, conf.rollout
+    temperature, top_p = heldout_sampling(conf, settings)
+    # top_p only where it is not 1 (sampled): the keys of greedy evaluations stay what they were, so
+    # their kept figures are not made again.
+    sampled = {"heldout_top_p": top_p} if top_p != 1.0 else {}
     return {
         "model": conf.model.path, "dtype": conf.model.dtype, "dataset": d.dataset, "template": d.template,
         "system_prompt": d.system_prompt, "max_completion_length": r.max_completion_length,
         "seed": conf.train.seed, "heldout_problems": settings.heldout_problems,
-        "heldout_samples": settings.heldout_samples, "heldout_temperature": settings.heldout_temperature,
+        "heldout_samples": settings.heldout_samples, "heldout_temperature": temperature,
         "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES, "lora_init": conf.lora.init,
+        **sampled,
     }  # fmt: skip
 
 

@@ -23,6 +23,27 @@ log = logging.getLogger(__name__)
 DEFAULT_START_INTERVAL_S = 10.0
 # Set in a run's child process: it trains in-process (a vLLM run is given its own process once, not again).
 CHILD_ENV = "QERL_COMPARE_CHILD"
+# Set in a run's child process: the `qerl compare` invocation that started it, which the run's
+# result.json records (the parent's, not the child's own).
+INVOCATION_ENV = "QERL_COMPARE_INVOCATION"
+
+
+def child_environment(batch_invariant: bool) -> dict[str, str]:
+    """What a run's child process gets on top of this one's environment: ``compare.batch_invariant``
+    turns on vLLM's batch-invariant mode (its kernels then give a sequence the same numerics whatever
+    it is batched with, so a seed reproduces its run), which vLLM reads from its environment."""
+    return {"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {}
+
+
+def invocation_id() -> str:
+    """This invocation's id: a run's child inherits its parent's, else a new one, its UTC start time and
+    six random hex digits ("20261128T103000Z-1a2b3c"), so two invocations in one second differ."""
+    import secrets
+
+    inherited = os.environ.get(INVOCATION_ENV)
+    if inherited and os.environ.get(CHILD_ENV):
+        return inherited
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 def visible_gpus(spec: str) -> list[str]:
@@ -111,6 +132,7 @@ def _free_gpu(running: list[_Child], gpus: list[str], per_gpu: int) -> str | Non
 def run_parallel(
     jobs: list[tuple[str, int]], recipe: str, seed_count: int, out: Path, sets: list[str], width: int,
     start_interval_s: float = 0.0, ready_timeout_s: float | None = None, gpus: list[str] | None = None,
+    invocation: str | None = None, environment: dict[str, str] | None = None,
 ) -> list[str]:  # fmt: skip
     """One child process per run, ``width`` at a time, started at least ``start_interval_s`` apart;
     the CPU threads are shared out evenly. With ``gpus``, the children are spread over them, at most
@@ -119,12 +141,17 @@ def run_parallel(
     it has its rollout engine up (``rl.setup.ENGINE_READY_FILE`` in its folder, which the child writes),
     or has been starting for that long.
 
+    The children record ``invocation`` as theirs and get ``environment`` on top of this process's.
+
     Returns the runs that failed (each with where its log is); the others run to the end regardless.
     """
     from qerl_cli.rl.setup import ENGINE_READY_FILE
 
     threads = max(1, (os.cpu_count() or 1) // width)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), CHILD_ENV: "1"}
+    env = {**os.environ, **(environment or {}), "OMP_NUM_THREADS": str(threads),
+           "MKL_NUM_THREADS": str(threads), CHILD_ENV: "1"}  # fmt: skip
+    if invocation:
+        env[INVOCATION_ENV] = invocation
     per_gpu = runs_per_gpu(width, gpus or [])
     pending = list(jobs)
     running: list[_Child] = []

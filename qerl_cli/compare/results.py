@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,10 @@ class RunResult:
     model: str | None = None  # the base it trained on
     aqn: bool | None = None
     device: str | None = None  # None: written before result.json recorded it
+    gpus: int | None = None  # GPUs the run's process saw (0: CPU); None: not recorded
+    # The `qerl compare` invocation that trained it ("20261128T103000Z-1a2b3c"): runs of one folder made
+    # at different times (a seed range added later) tell apart. None: not recorded.
+    invocation: str | None = None
     steps: int | None = None
     resumed_from: str | None = None
     # Per step, the share of groups whose rewards were all equal (no GRPO signal from them).
@@ -78,6 +82,8 @@ class RunResult:
             "model": self.model,
             "aqn": self.aqn,
             "device": self.device,
+            "gpus": self.gpus,
+            "invocation": self.invocation,
             "steps": self.steps,
             "resumed_from": self.resumed_from,
             "reward": list(self.reward),
@@ -98,6 +104,8 @@ class RunResult:
             model=data.get("model"),
             aqn=data.get("aqn"),
             device=data.get("device"),
+            gpus=data.get("gpus"),
+            invocation=data.get("invocation"),
             steps=data.get("steps"),
             resumed_from=data.get("resumed_from"),
             zero_std_group_fraction=list(data.get("zero_std_group_fraction") or []),  # older results lack it
@@ -142,6 +150,7 @@ class ArmRow:
     heldout_accuracy: float | None
     heldout_se: float | None
     heldout_per_seed: list[float]
+    heldout_seeds: list[int] | None  # the seeds of heldout_per_seed, in its order; None in older reports
     steps_to_threshold: float | None
     reached_threshold: str  # "k/n": seeds that reached it
     early_entropy: float | None
@@ -169,6 +178,41 @@ class SeedCurve:
 
 
 @dataclass
+class ArmVerdict:
+    """One arm against the reference (``compare.json``'s ``verdicts``). Figures are in points."""
+
+    arm: str
+    reference: str
+    margin: float
+    verdict: str  # one of VERDICTS, or NEEDS_SEEDS (compare.verdict says how each is decided)
+    seeds: list[int]  # the arm's seeds compared
+    reference_seeds: list[int]
+    difference: float | None = None  # mean(arm) - mean(reference)
+    low: float | None = None  # its 95% interval (Welch)
+    high: float | None = None
+    df: float | None = None  # Welch-Satterthwaite
+    p_value: float | None = None  # two-sided permutation test
+    p_exact: bool | None = None  # every relabeling enumerated, else Monte Carlo
+    p_relabelings: int | None = None  # relabelings enumerated or drawn
+    seeds_needed: int | None = None  # unresolved: seeds per arm for an interval of ± the margin
+    devices: list[str] = field(default_factory=list)  # of the arm's and the reference's runs
+    invocations: list[str] = field(default_factory=list)  # the compare invocations that made them
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ArmVerdict:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+VERDICTS = ("better", "not worse", "worse", "unresolved")
+NEEDS_SEEDS = "needs ≥2 seeds"  # the verdict of an arm or reference of fewer seeds
+
+
+@dataclass
 class CompareReport:
     """The ablation's report (``compare.json``; ``compare.md`` and the table render it)."""
 
@@ -183,6 +227,9 @@ class CompareReport:
     devices: list[str]
     curves: dict[str, list[SeedCurve]]
     plot: str | None = None
+    reference: str | None = None  # the arm the verdicts compare with; None: no verdicts
+    margin: float | None = None  # the verdicts' margin, in points of held-out pass@1
+    verdicts: list[ArmVerdict] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -200,6 +247,9 @@ class CompareReport:
                 for arm, curves in self.curves.items()
             },  # fmt: skip
             "plot": self.plot,
+            "reference": self.reference,
+            "margin": self.margin,
+            "verdicts": [v.to_dict() for v in self.verdicts],
         }
 
     @classmethod
@@ -219,6 +269,9 @@ class CompareReport:
                 for arm, curves in (data.get("curves") or {}).items()
             },  # fmt: skip
             plot=data.get("plot"),
+            reference=data.get("reference"),
+            margin=data.get("margin"),
+            verdicts=[ArmVerdict.from_dict(v) for v in data.get("verdicts") or []],
         )
 
 

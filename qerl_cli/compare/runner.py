@@ -42,12 +42,15 @@ from qerl_cli.compare.gpu_share import shared_gpu_sets
 from qerl_cli.compare.parallel import (
     CHILD_ENV,
     DEFAULT_START_INTERVAL_S,
+    child_environment,
+    invocation_id,
     run_parallel,
     runs_per_gpu,
     visible_gpus,
 )
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
 from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
+from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -55,8 +58,12 @@ from qerl_cli.torch_utils import free_accelerator_memory
 log = logging.getLogger(__name__)
 
 
-def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool) -> RunResult:
-    """Train (or resume) one run, evaluate it on the held-out split, write its result.json."""
+def run_one(
+    conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool, invocation: str | None = None
+) -> RunResult:
+    """Train (or resume) one run, evaluate it on the held-out split, write its result.json (with the
+    device, the GPUs seen and ``invocation``, the compare invocation that trained it)."""
+    from qerl_cli.envinfo import gpu_info
     from qerl_cli.rl.checkpoint import list_checkpoints
     from qerl_cli.rl.tracking import read_metrics
     from qerl_cli.rl.trainer import train
@@ -78,6 +85,8 @@ def run_one(conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress
         model=conf.model.path,
         aqn=conf.aqn.enabled,
         device=device_label(conf.train.device),
+        gpus=len(gpu_info()),
+        invocation=invocation,
         steps=summary.steps,
         resumed_from=summary.resumed_from or resume,
         reward=[float(r.get("reward_mean", float("nan"))) for r in records],
@@ -104,6 +113,7 @@ class _Ablation:
     seeds: int
     base_seed: int
     out: Path
+    invocation: str  # this invocation's id (a child's: its parent's), recorded by every run it trains
     bases: dict[str, str] = field(default_factory=dict)  # {arm: base folder}, once prepared
 
     def config(self, arm: str, seed: int) -> cfg.TrainConfig:
@@ -116,10 +126,12 @@ class _Ablation:
 def run_compare(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
     sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, summarize: bool = True,
-    threshold: float | None = None, progress: bool = False, gpus: str = "auto",
+    threshold: float | None = None, progress: bool = False, gpus: str = "auto", reference: str | None = None,
+    margin: float | None = None,
 ) -> CompareResult:  # fmt: skip
     """Run the ablation (skipping finished runs) and, unless ``summarize`` is off, write its report.
-    ``gpus`` (``auto`` or a comma list of GPU ids): the GPUs child runs are spread over."""
+    ``gpus`` (``auto`` or a comma list of GPU ids): the GPUs child runs are spread over. ``reference``
+    and ``margin`` (points) override ``compare.reference`` and ``compare.margin`` for the verdicts."""
     if seeds < 1:
         raise QerlError(f"--seeds must be >= 1, got {seeds}")
     if jobs < 1:
@@ -127,6 +139,10 @@ def run_compare(
     if gpus != "auto":
         visible_gpus(gpus)  # a malformed list stops here, before any base is made
     ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
+    if margin is not None:
+        ablation.settings.margin = check_margin(margin)
+    if summarize:  # a run's child (--no-summary) compares nothing: its single arm needs no reference
+        ablation.settings.reference = _reference(reference or ablation.settings.reference, ablation.arms)
     plan = _plan(ablation, arms, only)
     ablation.bases = prepare_bases(
         ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
@@ -167,7 +183,21 @@ def _ablation(
     return _Ablation(
         recipe=str(recipe), data=data, settings=settings, all_sets=all_sets, sets=sets,
         arms=select_arms(settings, arms), seeds=seeds, base_seed=base_seed, out=out,
+        invocation=invocation_id(),
     )  # fmt: skip
+
+
+def _reference(asked: str | None, arms: dict[str, dict[str, Any]]) -> str | None:
+    """The arm the verdicts compare with: the one asked for (which must be among the arms), else
+    bf16-lora if it is among them, else none (no verdicts)."""
+    if asked is None:
+        return DEFAULT_REFERENCE if DEFAULT_REFERENCE in arms else None
+    if asked not in arms:
+        raise QerlError(
+            f"the verdicts' reference arm {asked!r} is not among the arms ({', '.join(arms)}): add it to "
+            "--arms, or name one of them with --reference (compare.reference)"
+        )
+    return asked
 
 
 def _plan(ablation: _Ablation, arms: list[str], only: list[str] | None) -> list[tuple[str, int]]:
@@ -193,6 +223,11 @@ def _train(
     engines = {conf.rollout.engine for conf in confs}
     recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
     interval = ablation.settings.start_interval_s
+    # What every child gets: the invocation its run records, and vLLM's batch-invariant mode if asked.
+    environment = child_environment(ablation.settings.batch_invariant)
+    if ablation.settings.batch_invariant and "vllm" not in engines and todo:
+        log.warning("compare.batch_invariant is vLLM's mode: these runs' hf engine does not use it")
+    child = {"invocation": ablation.invocation, "environment": environment}
     children = not os.environ.get(CHILD_ENV)
     width = max(1, min(jobs, len(todo)))
     devices = visible_gpus(gpus) if children and (width > 1 or "vllm" in engines) else []
@@ -204,7 +239,7 @@ def _train(
         # even a single one (the bases' evaluation runs in this process afterwards).
         sharing = runs_per_gpu(width, devices)
         if sharing == 1:  # each run alone on its GPU: the recipe as is (sleep mode, measured share)
-            return run_parallel(todo, recipe, seeds, out, all_sets, width, 0.0, None, devices)
+            return run_parallel(todo, recipe, seeds, out, all_sets, width, 0.0, None, devices, **child)
         child_sets = shared_gpu_sets(
             ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, sharing
         )
@@ -212,14 +247,14 @@ def _train(
         # starts `gap` after the last start at least.
         gap = DEFAULT_START_INTERVAL_S if interval is None else interval
         timeout = ablation.settings.engine_ready_timeout_s
-        return run_parallel(todo, recipe, seeds, out, child_sets, width, gap, timeout, devices)
+        return run_parallel(todo, recipe, seeds, out, child_sets, width, gap, timeout, devices, **child)
     if jobs > 1 and len(todo) > 1:
-        return run_parallel(todo, recipe, seeds, out, all_sets, jobs, interval or 0.0, None, devices)
+        return run_parallel(todo, recipe, seeds, out, all_sets, jobs, interval or 0.0, None, devices, **child)
     failures = []
     for arm, seed in todo:
         log.info("%s seed %d: training", arm, seed)
         try:
-            run_one(ablation.config(arm, seed), ablation.settings, arm, progress)
+            run_one(ablation.config(arm, seed), ablation.settings, arm, progress, ablation.invocation)
         except Exception as exc:  # noqa: BLE001 - a diverged, broken or OOM run must not cost the others
             # A QerlError says what to do; anything else is unexpected: keep its traceback in the log.
             log.error("%s seed %d failed: %s", arm, seed, exc, exc_info=not isinstance(exc, QerlError))
@@ -246,6 +281,8 @@ def _summarize(
     seeds = list(range(a.base_seed, a.base_seed + a.seeds))
     report = write_report(a.out, a.arms, seeds, a.settings, threshold, skipped=skipped, recipe=a.recipe,
                           base_heldout=start, base_labels=labels)  # fmt: skip
+    for verdict in report.verdicts:
+        log.info("%s", verdict_line(verdict))
     for warning in report.warnings:
         log.warning("%s", warning)
     return report, base_failures

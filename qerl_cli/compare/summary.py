@@ -15,13 +15,16 @@
   paper's "quantization raises entropy" claim, before any training.
 - start reward and no-spread groups: the mean training reward, and the share of prompt groups whose
   rewards were all equal, over the first 10% of steps (at least one). They come from the runs' own
-  ``metrics.jsonl`` rather than from the base's held-out evaluation, because that evaluation is greedy
-  (one answer a problem) while GRPO learns only from groups of ``rollout.num_generations`` samples at
-  the training temperature that differ in reward: the training's first steps are that measurement.
+  ``metrics.jsonl`` rather than from the base's held-out evaluation, because that evaluation gives a
+  problem one greedy answer or a few samples while GRPO learns only from groups of
+  ``rollout.num_generations`` samples at the training temperature that differ in reward: the training's
+  first steps are that measurement.
   AQN's first stage is noise-free, so those steps see the base as it is. An arm whose groups have a
   reward spread in fewer than :data:`MIN_SIGNAL_FRACTION` of cases is named in ``warnings``: its
   base starts with too little signal for GRPO.
 - base: the format of the arm's base and how it was quantized (AWQ or RTN), in every report.
+- vs the reference and verdict: each arm's held-out pass@1 minus the reference arm's, in points, with its
+  95% interval, and the verdict at the margin (:mod:`~qerl_cli.compare.verdict` says how).
 """
 
 from __future__ import annotations
@@ -36,20 +39,24 @@ from qerl_cli.compare.arms import QUANTIZED_FORMATS, CompareSettings
 from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mean
 from qerl_cli.compare.curves import window as _window
 from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
+from qerl_cli.compare.verdict import (
+    arm_verdicts,
+    verdict_cells,
+    verdict_headers,
+    verdict_section,
+    verdict_warnings,
+)
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
 from qerl_cli.rl.signal import MIN_SIGNAL_FRACTION, RELATIVE_SIGNAL, remedies
-from qerl_cli.stats import mean, present
+from qerl_cli.stats import mean, present, sd
 
 START_FRACTION = FINAL_FRACTION  # the first steps: start reward, no-spread groups
 
 
-def _sd(values: list[float]) -> float | None:
-    values = present(values)
-    if len(values) < 2:
-        return None
-    m = mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+def _sd(values: list[float | None]) -> float | None:
+    """The sd over seeds of the figures measured; None under two."""
+    return sd(present(values))
 
 
 def steps_to(rewards: list[float], threshold: float) -> int | None:
@@ -131,6 +138,7 @@ def arm_rows(
                 heldout_accuracy=mean(present(heldout), empty=None),
                 heldout_se=se / math.sqrt(len(heldout)) if se is not None else figs[0].heldout_se,
                 heldout_per_seed=heldout,
+                heldout_seeds=[r.seed for r in runs],
                 steps_to_threshold=mean(present(reached), empty=None),
                 reached_threshold=f"{sum(s is not None for s in reached)}/{len(runs)}",
                 early_entropy=mean(present([f.early_entropy for f in figs]), empty=None),
@@ -184,7 +192,7 @@ def _percent(value: float | None, se: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}% ± {100 * (se or 0):.1f}"
 
 
-def _cells(row: ArmRow) -> list[str]:
+def _cells(row: ArmRow, report: CompareReport) -> list[str]:
     no_spread = row.start_no_spread_fraction
     return [
         row.arm,
@@ -198,6 +206,7 @@ def _cells(row: ArmRow) -> list[str]:
         _fmt(row.base_entropy),
         _fmt(row.start_reward),
         "-" if no_spread is None else f"{100 * no_spread:.1f}%",
+        *verdict_cells(row.arm, report.verdicts, report.reference),
     ]
 
 
@@ -205,6 +214,10 @@ HEADERS = [
     "arm", "base", "seeds", "final reward", "base pass@1 ± SE", "held-out pass@1 ± SE", "steps to threshold",
     "early entropy", "base entropy (T=1)", "start reward", "no-spread groups (start)",
 ]  # fmt: skip
+
+
+def _headers(report: CompareReport) -> list[str]:
+    return [*HEADERS, *verdict_headers(report.reference)]
 
 
 def markdown(report: CompareReport) -> str:
@@ -219,10 +232,11 @@ def markdown(report: CompareReport) -> str:
         f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
         f"Ran on: {', '.join(report.devices or ['unrecorded device'])}.",
         "",
-        "| " + " | ".join(HEADERS) + " |",
-        "| " + " | ".join("---" for _ in HEADERS) + " |",
+        "| " + " | ".join(_headers(report)) + " |",
+        "| " + " | ".join("---" for _ in _headers(report)) + " |",
     ]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in report.arms]
+    lines += ["| " + " | ".join(_cells(row, report)) + " |" for row in report.arms]
+    lines += ["", *verdict_section(report.verdicts, report.reference, report.margin)]
     warnings = report.warnings
     lines += ["", *(f"**Warning**: {w}." for w in warnings)] if warnings else []
     return "\n".join(lines) + "\n"
@@ -240,13 +254,19 @@ def compare_table(report: CompareReport):  # -> rich.table.Table
     from rich.table import Table
 
     table = Table(title=f"qerl compare (threshold {report.threshold:.3f})")
-    for header in HEADERS:
+    for header in _headers(report):
         table.add_column(header, justify="left" if header == "arm" else "right")
     for row in report.arms:
-        table.add_row(*_cells(row))
+        table.add_row(*_cells(row, report))
+    verdicts = (
+        f"Verdicts: held-out pass@1 against {report.reference}'s, 95% Welch interval, "
+        f"{report.margin:g}-point margin (compare.md has each with its permutation p). "
+        if report.reference and report.margin is not None
+        else ""
+    )
     table.caption = (
         f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
-        f"{report.output}: compare.json, compare.md, compare.png"
+        f"{verdicts}{report.output}: compare.json, compare.md, compare.png"
     )
     return table
 
@@ -266,20 +286,25 @@ def write_report(
     trained = {r.device or unknown for runs in results.values() for r in runs}
     # A base that could not be evaluated (None) records no device either: it counts as unrecorded.
     bases = {(b.device if b else None) or unknown for b in (base_heldout or {}).values()}
-    plot = plot_curves(results, out / "compare.png", ", ".join(sorted(trained)))  # the curves' own device
+    reference = settings.reference
+    verdicts = arm_verdicts(results, reference, settings.margin) if reference else []
+    plot = plot_curves(results, out / "compare.png", ", ".join(sorted(trained)), verdicts)
     report = CompareReport(
         recipe=recipe or out.name,
         output=str(out),
         threshold=used,
         arms=rows,
         base_method=settings.base_method,
-        warnings=signal_warnings(rows),
+        warnings=[*signal_warnings(rows), *verdict_warnings(verdicts)],
         overrides={arm: arms[arm] for arm in results},
         skipped_finished_runs=skipped,
         # Runs written before result.json recorded its device say so rather than guess.
         devices=sorted(trained | bases),
         curves={arm: [SeedCurve(r.seed, r.reward, r.entropy) for r in runs] for arm, runs in results.items()},
         plot=str(plot) if plot else None,
+        reference=reference,
+        margin=settings.margin if reference else None,
+        verdicts=verdicts,
     )
     write_json(out / "compare.json", report.to_dict())
     atomic_write_text(out / "compare.md", markdown(report))

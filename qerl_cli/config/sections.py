@@ -407,8 +407,9 @@ class TrainConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     train: TrainSection = field(default_factory=TrainSection)
     output: OutputSection = field(default_factory=OutputSection)
-    # `qerl compare` settings (arms, threshold, held-out size; see qerl_cli.compare.arms). Ignored by
-    # `qerl train`, so one recipe serves both.
+    # `qerl compare` settings (arms, threshold, held-out problems and samples, the verdicts' reference
+    # and margin, batch-invariant vLLM; see qerl_cli.compare.arms). Ignored by `qerl train`, so one
+    # recipe serves both.
     compare: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, where: str = "") -> None:

@@ -1,0 +1,221 @@
+"""Learning verdicts: each arm's held-out pass@1 against a reference arm's, over seeds, in points.
+
+For every arm but the reference, from the per-seed held-out pass@1 of both (in points, 100 x pass@1):
+
+- the difference of the means, arm - reference, with its 95% interval by Welch's t (Welch-Satterthwaite
+  degrees of freedom; :func:`qerl_cli.stats.welch_interval`);
+- beside it, a two-sided permutation test's p-value (exact over every relabeling of the pooled seeds
+  when there are at most 20000, else 20000 seeded random ones; :func:`qerl_cli.stats.permutation_test`);
+- a verdict against the margin M (``compare.margin``, ``--margin``, 5 points by default), fixed before
+  the runs. With the interval [low, high], the first that holds:
+
+  1. ``better``: low > 0;
+  2. ``not worse``: low > -M (not worse by more than M points; this includes an interval wholly in
+     (-M, 0): a loss shown to be smaller than the margin);
+  3. ``worse``: high < 0;
+  4. ``unresolved``: otherwise (the interval holds both -M and 0).
+
+  The edges belong to the weaker verdict: low = 0 is not ``better``, low = -M is not ``not worse``,
+  high = 0 is not ``worse``.
+- for ``unresolved``, the seeds per arm the observed scatter would need: the least n at which the
+  interval, at both arms' standard deviations over seeds, is no wider than ±M
+  (:func:`qerl_cli.stats.seeds_for_half_width`; docs/defaults.md's "seeds per arm for ±5"). Such an
+  interval resolves a difference above 0 (not worse) or below -M (worse); one between the two may take
+  more.
+
+An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds.
+Runs of an arm and its reference made on different GPUs (or CPUs) get a note in the verdict and a
+warning; runs from several ``qerl compare`` invocations on the same machine kind are noted only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from qerl_cli.compare.results import NEEDS_SEEDS, ArmVerdict, RunResult
+from qerl_cli.errors import QerlError
+from qerl_cli.stats import PERMUTATION_DRAWS, permutation_test, sd, seeds_for_half_width, welch_interval
+
+DEFAULT_REFERENCE = "bf16-lora"
+DEFAULT_MARGIN = 5.0  # points of held-out pass@1
+CONFIDENCE = 0.95
+_SEED_LIMIT = 10000  # seeds_needed searched up to
+UNRECORDED = "unrecorded"  # a run written before result.json recorded its device or invocation
+
+
+def decide(low: float, high: float, margin: float) -> str:
+    """The verdict of an interval [low, high] of arm - reference (points) at a margin (points, > 0)."""
+    if low > 0:
+        return "better"
+    if low > -margin:
+        return "not worse"
+    if high < 0:
+        return "worse"
+    return "unresolved"
+
+
+def verdict_words(verdict: str, margin: float) -> str:
+    """How a verdict reads in a sentence."""
+    return {
+        "better": "better",
+        "not worse": f"not worse by more than {margin:g} points",
+        "worse": "worse",
+        "unresolved": f"unresolved at a {margin:g}-point margin",
+    }.get(verdict, verdict)
+
+
+def p_method(v: ArmVerdict) -> str:
+    """How the permutation p was had: "exact, 20 relabelings" or "Monte Carlo, 20000 draws"."""
+    if v.p_exact is None:
+        return ""
+    if v.p_exact:
+        return f"exact, {v.p_relabelings} relabelings"
+    return f"Monte Carlo, {v.p_relabelings} draws"
+
+
+def verdict_cell(v: ArmVerdict) -> str:
+    """The table's verdict cell."""
+    if v.verdict == "unresolved":
+        needed = v.seeds_needed or f">{_SEED_LIMIT}"
+        return f"unresolved ({needed} seeds/arm for ±{v.margin:g})"
+    return v.verdict
+
+
+def interval_cell(v: ArmVerdict) -> str:
+    """The table's difference cell: "+1.2 [-8.3, +10.7]"."""
+    if v.difference is None or v.low is None or v.high is None:
+        return "-"
+    return f"{v.difference:+.1f} [{v.low:+.1f}, {v.high:+.1f}]"
+
+
+def verdict_line(v: ArmVerdict) -> str:
+    """The verdict as a sentence (compare.md, the log)."""
+    head = f"{v.arm} vs {v.reference}"
+    if v.verdict == NEEDS_SEEDS:
+        text = (
+            f"{head}: no verdict, {len(v.seeds)} seed(s) against {len(v.reference_seeds)}; an "
+            "interval needs ≥2 seeds in both arms (run the same command with --seeds 2 or more)"
+        )
+    else:
+        text = (
+            f"{head}: {v.difference:+.1f} points, 95% interval [{v.low:+.1f}, {v.high:+.1f}] "
+            f"(Welch, df {v.df:.1f}; {len(v.seeds)} vs {len(v.reference_seeds)} seeds), "
+            f"permutation p = {v.p_value:.3f} ({p_method(v)}): "
+            f"{verdict_words(v.verdict, v.margin)}"
+        )
+        if v.verdict == "unresolved":
+            text += (
+                f"; {v.seeds_needed} seeds per arm at this scatter would narrow it to ±{v.margin:g} points"
+                if v.seeds_needed
+                else f"; more than {_SEED_LIMIT} seeds per arm at this scatter to narrow it to ±{v.margin:g}"
+            )
+    return text + "".join(f" ({note})" for note in v.notes)
+
+
+def arm_verdicts(
+    results: Mapping[str, Sequence[RunResult]], reference: str, margin: float
+) -> list[ArmVerdict]:
+    """A verdict for every arm of ``results`` but ``reference`` (none of whose runs may have finished:
+    then every arm needs its seeds)."""
+    ref_runs = list(results.get(reference, []))
+    return [_verdict(arm, list(runs), reference, ref_runs, margin) for arm, runs in results.items()
+            if arm != reference]  # fmt: skip
+
+
+def _points(runs: list[RunResult]) -> list[float]:
+    return [100.0 * r.heldout.pass_at_1 for r in runs]
+
+
+def _verdict(
+    arm: str, runs: list[RunResult], reference: str, ref_runs: list[RunResult], margin: float
+) -> ArmVerdict:
+    both = [*runs, *ref_runs]
+    devices = sorted({r.device or UNRECORDED for r in both})
+    invocations = sorted({r.invocation or UNRECORDED for r in both})
+    verdict = ArmVerdict(
+        arm=arm, reference=reference, margin=margin, verdict=NEEDS_SEEDS, seeds=[r.seed for r in runs],
+        reference_seeds=[r.seed for r in ref_runs], devices=devices, invocations=invocations,
+        notes=provenance_notes(devices, invocations),
+    )  # fmt: skip
+    if len(runs) < 2 or len(ref_runs) < 2:
+        return verdict
+    a, b = _points(runs), _points(ref_runs)
+    interval = welch_interval(a, b, CONFIDENCE)
+    test = permutation_test(a, b, draws=PERMUTATION_DRAWS, seed=0)
+    verdict.difference, verdict.low, verdict.high, verdict.df = (
+        interval.difference, interval.low, interval.high, interval.df,
+    )  # fmt: skip
+    verdict.p_value, verdict.p_exact, verdict.p_relabelings = test.p_value, test.exact, test.relabelings
+    verdict.verdict = decide(interval.low, interval.high, margin)
+    if verdict.verdict == "unresolved":
+        spread = (sd(a) or 0.0, sd(b) or 0.0)
+        verdict.seeds_needed = seeds_for_half_width(*spread, margin, CONFIDENCE, _SEED_LIMIT)
+    return verdict
+
+
+def provenance_notes(devices: list[str], invocations: list[str]) -> list[str]:
+    """What a verdict line says of where and when its runs were made: several machine kinds (a
+    warning too, :func:`verdict_warnings`), several invocations (fine, noted)."""
+    notes = []
+    if len(devices) > 1:
+        notes.append(f"mixed machines: {', '.join(devices)}")
+    if len(invocations) > 1:
+        notes.append(f"runs from {len(invocations)} invocations")
+    return notes
+
+
+def verdict_warnings(verdicts: list[ArmVerdict]) -> list[str]:
+    """One warning per arm compared on runs from different machine kinds: scatter between machines (their
+    kernels, their vLLM) enters the difference."""
+    return [
+        f"{v.arm} vs {v.reference} mixes runs made on {', '.join(v.devices)}: the difference may hold the "
+        "machines' own; compare runs of one machine kind (another --output) to be sure"
+        for v in verdicts
+        if len(v.devices) > 1
+    ]
+
+
+def check_margin(margin: float) -> float:
+    """The margin in points, refused unless finite and > 0."""
+    if not (math.isfinite(margin) and margin > 0):
+        raise QerlError(
+            f"the verdicts' margin must be a positive number of points (5: not worse by more than 5 "
+            f"points of held-out pass@1), got {margin}: set compare.margin or --margin"
+        )
+    return float(margin)
+
+
+def verdict_cells(arm: str, verdicts: list[ArmVerdict], reference: str | None) -> list[str]:
+    """The table's two verdict cells of ``arm``: the difference with its interval, and the verdict."""
+    if arm == reference:
+        return ["reference", "-"]
+    found = next((v for v in verdicts if v.arm == arm), None)
+    return [interval_cell(found), verdict_cell(found)] if found else ["-", "-"]
+
+
+def verdict_headers(reference: str | None) -> list[str]:
+    return [f"vs {reference or 'reference'}, points [95% CI]", "verdict"]
+
+
+def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: float | None) -> list[str]:
+    """compare.md's verdicts: how they are made, then one line per arm."""
+    if reference is None:
+        return [
+            "## Verdicts",
+            "",
+            f"None: no reference arm ({DEFAULT_REFERENCE} is not among the arms; name one with --reference "
+            "or compare.reference).",
+        ]
+    m = f"{margin:g}"
+    return [
+        "## Verdicts",
+        "",
+        f"Held-out pass@1 of each arm minus {reference}'s, in points, over seeds: the difference of the "
+        "means with its 95% interval (Welch's t, Welch-Satterthwaite df), and a two-sided permutation test's "
+        f"p. Margin {m} points, fixed before the runs: better (the interval's lower end > 0), else not "
+        f"worse by more than {m} points (lower end > -{m}), else worse (upper end < 0), else unresolved, "
+        f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points.",
+        "",
+        *(f"- {verdict_line(v)}" for v in verdicts),
+    ]
