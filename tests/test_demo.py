@@ -141,7 +141,9 @@ def test_demo_learns_and_its_adapter_beats_the_base_under_qerl_eval(
     from qerl_cli.rl import warmstart
     from qerl_cli.rl.tracking import PLOT_FILE, read_metrics
 
-    def prebuilt(out_dir: Path, cfg: warmstart.WarmStartConfig, *, formats: tuple[str, ...]) -> dict:
+    def prebuilt(
+        out_dir: Path, cfg: warmstart.WarmStartConfig, *, formats: tuple[str, ...], report=None
+    ) -> dict:
         # The base the demo asks for is the module's (its default settings), built once.
         assert cfg == warmstart.WarmStartConfig() and formats == ("nvfp4",)
         for fmt, folder in tiny_base["paths"].items():
