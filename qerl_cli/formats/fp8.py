@@ -1,7 +1,7 @@
 """FP8 (E4M3) weights with one scale per output channel: the W8A8 layout vLLM serves with its FP8 GEMMs.
 
 qerl keeps the trainer's base in 4 bits; FP8 exists only as a *rollout* copy of that base
-(``rollout.linear_backend: fp8``, :mod:`qerl_cli.modeling.fp8_rollout`): on Hopper, vLLM's FP8
+(``rollout.linear_backend: fp8``, :mod:`qerl_cli.rollout.fp8_rollout`): on Hopper, vLLM's FP8
 CUTLASS GEMM runs on the FP8 tensor cores (twice the BF16 peak), which beats the weight-only FP4
 Marlin kernel once a decode step has enough rows to be compute-bound. Activations are quantized
 per token at run time by vLLM (compressed-tensors ``FP8_DYNAMIC``).

@@ -7,11 +7,11 @@ compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alte
 * ``marlin``: vLLM's default for 4-bit weights (no setting passed);
 * ``humming``: vLLM 0.26's Humming kernels (``linear_backend="humming"``, ``wgmma`` on Hopper;
   ``pip install "qerl[humming]"``);
-* ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.modeling.fp8_rollout`),
+* ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.rollout.fp8_rollout`),
   served by vLLM's FP8 tensor-core GEMMs at twice the BF16 peak; for a BF16 base, vLLM's online FP8.
   The trainer keeps its packed 4-bit base: truncated importance sampling corrects the extra rounding.
 * ``fp8-merged``: the ``fp8`` copy with the LoRA merged into it after every update
-  (:mod:`qerl_cli.modeling.fp8_merge`), so vLLM runs without its LoRA kernels;
+  (:mod:`qerl_cli.rollout.fp8_merge`), so vLLM runs without its LoRA kernels;
 * ``merged``: the same for a BF16 base, whose merged weights stay BF16 (TRL's merged-LoRA baseline).
   Either name pinned for a base of the other kind means that base's merge, so one recipe serves
   every arm of a comparison. Each sync merges the adapter

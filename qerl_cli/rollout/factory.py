@@ -222,7 +222,7 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         merge_base = str(model_path)
     served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
-        from qerl_cli.modeling.fp8_rollout import fp8_rollout_checkpoint
+        from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
         from qerl_cli.modeling.sources import cache_root
 
         served = str(fp8_rollout_checkpoint(model_path, cache_root()))

@@ -12,8 +12,8 @@ Adapters are served from copies on tmpfs (``vllm_setup.tmpfs_dir``), never from 
 folder, which the next checkpoint may overwrite while vLLM still reads it.
 
 Merge mode (``merge_base`` set: the trainer's base checkpoint): a sync takes the adapter's factors
-(:func:`~qerl_cli.modeling.fp8_merge.lora_deltas` of the live PEFT model, or
-:func:`~qerl_cli.modeling.fp8_merge.deltas_from_tensors` of a saved adapter) and has vLLM's worker
+(:func:`~qerl_cli.rollout.fp8_merge.lora_deltas` of the live PEFT model, or
+:func:`~qerl_cli.rollout.fp8_merge.deltas_from_tensors` of a saved adapter) and has vLLM's worker
 rewrite each targeted linear as base + B A (:func:`~qerl_cli.rollout.vllm_worker.worker_merge_lora`),
 then resets the prefix cache. Like an adapter load it writes GPU weights, so while vLLM sleeps it is
 only recorded and done at ``wake_up``. A linear an earlier sync merged and this one does not target is
@@ -34,7 +34,7 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
-from qerl_cli.modeling.fp8_merge import BaseWeights, LoraDelta, PolicyBases, deltas_from_tensors, lora_deltas
+from qerl_cli.rollout.fp8_merge import BaseWeights, LoraDelta, PolicyBases, deltas_from_tensors, lora_deltas
 from qerl_cli.rollout.vllm_setup import tmpfs_dir, vllm_in_process
 from qerl_cli.rollout.vllm_worker import worker_merge_lora
 
