@@ -175,7 +175,7 @@ def fake_llm(monkeypatch: pytest.MonkeyPatch):
     class FakeEngine:
         def __init__(self, model_path: str, **kwargs) -> None:
             seen.append({"model": model_path, **kwargs})
-            self.backend_choice = None
+            self.backend_choice = kwargs.get("backend_choice")
 
     module = types.ModuleType("vllm")
     module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)

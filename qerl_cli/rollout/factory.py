@@ -222,8 +222,8 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         merge_base = str(model_path)
     served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
-        from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
         from qerl_cli.modeling.sources import cache_root
+        from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
 
         served = str(fp8_rollout_checkpoint(model_path, cache_root()))
         model_format = "auto"  # vLLM serves the FP8 copy; the trainer keeps the 4-bit base
@@ -239,9 +239,8 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         trust_remote_code=request.trust_remote_code, revision=request.revision,
         kv_cache_dtype=request.kv_cache_dtype, tensor_parallel_size=request.tensor_parallel_size,
         vllm_kwargs={**choice.vllm_kwargs(), **fixed_kv, **user_kwargs},  # the recipe's vllm_kwargs win
-        merge_base=merge_base,
+        merge_base=merge_base, backend_choice=choice,
     )  # fmt: skip
-    engine.backend_choice = choice
     if request.adapter is not None:
         engine.sync_adapter(str(request.adapter))
     return engine
