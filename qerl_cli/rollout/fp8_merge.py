@@ -96,9 +96,9 @@ class PolicyBases:
     """The trainer's own frozen linear layers (PEFT's ``base_layer`` under each LoRA linear, and the
     linears without an adapter, which a merge resets to their base when an earlier adapter targeted
     them: a 4-bit ``QuantLinear`` or a dense ``nn.Linear``), dequantized where they live. A sync then
-    reads nothing from disk and copies nothing from the host: on an H100 a 7B NVFP4 merge from the
-    checkpoint spent 0.3 s reading and 0.5-1.0 s copying and dequantizing, and a BF16 base would read
-    15 GB a sync. The engine must run in the trainer's process (the layers are not shipped to another)."""
+    reads nothing from disk and copies nothing from the host, which a merge from the checkpoint does every
+    sync (its cost per sync: benchmarks/h100-2026-11-27-merged). The engine must run in the trainer's
+    process (the layers are not shipped to another)."""
 
     def __init__(self, peft_model: nn.Module) -> None:
         self.layers: dict[str, nn.Module] = {}

@@ -106,7 +106,8 @@ class StalenessCheck:
         if engine.merge_base is not None:
             # FP8 merged weights carry the FP8 copy's rounding, which the fp8 backend lets the two base
             # models differ by up to twice the tolerance; with no adapter-free vLLM model to take it
-            # out, the merged model gets the same allowance (a 7B random-weight base measured 0.54).
+            # out, the merged model gets the same allowance (what FP8 rounding moves a 7B's logprobs by:
+            # benchmarks/h100-2026-11-27-merged).
             # A BF16 merge rounds to BF16 only: the plain tolerance.
             choice = engine.backend_choice
             fp8 = choice is None or choice.weight_format == "fp8"
