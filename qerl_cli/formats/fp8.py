@@ -16,6 +16,8 @@ from functools import cache
 
 import torch
 
+from qerl_cli.formats.checkpoint import COMPRESSED_TENSORS_VERSION
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite E4M3 value
 # Relative spacing of E4M3 normals (3 mantissa bits): rounding moves a value by at most half of it.
@@ -71,7 +73,6 @@ def rounding_bound(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantization_config(ignore: list[str]) -> dict:
     """config.json ``quantization_config`` of a compressed-tensors ``FP8_DYNAMIC`` checkpoint: static
     per-channel FP8 weights, dynamic per-token FP8 activations (what llm-compressor writes)."""
-    from qerl_cli.formats.checkpoint import COMPRESSED_TENSORS_VERSION
 
     def args(strategy: str, dynamic: bool) -> dict:
         return {

@@ -21,6 +21,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask
+from qerl_cli.modeling.lora import attach_lora
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -158,7 +159,6 @@ def attach_to_base(model: nn.Module, folder: str | Path) -> Any:
     PEFT's own ``PeftModel.from_pretrained`` does not know QuantLinear, so the LoRA layers are
     created by qerl's ``attach_lora`` from the adapter's config and the weights loaded after.
     """
-    from qerl_cli.modeling.lora import attach_lora
 
     folder = Path(folder)
     config = read_config(folder)

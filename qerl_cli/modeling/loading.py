@@ -24,6 +24,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.modeling.source_checks import check_model_source, pickle_allowed
 from qerl_cli.modeling.sources import resolve_model_source
 
 COMPRESSED_TENSORS_FORMATS = {
@@ -160,7 +161,6 @@ def load_base_model(
     The folder is checked first (:func:`~qerl_cli.modeling.source_checks.check_model_source`): a missing
     folder, pickle-only weights or a model that needs its own code fail with what to do.
     """
-    from qerl_cli.modeling.source_checks import check_model_source
 
     check_model_source(
         path,
@@ -199,7 +199,6 @@ def load_policy_model(
     Quantized linears become :class:`QuantLinear` (packed at rest); everything else is ``dtype``.
     BF16 weights load from safetensors only, unless ``QERL_ALLOW_PICKLE=1`` opts in to pickle files.
     """
-    from qerl_cli.modeling.source_checks import pickle_allowed
 
     path = Path(resolve_model_source(path))  # a .gguf file or alias becomes its converted folder
     config_dict = read_config(path)

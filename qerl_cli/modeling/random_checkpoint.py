@@ -22,6 +22,7 @@ from qerl_cli.formats.checkpoint import (
     module_groups,
     write_checkpoint,
 )
+from qerl_cli.modeling.tiny import build_tiny_config
 
 _QWEN25_COMMON = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", max_position_embeddings=32768,
@@ -31,7 +32,6 @@ _QWEN25_COMMON = dict(
 
 
 def _tiny_shape() -> dict:
-    from qerl_cli.modeling.tiny import build_tiny_config
 
     config = build_tiny_config().to_dict()
     keep = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -45,6 +45,7 @@ from qerl_cli.modeling.error_init import (
     weighted_sq_norm,
     whitening,
 )
+from qerl_cli.modeling.loading import load_policy_model
 from qerl_cli.modeling.quant_linear import QuantLinear, packed_nbytes
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,6 @@ def build_lora_init(
 ) -> LoraInitInfo:
     """Write ``quantized_dir/lora_init/`` for the quantized linears ``names`` and return its record.
     ``bf16_model`` is the untouched BF16 model (moved to ``device`` here)."""
-    from qerl_cli.modeling.loading import load_policy_model
 
     if method not in ("eora", "svd"):
         raise ValueError(f"unknown LoRA init method {method!r}")

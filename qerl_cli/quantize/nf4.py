@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
 WEIGHTS_NAME = "model.safetensors"
@@ -54,7 +55,6 @@ def nf4_state(
     state: dict[str, torch.Tensor], quantized: list[str], device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Replace ``<layer>.weight`` of every quantized layer by its NF4 checkpoint tensors."""
-    from qerl_cli import formats
 
     fmt = formats.get("nf4")
     targets = {f"{name}.weight": name for name in quantized}

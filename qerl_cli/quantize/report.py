@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.loading import QUANT_RECORD
@@ -62,8 +63,6 @@ def weight_errors(
 ) -> dict[str, float]:
     """Relative Frobenius error ||deq(saved) - W|| / ||W|| of every quantized layer, by layer name."""
     from safetensors import safe_open
-
-    from qerl_cli import formats
 
     fmt = formats.get(fmt_name)
     index = _saved_tensor_index(out_dir)

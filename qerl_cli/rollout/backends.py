@@ -38,6 +38,7 @@ from qerl_cli import formats
 from qerl_cli.config.sections import MERGED_LINEAR_BACKENDS, LinearBackend
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
+from qerl_cli.modeling.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,6 @@ class MeasuredModel:
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str | None = None) -> MeasuredModel | None:
         """From a transformers ``config.json`` dict (None when it lacks the usual dimensions)."""
-        from qerl_cli.modeling.model_shape import ModelShape
 
         try:
             shape = ModelShape.from_config(config)

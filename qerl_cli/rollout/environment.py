@@ -4,6 +4,7 @@ the linear backend choice (:func:`qerl_cli.rollout.backends.choose_backend`) is 
 from __future__ import annotations
 
 import importlib.util
+from importlib.metadata import PackageNotFoundError, version
 
 from qerl_cli.rollout.backends import Environment
 
@@ -27,7 +28,6 @@ def current_environment(
 
 
 def _vllm_version() -> tuple[int, int] | None:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         parts = version("vllm").split(".")

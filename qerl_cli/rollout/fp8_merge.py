@@ -39,6 +39,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
+from qerl_cli.modeling import loading
 
 # HF projection name -> (vLLM's stacked module, shard index along its output rows).
 STACKED: dict[str, tuple[str, int]] = {
@@ -138,7 +139,6 @@ class CheckpointBases:
     checkpoint), one module at a time: safetensors maps the files, so a sync reads only what it merges."""
 
     def __init__(self, folder: str | Path) -> None:
-        from qerl_cli.modeling import loading
 
         self.folder = Path(folder)
         config = loading.read_config(self.folder)
