@@ -26,7 +26,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
 from qerl_cli.modeling.shapes import check_vllm_shapes
-from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.modeling.sources import cache_root, resolve_model_source
 from qerl_cli.rollout import vllm_setup  # module: tests patch _cuda_total_bytes
 from qerl_cli.rollout.backends import (
     FORMAT_BACKENDS,
@@ -38,6 +38,7 @@ from qerl_cli.rollout.backends import (
 )
 from qerl_cli.rollout.base import RolloutEngine
 from qerl_cli.rollout.environment import current_environment
+from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
 from qerl_cli.torch_utils import DTYPES, resolve_device
 from qerl_cli.torch_utils import dtype_name as torch_dtype_name
 
@@ -223,9 +224,6 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         merge_base = str(model_path)
     served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
-        from qerl_cli.modeling.sources import cache_root
-        from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
-
         served = str(fp8_rollout_checkpoint(model_path, cache_root()))
         model_format = "auto"  # vLLM serves the FP8 copy; the trainer keeps the 4-bit base
     fixed_kv: dict[str, Any] = {}
