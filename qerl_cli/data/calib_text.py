@@ -72,7 +72,6 @@ PARAGRAPHS = (
 
 def worked_problems(split: str, n: int) -> list[str]:
     """``n`` word problems of ``split`` with a one-line worked solution."""
-
     rows = []
     for p in make_problems("synthetic-wordproblems", split, n=n, seed=0):
         a, b = p.meta["a"], p.meta["b"]

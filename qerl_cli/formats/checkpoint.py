@@ -88,7 +88,6 @@ def pack_group(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Round-to-nearest pack the ``weight`` of each module named in ``quantized``; everything else
     (biases, norms, embeddings, ``lm_head``) passes through. Yields ``(tensor name, tensor)``."""
-
     check_checkpoint_format(fmt)
     qfmt = None if fmt == "bf16" else formats.get(fmt)
     quantized = [name for name in group if name in quantized] if qfmt is not None else []

@@ -159,7 +159,6 @@ def attach_to_base(model: nn.Module, folder: str | Path) -> Any:
     PEFT's own ``PeftModel.from_pretrained`` does not know QuantLinear, so the LoRA layers are
     created by qerl's ``attach_lora`` from the adapter's config and the weights loaded after.
     """
-
     folder = Path(folder)
     config = read_config(folder)
     if config.get("peft_type", "LORA") != "LORA":

@@ -161,7 +161,6 @@ def load_base_model(
     The folder is checked first (:func:`~qerl_cli.modeling.source_checks.check_model_source`): a missing
     folder, pickle-only weights or a model that needs its own code fail with what to do.
     """
-
     check_model_source(
         path,
         what="model",
@@ -199,7 +198,6 @@ def load_policy_model(
     Quantized linears become :class:`QuantLinear` (packed at rest); everything else is ``dtype``.
     BF16 weights load from safetensors only, unless ``QERL_ALLOW_PICKLE=1`` opts in to pickle files.
     """
-
     path = Path(resolve_model_source(path))  # a .gguf file or alias becomes its converted folder
     config_dict = read_config(path)
     fmt_name = detect_format(config_dict)

@@ -121,7 +121,6 @@ def check_model_source(
     turns on ``trust_remote_code``; ``hint`` is appended to the not-found message (e.g. the command
     that builds a recipe's base model).
     """
-
     text = resolve_model_source(name)  # a .gguf file, a folder holding one, or an alias: its folder
     path = Path(text).expanduser()
     if path.exists():

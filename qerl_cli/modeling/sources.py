@@ -83,7 +83,6 @@ class ModelAlias:
     def get_it(self) -> str:
         """``pip_command`` with the cache folder written out: pasted as printed it works, where
         ``$QERL_CACHE_DIR`` is unset by default (and ``-d`` with an empty value fails)."""
-
         return self.pip_command.replace(CACHE_PLACEHOLDER, shlex.quote(str(cache_root())))
 
     def search_dirs(self) -> list[Path]:

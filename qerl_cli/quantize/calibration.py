@@ -73,7 +73,6 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
 
 def _open_rows(source: str, split: str, seed: int) -> tuple[Iterable[dict[str, Any]], list[str], str]:
     """Shuffled rows, their column names, and the source kind ("file", "builtin" or "hub")."""
-
     if source == BUILTIN_NAME:  # the small text set shipped with qerl, offline
         rows = builtin_rows()
         random.Random(seed).shuffle(rows)

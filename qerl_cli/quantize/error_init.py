@@ -213,7 +213,6 @@ def build_lora_init(
 ) -> LoraInitInfo:
     """Write ``quantized_dir/lora_init/`` for the quantized linears ``names`` and return its record.
     ``bf16_model`` is the untouched BF16 model (moved to ``device`` here)."""
-
     if method not in ("eora", "svd"):
         raise ValueError(f"unknown LoRA init method {method!r}")
     start = time.perf_counter()

@@ -83,7 +83,6 @@ def write_dequantized_checkpoint(source: str | Path, out_dir: str | Path, method
     ``qerl_dequantized.json`` records the source, its format and its quantization method (``method``,
     else what the source's ``qerl_quant.json`` says, else null).
     """
-
     from transformers import AutoTokenizer
 
     out = Path(out_dir)

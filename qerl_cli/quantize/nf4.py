@@ -55,7 +55,6 @@ def nf4_state(
     state: dict[str, torch.Tensor], quantized: list[str], device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Replace ``<layer>.weight`` of every quantized layer by its NF4 checkpoint tensors."""
-
     fmt = formats.get("nf4")
     targets = {f"{name}.weight": name for name in quantized}
     out: dict[str, torch.Tensor] = {}

@@ -107,7 +107,6 @@ def measure_quality(
     reference: str, candidates: list[Candidate], device: str = "auto", rows: int = 64, seq_len: int = 256
 ) -> QualityReport:
     """Every candidate against ``reference`` (the BF16 model) on the same held-out text."""
-
     if not candidates:
         raise QerlError("no candidate to measure: pass one or more 4-bit model folders after the BF16 model")
     torch_device = resolve_device(device)

@@ -51,7 +51,6 @@ SOFT_TIMEOUT_S = 5
 def require_math_verify() -> None:
     """Refuse, before any model or GPU work, a Python that cannot import math-verify: otherwise each
     grader worker dies at start-up and the pool can only report an exit code."""
-
     if importlib.util.find_spec("math_verify") is None:
         raise QerlError(
             f"the math grader needs math-verify, which this Python ({sys.executable}) cannot import: "

@@ -145,7 +145,6 @@ class MeasuredModel:
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str | None = None) -> MeasuredModel | None:
         """From a transformers ``config.json`` dict (None when it lacks the usual dimensions)."""
-
         try:
             shape = ModelShape.from_config(config)
         except QerlError:

@@ -193,7 +193,6 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
     """A colocated vLLM engine on ``model_path`` whose linear layers run the backend that
     ``linear_backend`` resolves to (:mod:`qerl_cli.rollout.backends`) for a round of ``concurrency``
     sequences (0: ``max_num_seqs`` of the vLLM settings, else 256)."""
-
     model_path = request.model_path
     if model_path is not None:
         model_path = resolve_model_source(model_path)
@@ -262,7 +261,6 @@ def _read_config(model_path: str) -> dict[str, Any]:
 
 def _model_shape(config: dict[str, Any]) -> Any:
     """The config's ModelShape, or None for a config without the usual dimensions."""
-
     try:
         return ModelShape.from_config(config)
     except QerlError:
@@ -277,7 +275,6 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
     allocates or frees while this engine starts. Empty (vLLM profiles as usual) where the sizes are not
     known: no GPU, tensor parallel, a checkpoint qerl does not read. QerlError when the share leaves no
     room for one full-length sequence."""
-
     total = vllm_setup._cuda_total_bytes()
     fmt = choice.weight_format
     if not total or request.tensor_parallel_size > 1 or fmt not in WEIGHT_BYTES:
@@ -323,7 +320,6 @@ def choose_rollout_backend(
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
     sequence weighed against each backend's rollout weights."""
-
     fmt = vllm_setup.detect_checkpoint_format(model_path).name
     if fmt == "other":
         if requested not in ("auto", "marlin"):
