@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from qerl_cli import formats
@@ -142,7 +143,6 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
 
         if not self.pending:
             return

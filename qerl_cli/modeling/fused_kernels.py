@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch.nn.functional
 from torch import nn
 
 from qerl_cli.errors import QerlError
@@ -202,7 +203,6 @@ def _patchable_namespaces(model: nn.Module) -> list[Any]:
     """Where Liger's apply functions rebind names: the loaded transformers modules (the model's
     family module among them), the classes of the model's own module, and torch.nn.functional (its
     cross-entropy patch)."""
-    import torch.nn.functional
 
     modules = [
         m

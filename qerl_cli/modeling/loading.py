@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from qerl_cli import formats
@@ -110,7 +111,6 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def checkpoint_keys(files: list[Path]) -> list[str]:
-    from safetensors import safe_open
 
     keys: list[str] = []
     for file in files:
@@ -276,8 +276,6 @@ def _stream_checkpoint(
 ) -> None:  # fmt: skip
     """Copy every checkpoint tensor into the model, one tensor in memory at a time (plus one layer's
     packed tensors while they are gathered)."""
-    from safetensors import safe_open
-
     prefix_set = set(prefixes)
     needed = set(fmt.checkpoint_names())
     pending: dict[str, dict[str, torch.Tensor]] = {}

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from qerl_cli.errors import QerlError
@@ -178,13 +179,11 @@ class CheckpointBases:
         return self.where[key]
 
     def _tensor(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
 
         with safe_open(str(self._file(key)), framework="pt") as handle:
             return handle.get_tensor(key)
 
     def _slice(self, key: str) -> Any:
-        from safetensors import safe_open
 
         with safe_open(str(self._file(key)), framework="pt") as handle:
             return handle.get_slice(key)
