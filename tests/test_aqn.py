@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.aqn import AQNSchedule, NormNoiser, perturb_norm_weights
+from qerl_cli.modeling.aqn import NormNoiser, perturb_norm_weights
+from qerl_cli.rl.aqn_schedule import AQNSchedule
 
 # ---------------------------------------------------------------- schedules
 

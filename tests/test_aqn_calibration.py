@@ -14,8 +14,14 @@ import torch
 from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.aqn import SIGMA_SEARCH_RANGE, AQNSchedule, search_sigma, tokens_changed
-from qerl_cli.rl.aqn_calibration import TOKENS_CHANGED_METRIC, NoiseProbe
+from qerl_cli.rl.aqn_calibration import (
+    SIGMA_SEARCH_RANGE,
+    TOKENS_CHANGED_METRIC,
+    NoiseProbe,
+    search_sigma,
+    tokens_changed,
+)
+from qerl_cli.rl.aqn_schedule import AQNSchedule
 from qerl_cli.rl.checkpoint import STATE_FILE
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.stream import PromptStream

@@ -9,7 +9,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
-from qerl_cli.modeling.fp8_merge import (
+from qerl_cli.rollout.fp8_merge import (
     DenseBases,
     LoraDelta,
     deltas_from_tensors,
@@ -254,8 +254,8 @@ def test_merge_from_a_4bit_checkpoint_into_its_fp8_copy(fmt: str, tmp_path) -> N
 
     from qerl_cli import formats
     from qerl_cli.bench.models import shape_checkpoint
-    from qerl_cli.modeling.fp8_merge import CheckpointBases
-    from qerl_cli.modeling.fp8_rollout import write_fp8_checkpoint
+    from qerl_cli.rollout.fp8_merge import CheckpointBases
+    from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
 
     source = shape_checkpoint("tiny", fmt)
     copy = write_fp8_checkpoint(source, tmp_path / "fp8")

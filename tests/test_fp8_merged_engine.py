@@ -25,7 +25,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
-from qerl_cli.modeling.fp8_merge import lora_deltas
+from qerl_cli.rollout.fp8_merge import lora_deltas
 from qerl_cli.rollout.vllm_engine import VLLMEngine
 from qerl_cli.rollout.vllm_worker import worker_merge_lora
 
@@ -338,7 +338,7 @@ def test_vllm_in_process_merges_onto_the_trainers_layers_not_the_checkpoint(
 
 def test_policy_bases_dequantize_a_4bit_layer_exactly_as_the_checkpoint_reads() -> None:
     from qerl_cli import formats
-    from qerl_cli.modeling.fp8_merge import PolicyBases
+    from qerl_cli.rollout.fp8_merge import PolicyBases
     from qerl_cli.modeling.lora import attach_lora
     from qerl_cli.modeling.quant_linear import QuantLinear
 

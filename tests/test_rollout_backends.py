@@ -175,7 +175,7 @@ def fake_llm(monkeypatch: pytest.MonkeyPatch):
     class FakeEngine:
         def __init__(self, model_path: str, **kwargs) -> None:
             seen.append({"model": model_path, **kwargs})
-            self.backend_choice = None
+            self.backend_choice = kwargs.get("backend_choice")
 
     module = types.ModuleType("vllm")
     module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
@@ -244,7 +244,7 @@ def test_fp8_copy_equals_the_dequantized_4bit_weights_within_fp8_rounding(fmt: s
 
     from qerl_cli import formats
     from qerl_cli.bench.models import shape_checkpoint
-    from qerl_cli.modeling.fp8_rollout import write_fp8_checkpoint
+    from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
 
     source = shape_checkpoint("tiny", fmt)
     out = write_fp8_checkpoint(source, tmp_path / "fp8")
@@ -279,7 +279,7 @@ def test_fp8_rounding_bound_is_tight() -> None:
 
 def test_fp8_copy_of_a_bf16_base_is_refused_with_the_alternative(tmp_path: Path) -> None:
     from qerl_cli.bench.models import shape_checkpoint
-    from qerl_cli.modeling.fp8_rollout import write_fp8_checkpoint
+    from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
 
     with pytest.raises(QerlError, match="quantization: fp8"):
         write_fp8_checkpoint(shape_checkpoint("tiny", "bf16"), tmp_path / "fp8")

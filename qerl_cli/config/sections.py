@@ -229,7 +229,7 @@ class AQNSection:
     # a KL needs the noisy model's logprobs of the clean model's tokens.
     calibrate: Literal["off", "tokens"] = "off"
     # With calibrate=tokens, in (0, 1): the share of greedy completion tokens the first noisy stage's
-    # noise should change, every token from a completion's first changed one on (modeling.aqn
+    # noise should change, every token from a completion's first changed one on (rl.aqn_calibration
     # .tokens_changed). No default: it is the choice calibration exists for (the Gemma sweep tries
     # 0.01, 0.03 and 0.10).
     target: float | None = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qerl_cli.data.synthetic import make_problems
+
 BUILTIN_NAME = "qerl-text"
 # A calibration this set supports and a CPU runs in minutes: `qerl compare`'s AWQ bases and
 # `qerl bench quality` both use it.
@@ -70,8 +72,6 @@ PARAGRAPHS = (
 
 def worked_problems(split: str, n: int) -> list[str]:
     """``n`` word problems of ``split`` with a one-line worked solution."""
-    from qerl_cli.data.synthetic import make_problems
-
     rows = []
     for p in make_problems("synthetic-wordproblems", split, n=n, seed=0):
         a, b = p.meta["a"], p.meta["b"]

@@ -49,6 +49,7 @@ from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and 
     read_records,
 )
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import source_checks  # module: tests patch hub_reachable
 from qerl_cli.rewards.extract import extract_last_boxed
 
 log = logging.getLogger(__name__)
@@ -401,9 +402,8 @@ def check_reachable(dataset: str, what: str = "data.dataset") -> str:
     cached = [hub_id for hub_id in hub_ids if _in_local_cache(hub_id)]
     if cached:
         return f"{cached[0]}, in the local Hugging Face cache"
-    from qerl_cli.modeling.source_checks import hub_reachable
 
-    if _offline() or not hub_reachable():
+    if _offline() or not source_checks.hub_reachable():
         why = (
             "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set)"
             if _offline()

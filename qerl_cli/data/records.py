@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import source_checks  # module: tests patch hub_reachable
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
@@ -76,11 +77,9 @@ def _hub_failure(failures: Sequence[_HubLoadError]) -> QerlError:
 def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, Any]]:
     import datasets
 
-    from qerl_cli.modeling.source_checks import hub_reachable
-
     # An unreachable Hub fails at once (datasets would retry for half a minute) unless a copy of the
     # dataset is in the local cache: then datasets loads it, as it always did.
-    if not _offline() and not _in_local_cache(hub_id) and not hub_reachable():
+    if not _offline() and not _in_local_cache(hub_id) and not source_checks.hub_reachable():
         where = hub_id + (f" ({config})" if config else "") + f" split '{split}'"
         raise _HubLoadError(
             f"{where}: the Hugging Face Hub cannot be reached (set HF_HUB_OFFLINE=1 to use a copy in "

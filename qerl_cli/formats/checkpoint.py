@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
+from qerl_cli import formats
 from qerl_cli.files import honour_umask
 from qerl_cli.formats import check_names, fp4_names, get
 from qerl_cli.formats.nvfp4 import fused_group_key, shared_global_scale
@@ -87,8 +89,6 @@ def pack_group(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Round-to-nearest pack the ``weight`` of each module named in ``quantized``; everything else
     (biases, norms, embeddings, ``lm_head``) passes through. Yields ``(tensor name, tensor)``."""
-    from qerl_cli import formats
-
     check_checkpoint_format(fmt)
     qfmt = None if fmt == "bf16" else formats.get(fmt)
     quantized = [name for name in group if name in quantized] if qfmt is not None else []
@@ -143,7 +143,6 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
 
         if not self.pending:
             return

@@ -1,7 +1,7 @@
 """FP8 (E4M3) weights with one scale per output channel: the W8A8 layout vLLM serves with its FP8 GEMMs.
 
 qerl keeps the trainer's base in 4 bits; FP8 exists only as a *rollout* copy of that base
-(``rollout.linear_backend: fp8``, :mod:`qerl_cli.modeling.fp8_rollout`): on Hopper, vLLM's FP8
+(``rollout.linear_backend: fp8``, :mod:`qerl_cli.rollout.fp8_rollout`): on Hopper, vLLM's FP8
 CUTLASS GEMM runs on the FP8 tensor cores (twice the BF16 peak), which beats the weight-only FP4
 Marlin kernel once a decode step has enough rows to be compute-bound. Activations are quantized
 per token at run time by vLLM (compressed-tensors ``FP8_DYNAMIC``).
@@ -15,6 +15,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
+
+from qerl_cli.formats.checkpoint import COMPRESSED_TENSORS_VERSION
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite E4M3 value
@@ -71,7 +73,6 @@ def rounding_bound(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantization_config(ignore: list[str]) -> dict:
     """config.json ``quantization_config`` of a compressed-tensors ``FP8_DYNAMIC`` checkpoint: static
     per-channel FP8 weights, dynamic per-token FP8 activations (what llm-compressor writes)."""
-    from qerl_cli.formats.checkpoint import COMPRESSED_TENSORS_VERSION
 
     def args(strategy: str, dynamic: bool) -> dict:
         return {

@@ -17,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask
+from qerl_cli.modeling.lora import attach_lora
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -118,14 +121,11 @@ def weights_file(folder: str | Path) -> Path:
 
 def weight_names(folder: str | Path) -> list[str]:
     """The tensor names in the adapter's weights, read from the header only."""
-    from safetensors import safe_open
-
     with safe_open(str(weights_file(folder)), framework="pt") as handle:
         return list(handle.keys())  # noqa: SIM118 (a safetensors handle is not a dict)
 
 
 def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
 
     return load_file(str(weights_file(folder)))
 
@@ -158,8 +158,6 @@ def attach_to_base(model: nn.Module, folder: str | Path) -> Any:
     PEFT's own ``PeftModel.from_pretrained`` does not know QuantLinear, so the LoRA layers are
     created by qerl's ``attach_lora`` from the adapter's config and the weights loaded after.
     """
-    from qerl_cli.modeling.lora import attach_lora
-
     folder = Path(folder)
     config = read_config(folder)
     if config.get("peft_type", "LORA") != "LORA":
@@ -207,7 +205,6 @@ def write_tensors(
     """Write an adapter from its tensors alone (no model in memory). The config is written by
     peft's own ``LoraConfig``, so its fields match the installed peft."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

@@ -39,12 +39,10 @@ from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
 
 # torch._scaled_mm wants K and N (both dims of B) to be multiples of 16.
 FP8_DIM_MULTIPLE = 16
-# A layer of fewer weights than this keeps BF16 GEMMs under train.base_compute=fp8. Measured on an H100
-# (forward + input gradient of a 4608-token micro-batch): FP8 1.30x BF16 at 18944x3584 and 1.32x at
-# 3584x18944 (the 7B MLP, 68M weights), but 0.48x at 3584x3584 and 0.18x at 512x3584 (attention, 13M and
-# 1.8M): there a forward + backward took 0.97 ms of host time against 0.11 ms on the GPU (about 0.5 ms of
-# host work per FP8 call: the rounding kernel's launch, torch._scaled_mm, the autograd function), which
-# outweighs the GEMM's saving.
+# A layer of fewer weights than this keeps BF16 GEMMs under train.base_compute=fp8: each FP8 call costs
+# fixed host work (the rounding kernel's launch, torch._scaled_mm, the autograd function), which on a
+# small layer outweighs the GEMM's saving; a 7B's MLP layers are above the threshold, its attention
+# layers below. `qerl bench update` times the update under either base compute on a GPU.
 FP8_MIN_WEIGHTS = 2**25
 
 

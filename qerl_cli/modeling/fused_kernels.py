@@ -25,12 +25,11 @@ Why the guard: Liger's RoPE kernel walks the [batch x seq] rows of q and k with 
 batched ``generate``), a q that Liger's RMSNorm produced (Gemma 3's q_norm: a fresh [B * H, D]
 buffer viewed as [B, H, 1, D]) already counts as contiguous after the transpose, with
 ``stride(1) = D`` instead of ``H * D``; the rows overlap and q is rotated with other rows' positions
-(CPU, Triton interpreter: max |dq| 5.3 for unit-scale q, row 0 hit too). transformers' norm keeps
-the projection's layout (``stride(1) = H * D``), and training forwards (sequence length > 1) are
-exact. Gemma 3 270M, evaluated with the HF engine after a Liger-trained run in the same process,
-scored 0.0% (its untrained base 5.9%): Liger's norm class and RoPE had leaked into the evaluation's
-model. The guard hands Liger only the calls it computes right (sequence length > 1, or a single
-row) and the others to transformers' function.
+(reproduced on the CPU with Triton's interpreter). transformers' norm keeps the projection's layout
+(``stride(1) = H * D``), and training forwards (sequence length > 1) are exact. An evaluation in the
+process of a Liger-trained run then decodes with Liger's leaked norm class and RoPE and scores near
+zero (benchmarks/gemma3-270m-h100-2026-11-24). The guard hands Liger only the calls it computes right
+(sequence length > 1, or a single row) and the others to transformers' function.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch.nn.functional
 from torch import nn
 
 from qerl_cli.errors import QerlError
@@ -203,7 +203,6 @@ def _patchable_namespaces(model: nn.Module) -> list[Any]:
     """Where Liger's apply functions rebind names: the loaded transformers modules (the model's
     family module among them), the classes of the model's own module, and torch.nn.functional (its
     cross-entropy patch)."""
-    import torch.nn.functional
 
     modules = [
         m

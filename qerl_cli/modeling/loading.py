@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from qerl_cli import formats
@@ -24,6 +25,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.modeling.source_checks import check_model_source, pickle_allowed
 from qerl_cli.modeling.sources import resolve_model_source
 
 COMPRESSED_TENSORS_FORMATS = {
@@ -109,7 +111,6 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def checkpoint_keys(files: list[Path]) -> list[str]:
-    from safetensors import safe_open
 
     keys: list[str] = []
     for file in files:
@@ -160,8 +161,6 @@ def load_base_model(
     The folder is checked first (:func:`~qerl_cli.modeling.source_checks.check_model_source`): a missing
     folder, pickle-only weights or a model that needs its own code fail with what to do.
     """
-    from qerl_cli.modeling.source_checks import check_model_source
-
     check_model_source(
         path,
         what="model",
@@ -199,8 +198,6 @@ def load_policy_model(
     Quantized linears become :class:`QuantLinear` (packed at rest); everything else is ``dtype``.
     BF16 weights load from safetensors only, unless ``QERL_ALLOW_PICKLE=1`` opts in to pickle files.
     """
-    from qerl_cli.modeling.source_checks import pickle_allowed
-
     path = Path(resolve_model_source(path))  # a .gguf file or alias becomes its converted folder
     config_dict = read_config(path)
     fmt_name = detect_format(config_dict)
@@ -279,8 +276,6 @@ def _stream_checkpoint(
 ) -> None:  # fmt: skip
     """Copy every checkpoint tensor into the model, one tensor in memory at a time (plus one layer's
     packed tensors while they are gathered)."""
-    from safetensors import safe_open
-
     prefix_set = set(prefixes)
     needed = set(fmt.checkpoint_names())
     pending: dict[str, dict[str, torch.Tensor]] = {}

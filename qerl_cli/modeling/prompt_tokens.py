@@ -4,8 +4,9 @@ A prompt rendered through the tokenizer's chat template already holds every spec
 model wants (the template writes BOS itself when the model needs it, as Llama 3's and Gemma's do),
 so it is tokenised without adding any. A tokenizer without a chat template (a base model) gets
 raw text, and the model then expects what the tokenizer adds on its own, which for Gemma or Llama
-is BOS: dropping it roughly doubles Gemma's prompt NLL. Only the *leading* special tokens are
-added: a tokenizer that also appends EOS would otherwise end the prompt before the answer starts.
+is BOS, which it was trained to see first: without it the prompt reads as text it never saw. Only
+the *leading* special tokens are added: a tokenizer that also appends EOS would otherwise end the
+prompt before the answer starts.
 A text that already starts with them (a user's prompt written with a literal ``<bos>``) is left
 as it is, so BOS is never doubled either.
 

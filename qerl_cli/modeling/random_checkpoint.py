@@ -22,6 +22,7 @@ from qerl_cli.formats.checkpoint import (
     module_groups,
     write_checkpoint,
 )
+from qerl_cli.modeling.tiny import build_tiny_config, build_tokenizer
 
 _QWEN25_COMMON = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", max_position_embeddings=32768,
@@ -31,7 +32,6 @@ _QWEN25_COMMON = dict(
 
 
 def _tiny_shape() -> dict:
-    from qerl_cli.modeling.tiny import build_tiny_config
 
     config = build_tiny_config().to_dict()
     keep = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -143,6 +143,4 @@ def _write_tokenizer(out_dir: Path, shape: str | dict, tokenizer_from: str | Pat
             for file in source.glob(pattern):
                 shutil.copy(file, out_dir / file.name)
     elif shape == "tiny":
-        from qerl_cli.modeling.tiny import build_tokenizer
-
         build_tokenizer().save_pretrained(out_dir)

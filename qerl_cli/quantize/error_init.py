@@ -45,6 +45,7 @@ from qerl_cli.modeling.error_init import (
     weighted_sq_norm,
     whitening,
 )
+from qerl_cli.modeling.loading import load_policy_model
 from qerl_cli.modeling.quant_linear import QuantLinear, packed_nbytes
 
 log = logging.getLogger(__name__)
@@ -185,8 +186,8 @@ def _run_samples(
 @contextlib.contextmanager
 def _exact_tf32(model: nn.Module, device: torch.device) -> Iterator[None]:
     """TF32 for the float32 ``x^T x`` sums of a BF16 / FP16 model on a GPU: its activations have at most
-    TF32's 10 mantissa bits, so the products are exact and the sums still float32, at 4.5x the speed on
-    an H100 (Qwen2.5-7B's 18944-wide input: 6.1 vs 27.7 ms per 2048 tokens). The CPU keeps float32."""
+    TF32's 10 mantissa bits, so the products are exact and the sums still float32, at several times
+    float32's speed on a Hopper GPU. The CPU keeps float32."""
     dtype = next(model.parameters()).dtype
     previous = torch.get_float32_matmul_precision()
     if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16):
@@ -212,8 +213,6 @@ def build_lora_init(
 ) -> LoraInitInfo:
     """Write ``quantized_dir/lora_init/`` for the quantized linears ``names`` and return its record.
     ``bf16_model`` is the untouched BF16 model (moved to ``device`` here)."""
-    from qerl_cli.modeling.loading import load_policy_model
-
     if method not in ("eora", "svd"):
         raise ValueError(f"unknown LoRA init method {method!r}")
     start = time.perf_counter()

@@ -13,6 +13,7 @@ weights, the control base of ``qerl compare``'s ``base.dequantized`` arms.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder, write_folder_once, write_json
 from qerl_cli.formats.checkpoint import ModuleGroup, check_checkpoint_format, module_groups, write_checkpoint
+from qerl_cli.modeling.loading import load_policy_model
+from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.quantize.report import REPORT_NAME, read_report
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
 DEQUANTIZED_RECORD = "qerl_dequantized.json"  # what a dense copy was made from (format, method, source)
@@ -34,8 +39,6 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
     is returned as is (several processes may ask for the same base at once).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from qerl_cli.modeling.sources import resolve_model_source
 
     out = Path(out_dir)
     if is_complete_folder(out):
@@ -80,14 +83,7 @@ def write_dequantized_checkpoint(source: str | Path, out_dir: str | Path, method
     ``qerl_dequantized.json`` records the source, its format and its quantization method (``method``,
     else what the source's ``qerl_quant.json`` says, else null).
     """
-    import json
-
     from transformers import AutoTokenizer
-
-    from qerl_cli.modeling.loading import load_policy_model
-    from qerl_cli.modeling.quant_linear import QuantLinear
-    from qerl_cli.modeling.sources import resolve_model_source
-    from qerl_cli.quantize.report import REPORT_NAME, read_report
 
     out = Path(out_dir)
     folder = Path(resolve_model_source(source))

@@ -17,7 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from qerl_cli import formats
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
 WEIGHTS_NAME = "model.safetensors"
@@ -54,8 +56,6 @@ def nf4_state(
     state: dict[str, torch.Tensor], quantized: list[str], device: torch.device
 ) -> dict[str, torch.Tensor]:
     """Replace ``<layer>.weight`` of every quantized layer by its NF4 checkpoint tensors."""
-    from qerl_cli import formats
-
     fmt = formats.get("nf4")
     targets = {f"{name}.weight": name for name in quantized}
     out: dict[str, torch.Tensor] = {}
@@ -79,8 +79,6 @@ def save_nf4(
     device: torch.device,
 ) -> None:
     """Write config.json (with the bitsandbytes quantization_config), generation config and weights."""
-    from safetensors.torch import save_file
-
     tensors = nf4_state(float_state(model, keys), quantized, device)
     save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     config = model.config.__class__.from_dict(model.config.to_dict())  # a copy: the caller's stays BF16

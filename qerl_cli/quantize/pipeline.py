@@ -8,10 +8,10 @@ Recipes::
     --method rtn   QuantizationModifier(same scheme)                  # data-free
 
 GPTQ rounds one column at a time and spreads each column's rounding error over the columns not yet
-rounded, weighted by the calibration activations' second moments (the layer Hessian): on Gemma 3 270M
-it kept 14x less KL to the BF16 model than AWQ (a CPU probe, 256 held-out problems; AWQ as it was
-before its smoothing of Gemma's ``1 + w`` norms was made exact, which halved its KL there: see
-``awq_mappings``, where what AWQ needs to know per architecture lives). The
+rounded, weighted by the calibration activations' second moments (the layer Hessian), so it keeps
+more of the model than AWQ's round-to-nearest (KL to the BF16 model of each method:
+``benchmarks/gemma3-270m-learning-gap-2026-11-27``; what AWQ needs to know per architecture lives in
+``awq_mappings``). The
 checkpoint is saved with ``save_compressed=True`` in compressed-tensors' ``nvfp4-pack-quantized`` /
 ``mxfp4-pack-quantized`` layout, which transformers, vLLM and qerl's QuantLinear load.
 

@@ -21,6 +21,10 @@ from typing import Any
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.adapter import attach_to_base
+from qerl_cli.modeling.loading import load_policy_model, load_tokenizer
+from qerl_cli.quantize.calibration import load_calibration
+from qerl_cli.torch_utils import device_label, resolve_device
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,6 @@ def parse_candidate(text: str) -> Candidate:
 def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:
     """qerl-text's held-out rows (disjoint from any ``--calib qerl-text`` calibration)."""
     from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES
-    from qerl_cli.quantize.calibration import load_calibration
 
     calib = load_calibration(
         BUILTIN_NAME, tokenizer, num_samples=SMALL_CALIB_SAMPLES, seq_len=seq_len, seed=42,
@@ -76,8 +79,6 @@ def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:
 
 
 def _load(path: str, adapter: str | None, device: torch.device) -> torch.nn.Module:
-    from qerl_cli.modeling.adapter import attach_to_base
-    from qerl_cli.modeling.loading import load_policy_model
 
     model, _ = load_policy_model(path, dtype=torch.bfloat16, device=device)
     if adapter:
@@ -106,9 +107,6 @@ def measure_quality(
     reference: str, candidates: list[Candidate], device: str = "auto", rows: int = 64, seq_len: int = 256
 ) -> QualityReport:
     """Every candidate against ``reference`` (the BF16 model) on the same held-out text."""
-    from qerl_cli.modeling.loading import load_tokenizer
-    from qerl_cli.torch_utils import device_label, resolve_device
-
     if not candidates:
         raise QerlError("no candidate to measure: pass one or more 4-bit model folders after the BF16 model")
     torch_device = resolve_device(device)

@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
+from qerl_cli import formats
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.loading import QUANT_RECORD
@@ -47,7 +49,6 @@ def state_bytes(model: torch.nn.Module) -> int:
 
 
 def _saved_tensor_index(out_dir: Path) -> dict[str, Path]:
-    from safetensors import safe_open
 
     index: dict[str, Path] = {}
     for file in sorted(out_dir.glob("*.safetensors")):
@@ -61,10 +62,6 @@ def weight_errors(
     out_dir: Path, fmt_name: str, reference: dict[str, torch.Tensor], device: torch.device | str = "cpu"
 ) -> dict[str, float]:
     """Relative Frobenius error ||deq(saved) - W|| / ||W|| of every quantized layer, by layer name."""
-    from safetensors import safe_open
-
-    from qerl_cli import formats
-
     fmt = formats.get(fmt_name)
     index = _saved_tensor_index(out_dir)
     errors: dict[str, float] = {}

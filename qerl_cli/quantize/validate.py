@@ -17,6 +17,7 @@ import torch
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
 from qerl_cli.files import TargetExistsError, staged_folder
+from qerl_cli.modeling.sources import resolve_model_source
 
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
 # smoothing scales, then round to nearest; rtn: round to nearest, no calibration.
@@ -70,7 +71,6 @@ def resolve_model(model: str, revision: str | None = None, trust_remote_code: bo
     """
     if not model:
         raise QerlError("no model given: pass a hub id (e.g. Qwen/Qwen2.5-7B-Instruct) or a local folder")
-    from qerl_cli.modeling.sources import resolve_model_source
 
     model = resolve_model_source(model)  # a .gguf file, a folder with one, or an alias: converted BF16
     path = Path(model).expanduser()

@@ -23,8 +23,10 @@ worker. Call :func:`is_correct` directly only for a few trusted strings.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,9 +51,6 @@ SOFT_TIMEOUT_S = 5
 def require_math_verify() -> None:
     """Refuse, before any model or GPU work, a Python that cannot import math-verify: otherwise each
     grader worker dies at start-up and the pool can only report an exit code."""
-    import importlib.util
-    import sys
-
     if importlib.util.find_spec("math_verify") is None:
         raise QerlError(
             f"the math grader needs math-verify, which this Python ({sys.executable}) cannot import: "

@@ -1,20 +1,19 @@
 """AQN sized to the model: find sigma_start from a target effect, and measure the effect every stage.
 
-A raw sigma does not transfer between models or bases: it is added to norm weights whose scale differs.
-On Gemma 3 270M's AWQ base, the paper's 1e-2 changed 99% of vLLM's greedy tokens at its first noisy
-stage and stopped learning (held-out 8.6%, 1 seed, H200; 0.3% in an earlier ablation), because AWQ
-divides the smoothed norms by its scales (median smoothed scale 0.10: the same sigma is ten times larger
-beside them); on that model's GPTQ base, whose norms keep their scale, 1e-2 changed 15%; on a bf16 Qwen
-norm (weights near 1.0) sigmas below ~4e-3 mostly round away. ``aqn.calibrate: tokens`` states the
-noise as what it does instead: the share of greedy completion tokens it changes (``aqn.target``).
+A raw sigma does not transfer between models or bases: it is added to norm weights whose scale differs
+(an AWQ base divides the norms it smooths by its scales, so the same sigma is larger beside them; on a
+bf16 norm near 1.0 small sigmas round away). ``aqn.calibrate: tokens`` states the noise as what it does
+instead: the share of greedy completion tokens it changes (``aqn.target``). What raw and calibrated sigmas
+did on one model: ``benchmarks/gemma3-270m-learning-gap-2026-11-27``.
 
 Before the first training step (engine built, initial adapter synced) :class:`NoiseProbe` greedy-decodes
 ``aqn.calibration_prompts`` training prompts once without noise and, for each probed sigma, once with
-noise drawn from one fixed seed, and :func:`~qerl_cli.modeling.aqn.search_sigma` bisects log(sigma)
-until :func:`~qerl_cli.modeling.aqn.tokens_changed` is within the tolerance of the target. With one
-seed the noise direction is fixed and only its scale changes, so the effect is a (near-monotone)
-function of sigma alone. The schedule then starts at the sigma found and keeps its configured ratio
-sigma_end / sigma_start; it is saved in the checkpoint's AQN state, so ``--resume`` does not measure again.
+noise drawn from one fixed seed, and :func:`search_sigma` bisects log(sigma) until :func:`tokens_changed`
+is within the tolerance of the target. With one seed the noise direction is fixed and only its scale
+changes, so the effect is a (near-monotone) function of sigma alone. The schedule
+(:class:`~qerl_cli.rl.aqn_schedule.AQNSchedule`) then starts at the sigma found and keeps its configured
+ratio sigma_end / sigma_start; it is saved in the checkpoint's AQN state, so ``--resume`` does not
+measure again. Sizing sigma this way is not in the paper.
 
 At the first step of every noisy stage the same prompts are decoded with that step's own noise (the
 draw its rollouts see) and the share goes to the step's metrics as ``aqn_tokens_changed``, calibrated
@@ -33,11 +32,16 @@ pass, a second one that checks the engine repeats itself without noise, the prob
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.problem import Problem
-from qerl_cli.modeling.aqn import AQNSchedule, SigmaSearch, search_sigma, tokens_changed
+from qerl_cli.data.prompts import get_template
+from qerl_cli.errors import QerlError
+from qerl_cli.rl.aqn_schedule import AQNSchedule
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.stream import PromptStream, derive_seed
 from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
@@ -45,6 +49,103 @@ from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
 log = logging.getLogger(__name__)
 
 TOKENS_CHANGED_METRIC = "aqn_tokens_changed"
+
+
+# Where the calibration looks for sigma_start: from 1e-5, fifty times below the paper's smallest sigma
+# (5e-4; a bf16 norm weight near 1.0 rounds it away entirely), to 1e-1, ten times its largest (each
+# channel scale moved by about 10%).
+SIGMA_SEARCH_RANGE = (1e-5, 1e-1)
+
+
+def tokens_changed(clean: Sequence[Sequence[int]], noisy: Sequence[Sequence[int]]) -> float:
+    """Share of greedy completion tokens the noise changed, over pairs of completions of the same prompts.
+
+    In each pair every token from the first position where the two differ on counts as changed, over
+    the longer of the two (a completion that stops early or runs on changed its tail). Counting from the
+    first divergence rather than position by position: greedy decoding is a function of its prefix, so
+    each token after the first difference is generated from another context, and one that happens to
+    match at its position (a space, a repeated word, text shifted back into line) is a coincidence
+    whose rate depends on the text; the first divergence moves steadily earlier as sigma grows, which
+    keeps the measure a near-monotone function of sigma for the search.
+    """
+    if len(clean) != len(noisy):
+        raise QerlError(f"tokens_changed needs pairs: {len(clean)} clean and {len(noisy)} noisy completions")
+    changed = total = 0
+    for a, b in zip(clean, noisy, strict=True):
+        longest = max(len(a), len(b))
+        shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        changed += longest - shared
+        total += longest
+    return changed / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class SigmaSearch:
+    """What :func:`search_sigma` found: the probe closest to the target, and every probe in order."""
+
+    sigma: float
+    effect: float
+    target: float
+    probes: tuple[tuple[float, float], ...]  # (sigma, effect) in the order they were measured
+    converged: bool  # the effect is within the tolerance of the target
+
+    def summary(self) -> str:
+        """One line for the run log: the target, the sigma found, its effect and the probes."""
+        probes = ", ".join(f"{s:.3g}->{e:.3g}" for s, e in self.probes)
+        outcome = (
+            "within tolerance" if self.converged else "closest probe, target not reached within tolerance"
+        )
+        return (
+            f"target {self.target:.3g}, sigma {self.sigma:.4g} measured {self.effect:.4g} ({outcome}); "
+            f"{len(self.probes)} probes (sigma->effect): {probes}"
+        )
+
+
+def search_sigma(
+    effect: Callable[[float], float],
+    target: float,
+    *,
+    max_probes: int = 10,
+    tolerance: float = 0.2,
+    sigma_range: tuple[float, float] = SIGMA_SEARCH_RANGE,
+) -> SigmaSearch:
+    """Bisect log(sigma) in ``sigma_range`` for ``effect(sigma) == target`` (``effect`` rising with sigma).
+
+    Each probe is the geometric midpoint of the bracket; the search stops at the first probe whose
+    effect is within ``tolerance * target`` of the target, or after ``max_probes`` (10 halve the four
+    decades of the default range to a bracket 1% wide). It returns the probe closest to the target either
+    way; ``converged`` says whether that one is within the tolerance. A target beyond what the range
+    reaches ends at the range's edge, with ``converged`` False.
+    """
+    low, high = sigma_range
+    if not 0 < low < high:
+        raise QerlError(f"the AQN sigma search range must satisfy 0 < low < high, got {sigma_range}")
+    if not target > 0 or max_probes < 1 or not tolerance > 0:
+        raise QerlError(
+            f"search_sigma needs target > 0, max_probes >= 1 and tolerance > 0; got {target}, "
+            f"{max_probes}, {tolerance}"
+        )
+    lo, hi = math.log(low), math.log(high)
+    probes: list[tuple[float, float]] = []
+    for _ in range(max_probes):
+        sigma = math.exp((lo + hi) / 2)
+        measured = float(effect(sigma))
+        probes.append((sigma, measured))
+        if abs(measured - target) <= tolerance * target:
+            break
+        if measured < target:
+            lo = math.log(sigma)
+        else:
+            hi = math.log(sigma)
+    # Of equally close probes the latest, the one nearest where the effect crosses the target.
+    sigma, measured = min(reversed(probes), key=lambda p: abs(p[1] - target))
+    return SigmaSearch(
+        sigma=sigma,
+        effect=measured,
+        target=target,
+        probes=tuple(probes),
+        converged=abs(measured - target) <= tolerance * target,
+    )
 
 
 def raw_sigma_warning(cfg: TrainConfig, base_method: str | None) -> str | None:
@@ -55,9 +156,9 @@ def raw_sigma_warning(cfg: TrainConfig, base_method: str | None) -> str | None:
     return (
         f"AQN adds aqn.sigma_start={cfg.aqn.sigma_start:g} to the norm weights of an AWQ base, whose "
         "smoothing divided some norms by its scales: the noise is larger beside them than on an "
-        "unsmoothed base (on Gemma 3 270M's AWQ base 1e-2 changed 99% of the greedy tokens and stopped "
-        "learning; on its GPTQ base 15%). State the noise as its effect instead, aqn.calibrate: tokens "
-        "with aqn.target (e.g. 0.1), or use a GPTQ or RTN base"
+        "unsmoothed base, and can change most greedy tokens and stop learning "
+        "(benchmarks/gemma3-270m-learning-gap-2026-11-27). State the noise as its effect instead, "
+        "aqn.calibrate: tokens with aqn.target (e.g. 0.1), or use a GPTQ or RTN base"
     )
 
 
@@ -73,8 +174,6 @@ class NoiseProbe:
     def for_run(cls, cfg: TrainConfig, problems: list[Problem], prompts: dict[str, str]) -> NoiseProbe:
         """The run's probe: the first ``aqn.calibration_prompts`` prompts of a fresh copy of the run's seeded
         stream (the training stream's position is not touched, so batches and resume stay as they were)."""
-        from qerl_cli.data.prompts import get_template
-
         aqn = cfg.aqn
         stream = PromptStream(problems, cfg.train.seed, cfg.data.shuffle)
         chosen = stream.take(min(aqn.calibration_prompts, len(problems)))  # no prompt twice
@@ -155,8 +254,8 @@ FLOOR_MARGIN = 3.0
 def floor_warning(floor: float, target: float) -> str | None:
     """What to tell the user when the engine's greedy decoding is not repeatable (batch-dependent
     kernels): the share of tokens two noise-free passes differ in is a floor under every measure, and a
-    target close to it calibrates on that scatter. Seen with vLLM on Gemma 3 270M (H100 and H200): a
-    floor of 5-7%, and aqn.target=0.1 gave sigma 1e-3, 3.2e-3 and 1.8e-2 for three seeds."""
+    target close to it calibrates on that scatter (vLLM's floor and the sigmas it scattered:
+    benchmarks/gemma3-270m-learning-gap-2026-11-27)."""
     if floor <= 0:
         return None
     message = (
@@ -175,8 +274,8 @@ def floor_warning(floor: float, target: float) -> str | None:
 def _miss_hint(search: SigmaSearch) -> str:
     """Why a search missed, when every probe fell on one side of the target."""
     if all(effect > search.target for _, effect in search.probes):
-        # Seen on Gemma 3 270M (BF16, HF engine): one of 8 prompts flips at its fourth greedy token under
-        # any noise, sigma 1e-5 as at 1e-2, so no sigma changed less than 11% of the tokens.
+        # A prompt whose greedy completion has a near-tie early flips under any noise, however small, so
+        # every sigma changes at least its share of the tokens.
         return (
             ". Every probe changed more: the target is below what any perturbation does to these prompts "
             "(near-tie tokens flip whatever the sigma); raise aqn.target, or aqn.calibration_prompts for "

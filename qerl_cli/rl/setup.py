@@ -20,8 +20,8 @@ from torch import nn
 
 from qerl_cli.config import TrainConfig, to_dict
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.aqn import AQNSchedule
 from qerl_cli.modeling.quant_linear import fp8_cache_nbytes
+from qerl_cli.rl.aqn_schedule import AQNSchedule
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.memory import MemoryPlan, plan_for_run
 from qerl_cli.rl.policy import Policy

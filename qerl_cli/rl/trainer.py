@@ -36,12 +36,17 @@ import torch
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
-from qerl_cli.modeling.aqn import SigmaSearch
 from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
-from qerl_cli.rl.aqn_calibration import NoiseProbe, before_rollout, calibrate_once, raw_sigma_warning
+from qerl_cli.rl.aqn_calibration import (
+    NoiseProbe,
+    SigmaSearch,
+    before_rollout,
+    calibrate_once,
+    raw_sigma_warning,
+)
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.memory import PeakTracker, release_cached_memory

@@ -1,35 +1,24 @@
 """Which kernels run the rollout model's linear layers (``rollout.linear_backend``).
 
-On Hopper, vLLM serves NVFP4 / MXFP4 weight-only checkpoints with Marlin (``mma.sync``, weights
-dequantized in registers): fastest while a decode step is bound by reading the weights, but
-compute-bound above ~64 rows, where BF16's ``wgmma`` GEMMs overtake it. The alternatives:
+* ``marlin``: vLLM's default for 4-bit weights (no setting passed): weights dequantized in registers,
+  fastest while a decode step is bound by reading them;
+* ``humming``: vLLM's Humming kernels (``pip install "qerl[humming]"``);
+* ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.rollout.fp8_rollout`), for a BF16
+  base vLLM's online FP8; the trainer keeps its packed 4-bit base and truncated importance sampling
+  corrects the extra rounding;
+* ``fp8-merged`` / ``merged``: the LoRA merged into the FP8 copy / a BF16 base after every update
+  (:mod:`qerl_cli.rollout.fp8_merge`, ``rollout.vllm_lora``), vLLM running without LoRA; either name
+  pinned for a base of the other kind means that base's merge, and tensor parallelism and trained norms
+  are refused;
+* ``auto``: the backend with the highest rollout tokens/s at the run's concurrency in a crossover table
+  ``qerl bench --concurrency`` measures, among those installed whose weights leave the KV cache room for
+  the round; the FP8 copies only with ``rollout.auto_fp8`` (one more rounding, which can cost accuracy).
+  Without an entry for this GPU and format, or for a comparable model, it keeps vLLM's default.
 
-* ``marlin``: vLLM's default for 4-bit weights (no setting passed);
-* ``humming``: vLLM 0.26's Humming kernels (``linear_backend="humming"``, ``wgmma`` on Hopper;
-  ``pip install "qerl[humming]"``);
-* ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.modeling.fp8_rollout`),
-  served by vLLM's FP8 tensor-core GEMMs at twice the BF16 peak; for a BF16 base, vLLM's online FP8.
-  The trainer keeps its packed 4-bit base: truncated importance sampling corrects the extra rounding.
-* ``fp8-merged``: the ``fp8`` copy with the LoRA merged into it after every update
-  (:mod:`qerl_cli.modeling.fp8_merge`), so vLLM runs without its LoRA kernels;
-* ``merged``: the same for a BF16 base, whose merged weights stay BF16 (TRL's merged-LoRA baseline).
-  Either name pinned for a base of the other kind means that base's merge, so one recipe serves
-  every arm of a comparison. Each sync merges the adapter
-  (``rollout.vllm_lora``); tensor parallelism and trained norms are refused.
-* ``auto``: per GPU and the run's concurrency (sequences one rollout round submits), the backend with
-  the highest rollout tokens/s in a crossover table that ``qerl bench --concurrency`` measures, among
-  those installed and whose weights leave the KV cache room for the round; the FP8 copies only with
-  ``rollout.auto_fp8`` (they round weights and activations once more, which on Gemma 3 270M cost
-  held-out accuracy). Without measurements for this GPU and format, or with measurements of a model of
-  another size only, it keeps vLLM's default.
-
-Where the crossover lies depends on the model's layer widths (a small model's GEMMs turn compute-bound
-at other concurrencies than a 7B's), so every table entry names the model it was measured on
-(:class:`MeasuredModel`), and ``auto`` uses an entry only for a comparable model
-(:func:`comparable_models`: parameter counts within ``COMPARABLE_FACTOR`` of each other, or the same
-hidden and MLP widths). An entry without a model (a table written before entries named theirs) is used
-only from a table the recipe names itself (``rollout.crossover_table``), as before, never from the
-shipped one.
+The crossover depends on the model's layer widths, so every table entry names its model
+(:class:`MeasuredModel`) and ``auto`` uses one only for a comparable model (:func:`comparable_models`);
+an entry naming none only from the recipe's own ``rollout.crossover_table``. Crossovers and what the FP8
+copy cost: ``benchmarks/h100-2026-11-24``, ``benchmarks/gemma3-270m-h100-2026-11-24``.
 
 This module only decides (for the GPU and packages :mod:`qerl_cli.rollout.environment` finds);
 :func:`qerl_cli.rollout.factory.make_engine` applies the choice.
@@ -49,6 +38,7 @@ from qerl_cli import formats
 from qerl_cli.config.sections import MERGED_LINEAR_BACKENDS, LinearBackend
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
+from qerl_cli.modeling.model_shape import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +145,6 @@ class MeasuredModel:
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str | None = None) -> MeasuredModel | None:
         """From a transformers ``config.json`` dict (None when it lacks the usual dimensions)."""
-        from qerl_cli.modeling.model_shape import ModelShape
-
         try:
             shape = ModelShape.from_config(config)
         except QerlError:

@@ -4,6 +4,9 @@ the linear backend choice (:func:`qerl_cli.rollout.backends.choose_backend`) is 
 from __future__ import annotations
 
 import importlib.util
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
 
 from qerl_cli.rollout.backends import Environment
 
@@ -12,8 +15,6 @@ def current_environment(
     *, vllm_budget_bytes: int | None = None, kv_bytes_per_sequence: int | None = None, overhead_bytes: int = 0
 ) -> Environment:
     """The GPU this process uses and what is installed (no GPU: name and capability None)."""
-    import torch
-
     gpu = capability = None
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name()
@@ -27,7 +28,6 @@ def current_environment(
 
 
 def _vllm_version() -> tuple[int, int] | None:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         parts = version("vllm").split(".")

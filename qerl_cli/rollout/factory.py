@@ -12,6 +12,7 @@ factory load the model.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 from collections.abc import Mapping
@@ -23,6 +24,10 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
+from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
+from qerl_cli.modeling.shapes import check_vllm_shapes
+from qerl_cli.modeling.sources import cache_root, resolve_model_source
+from qerl_cli.rollout import vllm_setup  # module: tests patch _cuda_total_bytes
 from qerl_cli.rollout.backends import (
     FORMAT_BACKENDS,
     BackendChoice,
@@ -33,6 +38,7 @@ from qerl_cli.rollout.backends import (
 )
 from qerl_cli.rollout.base import RolloutEngine
 from qerl_cli.rollout.environment import current_environment
+from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
 from qerl_cli.torch_utils import DTYPES, resolve_device
 from qerl_cli.torch_utils import dtype_name as torch_dtype_name
 
@@ -187,11 +193,6 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
     """A colocated vLLM engine on ``model_path`` whose linear layers run the backend that
     ``linear_backend`` resolves to (:mod:`qerl_cli.rollout.backends`) for a round of ``concurrency``
     sequences (0: ``max_num_seqs`` of the vLLM settings, else 256)."""
-    import importlib.util
-
-    from qerl_cli.modeling.shapes import check_vllm_shapes
-    from qerl_cli.modeling.sources import resolve_model_source
-
     model_path = request.model_path
     if model_path is not None:
         model_path = resolve_model_source(model_path)
@@ -222,9 +223,6 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         merge_base = str(model_path)
     served, model_format = str(model_path), request.model_format
     if choice.needs_fp8_copy:
-        from qerl_cli.modeling.fp8_rollout import fp8_rollout_checkpoint
-        from qerl_cli.modeling.sources import cache_root
-
         served = str(fp8_rollout_checkpoint(model_path, cache_root()))
         model_format = "auto"  # vLLM serves the FP8 copy; the trainer keeps the 4-bit base
     fixed_kv: dict[str, Any] = {}
@@ -239,9 +237,8 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         trust_remote_code=request.trust_remote_code, revision=request.revision,
         kv_cache_dtype=request.kv_cache_dtype, tensor_parallel_size=request.tensor_parallel_size,
         vllm_kwargs={**choice.vllm_kwargs(), **fixed_kv, **user_kwargs},  # the recipe's vllm_kwargs win
-        merge_base=merge_base,
+        merge_base=merge_base, backend_choice=choice,
     )  # fmt: skip
-    engine.backend_choice = choice
     if request.adapter is not None:
         engine.sync_adapter(str(request.adapter))
     return engine
@@ -264,8 +261,6 @@ def _read_config(model_path: str) -> dict[str, Any]:
 
 def _model_shape(config: dict[str, Any]) -> Any:
     """The config's ModelShape, or None for a config without the usual dimensions."""
-    from qerl_cli.modeling.model_shape import ModelShape
-
     try:
         return ModelShape.from_config(config)
     except QerlError:
@@ -280,10 +275,7 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
     allocates or frees while this engine starts. Empty (vLLM profiles as usual) where the sizes are not
     known: no GPU, tensor parallel, a checkpoint qerl does not read. QerlError when the share leaves no
     room for one full-length sequence."""
-    from qerl_cli.modeling.model_shape import WEIGHT_BYTES, weight_bytes
-    from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes
-
-    total = _cuda_total_bytes()
+    total = vllm_setup._cuda_total_bytes()
     fmt = choice.weight_format
     if not total or request.tensor_parallel_size > 1 or fmt not in WEIGHT_BYTES:
         return {}
@@ -292,7 +284,7 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
         return {}
     share = int(total * request.gpu_memory_utilization)
     weights = weight_bytes(shape, fmt)
-    kv = share - weights - VLLM_OVERHEAD
+    kv = share - weights - vllm_setup.VLLM_OVERHEAD
     one = shape.kv_bytes_per_token(request.kv_cache_dtype) * (request.max_model_len or 0)
     if kv < max(one, 1):
         gib = 2**30
@@ -300,14 +292,14 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
             f"vLLM's share of this run's slice of the GPU (rollout.gpu_memory_utilization="
             f"{request.gpu_memory_utilization}: {share / gib:.1f} GiB) leaves no KV cache room for one "
             f"full-length sequence ({one / gib:.2f} GiB) after its {fmt} weights ({weights / gib:.1f} GiB) "
-            f"and {VLLM_OVERHEAD / gib:.0f} GiB of activations and CUDA graphs: give vLLM a larger share, "
-            "run fewer runs on the GPU at once (qerl compare --jobs), or shorten "
+            f"and {vllm_setup.VLLM_OVERHEAD / gib:.0f} GiB of activations and CUDA graphs: give vLLM a "
+            "larger share, run fewer runs on the GPU at once (qerl compare --jobs), or shorten "
             "rollout.max_completion_length"
         )
     log.info(
         "vLLM's KV cache: %.2f GiB, sized from its share (%.1f GiB) less its weights (%.1f GiB) and %.0f GiB "
         "overhead, without profiling the GPU's memory (other runs share it)",
-        kv / 2**30, share / 2**30, weights / 2**30, VLLM_OVERHEAD / 2**30,
+        kv / 2**30, share / 2**30, weights / 2**30, vllm_setup.VLLM_OVERHEAD / 2**30,
     )  # fmt: skip
     return {"kv_cache_memory_bytes": int(kv)}
 
@@ -328,10 +320,7 @@ def choose_rollout_backend(
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
     sequence weighed against each backend's rollout weights."""
-    from qerl_cli.modeling.model_shape import weight_bytes
-    from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD, _cuda_total_bytes, detect_checkpoint_format
-
-    fmt = detect_checkpoint_format(model_path).name
+    fmt = vllm_setup.detect_checkpoint_format(model_path).name
     if fmt == "other":
         if requested not in ("auto", "marlin"):
             raise QerlError(
@@ -345,13 +334,13 @@ def choose_rollout_backend(
     shape = _model_shape(config)  # None: served all the same, without the memory check
     # What the table's entries are weighed against: one measured on a model of another size is not used.
     model = MeasuredModel.from_config(config, name=Path(model_path).name)
-    total = _cuda_total_bytes()
+    total = vllm_setup._cuda_total_bytes()
     if shape is not None and total and isinstance(gpu_memory_utilization, float):
         sizes = {b: weight_bytes(shape, rollout_weight_format(b, fmt)) for b in FORMAT_BACKENDS.get(fmt, ())}
         budget = int(total * gpu_memory_utilization)
         kv = shape.kv_bytes_per_token(kv_cache_dtype) * max_model_len if max_model_len else None
     env = current_environment(
-        vllm_budget_bytes=budget, kv_bytes_per_sequence=kv, overhead_bytes=VLLM_OVERHEAD
+        vllm_budget_bytes=budget, kv_bytes_per_sequence=kv, overhead_bytes=vllm_setup.VLLM_OVERHEAD
     )
     choice = choose_backend(requested, fmt, concurrency=concurrency, env=env,
                             table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,

@@ -14,12 +14,13 @@ One ``vllm.LLM`` lives in the trainer's process and shares its GPU. A training s
 vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it. Stages
 never build this class themselves: they ask :func:`qerl_cli.rollout.factory.make_engine` for an engine.
 
-The engine is split by responsibility. Here: start-up, generation, sleep / wake and AQN noise. Beside
-it: ``vllm_setup`` (checkpoint format, GPU check, ``vllm.LLM`` keyword arguments, start-up errors),
-``vllm_lora`` (LoRA sync under a new id every step, or merged), ``vllm_staleness`` (the staleness check),
-``vllm_worker`` (functions run in vLLM's worker: AQN noise, the merge), ``vllm_outputs`` (output mapping,
-logprobs, staleness figures) and ``modeling.adapter`` (adapter folder checks). The names tests and
-callers import stay importable from here.
+The engine is split by responsibility. Here: start-up, generation, sleep / wake and AQN noise. It is
+composed of an :class:`~qerl_cli.rollout.vllm_lora.AdapterSync` (LoRA sync under a new id every step,
+or merged) and a :class:`~qerl_cli.rollout.vllm_staleness.StalenessCheck`, each handed the engine on
+every call. Beside it: ``vllm_setup`` (checkpoint format, GPU check, ``vllm.LLM`` keyword arguments,
+start-up errors), ``vllm_worker`` (functions run in vLLM's worker: AQN noise, the merge),
+``vllm_outputs`` (output mapping, logprobs, staleness figures) and ``modeling.adapter`` (adapter folder
+checks). The names tests and callers import stay importable from here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ import torch
 from qerl_cli.config.checks import noise_sigma
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.prompt_tokens import encode_prompts
+from qerl_cli.rollout.backends import BackendChoice
 from qerl_cli.rollout.base import (
     COMPLETIONS,
     GENERATED_TOKENS,
@@ -51,7 +55,7 @@ from qerl_cli.rollout.base import (
     SamplingSpec,
 )
 from qerl_cli.rollout.vllm_lora import AdapterSync
-from qerl_cli.rollout.vllm_outputs import sampled_token_logprobs, to_result
+from qerl_cli.rollout.vllm_outputs import prompt_token_logprobs, sampled_token_logprobs, to_result
 from qerl_cli.rollout.vllm_setup import (
     MIN_CAPABILITY,
     VLLM_LORA_RANKS,
@@ -83,7 +87,7 @@ log = logging.getLogger(__name__)
 LORA_ID = "rollout/lora_id"  # the vLLM LoRA id generate serves (0: the base model)
 
 
-class VLLMEngine(AdapterSync, StalenessCheck):
+class VLLMEngine:
     """A :class:`~qerl_cli.rollout.base.RolloutEngine` backed by a colocated ``vllm.LLM``."""
 
     def __init__(
@@ -105,6 +109,7 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         vllm_kwargs: dict[str, Any] | None = None,
         tensor_parallel_size: int = 1,
         merge_base: str | Path | None = None,
+        backend_choice: BackendChoice | None = None,
     ) -> None:
         self.model_path = str(model_path)
         # fp8-merged: the trainer's base checkpoint each sync merges the adapter onto (vLLM without LoRA).
@@ -112,8 +117,8 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         if self.merge_base is not None:
             enable_lora = False
         # The linear backend the factory chose (qerl_cli.rollout.backends; also logged), which the bench's
-        # rows name.
-        self.backend_choice: Any = None
+        # rows name and the staleness check's allowance for merged weights reads.
+        self.backend_choice = backend_choice
         self.format = detect_checkpoint_format(self.model_path)
         if model_format not in ("auto", self.format.name) and self.format.name != "other":
             raise QerlError(
@@ -121,7 +126,7 @@ class VLLMEngine(AdapterSync, StalenessCheck):
                 "set model.format=auto or point model.path at the right folder"
             )
         check_gpu_supports(self.format)
-        self._vllm = _import_vllm()
+        self.vllm = _import_vllm()  # the vLLM names (LLM, SamplingParams, LoRARequest)
         self.enable_sleep_mode = enable_sleep_mode
         self.enable_lora = enable_lora
         self.max_lora_rank = _supported_lora_rank(max_lora_rank)
@@ -154,21 +159,20 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         self._noise_touched = False  # the worker holds clean copies once noise was applied
         self._warned_truncated_logprobs = False
         self._flat_logprobs = True
-        self.last_staleness_gap: float | None = None
-        self.last_numerics_gap: float | None = None  # vLLM's base vs the trainer's, when it was measured
+        self.staleness = StalenessCheck()
         self.last_sleep_freed_bytes: int | None = None
         self.last_perturbed_count = 0
         self.last_changed_fraction = 0.0
         self.num_norms = int(min(self.llm.apply_model(worker_count_norms)))
         # Last: a vLLM that failed to start leaves no staging folder behind.
-        self._init_adapter_state()
+        self.adapters = AdapterSync()
 
     def _start(self, kwargs: dict[str, Any], gpu_memory_utilization: float) -> None:
         """``vllm.LLM(**kwargs)``, its memory errors rephrased as advice on the recipe's settings."""
         log.info("starting vLLM for %s (%s): %s", self.model_path, self.format.name, kwargs)
         started = time.perf_counter()
         try:
-            self.llm = self._vllm.LLM(**kwargs)
+            self.llm = self.vllm.LLM(**kwargs)
         except (ValueError, RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             rephrased = _rephrase_load_error(exc, self.model_path, gpu_memory_utilization)
             if rephrased is None:
@@ -185,12 +189,30 @@ class VLLMEngine(AdapterSync, StalenessCheck):
     def linear_backend(self) -> str:
         return self.backend_choice.backend if self.backend_choice is not None else "default"
 
+    @property
+    def lora_request(self) -> Any:
+        """The LoRARequest generate uses now (None: the base model)."""
+        return self.adapters.lora
+
+    @property
+    def last_staleness_gap(self) -> float | None:
+        return self.staleness.last_gap
+
+    @property
+    def last_numerics_gap(self) -> float | None:
+        return self.staleness.last_numerics_gap
+
+    @property
+    def _stage_root(self) -> Path:
+        """Where the adapters' tmpfs copies are staged (the tests check that nothing is left there)."""
+        return self.adapters.stage_root
+
     def stats(self) -> dict[str, float]:
         """Engine-level figures for logs (per-rollout figures are in RolloutResult.stats)."""
         out: dict[str, float] = {
             "rollout/load_seconds": self.load_seconds,
-            LORA_ID: float(self._lora_id),
-            "rollout/syncs": float(self.num_syncs),
+            LORA_ID: float(self.adapters.lora_id),
+            "rollout/syncs": float(self.adapters.num_syncs),
             NORM_MODULES: float(self.num_norms),
             PERTURBED_NORMS: float(self.last_perturbed_count),
             NOISE_SIGMA: self._noise_sigma,
@@ -201,10 +223,10 @@ class VLLMEngine(AdapterSync, StalenessCheck):
             out[NUMERICS_GAP] = self.last_numerics_gap
         if self.last_sleep_freed_bytes is not None:
             out["rollout/sleep_freed_gib"] = self.last_sleep_freed_bytes / 2**30
-        if self.last_sync_seconds is not None:
-            out[SYNC_SECONDS] = self.last_sync_seconds
+        if self.adapters.last_sync_seconds is not None:
+            out[SYNC_SECONDS] = self.adapters.last_sync_seconds
         if self.merge_base is not None:
-            out["rollout/merged_linears"] = float(self.merged_linears)
+            out["rollout/merged_linears"] = float(self.adapters.merged_linears)
         return out
 
     # ---- generation ---------------------------------------------------------------------------
@@ -232,10 +254,10 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         if self._flat_logprobs:
             try:
                 # Flat lists instead of one dict per token: far less GC work at a million tokens.
-                return self._vllm.SamplingParams(**kwargs, flat_logprobs=True)
+                return self.vllm.SamplingParams(**kwargs, flat_logprobs=True)
             except TypeError:  # vLLM before 0.11.1 has no flat logprobs
                 self._flat_logprobs = False
-        return self._vllm.SamplingParams(**kwargs)
+        return self.vllm.SamplingParams(**kwargs)
 
     def generate(self, prompts: list[str], n: int, sampling: SamplingSpec) -> RolloutResult:
         if self._sleeping:
@@ -255,7 +277,7 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         inputs = [{"prompt_token_ids": ids} for ids in encode_prompts(prompts, self.llm.get_tokenizer())]
         started = time.perf_counter()
         try:
-            outputs = self.llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
+            outputs = self.llm.generate(inputs, params, lora_request=self.adapters.lora, use_tqdm=False)
         except ValueError as exc:
             raise QerlError(
                 f"vLLM rejected the rollout batch: {exc}. If a prompt is too long, raise "
@@ -273,10 +295,42 @@ class VLLMEngine(AdapterSync, StalenessCheck):
                 COMPLETIONS: float(len(prompts) * n),
                 NOISE_SIGMA: self._noise_sigma,
                 NOISE_CHANGED_FRACTION: self.last_changed_fraction if self._noise_sigma > 0 else 0.0,
-                LORA_ID: float(self._lora_id),
+                LORA_ID: float(self.adapters.lora_id),
             }
         )
         return result
+
+    def prompt_logprobs(self, token_ids: Sequence[int], *, with_adapter: bool = True) -> list[float]:
+        """vLLM's log p(token_i | tokens_<i), i >= 1, at temperature 1, with the current adapter
+        (or the base model) and the current norm weights."""
+        if self._sleeping:
+            self.wake_up()
+        params = self.vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        request = self.adapters.lora if with_adapter else None
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(token_ids)}], params, lora_request=request, use_tqdm=False
+        )
+        return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
+
+    # ---- adapter sync and the staleness check ---------------------------------------------------
+    def sync_adapter(self, adapter_dir: str | Path | None) -> None:
+        """Serve the PEFT adapter in ``adapter_dir`` from the next generate on (``None``: the base
+        model); see :meth:`~qerl_cli.rollout.vllm_lora.AdapterSync.sync_adapter`."""
+        self.adapters.sync_adapter(self, adapter_dir)
+
+    def sync_policy(self, peft_model: Any) -> None:
+        """Serve the trainer's live PEFT model's adapter, saved straight to tmpfs (merge mode: merged)."""
+        self.adapters.sync_policy(self, peft_model)
+
+    def check_staleness(
+        self,
+        probe_prompt_ids: Sequence[int],
+        trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
+        reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
+    ) -> float:
+        """Mean |vLLM - trainer| logprob gap on a probe prompt after a sync, raising when vLLM does not
+        sample from the trained policy (:meth:`~qerl_cli.rollout.vllm_staleness.StalenessCheck.check`)."""
+        return self.staleness.check(self, probe_prompt_ids, trainer_logprobs, reference_logprobs)
 
     # ---- sleep mode ---------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -302,7 +356,7 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         self._check_room_to_wake()
         self.llm.wake_up()
         self._sleeping = False
-        self._activate_pending()
+        self.adapters.activate_pending(self)
         if self._noise_touched:
             self._apply_noise()
         self.llm.reset_prefix_cache()
@@ -364,11 +418,23 @@ class VLLMEngine(AdapterSync, StalenessCheck):
         self.llm.reset_prefix_cache()
         return count
 
+    @contextmanager
+    def noise_lifted(self) -> Iterator[None]:
+        """Clean norm weights inside the block (the staleness probe's), this step's noise again after."""
+        noised = self._noise_sigma > 0
+        if noised:
+            self._apply_noise(sigma=0.0)
+        try:
+            yield
+        finally:
+            if noised:
+                self._apply_noise()
+
     # ---- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
         """Release vLLM and the tmpfs adapter copies."""
         self.llm = None  # type: ignore[assignment]
-        self._cleanup()
+        self.adapters.cleanup()
 
     def __enter__(self) -> VLLMEngine:
         return self

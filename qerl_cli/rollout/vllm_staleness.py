@@ -1,67 +1,61 @@
 """The staleness check of the colocated vLLM engine: after a sync, prove that vLLM samples from the
 policy being trained by comparing its logprobs on a probe prompt with the trainer's.
 
-Part of the vLLM rollout engine (:class:`qerl_cli.rollout.vllm_engine.VLLMEngine` mixes this in); the
-figures and the error message are :mod:`qerl_cli.rollout.vllm_outputs`'.
+Part of the vLLM rollout engine: :class:`qerl_cli.rollout.vllm_engine.VLLMEngine` holds one
+:class:`StalenessCheck` and hands itself to each check (what the check reads of it:
+:class:`ProbedEngine`); the figures and the error message are :mod:`qerl_cli.rollout.vllm_outputs`'.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.backends import FP8_MERGED
+from qerl_cli.rollout.backends import FP8_MERGED, BackendChoice
 from qerl_cli.rollout.vllm_outputs import (
     BASE_TOLERANCE_FACTOR,
     mean_abs_gap,
     merged_staleness_message,
     numerics_explain,
-    prompt_token_logprobs,
     staleness_message,
 )
 
 log = logging.getLogger("qerl_cli.rollout.vllm_engine")  # the engine's logger: one place to read its log
 
 
-class StalenessCheck:
-    """``prompt_logprobs`` and ``check_staleness`` of the vLLM engine."""
+class ProbedEngine(Protocol):
+    """What the staleness check reads of the vLLM engine it probes."""
 
-    # The engine's state this mixin reads (set in VLLMEngine.__init__).
-    llm: Any
-    _vllm: Any  # the vLLM names rollout.vllm_setup._import_vllm returns
-    _sleeping: bool
-    _lora: Any  # the active LoRARequest (rollout.vllm_lora)
     merge_base: str | None  # fp8-merged: the adapter is in vLLM's weights (no LoRARequest)
-    _noise_sigma: float
     staleness_tolerance: float
-    last_staleness_gap: float | None
-    last_numerics_gap: float | None
+    backend_choice: BackendChoice | None
 
-    if TYPE_CHECKING:  # the engine's own methods, which the check calls
+    @property
+    def is_sleeping(self) -> bool: ...
 
-        def wake_up(self) -> None: ...
+    @property
+    def lora_request(self) -> Any: ...
 
-        def _apply_noise(self, sigma: float | None = None) -> int: ...
+    def wake_up(self) -> None: ...
 
-        @property
-        def _lora_id(self) -> int: ...
+    def prompt_logprobs(self, token_ids: Sequence[int], *, with_adapter: bool = True) -> list[float]: ...
 
-    def prompt_logprobs(self, token_ids: Sequence[int], *, with_adapter: bool = True) -> list[float]:
-        """vLLM's log p(token_i | tokens_<i), i >= 1, at temperature 1, with the current adapter
-        (or the base model) and the current norm weights."""
-        if self._sleeping:
-            self.wake_up()
-        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        request = self._lora if with_adapter else None
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(token_ids)}], params, lora_request=request, use_tqdm=False
-        )
-        return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
+    def noise_lifted(self) -> AbstractContextManager[None]: ...
 
-    def check_staleness(
+
+class StalenessCheck:
+    """``check_staleness`` of the vLLM engine, and the gaps it last measured."""
+
+    def __init__(self) -> None:
+        self.last_gap: float | None = None  # vLLM vs the trainer, nats/token, at the last check
+        self.last_numerics_gap: float | None = None  # vLLM's base vs the trainer's, when it was measured
+
+    def check(
         self,
+        engine: ProbedEngine,
         probe_prompt_ids: Sequence[int],
         trainer_logprobs: Callable[[Sequence[int]], Sequence[float]],
         reference_logprobs: Callable[[Sequence[int]], Sequence[float]] | None = None,
@@ -82,19 +76,20 @@ class StalenessCheck:
         trainer_lp = list(trainer_logprobs(probe_prompt_ids))
         if len(trainer_lp) != len(probe_prompt_ids) - 1:
             raise ValueError("check_staleness needs len(probe) - 1 trainer logprobs")
-        if self._sleeping:  # the adapter synced during the update is activated by wake_up
-            self.wake_up()
+        if engine.is_sleeping:  # the adapter synced during the update is activated by wake_up
+            engine.wake_up()
+        request = engine.lora_request
         # With the trainer's adapter-off logprobs the adapter's effect is compared on both sides, every
         # time: a shift of the rollout weights (an FP8 copy) could otherwise hide a stale adapter.
-        compare_effects = reference_logprobs is not None and self._lora is not None
-        engine_lp, base_lp = self._probe_logprobs(probe_prompt_ids, trainer_lp, compare_effects)
+        compare_effects = reference_logprobs is not None and request is not None
+        engine_lp, base_lp = self._probe_logprobs(engine, probe_prompt_ids, trainer_lp, compare_effects)
         gap = mean_abs_gap(engine_lp, trainer_lp)
-        self.last_staleness_gap = gap
-        lora_id = self._lora_id
+        self.last_gap = gap
+        lora_id = request.lora_int_id if request is not None else 0
         explained = None
         if compare_effects and base_lp is not None:
             reference_lp = list(reference_logprobs(probe_prompt_ids))  # type: ignore[misc]
-            tolerance = self.staleness_tolerance
+            tolerance = engine.staleness_tolerance
             explained = numerics_explain(engine_lp, base_lp, trainer_lp, reference_lp, tolerance)
             self.last_numerics_gap = explained.base_gap
         detail = ""
@@ -108,44 +103,40 @@ class StalenessCheck:
             gap,
             detail,
         )
-        if self.merge_base is not None:
+        if engine.merge_base is not None:
             # FP8 merged weights carry the FP8 copy's rounding, which the fp8 backend lets the two base
             # models differ by up to twice the tolerance; with no adapter-free vLLM model to take it
-            # out, the merged model gets the same allowance (a 7B random-weight base measured 0.54).
+            # out, the merged model gets the same allowance (what FP8 rounding moves a 7B's logprobs by:
+            # benchmarks/h100-2026-11-27-merged).
             # A BF16 merge rounds to BF16 only: the plain tolerance.
-            choice = getattr(self, "backend_choice", None)
+            choice = engine.backend_choice
             fp8 = choice is None or choice.weight_format == "fp8"
             factor = BASE_TOLERANCE_FACTOR if fp8 else 1.0
-            if gap <= factor * self.staleness_tolerance:
+            if gap <= factor * engine.staleness_tolerance:
                 return gap
             backend = choice.backend if choice is not None else FP8_MERGED
-            raise QerlError(merged_staleness_message(gap, self.staleness_tolerance, factor, backend))
-        if explained.ok if explained is not None else gap <= self.staleness_tolerance:
+            raise QerlError(merged_staleness_message(gap, engine.staleness_tolerance, factor, backend))
+        if explained.ok if explained is not None else gap <= engine.staleness_tolerance:
             return gap
         raise QerlError(
             staleness_message(
-                gap, self.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp, explained
+                gap, engine.staleness_tolerance, lora_id or None, engine_lp, base_lp, trainer_lp, explained
             )
         )
 
+    @staticmethod
     def _probe_logprobs(
-        self, probe_prompt_ids: Sequence[int], trainer_lp: list[float], compare_effects: bool
+        engine: ProbedEngine, probe_prompt_ids: Sequence[int], trainer_lp: list[float], compare_effects: bool
     ) -> tuple[list[float], list[float] | None]:
         """vLLM's probe logprobs with the adapter, and without it when the check needs them (the
         adapter's effect is compared, or the gap is too large and the message must say why), all on
         clean norms: AQN noise would add a gap of its own, so it is lifted for the probe."""
-        noised = self._noise_sigma > 0
-        if noised:
-            self._apply_noise(sigma=0.0)
-        try:
-            engine_lp = self.prompt_logprobs(probe_prompt_ids)
+        with engine.noise_lifted():
+            engine_lp = engine.prompt_logprobs(probe_prompt_ids)
             gap = mean_abs_gap(engine_lp, trainer_lp)
             base_lp = (
-                self.prompt_logprobs(probe_prompt_ids, with_adapter=False)
-                if (compare_effects or gap > self.staleness_tolerance) and self._lora is not None
+                engine.prompt_logprobs(probe_prompt_ids, with_adapter=False)
+                if (compare_effects or gap > engine.staleness_tolerance) and engine.lora_request is not None
                 else None
             )
-        finally:
-            if noised:
-                self._apply_noise()
         return engine_lp, base_lp

@@ -14,7 +14,7 @@ from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.aqn import find_norm_modules, is_rms_norm, perturb_norm_weights
-from qerl_cli.modeling.fp8_merge import (
+from qerl_cli.rollout.fp8_merge import (
     DEFAULT_CHUNK_ROWS,
     BaseWeights,
     CheckpointBases,
@@ -84,7 +84,7 @@ def worker_merge_lora(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     bases: BaseWeights | None = None,
 ) -> int:
-    """Rewrite every linear the adapter targets as base + LoRA (``qerl_cli.modeling.fp8_merge``), in
+    """Rewrite every linear the adapter targets as base + LoRA (``qerl_cli.rollout.fp8_merge``), in
     place in vLLM's parameters; the base is ``bases`` (the trainer's layers, vLLM in its process) or read
     from the trainer's checkpoint at ``base_path``, so repeated merges never compound roundings. Returns
     the number of linears written. Call it awake: sleep mode has the weights offloaded."""

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
@@ -60,8 +61,6 @@ def fp8_rollout_checkpoint(source: str | Path, cache_dir: str | Path) -> Path:
 @torch.no_grad()
 def write_fp8_checkpoint(source: str | Path, out_dir: str | Path) -> Path:
     """Write the FP8 rollout copy of the 4-bit checkpoint ``source`` into ``out_dir`` (see module doc)."""
-    from safetensors import safe_open
-
     source, out = Path(source), Path(out_dir)
     config = read_config(source)
     fmt_name = detect_format(config)

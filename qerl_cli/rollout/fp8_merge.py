@@ -35,10 +35,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
+from qerl_cli.modeling import loading
 
 # HF projection name -> (vLLM's stacked module, shard index along its output rows).
 STACKED: dict[str, tuple[str, int]] = {
@@ -96,9 +98,9 @@ class PolicyBases:
     """The trainer's own frozen linear layers (PEFT's ``base_layer`` under each LoRA linear, and the
     linears without an adapter, which a merge resets to their base when an earlier adapter targeted
     them: a 4-bit ``QuantLinear`` or a dense ``nn.Linear``), dequantized where they live. A sync then
-    reads nothing from disk and copies nothing from the host: on an H100 a 7B NVFP4 merge from the
-    checkpoint spent 0.3 s reading and 0.5-1.0 s copying and dequantizing, and a BF16 base would read
-    15 GB a sync. The engine must run in the trainer's process (the layers are not shipped to another)."""
+    reads nothing from disk and copies nothing from the host, which a merge from the checkpoint does every
+    sync (its cost per sync: benchmarks/h100-2026-11-27-merged). The engine must run in the trainer's
+    process (the layers are not shipped to another)."""
 
     def __init__(self, peft_model: nn.Module) -> None:
         self.layers: dict[str, nn.Module] = {}
@@ -138,7 +140,6 @@ class CheckpointBases:
     checkpoint), one module at a time: safetensors maps the files, so a sync reads only what it merges."""
 
     def __init__(self, folder: str | Path) -> None:
-        from qerl_cli.modeling import loading
 
         self.folder = Path(folder)
         config = loading.read_config(self.folder)
@@ -178,13 +179,11 @@ class CheckpointBases:
         return self.where[key]
 
     def _tensor(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
 
         with safe_open(str(self._file(key)), framework="pt") as handle:
             return handle.get_tensor(key)
 
     def _slice(self, key: str) -> Any:
-        from safetensors import safe_open
 
         with safe_open(str(self._file(key)), framework="pt") as handle:
             return handle.get_slice(key)
