@@ -71,3 +71,16 @@ def test_quantize_of_a_hub_id_offline_answers_at_once(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rc, err = run(capsys, "quantize", "qerl-test/not-cached-model", "-f", "nvfp4", "-o", str(tmp_path / "o"))
     assert rc == 2 and "HF_HUB_OFFLINE=1 is set" in err and "pass the folder instead" in err
+
+
+def test_an_error_keeps_a_long_path_whole_at_any_width(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A narrow COLUMNS (pytest-xdist's workers have 80) must not break the path inside an error: a user
+    copies it from there."""
+    monkeypatch.setenv("COLUMNS", "40")
+    recipe = tmp_path / ("a-rather-long-folder-name-" * 3) / "model.safetensors"
+    recipe.parent.mkdir()
+    recipe.write_bytes(b"\x89\xff\xfe\x00binary")
+    assert main(["train", str(recipe)]) == 2
+    assert str(recipe) in capsys.readouterr().err  # raw: no line break inside the path

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     except QerlError as exc:
         if debug:
             err_console.print_exception()
-        err_console.print(f"[bold red]error:[/bold red] [red]{escape(str(exc))}[/red]")
+        # soft_wrap: a path or a command in the message stays whole, to be copied (the terminal wraps it)
+        err_console.print(f"[bold red]error:[/bold red] [red]{escape(str(exc))}[/red]", soft_wrap=True)
         return 2
     except typer.Exit as exc:
         return exc.exit_code
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = stop_hint()
         err_console.print(
             f"[bold red]error:[/bold red] [red]cannot write{where}: {escape(exc.strerror or str(exc))}[/red] "
-            f"(free space or choose another output folder{escape(f'; {hint}' if hint else '')})"
+            f"(free space or choose another output folder{escape(f'; {hint}' if hint else '')})",
+            soft_wrap=True,
         )
         return 2
     except typer.Abort:
@@ -98,7 +100,7 @@ def _show_click_error(exc: Any) -> int:
         if ctx.command.get_help_option(ctx) is not None:
             hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help."
             err_console.print(hint, markup=False, highlight=False)
-    err_console.print(f"[bold red]error:[/bold red] [red]{escape(exc.format_message())}[/red]")
+    err_console.print(f"[bold red]error:[/bold red] [red]{escape(exc.format_message())}[/red]", soft_wrap=True)
     return exc.exit_code
 
 
