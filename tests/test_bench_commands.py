@@ -76,6 +76,10 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["e2e", "--recipe", str(tmp / "no.yaml")], "recipe file not found"),
         (["e2e", "--prompts-per-step", "-1"], "--prompts-per-step must be >= 0"),
         (["e2e", "--memory-cap", "0"], "--memory-cap must be > 0 GiB"),
+        # The old flag form of e2e inside rollout (and the bare form) names the subcommand that replaced it.
+        (["rollout", "--e2e", "--e2e-recipe", "gsm8k_7b"], "rollout --e2e --e2e-recipe: whole GRPO steps are "
+         "timed by `qerl bench e2e`"),  # fmt: skip
+        (["--batch", "2", "--generations", "4"], "rollout --generations: whole GRPO steps are timed by"),
         (["kernels", "--formats", "int3"], "--formats: unknown format(s) int3"),
         (["kernels", "--batch", "0"], "--batch must be a positive integer, got 0"),
         (["update", "--fused", "fast"], "--fused takes a comma list of off, liger, auto"),
@@ -95,21 +99,15 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
-    (["rollout", "--batch", "1,4"], {"batch": [1, 4], "rollouts": True, "e2e": False, "concurrency": []}),
-    (["rollout", "--e2e", "--e2e-recipe", "gsm8k_7b"], {"e2e": True, "gen_len": 2048}),  # the recipe's shape
+    (["rollout", "--batch", "1,4"], {"batch": [1, 4], "concurrency": []}),
+    (["e2e", "--recipe", "gsm8k_7b"], {"recipe": "gsm8k_7b", "gen_len": 2048}),  # the recipe's shape
     (["concurrency"], {"concurrency": [8, 32, 128, 256]}),
     (["concurrency", "--concurrency", "16", "--backends", "fp8"], {"concurrency": [16], "backends": ["fp8"]}),
     (
         ["e2e", "--prompts-per-step", "4", "--linear-backend", "fp8", "--memory-cap", "79.2"],
-        {
-            "e2e": True,
-            "rollouts": False,
-            "e2e_prompts_per_step": 4,
-            "e2e_linear_backend": "fp8",
-            "memory_cap_gib": 79.2,
-        },
+        {"prompts_per_step": 4, "linear_backend": "fp8", "memory_cap_gib": 79.2},
     ),
-    (["e2e", "--recipe", "gsm8k_7b", "--gen-len", "64"], {"e2e_recipe": "gsm8k_7b", "gen_len": 64}),
+    (["e2e", "--recipe", "gsm8k_7b", "--gen-len", "64"], {"recipe": "gsm8k_7b", "gen_len": 64}),
     (["kernels", "--formats", "NVFP4,nf4"], {"formats": ["nvfp4", "nf4"], "batch": 8}),
     (["update", "--checkpointing", "on", "--micro-batch", "2"], {"checkpointing": True, "micro_batch": 2}),
     (["update", "--base-compute", "bf16,fp8"], {"base_compute": ["bf16", "fp8"]}),

@@ -23,7 +23,7 @@ MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")
 # train.base_compute's values (qerl_cli.modeling.base_compute).
 BaseCompute = Literal["auto", "bf16", "fp8"]
 # train.fused_kernels' values (qerl_cli.modeling.fused_kernels).
-FusedKernels = Literal["auto", "liger", "off"]
+FusedKernels = Literal["off", "liger", "auto"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BENCHMARKS_ALL = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
 RESOLVED_CONFIG_NAME = "config.yaml"

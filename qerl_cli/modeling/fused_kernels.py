@@ -269,10 +269,9 @@ def apply_fused_kernels(model: nn.Module, mode: str, *, on_gpu: bool) -> Applied
     off = AppliedKernels(kind="off")
     if mode == "off":
         return off
-    if mode not in get_args(FusedKernels):  # the config's values, one home
-        raise QerlError(
-            f"train.fused_kernels={mode!r} is unknown; choose one of {', '.join(get_args(FusedKernels))}"
-        )
+    kinds = get_args(FusedKernels)  # the config's values, their one home
+    if mode not in kinds:
+        raise QerlError(f"train.fused_kernels={mode!r} is unknown; choose one of {', '.join(sorted(kinds))}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not liger_installed():
         if mode == "liger":
