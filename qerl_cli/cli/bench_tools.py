@@ -117,6 +117,32 @@ def _done(path: Path, errors: bool) -> None:
 K, U, Q = KernelsSettings, UpdateSettings, QualitySettings  # the --help defaults below are theirs
 
 
+def option(cls: type, key: str, flag: str, metavar: str, help: str, kind: type = int) -> Any:
+    """The flag of settings key ``key`` of ``cls``: None ("not given") unless typed, so that --config can
+    set the key; its --help shows the settings' default."""
+    return Annotated[kind | None, config_option(cls, key, flag, metavar=metavar, help=help)]
+
+
+BASE_COMPUTE_HELP = f"train.base_compute per case: {', '.join(auto_last(BaseCompute))} (the base's GEMMs)."
+KERNEL_FORMATS_HELP = "Comma list of 4-bit formats (and bf16)."
+CALIB_HELP = "Calibration rows of qerl-text (awq, gptq)."
+PackOption = Annotated[bool | None, typer.Option("--pack", help="Pack sequences (train.pack_sequences).")]
+MICRO_BATCH_HELP = "Sequences per micro-batch (auto: the plan's)."
+HELDOUT_HELP = "Held-out rows the bases are measured on."
+ProfileOption = Annotated[
+    bool | None, typer.Option("--profile", help="Also the GPU time by kernel category (CUDA profiler).")
+]
+FusedOption = Annotated[
+    str | None,
+    typer.Option(
+        "--fused",
+        metavar="KIND,...",
+        help=f"train.fused_kernels per case: {', '.join(auto_last(FusedKernels))}.",
+        show_default="off,liger with liger-kernel installed, else off",
+    ),
+]
+
+
 def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, sets: list[str] | None) -> S:
     """A tool benchmark's settings: ``--config`` < its flags (None: not given) < ``--set``, checked by
     the class (an error names the flag that set a key)."""
@@ -126,21 +152,10 @@ def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, set
 
 def kernels(
     model: ModelOption = None,
-    formats: Annotated[
-        str | None,
-        config_option(
-            K, "formats", "--formats", metavar="FMT,...", help="Comma list of 4-bit formats (and bf16)."
-        ),
-    ] = None,
-    batch: Annotated[
-        int | None, config_option(K, "batch", "--batch", metavar="N", help="Sequences through the layer.")
-    ] = None,
-    seq_len: Annotated[
-        int | None, config_option(K, "seq_len", "--seq-len", metavar="TOKENS", help="Tokens per sequence.")
-    ] = None,
-    iters: Annotated[
-        int | None, config_option(K, "iters", "--iters", metavar="N", help="Timed calls per figure (median).")
-    ] = None,
+    formats: option(K, "formats", "--formats", "FMT,...", KERNEL_FORMATS_HELP, str) = None,
+    batch: option(K, "batch", "--batch", "N", "Sequences through the layer.") = None,
+    seq_len: option(K, "seq_len", "--seq-len", "TOKENS", "Tokens per sequence.") = None,
+    iters: option(K, "iters", "--iters", "N", "Timed calls per figure (median).") = None,
     device: DeviceOption = None,
     output: OutputOption = None,
     config: ConfigOption = None,
@@ -172,66 +187,20 @@ def kernels(
 
 def update(
     model: ModelOption = None,
-    formats: Annotated[
-        str | None,
-        config_option(U, "formats", "--formats", metavar="FMT,...", help="Comma list of base formats."),
-    ] = None,
-    fused: Annotated[
-        str | None,
-        typer.Option(
-            "--fused",
-            metavar="KIND,...",
-            help=f"train.fused_kernels per case: {', '.join(auto_last(FusedKernels))}.",
-            show_default="off,liger with liger-kernel installed, else off",
-        ),
-    ] = None,
-    base_compute: Annotated[
-        str | None,
-        config_option(
-            U,
-            "base_compute",
-            "--base-compute",
-            metavar="KIND,...",
-            help=f"train.base_compute per case: {', '.join(auto_last(BaseCompute))} (the base's GEMMs).",
-        ),
-    ] = None,
-    sequences: Annotated[
-        int | None, config_option(U, "sequences", "--sequences", metavar="N", help="Rollouts in the batch.")
-    ] = None,
-    group: Annotated[
-        int | None, config_option(U, "group", "--group", metavar="N", help="Completions per prompt.")
-    ] = None,
-    prompt_len: Annotated[
-        int | None, config_option(U, "prompt_len", "--prompt-len", metavar="TOKENS", help="Prompt tokens.")
-    ] = None,
-    gen_len: Annotated[
-        int | None, config_option(U, "gen_len", "--gen-len", metavar="TOKENS", help="Completion tokens.")
-    ] = None,
-    micro_batch: Annotated[
-        str | None,
-        config_option(
-            U,
-            "micro_batch",
-            "--micro-batch",
-            metavar="N|auto",
-            help="Sequences per micro-batch (auto: the plan's).",
-        ),
-    ] = None,
-    checkpointing: Annotated[
-        str | None,
-        config_option(
-            U, "checkpointing", "--checkpointing", metavar="auto|on|off", help="Gradient checkpointing."
-        ),
-    ] = None,
-    pack: Annotated[
-        bool | None, typer.Option("--pack", help="Pack sequences (train.pack_sequences).")
-    ] = None,
-    lora_rank: Annotated[
-        int | None, config_option(U, "lora_rank", "--lora-rank", metavar="RANK", help="LoRA rank.")
-    ] = None,
-    profile: Annotated[
-        bool | None, typer.Option("--profile", help="Also the GPU time by kernel category (CUDA profiler).")
-    ] = None,
+    formats: option(U, "formats", "--formats", "FMT,...", "Comma list of base formats.", str) = None,
+    fused: FusedOption = None,
+    base_compute: option(U, "base_compute", "--base-compute", "KIND,...", BASE_COMPUTE_HELP, str) = None,
+    sequences: option(U, "sequences", "--sequences", "N", "Rollouts in the batch.") = None,
+    group: option(U, "group", "--group", "N", "Completions per prompt.") = None,
+    prompt_len: option(U, "prompt_len", "--prompt-len", "TOKENS", "Prompt tokens.") = None,
+    gen_len: option(U, "gen_len", "--gen-len", "TOKENS", "Completion tokens.") = None,
+    micro_batch: option(U, "micro_batch", "--micro-batch", "N|auto", MICRO_BATCH_HELP, str) = None,
+    checkpointing: option(
+        U, "checkpointing", "--checkpointing", "auto|on|off", "Gradient checkpointing.", str
+    ) = None,
+    pack: PackOption = None,
+    lora_rank: option(U, "lora_rank", "--lora-rank", "RANK", "LoRA rank.") = None,
+    profile: ProfileOption = None,
     device: DeviceOption = None,
     output: OutputOption = None,
     config: ConfigOption = None,
@@ -278,6 +247,33 @@ def update_fused(kinds: list[str] | None) -> list[str]:
 
 
 ScalingSet = set_option("train.max_steps=5")
+ScalingModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        metavar="MODEL",
+        help="A model folder, or a SHAPE (qwen2.5-7b, ...: random weights in --format), for model.path.",
+    ),
+]
+ScalingFormatOption = Annotated[
+    str | None,
+    typer.Option("--format", metavar="FORMAT", help="The format of a --model SHAPE.", show_default="nvfp4"),
+]
+SyntheticOption = Annotated[
+    bool,
+    typer.Option(
+        "--synthetic",
+        help="Synthetic prompts and random rewards, as bench e2e (for random weights, where grading "
+        "measures nothing).",
+    ),
+]
+ScalingDeviceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--device", metavar="DEVICE", help="train.device of the run: auto, cpu or cuda[:N].",
+        show_default="the recipe's",
+    ),
+]  # fmt: skip
 
 
 def scaling(
@@ -299,37 +295,10 @@ def scaling(
         str | None,
         typer.Option("--reference", metavar="JSON", help="scaling.json of a run on fewer GPUs (efficiency)."),
     ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            metavar="MODEL",
-            help="A model folder, or a SHAPE (qwen2.5-7b, ...: random weights in --format), for model.path.",
-        ),
-    ] = None,
-    model_format: Annotated[
-        str | None,
-        typer.Option(
-            "--format", metavar="FORMAT", help="The format of a --model SHAPE.", show_default="nvfp4"
-        ),
-    ] = None,
-    synthetic: Annotated[
-        bool,
-        typer.Option(
-            "--synthetic",
-            help="Synthetic prompts and random rewards, as bench e2e (for random weights, where grading "
-            "measures nothing).",
-        ),
-    ] = False,
-    device: Annotated[
-        str | None,
-        typer.Option(
-            "--device",
-            metavar="DEVICE",
-            help="train.device of the run: auto, cpu or cuda[:N].",
-            show_default="the recipe's",
-        ),
-    ] = None,
+    model: ScalingModelOption = None,
+    model_format: ScalingFormatOption = None,
+    synthetic: SyntheticOption = False,
+    device: ScalingDeviceOption = None,
     output: OutputOption = "bench_results",
     set_: ScalingSet = None,
     dry_run: DryRunOption = False,
@@ -397,25 +366,9 @@ def quality(
             show_default=f"{','.join(DEFAULT_QUALITY_ROWS)} (the awq row only with llm-compressor installed)",
         ),
     ] = None,
-    calib_samples: Annotated[
-        int | None,
-        config_option(
-            Q,
-            "calib_samples",
-            "--calib-samples",
-            metavar="N",
-            help="Calibration rows of qerl-text (awq, gptq).",
-        ),
-    ] = None,
-    seq_len: Annotated[
-        int | None, config_option(Q, "seq_len", "--seq-len", metavar="TOKENS", help="Tokens per row.")
-    ] = None,
-    heldout_rows: Annotated[
-        int | None,
-        config_option(
-            Q, "heldout_rows", "--heldout-rows", metavar="N", help="Held-out rows the bases are measured on."
-        ),
-    ] = None,
+    calib_samples: option(Q, "calib_samples", "--calib-samples", "N", CALIB_HELP) = None,
+    seq_len: option(Q, "seq_len", "--seq-len", "TOKENS", "Tokens per row.") = None,
+    heldout_rows: option(Q, "heldout_rows", "--heldout-rows", "N", HELDOUT_HELP) = None,
     device: DeviceOption = None,
     output: OutputOption = None,
     config: ConfigOption = None,
