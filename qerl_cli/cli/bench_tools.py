@@ -145,9 +145,12 @@ FusedOption = Annotated[
 
 def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, sets: list[str] | None) -> S:
     """A tool benchmark's settings: ``--config`` < its flags (None: not given) < ``--set``, checked by
-    the class (an error names the flag that set a key)."""
+    the class (an error names the flag that set a key); formats from any of them against the registry."""
     check_formats(values.get("formats"), "--formats")
-    return cfg.load_config(cls, config, sets, flags=given_flags(values, sets), **values)
+    flags = given_flags(values, sets)
+    conf = cfg.load_config(cls, config, sets, flags=flags, **values)
+    check_formats(getattr(conf, "formats", None), flags.get("formats", "formats"))
+    return conf
 
 
 def kernels(
