@@ -47,6 +47,7 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.cli.bench import DeviceOption, check_exists, check_formats
+from qerl_cli.config.keydocs import field_help
 from qerl_cli.config.sections import BaseCompute, FusedKernels
 from qerl_cli.errors import QerlError
 
@@ -117,18 +118,15 @@ def _done(path: Path, errors: bool) -> None:
 K, U, Q = KernelsSettings, UpdateSettings, QualitySettings  # the --help defaults below are theirs
 
 
-def option(cls: type, key: str, flag: str, metavar: str, help: str, kind: type = int) -> Any:
+def option(cls: type, key: str, flag: str, metavar: str, kind: type = int) -> Any:
     """The flag of settings key ``key`` of ``cls``: None ("not given") unless typed, so that --config can
-    set the key; its --help shows the settings' default."""
+    set the key; its --help is the comment above the field (the settings' one home of it) and shows the
+    settings' default."""
+    help = field_help(cls).get(key, "")
     return Annotated[kind | None, config_option(cls, key, flag, metavar=metavar, help=help)]
 
 
-BASE_COMPUTE_HELP = f"train.base_compute per case: {', '.join(auto_last(BaseCompute))} (the base's GEMMs)."
-KERNEL_FORMATS_HELP = "Comma list of 4-bit formats (and bf16)."
-CALIB_HELP = "Calibration rows of qerl-text (awq, gptq)."
 PackOption = Annotated[bool | None, typer.Option("--pack", help="Pack sequences (train.pack_sequences).")]
-MICRO_BATCH_HELP = "Sequences per micro-batch (auto: the plan's)."
-HELDOUT_HELP = "Held-out rows the bases are measured on."
 ProfileOption = Annotated[
     bool | None, typer.Option("--profile", help="Also the GPU time by kernel category (CUDA profiler).")
 ]
@@ -155,10 +153,10 @@ def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, set
 
 def kernels(
     model: ModelOption = None,
-    formats: option(K, "formats", "--formats", "FMT,...", KERNEL_FORMATS_HELP, str) = None,
-    batch: option(K, "batch", "--batch", "N", "Sequences through the layer.") = None,
-    seq_len: option(K, "seq_len", "--seq-len", "TOKENS", "Tokens per sequence.") = None,
-    iters: option(K, "iters", "--iters", "N", "Timed calls per figure (median).") = None,
+    formats: option(K, "formats", "--formats", "FMT,...", str) = None,
+    batch: option(K, "batch", "--batch", "N") = None,
+    seq_len: option(K, "seq_len", "--seq-len", "TOKENS") = None,
+    iters: option(K, "iters", "--iters", "N") = None,
     device: DeviceOption = None,
     output: OutputOption = None,
     config: ConfigOption = None,
@@ -190,19 +188,17 @@ def kernels(
 
 def update(
     model: ModelOption = None,
-    formats: option(U, "formats", "--formats", "FMT,...", "Comma list of base formats.", str) = None,
+    formats: option(U, "formats", "--formats", "FMT,...", str) = None,
     fused: FusedOption = None,
-    base_compute: option(U, "base_compute", "--base-compute", "KIND,...", BASE_COMPUTE_HELP, str) = None,
-    sequences: option(U, "sequences", "--sequences", "N", "Rollouts in the batch.") = None,
-    group: option(U, "group", "--group", "N", "Completions per prompt.") = None,
-    prompt_len: option(U, "prompt_len", "--prompt-len", "TOKENS", "Prompt tokens.") = None,
-    gen_len: option(U, "gen_len", "--gen-len", "TOKENS", "Completion tokens.") = None,
-    micro_batch: option(U, "micro_batch", "--micro-batch", "N|auto", MICRO_BATCH_HELP, str) = None,
-    checkpointing: option(
-        U, "checkpointing", "--checkpointing", "auto|on|off", "Gradient checkpointing.", str
-    ) = None,
+    base_compute: option(U, "base_compute", "--base-compute", "KIND,...", str) = None,
+    sequences: option(U, "sequences", "--sequences", "N") = None,
+    group: option(U, "group", "--group", "N") = None,
+    prompt_len: option(U, "prompt_len", "--prompt-len", "TOKENS") = None,
+    gen_len: option(U, "gen_len", "--gen-len", "TOKENS") = None,
+    micro_batch: option(U, "micro_batch", "--micro-batch", "N|auto", str) = None,
+    checkpointing: option(U, "checkpointing", "--checkpointing", "auto|on|off", str) = None,
     pack: PackOption = None,
-    lora_rank: option(U, "lora_rank", "--lora-rank", "RANK", "LoRA rank.") = None,
+    lora_rank: option(U, "lora_rank", "--lora-rank", "RANK") = None,
     profile: ProfileOption = None,
     device: DeviceOption = None,
     output: OutputOption = None,
@@ -369,9 +365,9 @@ def quality(
             show_default=f"{','.join(DEFAULT_QUALITY_ROWS)} (the awq row only with llm-compressor installed)",
         ),
     ] = None,
-    calib_samples: option(Q, "calib_samples", "--calib-samples", "N", CALIB_HELP) = None,
-    seq_len: option(Q, "seq_len", "--seq-len", "TOKENS", "Tokens per row.") = None,
-    heldout_rows: option(Q, "heldout_rows", "--heldout-rows", "N", HELDOUT_HELP) = None,
+    calib_samples: option(Q, "calib_samples", "--calib-samples", "N") = None,
+    seq_len: option(Q, "seq_len", "--seq-len", "TOKENS") = None,
+    heldout_rows: option(Q, "heldout_rows", "--heldout-rows", "N") = None,
     device: DeviceOption = None,
     output: OutputOption = None,
     config: ConfigOption = None,
