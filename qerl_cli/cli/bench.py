@@ -36,6 +36,7 @@ from qerl_cli.cli.app import (
     set_option,
     use_free_cpu_threads,
 )
+from qerl_cli.config.sections import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
 
 B = cfg.BenchConfig  # the --help defaults below are its own
@@ -365,7 +366,7 @@ def e2e(
         typer.Option(
             "--linear-backend",
             metavar="NAME",
-            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8 | fp8-merged | merged.",
+            help=f"rollout.linear_backend of the steps: {' | '.join(get_args(LinearBackend))}.",
             show_default="the recipe's, else auto",
         ),
     ] = None,
@@ -374,7 +375,8 @@ def e2e(
         typer.Option(
             "--base-compute",
             metavar="NAME",
-            help="train.base_compute of the steps: auto | bf16 | fp8 (the frozen base's update GEMMs).",
+            help=f"train.base_compute of the steps: {' | '.join(get_args(BaseCompute))} (the frozen base's "
+            "update GEMMs).",
             show_default="the recipe's, else auto",
         ),
     ] = None,
