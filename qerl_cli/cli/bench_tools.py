@@ -178,10 +178,8 @@ def kernels(
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
 
     use_free_cpu_threads()
-    report = run_kernels(
-        default_model(conf.model, conf.device), conf.formats, conf.output, command=command_line(),
-        device=conf.device, batch=conf.batch, seq_len=conf.seq_len, iters=conf.iters,
-    )  # fmt: skip
+    conf.model = default_model(conf.model, conf.device)
+    report = run_kernels(conf, command=command_line())
     console.print(kernels_table(report))
     _done(Path(conf.output) / REPORT_NAME, bool(report["errors"]))
 
