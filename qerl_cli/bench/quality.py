@@ -104,14 +104,14 @@ def make_base(row: str, settings: QualitySettings, bf16: str, target: Path) -> d
     return {"row": row, "folder": str(target), **record, "seconds": time.perf_counter() - started}
 
 
-def run_quality(settings: QualitySettings, out_dir: str | Path, *, command: str) -> dict[str, Any]:
-    """Make every row's base under ``out_dir``, measure them all, write ``quality.json`` / ``.md``."""
+def run_quality(settings: QualitySettings, *, command: str) -> dict[str, Any]:
+    """Make every row's base under ``settings.output``, measure them all, write ``quality.json`` / ``.md``."""
     from qerl_cli.modeling.sources import resolve_model_source
     from qerl_cli.quantize.quality import Candidate, measure_quality
 
     for row in settings.rows:
         parse_row(row)  # every row checked before the first is made
-    out = Path(out_dir)
+    out = Path(settings.output)
     out.mkdir(parents=True, exist_ok=True)  # the bases are written inside it
     bf16 = str(resolve_model_source(settings.model))
     report: dict[str, Any] = {

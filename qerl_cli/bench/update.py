@@ -217,7 +217,7 @@ def profile_update(
     }
 
 
-def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -> dict[str, Any]:
+def run_update(settings: UpdateSettings, *, command: str) -> dict[str, Any]:
     """Every (fused setting, format, base compute) case; ``update.json`` is rewritten after each, so a
     run cut short keeps what it measured. A failing case is recorded as its error and the next one runs."""
     from qerl_cli.torch_utils import resolve_device
@@ -233,7 +233,7 @@ def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -
         "settings": report_settings(settings),
         "rows": [],
     }
-    path = Path(out_dir) / REPORT_NAME
+    path = Path(settings.output) / REPORT_NAME
     write_report(path, report)
     progress = Progress("bench update", len(settings.fused) * len(cases(settings)))
     for fused in settings.fused:

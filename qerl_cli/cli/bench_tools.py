@@ -225,7 +225,7 @@ def update(
 
     use_free_cpu_threads()
     conf.model = default_model(conf.model, conf.device)
-    report = run_update(conf, conf.output, command=command_line())
+    report = run_update(conf, command=command_line())
     console.print(update_table(report))
     for row in report["rows"]:  # the table cuts an error short: each in full, once
         if "error" in row:
@@ -387,7 +387,7 @@ def quality(
     from qerl_cli.bench.quality import REPORT_NAME, run_quality
 
     use_free_cpu_threads()
-    report = run_quality(conf, conf.output, command=command_line())
+    report = run_quality(conf, command=command_line())
     console.print((Path(conf.output) / "quality.md").read_text(), markup=False, highlight=False)
     made = [r for r in report["rows"] if "skipped" not in r]
     _done(Path(conf.output) / REPORT_NAME, not made)  # a table of skipped rows only is a failed run
