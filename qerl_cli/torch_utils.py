@@ -18,6 +18,8 @@ import torch
 
 from qerl_cli.errors import QerlError
 
+# Bytes in a GiB: the unit of every memory figure (the memory plan, the base copies, the bench's cap).
+GIB = 2**30
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -342,17 +342,16 @@ def test_checkpoint_bytes_are_read_from_the_headers(tiny_folder):
 
 
 def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
-    from qerl_cli.bench.e2e import run_e2e
+    from qerl_cli.bench.e2e import E2EConfig, run_e2e
 
-    cfg = BenchConfig(
+    cfg = E2EConfig(
         model=str(tiny_folder),
         formats=["bf16"],
         batch=[2],
         prompt_len=8,
         gen_len=4,
         lora_rank=RANK,
-        e2e=True,
-        e2e_generations=2,
+        generations=2,
     )
     (row,) = run_e2e(cfg, {"bf16": tiny_folder}, "hf", tmp_path)
     assert "error" not in row, row.get("error")
@@ -394,23 +393,20 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
     rc = main(
         [
             "bench",
-            "rollout",
+            "e2e",
             "--model",
             "tiny",
             "--engine",
             "hf",
             "--formats",
             "bf16",
-            "--batch",
-            "1",
             "--lora-rank",
             "0",
             "--prompt-len",
             "8",
             "--gen-len",
             "3",
-            "--e2e",
-            "--e2e-recipe",
+            "--recipe",
             str(recipe),
             "--prompts-per-step",
             "3",
@@ -434,15 +430,15 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
 
 
 def test_e2e_config_without_a_recipe_pads_prompts_and_takes_the_flags():
-    from qerl_cli.bench.e2e import e2e_train_config, filler_system_prompt
+    from qerl_cli.bench.e2e import E2EConfig, e2e_train_config, filler_system_prompt
 
-    cfg = BenchConfig(batch=[2, 8], prompt_len=256, gen_len=2048, e2e_generations=4, e2e_prompts_per_step=16,
-                      e2e_gpu_memory_utilization="auto")  # fmt: skip
+    cfg = E2EConfig(batch=[2, 8], prompt_len=256, gen_len=2048, generations=4, prompts_per_step=16,
+                    gpu_memory_utilization="auto")  # fmt: skip
     train = e2e_train_config(cfg, "model", "vllm", "out")
     assert (train.train.prompts_per_step, train.rollout.num_generations) == (16, 4)
     assert train.rollout.gpu_memory_utilization == "auto" and train.rollout.max_completion_length == 2048
     assert len(train.data.system_prompt) == 256 - 48 and filler_system_prompt(40) is None
-    assert e2e_train_config(BenchConfig(batch=[2, 8]), "m", "vllm", "o").train.prompts_per_step == 8
+    assert e2e_train_config(E2EConfig(batch=[2, 8]), "m", "vllm", "o").train.prompts_per_step == 8
 
 
 def test_e2e_filler_is_sized_in_the_models_own_tokens():

@@ -76,6 +76,12 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["e2e", "--recipe", str(tmp / "no.yaml")], "recipe file not found"),
         (["e2e", "--prompts-per-step", "-1"], "--prompts-per-step must be >= 0"),
         (["e2e", "--memory-cap", "0"], "--memory-cap must be > 0 GiB"),
+        # The old flag form of e2e inside rollout (and the bare form) names the subcommand that replaced it.
+        (
+            ["rollout", "--e2e", "--e2e-recipe", "gsm8k_7b"],
+            "rollout --e2e --e2e-recipe: whole GRPO steps are timed by `qerl bench e2e`",
+        ),  # fmt: skip
+        (["--batch", "2", "--generations", "4"], "rollout --generations: whole GRPO steps are timed by"),
         (["kernels", "--formats", "int3"], "--formats: unknown format(s) int3"),
         (["kernels", "--batch", "0"], "--batch must be a positive integer, got 0"),
         (["update", "--fused", "fast"], "--fused takes a comma list of off, liger, auto"),
@@ -95,21 +101,15 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
-    (["rollout", "--batch", "1,4"], {"batch": [1, 4], "rollouts": True, "e2e": False, "concurrency": []}),
-    (["rollout", "--e2e", "--e2e-recipe", "gsm8k_7b"], {"e2e": True, "gen_len": 2048}),  # the recipe's shape
+    (["rollout", "--batch", "1,4"], {"batch": [1, 4], "concurrency": []}),
+    (["e2e", "--recipe", "gsm8k_7b"], {"recipe": "gsm8k_7b", "gen_len": 2048}),  # the recipe's shape
     (["concurrency"], {"concurrency": [8, 32, 128, 256]}),
     (["concurrency", "--concurrency", "16", "--backends", "fp8"], {"concurrency": [16], "backends": ["fp8"]}),
     (
         ["e2e", "--prompts-per-step", "4", "--linear-backend", "fp8", "--memory-cap", "79.2"],
-        {
-            "e2e": True,
-            "rollouts": False,
-            "e2e_prompts_per_step": 4,
-            "e2e_linear_backend": "fp8",
-            "memory_cap_gib": 79.2,
-        },
+        {"prompts_per_step": 4, "linear_backend": "fp8", "memory_cap_gib": 79.2},
     ),
-    (["e2e", "--recipe", "gsm8k_7b", "--gen-len", "64"], {"e2e_recipe": "gsm8k_7b", "gen_len": 64}),
+    (["e2e", "--recipe", "gsm8k_7b", "--gen-len", "64"], {"recipe": "gsm8k_7b", "gen_len": 64}),
     (["kernels", "--formats", "NVFP4,nf4"], {"formats": ["nvfp4", "nf4"], "batch": 8}),
     (["update", "--checkpointing", "on", "--micro-batch", "2"], {"checkpointing": True, "micro_batch": 2}),
     (["update", "--base-compute", "bf16,fp8"], {"base_compute": ["bf16", "fp8"]}),
@@ -677,3 +677,43 @@ def test_the_sweep_takes_every_linear_backend_but_auto() -> None:
     assert "auto" not in SWEPT_BACKENDS and {"fp8-merged", "merged"} <= set(SWEPT_BACKENDS)
     conf = cfg.load_config(cfg.BenchConfig, None, ["backends=[fp8-merged, merged]", "concurrency=[8]"])
     assert conf.backends == ["fp8-merged", "merged"]
+
+
+# -- one configuration system ------------------------------------------------------------------------
+def test_every_benchmark_takes_the_same_config_options() -> None:
+    """--config (scaling: its RECIPE is the config), --set, --dry-run and --device on every benchmark."""
+    from typer.main import get_command
+
+    from qerl_cli.cli import app
+
+    for name, command in get_command(app).commands["bench"].commands.items():
+        have = {opt for p in command.params for opt in p.opts}
+        wanted = {"--set", "--dry-run", "--device"} | ({"--config"} if name != "scaling" else set())
+        assert wanted <= have, (name, sorted(wanted - have))
+
+
+def test_a_tool_benchmark_reads_config_under_its_flags_and_set(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    conf = tmp_path / "update.yaml"
+    conf.write_text("sequences: 16\ngroup: 4\nbase_compute: [bf16, fp8]\nfused: ['off']\n")
+    flags = ["--config", str(conf), "--group", "2", "--set", "gen_len=64", "--dry-run"]
+    rc, out, err = run(capsys, "bench", "update", *flags)
+    assert rc == 0, err
+    resolved = yaml.safe_load(out)
+    assert (resolved["sequences"], resolved["group"], resolved["gen_len"]) == (16, 2, 64)
+    assert resolved["base_compute"] == ["bf16", "fp8"] and resolved["fused"] == ["off"]
+    rc, _, err = run(capsys, "bench", "update", "--set", "base_compute=[fp16]", "--dry-run")
+    assert rc == 2 and "'base_compute'" in err and "'fp16'" in err
+
+
+def test_e2e_has_its_own_settings_and_bench_config_no_e2e_keys() -> None:
+    import dataclasses
+
+    from qerl_cli.bench.e2e import E2EConfig
+    from qerl_cli.config import BenchConfig
+
+    shared = [f.name for f in dataclasses.fields(BenchConfig)]
+    assert not [name for name in shared if name.startswith("e2e") or name == "rollouts"]
+    own = {f.name for f in dataclasses.fields(E2EConfig)} - {f.name for f in dataclasses.fields(BenchConfig)}
+    assert own == {"generations", "prompts_per_step", "recipe", "linear_backend", "base_compute"}

@@ -261,7 +261,7 @@ def test_console_entry_point_maps_usage_errors_and_version() -> None:
 def test_bad_flag_values_name_the_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc, _, err = run(capsys, "bench", "rollout", "--prompt-len", "0", "--dry-run")
     assert rc == 2 and "error: --prompt-len must be > 0, got 0" in err and "BenchConfig" not in err
-    rc, _, err = run(capsys, "bench", "rollout", "--generations", "0", "--dry-run")
+    rc, _, err = run(capsys, "bench", "e2e", "--generations", "0", "--dry-run")
     assert rc == 2 and "--generations must be > 0" in err
     rc, _, err = run(capsys, "bench", "rollout", "--set", "prompt_len=0", "--dry-run")  # a recipe key
     assert rc == 2 and "error: prompt_len must be > 0" in err
@@ -432,9 +432,8 @@ OPTIONS = {
         "--max-new-tokens", "--max-problems", "--rescore", "--baseline", "--config", "--set", "--dry-run",
     },
     "bench rollout": {
-        "--model", "--formats", "--batch", "--prompt-len", "--gen-len", "--lora-rank", "--engine", "--e2e",
-        "--e2e-recipe", "--prompts-per-step", "--generations", "--memory-cap", "--output", "-o", "--baseline",
-        "--tolerance", "--config", "--set", "--dry-run",
+        "--model", "--formats", "--batch", "--prompt-len", "--gen-len", "--lora-rank", "--engine",
+        "--memory-cap", "--output", "-o", "--baseline", "--tolerance", "--config", "--set", "--dry-run",
     },
     "bench concurrency": {
         "--model", "--formats", "--concurrency", "--backends", "--prompt-len", "--gen-len", "--lora-rank",

@@ -45,11 +45,11 @@ def test_weight_bytes_match_the_real_checkpoints() -> None:
 def test_lora_and_static_bytes() -> None:
     s = shape("qwen2.5-32b")
     # r x (in + out) per projection and layer: 1.69M per layer for rank 16 on all seven.
-    assert mem.lora_params(s, 16, LORA_TARGETS_ALL) == 64 * 16 * (
+    assert s.lora_params(16, LORA_TARGETS_ALL) == 64 * 16 * (
         (5120 + 5120) * 2 + (5120 + 1024) * 2 + (5120 + 27648) * 3
     )
     static = mem.trainer_static_bytes(s, "nvfp4", 16, LORA_TARGETS_ALL)
-    assert static - mem.weight_bytes(s, "nvfp4") == mem.lora_params(s, 16, LORA_TARGETS_ALL) * 16
+    assert static - mem.weight_bytes(s, "nvfp4") == s.lora_params(16, LORA_TARGETS_ALL) * 16
     assert s.kv_bytes_per_token() == 2 * 64 * 8 * 128 * 2
     assert s.kv_bytes_per_token("fp8") * 2 == s.kv_bytes_per_token()
 

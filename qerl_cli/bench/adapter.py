@@ -12,34 +12,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from qerl_cli.config import LORA_TARGETS_ALL
 from qerl_cli.modeling.adapter import write_tensors
+from qerl_cli.modeling.model_shape import ModelShape
 
-
-def linear_shapes(model_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each Qwen2/Llama-style decoder linear, by module name."""
-    hidden = model_config["hidden_size"]
-    heads = model_config["num_attention_heads"]
-    head_dim = model_config.get("head_dim") or hidden // heads
-    kv_heads = model_config.get("num_key_value_heads") or heads
-    inter = model_config["intermediate_size"]
-    return {
-        "q_proj": (heads * head_dim, hidden),
-        "k_proj": (kv_heads * head_dim, hidden),
-        "v_proj": (kv_heads * head_dim, hidden),
-        "o_proj": (hidden, heads * head_dim),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }
-
-
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_PARENT = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def write_random_lora(
@@ -58,12 +46,12 @@ def write_random_lora(
     """
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     targets = list(target_modules or LORA_TARGETS_ALL)
-    shapes = linear_shapes(model_config)
+    shapes = ModelShape.from_config(model_config).linear_shapes()
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(model_config["num_hidden_layers"]):
         for name in targets:
-            out_features, in_features = shapes[name]
+            in_features, out_features = shapes[name]
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[name]}.{name}"
             bound = in_features**-0.5
             lora_a = (torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.torch_utils import GIB
 
-GIB = 2**30
 START_TIMEOUT_S = 120
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from qerl_cli.bench.labels import lora_label
 from qerl_cli.bench.result import BenchResult
-from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, rollout_weight_format
+from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.rollout.backends import (
     FORMAT_BACKENDS,
@@ -23,6 +23,7 @@ from qerl_cli.rollout.backends import (
     MODEL_FIELD,
     MeasuredModel,
     format_merge,
+    rollout_weight_format,
     table_key,
 )
 
@@ -53,7 +54,7 @@ def add_roofline(report: BenchResult, model_configs: dict[str, dict[str, Any]]) 
             continue
         bound = decode_bound(
             ModelShape.from_config(config), spec,
-            weight_format=rollout_weight_format(row["format"], row.get("backend", "default")),
+            weight_format=rollout_weight_format(row.get("backend", "default"), row["format"]),
             concurrency=row["batch"], prompt_len=settings["prompt_len"], gen_len=settings["gen_len"],
             # A merged backend serves the adapter inside the weights: no LoRA bytes to read.
             lora_rank=0 if row.get("backend") in MERGED_BACKENDS else row["lora_rank"],

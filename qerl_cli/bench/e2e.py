@@ -1,11 +1,11 @@
-"""``--e2e``: seconds of one GRPO step per phase, BF16 LoRA against each 4-bit format.
+"""``qerl bench e2e``: seconds of one GRPO step per phase, BF16 LoRA against each 4-bit format.
 
 Each format runs the same GRPO job through the real trainer (``qerl_cli.rl.trainer.Trainer``):
 the same synthetic prompts padded to about ``--prompt-len`` tokens (a filler system prompt; exact
 for the byte-level tokenizer of shape checkpoints), ``--generations`` completions per prompt,
-``--prompts-per-step`` prompts a step (default: the largest ``--batch``), ``--gen-len`` completion
+``--prompts-per-step`` prompts a step (default: the largest ``batch``, 8), ``--gen-len`` completion
 tokens at most, LoRA of ``--lora-rank`` (16 when 0), and the same vLLM memory share
-(``e2e_gpu_memory_utilization``). Only the base format differs. ``--e2e-recipe`` takes the step's
+(``gpu_memory_utilization``). Only the base format differs. ``--recipe`` takes the step's
 shape from a training recipe (:func:`recipe_shape`, flags given explicitly win) and its memory
 settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
 
@@ -38,8 +38,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from qerl_cli.config import (
     AlgorithmSection,
@@ -52,10 +53,44 @@ from qerl_cli.config import (
     RolloutSection,
     TrainConfig,
     TrainSection,
+    checks,
 )
+from qerl_cli.config.sections import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class E2EConfig(BenchConfig):
+    """``qerl bench e2e``'s settings: the bench keys it shares with ``rollout`` (model, formats, lengths,
+    LoRA rank, engine, output, the gate, warm-up and repeats) and the GRPO step's own below."""
+
+    # Completions per prompt (the group size of the timed steps).
+    generations: int = 8
+    # Prompts per step (0: the largest batch, 8 by default).
+    prompts_per_step: int = 0
+    # vLLM's share of the GPU colocated with the trainer, the same for every format (paper: 0.3 for 7B;
+    # "auto": rl.memory decides); null: the recipe's, else 0.3.
+    gpu_memory_utilization: float | Literal["auto"] | None = None  # type: ignore[assignment]
+    # A training recipe whose step shape (prompts per step, generations, prompt and completion lengths,
+    # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
+    recipe: str | None = None
+    # rollout.linear_backend of the timed steps (the recipe's when it sets one, else auto).
+    linear_backend: LinearBackend | None = None
+    # train.base_compute of the timed steps (the recipe's when it sets one, else auto).
+    base_compute: BaseCompute | None = None
+
+    def validate(self, where: str = "") -> None:
+        super().validate(where)
+        checks.positive(where, generations=self.generations)
+        if self.prompts_per_step < 0:
+            raise checks.ConfigValueError(
+                checks.key(where, "prompts_per_step"),
+                f"must be >= 0 (0: the largest batch), got {self.prompts_per_step}",
+            )
+        if self.gpu_memory_utilization is not None:
+            checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
 
 E2E_DATASET = "synthetic-addition"
 DEFAULT_E2E_RANK = 16
@@ -92,16 +127,16 @@ PROMPT_SLACK = 64
 FILLER = "Add the two numbers and give only the sum. "
 
 
-def prompts_per_step(cfg: BenchConfig) -> int:
-    return cfg.e2e_prompts_per_step or max(cfg.batch)
+def prompts_per_step(cfg: E2EConfig) -> int:
+    return cfg.prompts_per_step or max(cfg.batch)
 
 
 def recipe_shape(recipe: str) -> dict[str, Any]:
-    """BenchConfig values of a training recipe's step shape (for flags the user did not give)."""
+    """E2EConfig values of a training recipe's step shape (for flags the user did not give)."""
     train = _recipe(recipe, "")
     r = train.rollout
     return {"prompt_len": r.max_prompt_length, "gen_len": r.max_completion_length,
-            "e2e_generations": r.num_generations, "e2e_prompts_per_step": train.train.prompts_per_step,
+            "generations": r.num_generations, "prompts_per_step": train.train.prompts_per_step,
             "lora_rank": train.lora.rank}  # fmt: skip
 
 
@@ -134,18 +169,18 @@ def folder_tokenizer(model_dir: str) -> Any:
     return load_tokenizer(model_dir)
 
 
-def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
+def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
     """The same GRPO job for every format; only ``model_dir`` changes between formats."""
     steps = cfg.warmup + cfg.repeats
     filler = filler_system_prompt(cfg.prompt_len, folder_tokenizer(model_dir))
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
     prompts = prompts_per_step(cfg)
-    recipe = _recipe(cfg.e2e_recipe, model_dir) if cfg.e2e_recipe else None
-    share = cfg.e2e_gpu_memory_utilization
+    recipe = _recipe(cfg.recipe, model_dir) if cfg.recipe else None
+    share = cfg.gpu_memory_utilization
     if share is None:
         share = recipe.rollout.gpu_memory_utilization if recipe else 0.3
-    train = TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.e2e_generations,
-                         seed=cfg.seed)  # fmt: skip
+    train = TrainSection(max_steps=steps, prompts_per_step=prompts, micro_batch_size=cfg.generations,
+                         seed=cfg.seed, device=cfg.device)  # fmt: skip
     kv_cache_dtype, backend, table, auto_fp8 = "auto", "auto", None, False
     if recipe is not None:  # the recipe's memory and kernel settings, so the step runs as training would
         train.micro_batch_size = recipe.train.micro_batch_size
@@ -157,19 +192,19 @@ def e2e_train_config(cfg: BenchConfig, model_dir: str, engine: str, out_dir: str
         kv_cache_dtype = recipe.rollout.kv_cache_dtype
         backend, table = recipe.rollout.linear_backend, recipe.rollout.crossover_table
         auto_fp8 = recipe.rollout.auto_fp8
-    backend = cfg.e2e_linear_backend or backend
-    train.base_compute = cfg.e2e_base_compute or train.base_compute
+    backend = cfg.linear_backend or backend
+    train.base_compute = cfg.base_compute or train.base_compute
     return TrainConfig(
         model=ModelSection(path=model_dir),
         lora=LoraSection(rank=rank, alpha=2 * rank),
         rollout=RolloutSection(
             engine=engine,  # type: ignore[arg-type]
-            num_generations=cfg.e2e_generations,
+            num_generations=cfg.generations,
             max_prompt_length=cfg.prompt_len + PROMPT_SLACK,
             max_completion_length=cfg.gen_len,
             temperature=1.0,
             top_p=1.0,
-            generation_batch_size=prompts * cfg.e2e_generations,
+            generation_batch_size=prompts * cfg.generations,
             gpu_memory_utilization=share,
             kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
             max_lora_rank=rank,
@@ -204,10 +239,11 @@ def median_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
+def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
     """Run warm-up + timed GRPO steps in this process; one e2e row for ``fmt``."""
     from qerl_cli.bench.progress import Progress
     from qerl_cli.rl.trainer import Trainer
+    from qerl_cli.torch_utils import GIB
 
     trainer = Trainer(e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed))
     if trainer.policy.base_format != fmt:
@@ -228,7 +264,7 @@ def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_
     row: dict[str, Any] = {"format": fmt, "lora_rank": cfg.lora_rank or DEFAULT_E2E_RANK}
     row.update(step_phases(median_step(timed)))  # one step's parts: they add up to its step_s
     row["steps_timed"] = len(timed)
-    row["sequences_per_step"] = prompts_per_step(cfg) * cfg.e2e_generations
+    row["sequences_per_step"] = prompts_per_step(cfg) * cfg.generations
     row["micro_batch_size"] = trainer.memory.micro_batch_size
     row["gradient_checkpointing"] = trainer.memory.gradient_checkpointing
     row["gpu_memory_utilization"] = trainer.memory.gpu_memory_utilization
@@ -243,12 +279,12 @@ def measure_format(cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_
     row["steps"] = [{k: v for k, v in r.items() if k.startswith(STEP_FIELDS)} for r in records]
     row["completion_tokens_per_step"] = median("rollout_tokens")
     peak = row["peak_allocated_gib"]
-    row["peak_allocated_bytes"] = int(peak * 2**30) if peak is not None else None
+    row["peak_allocated_bytes"] = int(peak * GIB) if peak is not None else None
     return row
 
 
 def _measure_isolated(
-    cfg: BenchConfig, fmt: str, model_dir: str, engine: str, out_dir: str
+    cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str
 ) -> dict[str, Any]:
     """vLLM: one child process per format, for the reason given in ``bench.engines``."""
     from dataclasses import asdict
@@ -266,7 +302,7 @@ def _measure_isolated(
         return json.loads(out.read_text())
 
 
-def run_e2e(cfg: BenchConfig, checkpoints: dict[str, Path], engine: str, out: Path) -> list[dict[str, Any]]:
+def run_e2e(cfg: E2EConfig, checkpoints: dict[str, Path], engine: str, out: Path) -> list[dict[str, Any]]:
     """One row per format, BF16 first when present (the reference of the speed-ups)."""
     from qerl_cli.torch_utils import free_accelerator_memory  # torch: the recipe reader above needs none
 
@@ -292,7 +328,7 @@ def _worker(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     from qerl_cli.config import from_dict
 
-    cfg = from_dict(BenchConfig, spec["cfg"])
+    cfg = from_dict(E2EConfig, spec["cfg"])
     out = Path(argv[1])
     # qerl's own decisions (which rollout backend auto chose and why, the memory plan) in the console,
     # as `qerl train` prints them; other libraries stay at warnings.

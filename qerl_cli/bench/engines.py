@@ -58,6 +58,8 @@ class Case:
     lora_phases: list[int] = field(default_factory=list)
     # vLLM: the linear kernels (qerl_cli.rollout.backends); "default" for formats that have no choice.
     linear_backend: str = "marlin"
+    # The transformers engine's device (auto, cpu, cuda[:N]); vLLM runs on the GPU.
+    device: str = "auto"
 
     def phases(self) -> list[int]:
         return list(self.lora_phases) or [self.lora_rank]
@@ -122,7 +124,7 @@ def _hf_model(case: Case) -> Any:
     from qerl_cli.modeling.lora import attach_lora
     from qerl_cli.torch_utils import resolve_device
 
-    model, found = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device("auto"))
+    model, found = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device(case.device))
     if found != case.format:
         raise QerlError(f"{case.model_dir} holds a {found} checkpoint, not {case.format}")
     if case.lora_rank:

@@ -31,6 +31,7 @@ import torch
 
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.models import model_config, prepare_checkpoints
+from qerl_cli.bench.settings import KernelsSettings
 
 SCHEMA = "qerl-bench-kernels/1"
 REPORT_NAME = "kernels.json"
@@ -188,38 +189,19 @@ def measure_layer(
     }
 
 
-def run_kernels(
-    model: str,
-    formats: list[str],
-    out_dir: str | Path,
-    *,
-    command: str,
-    device: str = "auto",
-    batch: int = 8,
-    seq_len: int = 1024,
-    iters: int = 10,
-    seed: int = 0,
-    gemm_settings: Any = None,
-) -> dict[str, Any]:
-    """Every section for every 4-bit format of ``formats``; writes and returns ``kernels.json``.
-    ``gemm_settings``: a :class:`qerl_cli.bench.gemm.GemmSettings` (None: its defaults)."""
+def _new_report(settings: KernelsSettings, command: str, dtype: torch.dtype, shape: tuple[int, int],
+                gemm_settings: Any) -> dict[str, Any]:  # fmt: skip
+    """``kernels.json`` before any figure: the header, the settings and an empty section each."""
     from qerl_cli.bench import gemm
-    from qerl_cli.torch_utils import resolve_device
 
-    torch_device = resolve_device(device)
-    cuda = torch_device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32  # float32: the CPU's fast path for the layer
-    folders = prepare_checkpoints(model, formats, seed)
-    config = model_config(next(iter(folders.values())))
-    shape = (config["intermediate_size"], config["hidden_size"])
-    report: dict[str, Any] = {
+    return {
         **report_header(SCHEMA, command),
         "settings": {
-            "model": model,
-            "formats": formats,
-            "batch": batch,
-            "seq_len": seq_len,
-            "iters": iters,
+            "model": settings.model,
+            "formats": settings.formats,
+            "batch": settings.batch,
+            "seq_len": settings.seq_len,
+            "iters": settings.iters,
             "layer_dtype": str(dtype).removeprefix("torch."),
             "dequant_shape": list(shape),
             **(gemm_settings or gemm.GemmSettings()).to_dict(),
@@ -231,7 +213,26 @@ def run_kernels(
         **gemm.empty_sections(),
         "errors": [],
     }
-    path = Path(out_dir) / REPORT_NAME
+
+
+def run_kernels(
+    settings: KernelsSettings, *, command: str, seed: int = 0, gemm_settings: Any = None
+) -> dict[str, Any]:
+    """Every section for every 4-bit format of ``settings.formats`` (``settings.model`` a SHAPE or a
+    folder, resolved); writes ``kernels.json`` into ``settings.output`` and returns it.
+    ``gemm_settings``: a :class:`qerl_cli.bench.gemm.GemmSettings` (None: its defaults)."""
+    from qerl_cli.bench import gemm
+    from qerl_cli.torch_utils import resolve_device
+
+    torch_device = resolve_device(settings.device)
+    cuda = torch_device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # float32: the CPU's fast path for the layer
+    folders = prepare_checkpoints(str(settings.model), settings.formats, seed)
+    config = model_config(next(iter(folders.values())))
+    shape = (config["intermediate_size"], config["hidden_size"])
+    report = _new_report(settings, command, dtype, shape, gemm_settings)
+    formats, batch, seq_len, iters = settings.formats, settings.batch, settings.seq_len, settings.iters
+    path = Path(settings.output) / REPORT_NAME
 
     def attempt(section: str, fmt: str | None, work: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench import preflight
+from qerl_cli.bench.e2e import E2EConfig
 from qerl_cli.bench.progress import clock
 from qerl_cli.config import BenchConfig
 
@@ -89,7 +90,7 @@ def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | No
 def apply_cpu_lengths(cfg: BenchConfig, engine: str, given: set[str]) -> list[str]:
     """The CPU's lengths for the default model on the transformers engine, where the user gave none;
     the notes that say so."""
-    if engine != "hf" or cfg.model or cfg.e2e_recipe:
+    if engine != "hf" or cfg.model or isinstance(cfg, E2EConfig) and cfg.recipe:
         return []
     changed = {k: v for k, v in CPU_LENGTHS.items() if k not in given and getattr(cfg, k) != v}
     for key, value in changed.items():
@@ -148,12 +149,13 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     from qerl_cli.bench.models import default_model, normalize_formats
 
     preflight.check_tolerance(cfg.tolerance)
-    engine = preflight.resolve_engine(cfg.engine)
+    engine = preflight.resolve_engine(cfg.engine, cfg.device)
     notes = apply_cpu_lengths(cfg, engine, given) if given is not None else []
     model = cfg.model or default_model(engine)
     formats = normalize_formats(cfg.formats)
     requirements = preflight.format_requirements(engine, formats)
-    if cfg.concurrency and cfg.rollouts:
+    steps_only = isinstance(cfg, E2EConfig)  # whole GRPO steps, no rollout cases
+    if cfg.concurrency and not steps_only:
         backend_needs = preflight.backend_requirements(engine, formats, cfg.backends)
         if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
             # The default sweep measures what is installed; a backend asked for by name must run.
@@ -164,10 +166,10 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     preflight.check_requirements(requirements)
     preflight.check_output(cfg.output)
     plan = BenchPlan(engine, model, preflight.describe_model(model, formats), formats, notes=notes)
-    if cfg.rollouts:
+    if not steps_only:
         plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
         plan.estimate_s = _estimate(cfg, engine, model, plan.cases, steps)
-    if cfg.e2e:
+    else:
         plan.e2e_steps = len(formats) * (cfg.warmup + cfg.repeats)
         plan.estimate_s = None  # a GRPO step's time depends on the trainer's whole setup
     return plan

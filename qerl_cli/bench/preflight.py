@@ -56,16 +56,24 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_engine(engine: str) -> str:
+def resolve_engine(engine: str, device: str = "auto") -> str:
     """``--engine`` resolved: ``hf`` as asked; ``vllm`` needs a GPU and vLLM; ``auto`` is vLLM on a GPU
-    and the transformers engine on a CPU.
+    and the transformers engine on a CPU (``--device cpu`` asks for the CPU on any machine).
 
     On a GPU without vLLM, ``auto`` is refused: the transformers engine's figures on a GPU say nothing
     about rollouts (a CI runner missing the extra would pass with meaningless numbers). ``--engine hf``
     measures it on purpose."""
-    if engine == "hf":
+    if device.startswith("cpu"):
+        if engine == "vllm":
+            raise QerlError("--engine vllm needs a GPU, and --device cpu runs on the CPU: leave one out")
         return "hf"
     gpu = gpu_available()
+    if device.startswith("cuda") and not gpu:
+        raise QerlError(
+            f"--device {device} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)"
+        )
+    if engine == "hf":
+        return "hf"
     if engine == "vllm" and not gpu:
         raise QerlError("--engine vllm needs a CUDA GPU and none is visible; use --engine hf here")
     if engine == "auto" and not gpu:

@@ -16,29 +16,18 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.progress import Progress
+from qerl_cli.bench.settings import QualitySettings, report_settings
 from qerl_cli.config import QuantFormat, QuantMethod
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text
 
 SCHEMA = "qerl-bench-quality/1"
 REPORT_NAME = "quality.json"
-DEFAULT_ROWS = ("nvfp4-rtn", "nvfp4-awq", "mxfp4-rtn", "nf4-rtn")
-
-
-@dataclass
-class QualitySettings:
-    model: str
-    rows: list[str] = field(default_factory=lambda: list(DEFAULT_ROWS))
-    calib_samples: int = 48
-    seq_len: int = 256
-    heldout_rows: int = 64
-    device: str = "auto"
 
 
 def parse_row(row: str) -> tuple[str, str]:
@@ -115,19 +104,19 @@ def make_base(row: str, settings: QualitySettings, bf16: str, target: Path) -> d
     return {"row": row, "folder": str(target), **record, "seconds": time.perf_counter() - started}
 
 
-def run_quality(settings: QualitySettings, out_dir: str | Path, *, command: str) -> dict[str, Any]:
-    """Make every row's base under ``out_dir``, measure them all, write ``quality.json`` / ``.md``."""
+def run_quality(settings: QualitySettings, *, command: str) -> dict[str, Any]:
+    """Make every row's base under ``settings.output``, measure them all, write ``quality.json`` / ``.md``."""
     from qerl_cli.modeling.sources import resolve_model_source
     from qerl_cli.quantize.quality import Candidate, measure_quality
 
     for row in settings.rows:
         parse_row(row)  # every row checked before the first is made
-    out = Path(out_dir)
+    out = Path(settings.output)
     out.mkdir(parents=True, exist_ok=True)  # the bases are written inside it
     bf16 = str(resolve_model_source(settings.model))
     report: dict[str, Any] = {
         **report_header(SCHEMA, command),
-        "settings": asdict(settings),
+        "settings": report_settings(settings),
         "source": bf16,
         "quality": None,
         "rows": [],

@@ -48,18 +48,6 @@ def gpu_spec(device_name: str | None) -> GpuSpec | None:
     return None
 
 
-def rollout_weight_format(fmt: str, backend: str) -> str:
-    """The format the rollout engine's linear weights are held in for ``fmt`` under ``backend``
-    (:func:`qerl_cli.rollout.backends.rollout_weight_format`, the one rule)."""
-    from qerl_cli.rollout.backends import rollout_weight_format as held_format
-
-    return held_format(backend, fmt)
-
-
-def lora_params(shape: ModelShape, rank: int) -> int:
-    return shape.layers * sum(rank * (a + b) for a, b in shape.linear_shapes().values()) if rank else 0
-
-
 def decode_bound(
     shape: ModelShape,
     spec: GpuSpec,
@@ -73,7 +61,7 @@ def decode_bound(
 ) -> dict[str, Any]:
     """Tokens/s bounds of decoding ``concurrency`` sequences of ``prompt_len + gen_len`` tokens."""
     head = shape.vocab * shape.hidden
-    lora = lora_params(shape, lora_rank)
+    lora = shape.lora_params(lora_rank)
     context = prompt_len + gen_len / 2  # the average over the generation
     weight_bytes = shape.decoder_linear_params() * WEIGHT_BYTES[weight_format] + 2 * (head + lora)
     kv_bytes = concurrency * context * shape.kv_bytes_per_token(kv_dtype)
@@ -114,4 +102,4 @@ def update_flops(shape: ModelShape, sequences: int, seq_len: int, *, lora_rank: 
     base = 4 * shape.decoder_linear_params() * tokens
     head = 4 * shape.vocab * shape.hidden * scored
     attention = 3 * sequences * 2 * seq_len * seq_len * shape.heads * shape.head_dim * shape.layers
-    return float(base + head + attention + 6 * lora_params(shape, lora_rank) * tokens)
+    return float(base + head + attention + 6 * shape.lora_params(lora_rank) * tokens)

@@ -16,6 +16,7 @@ from typing import Any
 from qerl_cli.bench.ballast import memory_cap
 from qerl_cli.bench.charts import write_charts
 from qerl_cli.bench.concurrency import add_roofline, write_crossover
+from qerl_cli.bench.e2e import E2EConfig, prompts_per_step, run_e2e
 from qerl_cli.bench.gate import check_regressions
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.report import add_speedups, write_markdown
@@ -26,17 +27,16 @@ from qerl_cli.errors import QerlError
 log = logging.getLogger(__name__)
 
 
-def _e2e_shape(cfg: BenchConfig) -> dict[str, Any]:
-    from qerl_cli.bench.e2e import prompts_per_step
-
-    return {"prompts_per_step": prompts_per_step(cfg), "generations": cfg.e2e_generations,
-            "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "recipe": cfg.e2e_recipe}  # fmt: skip
+def _e2e_shape(cfg: E2EConfig) -> dict[str, Any]:
+    return {"prompts_per_step": prompts_per_step(cfg), "generations": cfg.generations,
+            "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "recipe": cfg.recipe}  # fmt: skip
 
 
 def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
     from qerl_cli.bench.models import describe_source, model_label
     from qerl_cli.bench.rollout import TEMPERATURE, TOP_P
 
+    steps = isinstance(cfg, E2EConfig)
     return {
         "model": model_label(model),
         "model_source": describe_source(model),
@@ -57,10 +57,11 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
         "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,  # the rollout cases'
         # The user's; the trainer adds max_num_seqs from the step's shape (recorded in e2e_shape).
-        "e2e_vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" and cfg.e2e else None,
-        "rollouts": cfg.rollouts,
-        "e2e": cfg.e2e,
-        "e2e_shape": _e2e_shape(cfg) if cfg.e2e else None,
+        "e2e_vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" and steps else None,
+        # The report's two kinds of figures: rollout cases (rollout, concurrency) or GRPO steps (e2e).
+        "rollouts": not steps,
+        "e2e": steps,
+        "e2e_shape": _e2e_shape(cfg) if isinstance(cfg, E2EConfig) else None,
         # vLLM: the without-LoRA rows come from the LoRA-enabled engine, with no adapter active.
         "one_engine_per_format": engine == "vllm",
         "seed": cfg.seed,
@@ -92,7 +93,7 @@ def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[in
             lora_dir=str(lora_dir) if rank else None, batches=list(cfg.concurrency or cfg.batch),
             settings=settings, gpu_memory_utilization=cfg.gpu_memory_utilization,
             vllm_kwargs=rollout_vllm_kwargs(cfg) if engine == "vllm" else dict(cfg.vllm_kwargs),
-            lora_phases=phases, linear_backend=backend,
+            lora_phases=phases, linear_backend=backend, device=cfg.device,
         )  # fmt: skip
 
     if engine == "vllm":
@@ -115,7 +116,7 @@ def _check_settings(cfg: BenchConfig) -> int:
 
     cfg.validate("bench")
     # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
-    min_repeats = 1 if cfg.concurrency or not cfg.rollouts else MIN_REPEATS
+    min_repeats = 1 if cfg.concurrency or isinstance(cfg, E2EConfig) else MIN_REPEATS
     if cfg.repeats < min_repeats:
         allowed = "" if min_repeats == 1 else " (`qerl bench concurrency` and `e2e` allow 1)"
         raise QerlError(f"repeats (--set repeats=N) must be at least {min_repeats} so the median means "
@@ -204,8 +205,9 @@ def _write_outputs(
 
 
 def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
-    """Measure every format (with and without LoRA), write ``bench.json``, ``bench.md`` and PNG
-    charts to ``cfg.output``, and return the report; ``command`` is recorded in it (the command line).
+    """Measure every format (with and without LoRA; whole GRPO steps for an ``E2EConfig``), write
+    ``bench.json``, ``bench.md`` and PNG charts to ``cfg.output``, and return the report; ``command``
+    is recorded in it (the command line).
 
     With ``cfg.baseline`` the report's ``regression`` section says whether throughput dropped or
     memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
@@ -232,11 +234,9 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     settings = {"prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "warmup": cfg.warmup,
                 "repeats": cfg.repeats, "seed": cfg.seed, "min_repeats": min_repeats}  # fmt: skip
     with memory_cap(cfg.memory_cap_gib):
-        if cfg.rollouts:
+        if not isinstance(cfg, E2EConfig):
             _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out, started)
-        if cfg.e2e:
-            from qerl_cli.bench.e2e import run_e2e
-
+        else:
             e2e_started = time.perf_counter()
             report.e2e = run_e2e(cfg, checkpoints, engine, out)
             timings.e2e_s = time.perf_counter() - e2e_started

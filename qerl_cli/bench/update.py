@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import random
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.models import prepare_checkpoints
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.roofline import gpu_spec, update_flops
+from qerl_cli.bench.settings import UpdateSettings, report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape
@@ -52,25 +52,6 @@ CATEGORIES = (
     ("liger", ("_rms_norm", "_swiglu", "_rope")),
     ("softmax/logprob", ("softmax", "log_softmax", "gather", "scatter")),
 )
-
-
-@dataclass
-class UpdateSettings:
-    model: str = "qwen2.5-7b"
-    formats: list[str] = field(default_factory=lambda: ["bf16", "nvfp4"])
-    fused: list[str] = field(default_factory=lambda: ["off", "liger"])  # train.fused_kernels per case
-    base_compute: list[str] = field(default_factory=lambda: ["bf16"])  # train.base_compute per case
-    sequences: int = 32
-    group: int = 8  # completions per prompt
-    prompt_len: int = 256
-    gen_len: int = 2048
-    micro_batch: int | str = "auto"
-    checkpointing: bool | str = "auto"
-    pack: bool = False  # train.pack_sequences
-    lora_rank: int = 16
-    profile: bool = False
-    device: str = "auto"
-    seed: int = 0
 
 
 def categorise(kernel: str) -> str:
@@ -236,7 +217,7 @@ def profile_update(
     }
 
 
-def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -> dict[str, Any]:
+def run_update(settings: UpdateSettings, *, command: str) -> dict[str, Any]:
     """Every (fused setting, format, base compute) case; ``update.json`` is rewritten after each, so a
     run cut short keeps what it measured. A failing case is recorded as its error and the next one runs."""
     from qerl_cli.torch_utils import resolve_device
@@ -247,8 +228,12 @@ def run_update(settings: UpdateSettings, out_dir: str | Path, *, command: str) -
             "--profile reads the CUDA profiler's kernels: it needs a GPU (leave it out on the CPU)"
         )
     folders = prepare_checkpoints(settings.model, settings.formats, settings.seed)
-    report: dict[str, Any] = {**report_header(SCHEMA, command), "settings": asdict(settings), "rows": []}
-    path = Path(out_dir) / REPORT_NAME
+    report: dict[str, Any] = {
+        **report_header(SCHEMA, command),
+        "settings": report_settings(settings),
+        "rows": [],
+    }
+    path = Path(settings.output) / REPORT_NAME
     write_report(path, report)
     progress = Progress("bench update", len(settings.fused) * len(cases(settings)))
     for fused in settings.fused:

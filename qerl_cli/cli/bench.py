@@ -20,6 +20,7 @@ from typing import Annotated, Any, get_args
 import typer
 
 from qerl_cli import config as cfg
+from qerl_cli.bench.e2e import E2EConfig
 from qerl_cli.bench.plan import given_keys
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
@@ -35,6 +36,7 @@ from qerl_cli.cli.app import (
     set_option,
     use_free_cpu_threads,
 )
+from qerl_cli.config.sections import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
 
 B = cfg.BenchConfig  # the --help defaults below are its own
@@ -139,9 +141,9 @@ ToleranceOption = Annotated[
     float | None,
     config_option(B, "tolerance", "--tolerance", metavar="FRACTION", help="Allowed relative regression."),
 ]
-GenerationsOption = Annotated[
-    int | None,
-    config_option(B, "e2e_generations", "--generations", metavar="N", help="e2e: completions per prompt."),
+DeviceOption = Annotated[
+    str | None,
+    typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda[:N].", show_default="auto"),
 ]
 MemoryCapOption = Annotated[
     float | None,
@@ -155,30 +157,21 @@ MemoryCapOption = Annotated[
 
 
 def run_bench_command(
+    cls: type[cfg.BenchConfig],
     values: dict[str, Any],
     *,
     config: Path | None,
     sets: list[str] | None,
     dry_run: bool,
-    recipe: str | None = None,
-    recipe_flag: str = "--e2e-recipe",
-    forced: dict[str, Any] | None = None,
     defaults: dict[str, Any] | None = None,
 ) -> None:
-    """Resolve a ``bench.json`` benchmark's config, check it, then run it and render the report.
+    """Resolve a ``bench.json`` benchmark's settings (``cls``: ``BenchConfig`` for rollout and
+    concurrency, ``E2EConfig`` for e2e), check them, then run it and render the report.
 
-    ``values`` are the flags (None: not given); ``recipe`` a training recipe whose step shape fills the
-    shape flags not given; ``forced`` keys the subcommand fixes (e2e: no rollout cases); ``defaults``
-    what a subcommand uses for a key that neither flags, ``--config`` nor ``--set`` set."""
-    names = {
-        "e2e_generations": "--generations",
-        "e2e_prompts_per_step": "--prompts-per-step",
-        "e2e_recipe": recipe_flag,
-        "e2e_linear_backend": "--linear-backend",
-        "e2e_base_compute": "--base-compute",
-        "memory_cap_gib": "--memory-cap",
-    }
-    flags = given_flags(values, sets, **names)
+    ``values`` are the flags (None: not given); e2e's ``recipe``, a training recipe, fills the shape
+    flags not given; ``defaults`` what a subcommand uses for a key that neither flags, ``--config`` nor
+    ``--set`` set."""
+    flags = given_flags(values, sets, memory_cap_gib="--memory-cap")
     check_formats(values.get("formats"), "--formats")
     check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")
     if values.get("tolerance") is not None:
@@ -186,12 +179,12 @@ def run_bench_command(
 
         check_tolerance(values["tolerance"])
     given = given_keys(values, sets, config)
-    values = {**values, **(forced or {})}
-    if recipe:  # the recipe's step shape, under the flags given explicitly (YAML only: no torch yet)
+    if values.get("recipe"):  # the recipe's step shape under the flags given (YAML only: no torch yet)
         from qerl_cli.bench.e2e import recipe_shape
 
-        values.update({k: v for k, v in recipe_shape(recipe).items() if values.get(k) is None})
-    conf = cfg.load_config(cfg.BenchConfig, config, sets, flags=flags, **values)
+        shape = recipe_shape(values["recipe"])
+        values = {**values, **{k: v for k, v in shape.items() if values.get(k) is None}}
+    conf = cfg.load_config(cls, config, sets, flags=flags, **values)
     check_formats(conf.formats, flags.get("formats", "formats"))
     for key, value in (defaults or {}).items():
         if not getattr(conf, key):
@@ -215,6 +208,25 @@ def run_bench_command(
         raise typer.Exit(1)
 
 
+# `qerl bench rollout --e2e` and its options became `qerl bench e2e`: still parsed (hidden), so that a
+# command line of the old form is told where they went instead of "No such option".
+def _gone(flag: str, is_flag: bool = False) -> Any:
+    if is_flag:
+        return Annotated[bool | None, typer.Option(flag, hidden=True)]
+    return Annotated[str | None, typer.Option(flag, hidden=True)]
+
+
+def refuse_e2e_flags(given: dict[str, Any]) -> None:
+    """Exit 2 naming ``qerl bench e2e`` for the removed ``--e2e`` options of ``qerl bench rollout``."""
+    used = [flag for flag, value in given.items() if value is not None]
+    if used:
+        raise QerlError(
+            f"qerl bench rollout {' '.join(used)}: whole GRPO steps are timed by `qerl bench e2e` "
+            "(--e2e-recipe is its --recipe; --prompts-per-step and --generations are its own); "
+            "run that instead"
+        )
+
+
 def rollout(
     model: ModelOption = None,
     formats: FormatsOption = None,
@@ -225,27 +237,7 @@ def rollout(
     gen_len: GenLenOption = None,
     lora_rank: LoraRankOption = None,
     engine: EngineOption = None,
-    e2e: Annotated[
-        bool | None, typer.Option("--e2e", help="Also time a whole GRPO step (as `qerl bench e2e`).")
-    ] = None,
-    e2e_recipe: Annotated[
-        str | None,
-        typer.Option(
-            "--e2e-recipe",
-            metavar="RECIPE",
-            help="--e2e: a training recipe giving the step's shape and memory settings.",
-        ),
-    ] = None,
-    prompts_per_step: Annotated[
-        int | None,
-        typer.Option(
-            "--prompts-per-step",
-            metavar="N",
-            help="--e2e: prompts per step.",
-            show_default="the largest --batch",
-        ),
-    ] = None,
-    generations: GenerationsOption = None,
+    device: DeviceOption = None,
     memory_cap: MemoryCapOption = None,
     output: OutputOption = None,
     baseline: BaselineOption = None,
@@ -253,26 +245,35 @@ def rollout(
     config: ConfigOption = None,
     set_: BenchSet = None,
     dry_run: DryRunOption = False,
+    e2e: _gone("--e2e", is_flag=True) = None,
+    e2e_recipe: _gone("--e2e-recipe") = None,
+    prompts_per_step: _gone("--prompts-per-step") = None,
+    generations: _gone("--generations") = None,
 ) -> None:
     """Rollout tokens/s and memory per format, BF16 vs NF4 vs NVFP4 (MXFP4 with --formats), at --batch."""
+    refuse_e2e_flags(
+        {
+            "--e2e": e2e,
+            "--e2e-recipe": e2e_recipe,
+            "--prompts-per-step": prompts_per_step,
+            "--generations": generations,
+        }
+    )
     values: dict[str, Any] = dict(
         model=model,
         formats=csv(formats),
         batch=int_list(batch, "--batch"),
         engine=engine,
-        e2e=e2e,
-        e2e_recipe=e2e_recipe,
+        device=device,
         output=output,
         baseline=baseline,
         tolerance=tolerance,
         prompt_len=prompt_len,
         gen_len=gen_len,
         lora_rank=lora_rank,
-        e2e_generations=generations,
-        e2e_prompts_per_step=prompts_per_step,
         memory_cap_gib=memory_cap,
     )
-    run_bench_command(values, config=config, sets=set_, dry_run=dry_run, recipe=e2e_recipe)
+    run_bench_command(B, values, config=config, sets=set_, dry_run=dry_run)
 
 
 def concurrency(
@@ -301,6 +302,7 @@ def concurrency(
     gen_len: GenLenOption = None,
     lora_rank: LoraRankOption = None,
     engine: EngineOption = None,
+    device: DeviceOption = None,
     memory_cap: MemoryCapOption = None,
     output: OutputOption = None,
     baseline: BaselineOption = None,
@@ -319,6 +321,7 @@ def concurrency(
         concurrency=int_list(sequences, "--concurrency"),
         backends=csv(backends),
         engine=engine,
+        device=device,
         output=output,
         baseline=baseline,
         tolerance=tolerance,
@@ -328,7 +331,7 @@ def concurrency(
         memory_cap_gib=memory_cap,
     )
     run_bench_command(
-        values, config=config, sets=set_, dry_run=dry_run, defaults={"concurrency": DEFAULT_CONCURRENCY}
+        B, values, config=config, sets=set_, dry_run=dry_run, defaults={"concurrency": DEFAULT_CONCURRENCY}
     )
 
 
@@ -339,13 +342,17 @@ def e2e(
         int | None,
         typer.Option("--prompts-per-step", metavar="N", help="Prompts per step.", show_default="8"),
     ] = None,
-    generations: GenerationsOption = None,
+    generations: Annotated[
+        int | None,
+        config_option(E2EConfig, "generations", "--generations", metavar="N", help="Completions per prompt."),
+    ] = None,
     prompt_len: PromptLenOption = None,
     gen_len: GenLenOption = None,
     lora_rank: Annotated[
         int | None, typer.Option("--lora-rank", metavar="RANK", help="LoRA rank.", show_default="16")
     ] = None,
     engine: EngineOption = None,
+    device: DeviceOption = None,
     recipe: Annotated[
         str | None,
         typer.Option(
@@ -359,7 +366,7 @@ def e2e(
         typer.Option(
             "--linear-backend",
             metavar="NAME",
-            help="rollout.linear_backend of the steps: auto | marlin | humming | fp8 | fp8-merged | merged.",
+            help=f"rollout.linear_backend of the steps: {' | '.join(get_args(LinearBackend))}.",
             show_default="the recipe's, else auto",
         ),
     ] = None,
@@ -368,7 +375,8 @@ def e2e(
         typer.Option(
             "--base-compute",
             metavar="NAME",
-            help="train.base_compute of the steps: auto | bf16 | fp8 (the frozen base's update GEMMs).",
+            help=f"train.base_compute of the steps: {' | '.join(get_args(BaseCompute))} (the frozen base's "
+            "update GEMMs).",
             show_default="the recipe's, else auto",
         ),
     ] = None,
@@ -389,25 +397,18 @@ def e2e(
         model=model,
         formats=csv(formats),
         engine=engine,
-        e2e_recipe=recipe,
+        device=device,
+        recipe=recipe,
         output=output,
         baseline=baseline,
         tolerance=tolerance,
         prompt_len=prompt_len,
         gen_len=gen_len,
         lora_rank=lora_rank,
-        e2e_generations=generations,
-        e2e_prompts_per_step=prompts_per_step,
-        e2e_linear_backend=linear_backend,
-        e2e_base_compute=base_compute,
+        generations=generations,
+        prompts_per_step=prompts_per_step,
+        linear_backend=linear_backend,
+        base_compute=base_compute,
         memory_cap_gib=memory_cap,
     )
-    run_bench_command(
-        values,
-        config=config,
-        sets=set_,
-        dry_run=dry_run,
-        recipe=recipe,
-        recipe_flag="--recipe",
-        forced={"e2e": True, "rollouts": False},
-    )
+    run_bench_command(E2EConfig, values, config=config, sets=set_, dry_run=dry_run)

@@ -2,18 +2,18 @@
 their own (``bench.json``'s three are in :mod:`qerl_cli.cli.bench`).
 
 Each checks its arguments before torch is imported and exits 2 naming the flag; ``--dry-run`` prints
-the resolved settings as YAML and runs nothing.
+the resolved settings as YAML and runs nothing. ``kernels``, ``update`` and ``quality`` resolve their
+settings (:mod:`qerl_cli.bench.settings`) as every stage does: ``--config`` < flags < ``--set``;
+``scaling`` takes a training recipe and ``--set`` its keys.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
-import yaml
 from rich.markup import escape
 
 from qerl_cli import config as cfg
@@ -26,22 +26,41 @@ from qerl_cli.bench.preflight import (
     package_available,
     resolve_engine,
 )
+from qerl_cli.bench.settings import (
+    DEFAULT_QUALITY_ROWS,
+    KernelsSettings,
+    QualitySettings,
+    UpdateSettings,
+    auto_last,
+    check_choices,
+)
 from qerl_cli.cli.app import (
+    ConfigOption,
     DryRunOption,
     command_line,
+    config_option,
     console,
     csv,
     finish_config,
+    given_flags,
     set_option,
     use_free_cpu_threads,
 )
-from qerl_cli.cli.bench import check_exists, check_formats
+from qerl_cli.cli.bench import DeviceOption, check_exists, check_formats
+from qerl_cli.config.keydocs import field_help
+from qerl_cli.config.sections import BaseCompute, FusedKernels
 from qerl_cli.errors import QerlError
 
-# bench quality's rows when --rows is not given (its AWQ row where llm-compressor is installed).
-DEFAULT_QUALITY_ROWS = "nvfp4-rtn,nvfp4-awq,mxfp4-rtn,nf4-rtn"
-OutputOption = Annotated[str, typer.Option("--output", "-o", metavar="DIR", help="Folder of the report.")]
-DeviceOption = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu or cuda[:N].")]
+S = TypeVar("S")
+OutputOption = Annotated[
+    str | None,
+    typer.Option("--output", "-o", metavar="DIR", help="Folder of the report.", show_default="bench_results"),
+]
+KernelsSet, UpdateSet, QualitySet = (
+    set_option("iters=20"),
+    set_option("sequences=64"),
+    set_option("seq_len=512"),
+)
 ModelOption = Annotated[
     str | None,
     typer.Option(
@@ -90,29 +109,58 @@ def check_tool(output: str, device: str, model: str | None, gpu_only: str | None
         describe_model(model)
 
 
-def dry_run_settings(settings: dict[str, Any], dry_run: bool) -> bool:
-    """Print ``settings`` as YAML for --dry-run; True when the command should stop."""
-    if dry_run:
-        sys.stdout.write(yaml.safe_dump(settings, sort_keys=False))
-    return dry_run
-
-
 def _done(path: Path, errors: bool) -> None:
     console.print(f"wrote {escape(str(path))}")
     if errors:  # a section or case without figures: its error is in the report
         raise typer.Exit(1)
 
 
+K, U, Q = KernelsSettings, UpdateSettings, QualitySettings  # the --help defaults below are theirs
+
+
+def option(cls: type, key: str, flag: str, metavar: str, kind: type = int) -> Any:
+    """The flag of settings key ``key`` of ``cls``: None ("not given") unless typed, so that --config can
+    set the key; its --help is the comment above the field (the settings' one home of it) and shows the
+    settings' default."""
+    help = field_help(cls).get(key, "")
+    return Annotated[kind | None, config_option(cls, key, flag, metavar=metavar, help=help)]
+
+
+PackOption = Annotated[bool | None, typer.Option("--pack", help="Pack sequences (train.pack_sequences).")]
+ProfileOption = Annotated[
+    bool | None, typer.Option("--profile", help="Also the GPU time by kernel category (CUDA profiler).")
+]
+FusedOption = Annotated[
+    str | None,
+    typer.Option(
+        "--fused",
+        metavar="KIND,...",
+        help=f"train.fused_kernels per case: {', '.join(auto_last(FusedKernels))}.",
+        show_default="off,liger with liger-kernel installed, else off",
+    ),
+]
+
+
+def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, sets: list[str] | None) -> S:
+    """A tool benchmark's settings: ``--config`` < its flags (None: not given) < ``--set``, checked by
+    the class (an error names the flag that set a key); formats from any of them against the registry."""
+    check_formats(values.get("formats"), "--formats")
+    flags = given_flags(values, sets)
+    conf = cfg.load_config(cls, config, sets, flags=flags, **values)
+    check_formats(getattr(conf, "formats", None), flags.get("formats", "formats"))
+    return conf
+
+
 def kernels(
     model: ModelOption = None,
-    formats: Annotated[
-        str, typer.Option("--formats", metavar="FMT,...", help="Comma list of 4-bit formats (and bf16).")
-    ] = "nvfp4,mxfp4,nf4",
-    batch: Annotated[int, typer.Option("--batch", metavar="N", help="Sequences through the layer.")] = 8,
-    seq_len: Annotated[int, typer.Option("--seq-len", metavar="TOKENS", help="Tokens per sequence.")] = 1024,
-    iters: Annotated[int, typer.Option("--iters", metavar="N", help="Timed calls per figure (median).")] = 10,
-    device: DeviceOption = "auto",
-    output: OutputOption = "bench_results",
+    formats: option(K, "formats", "--formats", "FMT,...", str) = None,
+    batch: option(K, "batch", "--batch", "N") = None,
+    seq_len: option(K, "seq_len", "--seq-len", "TOKENS") = None,
+    iters: option(K, "iters", "--iters", "N") = None,
+    device: DeviceOption = None,
+    output: OutputOption = None,
+    config: ConfigOption = None,
+    set_: KernelsSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """4-bit weights' own costs per format: dequant bandwidth, memory, a layer's fwd+bwd vs BF16.
@@ -121,74 +169,39 @@ def kernels(
     loads it, and the first decoder layer's forward + input-gradient backward against the same layer
     holding the dequantized weights in BF16 (float32 on the CPU).
     """
-    chosen = csv(formats) or []
-    check_formats(chosen or None, "--formats")
-    if not chosen:
-        raise QerlError("--formats needs at least one format (e.g. nvfp4)")
-    for flag, value in (("--batch", batch), ("--seq-len", seq_len), ("--iters", iters)):
-        positive(flag, value)
-    settings = dict(
-        model=model,
-        formats=[f.lower() for f in chosen],
-        batch=batch,
-        seq_len=seq_len,
-        iters=iters,
-        device=device,
-        output=output,
-    )
-    check_tool(output, device, model)
-    if dry_run_settings(settings, dry_run):
+    values = dict(model=model, formats=csv(formats), batch=batch, seq_len=seq_len, iters=iters, device=device,
+                  output=output)  # fmt: skip
+    conf = load_settings(KernelsSettings, values, config, set_)
+    check_tool(conf.output, conf.device, conf.model)
+    if finish_config(conf, dry_run):
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
 
     use_free_cpu_threads()
-    settings["model"] = default_model(model, device)
-    out = settings.pop("output")
-    report = run_kernels(**settings, out_dir=out, command=command_line())
+    conf.model = default_model(conf.model, conf.device)
+    report = run_kernels(conf, command=command_line())
     console.print(kernels_table(report))
-    _done(Path(out) / REPORT_NAME, bool(report["errors"]))
+    _done(Path(conf.output) / REPORT_NAME, bool(report["errors"]))
 
 
 def update(
     model: ModelOption = None,
-    formats: Annotated[
-        str, typer.Option("--formats", metavar="FMT,...", help="Comma list of base formats.")
-    ] = "bf16,nvfp4",
-    fused: Annotated[
-        str | None,
-        typer.Option(
-            "--fused",
-            metavar="KIND,...",
-            help="train.fused_kernels per case: off, liger, auto.",
-            show_default="off,liger with liger-kernel installed, else off",
-        ),
-    ] = None,
-    base_compute: Annotated[
-        str,
-        typer.Option(
-            "--base-compute",
-            metavar="KIND,...",
-            help="train.base_compute per case: bf16, fp8, auto (the 4-bit base's GEMMs).",
-        ),
-    ] = "bf16",
-    sequences: Annotated[int, typer.Option("--sequences", metavar="N", help="Rollouts in the batch.")] = 32,
-    group: Annotated[int, typer.Option("--group", metavar="N", help="Completions per prompt.")] = 8,
-    prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="TOKENS", help="Prompt tokens.")] = 256,
-    gen_len: Annotated[int, typer.Option("--gen-len", metavar="TOKENS", help="Completion tokens.")] = 2048,
-    micro_batch: Annotated[
-        str,
-        typer.Option("--micro-batch", metavar="N|auto", help="Sequences per micro-batch (auto: the plan's)."),
-    ] = "auto",
-    checkpointing: Annotated[
-        str, typer.Option("--checkpointing", metavar="auto|on|off", help="Gradient checkpointing.")
-    ] = "auto",
-    pack: Annotated[bool, typer.Option("--pack", help="Pack sequences (train.pack_sequences).")] = False,
-    lora_rank: Annotated[int, typer.Option("--lora-rank", metavar="RANK", help="LoRA rank.")] = 16,
-    profile: Annotated[
-        bool, typer.Option("--profile", help="Also the GPU time by kernel category (CUDA profiler).")
-    ] = False,
-    device: DeviceOption = "auto",
-    output: OutputOption = "bench_results",
+    formats: option(U, "formats", "--formats", "FMT,...", str) = None,
+    fused: FusedOption = None,
+    base_compute: option(U, "base_compute", "--base-compute", "KIND,...", str) = None,
+    sequences: option(U, "sequences", "--sequences", "N") = None,
+    group: option(U, "group", "--group", "N") = None,
+    prompt_len: option(U, "prompt_len", "--prompt-len", "TOKENS") = None,
+    gen_len: option(U, "gen_len", "--gen-len", "TOKENS") = None,
+    micro_batch: option(U, "micro_batch", "--micro-batch", "N|auto", str) = None,
+    checkpointing: option(U, "checkpointing", "--checkpointing", "auto|on|off", str) = None,
+    pack: PackOption = None,
+    lora_rank: option(U, "lora_rank", "--lora-rank", "RANK") = None,
+    profile: ProfileOption = None,
+    device: DeviceOption = None,
+    output: OutputOption = None,
+    config: ConfigOption = None,
+    set_: UpdateSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """The GRPO update phase alone: seconds, tokens/s, MFU, peak memory per format, fused kernels and
@@ -196,80 +209,68 @@ def update(
 
     Random rollouts of exactly --prompt-len + --gen-len tokens, one warm-up update, one timed.
     """
-    chosen = csv(formats) or []
-    check_formats(chosen or None, "--formats")
-    kinds, computes = update_cases(fused, base_compute)
-    if not chosen:
-        raise QerlError("--formats needs at least one format (e.g. bf16,nvfp4)")
-    for flag, value in (
-        ("--sequences", sequences),
-        ("--group", group),
-        ("--prompt-len", prompt_len),
-        ("--gen-len", gen_len),
-        ("--lora-rank", lora_rank),
-    ):
-        positive(flag, value)
-    if sequences % group:  # GRPO's groups: every prompt has --group completions
-        raise QerlError(f"--sequences ({sequences}) must be a multiple of --group ({group})")
-    micro: int | str = micro_batch if micro_batch == "auto" else positive("--micro-batch", _int(micro_batch))
-    modes = {"auto": "auto", "on": True, "off": False}
-    if checkpointing not in modes:
-        raise QerlError(f"--checkpointing takes auto, on or off; got {checkpointing!r}")
-    settings = dict(
-        model=model,
-        formats=[f.lower() for f in chosen],
-        fused=kinds,
-        base_compute=computes,
-        sequences=sequences,
-        group=group,
-        prompt_len=prompt_len,
-        gen_len=gen_len,
-        micro_batch=micro,
-        checkpointing=modes[checkpointing],
-        pack=pack,
-        lora_rank=lora_rank,
-        profile=profile,
-        device=device,
-    )
-    check_tool(output, device, model, gpu_only="--profile" if profile else None)
-    if dry_run_settings({**settings, "output": output}, dry_run):
+    values = dict(
+        model=model, formats=csv(formats), fused=check_choices("--fused", fused, FusedKernels),
+        base_compute=check_choices("--base-compute", base_compute, BaseCompute), sequences=sequences,
+        group=group, prompt_len=prompt_len, gen_len=gen_len, micro_batch=micro_batch,
+        checkpointing=checkpointing, pack=pack, lora_rank=lora_rank, profile=profile, device=device,
+        output=output,
+    )  # fmt: skip
+    conf = load_settings(UpdateSettings, values, config, set_)
+    conf.fused = update_fused(conf.fused)
+    check_tool(conf.output, conf.device, conf.model, gpu_only="--profile" if conf.profile else None)
+    if finish_config(conf, dry_run):
         return
-    from qerl_cli.bench.update import REPORT_NAME, UpdateSettings, run_update, update_table
+    from qerl_cli.bench.update import REPORT_NAME, run_update, update_table
 
     use_free_cpu_threads()
-    settings["model"] = default_model(model, device)
-    report = run_update(UpdateSettings(**settings), output, command=command_line())
+    conf.model = default_model(conf.model, conf.device)
+    report = run_update(conf, command=command_line())
     console.print(update_table(report))
     for row in report["rows"]:  # the table cuts an error short: each in full, once
         if "error" in row:
             compute = row.get("base_compute", "bf16")
             case = f"{row['format']}, fused {row['fused_kernels']}, base compute {compute}"
             console.print(f"error ({case}): {row['error']}", markup=False, highlight=False)
-    _done(Path(output) / REPORT_NAME, any("error" in row for row in report["rows"]))
+    _done(Path(conf.output) / REPORT_NAME, any("error" in row for row in report["rows"]))
 
 
-def update_cases(fused: str | None, base_compute: str) -> tuple[list[str], list[str]]:
-    """``--fused`` (its default: what is installed) and ``--base-compute`` checked: (fused kinds, base
-    computes); Liger asked for must be installed."""
-    kinds = csv(fused if fused is not None else default_fused()) or []
-    unknown = [k for k in kinds if k not in ("off", "liger", "auto")]
-    if unknown or not kinds:
-        raise QerlError(f"--fused takes a comma list of off, liger, auto; got {fused!r}")
-    if "liger" in kinds:
+def update_fused(kinds: list[str] | None) -> list[str]:
+    """The fused-kernel cases: those given, else what is installed; Liger asked for must be installed."""
+    chosen = kinds if kinds is not None else check_choices("--fused", default_fused(), FusedKernels) or []
+    if "liger" in chosen:
         check_requirements([Requirement("liger_kernel", "liger", "--fused liger")])
-    computes = csv(base_compute) or []
-    if not computes or any(c not in ("bf16", "fp8", "auto") for c in computes):
-        raise QerlError(f"--base-compute takes a comma list of bf16, fp8, auto; got {base_compute!r}")
-    return kinds, computes
-
-
-def _int(text: str) -> int:
-    if not text.isdigit():
-        raise QerlError(f"--micro-batch takes a positive integer or auto, got {text!r}")
-    return int(text)
+    return chosen
 
 
 ScalingSet = set_option("train.max_steps=5")
+ScalingModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        metavar="MODEL",
+        help="A model folder, or a SHAPE (qwen2.5-7b, ...: random weights in --format), for model.path.",
+    ),
+]
+ScalingFormatOption = Annotated[
+    str | None,
+    typer.Option("--format", metavar="FORMAT", help="The format of a --model SHAPE.", show_default="nvfp4"),
+]
+SyntheticOption = Annotated[
+    bool,
+    typer.Option(
+        "--synthetic",
+        help="Synthetic prompts and random rewards, as bench e2e (for random weights, where grading "
+        "measures nothing).",
+    ),
+]
+ScalingDeviceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--device", metavar="DEVICE", help="train.device of the run: auto, cpu or cuda[:N].",
+        show_default="the recipe's",
+    ),
+]  # fmt: skip
 
 
 def scaling(
@@ -291,28 +292,10 @@ def scaling(
         str | None,
         typer.Option("--reference", metavar="JSON", help="scaling.json of a run on fewer GPUs (efficiency)."),
     ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            metavar="MODEL",
-            help="A model folder, or a SHAPE (qwen2.5-7b, ...: random weights in --format), for model.path.",
-        ),
-    ] = None,
-    model_format: Annotated[
-        str | None,
-        typer.Option(
-            "--format", metavar="FORMAT", help="The format of a --model SHAPE.", show_default="nvfp4"
-        ),
-    ] = None,
-    synthetic: Annotated[
-        bool,
-        typer.Option(
-            "--synthetic",
-            help="Synthetic prompts and random rewards, as bench e2e (for random weights, where grading "
-            "measures nothing).",
-        ),
-    ] = False,
+    model: ScalingModelOption = None,
+    model_format: ScalingFormatOption = None,
+    synthetic: SyntheticOption = False,
+    device: ScalingDeviceOption = None,
     output: OutputOption = "bench_results",
     set_: ScalingSet = None,
     dry_run: DryRunOption = False,
@@ -333,13 +316,14 @@ def scaling(
     run_dir = Path(output) / "run"
     if int(os.environ.get("RANK", "0")) == 0 and run_dir.exists():  # rank 0: the others start alongside
         raise QerlError(f"{run_dir} exists (an earlier scaling run): choose another --output or remove it")
-    conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
+    if model_format is not None and not model:  # before bench.scaling's import, which brings torch
+        raise QerlError("--format names the format of a --model SHAPE; give --model too")
+    sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
+    conf = cfg.load_config(cfg.TrainConfig, recipe, sets)
     from qerl_cli.bench.scaling import model_folder, scaled_config
 
     if model:
         conf.model.path = str(model_folder(model, model_format, write=not dry_run, synthetic=synthetic))
-    elif model_format is not None:
-        raise QerlError("--format names the format of a --model SHAPE; give --model too")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     conf = scaled_config(conf, Path(output), steps, prompts_per_gpu, world, synthetic=synthetic)
     check_output(output)
@@ -376,18 +360,16 @@ def quality(
             "--rows",
             metavar="FORMAT-METHOD,...",
             help="The bases to make and measure.",
-            show_default=f"{DEFAULT_QUALITY_ROWS} (the awq row only with llm-compressor installed)",
+            show_default=f"{','.join(DEFAULT_QUALITY_ROWS)} (the awq row only with llm-compressor installed)",
         ),
     ] = None,
-    calib_samples: Annotated[
-        int, typer.Option("--calib-samples", metavar="N", help="Calibration rows of qerl-text (awq, gptq).")
-    ] = 48,
-    seq_len: Annotated[int, typer.Option("--seq-len", metavar="TOKENS", help="Tokens per row.")] = 256,
-    heldout_rows: Annotated[
-        int, typer.Option("--heldout-rows", metavar="N", help="Held-out rows the bases are measured on.")
-    ] = 64,
-    device: DeviceOption = "auto",
-    output: OutputOption = "bench_results",
+    calib_samples: option(Q, "calib_samples", "--calib-samples", "N") = None,
+    seq_len: option(Q, "seq_len", "--seq-len", "TOKENS") = None,
+    heldout_rows: option(Q, "heldout_rows", "--heldout-rows", "N") = None,
+    device: DeviceOption = None,
+    output: OutputOption = None,
+    config: ConfigOption = None,
+    set_: QualitySet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """Quantize one BF16 model per --rows format and method, then measure what each base keeps.
@@ -395,35 +377,31 @@ def quality(
     Perplexity, KL to BF16 and top-1 agreement on held-out text, by the library of `qerl quality`
     (which measures bases you already have), beside each base's weight error.
     """
-    chosen = [r.lower() for r in csv(rows if rows is not None else DEFAULT_QUALITY_ROWS) or []]
-    if not chosen:
-        raise QerlError("--rows needs at least one FORMAT-METHOD (e.g. nvfp4-rtn)")
-    from qerl_cli.bench.quality import parse_row  # no torch: the rows are checked before any import of it
-
-    calibrated = [row for row in chosen if parse_row(row)[1] != "rtn"]  # AWQ, GPTQ: llm-compressor's
-    if calibrated and not package_available("llmcompressor"):
-        if rows is not None:  # asked for by name: it must run
-            check_requirements([Requirement("llmcompressor", "quantize", f"--rows {','.join(calibrated)}")])
-        chosen = [row for row in chosen if row not in calibrated]  # the default measures what is installed
-    for flag, value in (("--calib-samples", calib_samples), ("--heldout-rows", heldout_rows)):
-        positive(flag, value)
-    if seq_len < 2:
-        raise QerlError(f"--seq-len must be >= 2, got {seq_len}")
-    settings = dict(
-        model=model,
-        rows=chosen,
-        calib_samples=calib_samples,
-        seq_len=seq_len,
-        heldout_rows=heldout_rows,
-        device=device,
-    )
-    check_tool(output, device, None)
-    if dry_run_settings({**settings, "output": output}, dry_run):
+    values = dict(model=model, rows=csv(rows), calib_samples=calib_samples, seq_len=seq_len,
+                  heldout_rows=heldout_rows, device=device, output=output)  # fmt: skip
+    conf = load_settings(QualitySettings, values, config, set_)
+    conf.rows = quality_rows(conf.rows)
+    check_tool(conf.output, conf.device, None)
+    if finish_config(conf, dry_run):
         return
-    from qerl_cli.bench.quality import REPORT_NAME, QualitySettings, run_quality
+    from qerl_cli.bench.quality import REPORT_NAME, run_quality
 
     use_free_cpu_threads()
-    report = run_quality(QualitySettings(**settings), output, command=command_line())
-    console.print((Path(output) / "quality.md").read_text(), markup=False, highlight=False)
+    report = run_quality(conf, command=command_line())
+    console.print((Path(conf.output) / "quality.md").read_text(), markup=False, highlight=False)
     made = [r for r in report["rows"] if "skipped" not in r]
-    _done(Path(output) / REPORT_NAME, not made)  # a table of skipped rows only is a failed run
+    _done(Path(conf.output) / REPORT_NAME, not made)  # a table of skipped rows only is a failed run
+
+
+def quality_rows(given: list[str] | None) -> list[str]:
+    """The rows measured: those given (AWQ / GPTQ ones need llm-compressor), else the default rows that
+    what is installed can make."""
+    from qerl_cli.bench.quality import parse_row  # no torch: the rows are checked before any import of it
+
+    chosen = list(given if given is not None else DEFAULT_QUALITY_ROWS)
+    calibrated = [row for row in chosen if parse_row(row)[1] != "rtn"]  # AWQ, GPTQ: llm-compressor's
+    if calibrated and not package_available("llmcompressor"):
+        if given is not None:  # asked for by name: it must run
+            check_requirements([Requirement("llmcompressor", "quantize", f"--rows {','.join(calibrated)}")])
+        chosen = [row for row in chosen if row not in calibrated]  # the default measures what is installed
+    return chosen

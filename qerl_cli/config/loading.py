@@ -304,6 +304,7 @@ def load_config(
     cls: type[C],
     recipe: str | Path | None = None,
     overrides: list[str] | None = None,
+    /,  # positional: a config key may be named "recipe" (bench e2e's) and come in ``values``
     *,
     flags: dict[str, str] | None = None,
     **values: Any,

@@ -22,6 +22,8 @@ LinearBackend = Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merge
 MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")
 # train.base_compute's values (qerl_cli.modeling.base_compute).
 BaseCompute = Literal["auto", "bf16", "fp8"]
+# train.fused_kernels' values (qerl_cli.modeling.fused_kernels).
+FusedKernels = Literal["off", "liger", "auto"]
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BENCHMARKS_ALL = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
 RESOLVED_CONFIG_NAME = "config.yaml"
@@ -327,7 +329,7 @@ class TrainSection:
     logprob_chunk_tokens: int = 1024
     # Fused RMSNorm / SwiGLU / RoPE kernels in the update (qerl_cli.modeling.fused_kernels). "auto":
     # Liger's when liger-kernel is installed and the model trains on a GPU; "liger": insist on them.
-    fused_kernels: Literal["auto", "liger", "off"] = "auto"
+    fused_kernels: FusedKernels = "auto"
     # Concatenate a micro-batch's sequences into one row without padding (position ids restart at
     # each sequence, the attention kept within it): no compute on padding. Pays with a variable-length
     # attention (flash-attention); with SDPA the attention of a packed row is computed densely.

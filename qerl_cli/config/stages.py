@@ -6,12 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from qerl_cli.config.checks import ConfigValueError
-from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
 from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.sections import (
     BENCHMARKS_ALL,
-    BaseCompute,
     EngineName,
     LinearBackend,
     QuantFormat,
@@ -154,7 +152,8 @@ class BenchConfig:
     # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job (to finish within
     # 10 minutes on one H100; benchmarks/h200-2026-11-23, bench_batch_defaults/): three engine starts,
     # 512 generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add
-    # it with --formats); RL lengths are --gen-len 2048 or 4096, and --e2e --e2e-recipe for a whole step.
+    # it with --formats); RL lengths are --gen-len 2048 or 4096; whole GRPO steps are `qerl bench e2e`
+    # (its settings: qerl_cli.bench.e2e.E2EConfig, these keys and the step's own).
     formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
     # Batch sizes timed (sequences generated at once).
     batch: list[int] = field(default_factory=lambda: [2, 8])
@@ -166,10 +165,9 @@ class BenchConfig:
     lora_rank: int = 16
     # vllm | hf | auto ("auto": vLLM on a GPU with vLLM installed, else hf).
     engine: EngineName | Literal["auto"] = "auto"
-    # Time the rollout cases (false: only the GRPO steps of e2e, as `qerl bench e2e` runs).
-    rollouts: bool = True
-    # Also time whole GRPO steps (rollout and update).
-    e2e: bool = False
+    # auto, cpu or cuda[:N]: where the transformers engine (and e2e's trainer) runs; vLLM needs a GPU,
+    # so "cpu" makes engine auto the transformers engine.
+    device: str = "auto"
     # Folder of bench.json and the report.
     output: str = "bench_results"
     # A bench.json to gate against: exit non-zero on a regression beyond tolerance.
@@ -186,20 +184,6 @@ class BenchConfig:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     # Seed of the random checkpoints, LoRA weights and rewards.
     seed: int = 0
-    # --e2e: completions per prompt (the group size of the timed steps).
-    e2e_generations: int = 8
-    # --e2e: prompts per step (0: the largest --batch).
-    e2e_prompts_per_step: int = 0
-    # --e2e: vLLM's share of the GPU when colocated with the trainer, the same for every format (paper: 0.3
-    # for 7B; "auto": rl.memory decides); None: the recipe's, else 0.3.
-    e2e_gpu_memory_utilization: float | Literal["auto"] | None = None
-    # --e2e: a training recipe whose step shape (prompts per step, generations, prompt and completion lengths,
-    # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
-    e2e_recipe: str | None = None
-    # --e2e: rollout.linear_backend of the timed steps (the recipe's when it sets one).
-    e2e_linear_backend: LinearBackend | None = None
-    # --e2e: train.base_compute of the timed steps (the recipe's when it sets one, else auto).
-    e2e_base_compute: BaseCompute | None = None
     # --concurrency: sequences generated at once (instead of --batch), each measured on every linear
     # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
     # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.
@@ -226,17 +210,7 @@ class BenchConfig:
             raise ConfigValueError(
                 _key(where, "backends"), f"has unknown {unknown}; choose from {', '.join(SWEPT_BACKENDS)}"
             )
-        _positive(where, e2e_generations=self.e2e_generations)
-        if not self.rollouts and not self.e2e:
-            raise ConfigValueError(_key(where, "rollouts"), "is false and e2e too: nothing to measure")
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
             raise ConfigValueError(
                 _key(where, "memory_cap_gib"), f"must be > 0 GiB, got {self.memory_cap_gib}"
             )
-        if self.e2e_prompts_per_step < 0:
-            raise ConfigValueError(
-                _key(where, "e2e_prompts_per_step"),
-                f"must be >= 0 (0: the largest --batch), got {self.e2e_prompts_per_step}",
-            )
-        if self.e2e_gpu_memory_utilization is not None:
-            _fraction_or_auto(_key(where, "e2e_gpu_memory_utilization"), self.e2e_gpu_memory_utilization)

@@ -31,9 +31,9 @@ from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an H100 in for it
 from qerl_cli.modeling.fp8_update import FP8_MIN_WEIGHTS, check_dims, fp8_pays
 from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
+from qerl_cli.torch_utils import GIB
 
 log = logging.getLogger(__name__)
-GIB = 2**30
 
 CHOICES: tuple[str, ...] = get_args(BaseCompute)
 

@@ -42,16 +42,16 @@ import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch.nn.functional
 from torch import nn
 
+from qerl_cli.config.sections import FusedKernels
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
 
-FusedKernels = Literal["auto", "liger", "off"]
 INSTALL_HINT = 'pip install "qerl[liger]"'
 _MISSING = object()  # an attribute that did not exist before the patch
 
@@ -268,8 +268,9 @@ def apply_fused_kernels(model: nn.Module, mode: str, *, on_gpu: bool) -> Applied
     off = AppliedKernels(kind="off")
     if mode == "off":
         return off
-    if mode not in ("auto", "liger"):
-        raise QerlError(f"train.fused_kernels={mode!r} is unknown; choose one of auto, liger, off")
+    kinds = get_args(FusedKernels)  # the config's values, their one home
+    if mode not in kinds:
+        raise QerlError(f"train.fused_kernels={mode!r} is unknown; choose one of {', '.join(sorted(kinds))}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not liger_installed():
         if mode == "liger":

@@ -5,6 +5,7 @@ KV-cache bytes per token. Pure arithmetic on a ``config.json`` dict, shared by t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,13 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
 
+    def lora_params(self, rank: int, targets: Iterable[str] | None = None) -> int:
+        """Parameters of a rank-``rank`` LoRA (A and B) on the ``targets`` projections of every layer
+        (None: all seven)."""
+        chosen = set(self.linear_shapes() if targets is None else targets)
+        linears = self.linear_shapes().items()
+        return self.layers * sum(rank * (a + b) for name, (a, b) in linears if name in chosen)
+
     def decoder_linear_params(self) -> int:
         return self.layers * sum(a * b for a, b in self.linear_shapes().values())
 
@@ -83,5 +91,3 @@ def weight_bytes(shape: ModelShape, fmt: str) -> int:
     if fmt not in WEIGHT_BYTES:
         raise QerlError(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_BYTES)}")
     return int(shape.decoder_linear_params() * WEIGHT_BYTES[fmt] + shape.dense_params() * 2)
-
-

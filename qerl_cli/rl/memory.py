@@ -34,10 +34,10 @@ from qerl_cli.config import TrainSection
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
 from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
+from qerl_cli.torch_utils import GIB
 
 log = logging.getLogger(__name__)
 
-GIB = 2**30
 # PEFT keeps LoRA weights in float32; each has a float32 gradient and AdamW's two float32 moments.
 LORA_BYTES_PER_PARAM = 4 + 4 + 8
 # Activations kept for backward per token and decoder layer, in units of hidden / intermediate
@@ -74,14 +74,9 @@ def gib(n: float | int | None) -> str:
 # --------------------------------------------------------------------------------------------
 # Model sizes
 # --------------------------------------------------------------------------------------------
-def lora_params(shape: ModelShape, rank: int, targets: list[str]) -> int:
-    linears = shape.linear_shapes()
-    return shape.layers * sum(rank * (a + b) for name, (a, b) in linears.items() if name in targets)
-
-
 def trainer_static_bytes(shape: ModelShape, fmt: str, rank: int, targets: list[str]) -> int:
     """What the trainer holds in every phase: the frozen base, LoRA, its gradients, AdamW state."""
-    return weight_bytes(shape, fmt) + lora_params(shape, rank, targets) * LORA_BYTES_PER_PARAM
+    return weight_bytes(shape, fmt) + shape.lora_params(rank, targets) * LORA_BYTES_PER_PARAM
 
 
 def update_activation_bytes(

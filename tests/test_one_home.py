@@ -1,0 +1,83 @@
+"""One home per fact: a constant, a piece of shape arithmetic or a setting's list of values is defined
+once in the package, and every other module imports it (a second copy drifts, or takes its arguments
+in another order)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import get_args
+
+from qerl_cli.config import sections
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "qerl_cli"
+
+# Each name with the one module that may define it (at module level, or as a method of a class there).
+HOMES = {
+    "GIB": "qerl_cli/torch_utils.py",
+    "lora_params": "qerl_cli/modeling/model_shape.py",
+    "linear_shapes": "qerl_cli/modeling/model_shape.py",
+    "rollout_weight_format": "qerl_cli/rollout/backends.py",
+    "BaseCompute": "qerl_cli/config/sections.py",
+    "FusedKernels": "qerl_cli/config/sections.py",
+    "LinearBackend": "qerl_cli/config/sections.py",
+}
+# The config aliases whose values no module spells out again as a literal list (it checks membership
+# with ``get_args(alias)`` instead).
+ALIASES = {
+    "BaseCompute": sections.BaseCompute,
+    "FusedKernels": sections.FusedKernels,
+    "LinearBackend": sections.LinearBackend,
+}
+
+
+def _definitions(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level or as a method of one of its top-level classes."""
+    found: set[str] = set()
+    bodies = [tree.body] + [node.body for node in tree.body if isinstance(node, ast.ClassDef)]
+    for body in bodies:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                found.add(node.name)
+            elif isinstance(node, ast.Assign):
+                found.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                found.add(node.target.id)
+    return found
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {str(p.relative_to(REPO)): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_each_fact_is_defined_in_its_home_only() -> None:
+    where: dict[str, list[str]] = {name: [] for name in HOMES}
+    for path, tree in _sources().items():
+        for name in _definitions(tree) & HOMES.keys():
+            where[name].append(path)
+    assert where == {name: [home] for name, home in HOMES.items()}
+
+
+def test_no_module_spells_out_an_alias_values() -> None:
+    """``("bf16", "fp8", "auto")`` beside ``BaseCompute`` is a second list of its values, in any order."""
+    value_sets = {name: set(get_args(alias)) for name, alias in ALIASES.items()}
+    copies = []
+    for path, tree in _sources().items():
+        if path == HOMES["BaseCompute"]:  # the aliases themselves
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Tuple | ast.List | ast.Set):
+                continue
+            values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if len(values) != len(node.elts) or not all(isinstance(v, str) for v in values):
+                continue
+            copies += [f"{path}:{node.lineno} {name}" for name, vs in value_sets.items() if set(values) == vs]
+    assert copies == []
+
+
+def test_the_check_sees_a_second_definition_and_a_copied_list() -> None:
+    tree = ast.parse("GIB = 2**30\nclass S:\n    def lora_params(self): ...\nX = ('off', 'auto', 'liger')\n")
+    assert {"GIB", "lora_params"} <= _definitions(tree)
+    literal = next(n for n in ast.walk(tree) if isinstance(n, ast.Tuple))
+    assert {e.value for e in literal.elts} == set(get_args(sections.FusedKernels))
