@@ -338,9 +338,9 @@ def test_vllm_in_process_merges_onto_the_trainers_layers_not_the_checkpoint(
 
 def test_policy_bases_dequantize_a_4bit_layer_exactly_as_the_checkpoint_reads() -> None:
     from qerl_cli import formats
-    from qerl_cli.rollout.fp8_merge import PolicyBases
     from qerl_cli.modeling.lora import attach_lora
     from qerl_cli.modeling.quant_linear import QuantLinear
+    from qerl_cli.rollout.fp8_merge import PolicyBases
 
     torch.manual_seed(0)
     dense = nn.Linear(64, 32, bias=False)

@@ -100,7 +100,8 @@ def _show_click_error(exc: Any) -> int:
         if ctx.command.get_help_option(ctx) is not None:
             hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help."
             err_console.print(hint, markup=False, highlight=False)
-    err_console.print(f"[bold red]error:[/bold red] [red]{escape(exc.format_message())}[/red]", soft_wrap=True)
+    message = escape(exc.format_message())
+    err_console.print(f"[bold red]error:[/bold red] [red]{message}[/red]", soft_wrap=True)
     return exc.exit_code
 
 
