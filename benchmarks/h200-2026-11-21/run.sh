@@ -41,7 +41,9 @@ case "${1:-}" in
     qerl bench rollout "${shape[@]}" --batch 1,2,8 --gen-len 512 --engine vllm --set "vllm_kwargs=$VLLM_KWARGS" \
       -o "$OUT_DIR/bench_7b_rollout" ;;
   e2e)
-    qerl bench rollout "${shape[@]}" --batch 8 --gen-len 256 --e2e --engine vllm --set "vllm_kwargs=$VLLM_KWARGS" \
+    # Recorded as `qerl bench rollout ... --batch 8 --e2e`, that date's form of the same benchmark.
+    qerl bench e2e "${shape[@]}" --prompts-per-step 8 --generations 8 --gen-len 256 --engine vllm \
+      --set "vllm_kwargs=$VLLM_KWARGS" \
       -o "$OUT_DIR/bench_7b_e2e" ;;
   32b)
     qerl bench rollout --model qwen2.5-32b --formats nvfp4 --batch 2,8 --prompt-len 256 --gen-len 512 \
