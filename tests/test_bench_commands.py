@@ -671,11 +671,11 @@ def test_update_records_an_fp8_case_that_cannot_run_and_exits_1(cache_dir, tmp_p
 def test_the_sweep_takes_every_linear_backend_but_auto() -> None:
     """A sweep of the merged backends was refused on an H100 after the 16 x 8 runs (`--backends has
     unknown ['fp8-merged']`): the list the bench checks is rollout.linear_backend's."""
-    from qerl_cli import config as cfg
+    from qerl_cli.config import BenchConfig, load_config
     from qerl_cli.config.stages import SWEPT_BACKENDS
 
     assert "auto" not in SWEPT_BACKENDS and {"fp8-merged", "merged"} <= set(SWEPT_BACKENDS)
-    conf = cfg.load_config(cfg.BenchConfig, None, ["backends=[fp8-merged, merged]", "concurrency=[8]"])
+    conf = load_config(BenchConfig, None, ["backends=[fp8-merged, merged]", "concurrency=[8]"])
     assert conf.backends == ["fp8-merged", "merged"]
 
 

@@ -392,14 +392,14 @@ def test_help_shows_the_stage_own_set_example_and_readable_metavars(
     assert rc == 0 and f"--set {example}" in out and "KEY=VALUE" in out
     assert "<bool>" not in out and "<list[str]>" not in out
     key = example.split("=")[0]
-    from qerl_cli import config as cfg
+    from qerl_cli.config import BenchConfig, EvalConfig, QuantizeConfig, TrainConfig
 
-    conf_cls = {"quantize": cfg.QuantizeConfig, "eval": cfg.EvalConfig, "bench rollout": cfg.BenchConfig}
+    conf_cls = {"quantize": QuantizeConfig, "eval": EvalConfig, "bench rollout": BenchConfig}
     if command in conf_cls:  # the example is a key of that stage's own config
         assert key in {f for f in conf_cls[command].__dataclass_fields__}
     else:
         section, name = key.split(".")
-        assert name in getattr(cfg.TrainConfig(), section).__dataclass_fields__
+        assert name in getattr(TrainConfig(), section).__dataclass_fields__
 
 
 def test_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:

@@ -844,9 +844,9 @@ def test_plot_styles_stay_distinct_past_ten_arms() -> None:
 
 def test_an_arm_with_a_lora_start_is_evaluated_from_it_before_training() -> None:
     """The base pass@1 of an EoRA arm is base + its stored start, where its runs begin."""
-    from qerl_cli import config as cfg
+    from qerl_cli.config import TrainConfig
 
-    conf = cfg.TrainConfig()
+    conf = TrainConfig()
     conf.model.path = "/bases/nvfp4-gptq"
     assert heldout_mod.start_adapter(conf) is None
     conf.lora.init = "eora"
@@ -863,12 +863,12 @@ def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_r
     pytest.importorskip("llmcompressor", reason="making the GPTQ base needs llm-compressor (qerl[quantize])")
     import importlib.util
 
-    from qerl_cli import config as cfg
+    from qerl_cli.config import QuantizeConfig
     from qerl_cli.quantize import run_quantize
 
     def quantize(target: Path, lora_init: str) -> None:
         target.parent.mkdir(parents=True)
-        run_quantize(cfg.QuantizeConfig(
+        run_quantize(QuantizeConfig(
             model=str(tiny_model_dir), format="nvfp4", method="gptq", calib="qerl-text", calib_field="text",
             num_samples=4, seq_len=32, output=str(target), device="cpu", lora_init=lora_init,
             lora_init_rank=4,

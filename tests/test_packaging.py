@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qerl_cli import config as cfg
+from qerl_cli.config import SHIPPED_RECIPES, resolve_recipe, shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 # What building the wheel reads: the project's metadata, the package and the recipes.
@@ -22,10 +22,10 @@ BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "qerl_cli", "recipes"
 
 
 def test_a_clone_reads_the_recipes_from_the_top_level_folder() -> None:
-    assert cfg.SHIPPED_RECIPES == REPO / "recipes"
+    assert SHIPPED_RECIPES == REPO / "recipes"
     assert not (REPO / "qerl_cli" / "recipes").exists()  # one home: no second copy inside the package
-    assert cfg.shipped_recipes() == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
-    assert cfg.resolve_recipe("bigmath_14b") == REPO / "recipes" / "bigmath_14b.yaml"
+    assert shipped_recipes() == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert resolve_recipe("bigmath_14b") == REPO / "recipes" / "bigmath_14b.yaml"
 
 
 NO_SETUPTOOLS = importlib.util.find_spec("setuptools") is None
@@ -49,7 +49,7 @@ def test_the_wheel_carries_the_recipes_and_finds_them_by_name(tmp_path: Path) ->
                    capture_output=True)  # fmt: skip
 
     installed = target / "qerl_cli" / "recipes"
-    recipes = sorted(cfg.SHIPPED_RECIPES.glob("*.yaml"))
+    recipes = sorted(SHIPPED_RECIPES.glob("*.yaml"))
     assert sorted(p.name for p in installed.glob("*.yaml")) == [p.name for p in recipes]
     for recipe in recipes:
         assert (installed / recipe.name).read_bytes() == recipe.read_bytes(), recipe.name

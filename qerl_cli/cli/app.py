@@ -16,7 +16,7 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
-from qerl_cli import config as cfg
+from qerl_cli.config import dump_yaml
 from qerl_cli.errors import QerlError
 
 
@@ -292,5 +292,5 @@ def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
 def finish_config(config: Any, dry_run: bool) -> bool:
     """Print the resolved config for --dry-run; returns True when the command should stop."""
     if dry_run:  # plain YAML, not rich markup, so the output can be saved and reused as a recipe
-        sys.stdout.write(cfg.dump_yaml(config))
+        sys.stdout.write(dump_yaml(config))
     return dry_run

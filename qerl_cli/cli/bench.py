@@ -19,7 +19,6 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-from qerl_cli import config as cfg
 from qerl_cli.bench.e2e import E2EConfig
 from qerl_cli.bench.plan import given_keys
 from qerl_cli.cli import render
@@ -36,10 +35,11 @@ from qerl_cli.cli.app import (
     set_option,
     use_free_cpu_threads,
 )
+from qerl_cli.config import BenchConfig, QuantFormat, load_config
 from qerl_cli.config.sections import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
 
-B = cfg.BenchConfig  # the --help defaults below are its own
+B = BenchConfig  # the --help defaults below are its own
 BenchSet = set_option("repeats=5")
 DEFAULT_CONCURRENCY = [8, 32, 128, 256]  # the concurrency RL rollouts run at (qerl bench concurrency)
 
@@ -80,7 +80,7 @@ bench_app = typer.Typer(
 def bench_formats() -> list[str]:
     """What a benchmark can be given: bf16 and the format registry's names (the config's literal of
     them, which tests hold to the registry: reading it imports no torch)."""
-    return ["bf16", *get_args(cfg.QuantFormat)]
+    return ["bf16", *get_args(QuantFormat)]
 
 
 def check_formats(chosen: list[str] | None, name: str) -> None:
@@ -157,7 +157,7 @@ MemoryCapOption = Annotated[
 
 
 def run_bench_command(
-    cls: type[cfg.BenchConfig],
+    cls: type[BenchConfig],
     values: dict[str, Any],
     *,
     config: Path | None,
@@ -184,7 +184,7 @@ def run_bench_command(
 
         shape = recipe_shape(values["recipe"])
         values = {**values, **{k: v for k, v in shape.items() if values.get(k) is None}}
-    conf = cfg.load_config(cls, config, sets, flags=flags, **values)
+    conf = load_config(cls, config, sets, flags=flags, **values)
     check_formats(conf.formats, flags.get("formats", "formats"))
     for key, value in (defaults or {}).items():
         if not getattr(conf, key):

@@ -16,7 +16,6 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.markup import escape
 
-from qerl_cli import config as cfg
 from qerl_cli.bench.preflight import (
     Requirement,
     check_output,
@@ -47,6 +46,7 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.cli.bench import DeviceOption, check_exists, check_formats
+from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.config.keydocs import field_help
 from qerl_cli.config.sections import BaseCompute, FusedKernels
 from qerl_cli.errors import QerlError
@@ -146,7 +146,7 @@ def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, set
     the class (an error names the flag that set a key); formats from any of them against the registry."""
     check_formats(values.get("formats"), "--formats")
     flags = given_flags(values, sets)
-    conf = cfg.load_config(cls, config, sets, flags=flags, **values)
+    conf = load_config(cls, config, sets, flags=flags, **values)
     check_formats(getattr(conf, "formats", None), flags.get("formats", "formats"))
     return conf
 
@@ -319,7 +319,7 @@ def scaling(
     if model_format is not None and not model:  # before bench.scaling's import, which brings torch
         raise QerlError("--format names the format of a --model SHAPE; give --model too")
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
-    conf = cfg.load_config(cfg.TrainConfig, recipe, sets)
+    conf = load_config(TrainConfig, recipe, sets)
     from qerl_cli.bench.scaling import model_folder, scaled_config
 
     if model:

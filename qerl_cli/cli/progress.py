@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from rich.markup import escape
 
-from qerl_cli import config as cfg
 from qerl_cli.cli.app import err_console
+from qerl_cli.config import EvalConfig
 
 
 def stage_log(line: str) -> None:
@@ -20,7 +20,7 @@ def say_estimate(line: str | None) -> None:
         err_console.print(escape(line), highlight=False)
 
 
-def eval_cpu_estimate(conf: cfg.EvalConfig) -> str | None:
+def eval_cpu_estimate(conf: EvalConfig) -> str | None:
     """What sampling on this CPU should take: per 100 completions of up to ``max_new_tokens``, and for
     each benchmark when ``--max-problems`` fixes the count (an estimate from the configuration)."""
     import torch

@@ -16,7 +16,6 @@ from typing import Annotated, get_args
 import typer
 from rich.markup import escape
 
-from qerl_cli import config as cfg
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     PIPED_WIDTH,
@@ -37,6 +36,7 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
+from qerl_cli.config import EvalConfig, QuantFormat, QuantizeConfig, TrainConfig, load_config
 from qerl_cli.errors import QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
@@ -45,8 +45,8 @@ QuantizeSet = set_option("trust_remote_code=true")
 TrainSet = set_option("train.learning_rate=2e-5")
 EvalSet = set_option("temperature=1.0")
 CompareSet = set_option("train.max_steps=50")
-Q, E = cfg.QuantizeConfig, cfg.EvalConfig  # the --help defaults below are theirs
-QUANT_FORMATS_HELP = " | ".join(get_args(cfg.QuantFormat))  # the config's names, which follow the registry
+Q, E = QuantizeConfig, EvalConfig  # the --help defaults below are theirs
+QUANT_FORMATS_HELP = " | ".join(get_args(QuantFormat))  # the config's names, which follow the registry
 
 
 def quantize(
@@ -128,9 +128,7 @@ def quantize(
         lora_init_rank=lora_init_rank,
     )  # fmt: skip
     check_recipe_path(config, "--config")
-    conf = cfg.load_config(
-        cfg.QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values
-    )
+    conf = load_config(QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values)
     if finish_config(conf, dry_run):
         return
     if not sys.stderr.isatty():  # a log: the progress bars of transformers and llm-compressor are
@@ -187,14 +185,14 @@ def train(
     On N GPUs: torchrun --nproc-per-node N -m qerl_cli train RECIPE.yaml (data parallel).
     """
     if keys:
-        print_keys(cfg.TrainConfig, "" if recipe is None else str(recipe))
+        print_keys(TrainConfig, "" if recipe is None else str(recipe))
         return
     if recipe is None:  # optional only for --keys: otherwise the usage error of any missing argument
         # click's, or typer's vendored copy of click (typer >= 0.28), whichever raised BadParameter here.
         missing = importlib.import_module(typer.BadParameter.__module__).MissingParameter
         raise missing(ctx=ctx, param_type="argument", param_hint="'RECIPE'")
     check_recipe_path(recipe)
-    conf = cfg.load_config(cfg.TrainConfig, recipe, set_)
+    conf = load_config(TrainConfig, recipe, set_)
     from qerl_cli.rl.preflight import cpu_estimate, preflight
     from qerl_cli.rl.run_folder import check_resume_or_overwrite
 
@@ -320,7 +318,7 @@ def eval_(
     )
     flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
     check_recipe_path(config, "--config")
-    conf = cfg.load_config(cfg.EvalConfig, config, set_, flags=flags, **values)
+    conf = load_config(EvalConfig, config, set_, flags=flags, **values)
     if finish_config(conf, dry_run):
         return
     from qerl_cli.evaluation import eval_table, run_eval

@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_cli import config as cfg
 from qerl_cli.compare.arms import DEFAULT_BASE_METHOD, BaseChoice, base_choice
+from qerl_cli.config import QuantizeConfig, TrainConfig, apply_overrides, from_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -33,7 +33,7 @@ def prepare_bases(
     from qerl_cli.modeling.loading import detect_format, read_config
     from qerl_cli.modeling.sources import resolve_model_source
 
-    probe = cfg.from_dict(cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), list(sets), None))
+    probe = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None))
     source = probe.model.path
     if not source:
         raise QerlError("the recipe has no model.path: set it or pass --set model.path=...")
@@ -202,7 +202,7 @@ def _calibrated_base(
 
     def write(staging: Path) -> None:
         run_quantize(
-            cfg.QuantizeConfig(
+            QuantizeConfig(
                 model=folder, format=fmt, method=method, calib=BUILTIN_NAME, calib_field="text",
                 num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
                 overwrite=True, device=device, lora_init=lora_init, lora_init_rank=rank,

@@ -8,8 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_cli import config as cfg
 from qerl_cli.compare.runs import arm_config, train_sets
+from qerl_cli.config import TrainConfig, apply_overrides, from_dict
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ _ABSENT = object()
 def _given_by_sets(key: str, sets: list[str]) -> Any:
     """The value the ``--set`` list gives ``key`` (the last one wins, parsed as every --set is), or
     ``_ABSENT``."""
-    node: Any = cfg.apply_overrides({}, list(sets), None)
+    node: Any = apply_overrides({}, list(sets), None)
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             return _ABSENT
@@ -72,8 +72,8 @@ def _child_vllm_share(
             )
     if _given_by_sets(key, all_sets) is not _ABSENT:
         return None, "--set's"
-    recipe = cfg.from_dict(
-        cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), train_sets(all_sets), None)
+    recipe = from_dict(
+        TrainConfig, apply_overrides(copy.deepcopy(data), train_sets(all_sets), None)
     ).rollout.gpu_memory_utilization
     if recipe != "auto" and float(recipe) <= half:
         return float(recipe), "the recipe's"
@@ -83,7 +83,7 @@ def _child_vllm_share(
 
 def shared_gpu_sets(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], all_sets: list[str], todo: list[tuple[str, int]],
-    out: Path, bases: dict[str, str], confs: list[cfg.TrainConfig], width: int,
+    out: Path, bases: dict[str, str], confs: list[TrainConfig], width: int,
 ) -> list[str]:  # fmt: skip
     """The children's ``--set`` list when ``width`` vLLM runs share the GPU: each gets
     ``train.gpu_fraction`` = SHARED_GPU_FRACTION / width (or keeps the user's if it is at most 1 / width),

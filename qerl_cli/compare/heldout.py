@@ -10,10 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from qerl_cli import config as cfg
 from qerl_cli.compare.arms import CompareSettings
 from qerl_cli.compare.results import BaseHeldout, HeldoutScore
 from qerl_cli.compare.runs import arm_config
+from qerl_cli.config import EvalConfig, TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 BASE_RESULT_NAME = "heldout.json"
 
 
-def heldout_benchmark(conf: cfg.TrainConfig) -> str:
+def heldout_benchmark(conf: TrainConfig) -> str:
     from qerl_cli.data.benchmarks import benchmark_spec
 
     name = conf.data.dataset
@@ -34,7 +34,7 @@ def heldout_benchmark(conf: cfg.TrainConfig) -> str:
     )
 
 
-def heldout_sampling(conf: cfg.TrainConfig, settings: CompareSettings) -> tuple[float, float]:
+def heldout_sampling(conf: TrainConfig, settings: CompareSettings) -> tuple[float, float]:
     """(temperature, top_p) of the held-out evaluation: greedy for one sample a problem; for k > 1 the
     recipe's rollout temperature and top_p (the policy as GRPO samples it), unless
     ``compare.heldout_temperature`` is set."""
@@ -46,7 +46,7 @@ def heldout_sampling(conf: cfg.TrainConfig, settings: CompareSettings) -> tuple[
 
 
 def evaluate_heldout(
-    conf: cfg.TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
+    conf: TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
 ) -> HeldoutScore:
     """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base): each
     problem's share of correct answers among ``compare.heldout_samples``, averaged over the problems."""
@@ -54,7 +54,7 @@ def evaluate_heldout(
 
     bench = heldout_benchmark(conf)
     temperature, top_p = heldout_sampling(conf, settings)
-    eval_cfg = cfg.EvalConfig(
+    eval_cfg = EvalConfig(
         model=conf.model.path, adapter=adapter, benchmarks=[bench], samples=settings.heldout_samples,
         engine="hf", output=str(out), temperature=temperature, top_p=top_p,
         max_new_tokens=conf.rollout.max_completion_length, max_problems=settings.heldout_problems,
@@ -73,7 +73,7 @@ def evaluate_heldout(
     )
 
 
-def _base_eval_key(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+def _base_eval_key(conf: TrainConfig, settings: CompareSettings) -> dict[str, Any]:
     """Everything an untrained base's held-out figures depend on: a change to any of it re-evaluates."""
     d, r = conf.data, conf.rollout
     temperature, top_p = heldout_sampling(conf, settings)
@@ -143,7 +143,7 @@ def evaluate_bases(
     return found, failures
 
 
-def start_adapter(conf: cfg.TrainConfig) -> str | None:
+def start_adapter(conf: TrainConfig) -> str | None:
     """The adapter a run starts from: none (PEFT's zeros), or the base's stored error-compensating start
     (lora.init), whose held-out score is where such an arm begins."""
     from qerl_cli.modeling.error_init import init_folder
@@ -156,7 +156,7 @@ ENTROPY_PROMPTS = 32
 ENTROPY_SAMPLES = 4
 
 
-def base_entropy(conf: cfg.TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+def base_entropy(conf: TrainConfig, settings: CompareSettings) -> dict[str, Any]:
     """Rollout entropy of ``conf``'s base (no adapter, no noise) on the first held-out prompts; with a
     LoRA start (lora.init) the bare base's still: the entropy measure takes no adapter."""
     from qerl_cli.compare.entropy import rollout_entropy

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qerl_cli import config as cfg
 from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import CompareSettings, select_arms
 from qerl_cli.compare.bases import base_labels, prepare_bases
@@ -51,6 +50,7 @@ from qerl_cli.compare.parallel import (
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
 from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
 from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
+from qerl_cli.config import TrainConfig, apply_overrides, from_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 from qerl_cli.torch_utils import free_accelerator_memory
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 def run_one(
-    conf: cfg.TrainConfig, settings: CompareSettings, arm: str, progress: bool, invocation: str | None = None
+    conf: TrainConfig, settings: CompareSettings, arm: str, progress: bool, invocation: str | None = None
 ) -> RunResult:
     """Train (or resume) one run, evaluate it on the held-out split, write its result.json (with the
     device, the GPUs seen and ``invocation``, the compare invocation that trained it)."""
@@ -116,7 +116,7 @@ class _Ablation:
     invocation: str  # this invocation's id (a child's: its parent's), recorded by every run it trains
     bases: dict[str, str] = field(default_factory=dict)  # {arm: base folder}, once prepared
 
-    def config(self, arm: str, seed: int) -> cfg.TrainConfig:
+    def config(self, arm: str, seed: int) -> TrainConfig:
         return arm_config(self.data, self.arms[arm], self.sets, seed, self.out, arm, self.bases)
 
     def finished(self, arm: str, seed: int) -> bool:
@@ -177,9 +177,7 @@ def _ablation(
     sets = train_sets(all_sets)
     out = Path(output) if output else Path("runs") / f"compare-{Path(recipe).stem}"
     out.mkdir(parents=True, exist_ok=True)
-    base_seed = cfg.from_dict(
-        cfg.TrainConfig, cfg.apply_overrides(copy.deepcopy(data), sets, None)
-    ).train.seed
+    base_seed = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), sets, None)).train.seed
     return _Ablation(
         recipe=str(recipe), data=data, settings=settings, all_sets=all_sets, sets=sets,
         arms=select_arms(settings, arms), seeds=seeds, base_seed=base_seed, out=out,

@@ -6,8 +6,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from qerl_cli import config as cfg
 from qerl_cli.compare.arms import CompareSettings, as_set_strings, config_overrides, read_settings
+from qerl_cli.config import TrainConfig, apply_overrides, from_dict, read_yaml, validate
 
 RESULT_NAME = "result.json"
 
@@ -18,8 +18,8 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 
 def load_recipe(recipe: str | Path, sets: list[str] | None = None) -> tuple[dict[str, Any], CompareSettings]:
     """The recipe without its compare: section, and that section (``--set compare.X=...`` applied)."""
-    data = cfg.read_yaml(recipe)
-    data = cfg.apply_overrides(data, [s for s in sets or [] if s.startswith("compare.")], None)
+    data = read_yaml(recipe)
+    data = apply_overrides(data, [s for s in sets or [] if s.startswith("compare.")], None)
     settings = read_settings(data.pop("compare", None))
     return data, settings
 
@@ -32,21 +32,19 @@ def train_sets(sets: list[str]) -> list[str]:
 def arm_config(
     data: dict[str, Any], arm_overrides: dict[str, Any], sets: list[str], seed: int, out: Path, arm: str,
     bases: dict[str, str],
-) -> cfg.TrainConfig:  # fmt: skip
+) -> TrainConfig:  # fmt: skip
     """recipe < --set < arm overrides < this run's seed, output dir and base path.
 
     ``bases`` is :func:`~qerl_cli.compare.bases.prepare_bases`'s {arm: folder}; an arm's own model.path
     wins. A ``base.dequantized`` arm trains its dense copy as the BF16 model it is."""
-    merged = cfg.apply_overrides(
-        copy.deepcopy(data), [*sets, *as_set_strings(config_overrides(arm_overrides))], cfg.TrainConfig
+    merged = apply_overrides(
+        copy.deepcopy(data), [*sets, *as_set_strings(config_overrides(arm_overrides))], TrainConfig
     )
-    merged = cfg.apply_overrides(
-        merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None
-    )
+    merged = apply_overrides(merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None)
     if arm in bases and "model.path" not in arm_overrides:
         merged["model"]["path"] = bases[arm]
         if arm_overrides.get("base.dequantized"):
             merged["model"]["format"] = "bf16"
-    conf = cfg.from_dict(cfg.TrainConfig, merged)
-    cfg.validate(conf)
+    conf = from_dict(TrainConfig, merged)
+    validate(conf)
     return conf
