@@ -163,16 +163,39 @@ def config_default(cls: type, name: str) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def config_option(cls: type, key: str, *decls: str, metavar: str, help: str = "") -> Any:
-    """A stage's flag for config key ``key``: None ("not given") unless typed, its --help showing the
-    config's default (``[default: (256)]``: a default described, as click writes one not the flag's).
+def config_option(
+    cls: type, key: str, *decls: str, metavar: str | None = None, help: str | None = None,
+    show_default: str | bool | None = None,
+) -> Any:  # fmt: skip
+    """A stage's flag for config key ``key``: None ("not given") unless typed, its --help the comment
+    that documents the field (:func:`qerl_cli.config.keydocs.field_help`, the key's one home, which
+    ``qerl train --keys`` prints too) unless ``help`` says otherwise, showing the config's default
+    (``[default: (256)]``: a default described, as click writes one not the flag's) unless
+    ``show_default`` does (False for an on/off flag, whose default is off).
 
     ``decls`` are the flag's names (``"--format", "-f"``), required: typer 0.27 names an option that
     has none after its metavar when the two differ only in case (``method`` with metavar ``METHOD``
     became ``--METHOD``, so ``--method`` was "No such option"). Every qerl option spells its names."""
     if not any(decl.startswith("--") for decl in decls):
         raise TypeError(f"config_option({cls.__name__}, {key!r}): give the flag's names, e.g. '--{key}'")
-    return typer.Option(*decls, metavar=metavar, help=help, show_default=config_default(cls, key))
+    if help is None:
+        from qerl_cli.config.keydocs import field_help
+
+        help = field_help(cls).get(key, "")
+    if show_default is None:
+        show_default = config_default(cls, key)
+    return typer.Option(*decls, metavar=metavar, help=help, show_default=show_default)
+
+
+# The parameters of a stage command that are no config key: the rest are named as their keys.
+NOT_KEYS = frozenset({"config", "set_", "dry_run"})
+
+
+def flag_values(params: dict[str, Any], **converted: Any) -> dict[str, Any]:
+    """A stage command's config values from its parameters (``locals()`` on entry): each parameter is
+    named as the key it sets, so the flag -> key mapping is the signature itself; ``converted`` replaces
+    the values a flag spells otherwise (``benchmarks=csv(benchmarks)``)."""
+    return {name: converted.get(name, value) for name, value in params.items() if name not in NOT_KEYS}
 
 
 def given_flags(values: dict[str, Any], sets: list[str] | None, **names: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, get_args
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -23,12 +23,12 @@ from qerl_cli.cli.app import (
     DryRunOption,
     at_least_one,
     check_recipe_path,
-    config_default,
     config_option,
     console,
     csv,
     err_console,
     finish_config,
+    flag_values,
     given_flags,
     pairs,
     set_option,
@@ -36,7 +36,8 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
-from qerl_cli.config import EvalConfig, QuantFormat, QuantizeConfig, TrainConfig, load_config
+from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
+from qerl_cli.config.keydocs import field_help
 from qerl_cli.errors import QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
@@ -45,88 +46,45 @@ QuantizeSet = set_option("trust_remote_code=true")
 TrainSet = set_option("train.learning_rate=2e-5")
 EvalSet = set_option("temperature=1.0")
 CompareSet = set_option("train.max_steps=50")
-Q, E = QuantizeConfig, EvalConfig  # the --help defaults below are theirs
-QUANT_FORMATS_HELP = " | ".join(get_args(QuantFormat))  # the config's names, which follow the registry
+# A flag's help is the comment above its config field (config_option: the key's one documentation), its
+# default the field's; each parameter is named as the config key it sets (flag_values reads them).
+Q, E = QuantizeConfig, EvalConfig
 
 
 def quantize(
-    model: Annotated[str, typer.Argument(metavar="MODEL", help="Hub id or local folder of a BF16 model.")],
-    format: Annotated[
-        str | None, config_option(Q, "format", "--format", "-f", metavar="FORMAT", help=QUANT_FORMATS_HELP)
-    ] = None,
-    method: Annotated[
-        str | None,
-        config_option(
-            Q,
-            "method",
-            "--method",
-            metavar="METHOD",
-            help="gptq (error-compensating rounding) | awq (calibrated smoothing) | rtn (round to nearest)",
-        ),
-    ] = None,
-    calib: Annotated[
-        str | None,
-        config_option(
-            Q, "calib", "--calib", metavar="DATASET", help="Calibration dataset: hub id, .jsonl or .parquet."
-        ),
-    ] = None,
+    model: Annotated[str, typer.Argument(metavar="MODEL", help=field_help(Q).get("model"))],
+    format: Annotated[str | None, config_option(Q, "format", "--format", "-f", metavar="FORMAT")] = None,
+    method: Annotated[str | None, config_option(Q, "method", "--method", metavar="METHOD")] = None,
+    calib: Annotated[str | None, config_option(Q, "calib", "--calib", metavar="DATASET")] = None,
     calib_field: Annotated[
-        str | None, typer.Option("--calib-field", metavar="FIELD", help="Field with chat messages or text.")
+        str | None, config_option(Q, "calib_field", "--calib-field", metavar="FIELD", show_default=False)
     ] = None,
     calib_split: Annotated[
-        str | None,
-        config_option(
-            Q, "calib_split", "--calib-split", metavar="SPLIT", help="Split of a hub calibration dataset."
-        ),
+        str | None, config_option(Q, "calib_split", "--calib-split", metavar="SPLIT")
     ] = None,
-    device: Annotated[
-        str | None, config_option(Q, "device", "--device", metavar="DEVICE", help="auto | cpu | cuda")
-    ] = None,
-    num_samples: Annotated[
-        int | None, config_option(Q, "num_samples", "--num-samples", metavar="N", help="Calibration samples.")
-    ] = None,
-    seq_len: Annotated[
-        int | None,
-        config_option(Q, "seq_len", "--seq-len", metavar="TOKENS", help="Tokens per calibration sample."),
-    ] = None,
+    device: Annotated[str | None, config_option(Q, "device", "--device", metavar="DEVICE")] = None,
+    num_samples: Annotated[int | None, config_option(Q, "num_samples", "--num-samples", metavar="N")] = None,
+    seq_len: Annotated[int | None, config_option(Q, "seq_len", "--seq-len", metavar="TOKENS")] = None,
     output: Annotated[
-        str | None, typer.Option("--output", "-o", metavar="DIR", show_default="./<model>-<FORMAT>")
+        str | None, config_option(Q, "output", "--output", "-o", metavar="DIR", show_default=False)
     ] = None,
-    overwrite: Annotated[bool | None, typer.Option("--overwrite", help="Replace an existing output.")] = None,
+    overwrite: Annotated[
+        bool | None, config_option(Q, "overwrite", "--overwrite", show_default=False)
+    ] = None,
     skip_incompatible: Annotated[
-        bool | None, typer.Option("--skip-incompatible", help="Leave layers the format can't tile in BF16.")
+        bool | None, config_option(Q, "skip_incompatible", "--skip-incompatible", show_default=False)
     ] = None,
-    eval_ppl: Annotated[bool | None, typer.Option("--eval-ppl", help="Perplexity BF16 vs 4-bit.")] = None,
-    lora_init: Annotated[
-        str | None,
-        typer.Option(
-            "--lora-init",
-            metavar="INIT",
-            help="none | eora | svd: write DIR/lora_init/, a LoRA start that corrects the rounding error "
-            "(read by lora.init; eora weighs it by the calibration activations; not with awq).",
-            show_default=config_default(Q, "lora_init"),
-        ),
-    ] = None,
+    eval_ppl: Annotated[bool | None, config_option(Q, "eval_ppl", "--eval-ppl", show_default=False)] = None,
+    lora_init: Annotated[str | None, config_option(Q, "lora_init", "--lora-init", metavar="INIT")] = None,
     lora_init_rank: Annotated[
-        int | None,
-        typer.Option(
-            "--lora-init-rank",
-            metavar="R",
-            help="Rank of --lora-init.",
-            show_default=config_default(Q, "lora_init_rank"),
-        ),
-    ] = None,  # fmt: skip
+        int | None, config_option(Q, "lora_init_rank", "--lora-init-rank", metavar="R")
+    ] = None,
     config: ConfigOption = None,
     set_: QuantizeSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """Quantize a model to NVFP4 / MXFP4 (compressed-tensors; AWQ, GPTQ or RTN) or NF4 (bitsandbytes)."""
-    values = dict(
-        model=model, format=format, method=method, calib=calib, calib_field=calib_field,
-        calib_split=calib_split, device=device, num_samples=num_samples, seq_len=seq_len, output=output,
-        overwrite=overwrite, skip_incompatible=skip_incompatible, eval_ppl=eval_ppl, lora_init=lora_init,
-        lora_init_rank=lora_init_rank,
-    )  # fmt: skip
+    values = flag_values(locals())
     check_recipe_path(config, "--config")
     conf = load_config(QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values)
     if finish_config(conf, dry_run):
@@ -248,71 +206,40 @@ def _wrap_width() -> int:
 
 
 def eval_(
-    model: Annotated[
-        str | None, typer.Argument(metavar="MODEL", help="Hub id or local folder (BF16 or qerl 4-bit).")
-    ] = None,
+    model: Annotated[str | None, typer.Argument(metavar="MODEL", help=field_help(E).get("model"))] = None,
     adapter: Annotated[
-        str | None, typer.Option("--adapter", metavar="DIR", help="LoRA adapter folder (PEFT format).")
+        str | None, config_option(E, "adapter", "--adapter", metavar="DIR", show_default=False)
     ] = None,
     benchmarks: Annotated[
-        str | None,
-        config_option(
-            E,
-            "benchmarks",
-            "--benchmarks",
-            metavar="NAME,...",
-            help="Comma list: gsm8k,math500,aime24,aime25,amc23",
-        ),
+        str | None, config_option(E, "benchmarks", "--benchmarks", metavar="NAME,...")
     ] = None,
     samples: Annotated[
-        int | None,
-        typer.Option("--samples", metavar="N", help="Samples per problem.", show_default="per benchmark"),
+        int | None, config_option(E, "samples", "--samples", metavar="N", show_default="per benchmark")
     ] = None,
-    engine: Annotated[
-        str | None,
-        config_option(
-            E,
-            "engine",
-            "--engine",
-            metavar="ENGINE",
-            help="auto (vLLM on a GPU with vLLM, else hf) | vllm | hf",
-        ),
-    ] = None,
-    data_file: Annotated[
+    engine: Annotated[str | None, config_option(E, "engine", "--engine", metavar="ENGINE")] = None,
+    data_files: Annotated[
         list[str] | None,
-        typer.Option("--data-file", metavar="BENCH=PATH", help="A benchmark's local data file (repeatable)."),
+        config_option(E, "data_files", "--data-file", metavar="BENCH=PATH", show_default=False),
     ] = None,
     output: Annotated[str | None, config_option(E, "output", "--output", "-o", metavar="DIR")] = None,
     max_new_tokens: Annotated[
-        int | None,
-        config_option(
-            E,
-            "max_new_tokens",
-            "--max-new-tokens",
-            metavar="TOKENS",
-            help="Most tokens generated per sample.",
-        ),
+        int | None, config_option(E, "max_new_tokens", "--max-new-tokens", metavar="TOKENS")
     ] = None,
     max_problems: Annotated[
-        int | None, typer.Option("--max-problems", metavar="N", help="Evaluate only the first N problems.")
+        int | None, config_option(E, "max_problems", "--max-problems", metavar="N", show_default=False)
     ] = None,
     rescore: Annotated[
-        str | None, typer.Option("--rescore", metavar="DIR", help="Re-grade the samples saved in DIR.")
+        str | None, config_option(E, "rescore", "--rescore", metavar="DIR", show_default=False)
     ] = None,
     baseline: Annotated[
-        str | None,
-        typer.Option("--baseline", metavar="JSON", help="results.json to compare against, paired."),
+        str | None, config_option(E, "baseline", "--baseline", metavar="JSON", show_default=False)
     ] = None,
     config: ConfigOption = None,
     set_: EvalSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
     """Pass@1 on GSM8K, MATH500, AIME24/25, AMC23, graded with math-verify."""
-    values = dict(
-        model=model, adapter=adapter, benchmarks=csv(benchmarks), samples=samples, engine=engine,
-        data_files=pairs(data_file, "--data-file"), output=output, max_new_tokens=max_new_tokens,
-        max_problems=max_problems, rescore=rescore, baseline=baseline,
-    )  # fmt: skip
+    values = flag_values(locals(), benchmarks=csv(benchmarks), data_files=pairs(data_files, "--data-file"))
     at_least_one(
         samples="--samples", max_problems="--max-problems", max_new_tokens="--max-new-tokens", values=values
     )
