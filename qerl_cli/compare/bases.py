@@ -73,7 +73,7 @@ def prepare_bases(
 
 
 def _lora_init_of(arms: dict[str, dict[str, Any]], choice: BaseChoice, method: str) -> str:
-    """The LoRA start ("none", "eora", "svd") the arms sharing ``choice``'s base need written beside it."""
+    """The LoRA start ("zeros", "eora", "svd") the arms sharing ``choice``'s base need written beside it."""
     inits = {
         str(o.get("lora.init", "zeros"))
         for a, o in arms.items()
@@ -84,14 +84,14 @@ def _lora_init_of(arms: dict[str, dict[str, Any]], choice: BaseChoice, method: s
             f"arms on the {choice.label()} base ask for different LoRA starts ({', '.join(sorted(inits))}); "
             "one base holds one (BASE/lora_init): give the others their own model.path"
         )
-    return inits.pop() if inits else "none"
+    return inits.pop() if inits else "zeros"
 
 
 def _same_base(a: BaseChoice, b: BaseChoice) -> bool:
     return (a.format, a.method) == (b.format, b.method)
 
 
-def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "none") -> bool:
+def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "zeros") -> bool:
     """A folder ``qerl quantize`` finished (it writes staged, so a folder there is whole) with this format
     and method, and the LoRA start asked for: a base made elsewhere (e.g. where llm-compressor is
     installed) and copied to ``target`` serves as one compare made."""
@@ -105,7 +105,7 @@ def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "none
     saved = json.loads(report.read_text())
     if (saved.get("format"), saved.get("method")) != (fmt, method):
         return False
-    if lora_init == "none":
+    if lora_init == "zeros":
         return True
     try:
         check_folder(init_folder(target), "LoRA init")
@@ -115,12 +115,12 @@ def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "none
 
 
 def _quantized_base(
-    folder: str, out: Path, choice: BaseChoice, device: str, lora_init: str = "none", rank: int = 16
+    folder: str, out: Path, choice: BaseChoice, device: str, lora_init: str = "zeros", rank: int = 16
 ) -> str:
     """The ``choice.format`` counterpart of the BF16 model ``folder``, made under ``out/bases`` once (with
     the LoRA start ``lora_init`` beside it, of rank ``rank``)."""
     fmt, method = choice.format, choice.method
-    native_rtn = method == "rtn" and lora_init == "none"
+    native_rtn = method == "rtn" and lora_init == "zeros"
     target = out / "bases" / (fmt if native_rtn else f"{fmt}-{method}")
     if native_rtn:  # qerl's own RTN: no llm-compressor needed
         from qerl_cli.quantize.native import write_rtn_checkpoint
@@ -130,7 +130,7 @@ def _quantized_base(
         return str(write_rtn_checkpoint(folder, target, fmt))
     if made_by_quantize(target, fmt, method, lora_init):
         return str(target)
-    if lora_init != "none" and target.exists():
+    if lora_init != "zeros" and target.exists():
         raise QerlError(
             f"{target} was made without the LoRA start an arm asks for (lora.init: {lora_init}): remove it "
             f"to have it made again, or make it with qerl quantize --method {method} --lora-init {lora_init}"

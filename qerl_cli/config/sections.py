@@ -24,6 +24,10 @@ MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")
 BaseCompute = Literal["auto", "bf16", "fp8"]
 # train.fused_kernels' values (qerl_cli.modeling.fused_kernels).
 FusedKernels = Literal["off", "liger", "auto"]
+# lora.init's values, and `qerl quantize --lora-init`'s: zeros is no error-compensating start.
+LoraInit = Literal["zeros", "eora", "svd"]
+# The old spelling of lora_init: zeros (`qerl quantize --lora-init none`), still accepted for scripts.
+LORA_INIT_ALIASES = {"none": "zeros"}
 LORA_TARGETS_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BENCHMARKS_ALL = ["gsm8k", "math500", "aime24", "aime25", "amc23"]
 RESOLVED_CONFIG_NAME = "config.yaml"
@@ -63,7 +67,7 @@ class LoraSection:
     # activations (EoRA, arXiv 2410.21271), so step 0 is close to the BF16 model; "svd": the plain SVD
     # of that error. Both read <model.path>/lora_init/, written by `qerl quantize --lora-init eora|svd`;
     # the KL reference is then base + initial adapter (qerl_cli.rl.policy).
-    init: Literal["zeros", "eora", "svd"] = "zeros"
+    init: LoraInit = "zeros"
 
     def validate(self, where: str) -> None:
         _positive(where, rank=self.rank, alpha=self.alpha)

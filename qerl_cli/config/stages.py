@@ -10,8 +10,10 @@ from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.sections import (
     BENCHMARKS_ALL,
+    LORA_INIT_ALIASES,
     EngineName,
     LinearBackend,
+    LoraInit,
     QuantFormat,
     QuantMethod,
 )
@@ -30,7 +32,8 @@ class QuantizeConfig:
     model: str = ""
     # The 4-bit format: nvfp4, mxfp4 or nf4.
     format: QuantFormat = "nvfp4"
-    # gptq / awq calibrate on `calib`; rtn rounds to nearest (qerl_cli.quantize.validate).
+    # gptq (error-compensating rounding) | awq (calibrated smoothing), both calibrated on calib | rtn
+    # (round to nearest).
     method: QuantMethod = "awq"
     # Calibration dataset: hub id, .jsonl or .parquet.
     calib: str = "open-thoughts/OpenThoughts-114k"
@@ -42,17 +45,19 @@ class QuantizeConfig:
     num_samples: int = 256
     # Tokens per calibration sample.
     seq_len: int = 2048
-    output: str | None = None  # default ./<model-name>-<FORMAT>
+    # Folder of the 4-bit checkpoint; null: ./<model-name>-<FORMAT>.
+    output: str | None = None
     # Replace an existing output folder.
     overwrite: bool = False
-    # Leave layers the format cannot tile in BF16 instead of failing.
+    # Leave the layers the format cannot tile in BF16 instead of failing.
     skip_incompatible: bool = False
     # Measure perplexity of the BF16 model and the 4-bit one.
     eval_ppl: bool = False
-    # An error-compensating LoRA start written beside the checkpoint (lora_init/, read by lora.init):
-    # "eora" factors W - deq(Q(W)) weighted by the calibration activations' second moments (EoRA),
-    # "svd" the plain weight-space SVD; "none" writes nothing. Its rank is lora_init_rank.
-    lora_init: Literal["none", "eora", "svd"] = "none"
+    # zeros | eora | svd: write OUTPUT/lora_init/, a LoRA start that corrects the rounding error (read
+    # by lora.init: eora|svd). eora factors W - deq(Q(W)) weighted by the calibration activations' second
+    # moments (EoRA), svd the plain weight-space SVD (not with awq); zeros, as lora.init, writes nothing
+    # ("none", its old spelling, is still accepted).
+    lora_init: Literal[LoraInit, "none"] = "zeros"
     # Rank of the lora_init start.
     lora_init_rank: int = 16
     # Seed of the calibration samples' choice.
@@ -61,6 +66,10 @@ class QuantizeConfig:
     device: str = "auto"
     # Run the model repository's own modeling code.
     trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        # One spelling from here on, however the config was made (flag, --set, YAML, a constructor).
+        self.lora_init = LORA_INIT_ALIASES.get(self.lora_init, self.lora_init)  # type: ignore[assignment]
 
     def validate(self, where: str = "") -> None:
         if not self.model:
@@ -85,7 +94,7 @@ class EvalConfig:
     samples: int = 0
     # auto | vllm | hf; auto: vLLM where a GPU and vLLM are present, else the HF engine.
     engine: EngineName | Literal["auto"] = "auto"
-    # A benchmark's local data file, by benchmark name.
+    # A benchmark's local data file, by benchmark name (--data-file NAME=PATH, repeatable).
     data_files: dict[str, str] = field(default_factory=dict)
     # Folder of results.json and the samples.
     output: str = "eval_results"

@@ -129,7 +129,7 @@ def run_quantize(cfg: QuantizeConfig, log: Log | None = None) -> QuantizeResult:
 
         errors = report.weight_errors(staging, job.fmt, reference, device)
         del reference
-        if cfg.lora_init != "none":
+        if cfg.lora_init != "zeros":
             log(f"writing the {cfg.lora_init} LoRA start (rank {cfg.lora_init_rank}) ...")
         lora_init = _write_lora_init(cfg, job, staging)
         perplexity = None
@@ -211,7 +211,7 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
     tokenizer = AutoTokenizer.from_pretrained(source.ref, trust_remote_code=cfg.trust_remote_code)
     calib: CalibrationSet | None = None
     # --lora-init weighs the rounding error by the calibration activations, even for rtn.
-    calibrate = method in CALIBRATED_METHODS or cfg.lora_init != "none"
+    calibrate = method in CALIBRATED_METHODS or cfg.lora_init != "zeros"
     if calibrate or cfg.eval_ppl:
         log(calibration_source(cfg.calib, cfg.calib_split, cfg.num_samples if calibrate else 0))
         calib = load_calibration(
@@ -289,7 +289,7 @@ def check_lora_init(lora_init: str, method: str) -> None:
     """``--lora-init`` factors ``W - deq(Q(W))``; with AWQ that is not the rounding error: its smoothing
     divides the linear inputs by per-channel scales folded into the preceding norm weights, so the 4-bit
     linears see other inputs than the BF16 ones and ``W`` itself was replaced."""
-    if lora_init != "none" and method == "awq":
+    if lora_init != "zeros" and method == "awq":
         raise QerlError(
             f"--lora-init {lora_init} cannot follow --method awq: AWQ's smoothing also rescales the norm "
             "weights (the linear layers' inputs), so the error of the rounded weights is not W - deq(Q(W)) "
@@ -300,7 +300,7 @@ def check_lora_init(lora_init: str, method: str) -> None:
 def _write_lora_init(cfg: QuantizeConfig, job: _Job, staging: Path) -> LoraInitInfo | None:
     """``staging/lora_init/`` from the untouched BF16 model (loaded again: quantization changed the
     first copy in place) and the checkpoint just written."""
-    if cfg.lora_init == "none":
+    if cfg.lora_init == "zeros":
         return None
     assert job.calib is not None
     return error_init.build_lora_init(
