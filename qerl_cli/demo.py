@@ -108,24 +108,12 @@ def _folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
-def run_demo(
-    out_dir: str | Path = "runs/demo", *, steps: int = 60, seed: int = 0, console: Any = None
-) -> dict:
-    """Run the demo into ``out_dir``; returns the figures it prints."""
-    from rich.console import Console
+def _tiny_nvfp4_base(out: Path, seed: int, console: Any) -> tuple[dict[str, Any], Path]:
+    """Steps 1 and 2: the warm-started tiny base and its NVFP4 copy; returns the warm start's figures and
+    the NVFP4 folder."""
     from rich.markup import escape
-    from rich.table import Table
 
-    from qerl_cli.files import ensure_output_dir
-    from qerl_cli.rl.trainer import train
     from qerl_cli.rl.warmstart import WarmStartConfig, prepare_tiny_base
-
-    console = console or Console()
-    # A folder that cannot be written fails now, not after the minutes of warm start and training.
-    out = ensure_output_dir(out_dir, "--output")
-    start = time.perf_counter()
-    # A heading line, not a rule: a rule spans the console's width, which is wide when piped.
-    console.print("[bold]qerl demo[/bold]: tiny Qwen2 -> NVFP4 -> GRPO + AQN, offline on the CPU")
 
     console.print("[bold]1/5[/bold] building the tiny base model (supervised warm start) ...")
     base = prepare_tiny_base(
@@ -141,23 +129,18 @@ def run_demo(
         f"worked additions of which {ws['label_noise']:.0%} carry a slip of 1 or 2. The base model now "
         f"answers {ws['final_accuracy']:.0%} of its probe problems correctly at temperature 1."
     )
-    bf16_dir, nvfp4_dir = out / "base" / "bf16", base["paths"]["nvfp4"]
+    bf16_dir, nvfp4_dir = out / "base" / "bf16", Path(base["paths"]["nvfp4"])
     console.print(
         f"[bold]2/5[/bold] quantized to NVFP4: {escape(str(nvfp4_dir))} "
         f"({_folder_bytes(bf16_dir) / 1e6:.2f} MB BF16 -> {_folder_bytes(nvfp4_dir) / 1e6:.2f} MB; "
         "embeddings and lm_head stay BF16)"
     )
+    return ws, nvfp4_dir
 
-    console.print("[bold]3/5[/bold] qerl eval of the NVFP4 base on held-out problems ...")
-    before = evaluate(nvfp4_dir, None, out / "eval_before", seed=seed)
 
-    console.print(f"[bold]4/5[/bold] training LoRA on the NVFP4 base: GRPO + AQN, {steps} steps ...")
-    cfg = demo_train_config(nvfp4_dir, out / "train", steps=steps, seed=seed)
-    result = train(cfg, overwrite=True)  # the demo's own folder: a re-run replaces its last training
-
-    console.print("[bold]5/5[/bold] qerl eval of the trained adapter on the same held-out problems ...")
-    after = evaluate(nvfp4_dir, Path(result.adapter), out / "eval_after", seed=seed)
-    seconds = time.perf_counter() - start
+def _print_outcome(console: Any, before: dict, after: dict, result: Any, seconds: float) -> None:
+    """The before / after table and where the run's files are."""
+    from rich.table import Table
 
     table = Table(title="qerl demo: NVFP4 tiny Qwen2, GRPO + AQN on synthetic addition")
     table.add_column("")
@@ -181,6 +164,36 @@ def run_demo(
     console.print(f"metrics: {Path(result.output_dir) / 'metrics.jsonl'}", markup=False)
     console.print(f"plot:    {result.plot or 'skipped (pip install matplotlib)'}", markup=False)
     console.print(f"done in {seconds:.0f} s")
+
+
+def run_demo(
+    out_dir: str | Path = "runs/demo", *, steps: int = 60, seed: int = 0, console: Any = None
+) -> dict:
+    """Run the demo into ``out_dir``; returns the figures it prints."""
+    from rich.console import Console
+
+    from qerl_cli.files import ensure_output_dir
+    from qerl_cli.rl.trainer import train
+
+    console = console or Console()
+    # A folder that cannot be written fails now, not after the minutes of warm start and training.
+    out = ensure_output_dir(out_dir, "--output")
+    start = time.perf_counter()
+    # A heading line, not a rule: a rule spans the console's width, which is wide when piped.
+    console.print("[bold]qerl demo[/bold]: tiny Qwen2 -> NVFP4 -> GRPO + AQN, offline on the CPU")
+    ws, nvfp4_dir = _tiny_nvfp4_base(out, seed, console)
+
+    console.print("[bold]3/5[/bold] qerl eval of the NVFP4 base on held-out problems ...")
+    before = evaluate(nvfp4_dir, None, out / "eval_before", seed=seed)
+
+    console.print(f"[bold]4/5[/bold] training LoRA on the NVFP4 base: GRPO + AQN, {steps} steps ...")
+    cfg = demo_train_config(nvfp4_dir, out / "train", steps=steps, seed=seed)
+    result = train(cfg, overwrite=True)  # the demo's own folder: a re-run replaces its last training
+
+    console.print("[bold]5/5[/bold] qerl eval of the trained adapter on the same held-out problems ...")
+    after = evaluate(nvfp4_dir, Path(result.adapter), out / "eval_after", seed=seed)
+    seconds = time.perf_counter() - start
+    _print_outcome(console, before, after, result, seconds)
     return {
         "output_dir": str(out),
         "warm_start": ws,
