@@ -47,7 +47,6 @@ from qerl_cli.cli.app import (
 )
 from qerl_cli.cli.bench import DeviceOption, check_exists, check_formats
 from qerl_cli.config import TrainConfig, load_config
-from qerl_cli.config.keydocs import field_help
 from qerl_cli.config.sections import BaseCompute, FusedKernels
 from qerl_cli.errors import QerlError
 
@@ -122,8 +121,7 @@ def option(cls: type, key: str, flag: str, metavar: str, kind: type = int) -> An
     """The flag of settings key ``key`` of ``cls``: None ("not given") unless typed, so that --config can
     set the key; its --help is the comment above the field (the settings' one home of it) and shows the
     settings' default."""
-    help = field_help(cls).get(key, "")
-    return Annotated[kind | None, config_option(cls, key, flag, metavar=metavar, help=help)]
+    return Annotated[kind | None, config_option(cls, key, flag, metavar=metavar)]
 
 
 PackOption = Annotated[bool | None, typer.Option("--pack", help="Pack sequences (train.pack_sequences).")]
