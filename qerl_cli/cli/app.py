@@ -149,7 +149,14 @@ def set_option(example: str) -> Any:
     ]
 
 
-DryRunOption = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config as YAML and exit.")]
+DryRunOption = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Print the resolved config as YAML and exit without the work; train and bench also make their "
+        "checks before work (exit 2 naming what fails).",
+    ),
+]
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", metavar="YAML", help="A YAML file with this stage's settings.")
 ]
