@@ -270,6 +270,35 @@ def test_a_recorded_runs_verdict_is_its_readmes_and_the_documented_one() -> None
     assert stats.seeds_for_half_width(9.7, 9.7, 5.0) == 31 and "is 31 seeds an arm" in docs
 
 
+GEMMA_VERDICTS, SMOL_VERDICTS = "gemma3-270m-verdict-h200-2026-11-28", "smollm2-verdict-h200-2026-11-28"
+
+
+@pytest.mark.parametrize(
+    ("folder", "arms", "seeds", "verdict", "documented_in"),
+    [
+        (GEMMA_VERDICTS, ["bf16-lora", "nvfp4-lora"], 9, "unresolved", "docs/compare.md"),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-fp8merged"], 9, "worse", None),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-aqn-t10pct-awq"], 9, "unresolved", None),
+        (SMOL_VERDICTS, ["bf16-lora", "nvfp4-lora"], 10, "worse", None),
+    ],
+)
+def test_the_recorded_verdicts_are_the_ones_their_readmes_and_docs_print(
+    folder: str, arms: list[str], seeds: int, verdict: str, documented_in: str | None
+) -> None:
+    """The verdict lines the benchmark READMEs (and docs) quote are what qerl's arithmetic gives from the
+    committed result.json files (the first arm is the reference)."""
+    from qerl_cli.compare.summary import load_results
+
+    repo = Path(__file__).resolve().parents[1]
+    results = load_results(repo / "benchmarks" / folder / "runs", arms, list(range(seeds)))
+    (found,) = arm_verdicts(results, arms[0], 5.0)
+    assert found.verdict == verdict
+    line = verdict_line(found)
+    assert f"- {line}\n" in (repo / "benchmarks" / folder / "README.md").read_text()
+    if documented_in:
+        assert f"\n{line}\n" in (repo / documented_in).read_text()
+
+
 def test_the_plot_draws_each_arms_interval_of_the_difference(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from qerl_cli.compare.plot import plot_curves
@@ -326,3 +355,42 @@ def test_the_documented_tiny_example_runs_as_written(
     assert [row.seeds for row in report.arms] == [2, 2]
     (verdict,) = report.verdicts
     assert (verdict.arm, verdict.reference) == ("nvfp4-aqn", "bf16-lora") and verdict.low is not None
+
+
+def test_report_only_reports_runs_made_elsewhere_without_making_or_evaluating_a_base(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seed ranges trained on other machines and copied together: their bases are not here (the runs
+    recorded where they were), nothing is trained, made or evaluated, and the report still says which
+    base each arm had."""
+    figures = {"bf16-lora": [0.30, 0.34, 0.32], "nvfp4-lora": [0.20, 0.26, 0.23]}
+    _fake_runs(monkeypatch, figures)
+    made, recipe = tmp_path / "made", _recipe(tmp_path, tiny_model_dir)
+    runner.run_compare(recipe, list(figures), 3, made, sets=TINY_SETS)
+    for arm, path in (("bf16-lora", "/elsewhere/bf16-model"), ("nvfp4-lora", "/elsewhere/cmp/bases/nvfp4")):
+        for result in made.glob(f"{arm}/seed-*/result.json"):  # each base's path where the runs were made
+            result.write_text(json.dumps({**json.loads(result.read_text()), "model": path}))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("--report-only must not train, make or evaluate anything")
+
+    for module, name in ((runner, "run_one"), (runner, "prepare_bases"), (heldout_mod, "evaluate_heldout")):
+        monkeypatch.setattr(module, name, refuse)
+    report = runner.run_compare(
+        recipe, [*figures, "nvfp4-aqn"], 3, made, sets=TINY_SETS, report_only=True
+    ).report  # nvfp4-aqn has no run: left out, not trained
+    assert [row.arm for row in report.arms] == list(figures)
+    assert [row.base for row in report.arms] == ["bf16", "nvfp4 RTN"]
+    (verdict,) = report.verdicts
+    assert (verdict.arm, verdict.difference) == ("nvfp4-lora", pytest.approx(-9.0))
+    with pytest.raises(QerlError, match="--report-only: no finished run"):
+        runner.run_compare(recipe, list(figures), 3, tmp_path / "empty", sets=TINY_SETS, report_only=True)
+
+
+def test_report_only_and_no_summary_exclude_each_other(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qerl_cli.cli import main
+
+    assert main(["compare", str(_recipe(tmp_path, tiny_model_dir)), "--report-only", "--no-summary"]) == 2
+    assert "exclude each other" in capsys.readouterr().err

@@ -316,6 +316,14 @@ def compare(
         ),
     ] = "auto",
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
+    report_only: Annotated[
+        bool,
+        typer.Option(
+            "--report-only",
+            help="Train nothing, make and evaluate no base: the report of the finished runs in -o, e.g. seed "
+            "ranges run on other machines and copied together.",
+        ),
+    ] = False,
     reference: Annotated[
         str | None,
         typer.Option(
@@ -342,12 +350,14 @@ def compare(
 
     check_recipe_path(recipe)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if no_summary and report_only:
+        raise QerlError("--no-summary (only run) and --report-only (only report) exclude each other")
     if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)
         use_free_cpu_threads()
     result = run_compare(
         recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
         summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(), gpus=gpus,
-        reference=reference, margin=margin,
+        reference=reference, margin=margin, report_only=report_only,
     )  # fmt: skip
     if result.report is not None:  # None with --no-summary
         console.print(compare_table(result.report))

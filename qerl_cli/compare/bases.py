@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare.arms import DEFAULT_BASE_METHOD, BaseChoice, base_choice
+from qerl_cli.compare.results import RunResult
+from qerl_cli.compare.runs import RESULT_NAME, run_dir
 from qerl_cli.config import QuantizeConfig, TrainConfig, apply_overrides, from_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder
@@ -70,6 +72,22 @@ def prepare_bases(
         else:
             bases[arm] = base
     return bases
+
+
+def recorded_bases(out: Path, finished: list[tuple[str, int]]) -> dict[str, str]:
+    """{arm: the base its finished runs recorded}, from the newest invocation's run where seed ranges were
+    added at different times (their base held-out figures were kept under that path)."""
+    newest: dict[str, tuple[str, int, str]] = {}
+    for arm, seed in finished:
+        run = RunResult.from_dict(json.loads((run_dir(out, arm, seed) / RESULT_NAME).read_text()))
+        if run.model is None:
+            raise QerlError(
+                f"{run_dir(out, arm, seed) / RESULT_NAME} records no base (written by an older qerl): the "
+                "report of such runs needs their bases, so run without --report-only where they are"
+            )
+        order = (run.invocation or "", seed, run.model)
+        newest[arm] = max(newest.get(arm, order), order)
+    return {arm: model for arm, (_, _, model) in newest.items()}
 
 
 def _lora_init_of(arms: dict[str, dict[str, Any]], choice: BaseChoice, method: str) -> str:
@@ -178,8 +196,10 @@ def base_labels(
             made = saved.get("method")
             source = f"{saved.get('format', '?')} {made.upper() if made else '(method not recorded)'}"
             labels[arm] = f"{source} dequantized to BF16"
-        elif bases.get(arm) == text and path.is_relative_to(out / "bases"):
-            labels[arm] = base_choice(arms[arm], method).label()
+        elif bases.get(arm) == text and (path.is_relative_to(out / "bases") or not path.exists()):
+            # Made here, or recorded by runs made elsewhere (compare --report-only): the arm's own choice.
+            choice = base_choice(arms[arm], method)
+            labels[arm] = choice.label() + (" dequantized to BF16" if choice.dequantized else "")
         elif (path / REPORT_NAME).is_file():
             saved = json.loads((path / REPORT_NAME).read_text())
             labels[arm] = f"{saved.get('format', fmt)} {str(saved.get('method', '?')).upper()}"

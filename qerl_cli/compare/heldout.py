@@ -99,7 +99,7 @@ def read_base_heldout(folder: Path) -> BaseHeldout:
 
 def evaluate_bases(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], seed: int, out: Path,
-    bases: dict[str, str], settings: CompareSettings,
+    bases: dict[str, str], settings: CompareSettings, *, evaluate: bool = True,
 ) -> tuple[dict[str, BaseHeldout | None], list[str]]:  # fmt: skip
     """({arm: held-out pass@1 and entropy of its base before training, None when that failed},
     failures): where each arm started.
@@ -107,7 +107,8 @@ def evaluate_bases(
     Evaluated once per distinct (base, evaluation settings): arms differing only in AQN share one
     (evaluation adds no noise). Kept in ``DIR/base-heldout`` with the settings it was made with, so a
     resumed compare does not evaluate again unless they changed. A base that cannot be evaluated is
-    reported as a failure; the others and the report go on.
+    reported as a failure; the others and the report go on. With ``evaluate`` off nothing is evaluated:
+    a base without kept figures is None.
     """
     from qerl_cli.torch_utils import device_label
 
@@ -123,6 +124,8 @@ def evaluate_bases(
             done = target / BASE_RESULT_NAME
             if done.is_file():
                 by_key[digest] = read_base_heldout(target)
+            elif not evaluate:  # a report of runs made elsewhere: the figures kept, or none
+                by_key[digest] = None
             else:
                 log.info("%s: evaluating its base %s before training", arm, conf.model.path)
                 try:

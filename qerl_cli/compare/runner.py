@@ -36,7 +36,7 @@ from typing import Any
 
 from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import CompareSettings, select_arms
-from qerl_cli.compare.bases import base_labels, prepare_bases
+from qerl_cli.compare.bases import base_labels, prepare_bases, recorded_bases
 from qerl_cli.compare.gpu_share import shared_gpu_sets
 from qerl_cli.compare.parallel import (
     CHILD_ENV,
@@ -127,11 +127,13 @@ def run_compare(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
     sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, summarize: bool = True,
     threshold: float | None = None, progress: bool = False, gpus: str = "auto", reference: str | None = None,
-    margin: float | None = None,
+    margin: float | None = None, report_only: bool = False,
 ) -> CompareResult:  # fmt: skip
     """Run the ablation (skipping finished runs) and, unless ``summarize`` is off, write its report.
     ``gpus`` (``auto`` or a comma list of GPU ids): the GPUs child runs are spread over. ``reference``
-    and ``margin`` (points) override ``compare.reference`` and ``compare.margin`` for the verdicts."""
+    and ``margin`` (points) override ``compare.reference`` and ``compare.margin`` for the verdicts.
+    ``report_only``: no training, no base made or evaluated: the report of the finished runs, with the
+    bases their runs recorded and whatever base figures were kept beside them (runs made elsewhere)."""
     if seeds < 1:
         raise QerlError(f"--seeds must be >= 1, got {seeds}")
     if jobs < 1:
@@ -144,6 +146,8 @@ def run_compare(
     if summarize:  # a run's child (--no-summary) compares nothing: its single arm needs no reference
         ablation.settings.reference = _reference(reference or ablation.settings.reference, ablation.arms)
     plan = _plan(ablation, arms, only)
+    if report_only:
+        return _report_only(ablation, plan, threshold)
     ablation.bases = prepare_bases(
         ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
     )
@@ -262,17 +266,37 @@ def _train(
     return failures
 
 
+def _report_only(ablation: _Ablation, plan: list[tuple[str, int]], threshold: float | None) -> CompareResult:
+    """The report of ``plan``'s finished runs as they are: each arm's base is the one its runs recorded
+    (made where they ran, perhaps not here), its untrained figures those kept in ``DIR/base-heldout``."""
+    finished = [(a, s) for a, s in plan if ablation.finished(a, s)]
+    if not finished:
+        raise QerlError(
+            f"--report-only: no finished run of these arms and seeds under {ablation.out} (each has "
+            "ARM/seed-S/result.json): give -o the folder the runs are in, or run without --report-only"
+        )
+    ablation.bases = recorded_bases(ablation.out, finished)
+    arms = {a for a, _ in finished}
+    ablation.arms = {a: o for a, o in ablation.arms.items() if a in arms}
+    if ablation.settings.reference not in ablation.arms:
+        ablation.settings.reference = None
+    report, _ = _summarize(ablation, finished, skipped=len(finished), threshold=threshold, evaluate=False)
+    return CompareResult(output=str(ablation.out), runs=len(plan), ran=0, report=report)
+
+
 def _summarize(
-    ablation: _Ablation, finished: list[tuple[str, int]], *, skipped: int, threshold: float | None
-) -> tuple[CompareReport, list[str]]:
-    """Evaluate the arms' bases (once each), then write the report of the finished runs; returns it
-    and the bases that could not be evaluated."""
+    ablation: _Ablation, finished: list[tuple[str, int]], *, skipped: int, threshold: float | None,
+    evaluate: bool = True,
+) -> tuple[CompareReport, list[str]]:  # fmt: skip
+    """Evaluate the arms' bases (once each; with ``evaluate`` off only the figures kept before), then
+    write the report of the finished runs; returns it and the bases that could not be evaluated."""
     from qerl_cli.compare.summary import write_report
 
     a = ablation
-    _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)
+    if evaluate:
+        _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)
     start, base_failures = heldout.evaluate_bases(
-        a.data, a.arms, a.sets, a.base_seed, a.out, a.bases, a.settings
+        a.data, a.arms, a.sets, a.base_seed, a.out, a.bases, a.settings, evaluate=evaluate
     )
     paths = {arm: a.config(arm, a.base_seed).model.path for arm in a.arms}
     labels = base_labels(paths, a.arms, a.bases, a.out, a.settings.base_method)
