@@ -220,17 +220,21 @@ def test_a_stale_merge_fails_the_staleness_check_with_the_alternative(
 def test_every_format_has_a_merged_backend_and_it_weighs_its_weights() -> None:
     from qerl_cli.rollout.backends import FORMAT_BACKENDS, choose_backend, rollout_weight_format
 
-    assert all(("fp8-merged" in allowed) != ("merged" in allowed) for allowed in FORMAT_BACKENDS.values())
+    # Every base merges into BF16 weights (merged); a 4-bit base also into its FP8 copy (fp8-merged).
+    assert all("merged" in allowed for allowed in FORMAT_BACKENDS.values())
+    assert all(("fp8-merged" in allowed) == (fmt != "bf16") for fmt, allowed in FORMAT_BACKENDS.items())
     four = choose_backend("fp8-merged", "nvfp4", concurrency=128, env=env(), table={})
     assert four.merges_lora and four.needs_fp8_copy and four.weight_format == "fp8"
     assert four.vllm_kwargs() == {}
     # A BF16 base: merged BF16 weights (TRL's merged baseline), no FP8 copy, no online FP8; either merge
-    # name means the base's own merge, so one recipe serves both arms of a comparison.
+    # name means the base's own merge.
     for name in ("merged", "fp8-merged"):
         dense = choose_backend(name, "bf16", concurrency=128, env=env(capability=(8, 0)), table={})
         assert dense.backend == "merged" and dense.merges_lora and not dense.needs_fp8_copy
         assert dense.weight_format == "bf16" and dense.vllm_kwargs() == {}
-    assert choose_backend("merged", "nvfp4", concurrency=8, env=env(), table={}).backend == "fp8-merged"
+    # merged on a 4-bit base: its BF16 copy, so one recipe serves both arms on BF16 rollout weights.
+    copy = choose_backend("merged", "nvfp4", concurrency=8, env=env(), table={})
+    assert copy.backend == "merged" and copy.needs_bf16_copy and copy.weight_format == "bf16"
     assert (
         rollout_weight_format("fp8", "bf16") == "fp8" and rollout_weight_format("marlin", "nvfp4") == "nvfp4"
     )

@@ -356,9 +356,9 @@ def test_bench_measures_each_format_on_its_backends() -> None:
     assert backends_for("nvfp4", ["marlin", "fp8", "humming"]) == ["marlin", "fp8", "humming"]
     assert backends_for("bf16", ["marlin", "fp8", "humming"]) == ["default", "fp8"]
     assert backends_for("nf4", ["humming"]) == ["default"]
-    # Either merge name measures each base's own merge, once.
+    # A 4-bit base measures both merges (its FP8 copy, its BF16 copy); a BF16 base its own merge, once.
     both = ["marlin", "fp8-merged", "merged"]
-    assert backends_for("nvfp4", both) == ["marlin", "fp8-merged"]
+    assert backends_for("nvfp4", both) == ["marlin", "fp8-merged", "merged"]
     assert backends_for("bf16", both) == ["default", "merged"]
 
 
