@@ -268,3 +268,50 @@ def test_a_merge_backend_serves_the_adapter_inside_the_weights(
               "nats/token; no adapter restores the base")  # fmt: skip
     finally:
         stop(engine)
+
+
+# Largest vLLM-vs-trainer gap (nats/token) allowed for the BF16 copy with the LoRA merged: its merged
+# weights are rounded once to BF16 (8 significant bits), finer than the FP8 copy's E4M3 (4), so the gap
+# stays below what fp8-merged is allowed, and far below what the adapter moves logprobs by.
+BF16_MERGE_GAP = 0.05
+
+
+def test_merged_serves_a_4bit_base_as_a_bf16_copy_and_survives_sleep(folders: dict[str, Path]) -> None:
+    """``merged`` on an NVFP4 base: vLLM loads the BF16 copy of the dequantized base (no LoRA), each sync
+    writes deq(base) + scaling B A into it in BF16, a sync made while asleep lands at wake-up, and a
+    sync of no adapter writes the copy's own weights back."""
+    engine = start(folders["nvfp4"], enable_sleep_mode=True, linear_backend="merged")
+    try:
+        assert engine.linear_backend == "merged" and not engine.enable_lora
+        assert engine.backend_choice.weight_format == "bf16" and "bf16-rollout" in engine.model_path
+        ids = probe_ids(folders["nvfp4"])
+        base_lp = engine.prompt_logprobs(ids)
+        engine.sync_adapter(str(folders["lora"]))
+        merged_lp = engine.prompt_logprobs(ids)
+        merged = int(engine.stats()["rollout/merged_linears"])
+        fresh = trainer_logprobs(folders["nvfp4"], folders["lora"], ids)
+        gap = engine.check_staleness(ids, lambda p: fresh)  # raises past the tolerance
+        moved = mean_abs_gap(merged_lp, base_lp)
+        print(f"merged on an NVFP4 base (BF16 copy): {merged} linears merged, logprobs moved {moved:.3f}; "
+              f"vLLM vs qerl's NVFP4 model {gap:.4f} nats/token")  # fmt: skip
+        assert merged > 0 and moved > 0.05
+        assert gap <= BF16_MERGE_GAP and gap < moved / 5, (gap, moved)
+        engine.sync_adapter(str(folders["lora2"]))
+        other_lp = engine.prompt_logprobs(ids)
+        engine.sync_adapter(str(folders["lora"]))
+        engine.sleep()
+        assert engine.is_sleeping and (engine.last_sleep_freed_bytes or 0) > 0
+        engine.sync_adapter(str(folders["lora2"]))  # recorded; merged at wake-up
+        engine.wake_up()
+        woken_lp = engine.prompt_logprobs(ids)
+        assert mean_abs_gap(woken_lp, other_lp) < 1e-3 and mean_abs_gap(woken_lp, merged_lp) > 0.05
+        tokens = greedy_tokens(engine)
+        assert 1 <= len(tokens) <= GREEDY.max_new_tokens
+        engine.sync_adapter(None)
+        unmerged_lp = engine.prompt_logprobs(ids)
+        assert mean_abs_gap(unmerged_lp, base_lp) < 1e-3  # the copy's own weights, bit for bit
+        print(f"sleep freed {engine.last_sleep_freed_bytes / 2**30:.2f} GiB; the adapter synced while asleep "
+              f"was merged at wake-up ({mean_abs_gap(woken_lp, other_lp):.1e} from it awake); no adapter "
+              f"restores the copy ({mean_abs_gap(unmerged_lp, base_lp):.1e})")  # fmt: skip
+    finally:
+        stop(engine)

@@ -131,9 +131,8 @@ def write_rollout_copy(source: str | Path, out_dir: str | Path, weights: str) ->
     writer.finish()
     if weights == FP8:
         config["quantization_config"] = fp8.quantization_config(_ignored_linears(config))
-    else:  # a plain BF16 model: vLLM then runs its unquantized linears
+    else:  # a plain model (its dtype the base's, BF16 as qerl writes it): vLLM's unquantized linears
         config.pop("quantization_config", None)
-        config["torch_dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for name in SIDE_FILES:
         if (source / name).is_file():
