@@ -63,16 +63,12 @@ BACKENDS: tuple[str, ...] = get_args(LinearBackend)  # rollout.linear_backend's 
 # 4-bit base; into BF16 weights (a BF16 base's own, a 4-bit base's BF16 copy).
 FP8_MERGED, DENSE_MERGED = MERGED_LINEAR_BACKENDS
 MERGED_BACKENDS = MERGED_LINEAR_BACKENDS
-# The backends each checkpoint format can be served with (first: vLLM's default). NF4 only runs on
-# vLLM's bitsandbytes kernels (or its FP8 copy); a BF16 base runs BF16 GEMMs or vLLM's online FP8.
-# Every 4-bit format the registry holds dequantizes, so each can be served as a BF16 copy (merged).
-# Pinning a 4-bit FP kernel (marlin, humming) for a base that has no such weights keeps its default, so
-# one recipe serves the BF16 and the 4-bit arms of a comparison.
+# The backends each checkpoint format can be served with (first: vLLM's default), a trait of each format
+# on the registry. NF4 only runs on vLLM's bitsandbytes kernels (or its FP8 and BF16 copies); a BF16
+# base runs BF16 GEMMs or vLLM's online FP8. Pinning a 4-bit FP kernel (marlin, humming) for a base that
+# has no such weights keeps its default, so one recipe serves the BF16 and the 4-bit arms of a comparison.
 FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
-    **{
-        name: (*fmt.rollout_backends, *((DENSE_MERGED,) if DENSE_MERGED not in fmt.rollout_backends else ()))
-        for name, fmt in formats.FORMATS.items()
-    },
+    **{name: fmt.rollout_backends for name, fmt in formats.FORMATS.items()},
     formats.DENSE: ("default", "fp8", DENSE_MERGED),
 }
 # The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
