@@ -26,7 +26,6 @@ from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import detect_format, read_config
 from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
-from qerl_cli.modeling.random_checkpoint import SHAPES as RANDOM_SHAPES
 from qerl_cli.rollout import backends, fp8_rollout
 from qerl_cli.rollout.fp8_merge import CheckpointBases, DenseBases, LoraDelta, vllm_location, write_merged
 from qerl_cli.rollout.fp8_rollout import bf16_rollout_checkpoint, write_bf16_checkpoint
@@ -48,6 +47,13 @@ RANK = 3
 # The shape of a 32B model (Qwen2.5-32B's widths): its BF16 copy is 2 bytes a weight.
 SHAPE_32B = ModelShape(hidden=5120, intermediate=27648, layers=64, heads=40, kv_heads=8, vocab=152064,
                        head_dim=128)  # fmt: skip
+
+
+def qwen7b_config() -> dict:
+    """The random Qwen2.5-7B shape's config (QWEN7B's model)."""
+    from qerl_cli.modeling.random_checkpoint import SHAPES  # imports transformers
+
+    return SHAPES["qwen2.5-7b"]
 
 
 def nvfp4_bases(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -274,7 +280,7 @@ def test_auto_takes_the_bf16_copy_only_where_measured_and_known_to_fit() -> None
     measured = {"model": QWEN7B.to_dict(), "marlin": {"8": 1500.0, "128": 7000.0},
                 "fp8-merged": {"8": 1400.0, "128": 9000.0}}  # fmt: skip
     table = {"gpus": {H100: {"nvfp4+lora": measured}}}
-    sizes = sizes_for(ModelShape.from_config(RANDOM_SHAPES["qwen2.5-7b"]), "nvfp4")  # QWEN7B's shape
+    sizes = sizes_for(ModelShape.from_config(qwen7b_config()), "nvfp4")  # QWEN7B's shape
     roomy = env(vllm_budget_bytes=60 * GIB, kv_bytes_per_sequence=GIB // 4, overhead_bytes=4 * GIB)
 
     def auto(table: dict, **kwargs) -> backends.BackendChoice:
@@ -355,7 +361,7 @@ def test_the_bench_measures_the_bf16_copy_beside_the_others() -> None:
     report = BenchResult(schema=SCHEMA, created="now", device="gpu", figures_label="", machine={},
                          gpu={"name": H100}, versions={}, settings={"prompt_len": 256, "gen_len": 2048},
                          rollout=rows)  # fmt: skip
-    add_roofline(report, {"nvfp4": RANDOM_SHAPES["qwen2.5-7b"]})
+    add_roofline(report, {"nvfp4": qwen7b_config()})
     marlin, merged = (row["roofline"] for row in report.rollout)
     # The copy's BF16 weights are read every decode step: four times the NVFP4 bytes, a lower bound.
     assert merged["bound_tokens_per_s"] < marlin["bound_tokens_per_s"]

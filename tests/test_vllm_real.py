@@ -23,7 +23,11 @@ from typing import Any
 import pytest
 import torch
 
+from qerl_cli.bench.adapter import write_random_lora
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.loading import load_tokenizer
+from qerl_cli.modeling.prompt_tokens import encode_prompt
+from qerl_cli.modeling.tiny import build_tokenizer
 from qerl_cli.rollout.base import SamplingSpec
 from qerl_cli.rollout.factory import EngineRequest, make_engine
 from qerl_cli.rollout.vllm_outputs import mean_abs_gap
@@ -40,15 +44,13 @@ GREEDY = SamplingSpec(max_new_tokens=16, temperature=0.0, top_p=1.0)
 
 
 def shape() -> dict[str, Any]:
-    from qerl_cli.modeling.random_checkpoint import SHAPES
+    from qerl_cli.modeling.random_checkpoint import SHAPES  # imports transformers
 
     return {**SHAPES["tiny"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
 
 def strong_lora(model_dir: Path, out: Path, seed: int) -> Path:
-    from qerl_cli.bench.adapter import write_random_lora
-
     folder = write_random_lora(model_dir, out, RANK, seed=seed)
     config_file = folder / "adapter_config.json"
     config = json.loads(config_file.read_text())
@@ -59,9 +61,9 @@ def strong_lora(model_dir: Path, out: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """BF16 and NVFP4 checkpoints of one random model, two adapters; the FP8 copies go to a temp cache."""
-    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint
-    from qerl_cli.modeling.tiny import build_tokenizer
+    """BF16 and NVFP4 checkpoints of one random model, two adapters; the FP8 and BF16 copies go to a temp
+    cache."""
+    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint  # imports transformers
 
     root = tmp_path_factory.mktemp("vllm-tiny")
     with pytest.MonkeyPatch.context() as mp:
@@ -91,9 +93,6 @@ def stop(engine: Any) -> None:
 
 
 def probe_ids(folder: Path) -> list[int]:
-    from qerl_cli.modeling.loading import load_tokenizer
-    from qerl_cli.modeling.prompt_tokens import encode_prompt
-
     return encode_prompt(PROBE_TEXT, load_tokenizer(str(folder)))
 
 
