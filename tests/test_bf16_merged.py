@@ -283,10 +283,10 @@ def test_auto_takes_the_bf16_copy_only_where_measured_and_known_to_fit() -> None
     sizes = sizes_for(ModelShape.from_config(qwen7b_config()), "nvfp4")  # QWEN7B's shape
     roomy = env(vllm_budget_bytes=60 * GIB, kv_bytes_per_sequence=GIB // 4, overhead_bytes=4 * GIB)
 
-    def auto(table: dict, **kwargs) -> backends.BackendChoice:
+    def auto(table: dict, fmt: str = "nvfp4", **kwargs) -> backends.BackendChoice:
         settings = dict(concurrency=128, env=roomy, table=table, weight_bytes=sizes, model=QWEN7B,
                         merge_ok=True, fp8_ok=False)  # fmt: skip
-        return backends.choose_backend("auto", "nvfp4", **{**settings, **kwargs})
+        return backends.choose_backend("auto", fmt, **{**settings, **kwargs})
 
     # No measurement of the BF16 copy: never chosen, however much room there is.
     assert auto(table).backend == "marlin" and "merged" not in auto(table).candidates
@@ -298,6 +298,13 @@ def test_auto_takes_the_bf16_copy_only_where_measured_and_known_to_fit() -> None
     tight = env(vllm_budget_bytes=10 * GIB, kv_bytes_per_sequence=GIB // 4, overhead_bytes=4 * GIB)
     assert auto(with_copy, env=tight).backend == "marlin"  # the copy leaves no KV room
     assert auto({"gpus": {}}).backend == "marlin"
+    # The shipped table measures no BF16 copy of a 4-bit base: auto keeps off it at every concurrency.
+    shipped = backends.load_table(None)
+    for concurrency in (8, 128, 512):
+        for fmt in formats.names():
+            fmt_sizes = sizes_for(ModelShape.from_config(qwen7b_config()), fmt)
+            choice = auto(shipped, fmt, concurrency=concurrency, weight_bytes=fmt_sizes, fp8_ok=True)
+            assert not choice.needs_bf16_copy, (fmt, concurrency, choice.reason)
 
 
 # --------------------------------------------------------------------------------------------
