@@ -294,7 +294,7 @@ def test_merged_serves_a_4bit_base_as_a_bf16_copy_and_survives_sleep(folders: di
         print(f"merged on an NVFP4 base (BF16 copy): {merged} linears merged, logprobs moved {moved:.3f}; "
               f"vLLM vs qerl's NVFP4 model {gap:.4f} nats/token")  # fmt: skip
         assert merged > 0 and moved > 0.05
-        assert gap <= BF16_MERGE_GAP and gap < moved / 5, (gap, moved)
+        assert gap <= BF16_MERGE_GAP, (gap, moved)
         engine.sync_adapter(str(folders["lora2"]))
         other_lp = engine.prompt_logprobs(ids)
         engine.sync_adapter(str(folders["lora"]))
