@@ -7,9 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from qerl_cli import formats
+from qerl_cli.bench.models import shape_checkpoint
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
 from qerl_cli.rollout.fp8_merge import (
+    CheckpointBases,
     DenseBases,
     LoraDelta,
     deltas_from_tensors,
@@ -18,6 +21,8 @@ from qerl_cli.rollout.fp8_merge import (
     vllm_location,
     write_merged,
 )
+from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
+from qerl_cli.rollout.vllm_worker import MERGE_BASES_ATTR, worker_merge_lora
 
 HIDDEN, HEADS_OUT, KV_OUT, MLP, RANK = 32, 32, 16, 48, 4
 LAYER = "model.layers.0"
@@ -252,11 +257,6 @@ def test_merge_from_a_4bit_checkpoint_into_its_fp8_copy(fmt: str, tmp_path) -> N
     parameters loaded from the ``fp8`` backend's copy. B = 0 rewrites the copy's own codes exactly."""
     from safetensors.torch import load_file
 
-    from qerl_cli import formats
-    from qerl_cli.bench.models import shape_checkpoint
-    from qerl_cli.rollout.fp8_merge import CheckpointBases
-    from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
-
     source = shape_checkpoint("tiny", fmt)
     copy = write_fp8_checkpoint(source, tmp_path / "fp8")
     tensors = {k: v for f in copy.glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -294,8 +294,6 @@ def test_worker_merge_reads_the_base_checkpoint_once(tmp_path) -> None:
     """The function vLLM's worker runs (through LLM.apply_model): the checkpoint index is built on the
     first merge and kept on the model for the next."""
     from safetensors.torch import save_file
-
-    from qerl_cli.rollout.vllm_worker import MERGE_BASES_ATTR, worker_merge_lora
 
     bases = _bases()
     folder = tmp_path / "bf16"

@@ -19,13 +19,27 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_fp8_merge import LAYER, VLLM, _bases, _fake_vllm, _reference
-from test_rollout_backends import env, fake_llm, nvfp4_base  # noqa: F401 (fake_llm: a fixture)
+from test_rollout_backends import (  # choose_backend: FP8 copies allowed (auto_fp8)
+    QWEN7B,
+    TABLE,
+    choose_backend,
+    env,
+    fake_llm,  # noqa: F401 (a fixture)
+    nvfp4_base,
+)
 from test_vllm_engine import SPEC, FakeLLM, fake_vllm, names, write_adapter  # noqa: F401 (a fixture)
 from torch import nn
 
+from qerl_cli import formats
+from qerl_cli.cli import main
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
-from qerl_cli.rollout.fp8_merge import lora_deltas
+from qerl_cli.modeling.adapter import save_peft_model
+from qerl_cli.modeling.lora import attach_lora
+from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.rollout.backends import FORMAT_BACKENDS, BackendChoice, rollout_weight_format
+from qerl_cli.rollout.factory import EngineRequest, make_engine
+from qerl_cli.rollout.fp8_merge import PolicyBases, lora_deltas
 from qerl_cli.rollout.vllm_engine import VLLMEngine
 from qerl_cli.rollout.vllm_worker import worker_merge_lora
 
@@ -164,8 +178,6 @@ def test_a_linear_no_longer_targeted_goes_back_to_its_base(
 
 
 def test_a_saved_adapter_is_merged_from_its_tensors(tmp_path: Path, merge_vllm: types.ModuleType) -> None:
-    from qerl_cli.modeling.adapter import save_peft_model
-
     engine, llm, bases = merged_engine(tmp_path)
     model = policy(bases)
     engine.sync_adapter(save_peft_model(model, tmp_path / "adapter"))
@@ -206,7 +218,6 @@ def test_a_stale_merge_fails_the_staleness_check_with_the_alternative(
     # may differ (a random-weight 7B on an H100: 0.54 nats/token against a tolerance of 0.5).
     assert engine.check_staleness(probe, lambda p: [-0.85 - 0.01 * t for t in p[1:]]) == pytest.approx(0.15)
     # A BF16 merge has no FP8 rounding to allow for: the plain tolerance, and the message says which.
-    from qerl_cli.rollout.backends import BackendChoice
 
     engine.backend_choice = BackendChoice("merged", "bf16", "pinned by rollout.linear_backend")
     bf16_message = r"allowed: 1 x rollout.staleness_tolerance=0.1.*linear_backend=merged"
@@ -218,19 +229,21 @@ def test_a_stale_merge_fails_the_staleness_check_with_the_alternative(
 # The factory and the recipe
 # --------------------------------------------------------------------------------------------
 def test_every_format_has_a_merged_backend_and_it_weighs_its_weights() -> None:
-    from qerl_cli.rollout.backends import FORMAT_BACKENDS, choose_backend, rollout_weight_format
-
-    assert all(("fp8-merged" in allowed) != ("merged" in allowed) for allowed in FORMAT_BACKENDS.values())
+    # Every base merges into BF16 weights (merged); a 4-bit base also into its FP8 copy (fp8-merged).
+    assert all("merged" in allowed for allowed in FORMAT_BACKENDS.values())
+    assert all(("fp8-merged" in allowed) == (fmt != "bf16") for fmt, allowed in FORMAT_BACKENDS.items())
     four = choose_backend("fp8-merged", "nvfp4", concurrency=128, env=env(), table={})
     assert four.merges_lora and four.needs_fp8_copy and four.weight_format == "fp8"
     assert four.vllm_kwargs() == {}
     # A BF16 base: merged BF16 weights (TRL's merged baseline), no FP8 copy, no online FP8; either merge
-    # name means the base's own merge, so one recipe serves both arms of a comparison.
+    # name means the base's own merge.
     for name in ("merged", "fp8-merged"):
         dense = choose_backend(name, "bf16", concurrency=128, env=env(capability=(8, 0)), table={})
         assert dense.backend == "merged" and dense.merges_lora and not dense.needs_fp8_copy
         assert dense.weight_format == "bf16" and dense.vllm_kwargs() == {}
-    assert choose_backend("merged", "nvfp4", concurrency=8, env=env(), table={}).backend == "fp8-merged"
+    # merged on a 4-bit base: its BF16 copy, so one recipe serves both arms on BF16 rollout weights.
+    copy = choose_backend("merged", "nvfp4", concurrency=8, env=env(), table={})
+    assert copy.backend == "merged" and copy.needs_bf16_copy and copy.weight_format == "bf16"
     assert (
         rollout_weight_format("fp8", "bf16") == "fp8" and rollout_weight_format("marlin", "nvfp4") == "nvfp4"
     )
@@ -242,8 +255,6 @@ def test_every_format_has_a_merged_backend_and_it_weighs_its_weights() -> None:
 
 
 def test_auto_picks_the_merged_backend_where_measured_fastest_if_the_run_can_merge_and_it_fits() -> None:
-    from test_rollout_backends import QWEN7B, TABLE, choose_backend  # FP8 copies allowed (auto_fp8)
-
     entry = dict(TABLE["gpus"]["NVIDIA H100 80GB HBM3"]["nvfp4+lora"])
     entry["fp8-merged"] = {"8": 1400.0, "32": 4300.0, "128": 12000.0, "256": 13500.0}
     table = {"gpus": {"NVIDIA H100 80GB HBM3": {"nvfp4+lora": entry}}}
@@ -256,8 +267,10 @@ def test_auto_picks_the_merged_backend_where_measured_fastest_if_the_run_can_mer
     # Not the trainer's engine (eval, a bench without a policy) or no LoRA: the merge has nothing to serve.
     assert choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=table).backend == "fp8"
     assert (
-        choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=table, merge_ok=True, lora=False)
-        .backend != "fp8-merged"
+        choose_backend(
+            "auto", "nvfp4", concurrency=128, env=env(), table=table, merge_ok=True, lora=False
+        ).backend
+        != "fp8-merged"
     )
     # A memory plan where the FP8 weights leave no KV room (a 32B on 80 GB): the 4-bit kernels.
     gib = 2**30
@@ -273,8 +286,6 @@ def test_factory_serves_the_fp8_copy_without_lora_and_keeps_the_trainers_base(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
-    from qerl_cli.rollout.factory import EngineRequest, make_engine
-
     monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
     base = nvfp4_base()
     request = EngineRequest(
@@ -293,7 +304,6 @@ def test_factory_serves_the_fp8_copy_without_lora_and_keeps_the_trainers_base(
 
 
 def test_factory_serves_a_bf16_base_as_it_is(fake_llm: list[dict], tiny_model_dir: Path) -> None:  # noqa: F811
-    from qerl_cli.rollout.factory import EngineRequest, make_engine
 
     make_engine(EngineRequest("vllm", tiny_model_dir, linear_backend="fp8-merged", max_model_len=64))
     seen = fake_llm[-1]
@@ -312,8 +322,6 @@ def test_factory_serves_a_bf16_base_as_it_is(fake_llm: list[dict], tiny_model_di
 def test_what_fp8_merged_cannot_run_is_refused_at_config_time(
     overrides: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qerl_cli.cli import main
-
     sets = [arg for o in ["rollout.linear_backend=fp8-merged", *overrides] for arg in ("--set", o)]
     rc = main(["train", "recipes/tiny.yaml", *sets, "--dry-run"])
     assert rc == 2 and message in " ".join(capsys.readouterr().err.split())
@@ -337,11 +345,6 @@ def test_vllm_in_process_merges_onto_the_trainers_layers_not_the_checkpoint(
 
 
 def test_policy_bases_dequantize_a_4bit_layer_exactly_as_the_checkpoint_reads() -> None:
-    from qerl_cli import formats
-    from qerl_cli.modeling.lora import attach_lora
-    from qerl_cli.modeling.quant_linear import QuantLinear
-    from qerl_cli.rollout.fp8_merge import PolicyBases
-
     torch.manual_seed(0)
     dense = nn.Linear(64, 32, bias=False)
     fmt = formats.get("nvfp4")

@@ -13,14 +13,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qerl_cli import formats
 from qerl_cli.bench.concurrency import add_roofline, backends_for, crossover_table
+from qerl_cli.bench.models import shape_checkpoint
 from qerl_cli.bench.result import SCHEMA, BenchResult
 from qerl_cli.bench.roofline import decode_bound, fractions, gpu_spec, update_flops
+from qerl_cli.cli import main
 from qerl_cli.errors import QerlError
 from qerl_cli.formats import fp8
-from qerl_cli.modeling.model_shape import ModelShape
-from qerl_cli.rollout import backends
+from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
+from qerl_cli.rollout import backends, factory, vllm_setup
 from qerl_cli.rollout.backends import BackendChoice, Environment, MeasuredModel, interpolate
+from qerl_cli.rollout.factory import EngineRequest, make_engine
+from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
+from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
 
 H100 = "NVIDIA H100 80GB HBM3"
 # The shipped table's model (random Qwen2.5-7B shape) and the one it once steered wrongly (Gemma 3 270M).
@@ -168,8 +174,6 @@ def test_the_gpu_is_found_by_a_name_contained_in_the_devices() -> None:
 # --------------------------------------------------------------------------------------------
 @pytest.fixture
 def fake_llm(monkeypatch: pytest.MonkeyPatch):
-    from qerl_cli.rollout import factory, vllm_setup
-
     seen: list[dict] = []
 
     class FakeEngine:
@@ -187,17 +191,12 @@ def fake_llm(monkeypatch: pytest.MonkeyPatch):
 
 
 def nvfp4_base() -> Path:
-    from qerl_cli.bench.models import shape_checkpoint
-
     return shape_checkpoint("tiny", "nvfp4")
 
 
 def test_factory_hands_vllm_the_backend_and_the_fp8_copy(
     fake_llm: list[dict], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from qerl_cli.rollout import factory
-    from qerl_cli.rollout.factory import EngineRequest, make_engine
-
     monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
     base = nvfp4_base()
     humming = EngineRequest(
@@ -227,8 +226,6 @@ def test_factory_hands_vllm_the_backend_and_the_fp8_copy(
 
 
 def test_unknown_backend_in_a_recipe_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from qerl_cli.cli import main
-
     rc = main(["train", "recipes/tiny.yaml", "--set", "rollout.linear_backend=cutlass", "--dry-run"])
     assert rc == 2 and "linear_backend" in capsys.readouterr().err
     rc = main(["train", "recipes/tiny.yaml", "--set", "rollout.linear_backend=fp8", "--dry-run"])
@@ -241,10 +238,6 @@ def test_unknown_backend_in_a_recipe_is_exit_2(capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fp8_copy_equals_the_dequantized_4bit_weights_within_fp8_rounding(fmt: str, tmp_path: Path) -> None:
     from compressed_tensors.quantization import QuantizationConfig
-
-    from qerl_cli import formats
-    from qerl_cli.bench.models import shape_checkpoint
-    from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
 
     source = shape_checkpoint("tiny", fmt)
     out = write_fp8_checkpoint(source, tmp_path / "fp8")
@@ -278,9 +271,6 @@ def test_fp8_rounding_bound_is_tight() -> None:
 
 
 def test_fp8_copy_of_a_bf16_base_is_refused_with_the_alternative(tmp_path: Path) -> None:
-    from qerl_cli.bench.models import shape_checkpoint
-    from qerl_cli.rollout.fp8_rollout import write_fp8_checkpoint
-
     with pytest.raises(QerlError, match="quantization: fp8"):
         write_fp8_checkpoint(shape_checkpoint("tiny", "bf16"), tmp_path / "fp8")
 
@@ -356,9 +346,9 @@ def test_bench_measures_each_format_on_its_backends() -> None:
     assert backends_for("nvfp4", ["marlin", "fp8", "humming"]) == ["marlin", "fp8", "humming"]
     assert backends_for("bf16", ["marlin", "fp8", "humming"]) == ["default", "fp8"]
     assert backends_for("nf4", ["humming"]) == ["default"]
-    # Either merge name measures each base's own merge, once.
+    # A 4-bit base measures both merges (its FP8 copy, its BF16 copy); a BF16 base its own merge, once.
     both = ["marlin", "fp8-merged", "merged"]
-    assert backends_for("nvfp4", both) == ["marlin", "fp8-merged"]
+    assert backends_for("nvfp4", both) == ["marlin", "fp8-merged", "merged"]
     assert backends_for("bf16", both) == ["default", "merged"]
 
 
@@ -477,8 +467,6 @@ def test_merged_tables_keep_each_models_measurements_apart() -> None:
 def test_the_factory_weighs_the_table_against_the_checkpoints_size(
     fake_llm: list[dict], tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from qerl_cli.rollout.factory import EngineRequest, make_engine
-
     monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))  # the FP8 copy the old table picks
     base = nvfp4_base()  # the tiny shape: far from the shipped table's 7B
     with caplog.at_level("INFO", logger="qerl_cli.rollout.factory"):
@@ -499,10 +487,6 @@ def test_an_engine_in_a_slice_of_the_gpu_sizes_its_kv_cache_from_its_share(
     fake_llm: list[dict], tmp_path: Path
 ) -> None:
     """Runs sharing a GPU: vLLM must not profile the device's free memory, which its neighbours change."""
-    from qerl_cli.modeling.model_shape import weight_bytes
-    from qerl_cli.rollout.factory import EngineRequest, make_engine
-    from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
-
     base = nvfp4_base()
     shape = ModelShape.from_config(json.loads((base / "config.json").read_text()))
     request = EngineRequest("vllm", base, gpu_memory_utilization=0.153, max_model_len=64,

@@ -23,7 +23,11 @@ from typing import Any
 import pytest
 import torch
 
+from qerl_cli.bench.adapter import write_random_lora
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.loading import load_tokenizer
+from qerl_cli.modeling.prompt_tokens import encode_prompt
+from qerl_cli.modeling.tiny import build_tokenizer
 from qerl_cli.rollout.base import SamplingSpec
 from qerl_cli.rollout.factory import EngineRequest, make_engine
 from qerl_cli.rollout.vllm_outputs import mean_abs_gap
@@ -40,15 +44,13 @@ GREEDY = SamplingSpec(max_new_tokens=16, temperature=0.0, top_p=1.0)
 
 
 def shape() -> dict[str, Any]:
-    from qerl_cli.modeling.random_checkpoint import SHAPES
+    from qerl_cli.modeling.random_checkpoint import SHAPES  # imports transformers
 
     return {**SHAPES["tiny"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
 
 def strong_lora(model_dir: Path, out: Path, seed: int) -> Path:
-    from qerl_cli.bench.adapter import write_random_lora
-
     folder = write_random_lora(model_dir, out, RANK, seed=seed)
     config_file = folder / "adapter_config.json"
     config = json.loads(config_file.read_text())
@@ -59,9 +61,9 @@ def strong_lora(model_dir: Path, out: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
-    """BF16 and NVFP4 checkpoints of one random model, two adapters; the FP8 copies go to a temp cache."""
-    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint
-    from qerl_cli.modeling.tiny import build_tokenizer
+    """BF16 and NVFP4 checkpoints of one random model, two adapters; the FP8 and BF16 copies go to a temp
+    cache."""
+    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint  # imports transformers
 
     root = tmp_path_factory.mktemp("vllm-tiny")
     with pytest.MonkeyPatch.context() as mp:
@@ -91,9 +93,6 @@ def stop(engine: Any) -> None:
 
 
 def probe_ids(folder: Path) -> list[int]:
-    from qerl_cli.modeling.loading import load_tokenizer
-    from qerl_cli.modeling.prompt_tokens import encode_prompt
-
     return encode_prompt(PROBE_TEXT, load_tokenizer(str(folder)))
 
 
@@ -266,5 +265,52 @@ def test_a_merge_backend_serves_the_adapter_inside_the_weights(
         print(f"{backend} on a {fmt} base: {merged} linears merged, "
               f"logprobs moved {mean_abs_gap(merged_lp, base_lp):.3f}; vLLM vs qerl's model {gap:.4f} "
               "nats/token; no adapter restores the base")  # fmt: skip
+    finally:
+        stop(engine)
+
+
+# Largest vLLM-vs-trainer gap (nats/token) allowed for the BF16 copy with the LoRA merged: its merged
+# weights are rounded once to BF16 (8 significant bits), finer than the FP8 copy's E4M3 (4), so the gap
+# stays below what fp8-merged is allowed, and far below what the adapter moves logprobs by.
+BF16_MERGE_GAP = 0.05
+
+
+def test_merged_serves_a_4bit_base_as_a_bf16_copy_and_survives_sleep(folders: dict[str, Path]) -> None:
+    """``merged`` on an NVFP4 base: vLLM loads the BF16 copy of the dequantized base (no LoRA), each sync
+    writes deq(base) + scaling B A into it in BF16, a sync made while asleep lands at wake-up, and a
+    sync of no adapter writes the copy's own weights back."""
+    engine = start(folders["nvfp4"], enable_sleep_mode=True, linear_backend="merged")
+    try:
+        assert engine.linear_backend == "merged" and not engine.enable_lora
+        assert engine.backend_choice.weight_format == "bf16" and "bf16-rollout" in engine.model_path
+        ids = probe_ids(folders["nvfp4"])
+        base_lp = engine.prompt_logprobs(ids)
+        engine.sync_adapter(str(folders["lora"]))
+        merged_lp = engine.prompt_logprobs(ids)
+        merged = int(engine.stats()["rollout/merged_linears"])
+        fresh = trainer_logprobs(folders["nvfp4"], folders["lora"], ids)
+        gap = engine.check_staleness(ids, lambda p: fresh)  # raises past the tolerance
+        moved = mean_abs_gap(merged_lp, base_lp)
+        print(f"merged on an NVFP4 base (BF16 copy): {merged} linears merged, logprobs moved {moved:.3f}; "
+              f"vLLM vs qerl's NVFP4 model {gap:.4f} nats/token")  # fmt: skip
+        assert merged > 0 and moved > 0.05
+        assert gap <= BF16_MERGE_GAP, (gap, moved)
+        engine.sync_adapter(str(folders["lora2"]))
+        other_lp = engine.prompt_logprobs(ids)
+        engine.sync_adapter(str(folders["lora"]))
+        engine.sleep()
+        assert engine.is_sleeping and (engine.last_sleep_freed_bytes or 0) > 0
+        engine.sync_adapter(str(folders["lora2"]))  # recorded; merged at wake-up
+        engine.wake_up()
+        woken_lp = engine.prompt_logprobs(ids)
+        assert mean_abs_gap(woken_lp, other_lp) < 1e-3 and mean_abs_gap(woken_lp, merged_lp) > 0.05
+        tokens = greedy_tokens(engine)
+        assert 1 <= len(tokens) <= GREEDY.max_new_tokens
+        engine.sync_adapter(None)
+        unmerged_lp = engine.prompt_logprobs(ids)
+        assert mean_abs_gap(unmerged_lp, base_lp) < 1e-3  # the copy's own weights, bit for bit
+        print(f"sleep freed {engine.last_sleep_freed_bytes / 2**30:.2f} GiB; the adapter synced while asleep "
+              f"was merged at wake-up ({mean_abs_gap(woken_lp, other_lp):.1e} from it awake); no adapter "
+              f"restores the copy ({mean_abs_gap(unmerged_lp, base_lp):.1e})")  # fmt: skip
     finally:
         stop(engine)

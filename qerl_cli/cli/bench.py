@@ -295,7 +295,7 @@ def concurrency(
             "backends",
             "--backends",
             metavar="NAME,...",
-            help="Linear backends: comma list of marlin,humming,fp8.",
+            help="Linear backends: comma list of marlin,humming,fp8,fp8-merged,merged.",
         ),
     ] = None,
     prompt_len: PromptLenOption = None,

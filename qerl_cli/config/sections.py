@@ -18,7 +18,8 @@ ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
 # rollout.linear_backend's values (qerl_cli.rollout.backends chooses and checks them).
 LinearBackend = Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"]
-# The backends that merge the adapter into the rollout weights (a 4-bit base's FP8 copy, a BF16 base).
+# The backends that merge the adapter into the rollout weights: a 4-bit base's FP8 copy; BF16 weights (a
+# BF16 base's own, a 4-bit base's BF16 copy).
 MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")
 # train.base_compute's values (qerl_cli.modeling.base_compute).
 BaseCompute = Literal["auto", "bf16", "fp8"]
@@ -117,17 +118,17 @@ class RolloutSection:
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
     # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
     # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
-    # after every update, vLLM without LoRA; "merged": the same for a BF16 base, kept BF16 (TRL's
-    # baseline; either merge name means the base's own merge; tensor_parallel_size 1 and
-    # lora.train_norms off); "auto": per GPU and the
+    # after every update, vLLM without LoRA (on a BF16 base: "merged"); "merged": the LoRA merged into
+    # BF16 weights after every update, vLLM without LoRA: a BF16 base's own, a 4-bit base's BF16 copy
+    # (derived once; 2 bytes a weight in vLLM's memory, refused where that leaves no KV cache room).
+    # Both merges need tensor_parallel_size 1 and lora.train_norms off. "auto": per GPU and the
     # round's concurrency, the fastest that fits, from crossover_table (qerl_cli.rollout.backends),
     # among the kernels that keep the checkpoint's numerics unless auto_fp8 is on.
     linear_backend: LinearBackend = "auto"
     # Let "auto" choose an FP8 copy of the weights (fp8, fp8-merged; vLLM's online FP8 for a BF16 base)
-    # where it was measured faster. Off: an FP8 rollout rounds weights and activations once more, and on
-    # Gemma 3 270M the fp8-merged arm's rollout/trainer gap was 5x Marlin + LoRA's and it ended 7.7
-    # points lower (1.4 standard errors; benchmarks/h100x2-2026-11-27-fp8-merged). Pinning
-    # linear_backend to fp8 or fp8-merged chooses them regardless.
+    # where it was measured faster. Off: an FP8 rollout rounds weights and activations once more, which
+    # widens the rollout/trainer gap and can cost accuracy (docs/rollout.md). Pinning linear_backend to
+    # fp8 or fp8-merged chooses them regardless.
     auto_fp8: bool = False
     # A crossover table (crossover.json of `qerl bench --concurrency`); empty: the one shipped with qerl.
     crossover_table: str | None = None

@@ -90,7 +90,7 @@ class PackedE2M1Format(QuantFormat):
     scale_dtype: torch.dtype
     fp4 = True
     vllm_min_capability = (8, 0)  # Marlin FP4
-    rollout_backends = ("marlin", "humming", "fp8", "fp8-merged")
+    rollout_backends = ("marlin", "humming", "fp8", "fp8-merged", "merged")
 
     @abstractmethod
     def block_multipliers(self, buffers: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -108,7 +108,7 @@ class NF4Format(QuantFormat):
     block_size = 64
     vllm_quantization = "bitsandbytes"  # vLLM's bitsandbytes loader differs from its default one
     vllm_min_capability = (7, 0)
-    rollout_backends = ("default", "fp8", "fp8-merged")
+    rollout_backends = ("default", "fp8", "fp8-merged", "merged")
 
     def __init__(self, double_quant: bool = True) -> None:
         self.double_quant = double_quant

@@ -24,10 +24,15 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
+from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
 from qerl_cli.modeling.shapes import check_vllm_shapes
 from qerl_cli.modeling.sources import cache_root, resolve_model_source
-from qerl_cli.rollout import vllm_setup  # module: tests patch _cuda_total_bytes
+from qerl_cli.rollout import hf as hf_engine
+from qerl_cli.rollout import (
+    vllm_engine,  # module: tests stand a fake in for VLLMEngine
+    vllm_setup,  # module: tests patch _cuda_total_bytes
+)
 from qerl_cli.rollout.backends import (
     FORMAT_BACKENDS,
     BackendChoice,
@@ -38,7 +43,7 @@ from qerl_cli.rollout.backends import (
 )
 from qerl_cli.rollout.base import RolloutEngine
 from qerl_cli.rollout.environment import current_environment
-from qerl_cli.rollout.fp8_rollout import fp8_rollout_checkpoint
+from qerl_cli.rollout.fp8_rollout import bf16_rollout_checkpoint, fp8_rollout_checkpoint
 from qerl_cli.torch_utils import DTYPES, resolve_device
 from qerl_cli.torch_utils import dtype_name as torch_dtype_name
 
@@ -162,9 +167,6 @@ def make_engine(request: EngineRequest) -> RolloutEngine:
 
 
 def _make_hf(request: EngineRequest) -> RolloutEngine:
-    from qerl_cli.modeling.loading import load_base_model, load_tokenizer
-    from qerl_cli.rollout.hf import HFEngine
-
     device, model_path, adapter = request.device, request.model_path, request.adapter
     torch_device = resolve_device(device) if isinstance(device, str) else device
     model, tokenizer = request.model, request.tokenizer
@@ -184,7 +186,7 @@ def _make_hf(request: EngineRequest) -> RolloutEngine:
         if model_path is None:
             raise QerlError("an hf engine request with a model object needs its tokenizer or a model_path")
         tokenizer = load_tokenizer(str(model_path), trust_remote_code=request.trust_remote_code)
-    return HFEngine(
+    return hf_engine.HFEngine(
         model, tokenizer, generation_batch_size=request.generation_batch_size, device=torch_device
     )
 
@@ -204,8 +206,6 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         )
     if model_path is None:
         raise QerlError("the vllm engine loads the model itself: pass model_path")
-    from qerl_cli.rollout.vllm_engine import VLLMEngine
-
     user_kwargs = requested_vllm_kwargs(request)
     concurrency = request.concurrency or int(user_kwargs.get("max_num_seqs") or 256)
     choice = choose_rollout_backend(
@@ -218,17 +218,19 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
     merge_base = None
     if choice.merges_lora:
         check_mergeable(request)
-        # vLLM serves the FP8 copy (or the BF16 folder) without LoRA; every sync merges the adapter onto
-        # the trainer's base checkpoint, read from model_path.
+        # vLLM serves the FP8 copy, the BF16 copy or the BF16 folder without LoRA; every sync merges the
+        # adapter onto the trainer's base (its layers, or its checkpoint read from model_path), never onto
+        # the served weights, so roundings never accumulate.
         merge_base = str(model_path)
     served, model_format = str(model_path), request.model_format
-    if choice.needs_fp8_copy:
-        served = str(fp8_rollout_checkpoint(model_path, cache_root()))
-        model_format = "auto"  # vLLM serves the FP8 copy; the trainer keeps the 4-bit base
+    if choice.needs_fp8_copy or choice.needs_bf16_copy:
+        derive = fp8_rollout_checkpoint if choice.needs_fp8_copy else bf16_rollout_checkpoint
+        served = str(derive(model_path, cache_root()))
+        model_format = "auto"  # vLLM serves the copy; the trainer keeps the 4-bit base
     fixed_kv: dict[str, Any] = {}
     if request.kv_cache_from_share and "kv_cache_memory_bytes" not in user_kwargs:
         fixed_kv = kv_cache_from_share(str(model_path), choice, request)
-    engine = VLLMEngine(
+    engine = vllm_engine.VLLMEngine(
         served, model_format=model_format, dtype=torch_dtype_name(request.dtype),
         gpu_memory_utilization=request.gpu_memory_utilization,
         enable_sleep_mode=request.enable_sleep_mode, enable_lora=request.enable_lora and merge_base is None,

@@ -1,17 +1,24 @@
-"""LoRA merged into the rollout weights (``rollout.linear_backend: fp8-merged``).
+"""LoRA merged into the rollout weights (``rollout.linear_backend: fp8-merged`` and ``merged``).
 
 At high concurrency vLLM's LoRA kernels cost about what the 4-bit format saves. With the adapter merged
 into the rollout weights vLLM runs with LoRA off: after each policy update every linear the adapter
 targets is rewritten in place inside vLLM's model as
 
-    W = deq(base) + (alpha / r) * B @ A
+    W = deq(base) + scaling * B @ A
 
-rounded once to E4M3 with one scale per output row (:func:`qerl_cli.formats.fp8.quantize_per_channel`,
-the rounding of the ``fp8`` backend's copy, so a linear whose B is zero gets exactly the codes that copy
-holds). ``deq(base)`` comes from the trainer's own base layers on the GPU (:class:`PolicyBases`, when
-vLLM runs in the trainer's process, as qerl starts it) or from its checkpoint (:class:`CheckpointBases`:
-the 4-bit tensors dequantized, or a BF16 base's weight), never from the served FP8 weights, so each sync
-rounds once and rounding never accumulates across steps.
+computed in float32 and then, by the kind of weight vLLM holds,
+
+* ``fp8-merged`` (a 4-bit base's FP8 copy): rounded once to E4M3 with one scale per output row
+  (:func:`qerl_cli.formats.fp8.quantize_per_channel`, the rounding of the ``fp8`` backend's copy, so a
+  linear whose B is zero gets exactly the codes that copy holds);
+* ``merged`` (a BF16 base's own weights, or a 4-bit base's BF16 copy,
+  :func:`qerl_cli.rollout.fp8_rollout.bf16_rollout_checkpoint`): cast once to BF16, so a linear whose B
+  is zero gets exactly what the copy holds.
+
+``deq(base)`` comes from the trainer's own base layers on the GPU (:class:`PolicyBases`, when vLLM runs
+in the trainer's process, as qerl starts it) or from its checkpoint (:class:`CheckpointBases`: the 4-bit
+tensors dequantized, or a BF16 base's weight), never from the served weights, so each sync rounds once
+and rounding never accumulates across steps.
 
 vLLM stacks q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (shards concatenated along the
 output rows, in that order); o_proj and down_proj are plain. A per-row scale makes every row
@@ -21,8 +28,8 @@ adapter does not target keeps what vLLM loaded. Two kinds of target weight are w
 * an FP8 weight with a ``weight_scale`` of one value per output row (compressed-tensors
   ``FP8_DYNAMIC``). vLLM keeps it transposed after loading (``[in, out]``, column-major, for its
   CUTLASS GEMM); it is written through the transpose, never reallocated;
-* a floating weight without a scale (vLLM serving a BF16 base unquantized): the merged weight cast to
-  its dtype, which is TRL's merged-LoRA baseline.
+* a floating weight without a scale (vLLM serving BF16 weights unquantized: a BF16 base, a 4-bit
+  base's BF16 copy): the merged weight cast to its dtype, which is TRL's merged-LoRA baseline.
 
 Everything writes with ``copy_`` into the existing tensors, so CUDA graphs captured on them stay valid.
 """
@@ -99,8 +106,8 @@ class PolicyBases:
     linears without an adapter, which a merge resets to their base when an earlier adapter targeted
     them: a 4-bit ``QuantLinear`` or a dense ``nn.Linear``), dequantized where they live. A sync then
     reads nothing from disk and copies nothing from the host, which a merge from the checkpoint does every
-    sync (its cost per sync: benchmarks/h100-2026-11-27-merged). The engine must run in the trainer's
-    process (the layers are not shipped to another)."""
+    sync (what that costs: docs/rollout.md). The engine must run in the trainer's process (the layers are
+    not shipped to another)."""
 
     def __init__(self, peft_model: nn.Module) -> None:
         self.layers: dict[str, nn.Module] = {}
@@ -140,7 +147,6 @@ class CheckpointBases:
     checkpoint), one module at a time: safetensors maps the files, so a sync reads only what it merges."""
 
     def __init__(self, folder: str | Path) -> None:
-
         self.folder = Path(folder)
         config = loading.read_config(self.folder)
         self.fmt_name = loading.detect_format(config)
@@ -179,12 +185,10 @@ class CheckpointBases:
         return self.where[key]
 
     def _tensor(self, key: str) -> torch.Tensor:
-
         with safe_open(str(self._file(key)), framework="pt") as handle:
             return handle.get_tensor(key)
 
     def _slice(self, key: str) -> Any:
-
         with safe_open(str(self._file(key)), framework="pt") as handle:
             return handle.get_slice(key)
 
@@ -262,9 +266,9 @@ def write_merged(
         weight = tensors.get(f"{module}.weight")
         if weight is None:
             raise QerlError(
-                f"vLLM's model has no {module}.weight for the adapter's {prefix}: fp8-merged merges into "
-                "q/k/v/o and gate/up/down projections of the usual decoder layout; use "
-                "rollout.linear_backend=fp8 (LoRA served by vLLM) for this model"
+                f"vLLM's model has no {module}.weight for the adapter's {prefix}: the merged backends merge "
+                "into q/k/v/o and gate/up/down projections of the usual decoder layout; use "
+                "rollout.linear_backend=fp8 or marlin (LoRA served by vLLM) for this model"
             )
         scale = tensors.get(f"{module}.weight_scale")
         target = row_major_view(weight.data)
@@ -276,7 +280,7 @@ def write_merged(
             raise QerlError(
                 f"{module}.weight is {tuple(target.shape)} in vLLM but the base's shards {list(shards)} make "
                 f"{(sum(sizes), base.shape[1])}: tensor parallelism (shards split across GPUs) or another "
-                "model; fp8-merged needs rollout.tensor_parallel_size=1 and the engine on this base"
+                "model; a merged backend needs rollout.tensor_parallel_size=1 and the engine on this base"
             )
         _write_rows(target, scale, offset, base, delta, chunk_rows, f"{module}.weight")
     return len(deltas)
@@ -302,7 +306,7 @@ def _write_rows(
             )
         scale_rows = scale.data.view(-1)
     elif not target.dtype.is_floating_point or scale is not None:
-        raise QerlError(f"{what} is {target.dtype} with a scale: not a layout fp8-merged writes")
+        raise QerlError(f"{what} is {target.dtype} with a scale: not a layout a merged backend writes")
     step = max(1, chunk_rows)
     with torch.no_grad():
         for start in range(0, base.shape[0], step):
@@ -329,13 +333,16 @@ def lora_deltas(peft_model: nn.Module, adapter: str = "default") -> dict[str, Lo
             continue
         if getattr(module, "use_dora", {}).get(adapter, False):
             raise QerlError(
-                f"{name} uses DoRA, which fp8-merged does not merge; use rollout.linear_backend=fp8"
+                f"{name} uses DoRA, which the merged backends do not merge; use rollout.linear_backend=fp8 "
+                "or marlin (LoRA served by vLLM)"
             )
         a = lora_a[adapter].weight.detach().to("cpu", torch.float32, copy=True)
         b = module.lora_B[adapter].weight.detach().to("cpu", torch.float32, copy=True)
         deltas[strip_peft_prefix(name)] = LoraDelta(a, b, float(module.scaling[adapter]))
     if not deltas:
-        raise QerlError("the policy has no LoRA layers to merge; fp8-merged needs the trainer's LoRA model")
+        raise QerlError(
+            "the policy has no LoRA layers to merge; the merged backends need the trainer's LoRA model"
+        )
     return deltas
 
 
@@ -346,7 +353,8 @@ def deltas_from_tensors(
     alpha / r, per module where ``rank_pattern`` / ``alpha_pattern`` say otherwise, sqrt(r) with rsLoRA."""
     if config.get("use_dora"):
         raise QerlError(
-            "the adapter uses DoRA, which fp8-merged does not merge; use rollout.linear_backend=fp8"
+            "the adapter uses DoRA, which the merged backends do not merge; use rollout.linear_backend=fp8 "
+            "or marlin (LoRA served by vLLM)"
         )
     deltas: dict[str, LoraDelta] = {}
     for key, a in tensors.items():
