@@ -17,12 +17,13 @@ default ``qerl bench`` takes a few minutes, not a quarter of an hour.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.e2e import E2EConfig
+from qerl_cli.bench.concurrency import backends_for
+from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
+from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
@@ -75,18 +76,6 @@ class BenchPlan:
         return ["plan:", *(f"  {line}" for line in preflight.summary(items)), *(f"  {n}" for n in self.notes)]
 
 
-def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | None) -> set[str]:
-    """The config keys the user set: flags given, ``--set`` keys, and the keys of a ``--config`` file."""
-    keys = {key for key, value in values.items() if value is not None}
-    keys |= {item.partition("=")[0].strip() for item in sets or []}
-    if config is not None and Path(config).is_file():
-        import yaml
-
-        data = yaml.safe_load(Path(config).read_text()) or {}
-        keys |= set(data) if isinstance(data, dict) else set()
-    return keys
-
-
 def apply_cpu_lengths(cfg: BenchConfig, engine: str, given: set[str]) -> list[str]:
     """The CPU's lengths for the default model on the transformers engine, where the user gave none;
     the notes that say so."""
@@ -113,8 +102,6 @@ def _rollout_cases(
     steps: dict[str, int] = {}
     for fmt in formats:
         if engine == "vllm":
-            from qerl_cli.bench.concurrency import backends_for
-
             backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["default"]
             mine = [fmt if b in ("default", "marlin") else f"{fmt}/{b}" for b in backends]
             figures = len(mine) * len(ranks) * len(batches)  # one engine serves every LoRA rank
@@ -146,7 +133,6 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
     format or linear backend whose package is missing, an output folder that cannot be written, a
     negative ``--tolerance``."""
-    from qerl_cli.bench.models import default_model, normalize_formats
 
     preflight.check_tolerance(cfg.tolerance)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)

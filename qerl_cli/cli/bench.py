@@ -19,8 +19,7 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-from qerl_cli.bench.e2e import E2EConfig
-from qerl_cli.bench.plan import given_keys
+from qerl_cli.bench.settings import E2EConfig, given_keys
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,

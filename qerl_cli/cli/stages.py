@@ -36,6 +36,7 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
 from qerl_cli.config.keydocs import field_help
 from qerl_cli.errors import QerlError
@@ -318,21 +319,10 @@ def compare(
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
     reference: Annotated[
         str | None,
-        typer.Option(
-            "--reference",
-            metavar="ARM",
-            help="Arm the verdicts compare with (compare.reference).",
-            show_default="bf16-lora",
-        ),
+        config_option(CompareSettings, "reference", "--reference", metavar="ARM", show_default="bf16-lora"),
     ] = None,
     margin: Annotated[
-        float | None,
-        typer.Option(
-            "--margin",
-            metavar="POINTS",
-            help="Verdicts' margin in held-out pass@1 points (compare.margin).",
-            show_default="5",
-        ),
+        float | None, config_option(CompareSettings, "margin", "--margin", metavar="POINTS")
     ] = None,
     set_: CompareSet = None,
 ) -> None:

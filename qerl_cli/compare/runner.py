@@ -49,11 +49,16 @@ from qerl_cli.compare.parallel import (
 )
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
 from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
+from qerl_cli.compare.summary import write_report
 from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
 from qerl_cli.config import TrainConfig, apply_overrides, from_dict
+from qerl_cli.envinfo import gpu_info
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
-from qerl_cli.torch_utils import free_accelerator_memory
+from qerl_cli.rl.checkpoint import list_checkpoints
+from qerl_cli.rl.tracking import read_metrics
+from qerl_cli.rl.trainer import train
+from qerl_cli.torch_utils import device_label, free_accelerator_memory
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +68,6 @@ def run_one(
 ) -> RunResult:
     """Train (or resume) one run, evaluate it on the held-out split, write its result.json (with the
     device, the GPUs seen and ``invocation``, the compare invocation that trained it)."""
-    from qerl_cli.envinfo import gpu_info
-    from qerl_cli.rl.checkpoint import list_checkpoints
-    from qerl_cli.rl.tracking import read_metrics
-    from qerl_cli.rl.trainer import train
-    from qerl_cli.torch_utils import device_label
 
     out = Path(conf.output.dir)
     done = out / RESULT_NAME
@@ -267,7 +267,6 @@ def _summarize(
 ) -> tuple[CompareReport, list[str]]:
     """Evaluate the arms' bases (once each), then write the report of the finished runs; returns it
     and the bases that could not be evaluated."""
-    from qerl_cli.compare.summary import write_report
 
     a = ablation
     _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)

@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+from tokenizers.models import BPE
+
 from qerl_cli.errors import QerlError
 
 SPACE_PIECE = "\u2581"  # SentencePiece's visible space
@@ -114,8 +117,6 @@ def sentencepiece_bpe_merges(vocab: GGUFVocabulary) -> list[tuple[str, str]]:
 
 def build_sentencepiece_tokenizer(vocab: GGUFVocabulary):  # -> PreTrainedTokenizerFast
     """A fast tokenizer equal to SentencePiece BPE over ``vocab`` (byte fallback, ``▁`` for spaces)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
-    from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
     pieces: dict[str, int] = {}

@@ -25,6 +25,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
 from qerl_cli.modeling.gguf_tokenizer import GGUFVocabulary, checked_gguf_tokenizer, read_gguf_vocabulary
@@ -267,7 +269,6 @@ def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)
         import gguf as _gguf  # noqa: F401
     except ImportError:
         raise QerlError("loading a .gguf model needs the gguf package: pip install 'qerl[gguf]'") from None
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from rich.table import Table
 
+from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.adapter import attach_to_base
 from qerl_cli.modeling.loading import load_policy_model, load_tokenizer
@@ -69,7 +71,6 @@ def parse_candidate(text: str) -> Candidate:
 
 def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:
     """qerl-text's held-out rows (disjoint from any ``--calib qerl-text`` calibration)."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES
 
     calib = load_calibration(
         BUILTIN_NAME, tokenizer, num_samples=SMALL_CALIB_SAMPLES, seq_len=seq_len, seed=42,
@@ -126,7 +127,6 @@ def measure_quality(
 
 
 def quality_table(report: QualityReport):  # -> rich.table.Table
-    from rich.table import Table
 
     table = Table(title=f"kept quality vs {report.reference} ({report.text['tokens']} held-out tokens)")
     for name in ("candidate", "KL to BF16 (nats/token)", "top-1 agree", "perplexity"):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.table import Table
 from safetensors import safe_open
 
 from qerl_cli import formats
@@ -289,7 +290,6 @@ def _gib(n: int | None) -> str:
 
 def quantize_table(result: QuantizeResult):  # -> rich.table.Table
     """BF16 vs 4-bit: size, weight error, perplexity and time, for the CLI to print."""
-    from rich.table import Table
 
     fmt = result.format.upper()
     table = Table(title=f"qerl quantize: {result.model} -> {fmt} ({result.method})")

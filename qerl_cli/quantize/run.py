@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.config import QuantizeConfig
+from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
-from qerl_cli.modeling.source_checks import check_model_source
+from qerl_cli.modeling.source_checks import check_model_source, hub_offline_by_env, hub_reachable
 from qerl_cli.quantize import error_init, pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
@@ -184,8 +186,6 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
     the calibration set and the BF16 model with its layer checks; returns the job and the model."""
     from transformers import AutoTokenizer
 
-    from qerl_cli import formats
-
     cfg.validate()
     fmt = check_format(cfg.format)
     method = check_method(cfg.method)
@@ -241,8 +241,6 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
 def calibration_source(calib: str, split: str, samples: int) -> str:
     """Where the calibration rows come from, said before they are fetched; a Hub set while the Hub is
     offline or unreachable is refused at once, naming the shipped set to use instead."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME
-    from qerl_cli.modeling.source_checks import hub_offline_by_env, hub_reachable
 
     what = f"{samples} calibration samples" if samples else "held-out perplexity rows"
     if calib == BUILTIN_NAME:

@@ -33,6 +33,7 @@ import torch
 from qerl_cli.config import TrainSection
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
+from qerl_cli.rl.policy import enable_gradient_checkpointing
 from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
 from qerl_cli.torch_utils import GIB
 
@@ -412,7 +413,6 @@ def plan_for_run(
     """The memory plan of a training run (``cfg``: TrainConfig) for its loaded policy ``model``,
     measured now (after the trainer loaded, before vLLM starts); turns checkpointing on if chosen.
     ``static_extra_bytes``: as in :func:`plan_memory`."""
-    from qerl_cli.rl.policy import enable_gradient_checkpointing
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     shape = ModelShape.from_config(base.config.to_dict())
