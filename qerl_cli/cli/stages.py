@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -38,7 +39,7 @@ from qerl_cli.cli.app import (
 from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
-from qerl_cli.config.keydocs import field_help
+from qerl_cli.config.keydocs import field_help, key_docs, sections
 from qerl_cli.errors import QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
@@ -183,9 +184,6 @@ def train(
 def print_keys(config: type, prefix: str) -> None:
     """Each key of ``config`` under ``prefix`` (a section, a key, or "" for all): dotted name, type,
     default, and the comment that documents it where it is declared (qerl_cli.config.keydocs)."""
-    import textwrap
-
-    from qerl_cli.config.keydocs import key_docs, sections
 
     docs = [d for d in key_docs(config) if not prefix or d.key == prefix or d.key.startswith(f"{prefix}.")]
     if not docs:
