@@ -5,9 +5,8 @@ The plan resolves the engine (a GPU without vLLM is refused unless ``--engine hf
 formats and their packages (:mod:`qerl_cli.bench.preflight`) and the output folder, and counts the
 cases. ``--dry-run`` prints it; a run prints it at its start.
 
-The estimate is rough and says so: per-token costs from the recorded runs (the default bench on one
-H100 or H200: 300-560 s for three vLLM engines, most of it engine starts; the tiny model on a loaded
-2-core CPU: 40-80 ms per decode step), not a measurement of this machine.
+The estimate is rough and says so: per-token costs from the recorded runs (their figures:
+``docs/bench.md``), not a measurement of this machine.
 
 On a CPU the default model is the tiny shape on the transformers engine, whose decode steps cost as
 much at 512 tokens as a GPU's: there the lengths the user did not give are ``CPU_LENGTHS``, so the
@@ -34,7 +33,7 @@ CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
 WARMUP_TOKENS = 64
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
-VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on an H100 / H200
+VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)
 # One decode step of the tiny shape on a loaded 2-core CPU (one free thread), at batch 2 and 8 on
 # average, per format: NF4 dequantizes its code book at every step.
 CPU_STEP_S = {"bf16": 0.05, "nvfp4": 0.04, "mxfp4": 0.04, "nf4": 0.08}

@@ -361,9 +361,9 @@ def lora_compute(model: nn.Module, device: torch.device) -> Iterator[None]:
     """LoRA's matmuls in the model's compute dtype on a GPU.
 
     PEFT keeps the adapter in float32 (so AdamW's updates are not lost to BF16 rounding) and by default
-    casts every LoRA input to float32: on an H100 that ran the LoRA products as float32 GEMMs without
-    tensor cores, plus a cast and a float32 add per projection, about a third of a 7B update's time
-    (profile in benchmarks/h100-2026-11-24). Under autocast the float32 weights are cast per matmul
+    casts every LoRA input to float32: on a GPU that runs the LoRA products as float32 GEMMs without
+    tensor cores, plus a cast and a float32 add per projection, a large share of an update's time (the
+    profile: docs/train.md). Under autocast the float32 weights are cast per matmul
     (they are small) and the activations stay BF16; gradients still reach the float32 weights.
     """
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

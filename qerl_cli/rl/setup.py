@@ -200,7 +200,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     Colocated with vLLM this must happen before vLLM takes its share: created lazily inside the
     first ``optimizer.step()``, the small moment tensors are carved out of the large cached blocks
     that held the update's activations, pin them, and ``empty_cache`` can then not give those
-    blocks back before vLLM wakes up (seen on an H200: OOM at the second wake-up of a 7B run).
+    blocks back before vLLM wakes up (the out-of-memory error it caused: docs/memory.md).
     Identical numerics: ``AdamW`` skips its own initialisation for a parameter whose state is set.
     """
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
