@@ -45,7 +45,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def device_label(device: torch.device | str) -> str:
-    """What ran the numbers, for reports and figures: the GPU's name as CUDA reports it or ``CPU (x86_64)``."""
+    """What ran the numbers, for reports and figures: the GPU's name as CUDA gives it or ``CPU (x86_64)``."""
     if isinstance(device, str):
         device = resolve_device("auto") if device == "auto" else torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():

@@ -27,7 +27,7 @@ from torch import nn
 from qerl_cli.config.sections import BaseCompute
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
-from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an FP8-capable GPU in for it
+from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an FP8 GPU in for it
 from qerl_cli.modeling.fp8_update import FP8_MIN_WEIGHTS, check_dims, fp8_pays
 from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
 from qerl_cli.torch_utils import GIB
@@ -50,8 +50,10 @@ def resolve_base_compute(
     if choice == "bf16":
         return "bf16", "train.base_compute=bf16"
     if choice == "auto":
-        return "bf16", ("train.base_compute=auto keeps BF16: FP8 update GEMMs measured no faster than BF16 "
-                        "for GiB of weight copies (docs/train.md); set train.base_compute=fp8 to use them")  # fmt: skip
+        return "bf16", (
+            "train.base_compute=auto keeps BF16: FP8 update GEMMs measured no faster than BF16 for GiB "
+            "of weight copies (docs/train.md); train.base_compute=fp8 uses them"
+        )
     if quantized is None:
         return "bf16", "train.base_compute=fp8: the base is BF16, which computes in BF16"
     where = (

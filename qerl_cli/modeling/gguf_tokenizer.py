@@ -4,7 +4,7 @@ transformers converts a GGUF tokenizer from the file's metadata. For SentencePie
 (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral, Gemma) the file holds pieces, scores and token
 types but no merges. Gemma's GGUF converter (transformers 5.17) reads those scores as a *Unigram*
 model's log-probabilities; they are BPE merge ranks (``-rank``), so Viterbi prefers the many short,
-early pieces and the tokenizer becomes nearly character-level (the ``gemma3-270m`` alias: "Mia has 23 apples" ->
+early pieces and the tokenizer becomes nearly character-level (``gemma3-270m``: "Mia has 23 apples" ->
 ``Mia ▁h as ▁ 2 3 ▁a pp les``). The model then sees text it was never trained on and prints "is is is".
 
 This module rebuilds what SentencePiece's BPE does from the same vocabulary: a merge for every piece
