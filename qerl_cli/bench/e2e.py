@@ -60,8 +60,8 @@ from qerl_cli.config import (
 )
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import load_tokenizer
+from qerl_cli.rl import trainer as trainer_mod
 from qerl_cli.rl.tracking import step_other_s
-from qerl_cli.rl.trainer import Trainer
 from qerl_cli.torch_utils import GIB, free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,9 @@ def median_step(records: list[dict[str, Any]]) -> dict[str, Any]:
 def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
     """Run warm-up + timed GRPO steps in this process; one e2e row for ``fmt``."""
 
-    trainer = Trainer(e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed))
+    trainer = trainer_mod.Trainer(
+        e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed)
+    )
     if trainer.policy.base_format != fmt:
         raise QerlError(f"{model_dir} loaded as {trainer.policy.base_format}, expected {fmt}")
     records = []

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench import models
 from qerl_cli.bench.adapter import write_random_lora
 from qerl_cli.bench.ballast import memory_cap
 from qerl_cli.bench.charts import write_charts
@@ -20,7 +21,7 @@ from qerl_cli.bench.concurrency import add_roofline, backends_for, measured_mode
 from qerl_cli.bench.e2e import prompts_per_step, run_e2e
 from qerl_cli.bench.engines import Case, run_case
 from qerl_cli.bench.gate import check_regressions
-from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label, prepare_checkpoints
+from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
 from qerl_cli.bench.plan import bench_plan
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.report import add_speedups, write_markdown
@@ -221,7 +222,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     started = time.perf_counter()
     report = new_report(_settings(cfg, model, engine, formats), command)
     Progress("bench", 0, started=started).say(f"preparing the {', '.join(formats)} checkpoints of {model}")
-    checkpoints = prepare_checkpoints(model, formats, cfg.seed)
+    checkpoints = models.prepare_checkpoints(model, formats, cfg.seed)
     # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
     # (its engine start and cases), the e2e steps.
     timings = BenchTimings(checkpoints_s=time.perf_counter() - started)

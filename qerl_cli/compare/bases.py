@@ -14,9 +14,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import DEFAULT_BASE_METHOD, BaseChoice, base_choice
+from qerl_cli.compare.arms import BaseChoice, base_choice
+from qerl_cli.compare.settings import DEFAULT_BASE_METHOD
 from qerl_cli.config import QuantizeConfig, TrainConfig, apply_overrides, from_dict
-from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN
+from qerl_cli.data import calib_text
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder, write_folder_once
 from qerl_cli.modeling.adapter import check_folder
@@ -196,8 +197,9 @@ def _calibrated_base(
     def write(staging: Path) -> None:
         run_quantize(
             QuantizeConfig(
-                model=folder, format=fmt, method=method, calib=BUILTIN_NAME, calib_field="text",
-                num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
+                model=folder, format=fmt, method=method, calib=calib_text.BUILTIN_NAME, calib_field="text",
+                num_samples=calib_text.SMALL_CALIB_SAMPLES, seq_len=calib_text.SMALL_CALIB_SEQ_LEN,
+                output=str(staging),
                 overwrite=True, device=device, lora_init=lora_init, lora_init_rank=rank,
             )
         )  # fmt: skip

@@ -10,15 +10,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import CompareSettings
+from qerl_cli import evaluation
 from qerl_cli.compare.entropy import rollout_entropy
 from qerl_cli.compare.results import BaseHeldout, HeldoutScore
 from qerl_cli.compare.runs import arm_config
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, TrainConfig
 from qerl_cli.data.benchmarks import benchmark_spec, load_benchmark
 from qerl_cli.data.prompts import render_prompt
 from qerl_cli.errors import QerlError
-from qerl_cli.evaluation import run_eval
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import init_folder
 from qerl_cli.modeling.loading import load_tokenizer
@@ -66,7 +66,7 @@ def evaluate_heldout(
         grader_workers=max(1, conf.reward.grader_workers), device=conf.train.device, dtype=conf.model.dtype,
         generation_batch_size=conf.rollout.generation_batch_size,
     )  # fmt: skip
-    results = run_eval(eval_cfg, log=lambda message: log.info("%s", message))
+    results = evaluation.run_eval(eval_cfg, log=lambda message: log.info("%s", message))
     metrics = results.benchmarks[bench].metrics
     return HeldoutScore(
         benchmark=bench,

@@ -37,11 +37,12 @@ from typing import Any
 
 from rich.table import Table
 
-from qerl_cli.compare.arms import QUANTIZED_FORMATS, CompareSettings
+from qerl_cli.compare.arms import QUANTIZED_FORMATS
 from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mean
 from qerl_cli.compare.curves import window as _window
 from qerl_cli.compare.plot import plot_curves
 from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.compare.verdict import (
     arm_verdicts,
     verdict_cells,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES
+from qerl_cli.data import calib_text
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.adapter import attach_to_base
 from qerl_cli.modeling.loading import load_policy_model, load_tokenizer
@@ -73,8 +73,8 @@ def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:
     """qerl-text's held-out rows (disjoint from any ``--calib qerl-text`` calibration)."""
 
     calib = load_calibration(
-        BUILTIN_NAME, tokenizer, num_samples=SMALL_CALIB_SAMPLES, seq_len=seq_len, seed=42,
-        field_name="text", held_out=rows,
+        calib_text.BUILTIN_NAME, tokenizer, num_samples=calib_text.SMALL_CALIB_SAMPLES, seq_len=seq_len,
+        seed=42, field_name="text", held_out=rows,
     )  # fmt: skip
     return [ids for ids in calib.held_out if len(ids) >= 2]
 

@@ -22,9 +22,10 @@ from qerl_cli.config import QuantizeConfig
 from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import source_checks
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
-from qerl_cli.modeling.source_checks import check_model_source, hub_offline_by_env, hub_reachable
+from qerl_cli.modeling.source_checks import check_model_source
 from qerl_cli.quantize import error_init, pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
@@ -247,12 +248,12 @@ def calibration_source(calib: str, split: str, samples: int) -> str:
         return f"{what} from {BUILTIN_NAME} (shipped with qerl, offline)"
     if Path(calib).expanduser().exists() or Path(calib).suffix.lower() in (".jsonl", ".parquet"):
         return f"{what} from the file {calib}"
-    offline = hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
+    offline = source_checks.hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
         "1",
         "true",
         "yes",
     )
-    if offline or not hub_reachable():
+    if offline or not source_checks.hub_reachable():
         why = (
             "the Hub is offline here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
             if offline

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli import rewards as reward_functions
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
 from qerl_cli.data.prompts import reward_settings
 from qerl_cli.errors import QerlError
@@ -40,7 +41,6 @@ from qerl_cli.files import ensure_output_dir
 from qerl_cli.modeling.adapter import load_weights
 from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.modeling.prompt_tokens import encode_prompt
-from qerl_cli.rewards import build_reward_fn
 from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
@@ -113,7 +113,9 @@ class Trainer:
             self.aqn_probe = NoiseProbe.for_run(cfg, self.problems, self.prompts) if self.schedule else None
             self.tis_on = setup.tis_enabled(cfg, self.policy, self.engine.linear_backend)
             if reward_fn is None:
-                reward_fn = build_reward_fn(cfg.reward, **reward_settings(cfg.data))  # its prompt's format
+                reward_fn = reward_functions.build_reward_fn(
+                    cfg.reward, **reward_settings(cfg.data)
+                )  # its prompt's format
             self.reward_fn = reward_fn
             self.step = 0
             self._seed_rank_stream()
