@@ -6,8 +6,8 @@ for the byte-level tokenizer of shape checkpoints), ``--generations`` completion
 ``--prompts-per-step`` prompts a step (default: the largest ``batch``, 8), ``--gen-len`` completion
 tokens at most, LoRA of ``--lora-rank`` (16 when 0), and the same vLLM memory share
 (``gpu_memory_utilization``). Only the base format differs. ``--recipe`` takes the step's
-shape from a training recipe (:func:`recipe_shape`, flags given explicitly win) and its memory
-settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
+shape from a training recipe (:func:`~qerl_cli.bench.settings.recipe_shape`, flags given explicitly
+win) and its memory settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
 
 Rewards are seeded random numbers instead of math grading: grading costs the same for every
 format, and random rewards give every group nonzero advantages, so each step does a real update.
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench.progress import Progress
-from qerl_cli.bench.settings import E2EConfig
+from qerl_cli.bench.settings import E2EConfig, recipe_config
 from qerl_cli.config import (
     AlgorithmSection,
     AQNSection,
@@ -56,7 +56,6 @@ from qerl_cli.config import (
     TrainConfig,
     TrainSection,
     from_dict,
-    load_config,
 )
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import load_tokenizer
@@ -106,20 +105,6 @@ def prompts_per_step(cfg: E2EConfig) -> int:
     return cfg.prompts_per_step or max(cfg.batch)
 
 
-def recipe_shape(recipe: str) -> dict[str, Any]:
-    """E2EConfig values of a training recipe's step shape (for flags the user did not give)."""
-    train = _recipe(recipe, "")
-    r = train.rollout
-    return {"prompt_len": r.max_prompt_length, "gen_len": r.max_completion_length,
-            "generations": r.num_generations, "prompts_per_step": train.train.prompts_per_step,
-            "lora_rank": train.lora.rank}  # fmt: skip
-
-
-def _recipe(recipe: str, model_dir: str) -> TrainConfig:
-
-    return load_config(TrainConfig, recipe, [f"model.path={model_dir or 'unused'}"])
-
-
 def filler_system_prompt(prompt_len: int, tokenizer: Any = None) -> str | None:
     """A system prompt that brings a synthetic question to about ``prompt_len`` tokens; None when the
     question alone is that long. Characters are tokens for the shapes' byte-level tokenizer; with
@@ -148,7 +133,7 @@ def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) 
     filler = filler_system_prompt(cfg.prompt_len, folder_tokenizer(model_dir))
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
     prompts = prompts_per_step(cfg)
-    recipe = _recipe(cfg.recipe, model_dir) if cfg.recipe else None
+    recipe = recipe_config(cfg.recipe, model_dir) if cfg.recipe else None
     share = cfg.gpu_memory_utilization
     if share is None:
         share = recipe.rollout.gpu_memory_utilization if recipe else 0.3

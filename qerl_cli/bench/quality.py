@@ -17,15 +17,14 @@ import importlib.util
 import shutil
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import torch
 
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.progress import Progress
-from qerl_cli.bench.settings import QualitySettings, report_settings
-from qerl_cli.config import QuantFormat, QuantizeConfig, QuantMethod
-from qerl_cli.errors import QerlError
+from qerl_cli.bench.settings import QualitySettings, parse_row, report_settings
+from qerl_cli.config import QuantizeConfig
 from qerl_cli.files import atomic_write_text
 from qerl_cli.modeling.shapes import marlin_refusals, module_shapes
 from qerl_cli.modeling.sources import resolve_model_source
@@ -37,18 +36,6 @@ from qerl_cli.quantize.validate import quantized_linear_names
 
 SCHEMA = "qerl-bench-quality/1"
 REPORT_NAME = "quality.json"
-
-
-def parse_row(row: str) -> tuple[str, str]:
-    """``FORMAT-METHOD`` -> (format, method), both known to ``qerl quantize``."""
-    fmt, sep, method = row.strip().lower().partition("-")
-    formats, methods = get_args(QuantFormat), get_args(QuantMethod)
-    if not sep or fmt not in formats or method not in methods:
-        raise QerlError(
-            f"--rows: {row!r} is not FORMAT-METHOD with FORMAT one of {', '.join(formats)} and METHOD one of "
-            f"{', '.join(methods)} (e.g. nvfp4-rtn)"
-        )
-    return fmt, method
 
 
 def _native_rtn(bf16: str, target: Path, fmt: str) -> dict[str, Any]:

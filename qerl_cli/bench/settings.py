@@ -5,8 +5,8 @@ into the flag that set it).
 
 They live here, apart from the benchmarks that run them, because those modules import torch and the
 settings are read and checked before it is (``bench.json``'s three use ``config.BenchConfig`` and
-:class:`~qerl_cli.bench.e2e.E2EConfig`). Values with a choice are typed with the config's aliases
-(``BaseCompute``, ``FusedKernels``), their one home.
+:class:`E2EConfig`, here too, with the keys given and a recipe's step shape). Values with a choice are
+typed with the config's aliases (``BaseCompute``, ``FusedKernels``), their one home.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 
 import yaml
 
-from qerl_cli.config import BenchConfig, checks
+from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config
 from qerl_cli.config.checks import ConfigValueError, key
 from qerl_cli.config.sections import BaseCompute, FusedKernels, LinearBackend
 from qerl_cli.errors import QerlError
@@ -214,3 +214,29 @@ class E2EConfig(BenchConfig):
             )
         if self.gpu_memory_utilization is not None:
             checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
+
+
+def recipe_config(recipe: str, model_dir: str) -> TrainConfig:
+    """A training recipe read for ``qerl bench e2e --recipe`` (YAML only: read before torch is imported)."""
+    return load_config(TrainConfig, recipe, [f"model.path={model_dir or 'unused'}"])
+
+
+def recipe_shape(recipe: str) -> dict[str, Any]:
+    """E2EConfig values of a training recipe's step shape (for flags the user did not give)."""
+    train = recipe_config(recipe, "")
+    r = train.rollout
+    return {"prompt_len": r.max_prompt_length, "gen_len": r.max_completion_length,
+            "generations": r.num_generations, "prompts_per_step": train.train.prompts_per_step,
+            "lora_rank": train.lora.rank}  # fmt: skip
+
+
+def parse_row(row: str) -> tuple[str, str]:
+    """``FORMAT-METHOD`` -> (format, method), both known to ``qerl quantize``."""
+    fmt, sep, method = row.strip().lower().partition("-")
+    formats, methods = get_args(QuantFormat), get_args(QuantMethod)
+    if not sep or fmt not in formats or method not in methods:
+        raise QerlError(
+            f"--rows: {row!r} is not FORMAT-METHOD with FORMAT one of {', '.join(formats)} and METHOD one of "
+            f"{', '.join(methods)} (e.g. nvfp4-rtn)"
+        )
+    return fmt, method

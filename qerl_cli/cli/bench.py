@@ -20,7 +20,7 @@ from typing import Annotated, Any, get_args
 import typer
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.settings import E2EConfig, given_keys
+from qerl_cli.bench.settings import E2EConfig, given_keys, recipe_shape
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -178,8 +178,6 @@ def run_bench_command(
         preflight.check_tolerance(values["tolerance"])
     given = given_keys(values, sets, config)
     if values.get("recipe"):  # the recipe's step shape under the flags given (YAML only: no torch yet)
-        from qerl_cli.bench.e2e import recipe_shape
-
         shape = recipe_shape(values["recipe"])
         values = {**values, **{k: v for k, v in shape.items() if values.get(k) is None}}
     conf = load_config(cls, config, sets, flags=flags, **values)
