@@ -22,6 +22,7 @@ from qerl_cli.bench import preflight
 from qerl_cli.bench.concurrency import backends_for
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
+from qerl_cli.bench.rollout import WARMUP_TOKENS
 from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig
 
@@ -29,8 +30,6 @@ from qerl_cli.config import BenchConfig
 # given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
 # of an hour); with these the default bench took 86 s on a 2-core machine shared with other work.
 CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
-# Tokens of a warm-up generation (bench.rollout.WARMUP_TOKENS, repeated so this module needs no torch).
-WARMUP_TOKENS = 64
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)
