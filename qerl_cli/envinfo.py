@@ -108,7 +108,6 @@ def gpu_driver() -> str | None:
 
 
 def collect() -> dict[str, Any]:
-
     return {
         "qerl": __version__,
         "python": sys.version.split()[0],

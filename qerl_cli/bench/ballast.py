@@ -62,7 +62,6 @@ def _wait_ready(proc: subprocess.Popen, ready: Path) -> dict[str, Any]:
 
 
 def _hold(cap_gib: float, ready: Path) -> None:
-
     free, total = torch.cuda.mem_get_info()
     hold = max(0, free - int(cap_gib * GIB))
     block = torch.empty(hold, dtype=torch.uint8, device="cuda") if hold else None

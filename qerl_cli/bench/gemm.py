@@ -149,7 +149,6 @@ class _Layer:
     """One random ``[N, K]`` weight in every backend's format, plus a rank-16 adapter."""
 
     def __init__(self, n: int, k: int, device: torch.device, seed: int) -> None:
-
         gen = torch.Generator(device=device).manual_seed(seed)
         dense = torch.randn((n, k), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
         self.nvfp4 = Nvfp4Weight.from_buffers(formats.get("nvfp4").quantize(dense))

@@ -78,7 +78,6 @@ def copy_gbps(device: torch.device, nbytes: int, iters: int) -> float:
 def measure_dequant(
     fmt_name: str, shape: tuple[int, int], device: torch.device, iters: int, copy_rate: float
 ) -> dict[str, Any]:
-
     out_features, in_features = shape
     fmt = formats.get(fmt_name)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -278,7 +277,6 @@ def run_kernels(
 
 
 def kernels_table(report: dict[str, Any]):  # -> a rich renderable: the formats' table (and the GEMMs')
-
     table = Table(title=f"4-bit kernels on {report['device']} ({report['settings']['model']})")
     for name in (
         "format",

@@ -38,7 +38,6 @@ CPU_DEFAULT_MODEL = "tiny"
 
 
 def shape_names() -> list[str]:
-
     return list(SHAPES)
 
 
@@ -109,7 +108,6 @@ def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
 
 
 def _local_folder(model: str) -> Path:
-
     path = Path(resolve_model_source(model)).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -127,7 +125,6 @@ def _local_folder(model: str) -> Path:
 
 
 def _rtn_checkpoint(source: Path, fmt: str) -> Path:
-
     digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
     target = cache_root() / "bench" / "rtn" / f"{source.name}-{digest}" / fmt
 

@@ -40,7 +40,6 @@ def _e2e_shape(cfg: E2EConfig) -> dict[str, Any]:
 
 
 def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
-
     steps = isinstance(cfg, E2EConfig)
     return {
         "model": model_label(model),

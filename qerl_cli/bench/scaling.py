@@ -257,7 +257,6 @@ def _seconds(run: dict[str, Any], keys: tuple[str, ...]) -> str:
 
 
 def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
-
     run = report["run"]
     table = Table(
         title=f"GRPO on {report['world_size']} process(es), {report['scaling']} scaling", show_header=False

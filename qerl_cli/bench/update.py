@@ -259,7 +259,6 @@ def cases(settings: UpdateSettings) -> list[tuple[str, str]]:
 
 
 def update_table(report: dict[str, Any]):  # -> rich.table.Table
-
     table = Table(title=f"GRPO update on {report['device']} ({report['settings']['model']})")
     columns = ("format", "fused", "base", "micro-batch", "ckpt", "update s", "tokens/s", "MFU (BF16 peak)",
                "MFU (FP8 peak)", "peak GiB")  # fmt: skip

@@ -29,7 +29,6 @@ BASE_RESULT_NAME = "heldout.json"
 
 
 def heldout_benchmark(conf: TrainConfig) -> str:
-
     name = conf.data.dataset
     if name.startswith("synthetic-") or benchmark_spec(name) is not None:
         return name

@@ -255,7 +255,6 @@ def _method_text(method: str | None) -> str:
 
 
 def compare_table(report: CompareReport):  # -> rich.table.Table
-
     table = Table(title=f"qerl compare (threshold {report.threshold:.3f})")
     for header in _headers(report):
         table.add_column(header, justify="left" if header == "arm" else "right")
@@ -279,7 +278,6 @@ def write_report(
     skipped: int = 0, recipe: str = "", base_heldout: dict[str, BaseHeldout | None] | None = None,
     base_labels: dict[str, str] | None = None,
 ) -> CompareReport:  # fmt: skip
-
     results = load_results(out, list(arms), seeds)
     rows, used = arm_rows(
         results, threshold if threshold is not None else settings.threshold, base_heldout, base_labels

@@ -59,7 +59,6 @@ RESULTS_FORMAT = 1
 
 
 def _default_log() -> Log:
-
     console = Console(stderr=True)
     return lambda message: console.print(message, highlight=False, markup=False)  # paths hold [...]
 
@@ -109,7 +108,6 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
 
 
 def load_eval_tokenizer(cfg: EvalConfig) -> Any:
-
     try:
         return load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
@@ -317,7 +315,6 @@ def run_eval(
 
 
 def _check_model_paths(cfg: EvalConfig) -> None:
-
     check_model_source(
         cfg.model,
         what="model",

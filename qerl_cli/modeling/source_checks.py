@@ -137,7 +137,6 @@ def check_model_source(
 
 
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
-
     if not path.is_dir():
         raise QerlError(
             f"{what} {path} is a file, not a model folder: give a model folder (config.json and "

@@ -80,7 +80,6 @@ def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:
 
 
 def _load(path: str, adapter: str | None, device: torch.device) -> torch.nn.Module:
-
     model, _ = load_policy_model(path, dtype=torch.bfloat16, device=device)
     if adapter:
         model = attach_to_base(model, adapter).to(device)
@@ -127,7 +126,6 @@ def measure_quality(
 
 
 def quality_table(report: QualityReport):  # -> rich.table.Table
-
     table = Table(title=f"kept quality vs {report.reference} ({report.text['tokens']} held-out tokens)")
     for name in ("candidate", "KL to BF16 (nats/token)", "top-1 agree", "perplexity"):
         table.add_column(name, overflow="fold")

@@ -50,7 +50,6 @@ def state_bytes(model: torch.nn.Module) -> int:
 
 
 def _saved_tensor_index(out_dir: Path) -> dict[str, Path]:
-
     index: dict[str, Path] = {}
     for file in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:

@@ -44,7 +44,6 @@ def resolve_callable(ref: str) -> Callable[..., Any]:
 
 
 def _serve(inbox: Connection, outbox: Connection) -> None:
-
     fn = resolve_callable(inbox.recv())
     # Import math-verify and warm its caches before READY: the first item's clock must not pay it.
     importlib.import_module("qerl_cli.rewards._preload")

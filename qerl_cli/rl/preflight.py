@@ -79,7 +79,6 @@ def output_folder(out_dir: str | Path, *, resume: str | None, overwrite: bool) -
 
 
 def model_source(cfg: TrainConfig) -> Checked:
-
     path = cfg.model.path
     check_model_source(
         path,
@@ -91,7 +90,6 @@ def model_source(cfg: TrainConfig) -> Checked:
 
 
 def dataset(cfg: TrainConfig) -> Checked:
-
     return Checked("data.dataset", check_reachable(cfg.data.dataset))
 
 
@@ -115,7 +113,6 @@ def engine(cfg: TrainConfig) -> Checked:
 
 
 def grader() -> Checked:
-
     require_math_verify()
     return Checked("reward grader", "math-verify installed")
 

@@ -60,7 +60,6 @@ def derive_seed(seed: int, *parts: object) -> int:
 
 
 def load_training_problems(cfg: TrainConfig) -> list[Problem]:
-
     data = cfg.data
     # Shuffling here only picks which max_samples problems are used; the order comes from PromptStream.
     return load_problems(

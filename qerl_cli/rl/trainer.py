@@ -204,7 +204,6 @@ class Trainer:
         return found
 
     def _load_adapter(self, folder: Path) -> None:
-
         load_weights(self.policy.model, folder)
 
     def save(self) -> Path:
