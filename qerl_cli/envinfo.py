@@ -13,6 +13,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from qerl_cli import __version__
+
 # What `qerl env` reports, in report order (distribution names).
 PACKAGES = (
     "torch",
@@ -55,7 +59,6 @@ class GpuInfo:
 
 def gpu_info() -> list[GpuInfo]:
     """Every visible CUDA device, in index order; empty without CUDA."""
-    import torch
 
     if not torch.cuda.is_available():
         return []
@@ -105,10 +108,6 @@ def gpu_driver() -> str | None:
 
 
 def collect() -> dict[str, Any]:
-    import torch
-
-    from qerl_cli import __version__
-
     return {
         "qerl": __version__,
         "python": sys.version.split()[0],

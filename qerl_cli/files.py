@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.errors import QerlError
+
 
 def current_umask() -> int:
     """The process umask, read without changing it where Linux allows (``/proc/self/status``)."""
@@ -57,7 +59,6 @@ def ensure_output_dir(path: str | Path, what: str) -> Path:
     A file in the way, a parent that is a file, or a folder this process cannot write to is a
     QerlError now, naming the path, instead of an OSError after minutes of work.
     """
-    from qerl_cli.errors import QerlError
 
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -152,7 +153,6 @@ def read_json_report(path: str | Path, file_name: str, what: str) -> dict[str, A
     ``what`` names the file in the messages (e.g. "the bench.json of an earlier `qerl bench` run").
     Callers check the report's own shape; this only guarantees a JSON object.
     """
-    from qerl_cli.errors import QerlError
 
     path = Path(path)
     if path.is_dir():

@@ -8,9 +8,12 @@ for a missing figure of a report), so :func:`mean` takes it as ``empty``.
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import TypeVar, overload
 
 _Empty = TypeVar("_Empty")
@@ -161,8 +164,6 @@ def permutation_test(
     """Exact when the C(n_a + n_b, n_a) ways to split the pooled values are at most ``draws``: p is the
     share of them (the observed one included) whose |difference of means| reaches the observed one.
     Otherwise ``draws`` random splits (``seed``): p = (1 + hits) / (1 + draws), which never says 0."""
-    import itertools
-    import random
 
     pooled = [*a, *b]
     n_a, total = len(a), sum(pooled)
@@ -190,7 +191,6 @@ def seeds_for_half_width(sd_a: float, sd_b: float, half_width: float, confidence
     """The least n (>= 2) seeds per arm at which Welch's ``confidence`` interval of the difference, at
     these standard deviations, is no wider than ± ``half_width``: t(df_n) * sqrt((sd_a^2 + sd_b^2) / n)
     <= half_width, with df_n Welch's for n a side. None: more than ``limit``."""
-    from statistics import NormalDist
 
     var = sd_a * sd_a + sd_b * sd_b
     # t > z at every df, so no n below the normal approximation's z^2 * var / half_width^2 will do: the

@@ -45,7 +45,7 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def device_label(device: torch.device | str) -> str:
-    """What ran the numbers, for reports and figures: the GPU's name (``NVIDIA H200``) or ``CPU (x86_64)``."""
+    """What ran the numbers, for reports and figures: the GPU's name as CUDA gives it or ``CPU (x86_64)``."""
     if isinstance(device, str):
         device = resolve_device("auto") if device == "auto" else torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
@@ -212,12 +212,10 @@ def runs_on_cpu(device_name: str) -> bool:
 
 # -- CPU time estimates ----------------------------------------------------------------------------
 # What train, quantize and eval say at their start on a CPU: an estimate from the configuration, said to
-# be one. The rate is the one CPU run measured end to end: AWQ of SmolLM2-135M on 256 x 2048 calibration
-# tokens took about 48 min on 2 cores, 2 x 135M parameters x 524k tokens = 1.4e14 FLOPs, i.e. ~25 GFLOP/s
-# a thread. Sampling one token at a time uses the cores far worse (small matrices, the per-token Python
-# of generate): counted 4x. A 4-bit base is dequantized at every forward and backward: counted 1.5x. The
-# SmolLM2 recipe's training (BF16 base, 2 threads) comes out at ~18 min a step this way; measured, its
-# first step had not ended after 17 min.
+# be one. The rate per thread is that of the one CPU run measured end to end (its figures and the check of
+# a training step against the estimate: docs/tools.md); re-derive it there when a CPU run disagrees.
+# Sampling one token at a time uses the cores far worse (small matrices, the per-token Python of generate):
+# counted 4x. A 4-bit base is dequantized at every forward and backward: counted 1.5x.
 CPU_FLOPS_PER_THREAD = 25e9
 DECODE_COST = 4.0
 FOUR_BIT_COST = 1.5

@@ -342,7 +342,8 @@ def test_checkpoint_bytes_are_read_from_the_headers(tiny_folder):
 
 
 def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
-    from qerl_cli.bench.e2e import E2EConfig, run_e2e
+    from qerl_cli.bench.e2e import run_e2e
+    from qerl_cli.bench.settings import E2EConfig
 
     cfg = E2EConfig(
         model=str(tiny_folder),
@@ -430,7 +431,8 @@ def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(
 
 
 def test_e2e_config_without_a_recipe_pads_prompts_and_takes_the_flags():
-    from qerl_cli.bench.e2e import E2EConfig, e2e_train_config, filler_system_prompt
+    from qerl_cli.bench.e2e import e2e_train_config, filler_system_prompt
+    from qerl_cli.bench.settings import E2EConfig
 
     cfg = E2EConfig(batch=[2, 8], prompt_len=256, gen_len=2048, generations=4, prompts_per_step=16,
                     gpu_memory_utilization="auto")  # fmt: skip

@@ -710,7 +710,7 @@ def test_a_tool_benchmark_reads_config_under_its_flags_and_set(
 def test_e2e_has_its_own_settings_and_bench_config_no_e2e_keys() -> None:
     import dataclasses
 
-    from qerl_cli.bench.e2e import E2EConfig
+    from qerl_cli.bench.settings import E2EConfig
     from qerl_cli.config import BenchConfig
 
     shared = [f.name for f in dataclasses.fields(BenchConfig)]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,3 +140,80 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_two_modules_import_each_other() -> None:
     assert _circles(_module_graph()) == []
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# -- imports at the top of a module ------------------------------------------------------------------
+# An import inside a function hides a module's dependencies and defers its errors to a run's middle, so
+# imports go at the top. These may stay inside a function, and only these:
+LAZY_PACKAGES = {
+    # heavy optional dependencies: an extra may not install them, and each costs seconds to import
+    "vllm", "llmcompressor", "transformers", "peft", "matplotlib", "triton", "bitsandbytes", "liger_kernel",
+    "datasets", "math_verify", "pynvml", "gguf", "wandb", "torch.utils.tensorboard",
+    # qerl's Triton kernels, which import triton at their top
+    "qerl_cli.kernels._triton_dequant", "qerl_cli.kernels._triton_fp8_rows",
+    "qerl_cli.kernels._triton_nvfp4_gemm",
+}  # fmt: skip
+# The CLI's start-up path: `qerl --help` imports the library (and torch) only in the command that needs it.
+LAZY_FILES = {"qerl_cli/__main__.py"}
+LAZY_FOLDERS = ("qerl_cli/cli/",)
+# Function-level imports in all, the allowed ones above included (the figure may only go down).
+MAX_FUNCTION_IMPORTS = 150
+
+
+def _function_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, imported module) of every import inside a function body (a nested function's counted
+    again, in each function around it)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import):
+                    found.append((sub.lineno, sub.names[0].name))
+                elif isinstance(sub, ast.ImportFrom):
+                    module = sub.module or ""
+                    names = [f"{module}.{a.name}" for a in sub.names]
+                    lazy = next((n for n in names if n in LAZY_PACKAGES), module)
+                    found.append((sub.lineno, "qerl_cli." + module if sub.level else lazy))
+    return found
+
+
+def _allowed(path: str, module: str) -> bool:
+    if path in LAZY_FILES or path.startswith(LAZY_FOLDERS):
+        return True
+    parts = module.split(".")
+    return any(".".join(parts[:n]) in LAZY_PACKAGES for n in range(1, len(parts) + 1))
+
+
+def test_function_level_imports_stay_few() -> None:
+    found = {
+        str(p.relative_to(REPO)): _function_imports(ast.parse(p.read_text()))
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
+    total = sum(map(len, found.values()))
+    to_move = [f"{path}:{line} {module}" for path, imports in found.items() for line, module in imports
+               if not _allowed(path, module)]  # fmt: skip
+    assert total <= MAX_FUNCTION_IMPORTS, f"{total} imports inside functions; move to the top: {to_move}"
+
+
+def test_the_import_count_sees_what_it_is_for() -> None:
+    tree = ast.parse(
+        "import os\ndef f():\n    import torch\n    from vllm import LLM\n    def g():\n        import json\n"
+    )
+    assert _function_imports(tree) == [(3, "torch"), (4, "vllm"), (6, "json"), (6, "json")]
+    assert _allowed("qerl_cli/rl/x.py", "vllm.lora") and _allowed("qerl_cli/cli/app.py", "torch")
+    assert not _allowed("qerl_cli/rl/x.py", "torch")
+    assert not _allowed("qerl_cli/rl/x.py", "qerl_cli.rl.policy")
+
+
+def test_the_cli_starts_without_torch() -> None:
+    """``qerl --help`` and every command's --help import no torch: it costs seconds before the first line."""
+    code = (
+        "import sys\nfrom qerl_cli.cli import main\n"
+        "helps = ([], ['train'], ['compare'], ['bench'], ['bench', 'kernels'])\n"
+        "codes = [main([*argv, '--help']) for argv in helps]\n"
+        "print(codes, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0, 0] False"

@@ -5,6 +5,7 @@ in another order)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -81,3 +82,24 @@ def test_the_check_sees_a_second_definition_and_a_copied_list() -> None:
     assert {"GIB", "lora_params"} <= _definitions(tree)
     literal = next(n for n in ast.walk(tree) if isinstance(n, ast.Tuple))
     assert {e.value for e in literal.elts} == set(get_args(sections.FusedKernels))
+
+
+# A line of the package naming a GPU, a date or a model of a recorded run: such figures and their story
+# live in benchmarks/<run>/README.md and docs/*.md, and the code says the rule and the remedy. (Model
+# aliases used as data, "gemma3-270m", are spelled so that this does not match them.)
+RUN_MENTION = re.compile(r"H100|H200|A100|20[0-9]{2}-[0-9]{2}-[0-9]{2}|Gemma 3 270M|SmolLM2")
+MAX_RUN_MENTIONS = 10  # the model name of a shipped alias, and what is left to strip (may only go down)
+
+
+def _run_mentions(text: str) -> int:
+    return sum(1 for line in text.splitlines() if RUN_MENTION.search(line))
+
+
+def test_the_code_names_few_gpus_dates_or_run_models() -> None:
+    found = {str(p.relative_to(REPO)): _run_mentions(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    assert sum(found.values()) <= MAX_RUN_MENTIONS, {path: n for path, n in found.items() if n}
+
+
+def test_the_mention_count_sees_gpus_dates_and_models() -> None:
+    text = "on an H200\nbenchmarks/run-2026-11-27\nGemma 3 270M\nSmolLM2-135M\nalias gemma3-270m\nH20\n"
+    assert _run_mentions(text) == 4

@@ -54,6 +54,7 @@ def test_the_wheel_carries_the_recipes_and_finds_them_by_name(tmp_path: Path) ->
     for recipe in recipes:
         assert (installed / recipe.name).read_bytes() == recipe.read_bytes(), recipe.name
     assert (target / "qerl_cli" / "rollout" / "crossover.json").is_file()
+    assert (target / "qerl_cli" / "bench" / "gpus.json").is_file()  # the roofline's GPU table
 
     # From a folder that is no clone, the installed qerl finds a recipe by name and by its clone path.
     elsewhere = tmp_path / "elsewhere"

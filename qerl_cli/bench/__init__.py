@@ -10,7 +10,8 @@
   each write their own JSON, which begins with :func:`~qerl_cli.bench.header.report_header`.
 
 The package imports its modules when they are used (``qerl_cli.bench.run_bench`` imports the rollout
-machinery then), so a submodule such as :mod:`~qerl_cli.bench.header` is read without torch.
+machinery then), so :mod:`~qerl_cli.bench.settings`, which the CLI reads at start-up, comes without
+torch.
 """
 
 from __future__ import annotations

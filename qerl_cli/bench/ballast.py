@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qerl_cli.errors import QerlError
 from qerl_cli.torch_utils import GIB
 
@@ -30,7 +32,6 @@ def memory_cap(cap_gib: float | None) -> Iterator[dict[str, Any] | None]:
     if cap_gib is None:
         yield None
         return
-    import torch
 
     if not torch.cuda.is_available():
         raise QerlError("memory_cap_gib needs a CUDA GPU (it holds GPU memory); drop it on the CPU")
@@ -61,8 +62,6 @@ def _wait_ready(proc: subprocess.Popen, ready: Path) -> dict[str, Any]:
 
 
 def _hold(cap_gib: float, ready: Path) -> None:
-    import torch
-
     free, total = torch.cuda.mem_get_info()
     hold = max(0, free - int(cap_gib * GIB))
     block = torch.empty(hold, dtype=torch.uint8, device="cuda") if hold else None

@@ -6,8 +6,8 @@ for the byte-level tokenizer of shape checkpoints), ``--generations`` completion
 ``--prompts-per-step`` prompts a step (default: the largest ``batch``, 8), ``--gen-len`` completion
 tokens at most, LoRA of ``--lora-rank`` (16 when 0), and the same vLLM memory share
 (``gpu_memory_utilization``). Only the base format differs. ``--recipe`` takes the step's
-shape from a training recipe (:func:`recipe_shape`, flags given explicitly win) and its memory
-settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
+shape from a training recipe (:func:`~qerl_cli.bench.settings.recipe_shape`, flags given explicitly
+win) and its memory settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
 
 Rewards are seeded random numbers instead of math grading: grading costs the same for every
 format, and random rewards give every group nonzero advantages, so each step does a real update.
@@ -38,14 +38,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import traceback
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from qerl_cli.bench.progress import Progress
+from qerl_cli.bench.settings import E2EConfig, recipe_config
 from qerl_cli.config import (
     AlgorithmSection,
     AQNSection,
-    BenchConfig,
     DataSection,
     LoraSection,
     ModelSection,
@@ -53,44 +55,16 @@ from qerl_cli.config import (
     RolloutSection,
     TrainConfig,
     TrainSection,
-    checks,
+    from_dict,
 )
-from qerl_cli.config.sections import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.loading import load_tokenizer
+from qerl_cli.rl import trainer as trainer_mod
+from qerl_cli.rl.tracking import step_other_s
+from qerl_cli.torch_utils import GIB, free_accelerator_memory
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class E2EConfig(BenchConfig):
-    """``qerl bench e2e``'s settings: the bench keys it shares with ``rollout`` (model, formats, lengths,
-    LoRA rank, engine, output, the gate, warm-up and repeats) and the GRPO step's own below."""
-
-    # Completions per prompt (the group size of the timed steps).
-    generations: int = 8
-    # Prompts per step (0: the largest batch, 8 by default).
-    prompts_per_step: int = 0
-    # vLLM's share of the GPU colocated with the trainer, the same for every format (paper: 0.3 for 7B;
-    # "auto": rl.memory decides); null: the recipe's, else 0.3.
-    gpu_memory_utilization: float | Literal["auto"] | None = None  # type: ignore[assignment]
-    # A training recipe whose step shape (prompts per step, generations, prompt and completion lengths,
-    # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
-    recipe: str | None = None
-    # rollout.linear_backend of the timed steps (the recipe's when it sets one, else auto).
-    linear_backend: LinearBackend | None = None
-    # train.base_compute of the timed steps (the recipe's when it sets one, else auto).
-    base_compute: BaseCompute | None = None
-
-    def validate(self, where: str = "") -> None:
-        super().validate(where)
-        checks.positive(where, generations=self.generations)
-        if self.prompts_per_step < 0:
-            raise checks.ConfigValueError(
-                checks.key(where, "prompts_per_step"),
-                f"must be >= 0 (0: the largest batch), got {self.prompts_per_step}",
-            )
-        if self.gpu_memory_utilization is not None:
-            checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
 
 E2E_DATASET = "synthetic-addition"
 DEFAULT_E2E_RANK = 16
@@ -131,21 +105,6 @@ def prompts_per_step(cfg: E2EConfig) -> int:
     return cfg.prompts_per_step or max(cfg.batch)
 
 
-def recipe_shape(recipe: str) -> dict[str, Any]:
-    """E2EConfig values of a training recipe's step shape (for flags the user did not give)."""
-    train = _recipe(recipe, "")
-    r = train.rollout
-    return {"prompt_len": r.max_prompt_length, "gen_len": r.max_completion_length,
-            "generations": r.num_generations, "prompts_per_step": train.train.prompts_per_step,
-            "lora_rank": train.lora.rank}  # fmt: skip
-
-
-def _recipe(recipe: str, model_dir: str) -> TrainConfig:
-    from qerl_cli.config import load_config
-
-    return load_config(TrainConfig, recipe, [f"model.path={model_dir or 'unused'}"])
-
-
 def filler_system_prompt(prompt_len: int, tokenizer: Any = None) -> str | None:
     """A system prompt that brings a synthetic question to about ``prompt_len`` tokens; None when the
     question alone is that long. Characters are tokens for the shapes' byte-level tokenizer; with
@@ -164,7 +123,6 @@ def folder_tokenizer(model_dir: str) -> Any:
     """The tokenizer saved with ``model_dir``, or None when it has none (e.g. a name in a test)."""
     if not (Path(model_dir) / "tokenizer_config.json").is_file():
         return None
-    from qerl_cli.modeling.loading import load_tokenizer
 
     return load_tokenizer(model_dir)
 
@@ -175,7 +133,7 @@ def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) 
     filler = filler_system_prompt(cfg.prompt_len, folder_tokenizer(model_dir))
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
     prompts = prompts_per_step(cfg)
-    recipe = _recipe(cfg.recipe, model_dir) if cfg.recipe else None
+    recipe = recipe_config(cfg.recipe, model_dir) if cfg.recipe else None
     share = cfg.gpu_memory_utilization
     if share is None:
         share = recipe.rollout.gpu_memory_utilization if recipe else 0.3
@@ -215,8 +173,13 @@ def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) 
         ),
         algorithm=AlgorithmSection(tis="on"),
         aqn=AQNSection(enabled=False),
-        data=DataSection(dataset=E2E_DATASET, max_samples=prompts * steps, shuffle=False, template="plain",
-                         system_prompt=filler),  # fmt: skip
+        data=DataSection(
+            dataset=E2E_DATASET,
+            max_samples=prompts * steps,
+            shuffle=False,
+            template="plain",
+            system_prompt=filler,
+        ),  # fmt: skip
         train=train,
         output=OutputSection(dir=out_dir, save_steps=0, save_total_limit=None),
     )
@@ -225,7 +188,6 @@ def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) 
 def step_phases(record: dict[str, Any]) -> dict[str, float]:
     """The parts of one step's record under the report's names, ``other_s`` and ``step_s``: the parts and
     ``other_s`` add up to ``step_s``."""
-    from qerl_cli.rl.tracking import step_other_s
 
     phases = {field: float(record.get(metric, 0.0)) for field, metric in PHASE_METRICS}
     phases["other_s"] = step_other_s(record) or 0.0
@@ -241,11 +203,10 @@ def median_step(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
     """Run warm-up + timed GRPO steps in this process; one e2e row for ``fmt``."""
-    from qerl_cli.bench.progress import Progress
-    from qerl_cli.rl.trainer import Trainer
-    from qerl_cli.torch_utils import GIB
 
-    trainer = Trainer(e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed))
+    trainer = trainer_mod.Trainer(
+        e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed)
+    )
     if trainer.policy.base_format != fmt:
         raise QerlError(f"{model_dir} loaded as {trainer.policy.base_format}, expected {fmt}")
     records = []
@@ -283,20 +244,27 @@ def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_di
     return row
 
 
-def _measure_isolated(
-    cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str
-) -> dict[str, Any]:
+def _measure_isolated(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
     """vLLM: one child process per format, for the reason given in ``bench.engines``."""
-    from dataclasses import asdict
 
     with tempfile.TemporaryDirectory(prefix="qerl-e2e-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
-        spec.write_text(json.dumps({"cfg": asdict(cfg), "format": fmt, "model_dir": model_dir,
-                                    "engine": engine, "out_dir": out_dir}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "cfg": asdict(cfg),
+                    "format": fmt,
+                    "model_dir": model_dir,
+                    "engine": engine,
+                    "out_dir": out_dir,
+                }
+            )
+        )
         env = dict(os.environ)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        proc = subprocess.run([sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env,
-                              check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env, check=False
+        )
         if not out.is_file():  # e.g. killed for memory: the report says so and qerl bench exits 1
             return {"format": fmt, "error": f"the e2e worker exited with code {proc.returncode}, no result"}
         return json.loads(out.read_text())
@@ -304,7 +272,6 @@ def _measure_isolated(
 
 def run_e2e(cfg: E2EConfig, checkpoints: dict[str, Path], engine: str, out: Path) -> list[dict[str, Any]]:
     """One row per format, BF16 first when present (the reference of the speed-ups)."""
-    from qerl_cli.torch_utils import free_accelerator_memory  # torch: the recipe reader above needs none
 
     order = sorted(checkpoints, key=lambda f: f != "bf16")
     rows = []
@@ -326,7 +293,6 @@ def run_e2e(cfg: E2EConfig, checkpoints: dict[str, Path], engine: str, out: Path
 
 def _worker(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    from qerl_cli.config import from_dict
 
     cfg = from_dict(E2EConfig, spec["cfg"])
     out = Path(argv[1])
@@ -337,8 +303,6 @@ def _worker(argv: list[str]) -> int:
     try:
         row = measure_format(cfg, spec["format"], spec["model_dir"], spec["engine"], spec["out_dir"])
     except Exception as exc:  # noqa: BLE001 - recorded in the row; the parent goes on with other formats
-        import traceback
-
         traceback.print_exc()
         row = {"format": spec["format"], "error": f"{type(exc).__name__}: {exc}"}
     out.write_text(json.dumps(row))

@@ -37,8 +37,11 @@ from qerl_cli.bench.memory import (
 )
 from qerl_cli.bench.rollout import RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.loading import load_base_model
+from qerl_cli.modeling.lora import attach_lora
+from qerl_cli.rollout import factory
 from qerl_cli.rollout.vllm_setup import vllm_in_process
-from qerl_cli.torch_utils import free_accelerator_memory
+from qerl_cli.torch_utils import free_accelerator_memory, resolve_device
 
 
 @dataclass
@@ -71,7 +74,6 @@ class Case:
 @contextmanager
 def open_engine(case: Case) -> Iterator[tuple[Any, Any, dict[str, Any]]]:
     """(engine, tokenizer, memory info) from the rollout factory; the engine is freed on exit."""
-    from qerl_cli.rollout import factory
 
     settings = RolloutSettings(**case.settings)
     if case.engine == "hf":
@@ -120,9 +122,6 @@ def _hf_model(case: Case) -> Any:
 
     qerl's own LoRA wrapper is used because PEFT alone does not know QuantLinear layers.
     """
-    from qerl_cli.modeling.loading import load_base_model
-    from qerl_cli.modeling.lora import attach_lora
-    from qerl_cli.torch_utils import resolve_device
 
     model, found = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device(case.device))
     if found != case.format:
@@ -172,8 +171,14 @@ def measure_case(case: Case) -> dict[str, Any]:
         for phase, rank in enumerate(case.phases()):
             if phase and rank:  # the second phase of a shared vLLM engine (the first got it at start)
                 engine.sync_adapter(case.lora_dir)
-            rows = measure_rollout(engine, tokenizer, case.batches, settings, on_sample=probe.sample,
-                                   vocab_size=model_config.get("vocab_size"))
+            rows = measure_rollout(
+                engine,
+                tokenizer,
+                case.batches,
+                settings,
+                on_sample=probe.sample,
+                vocab_size=model_config.get("vocab_size"),
+            )
             shared = len(case.phases()) > 1
             backend = _backend_label(engine, case)
             labels = {"format": case.format, "backend": backend, "lora_rank": rank}

@@ -25,9 +25,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from rich.table import Table
+
+from qerl_cli import formats
+from qerl_cli.bench.roofline import gpu_spec
+from qerl_cli.formats.fp8 import has_fp8_tensor_cores, quantize_per_channel
+from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
+from qerl_cli.kernels.nvfp4_gemm import LoraWeights, Nvfp4Weight, candidates_for, triton_nvfp4_linear
+from qerl_cli.modeling.fp8_update import fp8_mm
+from qerl_cli.modeling.model_shape import ModelShape
+from qerl_cli.modeling.random_checkpoint import SHAPES
 
 BACKENDS = ("bf16", "fp8", "marlin", "qerl-nvfp4")
 DEFAULT_ROWS = (8, 16, 32, 64, 128, 256)
@@ -63,8 +74,6 @@ class GemmRow:
 
 def model_linears(shape_name: str) -> dict[str, tuple[int, int]]:
     """(N, K) of each GEMM of one decoder layer as vLLM runs it: q/k/v and gate/up fused."""
-    from qerl_cli.modeling.model_shape import ModelShape
-    from qerl_cli.modeling.random_checkpoint import SHAPES
 
     shapes = ModelShape.from_config(SHAPES[shape_name]).linear_shapes()
     hidden = shapes["q_proj"][0]
@@ -109,7 +118,6 @@ def marlin_available() -> bool:
 
 def marlin_linear(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> Callable:
     """``x -> x @ dequant(W)^T`` with vLLM's Marlin NVFP4 kernel, from the checkpoint's buffers."""
-    from types import SimpleNamespace
 
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
         apply_fp4_marlin_linear,
@@ -141,10 +149,6 @@ class _Layer:
     """One random ``[N, K]`` weight in every backend's format, plus a rank-16 adapter."""
 
     def __init__(self, n: int, k: int, device: torch.device, seed: int) -> None:
-        from qerl_cli import formats
-        from qerl_cli.formats.fp8 import quantize_per_channel
-        from qerl_cli.kernels.nvfp4_gemm import LoraWeights, Nvfp4Weight
-
         gen = torch.Generator(device=device).manual_seed(seed)
         dense = torch.randn((n, k), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
         self.nvfp4 = Nvfp4Weight.from_buffers(formats.get("nvfp4").quantize(dense))
@@ -174,9 +178,6 @@ def _calls(
 ) -> tuple[list[Callable], Callable]:
     """The calls over distinct weight copies, and one call to check the output with (``config``: the
     qerl kernel's tile config, None for its bucket's)."""
-    from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
-    from qerl_cli.kernels.nvfp4_gemm import Nvfp4Weight, triton_nvfp4_linear
-    from qerl_cli.modeling.fp8_update import fp8_mm
 
     adapter = layer.lora if lora else None
 
@@ -246,7 +247,6 @@ def tune_configs(
     on_error: Callable[[str, str], None],
 ) -> None:
     """Time qerl's kernel (no adapter) in every candidate tile config of each row count's bucket."""
-    from qerl_cli.kernels.nvfp4_gemm import candidates_for
 
     for m in rows:
         x = torch.randn((m, layer.k), device=layer.bf16.device, dtype=torch.bfloat16)
@@ -273,8 +273,6 @@ def run_gemm(
     to ``record`` as it is measured and each failed one to ``on_error`` (case, error); with ``tune``,
     first every candidate tile config of qerl's kernel (no adapter) to it. Returns the backends skipped
     (with why)."""
-    from qerl_cli.bench.roofline import gpu_spec
-    from qerl_cli.formats.fp8 import has_fp8_tensor_cores
 
     device = torch.device("cuda")
     spec = gpu_spec(torch.cuda.get_device_name(device))
@@ -352,7 +350,6 @@ def gemm_section(report: dict[str, Any], save: Callable[[], None], cuda: bool) -
 def gemm_table(rows: list[dict[str, Any]], device: str):  # -> rich.table.Table
     """One line per (model, linear, tokens): each backend's microseconds and share of the HBM bound,
     without / with the adapter."""
-    from rich.table import Table
 
     backends = [b for b in BACKENDS if any(r["backend"] == b for r in rows)]
     table = Table(title=f"Decode GEMMs on {device}: us (share of the HBM bound), without / with LoRA r16")

@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qerl_cli import files
 from qerl_cli.envinfo import gpu_driver, gpu_info, package_versions
 
@@ -58,7 +60,6 @@ def gpu_summary() -> dict[str, Any] | None:
     gpus = gpu_info()
     if not gpus:
         return None
-    import torch
 
     first = gpus[0]
     return {

@@ -28,10 +28,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Group
+from rich.table import Table
 
+from qerl_cli import formats
+from qerl_cli.bench import gemm
+from qerl_cli.bench.gemm import gemm_table
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.models import model_config, prepare_checkpoints
 from qerl_cli.bench.settings import KernelsSettings
+from qerl_cli.kernels import dequantize, use_triton_for
+from qerl_cli.modeling.loading import load_policy_model
+from qerl_cli.modeling.quant_linear import QuantLinear, packed_nbytes
+from qerl_cli.torch_utils import resolve_device
 
 SCHEMA = "qerl-bench-kernels/1"
 REPORT_NAME = "kernels.json"
@@ -69,9 +78,6 @@ def copy_gbps(device: torch.device, nbytes: int, iters: int) -> float:
 def measure_dequant(
     fmt_name: str, shape: tuple[int, int], device: torch.device, iters: int, copy_rate: float
 ) -> dict[str, Any]:
-    from qerl_cli import formats
-    from qerl_cli.kernels import dequantize, use_triton_for
-
     out_features, in_features = shape
     fmt = formats.get(fmt_name)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -108,8 +114,6 @@ def _bf16_equivalent_bytes(model: torch.nn.Module) -> int:
 
 def load_measured(folder: Path, fmt: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, dict]:
     """The model as the trainer loads it, and the ``memory`` row of ``fmt``."""
-    from qerl_cli.modeling.loading import load_policy_model
-    from qerl_cli.modeling.quant_linear import packed_nbytes
 
     cuda = device.type == "cuda"
     if cuda:
@@ -137,7 +141,6 @@ def measure_layer(
     model: Any, fmt: str, device: torch.device, dtype: torch.dtype, batch: int, seq_len: int, iters: int
 ) -> dict[str, Any]:
     """The first decoder layer's forward + input-gradient backward, 4-bit against dense."""
-    from qerl_cli.modeling.quant_linear import QuantLinear
 
     config = model.config
     quant_layer = model.model.layers[0]
@@ -192,7 +195,6 @@ def measure_layer(
 def _new_report(settings: KernelsSettings, command: str, dtype: torch.dtype, shape: tuple[int, int],
                 gemm_settings: Any) -> dict[str, Any]:  # fmt: skip
     """``kernels.json`` before any figure: the header, the settings and an empty section each."""
-    from qerl_cli.bench import gemm
 
     return {
         **report_header(SCHEMA, command),
@@ -221,8 +223,6 @@ def run_kernels(
     """Every section for every 4-bit format of ``settings.formats`` (``settings.model`` a SHAPE or a
     folder, resolved); writes ``kernels.json`` into ``settings.output`` and returns it.
     ``gemm_settings``: a :class:`qerl_cli.bench.gemm.GemmSettings` (None: its defaults)."""
-    from qerl_cli.bench import gemm
-    from qerl_cli.torch_utils import resolve_device
 
     torch_device = resolve_device(settings.device)
     cuda = torch_device.type == "cuda"
@@ -277,11 +277,6 @@ def run_kernels(
 
 
 def kernels_table(report: dict[str, Any]):  # -> a rich renderable: the formats' table (and the GEMMs')
-    from rich.console import Group
-    from rich.table import Table
-
-    from qerl_cli.bench.gemm import gemm_table
-
     table = Table(title=f"4-bit kernels on {report['device']} ({report['settings']['model']})")
     for name in (
         "format",

@@ -18,19 +18,26 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
 
 from qerl_cli import formats as format_registry
+from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
-from qerl_cli.modeling.sources import cache_root  # noqa: F401 - re-exported for bench
+from qerl_cli.modeling.random_checkpoint import SHAPES, write_random_checkpoint
+from qerl_cli.modeling.sources import (
+    cache_root,  # noqa: F401 - re-exported for bench
+    resolve_model_source,
+)
+from qerl_cli.modeling.tiny import build_tokenizer
+from qerl_cli.quantize import run_quantize
+from qerl_cli.rollout.vllm_setup import detect_checkpoint_format
 
 GPU_DEFAULT_MODEL = "qwen2.5-7b"
 CPU_DEFAULT_MODEL = "tiny"
 
 
 def shape_names() -> list[str]:
-    from qerl_cli.modeling.random_checkpoint import SHAPES
-
     return list(SHAPES)
 
 
@@ -56,7 +63,6 @@ def normalize_formats(formats: list[str]) -> list[str]:
 
 def folder_format(folder: Path) -> str:
     """bf16 / nvfp4 / mxfp4 / nf4 from a checkpoint's ``quantization_config``."""
-    from qerl_cli.rollout.vllm_setup import detect_checkpoint_format
 
     found = detect_checkpoint_format(folder).name
     if found == "other":
@@ -73,7 +79,6 @@ def shape_tokenizer() -> Path:
     not on which tokens), and this one needs no download. Ids the model generates beyond its 259
     tokens decode to nothing, in transformers and in vLLM's detokenizer alike.
     """
-    from qerl_cli.modeling.tiny import build_tokenizer
 
     target = cache_root() / "bench" / "tokenizer"
     return write_folder_once(target, lambda tmp: _save_tokenizer(build_tokenizer(), tmp))
@@ -91,7 +96,6 @@ def shape_checkpoint_path(shape: str, fmt: str, seed: int = 0) -> Path:
 
 def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
     """The cached random-weight checkpoint of ``shape`` in ``fmt`` (written on first use)."""
-    from qerl_cli.modeling.random_checkpoint import write_random_checkpoint
 
     name = shape.lower()
     tokenizer_from = None if name == "tiny" else shape_tokenizer()  # tiny gets its own from the writer
@@ -104,8 +108,6 @@ def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
 
 
 def _local_folder(model: str) -> Path:
-    from qerl_cli.modeling.sources import resolve_model_source
-
     path = Path(resolve_model_source(model)).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -114,8 +116,6 @@ def _local_folder(model: str) -> Path:
     if path.exists() or model.startswith((".", "/", "~")):
         raise QerlError(f"--model {model}: no such folder; give a model folder, a hub id or a shape name")
     try:
-        from huggingface_hub import snapshot_download
-
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one user-facing message
         raise QerlError(
@@ -125,9 +125,6 @@ def _local_folder(model: str) -> Path:
 
 
 def _rtn_checkpoint(source: Path, fmt: str) -> Path:
-    from qerl_cli.config import QuantizeConfig
-    from qerl_cli.quantize import run_quantize
-
     digest = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
     target = cache_root() / "bench" / "rtn" / f"{source.name}-{digest}" / fmt
 

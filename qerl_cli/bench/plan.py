@@ -5,9 +5,8 @@ The plan resolves the engine (a GPU without vLLM is refused unless ``--engine hf
 formats and their packages (:mod:`qerl_cli.bench.preflight`) and the output folder, and counts the
 cases. ``--dry-run`` prints it; a run prints it at its start.
 
-The estimate is rough and says so: per-token costs from the recorded runs (the default bench on one
-H100 or H200: 300-560 s for three vLLM engines, most of it engine starts; the tiny model on a loaded
-2-core CPU: 40-80 ms per decode step), not a measurement of this machine.
+The estimate is rough and says so: per-token costs from the recorded runs (their figures:
+``docs/bench.md``), not a measurement of this machine.
 
 On a CPU the default model is the tiny shape on the transformers engine, whose decode steps cost as
 much at 512 tokens as a GPU's: there the lengths the user did not give are ``CPU_LENGTHS``, so the
@@ -17,23 +16,23 @@ default ``qerl bench`` takes a few minutes, not a quarter of an hour.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.e2e import E2EConfig
+from qerl_cli.bench.concurrency import backends_for
+from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
+from qerl_cli.bench.rollout import WARMUP_TOKENS
+from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
 # given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
 # of an hour); with these the default bench took 86 s on a 2-core machine shared with other work.
 CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
-# Tokens of a warm-up generation (bench.rollout.WARMUP_TOKENS, repeated so this module needs no torch).
-WARMUP_TOKENS = 64
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
-VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on an H100 / H200
+VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)
 # One decode step of the tiny shape on a loaded 2-core CPU (one free thread), at batch 2 and 8 on
 # average, per format: NF4 dequantizes its code book at every step.
 CPU_STEP_S = {"bf16": 0.05, "nvfp4": 0.04, "mxfp4": 0.04, "nf4": 0.08}
@@ -75,18 +74,6 @@ class BenchPlan:
         return ["plan:", *(f"  {line}" for line in preflight.summary(items)), *(f"  {n}" for n in self.notes)]
 
 
-def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | None) -> set[str]:
-    """The config keys the user set: flags given, ``--set`` keys, and the keys of a ``--config`` file."""
-    keys = {key for key, value in values.items() if value is not None}
-    keys |= {item.partition("=")[0].strip() for item in sets or []}
-    if config is not None and Path(config).is_file():
-        import yaml
-
-        data = yaml.safe_load(Path(config).read_text()) or {}
-        keys |= set(data) if isinstance(data, dict) else set()
-    return keys
-
-
 def apply_cpu_lengths(cfg: BenchConfig, engine: str, given: set[str]) -> list[str]:
     """The CPU's lengths for the default model on the transformers engine, where the user gave none;
     the notes that say so."""
@@ -113,8 +100,6 @@ def _rollout_cases(
     steps: dict[str, int] = {}
     for fmt in formats:
         if engine == "vllm":
-            from qerl_cli.bench.concurrency import backends_for
-
             backends = backends_for(fmt, cfg.backends) if cfg.concurrency else ["default"]
             mine = [fmt if b in ("default", "marlin") else f"{fmt}/{b}" for b in backends]
             figures = len(mine) * len(ranks) * len(batches)  # one engine serves every LoRA rank
@@ -146,7 +131,6 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
     format or linear backend whose package is missing, an output folder that cannot be written, a
     negative ``--tolerance``."""
-    from qerl_cli.bench.models import default_model, normalize_formats
 
     preflight.check_tolerance(cfg.tolerance)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)

@@ -17,40 +17,30 @@ import importlib.util
 import shutil
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
+
+import torch
 
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.progress import Progress
-from qerl_cli.bench.settings import QualitySettings, report_settings
-from qerl_cli.config import QuantFormat, QuantMethod
-from qerl_cli.errors import QerlError
+from qerl_cli.bench.settings import QualitySettings, parse_row, report_settings
+from qerl_cli.config import QuantizeConfig
 from qerl_cli.files import atomic_write_text
+from qerl_cli.modeling.shapes import marlin_refusals, module_shapes
+from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.quantize import run_quantize
+from qerl_cli.quantize.native import write_rtn_checkpoint
+from qerl_cli.quantize.quality import Candidate, measure_quality
+from qerl_cli.quantize.report import error_summary, weight_errors
+from qerl_cli.quantize.validate import quantized_linear_names
 
 SCHEMA = "qerl-bench-quality/1"
 REPORT_NAME = "quality.json"
 
 
-def parse_row(row: str) -> tuple[str, str]:
-    """``FORMAT-METHOD`` -> (format, method), both known to ``qerl quantize``."""
-    fmt, sep, method = row.strip().lower().partition("-")
-    formats, methods = get_args(QuantFormat), get_args(QuantMethod)
-    if not sep or fmt not in formats or method not in methods:
-        raise QerlError(
-            f"--rows: {row!r} is not FORMAT-METHOD with FORMAT one of {', '.join(formats)} and METHOD one of "
-            f"{', '.join(methods)} (e.g. nvfp4-rtn)"
-        )
-    return fmt, method
-
-
 def _native_rtn(bf16: str, target: Path, fmt: str) -> dict[str, Any]:
     """An RTN base by qerl's own writer, with the figures ``qerl quantize`` would report."""
-    import torch
     from transformers import AutoModelForCausalLM
-
-    from qerl_cli.modeling.shapes import marlin_refusals, module_shapes
-    from qerl_cli.quantize.native import write_rtn_checkpoint
-    from qerl_cli.quantize.report import error_summary, weight_errors
-    from qerl_cli.quantize.validate import quantized_linear_names
 
     shutil.rmtree(target, ignore_errors=True)
     write_rtn_checkpoint(bf16, target, fmt)
@@ -78,9 +68,6 @@ def make_base(row: str, settings: QualitySettings, bf16: str, target: Path) -> d
             return {"row": row, "skipped": f"llm-compressor is not installed ({method} needs it)"}
         record = _native_rtn(bf16, target, fmt)
     else:
-        from qerl_cli.config import QuantizeConfig
-        from qerl_cli.quantize import run_quantize
-
         result = run_quantize(
             QuantizeConfig(
                 model=bf16,
@@ -106,8 +93,6 @@ def make_base(row: str, settings: QualitySettings, bf16: str, target: Path) -> d
 
 def run_quality(settings: QualitySettings, *, command: str) -> dict[str, Any]:
     """Make every row's base under ``settings.output``, measure them all, write ``quality.json`` / ``.md``."""
-    from qerl_cli.modeling.sources import resolve_model_source
-    from qerl_cli.quantize.quality import Candidate, measure_quality
 
     for row in settings.rows:
         parse_row(row)  # every row checked before the first is made

@@ -8,7 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
 from qerl_cli import files
+from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 from qerl_cli.bench.labels import format_label, lora_label
 from qerl_cli.bench.result import BenchResult
 
@@ -124,7 +129,6 @@ def failed_cases(report: BenchResult) -> list[str]:
 
 def _tables(report: BenchResult) -> list[tuple[str, tuple[str, ...], list[tuple[str, ...]]]]:
     """(title, columns, rows) of every table, for both the terminal and the Markdown rendering."""
-    from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 
     return [
         ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
@@ -144,9 +148,6 @@ def _title(report: BenchResult) -> str:
 
 def bench_table(report: BenchResult):  # -> rich.console.Group
     """Rich renderable: rollout, memory, e2e tables and the regression outcome."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
 
     parts: list[Any] = [Text(_title(report), style="bold"), Text(report.figures_label, style="yellow")]
     for title, columns, rows in _tables(report):

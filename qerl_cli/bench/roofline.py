@@ -14,7 +14,9 @@ an FP8 GEMM has twice the peak). Peaks are dense (no sparsity), from the vendors
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape
@@ -28,15 +30,21 @@ class GpuSpec:
     fp8_flops: float | None  # None: no FP8 tensor cores
 
 
-# Matched in order against torch.cuda.get_device_name() (e.g. "NVIDIA H100 80GB HBM3" is the SXM part).
-GPUS: tuple[tuple[tuple[str, ...], GpuSpec], ...] = (
-    (("h200",), GpuSpec("H200", 4.8e12, 989.4e12, 1978.9e12)),
-    (("h100", "pcie"), GpuSpec("H100 PCIe", 2.0e12, 756.0e12, 1513.0e12)),
-    (("h100", "nvl"), GpuSpec("H100 NVL", 3.9e12, 835.0e12, 1671.0e12)),
-    (("h100",), GpuSpec("H100 SXM", 3.35e12, 989.4e12, 1978.9e12)),
-    (("a100",), GpuSpec("A100 80GB SXM", 2.039e12, 312.0e12, None)),
-    (("l40s",), GpuSpec("L40S", 0.864e12, 362.0e12, 733.0e12)),
-)
+# The GPUs whose bounds the bench knows, a data file beside this module (shipped as package data): each
+# entry's "match" words, all found in torch.cuda.get_device_name() lowercased, tried in order (a plain
+# name after its PCIe and NVL parts), with the GpuSpec fields above. Add a GPU there, from its data sheet.
+GPU_TABLE = Path(__file__).with_name("gpus.json")
+
+
+def _read_gpus(path: Path = GPU_TABLE) -> tuple[tuple[tuple[str, ...], GpuSpec], ...]:
+    entries = json.loads(path.read_text())
+    return tuple(
+        (tuple(e["match"]), GpuSpec(e["name"], e["bandwidth"], e["bf16_flops"], e["fp8_flops"]))
+        for e in entries
+    )
+
+
+GPUS = _read_gpus()
 
 
 def gpu_spec(device_name: str | None) -> GpuSpec | None:

@@ -13,14 +13,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench import models
+from qerl_cli.bench.adapter import write_random_lora
 from qerl_cli.bench.ballast import memory_cap
 from qerl_cli.bench.charts import write_charts
-from qerl_cli.bench.concurrency import add_roofline, write_crossover
-from qerl_cli.bench.e2e import E2EConfig, prompts_per_step, run_e2e
+from qerl_cli.bench.concurrency import add_roofline, backends_for, measured_model, write_crossover
+from qerl_cli.bench.e2e import prompts_per_step, run_e2e
+from qerl_cli.bench.engines import Case, run_case
 from qerl_cli.bench.gate import check_regressions
+from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
+from qerl_cli.bench.plan import bench_plan
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.report import add_speedups, write_markdown
 from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
+from qerl_cli.bench.rollout import MIN_REPEATS, TEMPERATURE, TOP_P
+from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
 
@@ -33,9 +40,6 @@ def _e2e_shape(cfg: E2EConfig) -> dict[str, Any]:
 
 
 def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
-    from qerl_cli.bench.models import describe_source, model_label
-    from qerl_cli.bench.rollout import TEMPERATURE, TOP_P
-
     steps = isinstance(cfg, E2EConfig)
     return {
         "model": model_label(model),
@@ -84,8 +88,6 @@ def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[in
            settings: dict[str, Any]) -> list[Any]:  # fmt: skip
     """vLLM: one engine per format (and linear backend, with --concurrency) serves every rank in turn
     (an engine start is 1-3 minutes); HF: one case per rank (a plain model, then one with LoRA)."""
-    from qerl_cli.bench.concurrency import backends_for
-    from qerl_cli.bench.engines import Case
 
     def case(rank: int, phases: list[int], backend: str = "marlin") -> Case:
         return Case(
@@ -112,7 +114,6 @@ def _case_priority(case: Any) -> int:
 
 def _check_settings(cfg: BenchConfig) -> int:
     """Refuse settings that cannot give a meaningful figure; returns the fewest timed repeats allowed."""
-    from qerl_cli.bench.rollout import MIN_REPEATS
 
     cfg.validate("bench")
     # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
@@ -131,9 +132,6 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
                       started: float) -> None:  # fmt: skip
     """Every rollout case (format x linear backend, with and without LoRA), default kernels first; the
     report (and the crossover table) is rewritten after each, so a run cut short keeps what it measured."""
-    from qerl_cli.bench.adapter import write_random_lora
-    from qerl_cli.bench.engines import run_case
-    from qerl_cli.bench.models import cache_root
 
     model = _measured_model(report, checkpoints)
     ranks = [0, cfg.lora_rank] if cfg.lora_rank else [0]
@@ -180,8 +178,6 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
 
 def _measured_model(report: BenchResult, checkpoints: dict[str, Path]) -> Any:
     """The model the crossover table's entries name (its label and size), None without a readable config."""
-    from qerl_cli.bench.concurrency import measured_model
-    from qerl_cli.bench.models import model_config
 
     if not checkpoints:
         return None
@@ -213,8 +209,6 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
     exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
     """
-    from qerl_cli.bench.models import model_config, prepare_checkpoints
-    from qerl_cli.bench.plan import bench_plan
 
     min_repeats = _check_settings(cfg)
     baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
@@ -227,7 +221,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     started = time.perf_counter()
     report = new_report(_settings(cfg, model, engine, formats), command)
     Progress("bench", 0, started=started).say(f"preparing the {', '.join(formats)} checkpoints of {model}")
-    checkpoints = prepare_checkpoints(model, formats, cfg.seed)
+    checkpoints = models.prepare_checkpoints(model, formats, cfg.seed)
     # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
     # (its engine start and cases), the e2e steps.
     timings = BenchTimings(checkpoints_s=time.perf_counter() - started)

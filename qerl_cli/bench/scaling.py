@@ -36,12 +36,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from qerl_cli import files
+from qerl_cli.bench.e2e import E2E_DATASET, PROMPT_SLACK, RandomReward, filler_system_prompt, folder_tokenizer
 from qerl_cli.bench.header import report_header, write_report
+from qerl_cli.bench.models import is_shape, shape_checkpoint, shape_checkpoint_path
 from qerl_cli.bench.progress import Progress
-from qerl_cli.config import TrainConfig
+from qerl_cli.config import DataSection, TrainConfig
 from qerl_cli.errors import QerlError
-from qerl_cli.rl.tracking import step_other_s
+from qerl_cli.files import is_complete_folder
+from qerl_cli.rl.stream import derive_seed
+from qerl_cli.rl.tracking import METRICS_FILE, read_metrics, step_other_s
+from qerl_cli.rl.trainer import train
 
 SCHEMA = "qerl-bench-scaling/1"
 REPORT_NAME = "scaling.json"
@@ -129,8 +136,6 @@ def scaled_config(
 
 def synthetic_job(cfg: TrainConfig) -> None:
     """``qerl bench e2e``'s prompts in place of the recipe's data (the reward: :func:`run_scaling`)."""
-    from qerl_cli.bench.e2e import E2E_DATASET, PROMPT_SLACK, filler_system_prompt, folder_tokenizer
-    from qerl_cli.config import DataSection
 
     prompt_len = cfg.rollout.max_prompt_length
     filler = filler_system_prompt(prompt_len, folder_tokenizer(cfg.model.path))
@@ -149,8 +154,6 @@ def model_folder(
     7B is a minute's work on a GPU, which four ranks would otherwise each do). ``write=False`` (a dry
     run) only names the folder.
     """
-    from qerl_cli.bench.models import is_shape, shape_checkpoint, shape_checkpoint_path
-    from qerl_cli.files import is_complete_folder
 
     if not is_shape(model):
         if fmt is not None:
@@ -203,10 +206,6 @@ def run_scaling(
 ) -> dict[str, Any]:
     """Train the :func:`scaled_config` ``cfg`` on this world (every rank runs this), summarise; rank 0
     writes ``scaling.json``. Every rank returns the same report."""
-    from qerl_cli.bench.e2e import RandomReward
-    from qerl_cli.rl.stream import derive_seed
-    from qerl_cli.rl.tracking import METRICS_FILE, read_metrics
-    from qerl_cli.rl.trainer import train
 
     out = Path(out_dir)
     ref = read_reference(reference) if reference else None  # a bad file fails before any training
@@ -258,8 +257,6 @@ def _seconds(run: dict[str, Any], keys: tuple[str, ...]) -> str:
 
 
 def scaling_table(report: dict[str, Any]):  # -> rich.table.Table
-    from rich.table import Table
-
     run = report["run"]
     table = Table(
         title=f"GRPO on {report['world_size']} process(es), {report['scaling']} scaling", show_header=False

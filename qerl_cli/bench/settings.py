@@ -5,17 +5,21 @@ into the flag that set it).
 
 They live here, apart from the benchmarks that run them, because those modules import torch and the
 settings are read and checked before it is (``bench.json``'s three use ``config.BenchConfig`` and
-:class:`~qerl_cli.bench.e2e.E2EConfig`). Values with a choice are typed with the config's aliases
-(``BaseCompute``, ``FusedKernels``), their one home.
+:class:`E2EConfig`, here too, with the keys given and a recipe's step shape). Values with a choice are
+typed with the config's aliases (``BaseCompute``, ``FusedKernels``), their one home.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, get_args
+from pathlib import Path
+from typing import Any, Literal, get_args
 
+import yaml
+
+from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config
 from qerl_cli.config.checks import ConfigValueError, key
-from qerl_cli.config.sections import BaseCompute, FusedKernels
+from qerl_cli.config.sections import BaseCompute, FusedKernels, LinearBackend
 from qerl_cli.errors import QerlError
 
 # bench quality's rows when none are given (its AWQ row only where llm-compressor is installed).
@@ -168,3 +172,71 @@ class QualitySettings:
         positive_ints(where, calib_samples=self.calib_samples, heldout_rows=self.heldout_rows)
         if self.seq_len < 2:
             raise ConfigValueError(key(where, "seq_len"), f"must be >= 2, got {self.seq_len}")
+
+
+def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | None) -> set[str]:
+    """The config keys the user set: flags given, ``--set`` keys, and the keys of a ``--config`` file."""
+    keys = {key for key, value in values.items() if value is not None}
+    keys |= {item.partition("=")[0].strip() for item in sets or []}
+    if config is not None and Path(config).is_file():
+        data = yaml.safe_load(Path(config).read_text()) or {}
+        keys |= set(data) if isinstance(data, dict) else set()
+    return keys
+
+
+@dataclass
+class E2EConfig(BenchConfig):
+    """``qerl bench e2e``'s settings: the bench keys it shares with ``rollout`` (model, formats, lengths,
+    LoRA rank, engine, output, the gate, warm-up and repeats) and the GRPO step's own below."""
+
+    # Completions per prompt (the group size of the timed steps).
+    generations: int = 8
+    # Prompts per step (0: the largest batch, 8 by default).
+    prompts_per_step: int = 0
+    # vLLM's share of the GPU colocated with the trainer, the same for every format (paper: 0.3 for 7B;
+    # "auto": rl.memory decides); null: the recipe's, else 0.3.
+    gpu_memory_utilization: float | Literal["auto"] | None = None  # type: ignore[assignment]
+    # A training recipe whose step shape (prompts per step, generations, prompt and completion lengths,
+    # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
+    recipe: str | None = None
+    # rollout.linear_backend of the timed steps (the recipe's when it sets one, else auto).
+    linear_backend: LinearBackend | None = None
+    # train.base_compute of the timed steps (the recipe's when it sets one, else auto).
+    base_compute: BaseCompute | None = None
+
+    def validate(self, where: str = "") -> None:
+        super().validate(where)
+        checks.positive(where, generations=self.generations)
+        if self.prompts_per_step < 0:
+            raise checks.ConfigValueError(
+                checks.key(where, "prompts_per_step"),
+                f"must be >= 0 (0: the largest batch), got {self.prompts_per_step}",
+            )
+        if self.gpu_memory_utilization is not None:
+            checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
+
+
+def recipe_config(recipe: str, model_dir: str) -> TrainConfig:
+    """A training recipe read for ``qerl bench e2e --recipe`` (YAML only: read before torch is imported)."""
+    return load_config(TrainConfig, recipe, [f"model.path={model_dir or 'unused'}"])
+
+
+def recipe_shape(recipe: str) -> dict[str, Any]:
+    """E2EConfig values of a training recipe's step shape (for flags the user did not give)."""
+    train = recipe_config(recipe, "")
+    r = train.rollout
+    return {"prompt_len": r.max_prompt_length, "gen_len": r.max_completion_length,
+            "generations": r.num_generations, "prompts_per_step": train.train.prompts_per_step,
+            "lora_rank": train.lora.rank}  # fmt: skip
+
+
+def parse_row(row: str) -> tuple[str, str]:
+    """``FORMAT-METHOD`` -> (format, method), both known to ``qerl quantize``."""
+    fmt, sep, method = row.strip().lower().partition("-")
+    formats, methods = get_args(QuantFormat), get_args(QuantMethod)
+    if not sep or fmt not in formats or method not in methods:
+        raise QerlError(
+            f"--rows: {row!r} is not FORMAT-METHOD with FORMAT one of {', '.join(formats)} and METHOD one of "
+            f"{', '.join(methods)} (e.g. nvfp4-rtn)"
+        )
+    return fmt, method

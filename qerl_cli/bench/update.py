@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
 
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.models import prepare_checkpoints
@@ -41,6 +43,7 @@ from qerl_cli.rl.policy import Policy, build_policy, enable_gradient_checkpointi
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.update import update_policy
 from qerl_cli.rollout.base import Completion
+from qerl_cli.torch_utils import resolve_device
 
 SCHEMA = "qerl-bench-update/1"
 REPORT_NAME = "update.json"
@@ -195,7 +198,6 @@ def profile_update(
     cfg: TrainConfig, policy: Policy, optimizer: Any, params: Any, batch: Rollouts, micro: int
 ) -> dict[str, Any]:
     """One update under the CUDA profiler: each kernel category's share of GPU time, the top kernels."""
-    from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         update_policy(cfg, policy, optimizer, params, batch, tis_on=True, micro_batch_size=micro)
@@ -220,7 +222,6 @@ def profile_update(
 def run_update(settings: UpdateSettings, *, command: str) -> dict[str, Any]:
     """Every (fused setting, format, base compute) case; ``update.json`` is rewritten after each, so a
     run cut short keeps what it measured. A failing case is recorded as its error and the next one runs."""
-    from qerl_cli.torch_utils import resolve_device
 
     device = resolve_device(settings.device)
     if settings.profile and device.type != "cuda":
@@ -258,8 +259,6 @@ def cases(settings: UpdateSettings) -> list[tuple[str, str]]:
 
 
 def update_table(report: dict[str, Any]):  # -> rich.table.Table
-    from rich.table import Table
-
     table = Table(title=f"GRPO update on {report['device']} ({report['settings']['model']})")
     columns = ("format", "fused", "base", "micro-batch", "ckpt", "update s", "tokens/s", "MFU (BF16 peak)",
                "MFU (FP8 peak)", "peak GiB")  # fmt: skip

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import re
+import shlex
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -16,7 +19,9 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
+from qerl_cli import __version__
 from qerl_cli.config import dump_yaml
+from qerl_cli.config.keydocs import field_help
 from qerl_cli.errors import QerlError
 
 
@@ -48,7 +53,6 @@ class _ReadableHelp:
 
 def reflow(text: str) -> str:
     """A docstring's paragraphs each on one line (click and typer wrap them to the terminal)."""
-    import inspect
 
     paragraphs = inspect.cleandoc(text).split("\n\n")
     return "\n\n".join(p if p.startswith("\b") else " ".join(p.split()) for p in paragraphs)
@@ -56,7 +60,6 @@ def reflow(text: str) -> str:
 
 def _plain_usage(piece: str) -> str:
     """``{MODEL}`` -> ``MODEL``; ``{[LABEL=]PATH...}...`` -> ``[LABEL=]PATH...`` (the dots said once)."""
-    import re
 
     match = re.fullmatch(r"\{(.*)\}(\.\.\.)?", piece)
     if match is None:
@@ -133,7 +136,6 @@ def record_argv(argv: list[str]) -> None:
 
 def command_line() -> str:
     """The command as typed (``qerl bench rollout --batch 2,8``), for the reports that record it."""
-    import shlex
 
     argv = _state["argv"] if _state["argv"] is not None else sys.argv[1:]
     return shlex.join(["qerl", *argv])
@@ -186,8 +188,6 @@ def config_option(
     if not any(decl.startswith("--") for decl in decls):
         raise TypeError(f"config_option({cls.__name__}, {key!r}): give the flag's names, e.g. '--{key}'")
     if help is None:
-        from qerl_cli.config.keydocs import field_help
-
         help = field_help(cls).get(key, "")
     if show_default is None:
         show_default = config_default(cls, key)
@@ -222,8 +222,6 @@ def qerl_version() -> str:
     try:
         return metadata.version("qerl")
     except metadata.PackageNotFoundError:
-        from qerl_cli import __version__
-
         return __version__
 
 

@@ -19,8 +19,8 @@ from typing import Annotated, Any, get_args
 
 import typer
 
-from qerl_cli.bench.e2e import E2EConfig
-from qerl_cli.bench.plan import given_keys
+from qerl_cli.bench import preflight
+from qerl_cli.bench.settings import E2EConfig, given_keys, recipe_shape
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -175,13 +175,9 @@ def run_bench_command(
     check_formats(values.get("formats"), "--formats")
     check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")
     if values.get("tolerance") is not None:
-        from qerl_cli.bench.preflight import check_tolerance
-
-        check_tolerance(values["tolerance"])
+        preflight.check_tolerance(values["tolerance"])
     given = given_keys(values, sets, config)
     if values.get("recipe"):  # the recipe's step shape under the flags given (YAML only: no torch yet)
-        from qerl_cli.bench.e2e import recipe_shape
-
         shape = recipe_shape(values["recipe"])
         values = {**values, **{k: v for k, v in shape.items() if values.get(k) is None}}
     conf = load_config(cls, config, sets, flags=flags, **values)
@@ -198,9 +194,8 @@ def run_bench_command(
         return
     print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none
     from qerl_cli.bench import run_bench
-    from qerl_cli.bench.preflight import gpu_available
 
-    if plan.engine == "hf" and not gpu_available():
+    if plan.engine == "hf" and not preflight.gpu_available():
         use_free_cpu_threads()  # the CPU's free cores only: a thread sharing a busy core stalls the others
 
     # A case without figures, or a regression past --baseline: exit 1.

@@ -32,6 +32,7 @@ from qerl_cli.bench.settings import (
     UpdateSettings,
     auto_last,
     check_choices,
+    parse_row,
 )
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -394,7 +395,6 @@ def quality(
 def quality_rows(given: list[str] | None) -> list[str]:
     """The rows measured: those given (AWQ / GPTQ ones need llm-compressor), else the default rows that
     what is installed can make."""
-    from qerl_cli.bench.quality import parse_row  # no torch: the rows are checked before any import of it
 
     chosen = list(given if given is not None else DEFAULT_QUALITY_ROWS)
     calibrated = [row for row in chosen if parse_row(row)[1] != "rtn"]  # AWQ, GPTQ: llm-compressor's

@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Annotated
 
@@ -36,8 +37,9 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
-from qerl_cli.config.keydocs import field_help
+from qerl_cli.config.keydocs import field_help, key_docs, sections
 from qerl_cli.errors import QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
@@ -182,9 +184,6 @@ def train(
 def print_keys(config: type, prefix: str) -> None:
     """Each key of ``config`` under ``prefix`` (a section, a key, or "" for all): dotted name, type,
     default, and the comment that documents it where it is declared (qerl_cli.config.keydocs)."""
-    import textwrap
-
-    from qerl_cli.config.keydocs import key_docs, sections
 
     docs = [d for d in key_docs(config) if not prefix or d.key == prefix or d.key.startswith(f"{prefix}.")]
     if not docs:
@@ -326,21 +325,10 @@ def compare(
     ] = False,
     reference: Annotated[
         str | None,
-        typer.Option(
-            "--reference",
-            metavar="ARM",
-            help="Arm the verdicts compare with (compare.reference).",
-            show_default="bf16-lora",
-        ),
+        config_option(CompareSettings, "reference", "--reference", metavar="ARM", show_default="bf16-lora"),
     ] = None,
     margin: Annotated[
-        float | None,
-        typer.Option(
-            "--margin",
-            metavar="POINTS",
-            help="Verdicts' margin in held-out pass@1 points (compare.margin).",
-            show_default="5",
-        ),
+        float | None, config_option(CompareSettings, "margin", "--margin", metavar="POINTS")
     ] = None,
     set_: CompareSet = None,
 ) -> None:

@@ -13,6 +13,9 @@ from rich.markup import escape
 from qerl_cli import config
 from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
+from qerl_cli.cli.progress import stage_log
+from qerl_cli.errors import QerlError
+from qerl_cli.files import write_json
 
 # What a model folder may hold, for the --formats help: the config's names, which follow the registry.
 WEIGHT_FORMATS = [name for name in get_args(config.ModelFormat) if name != "auto"]
@@ -50,7 +53,6 @@ def tiny_base(
     from qerl_cli.rl.warmstart import build_tiny_base
 
     use_free_cpu_threads()
-    from qerl_cli.cli.progress import stage_log
 
     paths = build_tiny_base(
         out, formats=tuple(csv(formats) or ()), seed=seed, overwrite=overwrite, report=stage_log
@@ -105,8 +107,6 @@ def quality(
     ] = None,
 ) -> None:
     """How much of the BF16 model each 4-bit base keeps: KL, top-1 agreement, perplexity on held-out text."""
-    from qerl_cli.errors import QerlError
-    from qerl_cli.files import write_json
     from qerl_cli.quantize.quality import measure_quality, parse_candidate, quality_table
 
     if rows <= 0 or seq_len < 2:

@@ -1,12 +1,27 @@
 """`qerl compare`: the paper's ablation in one command (arms x seeds of one recipe, one table, one plot).
 
 >>> result = run_compare("recipes/smollm2_wordproblems.yaml", ["bf16-lora", "nvfp4-aqn"], seeds=3)
+
+The package imports its modules when they are used (``qerl_cli.compare.run_compare`` imports the
+trainer then), so :mod:`~qerl_cli.compare.settings` is read without torch: the CLI's options take their
+help from it at start-up.
 """
 
 from __future__ import annotations
 
-from qerl_cli.compare.results import CompareReport, CompareResult
-from qerl_cli.compare.runner import run_compare
-from qerl_cli.compare.summary import compare_table
+import importlib
+from typing import Any
 
 __all__ = ["CompareReport", "CompareResult", "compare_table", "run_compare"]
+_HOMES = {
+    "CompareReport": "qerl_cli.compare.results",
+    "CompareResult": "qerl_cli.compare.results",
+    "compare_table": "qerl_cli.compare.summary",
+    "run_compare": "qerl_cli.compare.runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'qerl_cli.compare' has no attribute {name!r}")

@@ -40,67 +40,22 @@ calibrates its bases; needs llm-compressor), or round to nearest by ``qerl_cli.q
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from qerl_cli import formats
-from qerl_cli.compare.verdict import DEFAULT_MARGIN, check_margin
+from qerl_cli.compare.settings import BUILTIN_ARMS, CompareSettings
+from qerl_cli.compare.verdict import check_margin
 from qerl_cli.config import from_dict
 from qerl_cli.errors import QerlError
 
-BUILTIN_ARMS: dict[str, dict[str, Any]] = {
-    "bf16-lora": {"model.format": "bf16", "aqn.enabled": False},
-    "nvfp4-lora": {"model.format": "nvfp4", "aqn.enabled": False},
-    "nvfp4-aqn": {"model.format": "nvfp4", "aqn.enabled": True},
-    "nvfp4-dequant-lora": {"model.format": "nvfp4", "base.dequantized": True, "aqn.enabled": False},
-}
 BASE_METHODS = ("gptq", "awq", "rtn")
-DEFAULT_BASE_METHOD = "awq"
 # Arm keys that are compare's own (how the arm's base is made), never passed to `qerl train`.
 BASE_KEYS = ("base.method", "base.dequantized")
 QUANTIZED_FORMATS = tuple(formats.names())  # what an arm's 4-bit base may be
 RESERVED_NAMES = ("bases", "base-heldout")  # folders of the output next to the arms' own
-
-
-@dataclass
-class CompareSettings:
-    threshold: float | None = None
-    # Held-out problems each run and base is evaluated on (the first of the task's held-out split).
-    heldout_problems: int = 64
-    # Samples per held-out problem; pass@1 is each problem's share of correct samples, averaged. 1: one
-    # greedy answer. k > 1: k samples at heldout_temperature (unset: the recipe's rollout.temperature and
-    # top_p): the policy GRPO trains rather than its mode, and k answers a problem rather than one.
-    heldout_samples: int = 1
-    # Temperature of the held-out samples. Unset: 0 (greedy) with one sample, the recipe's
-    # rollout.temperature with several. 0 with several samples is refused (k copies of one answer).
-    heldout_temperature: float | None = None
-    # The arm every other arm's held-out pass@1 is compared with (the verdicts of compare.md). Unset:
-    # bf16-lora when it is among the arms, else no verdicts.
-    reference: str | None = None
-    # The verdicts' margin, in points of held-out pass@1, fixed before the runs: "not worse" is a 95%
-    # interval of arm - reference whose lower end is above -margin.
-    margin: float = DEFAULT_MARGIN
-    # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in every run's environment): a run's numerics no
-    # longer depend on how vLLM batches its requests, so a seed reproduces its run. Slower; GPU only.
-    batch_invariant: bool = False
-    # How a BF16 recipe model's 4-bit counterparts are made: AWQ through llm-compressor on the shipped
-    # qerl-text calibration set (the quantization `qerl quantize` uses by default and the paper's bases
-    # have, offline) or round to nearest (qerl's own packing, seconds, no extra package). AWQ by default:
-    # RTN bases of small models can start with too little reward signal for GRPO (SmolLM2-135M's RTN
-    # NVFP4 base starved: benchmarks/smollm2-h200-2026-11-23).
-    base_method: str = DEFAULT_BASE_METHOD
-    # The least seconds between the starts of runs that share the GPU. None: 10 when vLLM runs go
-    # --jobs N > 1 at a time (each also waits until the previous run's vLLM engine is up, at most
-    # engine_ready_timeout_s), else 0.
-    start_interval_s: float | None = None
-    # How long the next vLLM run sharing the GPU waits for the previous one's engine to be up (it writes
-    # engine_ready in its folder) before it starts anyway. Runs sharing a GPU size vLLM's KV cache from
-    # their share rather than by measuring the device, so their starts may overlap; the wait lets a run's
-    # torch.compile cache serve the next run of the same base. 45 s: 22 Gemma 3 270M runs on an H100 and
-    # an H200 started so (vLLM's engine initialisation 49-85 s), none failed (2026-11-24); serialised
-    # starts had cost 113-178 s a run.
-    engine_ready_timeout_s: float = 45.0
-    arms: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BUILTIN_ARMS))
 
 
 def read_settings(section: Any) -> CompareSettings:
@@ -219,7 +174,6 @@ def select_arms(settings: CompareSettings, names: list[str]) -> dict[str, dict[s
 
 def as_set_strings(overrides: dict[str, Any]) -> list[str]:
     """``{"aqn.enabled": False}`` -> ``["aqn.enabled=false"]`` (the ``--set`` syntax, YAML values)."""
-    import yaml
 
     out = []
     for key, value in overrides.items():

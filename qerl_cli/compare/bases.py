@@ -8,17 +8,27 @@ by every run, and :func:`base_labels` names format and method for the report.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import DEFAULT_BASE_METHOD, BaseChoice, base_choice
+from qerl_cli.compare.arms import BaseChoice, base_choice
 from qerl_cli.compare.results import RunResult
 from qerl_cli.compare.runs import RESULT_NAME, run_dir
+from qerl_cli.compare.settings import DEFAULT_BASE_METHOD
 from qerl_cli.config import QuantizeConfig, TrainConfig, apply_overrides, from_dict
+from qerl_cli.data import calib_text
 from qerl_cli.errors import QerlError
-from qerl_cli.files import is_complete_folder
+from qerl_cli.files import is_complete_folder, write_folder_once
+from qerl_cli.modeling.adapter import check_folder
+from qerl_cli.modeling.error_init import init_folder
+from qerl_cli.modeling.loading import detect_format, read_config
+from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.quantize import run_quantize
+from qerl_cli.quantize.native import DEQUANTIZED_RECORD, write_dequantized_checkpoint, write_rtn_checkpoint
+from qerl_cli.quantize.report import REPORT_NAME
 from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -32,8 +42,6 @@ def prepare_bases(
     """{arm: base folder} for every arm without its own model.path: the recipe's model where the arm asks
     for its format (or ``auto``), else its 4-bit counterpart (quantized once with the arm's
     ``base.method`` or ``method``), or that base's dense BF16 copy for a ``base.dequantized`` arm."""
-    from qerl_cli.modeling.loading import detect_format, read_config
-    from qerl_cli.modeling.sources import resolve_model_source
 
     probe = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None))
     source = probe.model.path
@@ -62,8 +70,6 @@ def prepare_bases(
             base = _quantized_base(folder, out, choice, probe.train.device, init, probe.lora.rank)
             made_with = choice.method
         if choice.dequantized:
-            from qerl_cli.quantize.native import write_dequantized_checkpoint
-
             name = Path(base).name if made_with else f"{own}-recipe"
             target = out / "bases" / f"{name}-dequantized"
             if not is_complete_folder(target):
@@ -113,9 +119,6 @@ def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "zero
     """A folder ``qerl quantize`` finished (it writes staged, so a folder there is whole) with this format
     and method, and the LoRA start asked for: a base made elsewhere (e.g. where llm-compressor is
     installed) and copied to ``target`` serves as one compare made."""
-    from qerl_cli.modeling.adapter import check_folder
-    from qerl_cli.modeling.error_init import init_folder
-    from qerl_cli.quantize.report import REPORT_NAME
 
     report = target / REPORT_NAME
     if not report.is_file():
@@ -141,8 +144,6 @@ def _quantized_base(
     native_rtn = method == "rtn" and lora_init == "zeros"
     target = out / "bases" / (fmt if native_rtn else f"{fmt}-{method}")
     if native_rtn:  # qerl's own RTN: no llm-compressor needed
-        from qerl_cli.quantize.native import write_rtn_checkpoint
-
         if not is_complete_folder(target):
             log.info("quantizing %s to %s (round to nearest) into %s", folder, fmt, target)
         return str(write_rtn_checkpoint(folder, target, fmt))
@@ -163,7 +164,6 @@ def _quantized_base(
 
 def _check_llmcompressor_available(target: Path, fmt: str, method: str) -> None:
     """AWQ and GPTQ bases need llm-compressor, which lives apart from vLLM: say so before anything starts."""
-    import importlib.util
 
     if is_complete_folder(target) or importlib.util.find_spec("llmcompressor") is not None:
         return
@@ -183,9 +183,6 @@ def base_labels(
     method of the base at each arm's model path (``paths``). A dense copy says what it was made from; a
     4-bit base made here (``bases``, under ``out/bases``) is named by the arm's choice, any other by its
     ``qerl_quant.json``."""
-    from qerl_cli.modeling.loading import detect_format, read_config
-    from qerl_cli.quantize.native import DEQUANTIZED_RECORD
-    from qerl_cli.quantize.report import REPORT_NAME
 
     labels = {}
     for arm, text in paths.items():
@@ -216,15 +213,13 @@ def _calibrated_base(
 ) -> Path:
     """``qerl quantize --method METHOD --calib qerl-text [--lora-init INIT]`` of ``folder`` into
     ``target``, once."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES, SMALL_CALIB_SEQ_LEN
-    from qerl_cli.files import write_folder_once
-    from qerl_cli.quantize import run_quantize
 
     def write(staging: Path) -> None:
         run_quantize(
             QuantizeConfig(
-                model=folder, format=fmt, method=method, calib=BUILTIN_NAME, calib_field="text",
-                num_samples=SMALL_CALIB_SAMPLES, seq_len=SMALL_CALIB_SEQ_LEN, output=str(staging),
+                model=folder, format=fmt, method=method, calib=calib_text.BUILTIN_NAME, calib_field="text",
+                num_samples=calib_text.SMALL_CALIB_SAMPLES, seq_len=calib_text.SMALL_CALIB_SEQ_LEN,
+                output=str(staging),
                 overwrite=True, device=device, lora_init=lora_init, lora_init_rank=rank,
             )
         )  # fmt: skip

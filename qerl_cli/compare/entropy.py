@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from qerl_cli.rollout import factory
 from qerl_cli.rollout.base import SamplingSpec
 
 
@@ -40,7 +41,6 @@ def rollout_entropy(
 
     ``batch``: completions per generate call (the recipe's ``rollout.generation_batch_size``).
     """
-    from qerl_cli.rollout import factory
 
     engine = factory.make_engine(factory.EngineRequest(
         "hf", model_path, dtype=dtype, device=device, generation_batch_size=batch,

@@ -10,21 +10,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import CompareSettings
+from qerl_cli import evaluation
+from qerl_cli.compare.entropy import rollout_entropy
 from qerl_cli.compare.results import BaseHeldout, HeldoutScore
 from qerl_cli.compare.runs import arm_config
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, TrainConfig
+from qerl_cli.data.benchmarks import benchmark_spec, load_benchmark
+from qerl_cli.data.prompts import render_prompt
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
-from qerl_cli.torch_utils import free_accelerator_memory
+from qerl_cli.modeling.error_init import init_folder
+from qerl_cli.modeling.loading import load_tokenizer
+from qerl_cli.torch_utils import device_label, free_accelerator_memory
 
 log = logging.getLogger(__name__)
 BASE_RESULT_NAME = "heldout.json"
 
 
 def heldout_benchmark(conf: TrainConfig) -> str:
-    from qerl_cli.data.benchmarks import benchmark_spec
-
     name = conf.data.dataset
     if name.startswith("synthetic-") or benchmark_spec(name) is not None:
         return name
@@ -50,7 +54,6 @@ def evaluate_heldout(
 ) -> HeldoutScore:
     """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base): each
     problem's share of correct answers among ``compare.heldout_samples``, averaged over the problems."""
-    from qerl_cli.evaluation import run_eval
 
     bench = heldout_benchmark(conf)
     temperature, top_p = heldout_sampling(conf, settings)
@@ -62,7 +65,7 @@ def evaluate_heldout(
         grader_workers=max(1, conf.reward.grader_workers), device=conf.train.device, dtype=conf.model.dtype,
         generation_batch_size=conf.rollout.generation_batch_size,
     )  # fmt: skip
-    results = run_eval(eval_cfg, log=lambda message: log.info("%s", message))
+    results = evaluation.run_eval(eval_cfg, log=lambda message: log.info("%s", message))
     metrics = results.benchmarks[bench].metrics
     return HeldoutScore(
         benchmark=bench,
@@ -110,7 +113,6 @@ def evaluate_bases(
     reported as a failure; the others and the report go on. With ``evaluate`` off nothing is evaluated:
     a base without kept figures is None.
     """
-    from qerl_cli.torch_utils import device_label
 
     by_key: dict[str, BaseHeldout | None] = {}
     found: dict[str, BaseHeldout | None] = {}
@@ -149,7 +151,6 @@ def evaluate_bases(
 def start_adapter(conf: TrainConfig) -> str | None:
     """The adapter a run starts from: none (PEFT's zeros), or the base's stored error-compensating start
     (lora.init), whose held-out score is where such an arm begins."""
-    from qerl_cli.modeling.error_init import init_folder
 
     return None if conf.lora.init == "zeros" else str(init_folder(conf.model.path))
 
@@ -162,10 +163,6 @@ ENTROPY_SAMPLES = 4
 def base_entropy(conf: TrainConfig, settings: CompareSettings) -> dict[str, Any]:
     """Rollout entropy of ``conf``'s base (no adapter, no noise) on the first held-out prompts; with a
     LoRA start (lora.init) the bare base's still: the entropy measure takes no adapter."""
-    from qerl_cli.compare.entropy import rollout_entropy
-    from qerl_cli.data.benchmarks import load_benchmark
-    from qerl_cli.data.prompts import render_prompt
-    from qerl_cli.modeling.loading import load_tokenizer
 
     problems = load_benchmark(heldout_benchmark(conf), None, min(ENTROPY_PROMPTS, settings.heldout_problems))
     tokenizer = load_tokenizer(conf.model.path)

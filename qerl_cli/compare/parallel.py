@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -15,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qerl_cli.compare.runs import run_dir
 from qerl_cli.errors import QerlError
+from qerl_cli.rl.setup import ENGINE_READY_FILE
 
 log = logging.getLogger(__name__)
 # The least gap between two vLLM runs' starts on one GPU; each also waits for the previous one's engine.
@@ -38,7 +42,6 @@ def child_environment(batch_invariant: bool) -> dict[str, str]:
 def invocation_id() -> str:
     """This invocation's id: a run's child inherits its parent's, else a new one, its UTC start time and
     six random hex digits ("20261128T103000Z-1a2b3c"), so two invocations in one second differ."""
-    import secrets
 
     inherited = os.environ.get(INVOCATION_ENV)
     if inherited and os.environ.get(CHILD_ENV):
@@ -64,10 +67,6 @@ def visible_gpus(spec: str) -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [part.strip() for part in visible.split(",") if part.strip() and part.strip() != "-1"]
-    try:
-        import torch
-    except ImportError:
-        return []
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
@@ -145,7 +144,6 @@ def run_parallel(
 
     Returns the runs that failed (each with where its log is); the others run to the end regardless.
     """
-    from qerl_cli.rl.setup import ENGINE_READY_FILE
 
     threads = max(1, (os.cpu_count() or 1) // width)
     env = {**os.environ, **(environment or {}), "OMP_NUM_THREADS": str(threads),

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.evaluation.results import RESULTS_NAME, read_results
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,6 @@ class HeldoutScore:
     def rescored(self, eval_folder: Path) -> HeldoutScore:
         """This score, or the one ``qerl eval --rescore`` wrote since into the evaluation's folder (its
         ``results.json`` with ``rescored`` set): a report shows the grades of the newest grading."""
-        from qerl_cli.evaluation.results import RESULTS_NAME, read_results
 
         path = eval_folder / RESULTS_NAME
         results = read_results(path) if path.is_file() else None

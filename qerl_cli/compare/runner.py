@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare import heldout
-from qerl_cli.compare.arms import CompareSettings, select_arms
+from qerl_cli.compare.arms import select_arms
 from qerl_cli.compare.bases import base_labels, prepare_bases, recorded_bases
 from qerl_cli.compare.gpu_share import shared_gpu_sets
 from qerl_cli.compare.parallel import (
@@ -49,11 +49,17 @@ from qerl_cli.compare.parallel import (
 )
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
 from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
+from qerl_cli.compare.settings import CompareSettings
+from qerl_cli.compare.summary import write_report
 from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
 from qerl_cli.config import TrainConfig, apply_overrides, from_dict
+from qerl_cli.envinfo import gpu_info
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
-from qerl_cli.torch_utils import free_accelerator_memory
+from qerl_cli.rl import trainer as trainer_mod
+from qerl_cli.rl.checkpoint import list_checkpoints
+from qerl_cli.rl.tracking import read_metrics
+from qerl_cli.torch_utils import device_label, free_accelerator_memory
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +69,6 @@ def run_one(
 ) -> RunResult:
     """Train (or resume) one run, evaluate it on the held-out split, write its result.json (with the
     device, the GPUs seen and ``invocation``, the compare invocation that trained it)."""
-    from qerl_cli.envinfo import gpu_info
-    from qerl_cli.rl.checkpoint import list_checkpoints
-    from qerl_cli.rl.tracking import read_metrics
-    from qerl_cli.rl.trainer import train
-    from qerl_cli.torch_utils import device_label
 
     out = Path(conf.output.dir)
     done = out / RESULT_NAME
@@ -76,7 +77,7 @@ def run_one(
     start = time.perf_counter()
     resume = str(out) if out.is_dir() and list_checkpoints(out) else None
     # Without a checkpoint, what the folder holds is a failed attempt of this same run: start it over.
-    summary = train(conf, resume=resume, progress=progress, overwrite=resume is None)
+    summary = trainer_mod.train(conf, resume=resume, progress=progress, overwrite=resume is None)
     figures = heldout.evaluate_heldout(conf, settings, summary.adapter, out / "heldout")
     records = read_metrics(out / "metrics.jsonl")
     result = RunResult(
@@ -290,7 +291,6 @@ def _summarize(
 ) -> tuple[CompareReport, list[str]]:  # fmt: skip
     """Evaluate the arms' bases (once each; with ``evaluate`` off only the figures kept before), then
     write the report of the finished runs; returns it and the bases that could not be evaluated."""
-    from qerl_cli.compare.summary import write_report
 
     a = ablation
     if evaluate:

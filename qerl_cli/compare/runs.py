@@ -6,7 +6,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import CompareSettings, as_set_strings, config_overrides, read_settings
+from qerl_cli.compare.arms import as_set_strings, config_overrides, read_settings
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import TrainConfig, apply_overrides, from_dict, read_yaml, validate
 
 RESULT_NAME = "result.json"

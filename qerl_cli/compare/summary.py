@@ -35,10 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.arms import QUANTIZED_FORMATS, CompareSettings
+from rich.table import Table
+
+from qerl_cli.compare.arms import QUANTIZED_FORMATS
 from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mean
 from qerl_cli.compare.curves import window as _window
+from qerl_cli.compare.plot import plot_curves
 from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
+from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.compare.verdict import (
     arm_verdicts,
     verdict_cells,
@@ -251,8 +255,6 @@ def _method_text(method: str | None) -> str:
 
 
 def compare_table(report: CompareReport):  # -> rich.table.Table
-    from rich.table import Table
-
     table = Table(title=f"qerl compare (threshold {report.threshold:.3f})")
     for header in _headers(report):
         table.add_column(header, justify="left" if header == "arm" else "right")
@@ -276,8 +278,6 @@ def write_report(
     skipped: int = 0, recipe: str = "", base_heldout: dict[str, BaseHeldout | None] | None = None,
     base_labels: dict[str, str] | None = None,
 ) -> CompareReport:  # fmt: skip
-    from qerl_cli.compare.plot import plot_curves
-
     results = load_results(out, list(arms), seeds)
     rows, used = arm_rows(
         results, threshold if threshold is not None else settings.threshold, base_heldout, base_labels

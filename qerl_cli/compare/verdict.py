@@ -38,7 +38,6 @@ from qerl_cli.errors import QerlError
 from qerl_cli.stats import PERMUTATION_DRAWS, permutation_test, sd, seeds_for_half_width, welch_interval
 
 DEFAULT_REFERENCE = "bf16-lora"
-DEFAULT_MARGIN = 5.0  # points of held-out pass@1
 CONFIDENCE = 0.95
 _SEED_LIMIT = 10000  # seeds_needed searched up to
 UNRECORDED = "unrecorded"  # a run written before result.json recorded its device or invocation

@@ -159,10 +159,10 @@ class BenchConfig:
     # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
     model: str = ""
     # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job (to finish within
-    # 10 minutes on one H100; benchmarks/h200-2026-11-23, bench_batch_defaults/): three engine starts,
+    # 10 minutes on one GPU; the measured runs: docs/bench.md): three engine starts,
     # 512 generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add
     # it with --formats); RL lengths are --gen-len 2048 or 4096; whole GRPO steps are `qerl bench e2e`
-    # (its settings: qerl_cli.bench.e2e.E2EConfig, these keys and the step's own).
+    # (its settings: qerl_cli.bench.settings.E2EConfig, these keys and the step's own).
     formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
     # Batch sizes timed (sequences generated at once).
     batch: list[int] = field(default_factory=lambda: [2, 8])

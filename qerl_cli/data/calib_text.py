@@ -2,9 +2,9 @@
 
 Two kinds of rows, each ``{"text": ...}``: short paragraphs of plain English prose written for qerl
 (general knowledge, no copyrighted source), and worked word problems from ``synthetic-wordproblems``
-(question and a short solution), i.e. the domain the SmolLM2 recipe trains on. Real text, not random
-tokens, so AWQ's activation statistics and the perplexity comparison mean something; small, so AWQ
-runs on a CPU in minutes.
+(question and a short solution), i.e. the domain the ``smollm2_wordproblems`` recipe trains on. Real
+text, not random tokens, so AWQ's activation statistics and the perplexity comparison mean something;
+small, so AWQ runs on a CPU in minutes.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and 
     load_hub_records,
     read_records,
 )
+from qerl_cli.data.synthetic import make_problems
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import source_checks  # module: tests patch hub_reachable
 from qerl_cli.rewards.extract import extract_last_boxed
@@ -350,8 +351,6 @@ def load_problems(
     if max_samples is not None and max_samples < 1:
         raise QerlError(f"max_samples must be >= 1, got {max_samples}")
     if dataset.startswith(SYNTHETIC_PREFIX):
-        from qerl_cli.data.synthetic import make_problems  # lazy: owned by the trainer side
-
         return make_problems(dataset, split, max_samples, seed)
     if _is_local(dataset):
         spec = get_spec(like) if like else None

@@ -14,7 +14,7 @@ Templates
     \\boxed{}." in the user message (the DeepSeek-R1 / Qwen math evaluation convention).
 ``plain``: the question alone (synthetic tasks for tiny models).
 ``qerl-fewshot``: three worked word problems ("Question: ... / Answer: ... The answer is N."), then
-    the question and "Answer:", for base models without a chat template (Gemma 3 270M): a base
+    the question and "Answer:", for base models without a chat template (the ``gemma3-270m`` alias): a base
     model continues a document, so it needs to be shown what an answer looks like. Generation stops
     at the next "Question:" the model starts on its own.
 

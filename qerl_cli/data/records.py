@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+from huggingface_hub import constants
+
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import source_checks  # module: tests patch hub_reachable
 
@@ -41,8 +44,6 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
                 raise QerlError(f"{path}: a .json file must hold a list of records")
             return data
         if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
             return pq.read_table(path).to_pylist()
         if suffix == ".csv":
             with path.open(newline="", encoding="utf-8") as f:
@@ -97,7 +98,6 @@ def _hub_records(hub_id: str, config: str | None, split: str) -> list[dict[str, 
 def _in_local_cache(hub_id: str) -> bool:
     """Whether the Hub cache (or datasets' own, for older script datasets) holds a copy of ``hub_id``."""
     import datasets
-    from huggingface_hub import constants
 
     return (Path(constants.HF_HUB_CACHE) / f"datasets--{hub_id.replace('/', '--')}").is_dir() or (
         Path(datasets.config.HF_DATASETS_CACHE) / hub_id.replace("/", "___")

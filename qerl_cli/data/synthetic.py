@@ -2,8 +2,9 @@
 
 A task name is ``synthetic-<kind>`` (``synthetic-addition``, ``synthetic-subtraction``,
 ``synthetic-multiplication``, ``synthetic-mixed``, and ``synthetic-wordproblems``: two-digit additions
-told as a short story, for small pretrained chat models such as SmolLM2-135M-Instruct). Problems are
-a pure function of ``(name, split, n, seed)``: the same call always returns the same list, offline.
+told as a short story, for small pretrained chat models such as the ``smollm2-135m-instruct`` alias).
+Problems are a pure function of ``(name, split, n, seed)``: the same call always returns the same list,
+offline.
 
 Train and test never share a problem: every operand pair is assigned to one split by a hash of the
 pair, so a held-out evaluation really is held out. Gold answers are plain integers, which

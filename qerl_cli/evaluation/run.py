@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+import torch
+from rich.console import Console
 
 from qerl_cli.config import BENCHMARKS_ALL, EvalConfig
 from qerl_cli.data.benchmarks import benchmark_source, default_samples, load_benchmark
@@ -39,9 +43,14 @@ from qerl_cli.evaluation.results import (
     write_samples,
 )
 from qerl_cli.files import append_step_summary, ensure_output_dir
+from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+from qerl_cli.modeling.adapter import rank as adapter_rank
+from qerl_cli.modeling.loading import load_tokenizer
+from qerl_cli.modeling.source_checks import check_model_source
 from qerl_cli.rewards.extract import cut_at_stop
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader
+from qerl_cli.rollout import factory
 from qerl_cli.rollout.base import Completion, RolloutEngine, SamplingSpec
 
 Log = Callable[[str], None]
@@ -50,8 +59,6 @@ RESULTS_FORMAT = 1
 
 
 def _default_log() -> Log:
-    from rich.console import Console
-
     console = Console(stderr=True)
     return lambda message: console.print(message, highlight=False, markup=False)  # paths hold [...]
 
@@ -69,9 +76,6 @@ def samples_for(cfg: EvalConfig, benchmark: str) -> int:
 def resolve_engine(name: str) -> str:
     """``auto``: vLLM where a CUDA GPU and vLLM are present, else the HF engine (as ``qerl bench``
     chooses). ``vllm`` on a machine without either is refused at once, naming ``--engine hf``."""
-    import importlib.util
-
-    import torch
 
     has_vllm = importlib.util.find_spec("vllm") is not None
     gpu = torch.cuda.is_available()
@@ -85,8 +89,6 @@ def resolve_engine(name: str) -> str:
 
 def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
     """The engine for ``cfg.engine`` with the adapter applied (through the rollout factory)."""
-    from qerl_cli.modeling.adapter import rank as adapter_rank
-    from qerl_cli.rollout import factory
 
     common = dict(adapter=cfg.adapter, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if cfg.engine == "vllm":
@@ -106,8 +108,6 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
 
 
 def load_eval_tokenizer(cfg: EvalConfig) -> Any:
-    from qerl_cli.modeling.loading import load_tokenizer
-
     try:
         return load_tokenizer(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except OSError as exc:
@@ -315,9 +315,6 @@ def run_eval(
 
 
 def _check_model_paths(cfg: EvalConfig) -> None:
-    from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
-    from qerl_cli.modeling.source_checks import check_model_source
-
     check_model_source(
         cfg.model,
         what="model",

@@ -13,8 +13,7 @@ noise on the applied scale (a multiplicative ``w * (1 + z)`` would be wrong ther
 would get no noise). How much of a sigma survives the cast to the weight's dtype depends on the stored
 values: in bf16 a weight near 1.0 has a spacing of 2**-7, so sigmas well below ~4e-3 mostly round away.
 :attr:`NormNoiser.last_changed_fraction` (logged as ``rollout/noise_changed_fraction``) reports the share
-of weights that actually moved, not a share of tokens; per-model figures are in
-``benchmarks/gemma3-270m-learning-gap-2026-11-27``.
+of weights that actually moved, not a share of tokens; per-model figures: ``docs/aqn.md``.
 
 Deliberate differences from the reference code (NVlabs/QeRL):
 

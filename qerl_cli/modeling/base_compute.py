@@ -8,10 +8,9 @@ plan (``rl.setup.plan_with_base_compute``).
 * ``fp8``: FP8 GEMMs on two FP8 copies of each 4-bit weight (2 bytes per base weight, held for the
   whole run). Needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9) and a 4-bit base;
   asked for anywhere else it is an error, never a silent fallback;
-* ``auto``: ``bf16``. Measured on an H100 for a 7B (``benchmarks/h100-2026-11-27-merged``), FP8 on
-  every layer made the update 0.99x as fast, and on the MLP layers alone (:data:`FP8_MIN_WEIGHTS`)
-  1.06x, for copies of 10.6 GiB (MLP only, their size by arithmetic) to 12.2 GiB (every layer, measured)
-  that the rollout's KV cache would otherwise hold.
+* ``auto``: ``bf16``. Measured for a 7B, FP8 on every layer or on the MLP layers alone
+  (:data:`FP8_MIN_WEIGHTS`) made the update no faster than BF16, for copies of many GiB that the
+  rollout's KV cache would otherwise hold (the figures: ``docs/train.md``).
 
 A BF16 base (plain ``nn.Linear``) always computes in BF16: it has no 4-bit weight to keep, and an FP8
 copy beside its BF16 weight would cost memory for a speed-up this option does not aim at.
@@ -28,7 +27,7 @@ from torch import nn
 from qerl_cli.config.sections import BaseCompute
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
-from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an H100 in for it
+from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an FP8 GPU in for it
 from qerl_cli.modeling.fp8_update import FP8_MIN_WEIGHTS, check_dims, fp8_pays
 from qerl_cli.modeling.quant_linear import QuantLinear, set_base_compute
 from qerl_cli.torch_utils import GIB
@@ -51,8 +50,10 @@ def resolve_base_compute(
     if choice == "bf16":
         return "bf16", "train.base_compute=bf16"
     if choice == "auto":
-        return "bf16", ("train.base_compute=auto keeps BF16: FP8 update GEMMs measured 0.99-1.06x of BF16 "
-                        "on an H100 (a 7B) for 10.6-12.2 GiB of weight copies")  # fmt: skip
+        return "bf16", (
+            "train.base_compute=auto keeps BF16: FP8 update GEMMs measured no faster than BF16 for GiB "
+            "of weight copies (docs/train.md); train.base_compute=fp8 uses them"
+        )
     if quantized is None:
         return "bf16", "train.base_compute=fp8: the base is BF16, which computes in BF16"
     where = (

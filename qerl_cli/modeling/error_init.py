@@ -11,7 +11,7 @@ second moment), ``||(E - D) X||_F^2 = n * ||(E - D) S||_F^2`` for any ``S`` with
 ``C = Q diag(l) Q^T`` and ``S = Q diag(sqrt(l))`` the best ``D S`` is the truncated SVD of ``E S``
 (Eckart-Young), so ``D = U_r Sig_r V_r^T S^-1``. The plain SVD of ``E`` (``second_moment=None``,
 ``lora.init: svd``) treats every input direction alike, so at the same rank it recovers far less of the
-model than EoRA does (EoRA's KL to the BF16 model: ``benchmarks/gemma3-270m-learning-gap-2026-11-27``).
+model than EoRA does (EoRA's KL to the BF16 model: ``docs/quantize.md``).
 
 The folder that holds one base's factors (``<quantized model>/lora_init/``, a PEFT adapter folder
 written through :mod:`qerl_cli.modeling.adapter`, plus :data:`INFO_NAME`) is named here, so that

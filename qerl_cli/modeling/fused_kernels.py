@@ -28,8 +28,8 @@ buffer viewed as [B, H, 1, D]) already counts as contiguous after the transpose,
 (reproduced on the CPU with Triton's interpreter). transformers' norm keeps the projection's layout
 (``stride(1) = H * D``), and training forwards (sequence length > 1) are exact. An evaluation in the
 process of a Liger-trained run then decodes with Liger's leaked norm class and RoPE and scores near
-zero (benchmarks/gemma3-270m-h100-2026-11-24). The guard hands Liger only the calls it computes right
-(sequence length > 1, or a single row) and the others to transformers' function.
+zero (the run that showed it: ``benchmarks/README.md``). The guard hands Liger only the calls it
+computes right (sequence length > 1, or a single row) and the others to transformers' function.
 """
 
 from __future__ import annotations

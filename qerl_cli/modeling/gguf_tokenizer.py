@@ -4,7 +4,7 @@ transformers converts a GGUF tokenizer from the file's metadata. For SentencePie
 (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral, Gemma) the file holds pieces, scores and token
 types but no merges. Gemma's GGUF converter (transformers 5.17) reads those scores as a *Unigram*
 model's log-probabilities; they are BPE merge ranks (``-rank``), so Viterbi prefers the many short,
-early pieces and the tokenizer becomes nearly character-level (Gemma 3 270M: "Mia has 23 apples" ->
+early pieces and the tokenizer becomes nearly character-level (``gemma3-270m``: "Mia has 23 apples" ->
 ``Mia ▁h as ▁ 2 3 ▁a pp les``). The model then sees text it was never trained on and prints "is is is".
 
 This module rebuilds what SentencePiece's BPE does from the same vocabulary: a merge for every piece
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+from tokenizers.models import BPE
 
 from qerl_cli.errors import QerlError
 
@@ -114,8 +117,6 @@ def sentencepiece_bpe_merges(vocab: GGUFVocabulary) -> list[tuple[str, str]]:
 
 def build_sentencepiece_tokenizer(vocab: GGUFVocabulary):  # -> PreTrainedTokenizerFast
     """A fast tokenizer equal to SentencePiece BPE over ``vocab`` (byte fallback, ``▁`` for spaces)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
-    from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
     pieces: dict[str, int] = {}

@@ -30,7 +30,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def leading_special_ids(tokenizer: Any) -> list[int]:
     """The ids the tokenizer puts before any text of its own accord (BOS for Gemma and Llama,
-    nothing for GPT-2, Qwen or SmolLM2)."""
+    nothing for GPT-2, Qwen or Llama-style chat models)."""
     plain = list(tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"])
     full = list(tokenizer(_PROBE_TEXT, add_special_tokens=True)["input_ids"])
     for start in range(len(full) - len(plain) + 1):

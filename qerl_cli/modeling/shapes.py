@@ -4,8 +4,8 @@ On a GPU without native FP4 (compute capability < 10.0, e.g. Hopper) vLLM runs N
 through its Marlin kernels, which need every quantized layer's input width (per tensor-parallel
 partition) divisible by 128 and its output width by 64 (``check_marlin_supports_shape`` in vLLM).
 vLLM merges q/k/v into one ``qkv_proj`` and gate/up into ``gate_up_proj``, so the output width checked
-for those is the sum of the members'. A model such as SmolLM2-135M (hidden 576) fails this for most
-layers; vLLM would say so only after minutes of engine start-up, deep in a stack trace.
+for those is the sum of the members'. A small model (hidden 576, e.g. ``smollm2-135m-instruct``) fails
+this for most layers; vLLM would say so only after minutes of engine start-up, deep in a stack trace.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from huggingface_hub import try_to_load_from_cache
+
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.sources import resolve_model_source
 
@@ -63,10 +65,6 @@ def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
 
 
 def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
-        return False
     found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     return isinstance(found, str)
 
@@ -139,7 +137,6 @@ def check_model_source(
 
 
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
-
     if not path.is_dir():
         raise QerlError(
             f"{what} {path} is a file, not a model folder: give a model folder (config.json and "

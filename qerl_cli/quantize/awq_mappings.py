@@ -13,8 +13,8 @@ off, one below 2^-9 comes back 0 (the channel is cut), and every other offset no
 smoothed or not, is rounded once more on the way in and out: the smoothed model, before any 4-bit
 rounding, is no longer the original, and AWQ can end further from it than round-to-nearest. With the two
 fixes below the smoothed model differs from the original by the BF16 rounding of the smoothed linears
-only, as on any architecture (AWQ's KL to the BF16 model before and after the fixes:
-``benchmarks/gemma3-270m-learning-gap-2026-11-27``).
+only, as on any architecture (AWQ's KL to the BF16 model before and after the fixes: the quantization
+runs indexed in ``docs/quantize.md``).
 
 :func:`exact_offset_norms` fixes both halves around ``oneshot``:
 
@@ -28,8 +28,8 @@ only, as on any architecture (AWQ's KL to the BF16 model before and after the fi
 
 :func:`mappings_for` names the mappings: qerl's own per model class (:data:`ARCHITECTURE_MAPPINGS`),
 else ``None`` (llm-compressor's registry). Linear-to-linear mappings are exact on every architecture
-(llm-compressor skips ``v_proj -> o_proj`` where grouped-query attention makes the widths differ, as on
-Gemma 3 270M: 256 value outputs, 1,024 o_proj inputs).
+(llm-compressor skips ``v_proj -> o_proj`` where grouped-query attention makes the widths differ: fewer
+value outputs than o_proj inputs).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from qerl_cli.data.calib_text import BUILTIN_NAME, builtin_rows
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.prompt_tokens import encode_prompt
@@ -62,8 +64,6 @@ def _read_local(path: Path) -> list[dict[str, Any]]:
         raise QerlError(f"calibration file {path} must be .jsonl or .parquet (got '{path.suffix}')")
     try:
         if LOCAL_SUFFIXES[suffix] == "parquet":
-            import pyarrow.parquet as pq
-
             return pq.read_table(path).to_pylist()
         with path.open(encoding="utf-8") as handle:
             return [json.loads(line) for line in handle if line.strip()]

@@ -9,8 +9,8 @@ Recipes::
 
 GPTQ rounds one column at a time and spreads each column's rounding error over the columns not yet
 rounded, weighted by the calibration activations' second moments (the layer Hessian), so it keeps
-more of the model than AWQ's round-to-nearest (KL to the BF16 model of each method:
-``benchmarks/gemma3-270m-learning-gap-2026-11-27``; what AWQ needs to know per architecture lives in
+more of the model than AWQ's round-to-nearest (KL to the BF16 model of each method: ``docs/quantize.md``;
+what AWQ needs to know per architecture lives in
 ``awq_mappings``). The
 checkpoint is saved with ``save_compressed=True`` in compressed-tensors' ``nvfp4-pack-quantized`` /
 ``mxfp4-pack-quantized`` layout, which transformers, vLLM and qerl's QuantLinear load.

@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from rich.table import Table
 
+from qerl_cli.data import calib_text
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.adapter import attach_to_base
 from qerl_cli.modeling.loading import load_policy_model, load_tokenizer
@@ -69,17 +71,15 @@ def parse_candidate(text: str) -> Candidate:
 
 def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:
     """qerl-text's held-out rows (disjoint from any ``--calib qerl-text`` calibration)."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME, SMALL_CALIB_SAMPLES
 
     calib = load_calibration(
-        BUILTIN_NAME, tokenizer, num_samples=SMALL_CALIB_SAMPLES, seq_len=seq_len, seed=42,
-        field_name="text", held_out=rows,
+        calib_text.BUILTIN_NAME, tokenizer, num_samples=calib_text.SMALL_CALIB_SAMPLES, seq_len=seq_len,
+        seed=42, field_name="text", held_out=rows,
     )  # fmt: skip
     return [ids for ids in calib.held_out if len(ids) >= 2]
 
 
 def _load(path: str, adapter: str | None, device: torch.device) -> torch.nn.Module:
-
     model, _ = load_policy_model(path, dtype=torch.bfloat16, device=device)
     if adapter:
         model = attach_to_base(model, adapter).to(device)
@@ -126,8 +126,6 @@ def measure_quality(
 
 
 def quality_table(report: QualityReport):  # -> rich.table.Table
-    from rich.table import Table
-
     table = Table(title=f"kept quality vs {report.reference} ({report.text['tokens']} held-out tokens)")
     for name in ("candidate", "KL to BF16 (nats/token)", "top-1 agree", "perplexity"):
         table.add_column(name, overflow="fold")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.table import Table
 from safetensors import safe_open
 
 from qerl_cli import formats
@@ -49,7 +50,6 @@ def state_bytes(model: torch.nn.Module) -> int:
 
 
 def _saved_tensor_index(out_dir: Path) -> dict[str, Path]:
-
     index: dict[str, Path] = {}
     for file in sorted(out_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
@@ -289,7 +289,6 @@ def _gib(n: int | None) -> str:
 
 def quantize_table(result: QuantizeResult):  # -> rich.table.Table
     """BF16 vs 4-bit: size, weight error, perplexity and time, for the CLI to print."""
-    from rich.table import Table
 
     fmt = result.format.upper()
     table = Table(title=f"qerl quantize: {result.model} -> {fmt} ({result.method})")

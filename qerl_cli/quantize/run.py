@@ -17,9 +17,12 @@ from typing import Any
 
 import torch
 
+from qerl_cli import formats
 from qerl_cli.config import QuantizeConfig
+from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import source_checks
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
 from qerl_cli.modeling.source_checks import check_model_source
@@ -184,8 +187,6 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
     the calibration set and the BF16 model with its layer checks; returns the job and the model."""
     from transformers import AutoTokenizer
 
-    from qerl_cli import formats
-
     cfg.validate()
     fmt = check_format(cfg.format)
     method = check_method(cfg.method)
@@ -241,20 +242,18 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
 def calibration_source(calib: str, split: str, samples: int) -> str:
     """Where the calibration rows come from, said before they are fetched; a Hub set while the Hub is
     offline or unreachable is refused at once, naming the shipped set to use instead."""
-    from qerl_cli.data.calib_text import BUILTIN_NAME
-    from qerl_cli.modeling.source_checks import hub_offline_by_env, hub_reachable
 
     what = f"{samples} calibration samples" if samples else "held-out perplexity rows"
     if calib == BUILTIN_NAME:
         return f"{what} from {BUILTIN_NAME} (shipped with qerl, offline)"
     if Path(calib).expanduser().exists() or Path(calib).suffix.lower() in (".jsonl", ".parquet"):
         return f"{what} from the file {calib}"
-    offline = hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
+    offline = source_checks.hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
         "1",
         "true",
         "yes",
     )
-    if offline or not hub_reachable():
+    if offline or not source_checks.hub_reachable():
         why = (
             "the Hub is offline here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
             if offline

@@ -7,10 +7,9 @@ SymPy objects (or normalised strings) and math-verify compares them: "1,000" = "
 
 math-verify also evaluates what it reads, and reads generously: "50 + 83" equals gold 133, and so do
 numbers side by side ("50 83", which its LaTeX parser adds up; "2 1/2" reads as 3/2) and numbers with
-a stray math delimiter between them ("50 $ 83"). GRPO on word problems found each of these within 20-40
-steps on Gemma 3 270M (``benchmarks/gemma3-270m-ablation-h100-2026-11-24``): "The answer is 94 + 58."
-graded correct on 256 of 256 held-out problems, and NF4 LoRA answered every question with its two
-numbers at reward 1.0. So where the gold answer is a number, the answer must be one number
+a stray math delimiter between them ("50 $ 83"). GRPO on word problems finds each of these within tens
+of steps and is then paid for answering every question with its two numbers (the ablation that showed
+it: ``docs/rewards.md``). So where the gold answer is a number, the answer must be one number
 (:func:`not_one_number`): the value after its last "=" holds exactly one numeral, a fraction of two
 integers or a number with comma thousands separators counting as one ("1,000 dollars"), and an integer
 gold takes no fraction. Units and prose around it ("72 apples") are left to math-verify. A mixed

@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rewards.grading import GradeResult
 
 READY = "ready"
 SYS_PATH_ENV = "QERL_GRADER_SYS_PATH"
@@ -43,8 +44,6 @@ def resolve_callable(ref: str) -> Callable[..., Any]:
 
 
 def _serve(inbox: Connection, outbox: Connection) -> None:
-    from qerl_cli.rewards.grading import GradeResult
-
     fn = resolve_callable(inbox.recv())
     # Import math-verify and warm its caches before READY: the first item's clock must not pay it.
     importlib.import_module("qerl_cli.rewards._preload")

@@ -4,7 +4,7 @@ A raw sigma does not transfer between models or bases: it is added to norm weigh
 (an AWQ base divides the norms it smooths by its scales, so the same sigma is larger beside them; on a
 bf16 norm near 1.0 small sigmas round away). ``aqn.calibrate: tokens`` states the noise as what it does
 instead: the share of greedy completion tokens it changes (``aqn.target``). What raw and calibrated sigmas
-did on one model: ``benchmarks/gemma3-270m-learning-gap-2026-11-27``.
+did on one model: ``docs/aqn.md``.
 
 Before the first training step (engine built, initial adapter synced) :class:`NoiseProbe` greedy-decodes
 ``aqn.calibration_prompts`` training prompts once without noise and, for each probed sigma, once with
@@ -157,7 +157,7 @@ def raw_sigma_warning(cfg: TrainConfig, base_method: str | None) -> str | None:
         f"AQN adds aqn.sigma_start={cfg.aqn.sigma_start:g} to the norm weights of an AWQ base, whose "
         "smoothing divided some norms by its scales: the noise is larger beside them than on an "
         "unsmoothed base, and can change most greedy tokens and stop learning "
-        "(benchmarks/gemma3-270m-learning-gap-2026-11-27). State the noise as its effect instead, "
+        "(docs/aqn.md). State the noise as its effect instead, "
         "aqn.calibrate: tokens with aqn.target (e.g. 0.1), or use a GPTQ or RTN base"
     )
 
@@ -254,8 +254,7 @@ FLOOR_MARGIN = 3.0
 def floor_warning(floor: float, target: float) -> str | None:
     """What to tell the user when the engine's greedy decoding is not repeatable (batch-dependent
     kernels): the share of tokens two noise-free passes differ in is a floor under every measure, and a
-    target close to it calibrates on that scatter (vLLM's floor and the sigmas it scattered:
-    benchmarks/gemma3-270m-learning-gap-2026-11-27)."""
+    target close to it calibrates on that scatter (vLLM's floor and the sigmas it scattered: docs/aqn.md)."""
     if floor <= 0:
         return None
     message = (

@@ -157,7 +157,7 @@ def _leave_the_agent_store() -> None:
     created in it to join torchrun's own store (``TORCHELASTIC_USE_AGENT_STORE=True``): a later
     ``tcp://`` rendezvous then only connects as a client to an address nobody serves, and waits until its
     timeout. vLLM's in-process engine starts such a group of one; under ``torchrun --nproc-per-node 1`` it
-    hung there for minutes (an H100, vLLM 0.26). Without the variable it serves its own store, as it does
+    hung there for minutes (vLLM 0.26). Without the variable it serves its own store, as it does
     without torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"

@@ -33,6 +33,7 @@ import torch
 from qerl_cli.config import TrainSection
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
+from qerl_cli.rl.policy import enable_gradient_checkpointing
 from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
 from qerl_cli.torch_utils import GIB
 
@@ -47,7 +48,7 @@ LORA_BYTES_PER_PARAM = 4 + 4 + 8
 ACT_HIDDEN_UNITS = 18
 ACT_INTER_UNITS = 5
 # Sequences' tokens per micro-batch above which a larger micro-batch no longer speeds up an
-# update on an H100-class GPU (the matmuls are already large): below it, checkpointing with a
+# update on a datacenter GPU (the matmuls are already large): below it, checkpointing with a
 # larger micro-batch is preferred over no checkpointing with a tiny one.
 SATURATING_TOKENS = 4096
 # Tokens per micro-batch beyond which "auto" stops growing it: the matmuls gain nothing more and
@@ -59,8 +60,8 @@ VLLM_ASLEEP_RESERVE = int(3.0 * GIB)
 DEFAULT_MARGIN = int(2.0 * GIB)
 # Left out of vLLM's share on top of that: what this process holds more at vLLM's wake-up than when
 # the share was measured, and empty_cache cannot return (blocks pinned by small tensors that vLLM's
-# rollout and the update leave behind). Measured on an H200 under an 80 GB cap, 32B NVFP4 step 1:
-# 3.2 GiB unreleasable, the wake-up 0.9 GiB short with a 2 GiB margin.
+# rollout and the update leave behind; the measurement it is sized on: docs/memory.md). Raise it when a
+# wake-up stops short of memory.
 WAKE_HEADROOM = int(5.0 * GIB)
 # Tokens per logprob chunk (the recipe's default): chunk x vocab float32 logits, plus softmax and
 # gradient in backward.
@@ -412,7 +413,6 @@ def plan_for_run(
     """The memory plan of a training run (``cfg``: TrainConfig) for its loaded policy ``model``,
     measured now (after the trainer loaded, before vLLM starts); turns checkpointing on if chosen.
     ``static_extra_bytes``: as in :func:`plan_memory`."""
-    from qerl_cli.rl.policy import enable_gradient_checkpointing
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     shape = ModelShape.from_config(base.config.to_dict())

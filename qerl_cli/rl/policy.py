@@ -33,11 +33,15 @@ from torch import nn
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
+from qerl_cli.modeling import lora as qerl_lora
 from qerl_cli.modeling.adapter import save_peft_model
 from qerl_cli.modeling.base_compute import apply_base_compute
 from qerl_cli.modeling.error_init import init_folder, read_info
 from qerl_cli.modeling.fused_kernels import AppliedKernels, apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
+from qerl_cli.modeling.lora import load_factors, snapshot, swapped_in
+from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.rl.logprobs import LinearLogprob, chunked_token_logprobs, head_and_decoder
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,6 @@ def norm_module_names(model: nn.Module) -> list[str]:
 
 def attach_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     """Wrap ``model`` in a PEFT LoRA model per ``cfg.lora`` (on QuantLinear or nn.Linear layers)."""
-    from qerl_cli.modeling import lora as qerl_lora
 
     targets = list(cfg.lora.target_modules)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -119,7 +122,6 @@ class Policy:
             with self.model.disable_adapter():
                 yield
             return
-        from qerl_cli.modeling.lora import swapped_in
 
         with swapped_in(self.model, self.initial_adapter), _saved_modules_off(self.model):
             yield
@@ -158,8 +160,6 @@ def load_lora_init(model: nn.Module, cfg: TrainConfig, base_format: str) -> dict
     """Start the adapter from ``<model.path>/lora_init/`` (``lora.init`` eora / svd), rescaled to the
     recipe's alpha and rank (``modeling.lora.load_factors``); returns CPU copies of the step-0 LoRA
     matrices, or None for ``lora.init: zeros``."""
-    from qerl_cli.modeling.lora import load_factors, snapshot
-    from qerl_cli.modeling.sources import resolve_model_source
 
     method = cfg.lora.init
     if method == "zeros":
@@ -333,8 +333,6 @@ def _padded_logprobs(
     attention = mask[:, first:last].to(device)
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
     if chunk_tokens > 0:
-        from qerl_cli.rl.logprobs import chunked_token_logprobs
-
         score = batch.completion_mask[:, :used_completion].to(device)
         token_lp = chunked_token_logprobs(
             model, input_ids, attention, positions, score, temperature, chunk_tokens
@@ -363,9 +361,9 @@ def lora_compute(model: nn.Module, device: torch.device) -> Iterator[None]:
     """LoRA's matmuls in the model's compute dtype on a GPU.
 
     PEFT keeps the adapter in float32 (so AdamW's updates are not lost to BF16 rounding) and by default
-    casts every LoRA input to float32: on an H100 that ran the LoRA products as float32 GEMMs without
-    tensor cores, plus a cast and a float32 add per projection, about a third of a 7B update's time
-    (profile in benchmarks/h100-2026-11-24). Under autocast the float32 weights are cast per matmul
+    casts every LoRA input to float32: on a GPU that runs the LoRA products as float32 GEMMs without
+    tensor cores, plus a cast and a float32 add per projection, a large share of an update's time (the
+    profile: docs/train.md). Under autocast the float32 weights are cast per matmul
     (they are small) and the activations stay BF16; gradients still reach the float32 weights.
     """
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -387,7 +385,6 @@ def packed_logprobs(
     each. transformers reads the restarts as packed sequences and keeps attention within each one
     (block-diagonal causal mask; varlen kernels under flash-attention), so every logprob equals the
     padded batch's while no token of padding is computed."""
-    from qerl_cli.rl.logprobs import LinearLogprob, head_and_decoder
 
     prompt_lens = batch.attention_mask[:, : batch.prompt_width].sum(dim=1).tolist()
     completion_lens = batch.completion_mask.sum(dim=1).long().tolist()

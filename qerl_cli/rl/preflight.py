@@ -10,13 +10,22 @@ what was checked, in order, for ``--dry-run`` to print.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from qerl_cli.config import TrainConfig
+from qerl_cli.data.datasets import check_reachable
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.model_shape import ModelShape
+from qerl_cli.modeling.source_checks import check_model_source, missing_model_hint
+from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl.run_folder import check_fresh_start, run_entries
+from qerl_cli.torch_utils import cpu_seconds, duration, resolve_device
 
 
 @dataclass(frozen=True)
@@ -29,7 +38,6 @@ class Checked:
 
 def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[Checked]:
     """Every cheap check of a training run, in the order its costs would come; nothing is written."""
-    from qerl_cli.torch_utils import resolve_device
 
     checked = [output_folder(cfg.output.dir, resume=resume, overwrite=overwrite)]
     device = resolve_device(cfg.train.device, "train.device")  # a GPU where the config names one
@@ -71,8 +79,6 @@ def output_folder(out_dir: str | Path, *, resume: str | None, overwrite: bool) -
 
 
 def model_source(cfg: TrainConfig) -> Checked:
-    from qerl_cli.modeling.source_checks import check_model_source, missing_model_hint
-
     path = cfg.model.path
     check_model_source(
         path,
@@ -84,8 +90,6 @@ def model_source(cfg: TrainConfig) -> Checked:
 
 
 def dataset(cfg: TrainConfig) -> Checked:
-    from qerl_cli.data.datasets import check_reachable
-
     return Checked("data.dataset", check_reachable(cfg.data.dataset))
 
 
@@ -99,7 +103,6 @@ def engine(cfg: TrainConfig) -> Checked:
             "rollout.engine=vllm needs vLLM, which is not installed: pip install 'qerl[vllm]' (GPU "
             "machines), or use the HF engine with --set rollout.engine=hf"
         )
-    import torch
 
     if not torch.cuda.is_available():
         raise QerlError(
@@ -110,8 +113,6 @@ def engine(cfg: TrainConfig) -> Checked:
 
 
 def grader() -> Checked:
-    from qerl_cli.rewards.grading import require_math_verify
-
     require_math_verify()
     return Checked("reward grader", "math-verify installed")
 
@@ -119,10 +120,6 @@ def grader() -> Checked:
 def model_parameters(path: str) -> tuple[int, bool] | None:
     """(parameter count, whether 4-bit) from a local model folder's config.json; None for a Hub id or
     a config qerl cannot size (then no estimate is said)."""
-    import json
-
-    from qerl_cli.modeling.model_shape import ModelShape
-    from qerl_cli.modeling.sources import resolve_model_source
 
     config_file = Path(resolve_model_source(path)) / "config.json"
     try:
@@ -135,7 +132,6 @@ def model_parameters(path: str) -> tuple[int, bool] | None:
 def cpu_estimate(cfg: TrainConfig) -> str | None:
     """What a CPU run of ``cfg`` should take, from its configuration (steps x prompts x generations x
     tokens on the model's parameters; ``torch_utils.cpu_seconds``), labelled as an estimate."""
-    from qerl_cli.torch_utils import cpu_seconds, duration
 
     sized = model_parameters(cfg.model.path)
     if sized is None:
@@ -151,7 +147,6 @@ def cpu_estimate(cfg: TrainConfig) -> str | None:
         backward_tokens=trained,
         four_bit=four_bit,
     )
-    import torch
 
     steps, prompts, generations = cfg.train.max_steps, cfg.train.prompts_per_step, cfg.rollout.num_generations
     return (

@@ -16,15 +16,18 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from torch import nn
 
 from qerl_cli.config import TrainConfig, to_dict
+from qerl_cli.data.prompts import prompt_record
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.quant_linear import fp8_cache_nbytes
 from qerl_cli.rl.aqn_schedule import AQNSchedule
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.memory import MemoryPlan, plan_for_run
 from qerl_cli.rl.policy import Policy
+from qerl_cli.rollout import factory
 from qerl_cli.rollout.backends import rollout_weight_format
 from qerl_cli.rollout.base import RolloutEngine
 
@@ -66,7 +69,6 @@ def make_engine(
     captured CUDA graphs for 51 batch sizes up to 512 at start-up (48 s, 1.6 GiB of a tight 80 GB
     budget) for a step of 8 sequences. A recipe's ``rollout.vllm_kwargs.max_num_seqs`` wins.
     """
-    from qerl_cli.rollout import factory
 
     if cfg.rollout.engine == "hf":
         request = factory.EngineRequest(
@@ -198,7 +200,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     Colocated with vLLM this must happen before vLLM takes its share: created lazily inside the
     first ``optimizer.step()``, the small moment tensors are carved out of the large cached blocks
     that held the update's activations, pin them, and ``empty_cache`` can then not give those
-    blocks back before vLLM wakes up (seen on an H200: OOM at the second wake-up of a 7B run).
+    blocks back before vLLM wakes up (the out-of-memory error it caused: docs/memory.md).
     Identical numerics: ``AdamW`` skips its own initialisation for a parameter whose state is set.
     """
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
@@ -242,7 +244,6 @@ def seed_everything(seed: int) -> None:
 
 def record_prompts(cfg: TrainConfig, tokenizer: Any, example: str, path: Path) -> None:
     """The prompt template of the run (shared with ``qerl eval``) and its first prompt, verbatim."""
-    from qerl_cli.data.prompts import prompt_record
 
     record = prompt_record(cfg.data.template, cfg.data.system_prompt, tokenizer)
     record["example"] = example
@@ -253,7 +254,6 @@ def warn_on_config_change(cfg: TrainConfig, saved: Path) -> None:
     """A resumed run continues exactly only with the settings it started with; say what changed."""
     if not saved.is_file():
         return
-    import yaml
 
     before = yaml.safe_load(saved.read_text()) or {}
     now = to_dict(cfg)

@@ -1,9 +1,8 @@
 """Whether GRPO has something to learn from at the start of a run, and what to try when it has not.
 
 GRPO learns only from prompt groups whose samples got different rewards. A 4-bit base that lost its
-BF16 model's skill starts with few such groups and learns less: on Gemma 3 270M the AWQ NVFP4 bases had
-a reward spread in 5-9% of groups over the first steps against BF16's 22-30%, and learned half as much;
-a GPTQ base started with 13-36% (``benchmarks/gemma3-270m-learning-gap-2026-11-27``). ``qerl train``
+BF16 model's skill starts with few such groups and learns less (the recorded bases' shares and what they
+learned: ``docs/compare.md``, "When a base starts without signal"). ``qerl train``
 warns after its first steps (:class:`StartSignal`), ``qerl compare`` in its report; both name the same
 remedies (:func:`remedies`).
 """
@@ -13,9 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Below this share of groups with a reward spread GRPO has little to learn from: SmolLM2's NVFP4 RTN base
-# had 1.6% against 21.9% for BF16 before training and learned a quarter as much (its AWQ base, 12.5%,
-# learned as much as BF16); Gemma 3 270M's AWQ bases had 4.7-9.4% against 26.7% and learned half as much.
+# Below this share of groups with a reward spread GRPO has little to learn from: the recorded 4-bit bases
+# under it learned a quarter to half of what BF16 learned, those above it about as much (docs/compare.md).
 MIN_SIGNAL_FRACTION = 0.10
 # A 4-bit arm under this share of the BF16 arm's spread is named too (compare): Gemma's AWQ bases had a
 # third of it.
@@ -30,7 +28,8 @@ def start_steps(max_steps: int) -> int:
 
 
 def remedies(*, quantized: bool, gptq: bool, error_start: bool) -> str:
-    """What keeps a base's skill for GRPO, in the order it helped on Gemma 3 270M, less what the run uses."""
+    """What keeps a base's skill for GRPO, in the order it helped in the recorded ablations (docs/compare.md),
+    less what the run uses."""
     fixes = []
     if quantized and not gptq:
         fixes.append("a GPTQ base (qerl quantize --method gptq; compare.base_method=gptq)")
@@ -41,7 +40,7 @@ def remedies(*, quantized: bool, gptq: bool, error_start: bool) -> str:
         )
     fixes.append(
         "more samples per prompt (rollout.num_generations: 16 instead of 8 doubled NVFP4 LoRA's held-out "
-        "accuracy on Gemma 3 270M, to BF16 LoRA's at 8, where temperature 1.0 did not)"
+        "accuracy in the recorded ablation, to BF16 LoRA's at 8, where temperature 1.0 did not)"
     )
     return ", or ".join(fixes)
 

@@ -14,8 +14,11 @@ import random
 from typing import Any
 
 from qerl_cli.config import TrainConfig
+from qerl_cli.data.datasets import load_problems
 from qerl_cli.data.problem import Problem
+from qerl_cli.data.prompts import render_prompt
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.prompt_tokens import encode_prompts
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +60,6 @@ def derive_seed(seed: int, *parts: object) -> int:
 
 
 def load_training_problems(cfg: TrainConfig) -> list[Problem]:
-    from qerl_cli.data.datasets import load_problems
-
     data = cfg.data
     # Shuffling here only picks which max_samples problems are used; the order comes from PromptStream.
     return load_problems(
@@ -78,8 +79,6 @@ def render_prompts(
 ) -> tuple[list[Problem], dict[str, str]]:
     """Chat-formatted prompts by problem id; problems whose prompt exceeds ``max_prompt_length``
     tokens are left out (truncating would cut the question)."""
-    from qerl_cli.data.prompts import render_prompt
-    from qerl_cli.modeling.prompt_tokens import encode_prompts
 
     texts = [
         render_prompt(p.question, tokenizer, template=cfg.data.template, system_prompt=cfg.data.system_prompt)
@@ -104,4 +103,3 @@ def render_prompts(
             limit,
         )
     return kept, prompts
-

@@ -16,6 +16,15 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
 from qerl_cli.errors import QerlError
 from qerl_cli.rollout.base import NOISE_SIGMA
 from qerl_cli.torch_utils import duration
@@ -174,14 +183,6 @@ def progress_bar(enabled: bool, total: int, done: int, stream: TextIO | None = N
     out = stream if stream is not None else sys.stdout
     if not out.isatty():
         return nullcontext(StepLines(total, done, out))
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     @contextmanager
     def bar():

@@ -33,10 +33,15 @@ from typing import Any
 
 import torch
 
+from qerl_cli import rewards as reward_functions
 from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
+from qerl_cli.data.prompts import reward_settings
 from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
+from qerl_cli.modeling.adapter import load_weights
 from qerl_cli.modeling.loading import quantized_with
+from qerl_cli.modeling.prompt_tokens import encode_prompt
+from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
 from qerl_cli.rl import setup
@@ -84,8 +89,6 @@ class Trainer:
         try:
             setup.check_parallel_settings(cfg, self.dist)
             if reward_fn is None:
-                from qerl_cli.rewards.grading import require_math_verify
-
                 require_math_verify()  # before the model loads: the grader workers need it
             self.out_dir = ensure_output_dir(cfg.output.dir, "output.dir")
             setup.seed_everything(cfg.train.seed)  # the same on every rank: the same LoRA init
@@ -110,10 +113,9 @@ class Trainer:
             self.aqn_probe = NoiseProbe.for_run(cfg, self.problems, self.prompts) if self.schedule else None
             self.tis_on = setup.tis_enabled(cfg, self.policy, self.engine.linear_backend)
             if reward_fn is None:
-                from qerl_cli.data.prompts import reward_settings
-                from qerl_cli.rewards import build_reward_fn
-
-                reward_fn = build_reward_fn(cfg.reward, **reward_settings(cfg.data))  # its prompt's format
+                reward_fn = reward_functions.build_reward_fn(
+                    cfg.reward, **reward_settings(cfg.data)
+                )  # its prompt's format
             self.reward_fn = reward_fn
             self.step = 0
             self._seed_rank_stream()
@@ -160,7 +162,6 @@ class Trainer:
 
     def _probe_ids(self, max_tokens: int = 128) -> list[int]:
         text = self.prompts[self.problems[0].id]
-        from qerl_cli.modeling.prompt_tokens import encode_prompt
 
         return encode_prompt(text, self.policy.tokenizer)[:max_tokens]  # as the engines tokenise it
 
@@ -203,8 +204,6 @@ class Trainer:
         return found
 
     def _load_adapter(self, folder: Path) -> None:
-        from qerl_cli.modeling.adapter import load_weights
-
         load_weights(self.policy.model, folder)
 
     def save(self) -> Path:

@@ -107,7 +107,7 @@ class StalenessCheck:
             # FP8 merged weights carry the FP8 copy's rounding, which the fp8 backend lets the two base
             # models differ by up to twice the tolerance; with no adapter-free vLLM model to take it
             # out, the merged model gets the same allowance (what FP8 rounding moves a 7B's logprobs by:
-            # benchmarks/h100-2026-11-27-merged).
+            # docs/rollout.md).
             # A BF16 merge rounds to BF16 only: the plain tolerance.
             choice = engine.backend_choice
             fp8 = choice is None or choice.weight_format == "fp8"
