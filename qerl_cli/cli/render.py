@@ -23,6 +23,7 @@ def train_summary(result: TrainResult) -> Table:
     rows = [
         ("steps", result.steps),
         ("resumed from", result.resumed_from or "-"),
+        ("steps skipped (NaN/inf loss or gradients)", result.nonfinite_steps),
         ("mean reward, first 10 steps", result.reward_first10),
         ("mean reward, last 10 steps", result.reward_last10),
         ("adapter", result.adapter),
