@@ -412,7 +412,8 @@ def _train(
         # with transformers' own functions, not Liger's (modeling.fused_kernels).
         trainer.policy.close()
         dist.close()
-    rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
+    # metrics.jsonl writes a NaN as the text "nan" (a skipped step's batch may have had NaN rewards).
+    rewards = [r["reward_mean"] for r in records if isinstance(r.get("reward_mean"), (int, float))]
     return TrainResult(
         output_dir=str(out_dir),
         adapter=str(adapter_dir),
