@@ -176,3 +176,44 @@ def test_max_nonfinite_steps_is_checked_and_documented() -> None:
     docs = {doc.key: doc for doc in key_docs(TrainConfig)}
     assert docs["train.max_nonfinite_steps"].default == "3"
     assert "0: the first such step ends it" in docs["train.max_nonfinite_steps"].help
+
+
+# -- two ranks (gloo, CPU processes) ----------------------------------------------------------------
+def _nan_on_rank_1_worker(rank: int, port: int, model_dir: str, out_dir: str, record_dir: str) -> None:
+    from test_distributed import FakeReward as RuleReward
+    from test_distributed import _join
+    from test_distributed import tiny_cfg as two_rank_cfg
+
+    _join(rank, port)
+    from qerl_cli.rl.trainer import train
+
+    original = Distributed.all_reduce_gradients
+    calls: list[int] = []
+
+    def nan_on_rank_1(dist: Distributed, params: list[tuple[str, Any]]) -> None:
+        calls.append(1)
+        if len(calls) == 2 and dist.rank == 1:  # before the sum: rank 1's own gradient alone is NaN
+            next(p for _, p in params if p.grad is not None).grad.view(-1)[0] = float("nan")
+        original(dist, params)
+        # Both ranks now hold the same (summed) gradients: the same norm, the same verdict.
+        (Path(record_dir) / f"rank{rank}-call{len(calls)}.txt").write_text(
+            str(float(torch.nn.utils.get_total_norm([p.grad for _, p in params if p.grad is not None])))
+        )
+
+    Distributed.all_reduce_gradients = nan_on_rank_1  # this process only
+    result = train(two_rank_cfg(Path(model_dir), Path(out_dir)), progress=False, reward_fn=RuleReward())
+    (Path(record_dir) / f"rank{rank}.json").write_text(json.dumps([result.steps, result.nonfinite_steps]))
+
+
+@pytest.mark.slow
+def test_ranks_skip_a_nonfinite_step_together(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A NaN in one rank's gradient reaches every rank through the all-reduce; the norm is taken after
+    it, so every rank skips that step and the next collectives stay paired (else the job would hang)."""
+    from test_distributed import _spawn
+
+    out = tmp_path / "run"
+    _spawn(_nan_on_rank_1_worker, str(tiny_model_dir), str(out), str(tmp_path))
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[3, 1], [3, 1]]
+    norms = {r: [(tmp_path / f"rank{r}-call{c}.txt").read_text() for c in (1, 2, 3)] for r in (0, 1)}
+    assert norms[0] == norms[1] and norms[0][1] == "nan"
+    assert [r["skipped_update"] for r in _records(out)] == [0.0, 1.0, 0.0]

@@ -79,3 +79,29 @@ def test_the_ratio_compares_logprobs_taken_without_dropout(tiny_model_dir: Path)
     assert stats["ratio_min"] == pytest.approx(1.0, abs=1e-4)
     assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert stats["clip_fraction"] == 0.0
+
+
+def test_a_nonfinite_gradient_norm_takes_no_step_and_leaves_no_gradient(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli.rl.distributed import Distributed
+    from qerl_cli.rl.losses import NonFiniteGradientError
+
+    def nan_after_sum(dist: Distributed, params: list) -> None:  # a finite loss, one NaN gradient entry
+        params[0][1].grad.view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(Distributed, "all_reduce_gradients", nan_after_sum)
+    cfg = _cfg(tiny_model_dir)
+    torch.manual_seed(0)
+    policy = build_policy(cfg, torch.device("cpu"))
+    params = policy.named_trainable_parameters()
+    before = {n: p.detach().clone() for n, p in params}
+    optimizer = torch.optim.SGD([p for _, p in params], lr=1.0)
+    batch = _batch(policy.model.config.vocab_size)
+    with pytest.raises(
+        NonFiniteGradientError, match=r"gradient norm is nan \(non-finite gradients in 1 of"
+    ) as info:
+        update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+    assert info.value.metric == "nonfinite_grad"
+    assert all(p.grad is None for _, p in params)
+    assert all(torch.equal(before[n], p.detach()) for n, p in params)
