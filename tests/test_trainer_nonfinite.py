@@ -217,3 +217,26 @@ def test_ranks_skip_a_nonfinite_step_together(tiny_model_dir: Path, tmp_path: Pa
     norms = {r: [(tmp_path / f"rank{r}-call{c}.txt").read_text() for c in (1, 2, 3)] for r in (0, 1)}
     assert norms[0] == norms[1] and norms[0][1] == "nan"
     assert [r["skipped_update"] for r in _records(out)] == [0.0, 1.0, 0.0]
+
+
+def test_the_summary_says_how_many_steps_were_skipped() -> None:
+    from rich.console import Console
+
+    from qerl_cli.cli.render import train_summary
+    from qerl_cli.rl.result import TrainResult
+
+    def rendered(skipped: int) -> str:
+        result = TrainResult(
+            output_dir="runs/x", adapter="runs/x/adapter", steps=30, world_size=1, resumed_from=None,
+            reward_first10=0.1, reward_last10=0.4, plot=None, nonfinite_steps=skipped,
+        )  # fmt: skip
+        console = Console(width=120, record=True)
+        console.print(train_summary(result))
+        return console.export_text()
+
+    assert "steps skipped (NaN/inf loss or gradients) │ 2" in rendered(2)
+    assert "skipped" not in rendered(0)
+    assert (
+        TrainResult.from_dict({**TrainResult("o", "a", 1, 1, None, 0.0, 0.0, None).to_dict()}).nonfinite_steps
+        == 0
+    )

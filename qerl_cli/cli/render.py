@@ -23,13 +23,14 @@ def train_summary(result: TrainResult) -> Table:
     rows = [
         ("steps", result.steps),
         ("resumed from", result.resumed_from or "-"),
-        ("steps skipped (NaN/inf loss or gradients)", result.nonfinite_steps),
         ("mean reward, first 10 steps", result.reward_first10),
         ("mean reward, last 10 steps", result.reward_last10),
         ("adapter", result.adapter),
         ("outputs", result.output_dir),
         ("plot", result.plot or "-"),
     ]
+    if result.nonfinite_steps:  # the row only when it happened: a clean run's table stays as it was
+        rows.insert(1, ("steps skipped (NaN/inf loss or gradients)", result.nonfinite_steps))
     for label, value in rows:
         table.add_row(label, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
     return table
