@@ -171,7 +171,9 @@ def test_max_nonfinite_steps_is_checked_and_documented() -> None:
     from qerl_cli.config.keydocs import key_docs
 
     assert TrainConfig().train.max_nonfinite_steps == 3
-    with pytest.raises(QerlError, match=r"train.max_nonfinite_steps must be >= 0 .*got -1"):
+    with pytest.raises(
+        QerlError, match=r"train.max_nonfinite_steps must be >= 0, got -1: .*set 0 to stop at the first"
+    ):
         load_config(TrainConfig, None, ["train.max_nonfinite_steps=-1"])
     docs = {doc.key: doc for doc in key_docs(TrainConfig)}
     assert docs["train.max_nonfinite_steps"].default == "3"

@@ -376,8 +376,8 @@ class TrainSection:
             raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking)")
         if self.max_nonfinite_steps < 0:
             raise QerlError(
-                f"{where}.max_nonfinite_steps must be >= 0 (the consecutive non-finite steps skipped; "
-                f"0: stop at the first), got {self.max_nonfinite_steps}"
+                f"{where}.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}: it is how many "
+                "steps in a row with a NaN/inf loss or gradient norm are skipped; set 0 to stop at the first"
             )
         if not 0 < self.gpu_fraction <= 1:
             raise QerlError(
