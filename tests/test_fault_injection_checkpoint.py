@@ -149,8 +149,9 @@ class NanAtStep(FakeReward):
 
 def test_a_nan_loss_mid_run_stops_and_keeps_the_last_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
+    cfg = tiny_cfg(tiny_model_dir, out, "train.max_nonfinite_steps=0")  # the first NaN step ends the run
     with pytest.raises(QerlError, match=r"diverged at step 3.*last good checkpoint is .*checkpoint-2"):
-        train(tiny_cfg(tiny_model_dir, out), progress=False, reward_fn=NanAtStep(3))
+        train(cfg, progress=False, reward_fn=NanAtStep(3))
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2]
     assert ckpt.checkpoint_problem(out / "checkpoint-2") is None
     result = train(tiny_cfg(tiny_model_dir, out), resume=str(out), progress=False, reward_fn=FakeReward())
@@ -174,7 +175,8 @@ def test_a_nan_gradient_under_a_finite_loss_names_the_tensors(
 
     monkeypatch.setattr(Distributed, "all_reduce_gradients", poison_one)
     with pytest.raises(QerlError) as caught:
-        train(tiny_cfg(tiny_model_dir, tmp_path / "run"), progress=False, reward_fn=FakeReward())
+        cfg = tiny_cfg(tiny_model_dir, tmp_path / "run", "train.max_nonfinite_steps=0")
+        train(cfg, progress=False, reward_fn=FakeReward())
     message = str(caught.value)
     assert "diverged at step 1: the gradient norm is nan (non-finite gradients in 1 of " in message
     assert f"tensors: {poisoned_name[0]})" in message and "lora_" in poisoned_name[0]

@@ -272,8 +272,9 @@ def test_a_hanging_grader_does_not_stall_training(tiny_model_dir: Path, tmp_path
 
 def test_divergence_stops_with_a_clear_error_and_no_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
+    cfg = tiny_cfg(tiny_model_dir, out, "train.max_nonfinite_steps=0")  # no step skipped
     with pytest.raises(QerlError, match="diverged at step 1"):
-        train(tiny_cfg(tiny_model_dir, out), progress=False, reward_fn=FakeReward(value=float("nan")))
+        train(cfg, progress=False, reward_fn=FakeReward(value=float("nan")))
     assert list_checkpoints(out) == []
     assert not (out / "adapter").exists()
 

@@ -79,3 +79,48 @@ def test_the_ratio_compares_logprobs_taken_without_dropout(tiny_model_dir: Path)
     assert stats["ratio_min"] == pytest.approx(1.0, abs=1e-4)
     assert stats["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert stats["clip_fraction"] == 0.0
+
+
+def test_a_nonfinite_gradient_norm_takes_no_step_and_leaves_no_gradient(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qerl_cli.rl.distributed import Distributed
+    from qerl_cli.rl.losses import NonFiniteGradientError
+
+    def nan_after_sum(dist: Distributed, params: list) -> None:  # a finite loss, one NaN gradient entry
+        params[0][1].grad.view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(Distributed, "all_reduce_gradients", nan_after_sum)
+    cfg = _cfg(tiny_model_dir)
+    torch.manual_seed(0)
+    policy = build_policy(cfg, torch.device("cpu"))
+    params = policy.named_trainable_parameters()
+    before = {n: p.detach().clone() for n, p in params}
+    optimizer = torch.optim.SGD([p for _, p in params], lr=1.0)
+    batch = _batch(policy.model.config.vocab_size)
+    with pytest.raises(
+        NonFiniteGradientError, match=r"gradient norm is nan \(non-finite gradients in 1 of"
+    ) as info:
+        update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+    assert info.value.metric == "nonfinite_grad"
+    assert all(p.grad is None for _, p in params)
+    assert all(torch.equal(before[n], p.detach()) for n, p in params)
+
+
+@pytest.mark.parametrize("chunk", ["0", "4"])
+def test_padding_leaves_bfloat16_gradients_finite(tiny_model_dir: Path, chunk: str) -> None:
+    """Paths once suspected of a finite loss with NaN gradients: left-padded prompts (a padding query
+    whose every key is masked), an empty completion and one of padding ids only, in bfloat16, with and
+    without the chunked LM head. The update raises NonFiniteGradientError if a gradient is NaN/inf."""
+    cfg = _cfg(tiny_model_dir, "model.dtype=bfloat16", f"train.logprob_chunk_tokens={chunk}")
+    torch.manual_seed(0)
+    policy = build_policy(cfg, torch.device("cpu"))
+    params = policy.named_trainable_parameters()
+    batch = _batch(policy.model.config.vocab_size)
+    batch.prompt_ids[0] = batch.prompt_ids[0][:1]  # the widest left padding
+    batch.completions[1] = Completion([], "", [], "stop")
+    pad = int(policy.tokenizer.pad_token_id)
+    batch.completions[2] = Completion([pad, pad], "", [-1.0, -1.0], "length")
+    optimizer = torch.optim.SGD([p for _, p in params], lr=0.0)
+    stats = update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+    assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["grad_norm"]))

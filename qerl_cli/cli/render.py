@@ -29,6 +29,8 @@ def train_summary(result: TrainResult) -> Table:
         ("outputs", result.output_dir),
         ("plot", result.plot or "-"),
     ]
+    if result.nonfinite_steps:  # the row only when it happened: a clean run's table stays as it was
+        rows.insert(1, ("steps skipped (NaN/inf loss or gradients)", result.nonfinite_steps))
     for label, value in rows:
         table.add_row(label, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
     return table

@@ -327,6 +327,10 @@ class TrainSection:
     adam_beta2: float = 0.999  # QeRL's scripts use 0.99
     # Gradients are clipped to this global norm.
     max_grad_norm: float = 1.0
+    # Consecutive steps whose loss or gradient norm is NaN/inf that are skipped (gradients zeroed, no
+    # optimizer step, the record marked skipped_update and nonfinite_loss / nonfinite_grad) before the
+    # next one ends the run with an error; 0: the first such step ends it.
+    max_nonfinite_steps: int = 3
     # "auto": off when a large enough micro-batch fits without it (a third less compute).
     gradient_checkpointing: bool | Literal["auto"] = True
     # Completion tokens per LM-head chunk when computing logprobs (0: the whole micro-batch's
@@ -371,6 +375,11 @@ class TrainSection:
             )
         if self.logprob_chunk_tokens < 0:
             raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking)")
+        if self.max_nonfinite_steps < 0:
+            raise QerlError(
+                f"{where}.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}: it is how many "
+                "steps in a row with a NaN/inf loss or gradient norm are skipped; set 0 to stop at the first"
+            )
         if not 0 < self.gpu_fraction <= 1:
             raise QerlError(
                 f"{where}.gpu_fraction must be in (0, 1] (the fraction of the GPU's memory this run may "

@@ -38,7 +38,20 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 
 
 class NonFiniteLossError(QerlError):
-    """The loss (or one of its terms) came out NaN or infinite; the message names the term."""
+    """The loss (or one of its terms) came out NaN or infinite; the message names the term.
+
+    ``metric`` is the step record's flag for it: ``nonfinite_loss`` when the loss was caught before
+    backward, ``nonfinite_grad`` (:class:`NonFiniteGradientError`) when the loss was finite and the
+    gradients were not. The trainer skips such a step up to ``train.max_nonfinite_steps`` times in a row.
+    """
+
+    metric = "nonfinite_loss"
+
+
+class NonFiniteGradientError(NonFiniteLossError):
+    """A finite loss whose gradient norm (after the sum over ranks) is NaN or infinite."""
+
+    metric = "nonfinite_grad"
 
 
 def aggregate(

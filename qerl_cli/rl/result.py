@@ -29,6 +29,8 @@ class TrainResult:
     # The last step's metrics.jsonl record: its keys are the trainer's metric names, which grow with
     # the trainer, so they stay a mapping.
     final: dict[str, Any] = field(default_factory=dict)
+    # Steps skipped for a NaN/inf loss or gradient norm (train.max_nonfinite_steps), resumed parts included.
+    nonfinite_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # the field names are the summary's keys

@@ -118,6 +118,8 @@ class Trainer:
                 )  # its prompt's format
             self.reward_fn = reward_fn
             self.step = 0
+            # Steps in a row skipped for a NaN/inf loss or gradient norm (train.max_nonfinite_steps).
+            self.nonfinite_streak = 0
             self._seed_rank_stream()
         except BaseException:
             # A failed start leaves no vLLM engine, grader pool or process group behind (what the
@@ -262,6 +264,23 @@ class Trainer:
             dist=self.dist,
         )
 
+    def skip_nonfinite(self, exc: NonFiniteLossError) -> dict[str, float]:
+        """A step whose loss or gradient norm came out NaN/inf (every rank agrees: the loss check and
+        the norm follow a collective): skipped, with a warning naming what was bad, unless it is one more
+        in a row than ``train.max_nonfinite_steps`` allows, which re-raises ``exc`` (the run ends). A
+        rare bad batch then costs one step instead of the run. The update left the gradients zeroed and
+        took no optimizer step; the record's flags for it."""
+        self.nonfinite_streak += 1
+        limit = self.cfg.train.max_nonfinite_steps
+        if self.nonfinite_streak > limit:
+            raise exc
+        log.warning(
+            "step %d: %s; the step is skipped (no optimizer step), %d in a row of "
+            "train.max_nonfinite_steps=%d",
+            self.step + 1, exc, self.nonfinite_streak, limit,
+        )  # fmt: skip
+        return {"skipped_update": 1.0, exc.metric: 1.0}
+
     def train_step(self) -> dict[str, Any]:
         step_start = time.perf_counter()
         self.peaks.start_step()
@@ -301,8 +320,14 @@ class Trainer:
             )
             record["skipped_update"] = 1.0
         else:
-            record.update(self.update(kept))
-            record["skipped_update"] = 0.0
+            try:
+                record.update(self.update(kept))
+                record["skipped_update"] = 0.0
+                self.nonfinite_streak = 0
+            except NonFiniteLossError as exc:
+                record.update(self.skip_nonfinite(exc))
+        # The schedule steps on a skipped step too (as on one without signal): the learning rate stays a
+        # function of the step, like the data, the noise and a resumed run's schedule.
         self.scheduler.step()
         self.step += 1
         self.peaks.sample()  # the update phase: activations still cached
@@ -386,7 +411,8 @@ def _train(
         # with transformers' own functions, not Liger's (modeling.fused_kernels).
         trainer.policy.close()
         dist.close()
-    rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
+    # metrics.jsonl writes a NaN as the text "nan" (a skipped step's batch may have had NaN rewards).
+    rewards = [r["reward_mean"] for r in records if isinstance(r.get("reward_mean"), (int, float))]
     return TrainResult(
         output_dir=str(out_dir),
         adapter=str(adapter_dir),
@@ -398,6 +424,7 @@ def _train(
         plot=str(plot) if plot else None,
         linear_backend=linear_backend,
         final=records[-1] if records else {},
+        nonfinite_steps=sum(1 for r in records if r.get("nonfinite_loss") or r.get("nonfinite_grad")),
     )
 
 
@@ -446,9 +473,12 @@ def _run_steps(
                     record = trainer.train_step()
                 except NonFiniteLossError as exc:
                     good = ckpt.newest_good_checkpoint(out_dir)
+                    streak = trainer.nonfinite_streak
+                    in_a_row = f" ({streak} steps in a row, train.max_nonfinite_steps={streak - 1})"
                     raise QerlError(
-                        f"training diverged at step {trainer.step + 1}: {exc}. Nothing was saved for this "
-                        "step; "
+                        f"training diverged at step {trainer.step + 1}: {exc}"
+                        + (in_a_row if streak > 1 else "")
+                        + ". Nothing was saved for this step; "
                         + (f"the last good checkpoint is {good}. " if good else "")
                         + "Lower train.learning_rate or train.max_grad_norm, or check the data."
                     ) from exc

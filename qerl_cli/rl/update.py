@@ -24,7 +24,7 @@ from qerl_cli.config import TrainConfig
 from qerl_cli.rl.advantages import group_advantages
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.importance import LOGPROB_GAP
-from qerl_cli.rl.losses import NonFiniteLossError, policy_loss
+from qerl_cli.rl.losses import NonFiniteGradientError, NonFiniteLossError, policy_loss
 from qerl_cli.rl.policy import Policy, TokenBatch, batched_logprobs, completion_logprobs, make_token_batch
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.sampling import truncation_mask
@@ -64,6 +64,11 @@ def update_policy(
     ``micro_batch_size``: the memory plan's resolution of ``train.micro_batch_size`` (it may be ``auto``).
     With ``num_iterations > 1`` each figure is the mean over the iterations (extremes: over all of
     them) and token counts are the batch's, counted once.
+
+    A NaN/inf loss or gradient norm raises :class:`NonFiniteLossError` (:class:`NonFiniteGradientError`
+    for the gradients) on every rank at once, with the gradients zeroed and that iteration's optimizer
+    step not taken (iterations before it, with ``num_iterations > 1``, have stepped): the trainer
+    decides whether the run goes on (``train.max_nonfinite_steps``).
     """
     dist = dist or Distributed()
     t0 = time.perf_counter()
@@ -74,13 +79,18 @@ def update_policy(
     policy.model.train()
     iteration_parts: list[list[tuple[float, dict[str, float]]]] = []
     grad_norms: list[float] = []
-    with matching_dropout(policy.model, separate_old_pass=cfg.algorithm.num_iterations > 1):
-        for _ in range(cfg.algorithm.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            iteration_parts.append(
-                accumulate_gradients(cfg, policy, fixed, norm, micro_batch_size, tis_on=tis_on, dist=dist)
-            )
-            grad_norms.append(clip_and_step(cfg, optimizer, params, dist))
+    try:
+        with matching_dropout(policy.model, separate_old_pass=cfg.algorithm.num_iterations > 1):
+            for _ in range(cfg.algorithm.num_iterations):
+                optimizer.zero_grad(set_to_none=True)
+                iteration_parts.append(
+                    accumulate_gradients(cfg, policy, fixed, norm, micro_batch_size, tis_on=tis_on, dist=dist)
+                )
+                grad_norms.append(clip_and_step(cfg, optimizer, params, dist))
+    except NonFiniteLossError:
+        # The bad gradients were never stepped on; drop them, so that a skipped step leaves nothing behind.
+        optimizer.zero_grad(set_to_none=True)
+        raise
     optimizer.zero_grad(set_to_none=True)  # LoRA gradients are not needed until the next update
     t2 = time.perf_counter()
     merged = update_stats(iteration_parts, dist)
@@ -228,14 +238,18 @@ def clip_and_step(
     params: list[tuple[str, nn.Parameter]],
     dist: Distributed,
 ) -> float:
-    """Sum the gradients over ranks, clip them by their total norm, step; returns the norm."""
+    """Sum the gradients over ranks, clip them by their total norm, step; returns the norm.
+
+    A non-finite norm raises :class:`NonFiniteGradientError` before the step. The norm is taken after
+    the all-reduce, so every rank holds the same gradients, reaches the same verdict and skips together.
+    """
     dist.all_reduce_gradients(params)
     # The norm first, then the check, then the clip: clipping by a NaN norm would make every
     # gradient NaN and hide which tensors were bad.
     grads = [p.grad for _, p in params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads)
     if not torch.isfinite(grad_norm):
-        raise NonFiniteLossError(f"the gradient norm is {grad_norm.item()} {_nonfinite_grads(params)}")
+        raise NonFiniteGradientError(f"the gradient norm is {grad_norm.item()} {_nonfinite_grads(params)}")
     torch.nn.utils.clip_grads_with_norm_([p for _, p in params], cfg.train.max_grad_norm, grad_norm)
     optimizer.step()
     return float(grad_norm)
