@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from qerl_cli.config import TrainConfig
 from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.rl.signal import StartSignal, remedies, start_steps
-from qerl_cli.rl.trainer import start_signal
+from qerl_cli.rl.step_loop import start_signal
 
 
 def test_the_warning_comes_once_after_the_first_tenth_of_the_run_and_only_when_starved() -> None:

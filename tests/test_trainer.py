@@ -4,6 +4,7 @@ a hanging grader, divergence handling. That recipes/tiny.yaml learns is tests/te
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.policy import completion_logprobs, make_token_batch
-from qerl_cli.rl.tracking import read_metrics, step_sigma
+from qerl_cli.rl.tracking import MetricsLogger, read_metrics, step_sigma
 from qerl_cli.rl.trainer import PromptStream, TrainResult, derive_seed, train
 from qerl_cli.rl.update import normalizer as _normalizer
 from qerl_cli.rollout.base import NOISE_SIGMA, PERTURBED_NORMS
@@ -427,3 +428,15 @@ def test_gradients_are_clipped_to_max_grad_norm(
     updated = [n for n in logged if n > 0]
     assert updated and all(n > 1e-4 for n in updated)  # the norms before clipping are larger ...
     assert seen and all(n <= 1e-4 * 1.001 for n in seen)  # ... and the optimizer got clipped ones
+
+
+def test_metrics_written_as_nan_text_read_back_as_floats(tmp_path: Path) -> None:
+    """JSON has no NaN: the logger writes a skipped step's NaN as text, and the reader (the curves, the
+    summary) gets a float back; other text stays text."""
+    logger = MetricsLogger(tmp_path, resume_step=None)
+    logger.log({"step": 1, "reward_mean": float("nan"), "loss": float("inf"), "note": "nan-free text"})
+    logger.close()
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert '"nan"' in (tmp_path / "metrics.jsonl").read_text()
+    assert math.isnan(record["reward_mean"]) and record["loss"] == math.inf
+    assert record["note"] == "nan-free text"

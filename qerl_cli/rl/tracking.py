@@ -67,12 +67,17 @@ def step_sigma(record: dict[str, Any]) -> float:
     return 0.0
 
 
+NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as _jsonable writes them
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a ``metrics.jsonl``, in order."""
+    """Every record of a ``metrics.jsonl``, in order; a NaN/inf the logger wrote as text is a float again
+    (a skipped step's reward, say), so the figures and curves read numbers."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: NONFINITE_TEXT.get(v, v) if isinstance(v, str) else v for k, v in r.items()} for r in records]
 
 
 class MetricsLogger:

@@ -34,23 +34,21 @@ from typing import Any
 import torch
 
 from qerl_cli import rewards as reward_functions
-from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
+from qerl_cli.config import TrainConfig
 from qerl_cli.data.prompts import reward_settings
 from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
 from qerl_cli.modeling.adapter import load_weights
-from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.modeling.prompt_tokens import encode_prompt
 from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
-from qerl_cli.rl import setup
+from qerl_cli.rl import setup, step_loop
 from qerl_cli.rl.aqn_calibration import (
     NoiseProbe,
     SigmaSearch,
     before_rollout,
     calibrate_once,
-    raw_sigma_warning,
 )
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
@@ -58,10 +56,9 @@ from qerl_cli.rl.memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
-from qerl_cli.rl.run_folder import ADAPTER_DIR, PROMPTS_FILE, run_folder
-from qerl_cli.rl.signal import StartSignal
+from qerl_cli.rl.run_folder import ADAPTER_DIR, run_folder
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
-from qerl_cli.rl.tracking import METRICS_FILE, MetricsLogger, plot_training_curves, progress_bar, read_metrics
+from qerl_cli.rl.tracking import METRICS_FILE, plot_training_curves, read_metrics
 from qerl_cli.rl.update import update_policy
 from qerl_cli.rollout.base import NOISE_SIGMA, PERTURBED_NORMS, RolloutEngine
 from qerl_cli.stats import mean
@@ -388,8 +385,8 @@ def _train(
         try:
             resumed_from = trainer.resume_from(resume) if resume else None
             trainer.calibrate_aqn()  # before the first step, with the initial adapter synced
-            dist.on_main(lambda: _record_run(trainer, resumed_from), "record the run's settings")
-            _run_steps(
+            dist.on_main(lambda: step_loop.record_run(trainer, resumed_from), "record the run's settings")
+            step_loop.run_steps(
                 trainer,
                 resume_step=trainer.step if resumed_from else None,
                 on_step=on_step,
@@ -425,89 +422,6 @@ def _train(
         linear_backend=linear_backend,
         final=records[-1] if records else {},
         nonfinite_steps=sum(1 for r in records if r.get("nonfinite_loss") or r.get("nonfinite_grad")),
-    )
-
-
-def _record_run(trainer: Trainer, resumed_from: Path | None) -> None:
-    """The run's settings and prompt template beside its outputs (rank 0)."""
-    cfg, out_dir = trainer.cfg, trainer.out_dir
-    if resumed_from is not None:
-        setup.warn_on_config_change(cfg, resumed_from.parent / RESOLVED_CONFIG_NAME)
-    save_resolved_config(cfg, out_dir)
-    example = trainer.prompts[trainer.problems[0].id]
-    setup.record_prompts(cfg, trainer.policy.tokenizer, example, out_dir / PROMPTS_FILE)
-    log.info(
-        "policy: %s base, %d trainable tensors, TIS %s, AQN %s, %d process(es)",
-        trainer.policy.base_format,
-        len(trainer.params),
-        "on" if trainer.tis_on else "off",
-        trainer.schedule.stage_sigmas() if trainer.schedule else "off",
-        trainer.dist.world_size,
-    )
-
-
-def _run_steps(
-    trainer: Trainer, *, resume_step: int | None, on_step: StepCallback | None, progress: bool
-) -> None:
-    """The step loop: train, checkpoint every ``save_steps``, log (rank 0), report."""
-    cfg, out_dir = trainer.cfg, trainer.out_dir
-    metrics = (
-        MetricsLogger(
-            out_dir,
-            resume_step=resume_step,
-            tensorboard=cfg.output.tensorboard,
-            wandb=cfg.output.wandb,
-            wandb_project=cfg.output.wandb_project,
-            run_config=to_dict(cfg),
-        )
-        if trainer.dist.is_main
-        else None
-    )
-    signal = start_signal(trainer) if resume_step is None else None  # a resumed run warned already
-    if resume_step is None and (warning := raw_sigma_warning(cfg, quantized_with(cfg.model.path))):
-        log.warning("%s", warning)
-    try:
-        with progress_bar(progress, cfg.train.max_steps, trainer.step) as bar:
-            while trainer.step < cfg.train.max_steps:
-                try:
-                    record = trainer.train_step()
-                except NonFiniteLossError as exc:
-                    good = ckpt.newest_good_checkpoint(out_dir)
-                    streak = trainer.nonfinite_streak
-                    in_a_row = f" ({streak} steps in a row, train.max_nonfinite_steps={streak - 1})"
-                    raise QerlError(
-                        f"training diverged at step {trainer.step + 1}: {exc}"
-                        + (in_a_row if streak > 1 else "")
-                        + ". Nothing was saved for this step; "
-                        + (f"the last good checkpoint is {good}. " if good else "")
-                        + "Lower train.learning_rate or train.max_grad_norm, or check the data."
-                    ) from exc
-                if cfg.output.save_steps > 0 and trainer.step % cfg.output.save_steps == 0:
-                    t0 = time.perf_counter()
-                    trainer.save()
-                    record["time_checkpoint_s"] = time.perf_counter() - t0
-                if metrics is not None:
-                    metrics.log(record)
-                    metrics.log_completions(trainer.step, trainer.last_samples)
-                    warning = signal.observe(record) if signal is not None else None
-                    if warning:
-                        log.warning("%s", warning)
-                bar(record)
-                if on_step is not None:
-                    on_step(trainer.step, record)
-    finally:
-        if metrics is not None:
-            metrics.close()
-
-
-def start_signal(trainer: Trainer) -> StartSignal:
-    """The first steps' reward-spread check, told what this run's base and LoRA start already are."""
-    cfg = trainer.cfg
-    return StartSignal(
-        cfg.train.max_steps,
-        quantized=trainer.policy.is_quantized,
-        gptq=quantized_with(cfg.model.path) == "gptq",
-        error_start=cfg.lora.init != "zeros",
     )
 
 
