@@ -32,6 +32,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
 from qerl_cli.modeling.prompt_tokens import encode_prompts
+from qerl_cli.modeling.quant_linear import dense_weights
 from qerl_cli.rollout.base import (
     COMPLETIONS,
     GENERATED_TOKENS,
@@ -45,6 +46,12 @@ from qerl_cli.rollout.base import (
     RolloutResult,
     SamplingSpec,
 )
+
+# The 4-bit base is frozen during a generate call, so its layers are dequantized once per call rather
+# than at every generated token, where the dense copies fit in this (counted at 4 bytes a weight): small
+# models, whose per-token dequantization is a large share of their decoding time. A larger model keeps
+# the 4-bit footprint its memory plan counts on.
+DENSE_BASE_MAX_BYTES = 256 * 2**20
 
 
 class _SampledLogprobRecorder:
@@ -275,7 +282,11 @@ class HFEngine:
         generator = torch.Generator(device="cpu").manual_seed(self._noise_seed)
         self.model.eval()
         try:
-            with self.noiser.noised(self._sigma, generator), self._adapters():
+            with (
+                self.noiser.noised(self._sigma, generator),
+                self._adapters(),
+                dense_weights(self.model, DENSE_BASE_MAX_BYTES),
+            ):
                 yield
         finally:
             base.generation_config = saved_config
