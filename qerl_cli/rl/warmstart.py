@@ -75,6 +75,8 @@ class _Examples:
         self.tokenizer = tokenizer
         self.label_noise = label_noise
         self.prompts = [prompt_token_ids(p.question, tokenizer, template=template) for p in problems]
+        # Each (problem, result) is tokenized once: a run draws every problem dozens of times.
+        self._completions: dict[tuple[int, str | None], list[int]] = {}
 
     def draw(self, rng: random.Random) -> tuple[list[int], list[int]]:
         index = rng.randrange(len(self.problems))
@@ -82,10 +84,12 @@ class _Examples:
         answer = None
         if rng.random() < self.label_noise:
             answer = str(int(problem.answer) + rng.choice(NOISE_OFFSETS))
-        completion = self.tokenizer(reference_completion(problem, answer), add_special_tokens=False)[
-            "input_ids"
-        ]
-        return self.prompts[index], [*completion, int(self.tokenizer.eos_token_id)]
+        completion = self._completions.get((index, answer))
+        if completion is None:
+            text = reference_completion(problem, answer)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            completion = self._completions[(index, answer)] = [*ids, int(self.tokenizer.eos_token_id)]
+        return self.prompts[index], completion
 
 
 def sampled_accuracy(
