@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.config import TrainConfig, load_config
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from qerl_cli.config import EvalConfig, TrainConfig, load_config
+from qerl_cli.evaluation import run_eval
+from qerl_cli.files import ensure_output_dir
+from qerl_cli.rl import warmstart
+from qerl_cli.rl.trainer import train
 
 DEMO_TASK = "synthetic-addition"
 EVAL_SAMPLES = 4  # temperature-1 samples per held-out problem
@@ -72,8 +80,6 @@ def evaluate(
 ) -> dict[str, float]:
     """``qerl eval`` on every held-out problem of the demo task: sampled (temperature 1, ``samples``
     each) and greedy pass@1, with the adapter applied when given."""
-    from qerl_cli.config import EvalConfig, load_config
-    from qerl_cli.evaluation import run_eval
 
     def pass_at_1(name: str, temperature: float, n: int) -> float:
         cfg = load_config(
@@ -111,14 +117,10 @@ def _folder_bytes(folder: Path) -> int:
 def _tiny_nvfp4_base(out: Path, seed: int, console: Any) -> tuple[dict[str, Any], Path]:
     """Steps 1 and 2: the warm-started tiny base and its NVFP4 copy; returns the warm start's figures and
     the NVFP4 folder."""
-    from rich.markup import escape
-
-    from qerl_cli.rl.warmstart import WarmStartConfig, prepare_tiny_base
-
     console.print("[bold]1/5[/bold] building the tiny base model (supervised warm start) ...")
-    base = prepare_tiny_base(
+    base = warmstart.prepare_tiny_base(  # through the module: the slow test hands it a prebuilt base
         out / "base",
-        WarmStartConfig(task=DEMO_TASK, seed=seed),
+        warmstart.WarmStartConfig(task=DEMO_TASK, seed=seed),
         formats=("nvfp4",),
         report=lambda line: console.print(f"    {line}", markup=False, highlight=False),
     )
@@ -140,8 +142,6 @@ def _tiny_nvfp4_base(out: Path, seed: int, console: Any) -> tuple[dict[str, Any]
 
 def _print_outcome(console: Any, before: dict, after: dict, result: Any, seconds: float) -> None:
     """The before / after table and where the run's files are."""
-    from rich.table import Table
-
     table = Table(title="qerl demo: NVFP4 tiny Qwen2, GRPO + AQN on synthetic addition")
     table.add_column("")
     table.add_column("before RL", justify="right")
@@ -170,11 +170,6 @@ def run_demo(
     out_dir: str | Path = "runs/demo", *, steps: int = 60, seed: int = 0, console: Any = None
 ) -> dict:
     """Run the demo into ``out_dir``; returns the figures it prints."""
-    from rich.console import Console
-
-    from qerl_cli.files import ensure_output_dir
-    from qerl_cli.rl.trainer import train
-
     console = console or Console()
     # A folder that cannot be written fails now, not after the minutes of warm start and training.
     out = ensure_output_dir(out_dir, "--output")

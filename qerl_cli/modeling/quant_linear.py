@@ -13,6 +13,9 @@ GEMMs in FP8 instead, on two FP8 copies of its weight derived once from the pack
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +73,8 @@ class QuantLinear(nn.Module):
     base_compute: str = "bf16"
     # A plain attribute, not a buffer: never in state_dict(), never in a checkpoint.
     _fp8: Fp8Weight | None = None
+    # Dense copies of the weight by dtype while :func:`dense_weights` holds (None outside it).
+    _dense: dict[torch.dtype, torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -164,6 +169,11 @@ class QuantLinear(nn.Module):
             x = x.to(self.compute_dtype)
         if self.base_compute == "fp8":
             return Fp8LinearFunction.apply(x, self.bias, self.fp8_weight())
+        if self._dense is not None and not torch.is_grad_enabled():
+            weight = self._dense.get(x.dtype)
+            if weight is None:
+                weight = self._dense[x.dtype] = self.dequantized_weight(x.dtype)
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
         return _PackedLinearFunction.apply(
             x, self.bias, self.fmt, self.out_features, self.in_features, self._packed_names,
             *self.packed_buffers().values(),
@@ -171,8 +181,10 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         """``.to(dtype)`` / ``.half()`` must not cast packed buffers: keep their dtype, follow the device.
-        The FP8 copies are dropped (re-derived on the new device when next used)."""
+        The FP8 and dense copies are dropped (re-derived on the new device when next used)."""
         self._fp8 = None
+        if self._dense is not None:
+            self._dense = {}
         for name, buf in self._buffers.items():
             if buf is None:
                 continue
@@ -217,6 +229,26 @@ def set_base_compute(module: nn.Module, mode: str, min_weights: int = 0) -> int:
             else:
                 layer._fp8 = None
     return fp8_cache_nbytes(module)
+
+
+@contextmanager
+def dense_weights(module: nn.Module, max_bytes: int) -> Iterator[bool]:
+    """Within, every QuantLinear under ``module`` (``base_compute`` "bf16") multiplies gradient-free
+    forwards by a dense copy of its weight, dequantized on first use and dropped on exit, instead of
+    dequantizing at every forward: the same numbers, once per call rather than once per generated token.
+    Only when those copies take at most ``max_bytes`` (counted at 4 bytes a weight): a large model keeps
+    the 4-bit footprint its memory was planned on. Yields whether the copies are on."""
+    layers = [m for m in module.modules() if isinstance(m, QuantLinear) and m.base_compute == "bf16"]
+    on = bool(layers) and sum(4 * m.out_features * m.in_features for m in layers) <= max_bytes
+    if on:
+        for layer in layers:
+            layer._dense = {}
+    try:
+        yield on
+    finally:
+        if on:
+            for layer in layers:
+                layer._dense = None
 
 
 def fp8_cache_nbytes(module: nn.Module) -> int:

@@ -169,11 +169,18 @@ def extract(completion: str) -> Extraction:
 def grade(completion: str, gold: str) -> GradeResult:
     """Grade one completion against one gold answer ("72", "\\frac{1}{2}", "$x^2$"; parsed first)."""
     gold_text = clean_candidate(str(gold))
-    gold_parsed = parse_answer(gold_text)
     found = extract(completion)
     if found.text is None:
         return GradeResult(False, None, found.method, extraction_failed=True)
     integer_gold = bool(_INTEGER_LITERAL.match(gold_text))
+    if integer_gold and _INTEGER_LITERAL.match(found.text):
+        # Two integers as written: math-verify reads both as exact SymPy integers (leading zeros and a
+        # minus zero included) and compares their values, which int() does without its parse, the
+        # milliseconds of each grade (most of the grading in arithmetic training and evaluation).
+        return GradeResult(
+            int(found.text) == int(gold_text), found.text, found.method, extraction_failed=False
+        )
+    gold_parsed = parse_answer(gold_text)
     if is_number_literal(gold_text) and not_one_number(found.text, integer_gold=integer_gold):
         return GradeResult(False, found.text, found.method, extraction_failed=False)  # no need to parse it
     answer_parsed = parse_answer(found.text)

@@ -25,12 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from qerl_cli.data.problem import Problem
+from qerl_cli.data.prompts import prompt_token_ids, render_prompt
+from qerl_cli.data.synthetic import make_problems, reference_completion
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask, staged_folder
 from qerl_cli.formats import check_names
+from qerl_cli.formats.checkpoint import state_dict_groups, write_checkpoint
+from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
+from qerl_cli.rewards.grading import is_correct
+from qerl_cli.rollout import factory
+from qerl_cli.rollout.base import SamplingSpec
 
 DEFAULT_TASK = "synthetic-addition"
 DEFAULT_TEMPLATE = "plain"
@@ -63,25 +71,25 @@ class _Examples:
     """Tokenized worked problems; a share ``label_noise`` of the draws carry a wrong result."""
 
     def __init__(self, problems: list[Problem], tokenizer: Any, template: str, label_noise: float) -> None:
-        from qerl_cli.data.prompts import prompt_token_ids
-
         self.problems = problems
         self.tokenizer = tokenizer
         self.label_noise = label_noise
         self.prompts = [prompt_token_ids(p.question, tokenizer, template=template) for p in problems]
+        # Each (problem, result) is tokenized once: a run draws every problem dozens of times.
+        self._completions: dict[tuple[int, str | None], list[int]] = {}
 
     def draw(self, rng: random.Random) -> tuple[list[int], list[int]]:
-        from qerl_cli.data.synthetic import reference_completion
-
         index = rng.randrange(len(self.problems))
         problem = self.problems[index]
         answer = None
         if rng.random() < self.label_noise:
             answer = str(int(problem.answer) + rng.choice(NOISE_OFFSETS))
-        completion = self.tokenizer(reference_completion(problem, answer), add_special_tokens=False)[
-            "input_ids"
-        ]
-        return self.prompts[index], [*completion, int(self.tokenizer.eos_token_id)]
+        completion = self._completions.get((index, answer))
+        if completion is None:
+            text = reference_completion(problem, answer)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            completion = self._completions[(index, answer)] = [*ids, int(self.tokenizer.eos_token_id)]
+        return self.prompts[index], completion
 
 
 def sampled_accuracy(
@@ -95,11 +103,6 @@ def sampled_accuracy(
     max_new_tokens: int = 64,
 ) -> float:
     """Share of ``samples`` temperature-1 completions per problem that math-verify grades correct."""
-    from qerl_cli.data.prompts import render_prompt
-    from qerl_cli.rewards.grading import is_correct
-    from qerl_cli.rollout import factory
-    from qerl_cli.rollout.base import SamplingSpec
-
     engine = factory.make_engine(factory.EngineRequest(
         "hf", model=model, tokenizer=tokenizer, device=next(model.parameters()).device,
         generation_batch_size=128,
@@ -201,9 +204,6 @@ def prepare_tiny_base(
 
     Returns ``{"paths": {format: folder}, "warm_start": {...}, "losses": [...], "seconds": ...}``.
     """
-    from qerl_cli.data.synthetic import make_problems
-    from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
-
     cfg = cfg or WarmStartConfig()
     check_names(formats, "tiny-base format", dense=True)
     start = time.perf_counter()
@@ -247,10 +247,6 @@ def quantize_folder(src: str | Path, dst: str | Path, fmt: str) -> Path:
     norms stay BF16. This is the in-memory path for tiny models; ``qerl quantize`` is the
     calibrated (AWQ) path for real ones.
     """
-    from safetensors.torch import load_file
-
-    from qerl_cli.formats.checkpoint import state_dict_groups, write_checkpoint
-
     src, dst = Path(src), Path(dst)
     state = load_file(str(src / "model.safetensors"))
 
