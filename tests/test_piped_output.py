@@ -98,3 +98,31 @@ def test_a_piped_table_keeps_a_long_cell_whole(
     table.add_row("adapter", long_cell)
     console.print(table)
     assert long_cell in capsys.readouterr().out  # on one line, not cut or wrapped at 80 columns
+
+
+@pytest.mark.parametrize(
+    ("argv", "stage"),
+    [
+        (["demo", "-o", "DIR"], "qerl_cli.demo.run_demo"),
+        (["tiny-base", "DIR"], "qerl_cli.rl.warmstart.build_tiny_base"),
+    ],
+)
+def test_piped_demo_and_tiny_base_silence_the_libraries_bars(
+    argv: list[str], stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside a terminal the demo's and tiny-base's saves and loads print no tqdm bars (carriage-return
+    noise in a log): tqdm and huggingface_hub are told before the stage imports them."""
+    from qerl_cli.cli import main
+
+    for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(name, raising=False)
+    seen: dict[str, str | None] = {}
+
+    def stage_stub(*args: object, **kwargs: object) -> dict:
+        seen.update({name: os.environ.get(name) for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")})
+        return {}
+
+    monkeypatch.setattr(stage, stage_stub)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # piped: not a terminal
+    assert main([str(tmp_path / "out") if a == "DIR" else a for a in argv]) == 0
+    assert seen == {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}

@@ -3,6 +3,9 @@ a log (CI, ``| tee``, ``nohup``) shows them as they happen while stdout keeps th
 
 from __future__ import annotations
 
+import os
+import sys
+
 from rich.markup import escape
 
 from qerl_cli.cli.app import err_console
@@ -12,6 +15,15 @@ from qerl_cli.config import EvalConfig
 def stage_log(line: str) -> None:
     """A long stage's progress line, on stderr and plain (paths hold brackets): a log reads it as is."""
     err_console.print(line, markup=False, highlight=False)
+
+
+def quiet_library_bars() -> None:
+    """Outside a terminal (a log, a pipe) the progress bars of transformers, huggingface_hub and
+    llm-compressor are carriage-return noise beside the stage lines, which say what runs. tqdm reads its
+    setting when it is imported: call this before the stage imports them."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def say_estimate(line: str | None) -> None:

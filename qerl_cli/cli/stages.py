@@ -36,7 +36,7 @@ from qerl_cli.cli.app import (
     set_stop_hint,
     use_free_cpu_threads,
 )
-from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
+from qerl_cli.cli.progress import eval_cpu_estimate, quiet_library_bars, say_estimate, stage_log
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
 from qerl_cli.config.keydocs import field_help, key_docs, sections
@@ -91,10 +91,7 @@ def quantize(
     conf = load_config(QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values)
     if finish_config(conf, dry_run):
         return
-    if not sys.stderr.isatty():  # a log: the progress bars of transformers and llm-compressor are
-        # carriage-return noise there (the stage lines say what runs); read when they are imported, below.
-        os.environ.setdefault("TQDM_DISABLE", "1")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_library_bars()
     from qerl_cli.quantize import quantize_table, run_quantize
     from qerl_cli.torch_utils import runs_on_cpu
 
@@ -273,6 +270,7 @@ def demo(
     ] = 0,
 ) -> None:
     """Offline CPU demo: tiny model -> NVFP4 -> GRPO + AQN -> eval before/after, in minutes."""
+    quiet_library_bars()
     from qerl_cli.demo import run_demo
 
     if steps < 1:

@@ -13,7 +13,7 @@ from rich.markup import escape
 from qerl_cli import config
 from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
-from qerl_cli.cli.progress import stage_log
+from qerl_cli.cli.progress import quiet_library_bars, stage_log
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
 
@@ -50,6 +50,7 @@ def tiny_base(
     of 2 cores busy, one thread, about 1.5 min (two threads there stalled each other: 13 min 38 s); on 2
     cores loaded 10 deep, 5.3 min. QERL_NUM_THREADS=N sets the thread count.
     """
+    quiet_library_bars()
     from qerl_cli.rl.warmstart import build_tiny_base
 
     use_free_cpu_threads()

@@ -7,27 +7,52 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from qerl_cli.config import RESOLVED_CONFIG_NAME, save_resolved_config, to_dict
+from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_config, to_dict
+from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import quantized_with
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import setup
 from qerl_cli.rl.aqn_calibration import raw_sigma_warning
+from qerl_cli.rl.aqn_schedule import AQNSchedule
+from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.losses import NonFiniteLossError
+from qerl_cli.rl.policy import Policy
 from qerl_cli.rl.run_folder import PROMPTS_FILE
 from qerl_cli.rl.signal import StartSignal
 from qerl_cli.rl.tracking import MetricsLogger, progress_bar
 
-if TYPE_CHECKING:  # the trainer drives this loop: a runtime import would be circular
-    from qerl_cli.rl.trainer import StepCallback, Trainer
-
 log = logging.getLogger(__name__)
+StepCallback = Callable[[int, dict[str, Any]], None]  # (step, its record), after each step
 
 
-def record_run(trainer: Trainer, resumed_from: Path | None) -> None:
+class SteppingTrainer(Protocol):
+    """What the loop reads of :class:`~qerl_cli.rl.trainer.Trainer` (which drives it: a Protocol rather
+    than an import keeps the two modules from importing each other)."""
+
+    cfg: TrainConfig
+    out_dir: Path
+    step: int
+    dist: Distributed
+    policy: Policy
+    params: list[Any]
+    tis_on: bool
+    schedule: AQNSchedule | None
+    problems: list[Problem]
+    prompts: dict[str, str]
+    last_samples: list[dict[str, Any]]
+    nonfinite_streak: int
+
+    def train_step(self) -> dict[str, Any]: ...
+
+    def save(self) -> Path: ...
+
+
+def record_run(trainer: SteppingTrainer, resumed_from: Path | None) -> None:
     """The run's settings and prompt template beside its outputs (rank 0)."""
     cfg, out_dir = trainer.cfg, trainer.out_dir
     if resumed_from is not None:
@@ -46,7 +71,7 @@ def record_run(trainer: Trainer, resumed_from: Path | None) -> None:
 
 
 def run_steps(
-    trainer: Trainer, *, resume_step: int | None, on_step: StepCallback | None, progress: bool
+    trainer: SteppingTrainer, *, resume_step: int | None, on_step: StepCallback | None, progress: bool
 ) -> None:
     """The step loop: train, checkpoint every ``save_steps``, log (rank 0), report."""
     cfg, out_dir = trainer.cfg, trainer.out_dir
@@ -99,7 +124,7 @@ def run_steps(
             metrics.close()
 
 
-def start_signal(trainer: Trainer) -> StartSignal:
+def start_signal(trainer: SteppingTrainer) -> StartSignal:
     """The first steps' reward-spread check, told what this run's base and LoRA start already are."""
     cfg = trainer.cfg
     return StartSignal(

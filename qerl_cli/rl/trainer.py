@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_toke
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.run_folder import ADAPTER_DIR, run_folder
+from qerl_cli.rl.step_loop import StepCallback
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
 from qerl_cli.rl.tracking import METRICS_FILE, plot_training_curves, read_metrics
 from qerl_cli.rl.update import update_policy
@@ -66,7 +67,6 @@ from qerl_cli.torch_utils import resolve_device
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[int, dict[str, Any]], None]
 
 __all__ = ["PromptStream", "Rollouts", "TrainResult", "Trainer", "derive_seed", "train"]
 
