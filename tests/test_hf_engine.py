@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 
@@ -209,44 +208,3 @@ def test_a_4bit_base_is_dequantized_once_per_call_with_the_same_samples(
         x = torch.randn(2, layers[0].in_features, requires_grad=True)
         layers[0](x).sum().backward()
         assert x.grad is not None and layers[0]._dense == {}
-
-
-def test_a_lora_on_a_small_4bit_base_is_folded_into_its_dense_copy_while_generating(
-    tiny_model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from qerl_cli.modeling.loading import load_policy_model, load_tokenizer
-    from qerl_cli.modeling.lora import attach_lora
-    from qerl_cli.rl.warmstart import quantize_folder
-    from qerl_cli.rollout import hf
-
-    model, _ = load_policy_model(
-        quantize_folder(tiny_model_dir, tmp_path / "nvfp4", "nvfp4"), dtype=torch.float32
-    )
-    model = attach_lora(model, r=4, alpha=8)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # a trained adapter, not PEFT's B = 0 start
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)), generation_batch_size=4)
-    spec = SamplingSpec(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=5, ignore_eos=True)
-    seen = []
-    fold = hf._lora_folded
-
-    def counting(model, dense):
-        with fold(model, dense):
-            seen.append(sum("forward" in m.__dict__ for m in model.modules()))
-            yield
-
-    monkeypatch.setattr(hf, "_lora_folded", contextlib.contextmanager(counting))
-    folded = engine.generate(PROMPTS, 3, spec)
-    assert seen == [14] and not any("forward" in m.__dict__ for m in model.modules())  # 7 x 2, then undone
-    monkeypatch.setattr(hf, "_foldable", lambda layer: None)
-    unfolded = engine.generate(PROMPTS, 3, spec)
-    assert [c.token_ids for _, c in folded.flat()] == [c.token_ids for _, c in unfolded.flat()]
-    for (_, a), (_, b) in zip(folded.flat(), unfolded.flat(), strict=True):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)  # the sums round differently, no more
-    monkeypatch.undo()
-    engine.sync_adapter(None)  # the bare base: nothing to fold
-    with engine._generation_mode(spec):
-        assert not any("forward" in m.__dict__ for m in model.modules())

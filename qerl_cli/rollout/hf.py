@@ -32,7 +32,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.aqn import NormNoiser
 from qerl_cli.modeling.prompt_tokens import encode_prompts
-from qerl_cli.modeling.quant_linear import QuantLinear, dense_weights
+from qerl_cli.modeling.quant_linear import dense_weights
 from qerl_cli.rollout.base import (
     COMPLETIONS,
     GENERATED_TOKENS,
@@ -128,55 +128,6 @@ def _warpers(spec: SamplingSpec) -> list[Any]:
     if spec.top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p=spec.top_p))
     return warpers
-
-
-def _foldable(layer: nn.Module) -> str | None:
-    """The one plain LoRA adapter active on ``layer`` when it wraps a QuantLinear and can be folded into
-    its dense copy (no DoRA or other variant, no LoRA bias, not disabled); None otherwise."""
-    base = getattr(layer, "base_layer", None)
-    if not isinstance(base, QuantLinear) or base.base_compute != "bf16" or base.compute_dtype is not None:
-        return None
-    if getattr(layer, "disable_adapters", True) or getattr(layer, "merged", True):
-        return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(active) != 1 or active[0] in getattr(layer, "lora_variant", {}):
-        return None
-    return active[0] if layer.lora_B[active[0]].bias is None else None
-
-
-@contextmanager
-def _lora_folded(model: nn.Module, dense: bool) -> Iterator[None]:
-    """Within, each LoRA layer around a QuantLinear whose dense copy is on (``dense``) multiplies by that
-    copy plus its adapter's delta (B @ A x scaling), folded once per generate call: one matmul a layer
-    and token instead of three, and none of PEFT's per-call Python. The adapter is the trainer's live
-    one, unchanged during a call; the sums round differently from the unfolded path only in the last
-    bits, which the sampling logprobs carry (truncated importance sampling absorbs such differences)."""
-    folded: list[nn.Module] = []
-    if dense:
-        for layer in model.modules():
-            adapter = _foldable(layer)
-            if adapter is not None:
-                layer.forward = _folded_forward(layer, adapter)  # an instance attribute: deleted on exit
-                folded.append(layer)
-    try:
-        yield
-    finally:
-        for layer in folded:
-            del layer.forward
-
-
-def _folded_forward(layer: Any, adapter: str) -> Callable[..., torch.Tensor]:
-    weights: dict[torch.dtype, torch.Tensor] = {}
-    base = layer.base_layer
-
-    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        weight = weights.get(x.dtype)
-        if weight is None:
-            delta = layer.get_delta_weight(adapter).to(x.dtype)
-            weight = weights[x.dtype] = base.dequantized_weight(x.dtype) + delta
-        return torch.nn.functional.linear(x, weight, None if base.bias is None else base.bias.to(x.dtype))
-
-    return forward
 
 
 class HFEngine:
@@ -334,8 +285,7 @@ class HFEngine:
             with (
                 self.noiser.noised(self._sigma, generator),
                 self._adapters(),
-                dense_weights(self.model, DENSE_BASE_MAX_BYTES) as dense,
-                _lora_folded(self.model, dense),
+                dense_weights(self.model, DENSE_BASE_MAX_BYTES),
             ):
                 yield
         finally:
