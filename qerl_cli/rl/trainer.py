@@ -62,7 +62,7 @@ from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems
 from qerl_cli.rl.tracking import METRICS_FILE, plot_training_curves, read_metrics
 from qerl_cli.rl.update import update_policy
 from qerl_cli.rollout.base import NOISE_SIGMA, PERTURBED_NORMS, RolloutEngine
-from qerl_cli.stats import mean
+from qerl_cli.stats import mean, present
 from qerl_cli.torch_utils import resolve_device
 
 log = logging.getLogger(__name__)
@@ -408,8 +408,8 @@ def _train(
         # with transformers' own functions, not Liger's (modeling.fused_kernels).
         trainer.policy.close()
         dist.close()
-    # metrics.jsonl writes a NaN as the text "nan" (a skipped step's batch may have had NaN rewards).
-    rewards = [r["reward_mean"] for r in records if isinstance(r.get("reward_mean"), (int, float))]
+    # A skipped step's batch may have had NaN rewards (read_metrics gives them back as floats): left out.
+    rewards = present(r.get("reward_mean") for r in records)
     return TrainResult(
         output_dir=str(out_dir),
         adapter=str(adapter_dir),
