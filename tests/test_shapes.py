@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,23 @@ def test_vllm_engine_fails_before_vllm(smol_nvfp4: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(shapes, "_capability", lambda: (9, 0))
     with pytest.raises(QerlError, match="Marlin NVFP4"):
         make_engine(EngineRequest("vllm", smol_nvfp4))
+
+
+def test_a_copy_served_backend_skips_the_marlin_check(
+    smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``merged`` serves vLLM a BF16 copy of the dequantized base (and ``fp8`` an FP8 copy): Marlin never
+    sees the 576-wide layers, so the run gets past the shape check (here to the missing vLLM; on an H200
+    the check once refused every NVFP4 run of a merged comparison)."""
+    from qerl_cli.rollout.factory import EngineRequest, make_engine
+
+    monkeypatch.setattr(shapes, "_capability", lambda: (9, 0))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a)
+    )
+    for backend in ("merged", "fp8"):
+        with pytest.raises(QerlError, match="needs vLLM, which is not installed"):
+            make_engine(EngineRequest("vllm", smol_nvfp4, linear_backend=backend))
+    with pytest.raises(QerlError, match=r"Marlin NVFP4.*rollout.linear_backend=merged"):
+        make_engine(EngineRequest("vllm", smol_nvfp4, linear_backend="marlin"))

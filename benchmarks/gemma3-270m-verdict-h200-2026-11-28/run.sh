@@ -8,6 +8,8 @@
 #                                                    # the AQN and fp8-merged arms, seeds 0-8 (two H200s)
 #   REPORT=1 ARMS=... SEEDS=9 bash run.sh            # the report of the runs in $OUT_DIR/cmp, on any machine
 #
+# Arguments after the variables go to `qerl compare` as they are (e.g. --only ARM/SEED,... or --set KEY=VALUE).
+#
 # Environment: QERL_CACHE_DIR holds the gemma3-270m chunk wheels (`qerl models` says how to get them);
 # LC_SITE a site folder with qerl[quantize] (llm-compressor), VLLM_SITE one with qerl[vllm]: the two pin
 # different compressed-tensors, so each command sees only its own. OUT_DIR (default runs/gemma-verdict).
@@ -22,7 +24,7 @@ with_vllm() { PYTHONPATH=$REPO:${VLLM_SITE:-} "$@"; }
 HELDOUT=(--set compare.heldout_problems=1024 --set compare.heldout_samples=4 --set compare.heldout_temperature=0.7)
 if [ -n "${REPORT:-}" ]; then  # no GPU, no model, nothing trained: the runs' own records
   exec python3 -m qerl_cli compare gemma3_270m_wordproblems -o "$OUT_DIR/cmp" --arms "$ARMS" --seeds "${SEEDS:-9}" \
-    --report-only "${HELDOUT[@]}"
+    --report-only "${HELDOUT[@]}" "$@"
 fi
 : "${QERL_CACHE_DIR:?set QERL_CACHE_DIR to the folder holding the gemma3-270m chunk wheels}"
 export QERL_CACHE_DIR
@@ -32,6 +34,11 @@ bf16=$(with_lc python3 -c 'from qerl_cli.modeling.sources import resolve_model_s
 [ -f "$OUT_DIR/cmp/bases/nvfp4-awq/qerl_quant.json" ] || with_lc python3 -m qerl_cli quantize "$bf16" \
   --format nvfp4 --method awq --calib qerl-text --calib-field text --num-samples 48 --seq-len 256 \
   --device auto -o "$OUT_DIR/cmp/bases/nvfp4-awq"
+# The GPTQ base with its EoRA LoRA start (BASE/lora_init), for the nvfp4-gptq-* arms, made the same way.
+if [[ ",$ARMS,$*" == *gptq* ]] && [ ! -f "$OUT_DIR/cmp/bases/nvfp4-gptq/qerl_quant.json" ]; then
+  with_lc python3 -m qerl_cli quantize "$bf16" --format nvfp4 --method gptq --lora-init eora --lora-init-rank 16 \
+    --calib qerl-text --calib-field text --num-samples 48 --seq-len 256 --device auto -o "$OUT_DIR/cmp/bases/nvfp4-gptq"
+fi
 # The runs share the GPUs (each starts once the previous one's vLLM engine on its GPU is up, or after 45 s).
 with_vllm python3 -m qerl_cli compare gemma3_270m_wordproblems -o "$OUT_DIR/cmp" --arms "$ARMS" \
-  --seeds "${SEEDS:-5}" --jobs "${JOBS:-10}" --gpus "${GPUS:-auto}" "${HELDOUT[@]}"
+  --seeds "${SEEDS:-5}" --jobs "${JOBS:-10}" --gpus "${GPUS:-auto}" "${HELDOUT[@]}" "$@"

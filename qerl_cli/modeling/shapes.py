@@ -75,8 +75,9 @@ def summary(problems: list[str], fmt: str, shown: int = 6) -> str:
     )
     return (
         f"vLLM's Marlin {fmt.upper()} kernels (GPUs without native FP4, compute capability < 10.0) refuse "
-        f"{len(problems)} fused layer(s): {listed}. Use the hf rollout engine, a Blackwell GPU (native "
-        "FP4), or leave those layers in BF16"
+        f"{len(problems)} fused layer(s): {listed}. Serve a BF16 copy of the dequantized base instead "
+        "(rollout.linear_backend=merged: the LoRA merged into it after every update), use the hf rollout "
+        "engine or a Blackwell GPU (native FP4), or leave those layers in BF16"
     )
 
 

@@ -195,17 +195,9 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
     """A colocated vLLM engine on ``model_path`` whose linear layers run the backend that
     ``linear_backend`` resolves to (:mod:`qerl_cli.rollout.backends`) for a round of ``concurrency``
     sequences (0: ``max_num_seqs`` of the vLLM settings, else 256)."""
-    model_path = request.model_path
-    if model_path is not None:
-        model_path = resolve_model_source(model_path)
-        check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
-    if importlib.util.find_spec("vllm") is None:
-        raise QerlError(
-            'rollout engine "vllm" needs vLLM, which is not installed: pip install "qerl[vllm]" '
-            "(GPU machines), or use the hf engine"
-        )
-    if model_path is None:
+    if request.model_path is None:
         raise QerlError("the vllm engine loads the model itself: pass model_path")
+    model_path = resolve_model_source(request.model_path)
     user_kwargs = requested_vllm_kwargs(request)
     concurrency = request.concurrency or int(user_kwargs.get("max_num_seqs") or 256)
     choice = choose_rollout_backend(
@@ -215,6 +207,13 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         kv_cache_dtype=request.kv_cache_dtype,
         merge_ok=request.merge_ok and request.tensor_parallel_size == 1, fp8_ok=request.auto_fp8,
     )  # fmt: skip
+    if choice.backend == "marlin":  # vLLM's Marlin serves the checkpoint itself (no FP8 or BF16 copy)
+        check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
+    if importlib.util.find_spec("vllm") is None:
+        raise QerlError(
+            'rollout engine "vllm" needs vLLM, which is not installed: pip install "qerl[vllm]" '
+            "(GPU machines), or use the hf engine"
+        )
     merge_base = None
     if choice.merges_lora:
         check_mergeable(request)
