@@ -277,8 +277,9 @@ GEMMA_VERDICTS, SMOL_VERDICTS = "gemma3-270m-verdict-h200-2026-11-28", "smollm2-
     ("folder", "arms", "seeds", "verdict", "documented_in"),
     [
         (GEMMA_VERDICTS, ["bf16-lora", "nvfp4-lora"], 9, "unresolved", "docs/compare.md"),
-        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-fp8merged"], 9, "worse", None),
-        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-aqn-t10pct-awq"], 9, "unresolved", None),
+        (GEMMA_VERDICTS, ["bf16-lora", "nvfp4-lora"], 18, "unresolved", "docs/compare.md"),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-fp8merged"], 18, "worse", None),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-aqn-t10pct-awq"], 18, "unresolved", None),
         (SMOL_VERDICTS, ["bf16-lora", "nvfp4-lora"], 10, "worse", None),
     ],
 )
