@@ -397,12 +397,57 @@ def test_runs_are_spread_over_the_gpus_each_seeing_one(
     assert parallel.run_parallel(todo, "r.yaml", 6, tmp_path, [], 4, 5.0, 120.0, ["0", "1"]) == []
     first = started[:4]
     assert [gpu for _, _, gpu in first] == ["0", "1", "0", "1"]  # the least busy GPU first
-    # The second run on a GPU waits for the first one's engine there (30 s); the other GPU's first run
-    # only for the 5 s gap.
-    assert first[1][0] < 10.0 and 30.0 <= first[2][0] <= 31.0
+    # The gap and the engine wait are each GPU's own: both GPUs' first runs start at once, the second run
+    # on a GPU once the first one's engine there is up (30 s).
+    assert first[1][0] < 1.0 and 30.0 <= first[2][0] <= 31.0 and 30.0 <= first[3][0] <= 31.0
     # Runs 5 and 6 start only when one of each GPU's two has finished, on the GPU it freed.
     later = started[4:]
     assert all(t >= 200.0 for t, _, _ in later) and sorted(g for _, _, g in later) == ["0", "1"]
+
+
+def test_a_gpu_whose_engine_is_still_starting_does_not_hold_back_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU 0's first engine never reports (it waits the whole timeout), GPU 1's is up after 20 s: GPU 1
+    takes its second run at 20 s, not after GPU 0's 120 s (on a 4x H200 host, 18 runs once took 3 minutes
+    to start, each start waiting on the least busy GPU's engine)."""
+    from qerl_cli.rl.setup import ENGINE_READY_FILE
+
+    clock = {"now": 0.0}
+    started: list[tuple[float, str]] = []
+    procs: list[Any] = []
+
+    class FakeProc:
+        def __init__(self, command, env, **kwargs) -> None:
+            self.only, self.gpu, self.born = (
+                command[command.index("--only") + 1],
+                env["CUDA_VISIBLE_DEVICES"],
+                clock["now"],
+            )
+            self.returncode: int | None = None
+            started.append((clock["now"], self.gpu))
+            procs.append(self)
+
+        def poll(self) -> int | None:
+            if clock["now"] - self.born >= 300:
+                self.returncode = 0
+            return self.returncode
+
+    def sleep(seconds: float) -> None:
+        clock["now"] += seconds
+        for proc in procs:
+            if proc.gpu == "1" and clock["now"] - proc.born >= 20 and proc.returncode is None:
+                arm, seed = proc.only.split("/")
+                (runs_mod.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", FakeProc)
+    monkeypatch.setattr(parallel, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    todo = [("a", s) for s in range(5)]
+    assert parallel.run_parallel(todo, "r.yaml", 5, tmp_path, [], 5, 5.0, 120.0, ["0", "1"]) == []
+    on = {gpu: [t for t, g in started if g == gpu] for gpu in ("0", "1")}
+    assert on["1"][0] < 1.0 and 20.0 <= on["1"][1] <= 21.0  # GPU 1 does not wait for GPU 0's engine
+    assert 120.0 <= on["0"][1] <= 121.0  # GPU 0's second run: after the timeout on its first one's engine
+    assert len(started) == 5
 
 
 def test_the_gpus_to_spread_runs_over(monkeypatch: pytest.MonkeyPatch) -> None:

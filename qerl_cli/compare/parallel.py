@@ -118,14 +118,24 @@ def _engines_up(running: list[_Child], now: float, timeout_s: float, marker: str
     return True
 
 
-def _free_gpu(running: list[_Child], gpus: list[str], per_gpu: int) -> str | None:
-    """The GPU the next child goes to: the one with the fewest running children (the first on a tie),
-    None when each already holds ``per_gpu``."""
-    load = {gpu: 0 for gpu in gpus}
+def _next_gpu(
+    running: list[_Child], slots: list[str | None], per_gpu: int, now: float,
+    last_start: dict[str | None, float], gap_s: float, ready_timeout_s: float | None,
+) -> tuple[bool, str | None]:  # fmt: skip
+    """Where the next child may start now: ``(True, gpu)`` for the least busy of ``slots`` (the first on a
+    tie) that has room (fewer than ``per_gpu`` children), started none in the last ``gap_s`` and whose
+    children's engines are up (with ``ready_timeout_s``); ``(False, None)`` when none may. A GPU whose
+    engine is still starting does not hold back the others: the gap and the wait are each GPU's own."""
+    load = {slot: 0 for slot in slots}
     for child in running:
-        load[child.gpu] = load.get(child.gpu, 0) + 1  # type: ignore[index]
-    gpu = min(gpus, key=lambda g: load[g])
-    return gpu if load[gpu] < per_gpu else None
+        load[child.gpu] = load.get(child.gpu, 0) + 1
+    for slot in sorted(slots, key=lambda g: load[g]):  # stable: the first on a tie
+        if load[slot] >= per_gpu or now - last_start.get(slot, -math.inf) < gap_s:
+            continue
+        neighbours = [c for c in running if c.gpu == slot]
+        if ready_timeout_s is None or _engines_up(neighbours, now, ready_timeout_s, ENGINE_READY_FILE):
+            return True, slot
+    return False, None
 
 
 def run_parallel(
@@ -133,8 +143,8 @@ def run_parallel(
     start_interval_s: float = 0.0, ready_timeout_s: float | None = None, gpus: list[str] | None = None,
     invocation: str | None = None, environment: dict[str, str] | None = None,
 ) -> list[str]:  # fmt: skip
-    """One child process per run, ``width`` at a time, started at least ``start_interval_s`` apart;
-    the CPU threads are shared out evenly. With ``gpus``, the children are spread over them, at most
+    """One child process per run, ``width`` at a time, started at least ``start_interval_s`` apart on each
+    GPU; the CPU threads are shared out evenly. With ``gpus``, the children are spread over them, at most
     :func:`runs_per_gpu` on each, and each sees only its own (``CUDA_VISIBLE_DEVICES``). With
     ``ready_timeout_s`` (vLLM runs sharing a GPU) a run starts on a GPU only once every run already on
     it has its rollout engine up (``rl.setup.ENGINE_READY_FILE`` in its folder, which the child writes),
@@ -151,24 +161,18 @@ def run_parallel(
     if invocation:
         env[INVOCATION_ENV] = invocation
     per_gpu = runs_per_gpu(width, gpus or [])
+    slots: list[str | None] = list(gpus) if gpus else [None]  # None: the children see what this process sees
     pending = list(jobs)
     running: list[_Child] = []
     failures = []
-    last_start: float | None = None
+    last_start: dict[str | None, float] = {}
     while pending or running:
         while pending and len(running) < width:
+            # A GPU whose previous engine is still starting waits (its compile cache may serve this run).
             now = time.monotonic()
-            if last_start is not None and now - last_start < start_interval_s:
+            free, gpu = _next_gpu(running, slots, per_gpu, now, last_start, start_interval_s, ready_timeout_s)
+            if not free:
                 break
-            gpu = _free_gpu(running, gpus, per_gpu) if gpus else None
-            if gpus and gpu is None:
-                break
-            neighbours = [c for c in running if c.gpu == gpu]
-            starting = ready_timeout_s is not None and not _engines_up(
-                neighbours, now, ready_timeout_s, ENGINE_READY_FILE
-            )
-            if starting:
-                break  # the previous engine is still starting: its compile cache may serve this run
             arm, seed = pending.pop(0)
             folder = run_dir(out, arm, seed)
             folder.mkdir(parents=True, exist_ok=True)
@@ -177,11 +181,11 @@ def run_parallel(
             command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
             child_env = env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}
             proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=child_env)
-            last_start = time.monotonic()
+            last_start[gpu] = time.monotonic()
             name = f"{arm}/seed-{seed}"
             if gpu is not None:
                 log.info("%s: started on GPU %s", name, gpu)
-            running.append(_Child(proc, name, handle, folder, last_start, gpu))
+            running.append(_Child(proc, name, handle, folder, last_start[gpu], gpu))
         time.sleep(0.5)
         for child in list(running):
             if child.proc.poll() is not None:
