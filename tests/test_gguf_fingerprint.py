@@ -27,7 +27,8 @@ def test_same_content_at_two_paths_and_mtimes_gets_one_folder_other_content_anot
         path.write_bytes(payload)
         os.utime(path, (mtime, mtime))
     folder = sources.converted_folder(here)
-    assert folder == tmp_path / "cache" / "gguf" / f"Model-{hashlib.sha256(payload).hexdigest()[:12]}" / "Model"
+    name = f"Model-{hashlib.sha256(payload).hexdigest()[:12]}"
+    assert folder == tmp_path / "cache" / "gguf" / name / "Model"
     assert sources.converted_folder(there) == folder
     other = tmp_path / "c" / "Model.Q4_1.gguf"
     other.parent.mkdir()
