@@ -16,6 +16,7 @@ from test_compare import TINY_SETS, _recipe, _score
 from qerl_cli.compare import heldout as heldout_mod
 from qerl_cli.compare import runner
 from qerl_cli.compare.base_identity import base_identity, base_path
+from qerl_cli.modeling import sources
 from qerl_cli.quantize.report import REPORT_NAME
 
 MIXES = "the report mixes the two"
@@ -148,3 +149,25 @@ def test_figures_kept_under_an_earlier_qerls_key_are_still_found(
     evaluated.clear()
     report = runner.run_compare(recipe, ["nvfp4-lora"], 1, out, sets=TINY_SETS).report
     assert evaluated == [] and report.arms[0].base_heldout_accuracy == 0.10
+
+
+def test_a_gguf_converted_by_an_earlier_qerl_is_the_base_its_content_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder named by the file's path and mtime (before the content fingerprint) is the same base as
+    the one converted now, so an existing comparison's runs are not said to mix two bases."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QERL_CACHE_DIR", str(cache))
+    gguf = tmp_path / "Model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(300))
+    now = sources.converted_folder(gguf)
+    earlier = cache / "gguf" / "Model-0123456789ab" / "Model"
+    earlier.mkdir(parents=True)
+    (earlier / sources.SOURCE_RECORD).write_text(json.dumps({"gguf": str(gguf), "size": 304}))  # no sha256
+    out = tmp_path / "cmp"
+    expected = f"$QERL_CACHE_DIR/gguf/{now.parent.name}/Model"
+    assert base_identity(str(earlier), out) == base_identity(str(now), out) == expected
+    gguf.write_bytes(b"GGUF" + bytes(301))  # the file changed since: another base
+    assert base_identity(str(earlier), out) != expected
+    gguf.unlink()  # nor can it be told without the file: the folder as it lies
+    assert base_identity(str(earlier), out) == "$QERL_CACHE_DIR/gguf/Model-0123456789ab/Model"

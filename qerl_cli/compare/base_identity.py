@@ -9,7 +9,8 @@ keeps its bases:
 - a base under the comparison's folder (``DIR/bases/...``): ``$COMPARE_DIR/`` and its path relative to it;
 - a base under qerl's cache (a converted GGUF, ``gguf/<name>-<fingerprint>/<name>``, whose fingerprint is
   the file's SHA-256, so one file gives one path on every machine): ``$QERL_CACHE_DIR/`` and its path
-  relative to the cache;
+  relative to the cache (a GGUF an earlier qerl converted, named by the file's path and mtime: by the
+  folder its content names now, where its ``qerl_source.json`` or the file says it);
 - anything else (a hub id, a folder of the user's): as given, since nothing says where it would be elsewhere.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qerl_cli.modeling.sources import CACHE_PLACEHOLDER, cache_root
+from qerl_cli.modeling.sources import CACHE_PLACEHOLDER, cache_root, content_named_folder
 
 COMPARE_PLACEHOLDER = "$COMPARE_DIR"
 
@@ -40,6 +41,8 @@ def base_identity(model: str, out: Path) -> str:
     for placeholder, root in _roots(out):
         root = root.expanduser().resolve()
         if resolved != root and resolved.is_relative_to(root):
+            if placeholder == CACHE_PLACEHOLDER:  # a GGUF converted by an earlier qerl: by its content too
+                resolved = (content_named_folder(resolved) or resolved).resolve()
             return f"{placeholder}/{resolved.relative_to(root).as_posix()}"
     return model
 

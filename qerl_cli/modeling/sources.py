@@ -282,15 +282,31 @@ def gguf_sha256(gguf: Path) -> str:
 def _fingerprint(gguf: Path) -> str:
     # The file's content, not where it lies or when it was copied: the same GGUF (an alias's, on any
     # machine, under any $QERL_CACHE_DIR) converts into one folder name, so runs on it record one base.
-    # Its hash costs one read of the file, once (the conversion that follows reads it all anyway); the
-    # cheap path + size + mtime key only finds that hash again, since it cannot tell two copies of one file
-    # apart from two different files.
+    # Its hash costs one read of the file, once (a conversion reads it all anyway); the path + size + mtime
+    # key, which two copies of one file never share, now only finds that hash again.
     return gguf_sha256(gguf)[:12]
 
 
 def converted_folder(gguf: Path) -> Path:
     name = model_name(gguf)
     return cache_root() / "gguf" / f"{name}-{_fingerprint(gguf)}" / name
+
+
+def content_named_folder(folder: Path) -> Path | None:
+    """Where ``folder``, a GGUF qerl converted (it holds ``qerl_source.json``), is named by its file's
+    content: itself, or for one an earlier qerl named by the file's path and mtime, the folder it would be
+    now. None: not a converted GGUF, or its file's hash is not recorded and the file is not here."""
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    sha256 = record.get("sha256")
+    if sha256 is None:
+        gguf = Path(str(record.get("gguf", "")))
+        if not gguf.is_file():
+            return None
+        sha256 = gguf_sha256(gguf)
+    return cache_root() / "gguf" / f"{folder.name}-{sha256[:12]}" / folder.name
 
 
 def materialize_gguf(gguf: Path) -> Path:
