@@ -109,13 +109,16 @@ def _digest(key: dict[str, Any]) -> str:
 
 
 def _kept_figures_folder(conf: TrainConfig, key: dict[str, Any], out: Path) -> Path:
-    """``DIR/base-heldout/<base>-<digest of key>``, or the folder an earlier qerl named by the digest of
-    the base's path as given (where that one holds figures and this one none): their figures stay found."""
-    name = Path(conf.model.path).name
-    target = out / "base-heldout" / f"{name}-{_digest(key)}"
-    earlier = out / "base-heldout" / f"{name}-{_digest({**key, 'model': conf.model.path})}"
-    if not (target / BASE_RESULT_NAME).is_file() and (earlier / BASE_RESULT_NAME).is_file():
-        return earlier
+    """``DIR/base-heldout/<base>-<digest of key>``, or a kept folder whose settings are ``key`` once its
+    base is read as an identity: one an earlier qerl named by the digest of the base's path as given (the
+    base's absolute path, or a GGUF folder named by the file's path and mtime) stays found."""
+    target = out / "base-heldout" / f"{Path(conf.model.path).name}-{_digest(key)}"
+    if (target / BASE_RESULT_NAME).is_file():
+        return target
+    for kept in sorted((out / "base-heldout").glob(f"*/{BASE_RESULT_NAME}")):
+        settings = json.loads(kept.read_text()).get("settings") or {}
+        if "model" in settings and {**settings, "model": base_identity(settings["model"], out)} == key:
+            return kept.parent
     return target
 
 
