@@ -564,7 +564,7 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch, fail: tuple[str, int] | None = N
     """run_one without training: writes a result.json (or raises for ``fail``), records the runs."""
     ran = []
 
-    def fake_run(conf, settings, arm, progress, invocation=None):
+    def fake_run(conf, settings, arm, progress, invocation=None, *, compare_dir):
         ran.append((arm, conf.train.seed))
         if (arm, conf.train.seed) == fail:
             raise QerlError("training diverged at step 2: the gradient norm is nan")
@@ -724,7 +724,7 @@ def test_start_signal_columns_and_the_starving_base_warning(
     """The tiny model's compare with runs whose first steps had (almost) no groups with a reward spread."""
     no_spread = {"bf16-lora": [0.5, 0.75, 0.75], "nvfp4-aqn": [1.0, 0.5, 0.25]}
 
-    def fake_run(conf, settings, arm, progress, invocation=None):
+    def fake_run(conf, settings, arm, progress, invocation=None, *, compare_dir):
         result = RunResult(arm, conf.train.seed, [0.1, 0.3, 0.5], [1.0, 0.9, 0.8], _score(0.5, 0.1),
                            zero_std_group_fraction=no_spread[arm])  # fmt: skip
         (Path(conf.output.dir) / "result.json").parent.mkdir(parents=True, exist_ok=True)
@@ -897,7 +897,8 @@ def test_an_arm_with_a_lora_start_is_evaluated_from_it_before_training() -> None
     conf.lora.init = "eora"
     assert heldout_mod.start_adapter(conf) == "/bases/nvfp4-gptq/lora_init"
     settings = arms_mod.read_settings(None)
-    assert heldout_mod._base_eval_key(conf, settings)["lora_init"] == "eora"  # not the zeros arm's figure
+    key = heldout_mod._base_eval_key(conf, settings, Path("/cmp"))
+    assert key["lora_init"] == "eora"  # not the zeros arm's figure
 
 
 def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_refused(
@@ -978,5 +979,5 @@ def test_a_sampled_heldout_evaluation_asks_qerl_eval_for_k_samples_at_temperatur
     (eval_cfg,) = asked
     assert (eval_cfg.samples, eval_cfg.temperature, eval_cfg.top_p) == (4, 0.9, conf.rollout.top_p)
     assert score.samples == 4 and score.pass_at_1 == 0.5
-    greedy = heldout_mod._base_eval_key(conf, arms_mod.read_settings({}))
+    greedy = heldout_mod._base_eval_key(conf, arms_mod.read_settings({}), tmp_path)
     assert greedy["heldout_temperature"] == 0.0 and "heldout_top_p" not in greedy  # kept keys unchanged

