@@ -225,6 +225,33 @@ def test_runs_sharing_the_gpu_run_vllm_without_sleep_mode_and_with_their_own_sha
             assert not isinstance(conf.rollout.gpu_memory_utilization, str)
 
 
+def test_a_given_gpu_fraction_below_the_default_vllm_share_is_not_refused_for_runs_sharing_the_gpu(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--set train.gpu_fraction=0.075 with the default share (0.3, which the user never set): compare gives
+    each vLLM half the fraction rather than refusing the default it replaces (on an H200 a SmolLM2
+    comparison stopped at once: "rollout.gpu_memory_utilization=0.3 ... is more than train.gpu_fraction")."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(
+        runner,
+        "run_parallel",
+        lambda todo, recipe, seeds, out, child_sets, *a, **kw: calls.append(child_sets) or [],
+    )
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir)}}))
+    sets = [*TINY_SETS, "rollout.engine=vllm", "train.gpu_fraction=0.075"]
+    runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "o", sets=sets, jobs=2, summarize=False)
+    assert calls[0][-1] == "rollout.gpu_memory_utilization=0.037"
+    # A share the user gives above the fraction is still refused, naming it.
+    with pytest.raises(
+        QerlError,
+        match=r"gpu_memory_utilization=0.3 \(a fraction of the whole GPU\) is more than "
+        r"train.gpu_fraction=0.075",
+    ):
+        runner.run_compare(recipe, ["bf16-lora"], 2, tmp_path / "p", summarize=False, jobs=2,
+                           sets=[*sets, "rollout.gpu_memory_utilization=0.3"])  # fmt: skip
+
+
 def test_sleep_mode_forced_on_for_runs_sharing_the_gpu_is_refused(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 # Of the GPU's memory, what vLLM runs sharing it divide among themselves (the rest: CUDA contexts,
 # fragmentation, what a run holds beyond its plan).
 SHARED_GPU_FRACTION = 0.92
+SHARE_KEY = "rollout.gpu_memory_utilization"  # vLLM's share of the whole GPU
 
 
 def _thousandths(fraction: float, parts: int) -> float:
@@ -47,6 +48,16 @@ def _explicit(
     return found
 
 
+def planning_sets(sets: list[str]) -> list[str]:
+    """The training ``sets`` to plan the runs with: where ``--set`` gives no vLLM share, ``auto`` stands in
+    for the recipe's (or the default's), which runs sharing a GPU get replaced (:func:`_child_vllm_share`
+    checks a given one and sets the rest), so a ``train.gpu_fraction`` given below it is not refused before
+    compare has set the share it would refuse."""
+    if _given_by_sets(SHARE_KEY, sets) is not _ABSENT:
+        return sets
+    return [*sets, f"{SHARE_KEY}=auto"]
+
+
 def _child_vllm_share(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], all_sets: list[str], todo: list[tuple[str, int]],
     fraction: float, width: int,
@@ -54,7 +65,7 @@ def _child_vllm_share(
     """vLLM's share (a fraction of the whole GPU) each run sharing it gets, and why: half its
     ``fraction``, or the recipe's smaller explicit share; None where ``--set`` gives one (kept, checked).
     An arm's own share is kept (checked). With sleep mode off the share must be a number."""
-    key = "rollout.gpu_memory_utilization"
+    key = SHARE_KEY
     half = _thousandths(fraction, 2)
     for where, value in _explicit(key, arms, all_sets, todo):
         if value == "auto":

@@ -38,7 +38,7 @@ from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import select_arms
 from qerl_cli.compare.base_identity import base_identity
 from qerl_cli.compare.bases import base_labels, prepare_bases, recorded_bases
-from qerl_cli.compare.gpu_share import shared_gpu_sets
+from qerl_cli.compare.gpu_share import planning_sets, shared_gpu_sets
 from qerl_cli.compare.parallel import (
     CHILD_ENV,
     DEFAULT_START_INTERVAL_S,
@@ -225,7 +225,9 @@ def _train(
     ablation: _Ablation, todo: list[tuple[str, int]], jobs: int, progress: bool, gpus: str = "auto"
 ) -> list[str]:
     """Train and evaluate the runs not finished yet, here or in child processes; returns the failures."""
-    confs = [ablation.config(a, s) for a, s in todo]
+    planning = planning_sets(ablation.sets)  # the vLLM share left to gpu_share where --set gives none
+    a = ablation
+    confs = [arm_config(a.data, a.arms[arm], planning, seed, a.out, arm, a.bases) for arm, seed in todo]
     engines = {conf.rollout.engine for conf in confs}
     recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
     interval = ablation.settings.start_interval_s
@@ -245,6 +247,8 @@ def _train(
         # even a single one (the bases' evaluation runs in this process afterwards).
         sharing = runs_per_gpu(width, devices)
         if sharing == 1:  # each run alone on its GPU: the recipe as is (sleep mode, measured share)
+            for arm, seed in todo:  # its share checked now, not in a child
+                ablation.config(arm, seed)
             return run_parallel(todo, recipe, seeds, out, all_sets, width, 0.0, None, devices, **child)
         child_sets = shared_gpu_sets(
             ablation.data, ablation.arms, all_sets, todo, out, ablation.bases, confs, sharing
