@@ -83,7 +83,7 @@ def test_the_plan_carries_the_chunk_and_its_figure() -> None:
     fixed = mem.plan_memory(logprob_chunk=1024, **args)
     assert (fixed.micro_batch_size, fixed.logprob_chunk, fixed.figures[mem.CHUNK_FIGURE]) == (2, 1024, 1024)
     cpu = mem.plan_memory(logprob_chunk="auto", **{**args, "total_bytes": None, "free_bytes": None})
-    assert cpu.logprob_chunk == mem.DEFAULT_LOGPROB_CHUNK
+    assert cpu.logprob_chunk == cpu.figures[mem.CHUNK_FIGURE] == mem.DEFAULT_LOGPROB_CHUNK
 
 
 def test_the_setting_defaults_to_auto_and_is_checked() -> None:

@@ -359,6 +359,7 @@ def _cpu_plan(
     ckpt = True if checkpointing == "auto" else bool(checkpointing)
     share = 0.3 if gpu_memory_utilization == "auto" else float(gpu_memory_utilization)
     chunk = logprob_chunks(logprob_chunk)[0]
+    figures[CHUNK_FIGURE] = chunk
     return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, chunk, figures)
 
 
