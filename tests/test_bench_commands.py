@@ -353,6 +353,7 @@ def test_update_writes_its_json(cache_dir, tmp_path, capsys) -> None:
         row["format"] == "nvfp4" and row["micro_batch_size"] == 2 and row["gradient_checkpointing"] is False
     )
     assert row["base_compute"] == "bf16" and row["mfu_fp8"] is None
+    assert row["logprob_chunk_tokens"] == 1024  # the CPU's plan: auto's largest chunk
     assert row["update_s"] > 0 and row["tokens_per_s"] == pytest.approx(2 * 8 / row["update_s"])
     # no GPU peak on the CPU; 2 x 4 completion tokens in the loss
     assert row["mfu_bf16"] is None and row["loss_tokens"] == 8

@@ -36,12 +36,13 @@ def _cfg(model_dir: Path, *overrides: str) -> TrainConfig:
     )
 
 
-def _batch(vocab: int) -> Rollouts:
-    """Two groups of four fixed completions (6 tokens each: 48 completion tokens), rewards varying."""
+def _batch(vocab: int, completion_len: int = 6) -> Rollouts:
+    """Two groups of four fixed completions (``completion_len`` tokens each; 6: 48 completion tokens),
+    rewards varying."""
     generator = torch.Generator().manual_seed(0)
     batch = Rollouts(group_size=GROUP)
     for row in range(2 * GROUP):
-        tokens = torch.randint(3, vocab, (6,), generator=generator).tolist()
+        tokens = torch.randint(3, vocab, (completion_len,), generator=generator).tolist()
         batch.problems.append(Problem(id=str(row // GROUP), question="q", answer="1"))
         batch.prompt_ids.append(torch.randint(3, vocab, (5,), generator=generator).tolist())
         batch.completions.append(Completion(tokens, "x", [-1.0] * len(tokens), "stop"))
@@ -60,7 +61,8 @@ def _update(model_dir: Path, *overrides: str, lr: float = 0.0) -> dict[str, floa
     params = policy.named_trainable_parameters()
     optimizer = torch.optim.SGD([p for _, p in params], lr=lr)
     batch = _batch(policy.model.config.vocab_size)
-    return update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+    return update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3,
+                         logprob_chunk=1024)  # fmt: skip
 
 
 def test_stats_describe_one_pass_whatever_the_iterations(tiny_model_dir: Path) -> None:
@@ -101,18 +103,19 @@ def test_a_nonfinite_gradient_norm_takes_no_step_and_leaves_no_gradient(
     with pytest.raises(
         NonFiniteGradientError, match=r"gradient norm is nan \(non-finite gradients in 1 of"
     ) as info:
-        update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+        update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3,
+                      logprob_chunk=1024)  # fmt: skip
     assert info.value.metric == "nonfinite_grad"
     assert all(p.grad is None for _, p in params)
     assert all(torch.equal(before[n], p.detach()) for n, p in params)
 
 
-@pytest.mark.parametrize("chunk", ["0", "4"])
-def test_padding_leaves_bfloat16_gradients_finite(tiny_model_dir: Path, chunk: str) -> None:
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_padding_leaves_bfloat16_gradients_finite(tiny_model_dir: Path, chunk: int) -> None:
     """Paths once suspected of a finite loss with NaN gradients: left-padded prompts (a padding query
     whose every key is masked), an empty completion and one of padding ids only, in bfloat16, with and
     without the chunked LM head. The update raises NonFiniteGradientError if a gradient is NaN/inf."""
-    cfg = _cfg(tiny_model_dir, "model.dtype=bfloat16", f"train.logprob_chunk_tokens={chunk}")
+    cfg = _cfg(tiny_model_dir, "model.dtype=bfloat16")
     torch.manual_seed(0)
     policy = build_policy(cfg, torch.device("cpu"))
     params = policy.named_trainable_parameters()
@@ -122,5 +125,43 @@ def test_padding_leaves_bfloat16_gradients_finite(tiny_model_dir: Path, chunk: s
     pad = int(policy.tokenizer.pad_token_id)
     batch.completions[2] = Completion([pad, pad], "", [-1.0, -1.0], "length")
     optimizer = torch.optim.SGD([p for _, p in params], lr=0.0)
-    stats = update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3)
+    stats = update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=3,
+                          logprob_chunk=chunk)  # fmt: skip
     assert stats["grad_norm"] > 0 and torch.isfinite(torch.tensor(stats["grad_norm"]))
+
+
+def test_the_update_runs_the_plans_chunk_and_chunks_128_and_1024_agree(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk given to the update is the LM head's chunk (the memory plan's ``logprob_chunk``), and a
+    128-token chunk gives the 1024-token chunk's loss and gradients on a micro-batch of 320 scored tokens."""
+    from qerl_cli.rl import logprobs
+
+    seen: list[tuple[int, int]] = []  # (rows through the head, chunk) of each call
+    apply = logprobs.LinearLogprob.apply
+
+    def recording(hidden, weight, targets, temperature, chunk):  # type: ignore[no-untyped-def]
+        seen.append((hidden.shape[0], chunk))
+        return apply(hidden, weight, targets, temperature, chunk)
+
+    monkeypatch.setattr(logprobs.LinearLogprob, "apply", recording)
+    cfg = _cfg(tiny_model_dir, "rollout.max_completion_length=40")
+    results = {}
+    for chunk in (128, 1024):
+        torch.manual_seed(0)
+        policy = build_policy(cfg, torch.device("cpu"))
+        with torch.no_grad():
+            for name, param in policy.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+        params = policy.named_trainable_parameters()
+        optimizer = torch.optim.SGD([p for _, p in params], lr=0.0)
+        batch = _batch(policy.model.config.vocab_size, completion_len=40)
+        seen.clear()
+        stats = update_policy(cfg, policy, optimizer, params, batch, tis_on=False, micro_batch_size=8,
+                              logprob_chunk=chunk)  # fmt: skip
+        assert seen == [(8 * 40, chunk)]  # one micro-batch, its 320 tokens in chunks of the given size
+        results[chunk] = stats
+    for key in ("loss", "grad_norm"):
+        assert results[128][key] == pytest.approx(results[1024][key], rel=1e-5, abs=1e-7)
+    assert results[128]["grad_norm"] > 0

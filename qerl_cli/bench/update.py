@@ -6,12 +6,13 @@ kernels by category).
 Each case is the trainer's policy (a 4-bit base in QuantLinear layers, or BF16; LoRA on every
 projection), a batch of ``sequences`` rollouts of exactly ``prompt_len + gen_len`` random tokens with
 random 0/1 rewards (every group has a reward spread), one warm-up update of one group, then
-``update_policy`` timed once. On a GPU the micro-batch and checkpointing come from the memory plan
-(``qerl_cli.rl.memory``) for the whole GPU minus what a sleeping vLLM keeps; on the CPU ``auto`` is
-every sequence in one micro-batch without checkpointing. MFU counts the useful FLOPs (forward and
-input-gradient backward of the base, attention, LoRA, the LM head; recomputation not) against the
-GPU's dense BF16 peak (:mod:`qerl_cli.bench.roofline`), ``mfu_bf16``; ``mfu_fp8`` is the same FLOPs
-against the dense FP8 peak (half the fraction on Hopper), the ceiling of an ``fp8`` row's base GEMMs.
+``update_policy`` timed once. On a GPU the micro-batch, checkpointing and logprob chunk come from the
+memory plan (``qerl_cli.rl.memory``) for the whole GPU minus what a sleeping vLLM keeps; on the CPU
+``auto`` is every sequence in one micro-batch without checkpointing, at the largest chunk. MFU counts
+the useful FLOPs (forward and input-gradient backward of the base, attention, LoRA, the LM head;
+recomputation not) against the GPU's dense BF16 peak (:mod:`qerl_cli.bench.roofline`), ``mfu_bf16``;
+``mfu_fp8`` is the same FLOPs against the dense FP8 peak (half the fraction on Hopper), the ceiling of
+an ``fp8`` row's base GEMMs.
 A BF16 base has no FP8 GEMMs: its ``fp8`` cases are skipped.
 
 Fused-kernel settings are the outer loop: Liger patches transformers' classes for the process while a
@@ -38,7 +39,7 @@ from qerl_cli.bench.settings import UpdateSettings, report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape
-from qerl_cli.rl.memory import VLLM_ASLEEP_RESERVE, choose_micro_batch
+from qerl_cli.rl.memory import VLLM_ASLEEP_RESERVE, choose_micro_batch, logprob_chunks
 from qerl_cli.rl.policy import Policy, build_policy, enable_gradient_checkpointing
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.update import update_policy
@@ -100,11 +101,12 @@ def case_config(
     return cfg
 
 
-def _plan(settings: UpdateSettings, shape: ModelShape, fmt: str, cuda: bool) -> tuple[int, bool]:
-    """(micro-batch, checkpointing): the memory plan's on a GPU, the settings' (or all, none) on the CPU."""
+def _plan(settings: UpdateSettings, shape: ModelShape, fmt: str, cuda: bool) -> tuple[int, bool, int]:
+    """(micro-batch, checkpointing, logprob chunk): the memory plan's on a GPU, the settings' (or all,
+    none, the largest chunk) on the CPU."""
     if not cuda:
         micro = settings.sequences if settings.micro_batch == "auto" else int(settings.micro_batch)
-        return micro, settings.checkpointing is True
+        return micro, settings.checkpointing is True, logprob_chunks("auto")[0]
     free, _ = torch.cuda.mem_get_info()
     plan = choose_micro_batch(
         shape,
@@ -115,7 +117,7 @@ def _plan(settings: UpdateSettings, shape: ModelShape, fmt: str, cuda: bool) -> 
         checkpointing=settings.checkpointing,
         micro_batch=settings.micro_batch,
     )
-    return plan.micro_batch_size, plan.gradient_checkpointing
+    return plan.micro_batch_size, plan.gradient_checkpointing, plan.logprob_chunk
 
 
 def run_case(
@@ -131,7 +133,7 @@ def run_case(
     policy = build_policy(cfg, device)
     try:
         shape = ModelShape.from_config(policy.model.get_base_model().config.to_dict())
-        micro, checkpointing = _plan(settings, shape, fmt, cuda)
+        micro, checkpointing, chunk = _plan(settings, shape, fmt, cuda)
         if checkpointing:
             enable_gradient_checkpointing(policy.model)
         params = policy.named_trainable_parameters()
@@ -152,12 +154,14 @@ def run_case(
             shape.vocab,
             settings.seed + 1,
         )
-        update_policy(cfg, policy, optimizer, params, warm, tis_on=True, micro_batch_size=micro)
+        update_policy(cfg, policy, optimizer, params, warm, tis_on=True, micro_batch_size=micro,
+                      logprob_chunk=chunk)  # fmt: skip
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         started = time.perf_counter()
-        stats = update_policy(cfg, policy, optimizer, params, batch, tis_on=True, micro_batch_size=micro)
+        stats = update_policy(cfg, policy, optimizer, params, batch, tis_on=True, micro_batch_size=micro,
+                              logprob_chunk=chunk)  # fmt: skip
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
@@ -176,6 +180,7 @@ def run_case(
             "gen_len": settings.gen_len,
             "micro_batch_size": micro,
             "gradient_checkpointing": checkpointing,
+            "logprob_chunk_tokens": chunk,
             "update_s": seconds,
             "tokens_per_s": settings.sequences * seq_len / seconds,
             "useful_flops": flops,
@@ -185,7 +190,7 @@ def run_case(
             "loss_tokens": stats.get("num_tokens"),
         }
         if settings.profile:
-            row["profile"] = profile_update(cfg, policy, optimizer, params, warm, micro)
+            row["profile"] = profile_update(cfg, policy, optimizer, params, warm, micro, chunk)
         return row
     finally:
         policy.close()
@@ -195,12 +200,13 @@ def run_case(
 
 
 def profile_update(
-    cfg: TrainConfig, policy: Policy, optimizer: Any, params: Any, batch: Rollouts, micro: int
+    cfg: TrainConfig, policy: Policy, optimizer: Any, params: Any, batch: Rollouts, micro: int, chunk: int
 ) -> dict[str, Any]:
     """One update under the CUDA profiler: each kernel category's share of GPU time, the top kernels."""
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        update_policy(cfg, policy, optimizer, params, batch, tis_on=True, micro_batch_size=micro)
+        update_policy(cfg, policy, optimizer, params, batch, tis_on=True, micro_batch_size=micro,
+                      logprob_chunk=chunk)  # fmt: skip
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
     kernels = []

@@ -333,9 +333,11 @@ class TrainSection:
     max_nonfinite_steps: int = 3
     # "auto": off when a large enough micro-batch fits without it (a third less compute).
     gradient_checkpointing: bool | Literal["auto"] = True
-    # Completion tokens per LM-head chunk when computing logprobs (0: the whole micro-batch's
-    # [rows, length, vocab] logits at once).
-    logprob_chunk_tokens: int = 1024
+    # Completion tokens per LM-head chunk when computing logprobs (each costs chunk x vocab x 12 bytes:
+    # float32 logits, softmax, gradient); 0: the whole micro-batch's [rows, length, vocab] logits at once.
+    # "auto": 1024, or when memory is tight a smaller power of two down to 128 where that lets the
+    # memory plan keep a large micro-batch or checkpointing off (qerl_cli.rl.memory).
+    logprob_chunk_tokens: int | Literal["auto"] = "auto"
     # Fused RMSNorm / SwiGLU / RoPE kernels in the update (qerl_cli.modeling.fused_kernels). "auto":
     # Liger's when liger-kernel is installed and the model trains on a GPU; "liger": insist on them.
     fused_kernels: FusedKernels = "auto"
@@ -373,8 +375,8 @@ class TrainSection:
                 f"{where}.base_compute must be auto, bf16 or fp8 (the update's base GEMMs), got "
                 f"{self.base_compute!r}: set it to auto unless you need one of them"
             )
-        if self.logprob_chunk_tokens < 0:
-            raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking)")
+        if self.logprob_chunk_tokens != "auto" and self.logprob_chunk_tokens < 0:
+            raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking) or auto")
         if self.max_nonfinite_steps < 0:
             raise QerlError(
                 f"{where}.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}: it is how many "

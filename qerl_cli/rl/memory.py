@@ -17,12 +17,11 @@ The arithmetic is in pure functions of sizes (:func:`trainer_static_bytes`,
 :func:`update_activation_bytes`, :func:`choose_micro_batch`, :func:`vllm_memory_share`), tested
 on the CPU on given model shapes; :func:`plan_memory` feeds them the GPU's measured free memory.
 The activation figures are estimates (coefficients below, with margin); the per-step metrics
-(:class:`PeakTracker`) show the measured peaks next to them.
+(:class:`qerl_cli.rl.device_memory.PeakTracker`) show the measured peaks next to them.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 from dataclasses import dataclass, field
@@ -30,9 +29,9 @@ from typing import Any
 
 import torch
 
-from qerl_cli.config import TrainSection
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
+from qerl_cli.rl.device_memory import device_memory, release_cached_memory
 from qerl_cli.rl.policy import enable_gradient_checkpointing
 from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
 from qerl_cli.torch_utils import GIB
@@ -63,9 +62,17 @@ DEFAULT_MARGIN = int(2.0 * GIB)
 # rollout and the update leave behind; the measurement it is sized on: docs/memory.md). Raise it when a
 # wake-up stops short of memory.
 WAKE_HEADROOM = int(5.0 * GIB)
-# Tokens per logprob chunk (the recipe's default): chunk x vocab float32 logits, plus softmax and
-# gradient in backward.
-DEFAULT_LOGPROB_CHUNK = TrainSection.logprob_chunk_tokens
+# Tokens per logprob chunk of train.logprob_chunk_tokens=auto when memory allows: chunk x vocab float32
+# logits, plus softmax and gradient in backward (a 262k vocabulary: 3 GiB).
+DEFAULT_LOGPROB_CHUNK = 1024
+# The smallest chunk "auto" halves down to when a smaller chunk lets a larger micro-batch (or no
+# checkpointing) fit. A 128-row chunk is still one full row of the LM-head GEMM's usual 128-row tiles,
+# over vocab / 128 column tiles, enough to fill the GPU; below it the tiles run part empty, and each
+# halving doubles the per-chunk kernels (the head's matmul, softmax, gather, and their recomputation
+# in backward) to save only chunk x vocab x 12 bytes.
+MIN_AUTO_LOGPROB_CHUNK = 128
+# The plan's figure of the chosen chunk (a token count among the GiB figures).
+CHUNK_FIGURE = "memory/logprob_chunk_tokens"
 
 
 def gib(n: float | int | None) -> str:
@@ -118,6 +125,18 @@ class MicroBatchChoice:
     micro_batch_size: int
     gradient_checkpointing: bool
     activation_bytes: int
+    logprob_chunk: int
+
+
+def logprob_chunks(setting: int | str) -> list[int]:
+    """The logprob chunks the plan may choose from, largest first: a given ``train.logprob_chunk_tokens``
+    alone, or for ``auto`` :data:`DEFAULT_LOGPROB_CHUNK` halved down to :data:`MIN_AUTO_LOGPROB_CHUNK`."""
+    if setting != "auto":
+        return [int(setting)]
+    sizes = [DEFAULT_LOGPROB_CHUNK]
+    while sizes[-1] // 2 >= MIN_AUTO_LOGPROB_CHUNK:
+        sizes.append(sizes[-1] // 2)
+    return sizes
 
 
 def choose_micro_batch(
@@ -129,44 +148,68 @@ def choose_micro_batch(
     max_micro_batch: int,
     checkpointing: bool | str = "auto",
     micro_batch: int | str = "auto",
-    logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+    logprob_chunk: int | str = "auto",
 ) -> MicroBatchChoice:
-    """The micro-batch size and checkpointing for updates within ``budget_bytes`` of activations.
+    """The micro-batch size, checkpointing and logprob chunk for updates within ``budget_bytes`` of
+    activations.
 
-    ``micro_batch`` / ``checkpointing`` given as values are kept (and checked); ``"auto"`` picks
-    the fastest that fits: no checkpointing (a third less compute) when a micro-batch of at least
-    ``SATURATING_TOKENS`` tokens (or all the step's sequences) fits without it, otherwise
-    checkpointing with the largest micro-batch that fits. Raises QerlError, with the numbers, when
-    not even one sequence fits.
+    Settings given as values are kept (and checked); ``"auto"`` picks the fastest that fits, in this
+    order: no checkpointing (a third less compute) with a micro-batch of at least ``SATURATING_TOKENS``
+    tokens (or all the step's sequences), at the largest chunk that allows it; then the same with
+    checkpointing; only then the largest micro-batch that fits (with checkpointing unless it is off),
+    at the largest chunk that allows that size. A smaller chunk costs a little speed, a smaller
+    micro-batch or checkpointing much more. Raises QerlError, with the numbers, when not even one
+    sequence fits.
     """
     top = max(1, min(max_micro_batch, MAX_AUTO_TOKENS // max(seq_len, 1)))
     sizes = [micro_batch] if micro_batch != "auto" else list(range(top, 0, -1))
     modes = [bool(checkpointing)] if checkpointing != "auto" else [False, True]
+    chunks = logprob_chunks(logprob_chunk)
 
-    def need(m: int, ckpt: bool) -> int:
-        return update_activation_bytes(
-            shape, fmt, m, seq_len, checkpointing=ckpt, logprob_chunk=logprob_chunk
-        )
+    def need(m: int, ckpt: bool, chunk: int) -> int:
+        return update_activation_bytes(shape, fmt, m, seq_len, checkpointing=ckpt, logprob_chunk=chunk)
+
+    def largest(ckpt: bool, chunk: int) -> int | None:
+        return next((int(m) for m in sizes if need(int(m), ckpt, chunk) <= budget_bytes), None)
+
+    def choice(m: int, ckpt: bool, chunk: int) -> MicroBatchChoice:
+        return MicroBatchChoice(m, ckpt, need(m, ckpt, chunk), chunk)
 
     for ckpt in modes:
-        for m in sizes:
-            if need(m, ckpt) > budget_bytes:
-                continue
-            # A given micro-batch, checkpointing, or a micro-batch big enough: take it.
-            given = len(modes) == 1 or micro_batch != "auto"
-            if ckpt or given or m * seq_len >= SATURATING_TOKENS or m >= top:
-                return MicroBatchChoice(int(m), ckpt, need(m, ckpt))
-            break  # the largest fitting size without checkpointing is too small: try with it
-    smallest = need(min(sizes), modes[-1])
+        for chunk in chunks:
+            m = largest(ckpt, chunk)
+            # A given micro-batch, or one big enough to saturate the GPU: take it.
+            if m is not None and (micro_batch != "auto" or m >= top or m * seq_len >= SATURATING_TOKENS):
+                return choice(m, ckpt, chunk)
+    # No micro-batch that large fits: the largest that does, at the largest chunk that allows it.
+    fits = [(m, chunk) for chunk in chunks if (m := largest(modes[-1], chunk)) is not None]
+    if fits:
+        m, chunk = max(fits)
+        return choice(m, modes[-1], chunk)
+    smallest = need(int(min(sizes)), modes[-1], chunks[-1])
+    raise _does_not_fit(
+        int(min(sizes)), seq_len, smallest, budget_bytes, modes[-1], micro_batch, logprob_chunk
+    )
+
+
+def _does_not_fit(
+    sequences: int, seq_len: int, need_bytes: int, budget_bytes: int, checkpointing: bool,
+    micro_batch: int | str, logprob_chunk: int | str,
+) -> QerlError:  # fmt: skip
+    """The error of an update that does not fit even at its smallest settings, with what to change."""
     advice = ["lower rollout.max_prompt_length + max_completion_length"]
-    if not modes[-1]:
+    if not checkpointing:
         advice.append("set train.gradient_checkpointing to true or auto")
     if micro_batch != "auto" and int(micro_batch) > 1:
         advice.append(f"set train.micro_batch_size below {micro_batch}, or to auto")
+    if logprob_chunk != "auto" and not 0 < int(logprob_chunk) <= MIN_AUTO_LOGPROB_CHUNK:
+        advice.append(
+            f"set train.logprob_chunk_tokens to auto (down to {MIN_AUTO_LOGPROB_CHUNK} when needed)"
+        )
     advice.append("give vLLM a smaller rollout.gpu_memory_utilization or use a GPU with more memory")
-    raise QerlError(
-        f"the update does not fit: one micro-batch of {min(sizes)} x {seq_len} tokens needs about "
-        f"{gib(smallest)} of activations{' even with gradient checkpointing' if modes[-1] else ''}, "
+    return QerlError(
+        f"the update does not fit: one micro-batch of {sequences} x {seq_len} tokens needs about "
+        f"{gib(need_bytes)} of activations{' even with gradient checkpointing' if checkpointing else ''}, "
         f"and only {gib(budget_bytes)} are left for them. To fix: " + "; ".join(advice)
     )
 
@@ -203,7 +246,8 @@ def vllm_memory_share(
 @dataclass
 class MemoryPlan:
     """The resolved settings of a run and the figures they came from (in the log, and in the bench's
-    e2e rows)."""
+    e2e rows). The update runs on these, not on the recipe's ``auto``: ``logprob_chunk`` is the
+    chunk of its LM head (``train.logprob_chunk_tokens``)."""
 
     micro_batch_size: int
     gradient_checkpointing: bool
@@ -233,7 +277,7 @@ def plan_memory(
     micro_batch: int | str,
     checkpointing: bool | str,
     gpu_memory_utilization: float | str,
-    logprob_chunk: int,
+    logprob_chunk: int | str,
     total_bytes: int | None,
     free_bytes: int | None,
     engine: str,
@@ -285,12 +329,15 @@ def plan_memory(
     except QerlError as exc:
         raise _in_slice(exc, gpu_fraction) from None
     figures["memory/activation_estimate_gib"] = choice.activation_bytes / GIB
+    figures[CHUNK_FIGURE] = choice.logprob_chunk
     share = 0.0
     if colocated:
         share = _vllm_share(shape, fmt, seq_len, kv_dtype, gpu_memory_utilization, total_bytes, free_bytes,
                             margin_bytes, gpu_fraction)  # fmt: skip
         figures["memory/vllm_budget_gib"] = share * total_bytes / GIB
-    return MemoryPlan(choice.micro_batch_size, choice.gradient_checkpointing, share, logprob_chunk, figures)
+    return MemoryPlan(
+        choice.micro_batch_size, choice.gradient_checkpointing, share, choice.logprob_chunk, figures
+    )
 
 
 def _check_share_without_sleep(gpu_memory_utilization: float | str) -> None:
@@ -305,13 +352,15 @@ def _check_share_without_sleep(gpu_memory_utilization: float | str) -> None:
 
 def _cpu_plan(
     micro_batch: int | str, checkpointing: bool | str, gpu_memory_utilization: float | str,
-    sequences_per_step: int, logprob_chunk: int, figures: dict[str, float],
+    sequences_per_step: int, logprob_chunk: int | str, figures: dict[str, float],
 ) -> MemoryPlan:  # fmt: skip
-    """No device limit to plan against (a CPU): the defaults of the recipe format."""
+    """No device limit to plan against (a CPU): the defaults of the recipe format (the largest chunk)."""
     micro = 8 if micro_batch == "auto" else int(micro_batch)
     ckpt = True if checkpointing == "auto" else bool(checkpointing)
     share = 0.3 if gpu_memory_utilization == "auto" else float(gpu_memory_utilization)
-    return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, logprob_chunk, figures)
+    chunk = logprob_chunks(logprob_chunk)[0]
+    figures[CHUNK_FIGURE] = chunk
+    return MemoryPlan(min(micro, max(1, sequences_per_step)), ckpt, share, chunk, figures)
 
 
 def _free_in_slice(
@@ -346,67 +395,6 @@ def _vllm_share(
         raise _in_slice(exc, gpu_fraction) from None
 
 
-# --------------------------------------------------------------------------------------------
-# Releasing and measuring
-# --------------------------------------------------------------------------------------------
-def release_cached_memory() -> dict[str, float]:
-    """Give PyTorch's cached (unused) blocks back to the driver before vLLM wakes up.
-
-    The caller drops its own references (activations, logits, losses) first: a block still
-    referenced cannot be released. Returns the device's free memory after, for the metrics.
-    """
-    if not torch.cuda.is_available():
-        return {}  # nothing to hand back, and a full gc pass costs ~0.1 s a step on a CPU
-    gc.collect()  # reference cycles (autograd graphs kept alive by a traceback or a closure)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    return {"memory/free_before_wake_gib": free / GIB}
-
-
-def device_memory() -> tuple[int, int] | None:
-    """(free, total) bytes of the current CUDA device, None without one."""
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return int(free), int(total)
-
-
-class PeakTracker:
-    """Per-step peaks: PyTorch's allocator (this process, vLLM in-process included) and the whole
-    device (``mem_get_info``: every process, e.g. a ballast too), sampled at phase ends."""
-
-    def __init__(self) -> None:
-        self.min_free: int | None = None
-        self.total: int | None = None
-
-    def start_step(self) -> None:
-        self.min_free = None
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-            self.sample()
-
-    def sample(self) -> None:
-        info = device_memory()
-        if info is None:
-            return
-        free, self.total = info
-        self.min_free = free if self.min_free is None else min(self.min_free, free)
-
-    def metrics(self) -> dict[str, float]:
-        if not torch.cuda.is_available():
-            return {}
-        self.sample()
-        out = {
-            "memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
-            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
-        }
-        if self.min_free is not None and self.total is not None:
-            out["memory/device_peak_used_gib"] = (self.total - self.min_free) / GIB
-            out["memory/device_total_gib"] = self.total / GIB
-        return out
-
-
 def plan_for_run(
     cfg: Any, model: torch.nn.Module, base_format: str, static_extra_bytes: int = 0
 ) -> MemoryPlan:
@@ -435,14 +423,17 @@ def plan_for_run(
         enable_gradient_checkpointing(model)
     auto = [name for name, value in (("micro_batch_size", train.micro_batch_size),
             ("gradient_checkpointing", train.gradient_checkpointing),
+            ("logprob_chunk_tokens", train.logprob_chunk_tokens),
             ("gpu_memory_utilization", rollout.gpu_memory_utilization)) if value == "auto"]  # fmt: skip
     log.info(
-        "memory plan%s%s: micro-batch %d, gradient checkpointing %s, vLLM share %.3f; %s",
+        "memory plan%s%s: micro-batch %d, gradient checkpointing %s, logprob chunk %d tokens, "
+        "vLLM share %.3f; %s",
         f" (auto: {', '.join(auto)})" if auto else "",
         f" within train.gpu_fraction={fraction} of the GPU" if fraction < 1 else "",
         plan.micro_batch_size,
         "on" if plan.gradient_checkpointing else "off",
+        plan.logprob_chunk,
         plan.gpu_memory_utilization,
-        ", ".join(f"{k.split('/')[-1]} {v:.1f}" for k, v in plan.figures.items()),
+        ", ".join(f"{k.split('/')[-1]} {v:.1f}" for k, v in plan.figures.items() if k != CHUNK_FIGURE),
     )
     return plan

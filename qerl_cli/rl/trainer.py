@@ -50,9 +50,9 @@ from qerl_cli.rl.aqn_calibration import (
     before_rollout,
     calibrate_once,
 )
+from qerl_cli.rl.device_memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
-from qerl_cli.rl.memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
@@ -258,6 +258,7 @@ class Trainer:
             batch,
             tis_on=self.tis_on,
             micro_batch_size=self.memory.micro_batch_size,
+            logprob_chunk=self.memory.logprob_chunk,
             dist=self.dist,
         )
 

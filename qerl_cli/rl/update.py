@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class FixedInputs:
     """What stays fixed over the iterations on one batch: tokens, advantages, the loss mask, the
-    old-policy and reference logprobs (None when not needed) and this rank's normaliser count."""
+    old-policy and reference logprobs (None when not needed), this rank's normaliser count and the
+    LM head's chunk (tokens) of every logprob pass."""
 
     tokens: TokenBatch
     advantages: torch.Tensor
@@ -43,6 +44,7 @@ class FixedInputs:
     old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     count: float
+    logprob_chunk: int
 
 
 def update_policy(
@@ -54,6 +56,7 @@ def update_policy(
     *,
     tis_on: bool,
     micro_batch_size: int,
+    logprob_chunk: int,
     dist: Distributed | None = None,
 ) -> dict[str, Any]:
     """Train on ``batch``; return the loss stats of one pass over it, grad norm and timings.
@@ -61,7 +64,8 @@ def update_policy(
     With several ranks ``batch`` is this rank's share (whole groups, possibly none): the normaliser
     counts every rank's rows, the gradients are summed over ranks before clipping, and the stats
     are those of the whole batch, so every rank takes the single-process step on the same batch.
-    ``micro_batch_size``: the memory plan's resolution of ``train.micro_batch_size`` (it may be ``auto``).
+    ``micro_batch_size``: the memory plan's resolution of ``train.micro_batch_size`` (it may be ``auto``);
+    ``logprob_chunk``: its resolution of ``train.logprob_chunk_tokens`` (0: no chunking).
     With ``num_iterations > 1`` each figure is the mean over the iterations (extremes: over all of
     them) and token counts are the batch's, counted once.
 
@@ -72,7 +76,7 @@ def update_policy(
     """
     dist = dist or Distributed()
     t0 = time.perf_counter()
-    fixed = fixed_inputs(cfg, policy, batch, micro_batch_size) if len(batch) else None
+    fixed = fixed_inputs(cfg, policy, batch, micro_batch_size, logprob_chunk) if len(batch) else None
     # A rank that kept no group this step still joins every collective.
     norm = max(1.0, dist.sum([fixed.count if fixed else 0.0])[0])
     t1 = time.perf_counter()
@@ -120,11 +124,12 @@ def warn_on_logprob_gap(gap: float | None, bound: float) -> bool:
     return True
 
 
-def fixed_inputs(cfg: TrainConfig, policy: Policy, batch: Rollouts, micro_batch_size: int) -> FixedInputs:
+def fixed_inputs(
+    cfg: TrainConfig, policy: Policy, batch: Rollouts, micro_batch_size: int, chunk: int
+) -> FixedInputs:
     """Tokenise the batch and take what every iteration shares (no gradient)."""
     a = cfg.algorithm
     model, device, temperature = policy.model, policy.device, cfg.rollout.temperature
-    chunk = cfg.train.logprob_chunk_tokens
     tokens = make_token_batch(
         batch.prompt_ids,
         [c.token_ids for c in batch.completions],
@@ -147,7 +152,7 @@ def fixed_inputs(cfg: TrainConfig, policy: Policy, batch: Rollouts, micro_batch_
             model, tokens, temperature, device, micro_batch_size, reference=policy, chunk_tokens=chunk
         )
     count = normalizer_count(a.loss_type, mask, cfg.rollout.max_completion_length)
-    return FixedInputs(tokens, advantages, mask, old_lp, ref_lp, count)
+    return FixedInputs(tokens, advantages, mask, old_lp, ref_lp, count, chunk)
 
 
 @contextmanager
@@ -211,9 +216,8 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     a, device = cfg.algorithm, policy.device
     part = fixed.tokens.rows(rows)
-    chunk = cfg.train.logprob_chunk_tokens
-    lp = completion_logprobs(policy.model, part, cfg.rollout.temperature, device, chunk,
-                             pack=cfg.train.pack_sequences)
+    temperature, pack = cfg.rollout.temperature, cfg.train.pack_sequences
+    lp = completion_logprobs(policy.model, part, temperature, device, fixed.logprob_chunk, pack=pack)
     old = fixed.old_logprobs[rows].to(device) if fixed.old_logprobs is not None else lp.detach()
     return policy_loss(
         lp,
