@@ -84,3 +84,29 @@ def test_a_copy_served_backend_skips_the_marlin_check(
             make_engine(EngineRequest("vllm", smol_nvfp4, linear_backend=backend))
     with pytest.raises(QerlError, match=r"Marlin NVFP4.*rollout.linear_backend=merged"):
         make_engine(EngineRequest("vllm", smol_nvfp4, linear_backend="marlin"))
+
+
+def test_auto_serves_a_base_marlin_refuses_as_the_merged_bf16_copy(
+    smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto`` for the trainer's engine (LoRA, merges allowed) on a 576-wide NVFP4 base on Hopper: Marlin
+    would refuse it, so the BF16 copy with the LoRA merged serves it; without merges Marlin stays (and the
+    engine refuses it, naming ``merged``); on Blackwell (native FP4) nothing changes."""
+    from qerl_cli.rollout.factory import EngineRequest, choose_rollout_backend, make_engine
+
+    monkeypatch.setattr(shapes, "_capability", lambda: (9, 0))
+    choice = choose_rollout_backend(str(smol_nvfp4), "auto", concurrency=128, merge_ok=True)
+    assert choice.backend == "merged" and choice.needs_bf16_copy
+    assert "Marlin NVFP4 kernels refuse 6 of this checkpoint's fused layers" in choice.reason
+    assert choose_rollout_backend(str(smol_nvfp4), "auto", concurrency=128).backend == "marlin"
+    assert choose_rollout_backend(
+        str(smol_nvfp4), "auto", concurrency=128, merge_ok=True, lora=False
+    ).backend == ("marlin")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a)
+    )
+    with pytest.raises(QerlError, match="needs vLLM, which is not installed"):  # past the width check
+        make_engine(EngineRequest("vllm", smol_nvfp4, merge_ok=True))
+    monkeypatch.setattr(shapes, "_capability", lambda: (10, 0))
+    assert choose_rollout_backend(str(smol_nvfp4), "auto", concurrency=128, merge_ok=True).backend == "marlin"

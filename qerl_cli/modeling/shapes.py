@@ -94,12 +94,22 @@ def check_vllm_shapes(model_path: str | Path, capability: tuple[int, int] | None
     below 10.0 (``capability``; default the current CUDA device, no check without one).
     """
     folder = Path(model_path)
-    if not (folder / "config.json").is_file():
-        return  # a hub id: vLLM reads it itself
-    capability = capability if capability is not None else _capability()
-    if capability is None or tuple(capability) >= NATIVE_FP4_CAPABILITY:
-        return
-    fmt, shapes = checkpoint_shapes(folder)
-    problems = marlin_refusals(shapes)
+    fmt, problems = marlin_problems(folder, capability)
     if problems:
         raise QerlError(f"{folder}: " + summary(problems, fmt))
+
+
+def marlin_problems(
+    model_path: str | Path, capability: tuple[int, int] | None = None
+) -> tuple[str, list[str]]:
+    """(format, the layers vLLM's Marlin FP4 path would refuse) for a local checkpoint on a GPU of compute
+    capability below 10.0 (``capability``; default the current CUDA device); no layers where Marlin
+    would not run: a hub id, no GPU, a Blackwell GPU (native FP4) or a checkpoint without FP4 weights."""
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        return "other", []  # a hub id: vLLM reads it itself
+    capability = capability if capability is not None else _capability()
+    if capability is None or tuple(capability) >= NATIVE_FP4_CAPABILITY:
+        return "other", []
+    fmt, shapes = checkpoint_shapes(folder)
+    return fmt, marlin_refusals(shapes)

@@ -26,7 +26,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
-from qerl_cli.modeling.shapes import check_vllm_shapes
+from qerl_cli.modeling.shapes import check_vllm_shapes, marlin_problems
 from qerl_cli.modeling.sources import cache_root, resolve_model_source
 from qerl_cli.rollout import hf as hf_engine
 from qerl_cli.rollout import (
@@ -34,12 +34,15 @@ from qerl_cli.rollout import (
     vllm_setup,  # module: tests patch _cuda_total_bytes
 )
 from qerl_cli.rollout.backends import (
+    DENSE_MERGED,
     FORMAT_BACKENDS,
     BackendChoice,
+    Environment,
     MeasuredModel,
     choose_backend,
     load_table,
     rollout_weight_format,
+    sequences_that_fit,
 )
 from qerl_cli.rollout.base import RolloutEngine
 from qerl_cli.rollout.environment import current_environment
@@ -347,5 +350,25 @@ def choose_rollout_backend(
                             table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,
                             unknown_model_ok=crossover_table is not None, merge_ok=merge_ok,
                             fp8_ok=fp8_ok)  # fmt: skip
+    if requested == "auto" and choice.backend == "marlin" and merge_ok and lora:
+        choice = _around_marlin_refusals(model_path, choice, sizes, env)
     log.info("rollout linear backend: %s (%s)", choice.backend, choice.reason)
     return choice
+
+
+def _around_marlin_refusals(
+    model_path: str, choice: BackendChoice, sizes: dict[str, int] | None, env: Environment
+) -> BackendChoice:
+    """``auto``'s Marlin on a checkpoint whose layers Marlin refuses (widths, on a GPU without native FP4):
+    the merged BF16 copy of the dequantized base instead, the trainer's own numerics (no FP8 rounding), unless
+    it is known not to fit vLLM's budget; then Marlin stays and the engine refuses it, naming the remedies."""
+    fmt, problems = marlin_problems(model_path)
+    if not problems:
+        return choice
+    if sizes and DENSE_MERGED in sizes and sequences_that_fit(sizes[DENSE_MERGED], env) == 0:
+        return choice
+    reason = (
+        f"vLLM's Marlin {fmt.upper()} kernels refuse {len(problems)} of this checkpoint's fused layers on "
+        f"this GPU (e.g. {problems[0]}): a BF16 copy of the dequantized base, the LoRA merged at every sync"
+    )
+    return BackendChoice(DENSE_MERGED, choice.fmt, reason, choice.concurrency)
