@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.bench.labels import format_label, lora_label
+from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.report import E2E_PHASES
 from qerl_cli.bench.result import BenchResult
 
@@ -66,7 +66,7 @@ def write_charts(report: BenchResult, out_dir: str | Path) -> list[Path]:
         bottoms = [0.0] * len(rows)
         for phase in E2E_PHASES:
             heights = [r.get(phase) or 0.0 for r in rows]
-            ax.bar([r["format"] for r in rows], heights, bottom=bottoms, label=phase.removesuffix("_s"))
+            ax.bar([e2e_label(r) for r in rows], heights, bottom=bottoms, label=phase.removesuffix("_s"))
             bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
         title = "End-to-end step" + suffix
         written.append(_save(plt, fig, ax, "seconds per GRPO step", title, out / "e2e.png"))

@@ -1,13 +1,15 @@
-"""``qerl bench e2e``: seconds of one GRPO step per phase, BF16 LoRA against each 4-bit format.
+"""``qerl bench e2e``: seconds of one GRPO step per phase, BF16 LoRA against each 4-bit format, on one
+rollout linear backend or several side by side (the pairs: :mod:`qerl_cli.bench.e2e_backends`).
 
-Each format runs the same GRPO job through the real trainer (``qerl_cli.rl.trainer.Trainer``):
+Each (format, backend) pair runs the same GRPO job through the real trainer (``qerl_cli.rl.trainer.Trainer``):
 the same synthetic prompts padded to about ``--prompt-len`` tokens (a filler system prompt; exact
 for the byte-level tokenizer of shape checkpoints), ``--generations`` completions per prompt,
 ``--prompts-per-step`` prompts a step (default: the largest ``batch``, 8), ``--gen-len`` completion
 tokens at most, LoRA of ``--lora-rank`` (16 when 0), and the same vLLM memory share
-(``gpu_memory_utilization``). Only the base format differs. ``--recipe`` takes the step's
-shape from a training recipe (:func:`~qerl_cli.bench.settings.recipe_shape`, flags given explicitly
-win) and its memory settings (micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
+(``gpu_memory_utilization``). Only the base format and the rollout's linear backend differ.
+``--recipe`` takes the step's shape from a training recipe
+(:func:`~qerl_cli.bench.settings.recipe_shape`, flags given explicitly win) and its memory settings
+(micro-batch, checkpointing, logprob chunk, KV-cache dtype, vLLM share).
 
 Rewards are seeded random numbers instead of math grading: grading costs the same for every
 format, and random rewards give every group nonzero advantages, so each step does a real update.
@@ -43,6 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench.e2e_backends import E2EPair
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import E2EConfig, recipe_config
 from qerl_cli.config import (
@@ -127,8 +130,11 @@ def folder_tokenizer(model_dir: str) -> Any:
     return load_tokenizer(model_dir)
 
 
-def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) -> TrainConfig:
-    """The same GRPO job for every format; only ``model_dir`` changes between formats."""
+def e2e_train_config(
+    cfg: E2EConfig, model_dir: str, engine: str, out_dir: str, linear_backend: str | None = None
+) -> TrainConfig:
+    """The same GRPO job for every pair; only ``model_dir`` and ``linear_backend`` (None: the recipe's,
+    else auto; the hf engine has none) change between pairs."""
     steps = cfg.warmup + cfg.repeats
     filler = filler_system_prompt(cfg.prompt_len, folder_tokenizer(model_dir))
     rank = cfg.lora_rank or DEFAULT_E2E_RANK
@@ -150,7 +156,7 @@ def e2e_train_config(cfg: E2EConfig, model_dir: str, engine: str, out_dir: str) 
         kv_cache_dtype = recipe.rollout.kv_cache_dtype
         backend, table = recipe.rollout.linear_backend, recipe.rollout.crossover_table
         auto_fp8 = recipe.rollout.auto_fp8
-    backend = cfg.linear_backend or backend
+    backend = linear_backend or backend
     train.base_compute = cfg.base_compute or train.base_compute
     return TrainConfig(
         model=ModelSection(path=model_dir),
@@ -201,17 +207,17 @@ def median_step(records: list[dict[str, Any]]) -> dict[str, Any]:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
-    """Run warm-up + timed GRPO steps in this process; one e2e row for ``fmt``."""
+def measure_pair(cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
+    """Run warm-up + timed GRPO steps in this process; one e2e row for ``pair``."""
 
-    trainer = trainer_mod.Trainer(
-        e2e_train_config(cfg, model_dir, engine, out_dir), reward_fn=RandomReward(cfg.seed)
-    )
+    fmt = pair.format
+    train_config = e2e_train_config(cfg, model_dir, engine, out_dir, pair.requested)
+    trainer = trainer_mod.Trainer(train_config, reward_fn=RandomReward(cfg.seed))
     if trainer.policy.base_format != fmt:
         raise QerlError(f"{model_dir} loaded as {trainer.policy.base_format}, expected {fmt}")
     records = []
     steps = cfg.warmup + cfg.repeats
-    progress = Progress(f"bench e2e {fmt}", steps)
+    progress = Progress(f"bench e2e {pair.label}", steps)
     for index in range(steps):
         label = f"step {index + 1}{' (warm-up)' if index < cfg.warmup else ''}"
         progress.start(label)
@@ -222,7 +228,12 @@ def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_di
     def median(key: str) -> float:
         return statistics.median(float(r.get(key, 0.0)) for r in timed)
 
-    row: dict[str, Any] = {"format": fmt, "lora_rank": cfg.lora_rank or DEFAULT_E2E_RANK}
+    # The pair's backend (the key of the ratios and the gate), then below what the engine ran.
+    row: dict[str, Any] = {
+        "format": fmt,
+        "backend": pair.backend,
+        "lora_rank": cfg.lora_rank or DEFAULT_E2E_RANK,
+    }
     row.update(step_phases(median_step(timed)))  # one step's parts: they add up to its step_s
     row["steps_timed"] = len(timed)
     row["sequences_per_step"] = prompts_per_step(cfg) * cfg.generations
@@ -244,8 +255,14 @@ def measure_format(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_di
     return row
 
 
-def _measure_isolated(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
-    """vLLM: one child process per format, for the reason given in ``bench.engines``."""
+def _failed(pair: E2EPair, error: str) -> dict[str, Any]:
+    return {"format": pair.format, "backend": pair.backend, "error": error}
+
+
+def _measure_isolated(
+    cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out_dir: str
+) -> dict[str, Any]:
+    """vLLM: one child process per pair, for the reason given in ``bench.engines``."""
 
     with tempfile.TemporaryDirectory(prefix="qerl-e2e-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
@@ -253,7 +270,7 @@ def _measure_isolated(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out
             json.dumps(
                 {
                     "cfg": asdict(cfg),
-                    "format": fmt,
+                    "pair": asdict(pair),
                     "model_dir": model_dir,
                     "engine": engine,
                     "out_dir": out_dir,
@@ -266,28 +283,30 @@ def _measure_isolated(cfg: E2EConfig, fmt: str, model_dir: str, engine: str, out
             [sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env, check=False
         )
         if not out.is_file():  # e.g. killed for memory: the report says so and qerl bench exits 1
-            return {"format": fmt, "error": f"the e2e worker exited with code {proc.returncode}, no result"}
+            return _failed(pair, f"the e2e worker exited with code {proc.returncode}, no result")
         return json.loads(out.read_text())
 
 
-def run_e2e(cfg: E2EConfig, checkpoints: dict[str, Path], engine: str, out: Path) -> list[dict[str, Any]]:
-    """One row per format, BF16 first when present (the reference of the speed-ups)."""
+def run_e2e(
+    cfg: E2EConfig, pairs: list[E2EPair], checkpoints: dict[str, Path], engine: str, out: Path
+) -> list[dict[str, Any]]:
+    """One row per (format, backend) pair, in the pairs' order (BF16 first: the reference of the ratios)."""
 
-    order = sorted(checkpoints, key=lambda f: f != "bf16")
     rows = []
-    for fmt in order:
-        run_dir = str(out / "e2e" / fmt)
+    for pair in pairs:
+        run_dir = str(out / "e2e" / pair.label.replace(" / ", "-"))
+        model_dir = str(checkpoints[pair.format])
         if engine == "vllm":
-            rows.append(_measure_isolated(cfg, fmt, str(checkpoints[fmt]), engine, run_dir))
+            rows.append(_measure_isolated(cfg, pair, model_dir, engine, run_dir))
             continue
         try:
-            rows.append(measure_format(cfg, fmt, str(checkpoints[fmt]), engine, run_dir))
+            rows.append(measure_pair(cfg, pair, model_dir, engine, run_dir))
         except QerlError:
             raise
-        except Exception as exc:  # noqa: BLE001 - shown in the report; the other formats still run
-            log.exception("e2e step for %s failed", fmt)
-            rows.append({"format": fmt, "error": f"{type(exc).__name__}: {exc}"})
-        free_accelerator_memory()  # the trainer of this format (model, optimizer) before the next one loads
+        except Exception as exc:  # noqa: BLE001 - shown in the report; the other pairs still run
+            log.exception("e2e step for %s failed", pair.label)
+            rows.append(_failed(pair, f"{type(exc).__name__}: {exc}"))
+        free_accelerator_memory()  # the trainer of this pair (model, optimizer) before the next one loads
     return rows
 
 
@@ -295,16 +314,17 @@ def _worker(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
 
     cfg = from_dict(E2EConfig, spec["cfg"])
+    pair = E2EPair(**spec["pair"])
     out = Path(argv[1])
     # qerl's own decisions (which rollout backend auto chose and why, the memory plan) in the console,
     # as `qerl train` prints them; other libraries stay at warnings.
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("qerl_cli").setLevel(logging.INFO)
     try:
-        row = measure_format(cfg, spec["format"], spec["model_dir"], spec["engine"], spec["out_dir"])
-    except Exception as exc:  # noqa: BLE001 - recorded in the row; the parent goes on with other formats
+        row = measure_pair(cfg, pair, spec["model_dir"], spec["engine"], spec["out_dir"])
+    except Exception as exc:  # noqa: BLE001 - recorded in the row; the parent goes on with other pairs
         traceback.print_exc()
-        row = {"format": spec["format"], "error": f"{type(exc).__name__}: {exc}"}
+        row = _failed(pair, f"{type(exc).__name__}: {exc}")
     out.write_text(json.dumps(row))
     return 0
 

@@ -1,8 +1,9 @@
 """The ``--baseline`` regression gate of ``qerl bench``: a fresh report against an earlier one.
 
 Throughput may not drop, and memory and step time may not rise, by more than the tolerance; a case
-the baseline measured that failed now is a regression too. Each format is compared on its default
-kernels only (a ``--concurrency`` sweep's other backends are measurements, not a contract).
+the baseline measured that failed now is a regression too. Each rollout format is compared on its
+default kernels only (a ``--concurrency`` sweep's other backends are measurements, not a contract);
+each e2e row by its format and linear backend (every pair of ``qerl bench e2e`` was asked for by name).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from qerl_cli.bench.labels import lora_label
+from qerl_cli.bench.e2e_backends import row_backend
+from qerl_cli.bench.labels import e2e_label, lora_label
 from qerl_cli.bench.result import BenchResult, RegressionOutcome
 from qerl_cli.errors import QerlError
 
@@ -71,12 +73,11 @@ def _lost_cases(report: BenchResult, baseline: BenchResult) -> list[str]:
         f"{fmt} LoRA {lora_label(rank)}: measured in the baseline, failed now ({failed_now[fmt, rank]})"
         for fmt, rank in sorted(failed_now.keys() & measured_before)
     ]
-    e2e_failed = {r["format"]: r["error"] for r in report.e2e or [] if "error" in r}
-    e2e_before = {r["format"] for r in baseline.e2e or [] if "error" not in r}
-    lost += [
-        f"e2e {fmt}: measured in the baseline, failed now ({e2e_failed[fmt]})"
-        for fmt in sorted(e2e_failed.keys() & e2e_before)
-    ]
+    e2e_failed = {(r["format"], row_backend(r)): r for r in report.e2e or [] if "error" in r}
+    e2e_before = {(r["format"], row_backend(r)) for r in baseline.e2e or [] if "error" not in r}
+    for pair in sorted(e2e_failed.keys() & e2e_before):
+        row = e2e_failed[pair]
+        lost.append(f"e2e {e2e_label(row)}: measured in the baseline, failed now ({row['error']})")
     return lost
 
 
@@ -108,7 +109,7 @@ def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: flo
     for section, key_fields, gated in (
         ("rollout", ("format", "lora_rank", "batch"), ROLLOUT_GATED),
         ("memory", ("format", "lora_rank"), MEMORY_GATED),
-        ("e2e", ("format",), E2E_GATED),
+        ("e2e", ("format", "backend"), E2E_GATED),
     ):
         now, before = _gated_rows(report, section), _gated_rows(baseline, section)
         found, n = _compare(section, now, before, key_fields, gated, tolerance)
@@ -126,9 +127,12 @@ def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: flo
 
 
 def _gated_rows(report: BenchResult, section: str) -> list[dict[str, Any]]:
-    """The rows the gate compares: each format on its default kernels (a --concurrency sweep's other
-    backends are measurements, not a contract)."""
-    rows = {"rollout": report.rollout, "memory": report.memory, "e2e": report.e2e or []}[section]
+    """The rows the gate compares: each rollout format on its default kernels (a --concurrency sweep's
+    other backends are measurements, not a contract); every e2e row, its backend filled in for a report
+    from before rows recorded it."""
+    if section == "e2e":
+        return [{**r, "backend": row_backend(r)} for r in report.e2e or []]
+    rows = {"rollout": report.rollout, "memory": report.memory}[section]
     return [r for r in rows if r.get("backend") in (None, "default", "marlin")]
 
 

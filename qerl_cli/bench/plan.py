@@ -20,6 +20,7 @@ from typing import Any
 
 from qerl_cli.bench import preflight
 from qerl_cli.bench.concurrency import backends_for
+from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
 from qerl_cli.bench.rollout import WARMUP_TOKENS
@@ -47,9 +48,11 @@ class BenchPlan:
     model: str
     model_source: str
     formats: list[str]
-    cases: list[str] = field(default_factory=list)  # one per engine start (vLLM) or per case (HF)
+    # One per engine start (vLLM) or per case (HF); e2e: one per (format, backend) pair.
+    cases: list[str] = field(default_factory=list)
     measurements: int = 0  # (case, LoRA phase, batch) figures
-    e2e_steps: int = 0  # GRPO steps over all formats (warm-up included)
+    e2e_steps: int = 0  # GRPO steps over all (format, backend) pairs (warm-up included)
+    e2e: E2EPlan | None = None  # e2e: the pairs timed, and the backends folded
     estimate_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -129,8 +132,8 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     (the keys the user set: the CLI), the CPU's lengths fill the others on the transformers engine.
 
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
-    format or linear backend whose package is missing, an output folder that cannot be written, a
-    negative ``--tolerance``."""
+    format or linear backend whose package is missing, an e2e linear backend asked of the HF engine
+    (which has none), an output folder that cannot be written, a negative ``--tolerance``."""
 
     preflight.check_tolerance(cfg.tolerance)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)
@@ -138,8 +141,10 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     model = cfg.model or default_model(engine)
     formats = normalize_formats(cfg.formats)
     requirements = preflight.format_requirements(engine, formats)
-    steps_only = isinstance(cfg, E2EConfig)  # whole GRPO steps, no rollout cases
-    if cfg.concurrency and not steps_only:
+    e2e = e2e_pairs(cfg, engine, formats) if isinstance(cfg, E2EConfig) else None
+    if e2e is not None:  # whole GRPO steps, no rollout cases; a backend asked for by name must run
+        requirements += preflight.backend_requirements(engine, formats, e2e.backends)
+    elif cfg.concurrency:
         backend_needs = preflight.backend_requirements(engine, formats, cfg.backends)
         if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
             # The default sweep measures what is installed; a backend asked for by name must run.
@@ -150,10 +155,12 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     preflight.check_requirements(requirements)
     preflight.check_output(cfg.output)
     plan = BenchPlan(engine, model, preflight.describe_model(model, formats), formats, notes=notes)
-    if not steps_only:
+    if e2e is None:
         plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
         plan.estimate_s = _estimate(cfg, engine, model, plan.cases, steps)
     else:
-        plan.e2e_steps = len(formats) * (cfg.warmup + cfg.repeats)
+        plan.e2e, plan.cases = e2e, [pair.label for pair in e2e.pairs]
+        plan.e2e_steps = len(e2e.pairs) * (cfg.warmup + cfg.repeats)
+        plan.notes += e2e.notes()
         plan.estimate_s = None  # a GRPO step's time depends on the trainer's whole setup
     return plan

@@ -1,6 +1,7 @@
 """Bench renderings: the rich table, ``bench.md`` and the wall-clock line, and the figures derived from
-a report's rows (speed-ups). The report itself is :class:`~qerl_cli.bench.result.BenchResult`; the
-regression gate is ``bench.gate``, the charts ``bench.charts``.
+a report's rows (speed-ups, e2e step-time ratios). The report itself is
+:class:`~qerl_cli.bench.result.BenchResult`; the regression gate is ``bench.gate``, the charts
+``bench.charts``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from rich.text import Text
 
 from qerl_cli import files
 from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
-from qerl_cli.bench.labels import format_label, lora_label
+from qerl_cli.bench.e2e_backends import FoldedBackend, row_backend
+from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.result import BenchResult
 
 MARKDOWN_NAME = "bench.md"
@@ -46,9 +48,28 @@ def add_speedups(report: BenchResult) -> None:
             else None
         )
     e2e = [r for r in report.e2e or [] if "error" not in r]
-    ref_step = next((r["step_s"] for r in e2e if r["format"] == REFERENCE_FORMAT), None)
+    reference = e2e_reference(e2e)
+    ref_step = reference.get("step_s") if reference else None
     for row in e2e:
-        row["speedup_vs_bf16"] = ref_step / row["step_s"] if ref_step and row.get("step_s") else None
+        step = row.get("step_s")
+        row["speedup_vs_bf16"] = ref_step / step if ref_step and step else None
+        # The step time against BF16 + vLLM-LoRA's (below 1: a shorter step).
+        row["step_vs_bf16"] = step / ref_step if ref_step and step else None
+
+
+# The backends a BF16 base runs on its own BF16 GEMMs with the LoRA served beside them: vLLM's default
+# (asked for as such, or what auto chose) and the HF engine's trainer layers.
+BF16_OWN_GEMMS = ("default", "trainer")
+
+
+def e2e_reference(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The e2e row every step time is set against: BF16 on its own GEMMs with the LoRA served by the
+    engine (vLLM's ``default``; the HF engine's layers), the pair asked for as ``default`` before one
+    that ``auto`` resolved to it; None when the run has no such row."""
+    bf16 = [r for r in rows if r["format"] == REFERENCE_FORMAT and "error" not in r]
+    asked = [r for r in bf16 if row_backend(r) == "default"]
+    ran = [r for r in bf16 if r.get("linear_backend", "default") in BF16_OWN_GEMMS]
+    return next(iter(asked + ran), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,8 +94,8 @@ def _speedup(value: Any) -> str:
 
 ROLLOUT_COLUMNS = ("format", "LoRA", "batch", "output tok/s", "vs BF16", "prefill tok/s", "decode ms/tok")
 MEMORY_COLUMNS = ("format", "LoRA", "weights", "peak allocated", "peak reserved", "KV cache", "measured by")
-E2E_COLUMNS = ("format", "AQN s", "generation s", "reward s", "sleep s", "logprobs s", "update s", "wake s",
-               "sync s", "other s", "step s", "vs BF16")  # fmt: skip
+E2E_COLUMNS = ("format", "backend", "AQN s", "generation s", "reward s", "sleep s", "logprobs s", "update s",
+               "wake s", "sync s", "other s", "step s", "step / BF16")  # fmt: skip
 
 
 def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
@@ -107,23 +128,41 @@ def memory_rows(report: BenchResult) -> list[tuple[str, ...]]:
     ]
 
 
+def e2e_backend_cell(row: dict[str, Any]) -> str:
+    """What the engine ran, with ``(auto)`` where auto chose it (``trainer``: the HF engine's layers)."""
+    ran, asked = row.get("linear_backend"), row_backend(row)
+    if ran is None:
+        return asked
+    return f"{ran} (auto)" if asked == "auto" and ran != "trainer" else str(ran)
+
+
 def e2e_rows(report: BenchResult) -> list[tuple[str, ...]]:
     return [
         (
             r["format"],
+            e2e_backend_cell(r),
             *(_fmt(r.get(p), ".2f") for p in E2E_PHASES),
             _fmt(r.get("step_s"), ".2f"),
-            _speedup(r.get("speedup_vs_bf16")),
+            _fmt(r.get("step_vs_bf16"), ".2f"),
         )
         for r in report.e2e or []
         if "error" not in r
     ]
 
 
+def folded_line(report: BenchResult) -> str | None:
+    """The e2e backends folded into the name their format serves them under (run once), or None."""
+    folded = report.settings.get("e2e_folded") or []
+    if not folded:
+        return None
+    pairs = "; ".join(FoldedBackend(**f).line() for f in folded)
+    return f"Backends folded (each run once, under the name its format serves it): {pairs}."
+
+
 def failed_cases(report: BenchResult) -> list[str]:
     """Cases that produced no figures, each with why (e.g. a format vLLM cannot serve here)."""
     lines = [f"{e['format']} LoRA {lora_label(e['lora_rank'])}: {e['error']}" for e in report.errors]
-    lines += [f"e2e {r['format']}: {r['error']}" for r in report.e2e or [] if "error" in r]
+    lines += [f"e2e {e2e_label(r)}: {r['error']}" for r in report.e2e or [] if "error" in r]
     return lines
 
 
@@ -159,6 +198,9 @@ def bench_table(report: BenchResult):  # -> rich.console.Group
         for row in rows:
             table.add_row(*row)
         parts.append(table)
+    folded = folded_line(report)
+    if folded:
+        parts.append(Text(folded))
     failed = failed_cases(report)
     if failed:
         parts.append(Text("Cases without figures:", style="bold red"))
@@ -204,9 +246,9 @@ def to_markdown(report: BenchResult) -> str:
     for title, columns, rows in _tables(report):
         if rows:
             lines += [f"### {title}", "", *_markdown_table(columns, rows)]
-    wall = wall_clock_line(report)
-    if wall:
-        lines += [wall, ""]
+    for line in (folded_line(report), wall_clock_line(report)):
+        if line:
+            lines += [line, ""]
     failed = failed_cases(report)
     if failed:
         lines += ["Cases without figures:", *[f"- {line}" for line in failed], ""]

@@ -19,6 +19,7 @@ from qerl_cli.bench.ballast import memory_cap
 from qerl_cli.bench.charts import write_charts
 from qerl_cli.bench.concurrency import add_roofline, backends_for, measured_model, write_crossover
 from qerl_cli.bench.e2e import prompts_per_step, run_e2e
+from qerl_cli.bench.e2e_backends import E2EPlan
 from qerl_cli.bench.engines import Case, run_case
 from qerl_cli.bench.gate import check_regressions
 from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
@@ -39,9 +40,10 @@ def _e2e_shape(cfg: E2EConfig) -> dict[str, Any]:
             "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "recipe": cfg.recipe}  # fmt: skip
 
 
-def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> dict[str, Any]:
+def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str],
+              e2e: E2EPlan | None = None) -> dict[str, Any]:  # fmt: skip
     steps = isinstance(cfg, E2EConfig)
-    return {
+    settings = {
         "model": model_label(model),
         "model_source": describe_source(model),
         "engine": engine,
@@ -71,6 +73,9 @@ def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str]) -> 
         "seed": cfg.seed,
         "memory_cap_gib": cfg.memory_cap_gib,
     }
+    if e2e is not None:  # the backends asked for and those folded (the rows carry the pairs)
+        settings.update(e2e.settings())
+    return settings
 
 
 def rollout_vllm_kwargs(cfg: BenchConfig) -> dict[str, Any]:
@@ -201,7 +206,8 @@ def _write_outputs(
 
 
 def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
-    """Measure every format (with and without LoRA; whole GRPO steps for an ``E2EConfig``), write
+    """Measure every format (with and without LoRA; whole GRPO steps per (format, linear backend) pair
+    for an ``E2EConfig``), write
     ``bench.json``, ``bench.md`` and PNG charts to ``cfg.output``, and return the report; ``command``
     is recorded in it (the command line).
 
@@ -219,7 +225,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    report = new_report(_settings(cfg, model, engine, formats), command)
+    report = new_report(_settings(cfg, model, engine, formats, plan.e2e), command)
     Progress("bench", 0, started=started).say(f"preparing the {', '.join(formats)} checkpoints of {model}")
     checkpoints = models.prepare_checkpoints(model, formats, cfg.seed)
     # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
@@ -231,8 +237,9 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
         if not isinstance(cfg, E2EConfig):
             _measure_rollouts(cfg, engine, checkpoints, report, timings, settings, out, started)
         else:
+            assert plan.e2e is not None  # bench_plan plans the pairs of an E2EConfig
             e2e_started = time.perf_counter()
-            report.e2e = run_e2e(cfg, checkpoints, engine, out)
+            report.e2e = run_e2e(cfg, plan.e2e.pairs, checkpoints, engine, out)
             timings.e2e_s = time.perf_counter() - e2e_started
     timings.total_s = time.perf_counter() - started
     report.timings = timings

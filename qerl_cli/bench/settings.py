@@ -199,8 +199,10 @@ class E2EConfig(BenchConfig):
     # A training recipe whose step shape (prompts per step, generations, prompt and completion lengths,
     # micro-batch, checkpointing, KV dtype) the step takes; flags given explicitly win over it.
     recipe: str | None = None
-    # rollout.linear_backend of the timed steps (the recipe's when it sets one, else auto).
-    linear_backend: LinearBackend | None = None
+    # rollout.linear_backend of the timed steps: one, or a list timed side by side in this run (each
+    # format on every backend that applies to it, once: bench/e2e_backends.py); null: the recipe's
+    # when it sets one, else auto. The hf engine has none: only auto.
+    linear_backend: list[LinearBackend] | None = None
     # train.base_compute of the timed steps (the recipe's when it sets one, else auto).
     base_compute: BaseCompute | None = None
 
@@ -212,6 +214,8 @@ class E2EConfig(BenchConfig):
                 checks.key(where, "prompts_per_step"),
                 f"must be >= 0 (0: the largest batch), got {self.prompts_per_step}",
             )
+        if self.linear_backend is not None:
+            _nonempty(where, "linear_backend", list(self.linear_backend), "marlin,fp8", what="backend")
         if self.gpu_memory_utilization is not None:
             checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
 

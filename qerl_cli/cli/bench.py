@@ -360,8 +360,9 @@ def e2e(
         str | None,
         typer.Option(
             "--linear-backend",
-            metavar="NAME",
-            help=f"rollout.linear_backend of the steps: {' | '.join(get_args(LinearBackend))}.",
+            metavar="NAME,...",
+            help=f"rollout.linear_backend of the steps: {' | '.join(get_args(LinearBackend))}; a comma list "
+            "times each format on every backend that applies to it, side by side in this run (vLLM only).",
             show_default="the recipe's, else auto",
         ),
     ] = None,
@@ -383,10 +384,12 @@ def e2e(
     set_: BenchSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
-    """GRPO step seconds per base format (generation, logprobs, update, engine sync), real trainer.
+    """GRPO step seconds per base format and rollout linear backend (generation, logprobs, update,
+    engine sync), real trainer.
 
     The timed steps are `repeats` (--set repeats=N) after `warmup` untimed ones; the rewards are seeded
-    random numbers, so every step does a real update.
+    random numbers, so every step does a real update. Each row's step time is set against BF16's on
+    vLLM's default GEMMs with its LoRA (the `default` backend on bf16) when the run has that row.
     """
     values: dict[str, Any] = dict(
         model=model,
@@ -402,7 +405,7 @@ def e2e(
         lora_rank=lora_rank,
         generations=generations,
         prompts_per_step=prompts_per_step,
-        linear_backend=linear_backend,
+        linear_backend=csv(linear_backend),
         base_compute=base_compute,
         memory_cap_gib=memory_cap,
     )
