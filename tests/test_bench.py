@@ -343,6 +343,7 @@ def test_checkpoint_bytes_are_read_from_the_headers(tiny_folder):
 
 def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
     from qerl_cli.bench.e2e import run_e2e
+    from qerl_cli.bench.e2e_backends import e2e_pairs
     from qerl_cli.bench.settings import E2EConfig
 
     cfg = E2EConfig(
@@ -354,9 +355,12 @@ def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
         lora_rank=RANK,
         generations=2,
     )
-    (row,) = run_e2e(cfg, {"bf16": tiny_folder}, "hf", tmp_path)
+    (row,) = run_e2e(cfg, e2e_pairs(cfg, "hf", ["bf16"]).pairs, {"bf16": tiny_folder}, "hf", tmp_path)
     assert "error" not in row, row.get("error")
     assert row["format"] == "bf16" and row["steps_timed"] == 3 and row["sequences_per_step"] == 4
+    # The HF engine has no linear backends: one pair, auto, run on the trainer's own layers.
+    assert (row["backend"], row["linear_backend"]) == ("auto", "trainer")
+    assert (tmp_path / "e2e" / "bf16").is_dir()  # one pair for the format: its run folder keeps its name
     assert row["generation_s"] > 0 and row["update_s"] > 0
     assert row["logprobs_s"] >= 0 and row["sync_s"] >= 0 and row["other_s"] >= 0
     # The median step's own parts, each counted once: with "other" they are the step.

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -293,8 +294,11 @@ def run_e2e(
     """One row per (format, backend) pair, in the pairs' order (BF16 first: the reference of the ratios)."""
 
     rows = []
+    per_format = Counter(pair.format for pair in pairs)
     for pair in pairs:
-        run_dir = str(out / "e2e" / pair.label.replace(" / ", "-"))
+        # The trainer's run folder: the format's name, with the backend where the format has several.
+        name = pair.format if per_format[pair.format] == 1 else f"{pair.format}-{pair.backend}"
+        run_dir = str(out / "e2e" / name)
         model_dir = str(checkpoints[pair.format])
         if engine == "vllm":
             rows.append(_measure_isolated(cfg, pair, model_dir, engine, run_dir))
