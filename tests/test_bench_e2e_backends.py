@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from qerl_cli.bench import preflight
 from qerl_cli.bench.e2e_backends import E2EPair, e2e_pairs, row_backend, served_backend
@@ -154,6 +155,17 @@ def test_the_single_backend_form_runs_each_format_once_as_before(
     assert [(c["pair"].format, c["pair"].backend, c["asked"]) for c in vllm_stand_in] == [
         ("bf16", "auto", "auto"), ("nvfp4", "auto", "auto"),
     ]  # fmt: skip
+
+
+def test_the_dry_run_lists_the_pairs_and_the_folded_backends(
+    vllm_stand_in: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["bench", "e2e", "--formats", "bf16,nvfp4", "--linear-backend", "marlin,fp8", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and yaml.safe_load(out)["linear_backend"] == ["marlin", "fp8"]
+    plan = " ".join(out.split())
+    assert "cases: 4 (bf16 / default; bf16 / fp8; nvfp4 / marlin; nvfp4 / fp8)" in plan
+    assert "bf16 marlin -> default" in plan and vllm_stand_in == []  # nothing run
 
 
 @pytest.mark.parametrize("backends", ["marlin,fp8", "fp8", "auto,humming"])
