@@ -1,8 +1,9 @@
 """``qerl bench``: what each benchmark measures, one module each.
 
 * ``rollout``, ``concurrency`` and ``e2e`` (rollout tokens/s and memory per weight format, the same per
-  linear backend at RL concurrency, GRPO step time) share one report, ``bench.json``: :func:`run_bench`
-  measures, writes the outputs and returns it (a :class:`~qerl_cli.bench.result.BenchResult`),
+  linear backend at RL concurrency, GRPO step time per format and linear backend) share one report,
+  ``bench.json``: :func:`run_bench` measures, writes the outputs and returns it (a
+  :class:`~qerl_cli.bench.result.BenchResult`),
   :func:`bench_table` renders it, :func:`gate_failures` lists what the ``--baseline`` gate found (the
   CLI exits 1 when it is not empty);
 * ``kernels`` (:mod:`~qerl_cli.bench.kernels`), ``update`` (:mod:`~qerl_cli.bench.update`),

@@ -103,7 +103,8 @@ def format_requirements(engine: str, formats: list[str]) -> list[Requirement]:
 
 
 def backend_requirements(engine: str, formats: list[str], backends: list[str]) -> list[Requirement]:
-    """The packages the linear backends of a ``--concurrency`` sweep need for these formats."""
+    """The packages the linear backends of a ``--concurrency`` sweep (or of ``e2e``'s
+    ``--linear-backend``) need for these formats."""
     if engine != "vllm":
         return []
     from qerl_cli.bench.concurrency import backends_for

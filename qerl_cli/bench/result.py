@@ -10,7 +10,10 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
 * ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency;
 * ``memory``: one row per (format, backend, LoRA rank) with weight bytes, peaks, KV-cache budget and
   how they were measured;
-* ``e2e``: one row per format with GRPO step seconds per phase (``None`` without ``--e2e``);
+* ``e2e``: one row per (format, linear backend) pair of ``qerl bench e2e`` with GRPO step seconds per
+  phase, its ``format`` and ``backend`` (the name the pair ran under; rows of earlier versions have
+  no ``backend``: :func:`~qerl_cli.bench.e2e_backends.row_backend`) and the step time against BF16's
+  (``None`` for the other benchmarks);
 * ``regression``: the outcome of ``--baseline`` (``None`` without it);
 * ``errors``: the cases that produced no figures, with why;
 * ``complete: false`` while the run is still measuring (the file is rewritten after every case);
