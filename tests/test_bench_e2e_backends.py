@@ -257,3 +257,31 @@ def test_committed_e2e_reports_render_and_gate_against_themselves() -> None:
         assert "### End-to-end GRPO step" in to_markdown(report)
         assert all(row_backend(r) for r in report.e2e or [])
         assert check_regressions(report, copy.deepcopy(report), tolerance=0.0).passed
+
+
+def test_the_worker_reads_its_pair_and_a_failure_keeps_the_pairs_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vLLM pairs run in `python -m qerl_cli.bench.e2e SPEC OUT`: the spec carries the settings and
+    the pair; a pair that fails is a row with its format and backend (the report names it, the gate
+    matches it)."""
+    from dataclasses import asdict
+
+    from qerl_cli.bench import e2e
+
+    cfg = E2EConfig(formats=["bf16"], linear_backend=["fp8-merged", "fp8"])
+    pair = E2EPair("bf16", "merged", "fp8-merged")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cfg": asdict(cfg), "pair": asdict(pair), "model_dir": "m", "engine": "vllm",
+                                "out_dir": str(tmp_path / "run")}))  # fmt: skip
+    seen = []
+
+    def measure(cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out_dir: str) -> dict[str, Any]:
+        seen.append((cfg.linear_backend, pair))
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(e2e, "measure_pair", measure)
+    assert e2e._worker([str(spec), str(tmp_path / "row.json")]) == 0
+    assert seen == [(["fp8-merged", "fp8"], pair)]
+    row = json.loads((tmp_path / "row.json").read_text())
+    assert row == {"format": "bf16", "backend": "merged", "error": "RuntimeError: CUDA error: out of memory"}
