@@ -15,12 +15,11 @@ from rich.text import Text
 
 from qerl_cli import files
 from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
-from qerl_cli.bench.e2e_backends import FoldedBackend, row_backend
+from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
 from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.result import BenchResult
 
 MARKDOWN_NAME = "bench.md"
-REFERENCE_FORMAT = "bf16"
 # The parts of a step in bench e2e's rows (bench.e2e.PHASE_METRICS, then "other_s"); they add up to step_s.
 E2E_PHASES = ("aqn_s", "generation_s", "reward_s", "sleep_s", "logprobs_s", "update_s", "wake_s", "sync_s",
               "other_s")  # fmt: skip
