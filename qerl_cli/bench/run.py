@@ -207,9 +207,8 @@ def _write_outputs(
 
 def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     """Measure every format (with and without LoRA; whole GRPO steps per (format, linear backend) pair
-    for an ``E2EConfig``), write
-    ``bench.json``, ``bench.md`` and PNG charts to ``cfg.output``, and return the report; ``command``
-    is recorded in it (the command line).
+    for an ``E2EConfig``), write ``bench.json``, ``bench.md`` and PNG charts to ``cfg.output``, and
+    return the report; ``command`` is recorded in it (the command line).
 
     With ``cfg.baseline`` the report's ``regression`` section says whether throughput dropped or
     memory rose beyond ``cfg.tolerance``; :func:`gate_failures` returns the failures (the CLI
