@@ -285,3 +285,16 @@ def test_the_worker_reads_its_pair_and_a_failure_keeps_the_pairs_backend(
     assert seen == [(["fp8-merged", "fp8"], pair)]
     row = json.loads((tmp_path / "row.json").read_text())
     assert row == {"format": "bf16", "backend": "merged", "error": "RuntimeError: CUDA error: out of memory"}
+
+
+def test_a_single_backend_still_reads_from_a_config_file_and_set(tmp_path: Path) -> None:
+    """`linear_backend: fp8` in a --config file (the single value before the list) and --set forms."""
+    from qerl_cli.config import load_config
+    from qerl_cli.config.checks import ConfigValueError
+
+    conf = tmp_path / "e2e.yaml"
+    conf.write_text("linear_backend: fp8\n")
+    assert load_config(E2EConfig, conf, []).linear_backend == ["fp8"]
+    assert load_config(E2EConfig, None, ["linear_backend=marlin,fp8"]).linear_backend == ["marlin", "fp8"]
+    with pytest.raises(ConfigValueError, match="linear_backend needs at least one backend"):
+        load_config(E2EConfig, None, ["linear_backend=[]"])
