@@ -19,13 +19,14 @@ import pytest
 import yaml
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.e2e_backends import E2EPair, e2e_pairs, row_backend, served_backend
+from qerl_cli.bench.e2e_backends import E2EPair, e2e_pairs, row_backend
 from qerl_cli.bench.gate import check_regressions
 from qerl_cli.bench.report import e2e_reference, e2e_rows, to_markdown
 from qerl_cli.bench.result import BenchResult, read_report
 from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.cli import main
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.backends import served_backend
 
 REPO = Path(__file__).resolve().parents[1]
 # Made-up step seconds of each (format, backend) pair the stand-in worker returns.

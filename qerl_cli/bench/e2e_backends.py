@@ -22,10 +22,9 @@ from qerl_cli import formats
 from qerl_cli.bench.labels import e2e_label
 from qerl_cli.bench.settings import E2EConfig, recipe_config
 from qerl_cli.errors import QerlError
-from qerl_cli.rollout.backends import FORMAT_BACKENDS, NOT_FP4_FORMATS, format_merge
+from qerl_cli.rollout.backends import served_backend
 
 AUTO = "auto"
-FP4_KERNELS = ("marlin", "humming")  # the FP4 kernels, which a base without FP4 weights does not run
 # The format every ratio of a bench.json report is set against (the report's speed-ups, e2e's step
 # times): the registry's BF16.
 REFERENCE_FORMAT = formats.DENSE
@@ -79,16 +78,6 @@ class E2EPlan:
     def settings(self) -> dict[str, Any]:
         """What bench.json's settings record of the plan."""
         return {"e2e_backends": list(self.backends), "e2e_folded": [f.to_dict() for f in self.folded]}
-
-
-def served_backend(requested: str, fmt: str) -> str:
-    """The name a ``fmt`` base serves ``requested`` under (``choose_backend``'s rule for a pinned
-    backend): a merge name as this base's merge, an FP4 kernel on a base without FP4 weights as the
-    format's default; ``auto`` and every other backend as asked."""
-    backend = format_merge(requested, fmt)
-    if backend in FP4_KERNELS and fmt in NOT_FP4_FORMATS:
-        return FORMAT_BACKENDS.get(fmt, ("default",))[0]
-    return backend
 
 
 def row_backend(row: dict[str, Any]) -> str:

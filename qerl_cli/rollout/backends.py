@@ -185,6 +185,20 @@ def format_merge(backend: str, fmt: str) -> str:
     return backend
 
 
+FP4_KERNELS = ("marlin", "humming")  # the FP4 kernels, which a base without FP4 weights does not run
+
+
+def served_backend(requested: str, fmt: str) -> str:
+    """The backend a ``fmt`` base serves a pinned ``requested`` as: a merge name as this base's merge
+    (:func:`format_merge`), an FP4 kernel on a base without FP4 weights as the format's default; ``auto``
+    and every other backend as asked. ``choose_backend`` keeps a pinned backend by it, and the bench
+    folds the pairs that would run the same kernels by it."""
+    backend = format_merge(requested, fmt)
+    if backend in FP4_KERNELS and fmt in NOT_FP4_FORMATS:
+        return FORMAT_BACKENDS.get(fmt, ("default",))[0]
+    return backend
+
+
 def sequences_that_fit(weight_bytes: int, env: Environment) -> int | None:
     """Full-length sequences whose KV cache fits beside ``weight_bytes`` in vLLM's budget (None: not
     known)."""
@@ -229,9 +243,10 @@ def choose_backend(
         )
     default = FORMAT_BACKENDS.get(fmt, ("default",))[0]
     if requested != "auto":
+        served = served_backend(requested, fmt)
         requested = format_merge(requested, fmt)
-        if requested in ("marlin", "humming") and fmt in NOT_FP4_FORMATS:
-            return BackendChoice(default, fmt, f"{requested} serves FP4 weights only: a {fmt} base keeps "
+        if served != requested:  # an FP4 kernel on a base without FP4 weights
+            return BackendChoice(served, fmt, f"{requested} serves FP4 weights only: a {fmt} base keeps "
                                  f"vLLM's default", concurrency)  # fmt: skip
         reason = unavailable_reason(requested, fmt, env)
         if reason is not None:
