@@ -97,7 +97,13 @@ def test_a_protocol_only_engine_trains_and_its_figures_reach_the_metrics(
     record = trainer.train_step()
     # awake again (timed on its own: time_wake_s) before the adapter sync and its staleness probe
     assert fake._calls == [
-        "wake_up", "set_norm_noise", "generate", "sleep", "wake_up", "sync_policy", "check_staleness"
+        "wake_up",
+        "set_norm_noise",
+        "generate",
+        "sleep",
+        "wake_up",
+        "sync_policy",
+        "check_staleness",
     ]
     assert fake._synced == [trainer.policy.model]
     probe, logprobs = fake._probes[0]

@@ -128,8 +128,9 @@ def test_tis_weight_multiplies_the_token_loss_without_gradient() -> None:
     lp = _leaf([[math.log(0.5), 0.0, math.log(3.0)]])
     rollout = torch.zeros(1, 3)
     mask = torch.ones(1, 3)
-    loss, stats = policy_loss(lp, lp, torch.ones(1), mask, loss_type="dapo", rollout_logprobs=rollout,
-                              tis_cap=2.0)
+    loss, stats = policy_loss(
+        lp, lp, torch.ones(1), mask, loss_type="dapo", rollout_logprobs=rollout, tis_cap=2.0
+    )
     # Ratio 1, advantage 1: per-token -1 times weights 0.5, 1, 2.
     assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0) / 3)
     assert stats["tis_capped_fraction"] == pytest.approx(1 / 3)
@@ -184,8 +185,14 @@ def test_non_finite_terms_fail_loudly_and_name_the_term() -> None:
         # Ratio exp(100) overflows float32; with a negative advantage the loss is +inf.
         policy_loss(torch.tensor([[100.0, 0.0]]), torch.zeros(1, 2), -torch.ones(1), mask)
     with pytest.raises(NonFiniteLossError, match="KL") as info:
-        policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), mask, beta=0.1,
-                    ref_logprobs=torch.tensor([[float("inf"), 0.0]]))
+        policy_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1),
+            mask,
+            beta=0.1,
+            ref_logprobs=torch.tensor([[float("inf"), 0.0]]),
+        )
     assert isinstance(info.value, QerlError)
 
 

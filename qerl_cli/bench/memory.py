@@ -55,8 +55,12 @@ def checkpoint_tensor_bytes(folder: str | Path) -> int:
         with open(file, "rb") as handle:
             (header_len,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(header_len))
-        total += sum(end - start for name, entry in header.items() if name != "__metadata__"
-                     for start, end in [entry["data_offsets"]])
+        total += sum(
+            end - start
+            for name, entry in header.items()
+            if name != "__metadata__"
+            for start, end in [entry["data_offsets"]]
+        )
     return total
 
 
@@ -197,4 +201,3 @@ class MemoryProbe:
             "device_used_delta_bytes": device_delta,
             "method": self.method,
         }
-

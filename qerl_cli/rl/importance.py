@@ -48,8 +48,13 @@ def tis_weights(
 
     n = keep.sum()
     if n == 0:
-        return weights, {"tis_weight_mean": 0.0, "tis_weight_max": 0.0, "tis_raw_weight_max": 0.0,
-                         "tis_capped_fraction": 0.0, LOGPROB_GAP: 0.0}
+        return weights, {
+            "tis_weight_mean": 0.0,
+            "tis_weight_max": 0.0,
+            "tis_raw_weight_max": 0.0,
+            "tis_capped_fraction": 0.0,
+            LOGPROB_GAP: 0.0,
+        }
     stats = {
         "tis_weight_mean": (weights.sum() / n).item(),
         "tis_weight_max": weights[keep].max().item(),

@@ -154,17 +154,21 @@ def policy_loss(
 
     agg_kwargs = {"max_completion_length": max_completion_length, "normalizer": normalizer}
     pg_term = aggregate(per_token_pg * mask_f, keep, loss_type, **agg_kwargs)
-    _check_finite(pg_term, "policy-gradient",
-                  "logprobs, old_logprobs or advantages contain NaN/inf, or the ratio overflowed "
-                  "(old and new log-probabilities differ by > 80 nats); check the rollout batch")
+    _check_finite(
+        pg_term,
+        "policy-gradient",
+        "logprobs, old_logprobs or advantages contain NaN/inf, or the ratio overflowed "
+        "(old and new log-probabilities differ by > 80 nats); check the rollout batch",
+    )
     loss = pg_term
     kl_mean = 0.0
     if ref_logprobs is not None:
         per_token_kl = k3_kl(lp, _masked(ref_logprobs.detach().float(), keep)) * mask_f
         if beta != 0.0:
             kl_term = aggregate(per_token_kl, keep, loss_type, **agg_kwargs)
-            _check_finite(kl_term, "KL",
-                          "ref_logprobs or logprobs contain NaN/inf or differ too much to exponentiate")
+            _check_finite(
+                kl_term, "KL", "ref_logprobs or logprobs contain NaN/inf or differ too much to exponentiate"
+            )
             loss = loss + beta * kl_term
         kl_mean = (per_token_kl.detach().sum() / mask_f.sum().clamp(min=1.0)).item()
     stats.update(loss=loss.item(), policy_loss=pg_term.item(), kl=kl_mean)
@@ -190,8 +194,12 @@ def _check_inputs(
         raise QerlError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0; got {eps_low}, {eps_high}")
     if beta != 0.0 and ref_logprobs is None:
         raise QerlError("beta != 0 adds a KL penalty, which needs ref_logprobs from the reference model")
-    for name, other in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
-                        ("rollout_logprobs", rollout_logprobs)):
+    for name, other in (
+        ("old_logprobs", old_logprobs),
+        ("mask", mask),
+        ("ref_logprobs", ref_logprobs),
+        ("rollout_logprobs", rollout_logprobs),
+    ):
         if other is not None and other.shape != logprobs.shape:
             raise QerlError(f"{name} has shape {tuple(other.shape)}, expected {tuple(logprobs.shape)}")
 

@@ -31,9 +31,7 @@ def filter_groups(rewards: torch.Tensor, group_size: int, *, tol: float = 1e-6) 
     advantages would blow float rounding differences (1e-8) up into full-size advantages.
     """
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
-        raise QerlError(
-            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}"
-        )
+        raise QerlError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     grouped = rewards.detach().float().view(-1, group_size)
     return (grouped.amax(dim=1) - grouped.amin(dim=1)) > tol
 
@@ -110,7 +108,11 @@ class DynamicSampler:
                 "dynamic sampling hit max_rounds=%d with %d of %d groups (%d of %d groups had all-equal "
                 "rewards); training on the smaller batch. Raise max_rounds or make the task less "
                 "uniformly easy/hard.",
-                self.max_rounds, self.groups_kept, self.target_groups, self.groups_dropped, self.groups_seen,
+                self.max_rounds,
+                self.groups_kept,
+                self.target_groups,
+                self.groups_dropped,
+                self.groups_seen,
             )
         return seq_ids
 

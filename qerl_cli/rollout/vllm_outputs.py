@@ -148,7 +148,9 @@ def merged_staleness_message(gap: float, tolerance: float, factor: float, backen
     fp8 = backend == FP8_MERGED
     alternative = (
         "rollout.linear_backend=fp8, which serves the LoRA in vLLM and tells the FP8 copy's numerics from a "
-        "stale adapter" if fp8 else "the default rollout.linear_backend, which serves the LoRA in vLLM"
+        "stale adapter"
+        if fp8
+        else "the default rollout.linear_backend, which serves the LoRA in vLLM"
     )
     return (
         f"vLLM's logprobs differ from the trainer's by {gap:.3f} nats/token on the probe prompt (allowed: "

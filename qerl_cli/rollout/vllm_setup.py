@@ -150,7 +150,6 @@ def _supported_lora_rank(rank: int) -> int:
     raise QerlError(f"rollout.max_lora_rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
 
 
-
 def _rephrase_load_error(exc: Exception, model: str, utilization: float) -> QerlError | None:
     """Turn vLLM's memory errors at start-up into advice on rollout.gpu_memory_utilization."""
     text = str(exc)
@@ -182,7 +181,6 @@ def _rephrase_load_error(exc: Exception, model: str, utilization: float) -> Qerl
             f"4-bit checkpoint. vLLM said: {first_line}"
         )
     return None
-
 
 
 def tmpfs_dir() -> str | None:
