@@ -22,6 +22,7 @@ from qerl_cli.compare.verdict import (
     interval_cell,
     verdict_cell,
     verdict_line,
+    verdict_section,
     verdict_warnings,
     verdict_words,
 )
@@ -92,6 +93,15 @@ def test_an_unresolved_verdict_says_how_many_seeds_would_resolve_it() -> None:
     )
     assert needed in verdict_line(verdict)
     assert verdict_cell(verdict) == f"unresolved ({verdict.seeds_needed} seeds/arm for ±5)"
+    # SDs from 3 seeds are rough: the count to plan for, at their 80% upper bound, is far larger, and
+    # compare.md says both with the --seeds to run.
+    assured = stats.seeds_with_assurance(stats.sd(nvfp4), 3, stats.sd(bf16), 3, 5.0)
+    assert verdict.seeds_needed_assured == assured and assured > verdict.seeds_needed
+    section = "\n".join(verdict_section([verdict], "bf16-lora", 5.0))
+    assert (
+        f"- nvfp4-lora: {verdict.seeds_needed} seeds per arm at the scatter seen, {assured} at its 80% upper "
+        f"bound (run --seeds {assured} to reach ±5 about 80% of the time; now 3 vs 3)"
+    ) in section
 
 
 def test_under_two_seeds_an_arm_gets_no_verdict_and_says_why() -> None:

@@ -4,6 +4,7 @@ interval of a given width needs, against hand-worked cases and table values."""
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import pytest
 
@@ -106,3 +107,35 @@ def test_seeds_for_half_width_is_the_least_n_whose_interval_is_as_narrow(
 
 def test_sd_is_the_sample_standard_deviation() -> None:
     assert stats.sd([1.0, 2.0, 3.0]) == 1.0 and stats.sd([4.0]) is None
+
+
+@pytest.mark.parametrize(
+    ("p", "df", "expected"),
+    [
+        (0.2, 2.0, -2.0 * math.log(0.8)),  # df 2: the exponential distribution of mean 2
+        (0.5, 1.0, NormalDist().inv_cdf(0.75) ** 2),  # df 1: a squared standard normal
+        (0.2, 10.0, 6.1791),  # tables
+        (0.05, 3.0, 0.3518),
+        (0.95, 100.0, 124.3421),
+    ],
+)
+def test_chi2_quantile_matches_closed_forms_and_the_tables(p: float, df: float, expected: float) -> None:
+    assert stats.chi2_quantile(p, df) == pytest.approx(expected, abs=1e-4)
+    assert stats.chi2_cdf(stats.chi2_quantile(p, df), df) == pytest.approx(p, abs=1e-9)
+
+
+def test_seeds_with_assurance_plan_on_the_scatters_upper_bound() -> None:
+    """Gemma 3 270M's 18 + 18 seeds (SDs 9.9 and 5.5 points): 22 seeds per arm at the scatter seen, 28 at
+    its 80% upper bound; with few seeds behind the SDs the bound is far above them, with many it meets them,
+    and no scatter needs no more."""
+    assert stats.seeds_for_half_width(9.9, 5.5, 5.0) == 22
+    assert stats.seeds_with_assurance(9.9, 18, 5.5, 18, 5.0) == 28
+    assert stats.seeds_with_assurance(9.9, 3, 5.5, 3, 5.0) > 2 * 22
+    assert stats.seeds_with_assurance(9.9, 100000, 5.5, 100000, 5.0) == 22
+    assert stats.seeds_with_assurance(0.0, 5, 0.0, 5, 5.0) == stats.seeds_for_half_width(0.0, 0.0, 5.0) == 2
+    # By hand: one arm's variance alone, df 17, chi2(0.2, 17) = 12.002, so the SD grows by sqrt(17 / 12.002).
+    scale = math.sqrt(17 / stats.chi2_quantile(0.2, 17))
+    assert scale == pytest.approx(1.1901, abs=1e-3)
+    assert stats.seeds_with_assurance(8.0, 18, 0.0, 18, 5.0) == stats.seeds_for_half_width(
+        8.0 * scale, 0.0, 5.0
+    )

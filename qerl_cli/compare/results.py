@@ -196,6 +196,8 @@ class ArmVerdict:
     p_exact: bool | None = None  # every relabeling enumerated, else Monte Carlo
     p_relabelings: int | None = None  # relabelings enumerated or drawn
     seeds_needed: int | None = None  # unresolved: seeds per arm for an interval of ± the margin
+    # unresolved: the same, with the scatter at its one-sided 80% upper bound (its SDs are estimates)
+    seeds_needed_assured: int | None = None
     devices: list[str] = field(default_factory=list)  # of the arm's and the reference's runs
     invocations: list[str] = field(default_factory=list)  # the compare invocations that made them
     notes: list[str] = field(default_factory=list)

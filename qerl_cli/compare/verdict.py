@@ -35,10 +35,20 @@ from collections.abc import Mapping, Sequence
 
 from qerl_cli.compare.results import NEEDS_SEEDS, ArmVerdict, RunResult
 from qerl_cli.errors import QerlError
-from qerl_cli.stats import PERMUTATION_DRAWS, permutation_test, sd, seeds_for_half_width, welch_interval
+from qerl_cli.stats import (
+    PERMUTATION_DRAWS,
+    permutation_test,
+    sd,
+    seeds_for_half_width,
+    seeds_with_assurance,
+    welch_interval,
+)
 
 DEFAULT_REFERENCE = "bf16-lora"
 CONFIDENCE = 0.95
+# The seeds to plan for: the scatter's SDs are estimates, and sized on them an interval comes out at the
+# margin about half the time; at their 80% upper bound, about four times in five.
+ASSURANCE = 0.8
 _SEED_LIMIT = 10000  # seeds_needed searched up to
 UNRECORDED = "unrecorded"  # a run written before result.json recorded its device or invocation
 
@@ -148,8 +158,11 @@ def _verdict(
     verdict.p_value, verdict.p_exact, verdict.p_relabelings = test.p_value, test.exact, test.relabelings
     verdict.verdict = decide(interval.low, interval.high, margin)
     if verdict.verdict == "unresolved":
-        spread = (sd(a) or 0.0, sd(b) or 0.0)
-        verdict.seeds_needed = seeds_for_half_width(*spread, margin, CONFIDENCE, _SEED_LIMIT)
+        sd_a, sd_b = sd(a) or 0.0, sd(b) or 0.0
+        verdict.seeds_needed = seeds_for_half_width(sd_a, sd_b, margin, CONFIDENCE, _SEED_LIMIT)
+        verdict.seeds_needed_assured = seeds_with_assurance(
+            sd_a, len(a), sd_b, len(b), margin, CONFIDENCE, ASSURANCE, _SEED_LIMIT
+        )
     return verdict
 
 
@@ -217,4 +230,24 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
         f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points.",
         "",
         *(f"- {verdict_line(v)}" for v in verdicts),
+        *planning_lines(verdicts),
     ]
+
+
+def planning_lines(verdicts: list[ArmVerdict]) -> list[str]:
+    """compare.md's advice on the seeds to run for each unresolved verdict: the SDs are estimates from the
+    seeds run, so it gives the count at their 80% upper bound beside the point estimate."""
+    lines = [
+        f"- {v.arm}: {v.seeds_needed} seeds per arm at the scatter seen, {v.seeds_needed_assured} at its "
+        f"{ASSURANCE:.0%} upper bound (run --seeds {v.seeds_needed_assured} to reach ±{v.margin:g} about "
+        f"{ASSURANCE:.0%} of the time; now {len(v.seeds)} vs {len(v.reference_seeds)})"
+        for v in verdicts
+        if v.verdict == "unresolved" and v.seeds_needed and v.seeds_needed_assured
+    ]
+    if not lines:
+        return []
+    intro = (
+        "Seeds to plan for: the standard deviations over seeds are themselves estimates, and an interval "
+        "planned on them reaches the margin only about half the time."
+    )
+    return ["", intro, "", *lines]
