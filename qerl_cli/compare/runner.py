@@ -226,8 +226,10 @@ def _train(
 ) -> list[str]:
     """Train and evaluate the runs not finished yet, here or in child processes; returns the failures."""
     planning = planning_sets(ablation.sets)  # the vLLM share left to gpu_share where --set gives none
-    a = ablation
-    confs = [arm_config(a.data, a.arms[arm], planning, seed, a.out, arm, a.bases) for arm, seed in todo]
+    confs = [
+        arm_config(ablation.data, ablation.arms[arm], planning, seed, ablation.out, arm, ablation.bases)
+        for arm, seed in todo
+    ]
     engines = {conf.rollout.engine for conf in confs}
     recipe, seeds, out, all_sets = ablation.recipe, ablation.seeds, ablation.out, ablation.all_sets
     interval = ablation.settings.start_interval_s
