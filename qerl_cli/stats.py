@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import TypeVar, overload
@@ -94,12 +94,18 @@ def t_quantile(p: float, df: float) -> float:
         raise ValueError(f"p must be in (0, 1), got {p}")
     if p < 0.5:
         return -t_quantile(1.0 - p, df)
-    low, high = 0.0, 1.0
-    while t_cdf(high, df) < p:  # df = 1, p = 0.9995: t = 636.6
+    return _invert_cdf(lambda t: t_cdf(t, df), p, 1.0)  # df = 1, p = 0.9995: t = 636.6
+
+
+def _invert_cdf(cdf: Callable[[float], float], p: float, high: float) -> float:
+    """The x >= 0 with ``cdf(x)`` = ``p``, by bisection to ~1e-12 relative: ``high`` doubled until it
+    brackets ``p``, from 0 (a quantile at or above the distribution's median, or of one on x >= 0)."""
+    low = 0.0
+    while cdf(high) < p:
         high *= 2.0
     for _ in range(200):
         mid = 0.5 * (low + high)
-        if t_cdf(mid, df) < p:
+        if cdf(mid) < p:
             low = mid
         else:
             high = mid
@@ -155,18 +161,7 @@ def chi2_quantile(p: float, df: float) -> float:
     freedom, by bisection to ~1e-12 (Satterthwaite's df is fractional)."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must be in (0, 1), got {p}")
-    low, high = 0.0, max(1.0, df)
-    while chi2_cdf(high, df) < p:
-        high *= 2.0
-    for _ in range(200):
-        mid = 0.5 * (low + high)
-        if chi2_cdf(mid, df) < p:
-            low = mid
-        else:
-            high = mid
-        if high - low < 1e-12 * max(1.0, high):
-            break
-    return 0.5 * (low + high)
+    return _invert_cdf(lambda x: chi2_cdf(x, df), p, max(1.0, df))
 
 
 # -- two independent samples ----------------------------------------------------------------------
