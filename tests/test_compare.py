@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -386,11 +387,12 @@ def test_the_next_vllm_run_starts_once_the_previous_ones_engine_is_up(
     assert started["a/1"] - started["a/0"] < 11.0
 
 
-def test_runs_are_spread_over_the_gpus_each_seeing_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Six runs, four at a time over GPUs 0 and 1: two on each, each child with CUDA_VISIBLE_DEVICES of
-    its own GPU; the engine wait counts only the runs on the same GPU."""
+def _fake_gpu_children(
+    monkeypatch: pytest.MonkeyPatch, out: Path, lifetime_s: float, engine_up_s: Callable[[str], float | None]
+) -> list[tuple[float, str, str]]:
+    """run_parallel's children faked on a fake clock: each lives ``lifetime_s`` and writes engine_ready (as
+    rl.setup does) ``engine_up_s(its GPU)`` seconds after its start (None: never). Returns the list the
+    starts go to, as (time, ARM/SEED, GPU)."""
     from qerl_cli.rl.setup import ENGINE_READY_FILE
 
     clock = {"now": 0.0}
@@ -407,19 +409,29 @@ def test_runs_are_spread_over_the_gpus_each_seeing_one(
             procs.append(self)
 
         def poll(self) -> int | None:
-            if clock["now"] - self.born >= 200:
+            if clock["now"] - self.born >= lifetime_s:
                 self.returncode = 0
             return self.returncode
 
     def sleep(seconds: float) -> None:
         clock["now"] += seconds
-        for proc in procs:  # every engine is up 30 s after its run started
-            if clock["now"] - proc.born >= 30 and proc.returncode is None:
+        for proc in procs:
+            up = engine_up_s(proc.gpu)
+            if up is not None and clock["now"] - proc.born >= up and proc.returncode is None:
                 arm, seed = proc.only.split("/")
-                (runs_mod.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
+                (runs_mod.run_dir(out, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
 
     monkeypatch.setattr(parallel.subprocess, "Popen", FakeProc)
     monkeypatch.setattr(parallel, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    return started
+
+
+def test_runs_are_spread_over_the_gpus_each_seeing_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six runs, four at a time over GPUs 0 and 1: two on each, each child with CUDA_VISIBLE_DEVICES of
+    its own GPU; the engine wait counts only the runs on the same GPU."""
+    started = _fake_gpu_children(monkeypatch, tmp_path, 200.0, lambda gpu: 30.0)  # every engine up at 30 s
     todo = [("a", s) for s in range(6)]
     assert parallel.run_parallel(todo, "r.yaml", 6, tmp_path, [], 4, 5.0, 120.0, ["0", "1"]) == []
     first = started[:4]
@@ -438,40 +450,10 @@ def test_a_gpu_whose_engine_is_still_starting_does_not_hold_back_the_others(
     """GPU 0's first engine never reports (it waits the whole timeout), GPU 1's is up after 20 s: GPU 1
     takes its second run at 20 s, not after GPU 0's 120 s (on a 4x H200 host, 18 runs once took 3 minutes
     to start, each start waiting on the least busy GPU's engine)."""
-    from qerl_cli.rl.setup import ENGINE_READY_FILE
-
-    clock = {"now": 0.0}
-    started: list[tuple[float, str]] = []
-    procs: list[Any] = []
-
-    class FakeProc:
-        def __init__(self, command, env, **kwargs) -> None:
-            self.only, self.gpu, self.born = (
-                command[command.index("--only") + 1],
-                env["CUDA_VISIBLE_DEVICES"],
-                clock["now"],
-            )
-            self.returncode: int | None = None
-            started.append((clock["now"], self.gpu))
-            procs.append(self)
-
-        def poll(self) -> int | None:
-            if clock["now"] - self.born >= 300:
-                self.returncode = 0
-            return self.returncode
-
-    def sleep(seconds: float) -> None:
-        clock["now"] += seconds
-        for proc in procs:
-            if proc.gpu == "1" and clock["now"] - proc.born >= 20 and proc.returncode is None:
-                arm, seed = proc.only.split("/")
-                (runs_mod.run_dir(tmp_path, arm, int(seed)) / ENGINE_READY_FILE).write_text("{}")
-
-    monkeypatch.setattr(parallel.subprocess, "Popen", FakeProc)
-    monkeypatch.setattr(parallel, "time", SimpleNamespace(sleep=sleep, monotonic=lambda: clock["now"]))
+    started = _fake_gpu_children(monkeypatch, tmp_path, 300.0, lambda gpu: 20.0 if gpu == "1" else None)
     todo = [("a", s) for s in range(5)]
     assert parallel.run_parallel(todo, "r.yaml", 5, tmp_path, [], 5, 5.0, 120.0, ["0", "1"]) == []
-    on = {gpu: [t for t, g in started if g == gpu] for gpu in ("0", "1")}
+    on = {gpu: [t for t, _, g in started if g == gpu] for gpu in ("0", "1")}
     assert on["1"][0] < 1.0 and 20.0 <= on["1"][1] <= 21.0  # GPU 1 does not wait for GPU 0's engine
     assert 120.0 <= on["0"][1] <= 121.0  # GPU 0's second run: after the timeout on its first one's engine
     assert len(started) == 5

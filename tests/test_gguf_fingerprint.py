@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zipfile
 from pathlib import Path
 
 import pytest
+from test_gguf import _chunk_wheels
 
 from qerl_cli.modeling import sources
 
@@ -50,13 +50,7 @@ def test_an_assembled_alias_file_is_named_by_the_sha256_checked_while_assembling
     monkeypatch.setenv("QERL_CACHE_DIR", str(cache))
     monkeypatch.chdir(tmp_path)
     payload = bytes(range(256)) * 40
-    parts = []
-    for index in range(2):
-        name = f"qerlfp_part{index + 1}"
-        part = sources.AliasPart(name, f"{name}/data/m.gguf.part{index:02d}", f"{name}-1.0-*.whl")
-        with zipfile.ZipFile(cache / f"{name}-1.0-py3-none-any.whl", "w") as wheel:
-            wheel.writestr(part.member, payload[index * 5120 : (index + 1) * 5120])
-        parts.append(part)
+    parts = _chunk_wheels(cache, payload, 2, "qerlfp")
     sha = hashlib.sha256(payload).hexdigest()
     alias = sources.ModelAlias(name="fp", filename="m.gguf", parts=tuple(parts), pip_command="-",
                                description="t", sha256=sha)  # fmt: skip
