@@ -17,7 +17,7 @@ PACKAGE = REPO / "qerl_cli"
 # bottom: the base modules, formats, kernels, modeling, rewards (text in, grade out), then
 # data/rollout, then rl/evaluation/quantize, then bench/compare/demo, then the CLI.
 # The base modules import nothing of qerl but each other.
-BASE = {"errors", "torch_utils", "files", "config", "envinfo", "stats"}
+BASE = {"errors", "torch_utils", "files", "config", "envinfo", "stats", "lazy"}
 LEVELS = [
     {"formats"},
     {"kernels"},

@@ -17,8 +17,7 @@ torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from qerl_cli.lazy import lazy_attributes
 
 __all__ = ["BenchResult", "bench_table", "failed_cases", "gate_failures", "run_bench", "wall_clock_line"]
 _HOMES = {
@@ -31,7 +30,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'qerl_cli.bench' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _HOMES)

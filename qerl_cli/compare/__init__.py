@@ -9,8 +9,7 @@ help from it at start-up.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from qerl_cli.lazy import lazy_attributes
 
 __all__ = ["CompareReport", "CompareResult", "compare_table", "run_compare"]
 _HOMES = {
@@ -21,7 +20,4 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name]), name)
-    raise AttributeError(f"module 'qerl_cli.compare' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _HOMES)
