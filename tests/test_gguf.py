@@ -272,6 +272,10 @@ def test_alias_assembles_chunked_wheels_and_checks_the_hash(
     assert row["status"].startswith("parts: ") and row["status"].count(".whl") == 3
     found, how = sources.alias_status(alias)
     assert found == cache / "models" / "m.gguf" and found.read_bytes() == payload and how.startswith("parts ")
+    # Its converted folder is named by the SHA-256 checked while assembling, without reading it again.
+    with monkeypatch.context() as unread:
+        unread.setattr(sources, "sha256_file", lambda *_: pytest.fail("the assembled file was read again"))
+        assert sources.converted_folder(found).parent.name == f"m-{alias.sha256[:12]}"
     assert sources.alias_status(alias) == (found, f"file {found}")  # assembled once, then found whole
     found.unlink()
     bad = sources.ModelAlias(**{**alias.__dict__, "sha256": "0" * 64})

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-from test_gguf import _chunk_wheels
 
 from qerl_cli.modeling import sources
 
@@ -40,24 +39,6 @@ def test_same_content_at_two_paths_and_mtimes_gets_one_folder_other_content_anot
     os.utime(here, (1_800_000_000, 1_800_000_000))
     with pytest.raises(AssertionError, match="read again"):
         sources.converted_folder(here)
-
-
-def test_an_assembled_alias_file_is_named_by_the_sha256_checked_while_assembling(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    monkeypatch.setenv("QERL_CACHE_DIR", str(cache))
-    monkeypatch.chdir(tmp_path)
-    payload = bytes(range(256)) * 40
-    parts = _chunk_wheels(cache, payload, 2, "qerlfp")
-    sha = hashlib.sha256(payload).hexdigest()
-    alias = sources.ModelAlias(name="fp", filename="m.gguf", parts=tuple(parts), pip_command="-",
-                               description="t", sha256=sha)  # fmt: skip
-    found, _how = sources.alias_status(alias)
-    assert found is not None
-    monkeypatch.setattr(sources, "sha256_file", _unread)  # known from the assembly: not read a second time
-    assert sources.converted_folder(found).parent.name == f"m-{sha[:12]}"
 
 
 def test_the_shipped_aliases_name_the_sha256_of_their_files() -> None:
