@@ -199,7 +199,7 @@ def _calls(
             return with_lora(lambda t: fp8_mm(*quantize_rows_fp8(t), codes, scale, torch.bfloat16))
         w = layer.nvfp4
         if copy_index:
-            w = Nvfp4Weight(w.packed.clone(), w.scale.clone(), w.global_scale.clone(), w.multipliers)
+            w = w.clone()
         if backend == "marlin":
             return with_lora(marlin_linear(w.packed, w.scale, w.global_scale))
         return lambda: triton_nvfp4_linear(x, w, lora=adapter, config=config)

@@ -42,32 +42,39 @@ def _e2m1_pair(byte):
 
 
 @triton.jit
-def _weight_tile(packed_ptr, scale_ptr, mult_ptr, offs_n, n_mask, k0, K, BN: tl.constexpr,
-                 BK: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
-    # The dequantized bf16 tile W[offs_n, k0:k0+BK], built in registers: bytes as [BN, BK/16, 8] (one
-    # block of 16 values per middle index), so each block's multiplier broadcasts without a gather.
-    blocks = k0 // 16 + tl.arange(0, BK // 16)
-    block_mask = n_mask[:, None] & (blocks[None, :] < K // 16)
-    byte_offs = offs_n[:, None, None] * (K // 2) + blocks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    scale_offs = offs_n[:, None] * (K // 16) + blocks[None, :]
+def _weight_halves(packed_ptr, scale_ptr, mult_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
+                   BJ: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
+    # The dequantized bf16 tiles W[offs_n, j0:j0+BJ] (low nibbles) and W[offs_n, KH+j0:KH+j0+BJ] (high
+    # nibbles) of the half-split layout (nvfp4_gemm.split_halves). Bytes as [BN, BJ/16, 16]: one block
+    # of 16 K values per middle index in either nibble, so each block's multiplier broadcasts without a
+    # gather, and the merge of the last two axes into [BN, BJ] keeps every value where it is (no
+    # interleave of the two nibbles, which cost a shared-memory round trip per K step).
+    blocks = j0 // 16 + tl.arange(0, BJ // 16)
+    byte_offs = offs_n[:, None, None] * KH + blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    low_offs = offs_n[:, None] * (K // 16) + blocks[None, :]
+    high_offs = low_offs + KH // 16
     if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
         byte = tl.load(packed_ptr + byte_offs).to(tl.int32)
-        raw_scale = tl.load(scale_ptr + scale_offs)
+        low_code = tl.load(scale_ptr + low_offs)
+        high_code = tl.load(scale_ptr + high_offs)
     else:
-        byte = tl.load(packed_ptr + byte_offs, mask=block_mask[:, :, None], other=0).to(tl.int32)
-        raw_scale = tl.load(scale_ptr + scale_offs, mask=block_mask, other=0)
+        mask = n_mask[:, None] & (blocks[None, :] < KH // 16)
+        byte = tl.load(packed_ptr + byte_offs, mask=mask[:, :, None], other=0).to(tl.int32)
+        low_code = tl.load(scale_ptr + low_offs, mask=mask & (blocks[None, :] < K // 16), other=0)
+        high_code = tl.load(
+            scale_ptr + high_offs, mask=mask & (blocks[None, :] + KH // 16 < K // 16), other=0
+        )
     # The reference's multiplier of each block, looked up by its E4M3 code in the host's table (the
     # format's own float32 scale / global scale, x 2**14): decoding E4M3 and dividing here took a fifth
     # of the K loop's instructions on sm_90.
-    mult = tl.load(mult_ptr + raw_scale.to(tl.int32))
+    low_mult = tl.load(mult_ptr + low_code.to(tl.int32))[:, :, None]
+    high_mult = tl.load(mult_ptr + high_code.to(tl.int32))[:, :, None]
     low, high = _e2m1_pair(byte)
     if F32_DOT:
-        low = _rne_bf16(low * mult[:, :, None])
-        high = _rne_bf16(high * mult[:, :, None])
+        low, high = _rne_bf16(low * low_mult), _rne_bf16(high * high_mult)
     else:
-        low = (low * mult[:, :, None]).to(tl.bfloat16)
-        high = (high * mult[:, :, None]).to(tl.bfloat16)
-    return tl.reshape(tl.interleave(low, high), (BN, BK))
+        low, high = (low * low_mult).to(tl.bfloat16), (high * high_mult).to(tl.bfloat16)
+    return tl.reshape(low, (BN, BJ)), tl.reshape(high, (BN, BJ))
 
 
 @triton.jit
@@ -85,7 +92,9 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_p
             xa += tl.load(xa_ptr + s * M * R_PAD + xa_offs, mask=m_mask[None, :], other=0.0)
         b = tl.load(lora_b_ptr + offs_n[:, None] * RANK + r[None, :],
                     mask=n_mask[:, None] & (r[None, :] < RANK), other=0.0).to(tl.float32)  # fmt: skip
-        acc += lora_scaling * tl.dot(b, xa, input_precision="tf32")
+        # acc as the dot's accumulator (the scaling on xa's few rows): no second [BN, BM] tile, whose
+        # registers a 256-token tile with split K did not have (it spilled).
+        acc = tl.dot(b, xa * lora_scaling, acc, input_precision="tf32")
     if F32_DOT:
         acc = _rne_bf16(acc)  # so the interpreter's truncating cast below is exact
     y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -95,8 +104,8 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_p
 @triton.jit
 def nvfp4_gemm_kernel(
     x_ptr, packed_ptr, scale_ptr, mult_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_ym, lora_scaling,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    M, N, K, KH, stride_xm, stride_ym, lora_scaling,
+    BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
     XA_SPLITS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
@@ -111,20 +120,29 @@ def nvfp4_gemm_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BK) * BK
-    k_begin = split * k_per_split
-    k_end = tl.minimum(K, k_begin + k_per_split)
-    offs_k = tl.arange(0, BK)
+    # K is walked as the half-split layout's byte columns j: byte j holds K index j and KH + j.
+    j_per_split = tl.cdiv(tl.cdiv(KH, SPLIT_K), BJ) * BJ
+    j_begin = split * j_per_split
+    j_end = tl.minimum(KH, j_begin + j_per_split)
+    offs_j = tl.arange(0, BJ)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BK):
-        w = _weight_tile(packed_ptr, scale_ptr, mult_ptr, offs_n, n_mask, k0, K, BN, BK, EVEN, F32_DOT)
-        ks = k0 + offs_k
-        x_mask = m_mask[None, :] if EVEN else m_mask[None, :] & (ks[:, None] < K)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + ks[:, None], mask=x_mask, other=0.0)
-        if F32_DOT:  # noqa: SIM108 - a constexpr branch: only one side is compiled
-            acc = tl.dot(w, xt.to(tl.float32), acc, input_precision="ieee")
+    for j0 in range(j_begin, j_end, BJ):
+        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, mult_ptr, offs_n, n_mask, j0, KH, K, BN, BJ,
+                                       EVEN, F32_DOT)  # fmt: skip
+        ks = j0 + offs_j
+        x_offs = offs_m[None, :] * stride_xm + ks[:, None]
+        if EVEN:
+            x_low = tl.load(x_ptr + x_offs, mask=m_mask[None, :], other=0.0)
+            x_high = tl.load(x_ptr + x_offs + KH, mask=m_mask[None, :], other=0.0)
         else:
-            acc = tl.dot(w, xt, acc)
+            x_low = tl.load(x_ptr + x_offs, mask=m_mask[None, :] & (ks[:, None] < K), other=0.0)
+            x_high = tl.load(x_ptr + x_offs + KH, mask=m_mask[None, :] & (ks[:, None] + KH < K), other=0.0)
+        if F32_DOT:
+            acc = tl.dot(w_low, x_low.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(w_high, x_high.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w_low, x_low, acc)
+            acc = tl.dot(w_high, x_high, acc)
     if SPLIT_K == 1:
         _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
                   stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS, F32_DOT)  # fmt: skip

@@ -6,7 +6,10 @@ nibble, ``weight_scale`` E4M3 ``[N, K/16]``, ``weight_global_scale`` float32 ``[
 dequantizes each weight tile in registers (the dense weight never reaches global memory) to the very
 BF16 values of the format's own ``dequantize_buffers(..., torch.bfloat16)`` -- E2M1 value times the
 correctly rounded float32 ``scale / global_scale``, rounded once -- and multiplies with float32
-accumulation; the output is rounded to BF16 once, after bias and LoRA.
+accumulation; the output is rounded to BF16 once, after bias and LoRA. The kernel reads the packed
+weight in a layout of its own (:func:`split_halves`, made once per weight: the low nibbles hold the first
+half of K, the high ones the second), so each K step is two plain dequantized tiles, each multiplied by
+its half of ``x``, and no tile is re-laid-out between its load and the MMA.
 
 The LoRA runs as two kernels: a small one computes ``x @ A^T`` once (float32, split over K so a few rows
 still fill the GPU), and the GEMM's epilogue adds ``s * xa @ B^T`` to its float32 accumulator, so no
@@ -57,23 +60,41 @@ class TileConfig:
 
 # (largest M of the bucket, config): the first bucket whose bound is >= M. The tokens are the MMA's
 # narrow side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's
-# warpgroup MMA, 64 rows per 4 warps), so block_m follows M up to 128. These are starting points
-# checked to compile to wgmma without spills (tests/test_nvfp4_gemm.py); ``qerl bench kernels`` times
-# every config of CANDIDATES on the GPU it runs on, to tune them.
+# warpgroup MMA, 64 rows per 4 warps), so block_m covers every token up to 256: a weight tile is then
+# dequantized once per call, not once per M tile. Chosen from the tuning sweep of qerl bench kernels on
+# one H200 (benchmarks/h200-2026-11-28-gemm/); checked to compile to wgmma without spills
+# (tests/test_nvfp4_gemm.py). A block_k of 128 (two 64-byte nibble halves) beat 256 at 8 tokens: a
+# smaller tile leaves more of the shared memory to stages, and more CTAs per SM to hide HBM latency.
 BUCKETS: tuple[tuple[int, TileConfig], ...] = (
-    (16, TileConfig(16, 64, 256, num_warps=4, num_stages=4)),
-    (32, TileConfig(32, 64, 256, num_warps=4, num_stages=4)),
+    (16, TileConfig(16, 64, 128, num_warps=4, num_stages=4)),
+    (32, TileConfig(32, 64, 128, num_warps=4, num_stages=4)),
     (64, TileConfig(64, 64, 128, num_warps=4, num_stages=4)),
     (128, TileConfig(128, 64, 128, num_warps=4, num_stages=3)),
-    (2**62, TileConfig(128, 128, 64, num_warps=8, num_stages=3)),
+    (2**62, TileConfig(256, 64, 64, num_warps=4, num_stages=3)),
 )
-# Alternatives per bucket (same bounds as BUCKETS) for the bench's tuning pass.
+# Alternatives per bucket (same bounds as BUCKETS) for the bench's tuning pass; each fits the 227 KiB
+# of shared memory of an H100 / H200 CTA at its stages.
 CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
-    16: (TileConfig(16, 64, 128, 4, 4), TileConfig(16, 128, 128, 8, 4), TileConfig(16, 64, 256, 4, 3)),
-    32: (TileConfig(32, 64, 128, 4, 4), TileConfig(32, 128, 128, 8, 3)),
-    64: (TileConfig(64, 64, 256, 4, 3), TileConfig(64, 128, 128, 8, 3), TileConfig(64, 64, 64, 4, 5)),
-    128: (TileConfig(128, 64, 64, 4, 4), TileConfig(128, 128, 64, 8, 3), TileConfig(64, 64, 128, 4, 4)),
-    2**62: (TileConfig(128, 64, 128, 4, 3), TileConfig(256, 64, 64, 8, 3), TileConfig(128, 128, 128, 8, 3)),
+    16: (
+        TileConfig(16, 128, 128, 4, 4),
+        TileConfig(16, 128, 256, 4, 3),
+        TileConfig(16, 64, 256, 4, 4),
+        TileConfig(16, 64, 64, 4, 6),
+    ),  # fmt: skip
+    32: (TileConfig(32, 64, 256, 4, 3), TileConfig(32, 128, 128, 4, 4)),
+    64: (TileConfig(64, 64, 256, 4, 3), TileConfig(64, 128, 128, 4, 3), TileConfig(64, 64, 64, 4, 5)),
+    128: (
+        TileConfig(128, 64, 64, 4, 4),
+        TileConfig(128, 128, 128, 8, 3),
+        TileConfig(128, 64, 128, 4, 4),
+        TileConfig(128, 64, 64, 4, 6),
+    ),  # fmt: skip
+    2**62: (
+        TileConfig(256, 128, 128, 8, 2),
+        TileConfig(256, 128, 64, 8, 3),
+        TileConfig(128, 128, 64, 8, 3),
+        TileConfig(256, 64, 64, 4, 4),
+    ),  # fmt: skip
 }
 # Split K until about this many programs per SM: a CTA keeps only num_stages tiles in flight, so one per
 # SM cannot cover HBM latency; a split costs a float32 workspace round trip (through L2).
@@ -114,25 +135,50 @@ def code_multipliers(global_scale: torch.Tensor) -> torch.Tensor:
     return (formats.get("nvfp4").block_multipliers(buffers).reshape(256) * DECODE_UNSCALE).contiguous()
 
 
+def split_halves(packed: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of ``weight_packed`` ``[N, K/2]`` (K index ``2j`` in byte ``j``'s low nibble,
+    ``2j + 1`` in its high one): uint8 ``[N, KH]`` with K index ``j`` in byte ``j``'s low nibble and
+    ``KH + j`` in its high one, ``KH`` = K rounded up to 32, halved (the padding holds code 0, +0).
+    The GEMM then multiplies the low nibbles by ``x[:, :KH]`` and the high ones by ``x[:, KH:]``, two
+    plain tiles, where the checkpoint's order needs its two nibbles interleaved into one tile on every K
+    step (a shared-memory round trip on the GPU). The same bytes: made once per weight, the checkpoint
+    on disk unchanged."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    kh = -(-k // (2 * BLOCK)) * BLOCK
+    codes = torch.zeros((n, 2 * kh), dtype=torch.uint8, device=packed.device)
+    codes[:, 0:k:2] = packed & 0x0F
+    codes[:, 1:k:2] = packed >> 4
+    return (codes[:, :kh] | (codes[:, kh:] << 4)).contiguous()
+
+
 @dataclass(frozen=True)
 class Nvfp4Weight:
     """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``multipliers`` is
-    :func:`code_multipliers` of its global scale, computed once (None: on every call)."""
+    :func:`code_multipliers` of its global scale and ``halves`` :func:`split_halves` of ``packed``, each
+    computed once (None: on every call)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
     multipliers: torch.Tensor | None = None
+    halves: torch.Tensor | None = None
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> Nvfp4Weight:
-        global_scale = buffers["weight_global_scale"]
-        return cls(
-            buffers["weight_packed"], buffers["weight_scale"], global_scale, code_multipliers(global_scale)
-        )
+        global_scale, packed = buffers["weight_global_scale"], buffers["weight_packed"]
+        multipliers = code_multipliers(global_scale)
+        return cls(packed, buffers["weight_scale"], global_scale, multipliers, split_halves(packed))
 
     def kernel_multipliers(self) -> torch.Tensor:
         return self.multipliers if self.multipliers is not None else code_multipliers(self.global_scale)
+
+    def kernel_halves(self) -> torch.Tensor:
+        return self.halves if self.halves is not None else split_halves(self.packed)
+
+    def clone(self) -> Nvfp4Weight:
+        """A copy in new memory, the derived tables included (the bench reads distinct copies)."""
+        return Nvfp4Weight(*(t.clone() if t is not None else None for t in (
+            self.packed, self.scale, self.global_scale, self.multipliers, self.halves)))  # fmt: skip
 
     @property
     def out_features(self) -> int:
@@ -288,6 +334,8 @@ def triton_nvfp4_linear(
     if m == 0:
         return y.reshape(*lead, n)
     config = config or config_for(m)
+    halves = weight.kernel_halves()
+    kh = halves.shape[1]
     split = split_k_for(config, m, n, k, x.device)
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
@@ -298,13 +346,12 @@ def triton_nvfp4_linear(
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, weight.packed.contiguous(), weight.scale.contiguous().view(torch.uint8),
-        weight.kernel_multipliers(),
+        x2, halves, weight.scale.contiguous().view(torch.uint8), weight.kernel_multipliers(),
         bias if bias is not None else y, xa, lora_b, y, ws, locks,
-        m, n, k, x2.stride(0), y.stride(0), scaling,
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, SPLIT_K=split,
+        m, n, k, kh, x2.stride(0), y.stride(0), scaling,
+        BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,
-        EVEN=k % config.block_k == 0 and n % config.block_n == 0,
+        EVEN=k == 2 * kh and kh % (config.block_k // 2) == 0 and n % config.block_n == 0,
         F32_DOT=not x.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y.reshape(*lead, n)
