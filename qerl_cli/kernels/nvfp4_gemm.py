@@ -44,7 +44,8 @@ SHRINK_BLOCK_K = 128
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch shape of the GEMM kernel. ``split_k`` None: chosen per call to fill the GPU's SMs."""
+    """One launch shape of the GEMM kernel. ``split_k`` None: chosen per call (:func:`split_k_for`) to
+    bring the programs to at most ``programs_per_sm`` per SM, about as many as fit on one at a time."""
 
     block_m: int
     block_n: int
@@ -52,23 +53,28 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int | None = None
+    programs_per_sm: int = 2
 
     def label(self) -> str:
         split = "auto" if self.split_k is None else str(self.split_k)
-        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}split{split}"
+        return (
+            f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}"
+            f"split{split}p{self.programs_per_sm}"
+        )
 
 
 # (largest M of the bucket, config): the first bucket whose bound is >= M. The tokens are the MMA's
 # narrow side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's
 # warpgroup MMA, 64 rows per 4 warps), so block_m covers every token up to 256: a weight tile is then
-# dequantized once per call, not once per M tile. Chosen from the tuning sweep of qerl bench kernels on
-# one H200 (benchmarks/h200-2026-11-28-gemm/); checked to compile to wgmma without spills
-# (tests/test_nvfp4_gemm.py). A block_k of 128 (two 64-byte nibble halves) beat 256 at 8 tokens: a
-# smaller tile leaves more of the shared memory to stages, and more CTAs per SM to hide HBM latency.
+# dequantized once per call, not once per M tile. The 16-, 128- and 256-token buckets are the fastest of
+# a tile and split sweep over the 7B's four linears on one H200 (the 32- and 64-token ones lie between);
+# each compiles to wgmma without spills in its K loop (tests/test_nvfp4_gemm.py). A block_k of 128 (two
+# 64-byte nibble halves) beat 256 at 8 tokens: smaller stages leave room for more CTAs per SM, which is
+# also why the small buckets take more programs per SM before their K split stops.
 BUCKETS: tuple[tuple[int, TileConfig], ...] = (
-    (16, TileConfig(16, 64, 128, num_warps=4, num_stages=4)),
-    (32, TileConfig(32, 64, 128, num_warps=4, num_stages=4)),
-    (64, TileConfig(64, 64, 128, num_warps=4, num_stages=4)),
+    (16, TileConfig(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4)),
+    (32, TileConfig(32, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4)),
+    (64, TileConfig(64, 64, 128, num_warps=4, num_stages=4, programs_per_sm=3)),
     (128, TileConfig(128, 64, 128, num_warps=4, num_stages=3)),
     (2**62, TileConfig(256, 64, 64, num_warps=4, num_stages=3)),
 )
@@ -80,7 +86,7 @@ CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
         TileConfig(16, 128, 256, 4, 3),
         TileConfig(16, 64, 256, 4, 4),
         TileConfig(16, 64, 64, 4, 6),
-    ),  # fmt: skip
+    ),
     32: (TileConfig(32, 64, 256, 4, 3), TileConfig(32, 128, 128, 4, 4)),
     64: (TileConfig(64, 64, 256, 4, 3), TileConfig(64, 128, 128, 4, 3), TileConfig(64, 64, 64, 4, 5)),
     128: (
@@ -88,17 +94,18 @@ CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
         TileConfig(128, 128, 128, 8, 3),
         TileConfig(128, 64, 128, 4, 4),
         TileConfig(128, 64, 64, 4, 6),
-    ),  # fmt: skip
+    ),
     2**62: (
         TileConfig(256, 128, 128, 8, 2),
         TileConfig(256, 128, 64, 8, 3),
         TileConfig(128, 128, 64, 8, 3),
         TileConfig(256, 64, 64, 4, 4),
-    ),  # fmt: skip
+    ),
 }
-# Split K until about this many programs per SM: a CTA keeps only num_stages tiles in flight, so one per
-# SM cannot cover HBM latency; a split costs a float32 workspace round trip (through L2).
-PROGRAMS_PER_SM = 2
+# Split K until the programs fill the SMs: a CTA keeps only num_stages tiles in flight, so one per SM
+# cannot cover HBM latency; a split costs a float32 workspace round trip (through L2). Rounded down, never
+# up: a few programs past what fits at once make a second wave that costs as much as the first (the 7B's
+# o and down at 128 tokens: 56 tiles x 5 splits on 132 SMs took 30-40% longer than x 4 on an H200).
 MIN_K_TILES_PER_SPLIT = 4
 
 
@@ -271,13 +278,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def split_k_for(config: TileConfig, m: int, n: int, k: int, device: torch.device) -> int:
-    """K splits that bring the programs to about PROGRAMS_PER_SM per SM, each split keeping at least
-    MIN_K_TILES_PER_SPLIT K tiles (fewer would leave the pipeline nothing to overlap)."""
+    """K splits that bring the programs to at most ``config.programs_per_sm`` per SM, each split keeping
+    at least MIN_K_TILES_PER_SPLIT K tiles (fewer would leave the pipeline nothing to overlap)."""
     k_tiles = -(-k // config.block_k)
     if config.split_k is not None:
         return max(1, min(config.split_k, k_tiles))
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
-    wanted = -(-PROGRAMS_PER_SM * _sm_count(device) // tiles)
+    wanted = config.programs_per_sm * _sm_count(device) // tiles
     return max(1, min(wanted, k_tiles // MIN_K_TILES_PER_SPLIT))
 
 
