@@ -167,6 +167,44 @@ def test_buckets_cover_every_row_count() -> None:
         assert config.block_k % 16 == 0 and config.block_m >= 16 and config.block_n >= 16
 
 
+@pytest.mark.parametrize("k", [32, 48, 160])
+def test_split_halves_puts_each_k_half_in_one_nibble(k) -> None:
+    """Byte j of the kernel's layout: K index j in its low nibble, KH + j in its high one, KH = K rounded
+    up to 32, halved; the padding past K holds code 0."""
+    from qerl_cli.kernels.nvfp4_gemm import split_halves
+
+    codes = torch.randint(0, 16, (3, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # the checkpoint's order: 2j low, 2j + 1 high
+    halves = split_halves(packed)
+    kh = -(-k // 32) * 16
+    assert halves.shape == (3, kh) and halves.dtype == torch.uint8
+    padded = torch.zeros((3, 2 * kh), dtype=torch.uint8)
+    padded[:, :k] = codes
+    assert torch.equal(halves & 0x0F, padded[:, :kh]) and torch.equal(halves >> 4, padded[:, kh:])
+
+
+def test_split_k_fills_the_sms_without_a_second_wave(monkeypatch) -> None:
+    """On 132 SMs, the 7B's linears at every bucket: at most programs_per_sm programs per SM, and as
+    many splits as that allows (o at 128 tokens: 56 tiles x 4, not x 5, which spills into a second
+    wave)."""
+    from qerl_cli.bench.gemm import model_linears
+    from qerl_cli.kernels import nvfp4_gemm
+    from qerl_cli.kernels.nvfp4_gemm import MIN_K_TILES_PER_SPLIT, split_k_for
+
+    monkeypatch.setattr(nvfp4_gemm, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    for m in (8, 16, 32, 64, 128, 256):
+        config = config_for(m)
+        for n, k in model_linears("qwen2.5-7b").values():
+            split = split_k_for(config, m, n, k, cpu)
+            tiles = -(-m // config.block_m) * -(-n // config.block_n)
+            slots = config.programs_per_sm * 132
+            assert split == 1 or tiles * split <= slots
+            more = split + 1
+            assert tiles * more > slots or -(-k // config.block_k) // MIN_K_TILES_PER_SPLIT < more
+    assert split_k_for(config_for(128), 128, 3584, 3584, cpu) == 4
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
