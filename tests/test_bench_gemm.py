@@ -7,14 +7,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from qerl_cli.bench.gemm import (
-    BACKENDS,
-    GemmSettings,
-    empty_sections,
-    gemm_section,
-    gemm_table,
-    model_linears,
-)
+from qerl_cli.bench.gemm import empty_sections, gemm_section, gemm_table, model_linears
+from qerl_cli.bench.gemm_settings import BACKENDS, GemmSettings
 from qerl_cli.kernels.nvfp4_gemm import candidates_for, config_for
 
 
@@ -83,3 +77,36 @@ def test_small_sweep_on_gpu() -> None:
         # NVFP4 backends compute on the very weights of the reference; FP8 rounds weights and activations
         assert r["max_rel_err"] < (0.08 if r["backend"] == "fp8" else 0.02), r
     assert {t["m"] for t in tuning} == {8, 128} and any(t["bucket_default"] for t in tuning)
+
+
+def test_gemm_flags_narrow_the_section() -> None:
+    names = ["qwen2.5-7b", "qwen2.5-32b", "tiny"]
+    settings = GemmSettings.from_flags(["Qwen2.5-7B"], [8, 128], ["qerl-nvfp4", "BF16"], False, names)
+    assert settings == GemmSettings(("qwen2.5-7b",), (8, 128), False, ("bf16", "qerl-nvfp4"))
+    assert settings.to_dict()["gemm_backends"] == ["bf16", "qerl-nvfp4"]  # in BACKENDS' order
+    assert GemmSettings.from_flags(None, None, None, True, []) == GemmSettings()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--gemm-shapes", "qwen9"], "--gemm-shapes: unknown shape qwen9; choose from"),
+        (["--gemm-backends", "bf16,cublas"], "--gemm-backends: unknown backend cublas; choose from"),
+        (["--gemm-rows", "8,0"], "--gemm-rows takes comma-separated positive integers"),
+    ],
+)
+def test_bench_kernels_refuses_a_wrong_gemm_flag(capsys, argv, message) -> None:
+    from qerl_cli.cli import main
+
+    rc = main(["bench", "kernels", "--dry-run", *argv])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_bench_kernels_dry_run_names_the_gemm_flags_as_comments(capsys) -> None:
+    from qerl_cli.cli import main
+
+    argv = ["bench", "kernels", "--formats", "nvfp4", "--gemm-rows", "8,128", "--no-gemm-tune", "--dry-run"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# --gemm-rows: [8, 128]\n" in out and "# --gemm-tune: False\n" in out
+    assert "\ngemm" not in out  # not config keys: the YAML stays a --config file

@@ -32,6 +32,7 @@ import torch
 from rich.table import Table
 
 from qerl_cli import formats
+from qerl_cli.bench.gemm_settings import BACKENDS, GemmSettings  # noqa: F401 - GemmSettings: kernels.py's
 from qerl_cli.bench.roofline import gpu_spec
 from qerl_cli.formats.fp8 import has_fp8_tensor_cores, quantize_per_channel
 from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
@@ -40,9 +41,6 @@ from qerl_cli.modeling.fp8_update import fp8_mm
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.random_checkpoint import SHAPES
 
-BACKENDS = ("bf16", "fp8", "marlin", "qerl-nvfp4")
-DEFAULT_ROWS = (8, 16, 32, 64, 128, 256)
-DEFAULT_SHAPES = ("qwen2.5-7b", "qwen2.5-32b")
 LORA_RANK = 16
 LORA_SCALING = 2.0
 L2_MULTIPLE = 4  # the copies of a weight read in one graph together exceed the L2 cache this many times
@@ -300,29 +298,15 @@ def run_gemm(
     return skipped
 
 
-@dataclass(frozen=True)
-class GemmSettings:
-    """What the GEMM section measures: model shapes, token counts, and whether it first times qerl's
-    kernel in each candidate tile config (``gemm_tuning``)."""
-
-    shapes: tuple[str, ...] = DEFAULT_SHAPES
-    rows: tuple[int, ...] = DEFAULT_ROWS
-    tune: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        """Its entries of ``kernels.json``'s ``settings``."""
-        return {"gemm_shapes": list(self.shapes), "gemm_rows": list(self.rows), "gemm_tune": self.tune}
-
-
 def empty_sections() -> dict[str, list]:
     return {"gemm": [], "gemm_tuning": [], "gemm_skipped": []}
 
 
 def gemm_section(report: dict[str, Any], save: Callable[[], None], cuda: bool) -> None:
     """``kernels.json``'s GEMM section, as its ``settings`` say (``formats`` with ``nvfp4``,
-    ``gemm_shapes``, ``gemm_rows``, ``gemm_tune``): rows into ``gemm`` and ``gemm_tuning``, failed
-    figures into ``errors``, what was left out and why into ``gemm_skipped``; ``save`` after each
-    figure, so a run cut short keeps them."""
+    ``gemm_shapes``, ``gemm_rows``, ``gemm_tune``, ``gemm_backends``: :class:`GemmSettings`): rows
+    into ``gemm`` and ``gemm_tuning``, failed figures into ``errors``, what was left out and why into
+    ``gemm_skipped``; ``save`` after each figure, so a run cut short keeps them."""
     if "nvfp4" not in report["settings"]["formats"]:
         report["gemm_skipped"].append("all: nvfp4 is not among --formats")
         return
@@ -342,8 +326,9 @@ def gemm_section(report: dict[str, Any], save: Callable[[], None], cuda: bool) -
 
     settings = report["settings"]
     tune = keep("gemm_tuning") if settings["gemm_tune"] else None
+    backends = tuple(settings.get("gemm_backends", BACKENDS))
     report["gemm_skipped"] += run_gemm(
-        settings["gemm_shapes"], settings["gemm_rows"], keep("gemm"), failed, tune=tune
+        settings["gemm_shapes"], settings["gemm_rows"], keep("gemm"), failed, backends, tune=tune
     )
 
 

@@ -10,12 +10,14 @@ settings (:mod:`qerl_cli.bench.settings`) as every stage does: ``--config`` < fl
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.markup import escape
 
+from qerl_cli.bench.gemm_settings import BACKENDS, DEFAULT_ROWS, DEFAULT_SHAPES, GemmSettings
 from qerl_cli.bench.preflight import (
     Requirement,
     check_output,
@@ -43,6 +45,7 @@ from qerl_cli.cli.app import (
     csv,
     finish_config,
     given_flags,
+    positive_ints,
     set_option,
     use_free_cpu_threads,
 )
@@ -150,6 +153,53 @@ def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, set
     return conf
 
 
+GemmShapesOption = Annotated[
+    str | None,
+    typer.Option(
+        "--gemm-shapes",
+        metavar="SHAPE,...",
+        help="Model shapes whose linears the GEMM section times.",
+        show_default=",".join(DEFAULT_SHAPES),
+    ),
+]
+GemmRowsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--gemm-rows",
+        metavar="N,...",
+        help="Token counts of the GEMM section.",
+        show_default=",".join(map(str, DEFAULT_ROWS)),
+    ),
+]
+GemmBackendsOption = Annotated[
+    str | None,
+    typer.Option(
+        "--gemm-backends",
+        metavar="NAME,...",
+        help=f"GEMM section backends: {', '.join(BACKENDS)}.",
+        show_default="all",
+    ),
+]
+GemmTuneOption = Annotated[
+    bool,
+    typer.Option(
+        "--gemm-tune/--no-gemm-tune", help="Time qerl's NVFP4 GEMM in each candidate tile config first."
+    ),
+]
+
+
+def gemm_settings(shapes: str | None, rows: str | None, backends: str | None, tune: bool) -> GemmSettings:
+    """The GEMM section's settings from its flags, each wrong value refused naming its flag."""
+    names = None
+    if shapes is not None:  # the shape registry imports torch: only asked when the flag is given
+        from qerl_cli.bench.models import shape_names
+
+        names = shape_names()
+    return GemmSettings.from_flags(
+        csv(shapes), positive_ints(rows, "--gemm-rows"), csv(backends), tune, names or []
+    )
+
+
 def kernels(
     model: ModelOption = None,
     formats: option(K, "formats", "--formats", "FMT,...", str) = None,
@@ -158,6 +208,10 @@ def kernels(
     iters: option(K, "iters", "--iters", "N") = None,
     device: DeviceOption = None,
     output: OutputOption = None,
+    gemm_shapes: GemmShapesOption = None,
+    gemm_rows: GemmRowsOption = None,
+    gemm_backends: GemmBackendsOption = None,
+    gemm_tune: GemmTuneOption = True,
     config: ConfigOption = None,
     set_: KernelsSet = None,
     dry_run: DryRunOption = False,
@@ -166,19 +220,25 @@ def kernels(
 
     Dequantization of the widest projection against a device copy, the model's memory as the trainer
     loads it, and the first decoder layer's forward + input-gradient backward against the same layer
-    holding the dequantized weights in BF16 (float32 on the CPU).
+    holding the dequantized weights in BF16 (float32 on the CPU). On a GPU, with nvfp4, also the decode
+    GEMMs of the --gemm-shapes' linears per backend (and qerl's kernel in each candidate tile config).
     """
     values = dict(model=model, formats=csv(formats), batch=batch, seq_len=seq_len, iters=iters, device=device,
                   output=output)  # fmt: skip
     conf = load_settings(KernelsSettings, values, config, set_)
     check_tool(conf.output, conf.device, conf.model)
+    gemm = gemm_settings(gemm_shapes, gemm_rows, gemm_backends, gemm_tune)
     if finish_config(conf, dry_run):
+        # Flags, not config keys: as comments, so the YAML stays a --config file.
+        sys.stdout.write(
+            "".join(f"# --{key.replace('_', '-')}: {value}\n" for key, value in gemm.to_dict().items())
+        )
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
 
     use_free_cpu_threads()
     conf.model = default_model(conf.model, conf.device)
-    report = run_kernels(conf, command=command_line())
+    report = run_kernels(conf, command=command_line(), gemm_settings=gemm)
     console.print(kernels_table(report))
     _done(Path(conf.output) / REPORT_NAME, bool(report["errors"]))
 
