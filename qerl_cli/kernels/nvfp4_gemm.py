@@ -307,7 +307,9 @@ def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:
     r_pad = max(16, 1 << (lora.rank - 1).bit_length())
     k_tiles = -(-k // SHRINK_BLOCK_K)
     m_tiles = -(-m // SHRINK_BLOCK_M)
-    splits = max(1, min(MAX_XA_SPLITS, k_tiles, _sm_count(x.device) // m_tiles))
+    # Programs up to half the SMs: every split's partial is summed in each GEMM tile's epilogue, whose
+    # cost grows with the rows (at 256 tokens 8 splits cost the 7B's qkv and o more than 4 on an H200).
+    splits = max(1, min(MAX_XA_SPLITS, k_tiles, _sm_count(x.device) // (2 * m_tiles)))
     xa = torch.empty((splits, m, r_pad), dtype=torch.float32, device=x.device)
     a = lora.a.contiguous()
     _kernels().lora_shrink_kernel[(m_tiles, splits)](
