@@ -67,10 +67,10 @@ class TileConfig:
 # narrow side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's
 # warpgroup MMA, 64 rows per 4 warps), so block_m covers every token up to 256: a weight tile is then
 # dequantized once per call, not once per M tile. The 16-, 128- and 256-token buckets are the fastest of
-# a tile and split sweep over the 7B's four linears on one H200 (the 32- and 64-token ones lie between);
-# each compiles to wgmma without spills in its K loop (tests/test_nvfp4_gemm.py). A block_k of 128 (two
-# 64-byte nibble halves) beat 256 at 8 tokens: smaller stages leave room for more CTAs per SM, which is
-# also why the small buckets take more programs per SM before their K split stops.
+# a tile and split sweep over the 7B's four linears (benchmarks/h200-2026-11-28-gemm-halves/; the 32- and
+# 64-token ones lie between); each compiles to wgmma without spills in its K loop
+# (tests/test_nvfp4_gemm.py). Few tokens take a block_k of 128 and more programs per SM: small stages
+# leave room for several CTAs per SM, whose loads in flight hide HBM latency.
 BUCKETS: tuple[tuple[int, TileConfig], ...] = (
     (16, TileConfig(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4)),
     (32, TileConfig(32, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4)),
@@ -104,8 +104,7 @@ CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
 }
 # Split K until the programs fill the SMs: a CTA keeps only num_stages tiles in flight, so one per SM
 # cannot cover HBM latency; a split costs a float32 workspace round trip (through L2). Rounded down, never
-# up: a few programs past what fits at once make a second wave that costs as much as the first (the 7B's
-# o and down at 128 tokens: 56 tiles x 5 splits on 132 SMs took 30-40% longer than x 4 on an H200).
+# up: a few programs past what fits at once make a second wave that costs about as much as the first.
 MIN_K_TILES_PER_SPLIT = 4
 
 
@@ -308,7 +307,7 @@ def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:
     k_tiles = -(-k // SHRINK_BLOCK_K)
     m_tiles = -(-m // SHRINK_BLOCK_M)
     # Programs up to half the SMs: every split's partial is summed in each GEMM tile's epilogue, whose
-    # cost grows with the rows (at 256 tokens 8 splits cost the 7B's qkv and o more than 4 on an H200).
+    # cost grows with the rows (at 256 tokens more splits made the fused LoRA slower, not faster).
     splits = max(1, min(MAX_XA_SPLITS, k_tiles, _sm_count(x.device) // (2 * m_tiles)))
     xa = torch.empty((splits, m, r_pad), dtype=torch.float32, device=x.device)
     a = lora.a.contiguous()
