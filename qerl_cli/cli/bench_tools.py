@@ -17,7 +17,6 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.markup import escape
 
-from qerl_cli.bench.gemm_settings import BACKENDS, DEFAULT_ROWS, DEFAULT_SHAPES, GemmSettings
 from qerl_cli.bench.preflight import (
     Requirement,
     check_output,
@@ -45,11 +44,17 @@ from qerl_cli.cli.app import (
     csv,
     finish_config,
     given_flags,
-    positive_ints,
     set_option,
     use_free_cpu_threads,
 )
 from qerl_cli.cli.bench import DeviceOption, check_exists, check_formats
+from qerl_cli.cli.gemm_options import (
+    GemmBackendsOption,
+    GemmRowsOption,
+    GemmShapesOption,
+    GemmTuneOption,
+    gemm_settings,
+)
 from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.config.sections import BaseCompute, FusedKernels
 from qerl_cli.errors import QerlError
@@ -151,53 +156,6 @@ def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, set
     conf = load_config(cls, config, sets, flags=flags, **values)
     check_formats(getattr(conf, "formats", None), flags.get("formats", "formats"))
     return conf
-
-
-GemmShapesOption = Annotated[
-    str | None,
-    typer.Option(
-        "--gemm-shapes",
-        metavar="SHAPE,...",
-        help="Model shapes whose linears the GEMM section times.",
-        show_default=",".join(DEFAULT_SHAPES),
-    ),
-]
-GemmRowsOption = Annotated[
-    str | None,
-    typer.Option(
-        "--gemm-rows",
-        metavar="N,...",
-        help="Token counts of the GEMM section.",
-        show_default=",".join(map(str, DEFAULT_ROWS)),
-    ),
-]
-GemmBackendsOption = Annotated[
-    str | None,
-    typer.Option(
-        "--gemm-backends",
-        metavar="NAME,...",
-        help=f"GEMM section backends: {', '.join(BACKENDS)}.",
-        show_default="all",
-    ),
-]
-GemmTuneOption = Annotated[
-    bool,
-    typer.Option(
-        "--gemm-tune/--no-gemm-tune", help="Time qerl's NVFP4 GEMM in each candidate tile config first."
-    ),
-]
-
-
-def gemm_settings(shapes: str | None, rows: str | None, backends: str | None, tune: bool) -> GemmSettings:
-    """The GEMM section's settings from its flags, each wrong value refused naming its flag."""
-    names = None
-    if shapes is not None:  # the shape registry imports torch: only asked when the flag is given
-        from qerl_cli.bench.models import shape_names
-
-        names = shape_names()
-    return GemmSettings.from_flags(
-        csv(shapes), positive_ints(rows, "--gemm-rows"), csv(backends), tune, names or []
-    )
 
 
 def kernels(
