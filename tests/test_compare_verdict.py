@@ -392,6 +392,9 @@ def test_report_only_reports_runs_made_elsewhere_without_making_or_evaluating_a_
     ).report  # nvfp4-aqn has no run: left out, not trained
     assert [row.arm for row in report.arms] == list(figures)
     assert [row.base for row in report.arms] == ["bf16", "nvfp4 RTN"]
+    # "Ran on" names where the runs ran; the bases evaluated nowhere here add no "unrecorded device".
+    assert report.devices == sorted({json.loads(p.read_text()).get("device") or "unrecorded device"
+                                     for p in made.glob("*/seed-*/result.json")})  # fmt: skip
     (verdict,) = report.verdicts
     assert (verdict.arm, verdict.difference) == ("nvfp4-lora", pytest.approx(-9.0))
     with pytest.raises(QerlError, match="--report-only: no finished run"):

@@ -284,8 +284,9 @@ def write_report(
     )
     unknown = "unrecorded device"
     trained = {r.device or unknown for runs in results.values() for r in runs}
-    # A base that could not be evaluated (None) records no device either: it counts as unrecorded.
-    bases = {(b.device if b else None) or unknown for b in (base_heldout or {}).values()}
+    # A base with no held-out figure (None: not evaluated, e.g. --report-only without base-heldout/) ran
+    # nowhere: it adds no device, where an evaluated one that did not record its device counts as unrecorded.
+    bases = {b.device or unknown for b in (base_heldout or {}).values() if b is not None}
     reference = settings.reference
     verdicts = arm_verdicts(results, reference, settings.margin) if reference else []
     plot = plot_curves(results, out / "compare.png", ", ".join(sorted(trained)), verdicts)
