@@ -281,6 +281,7 @@ def test_a_recorded_runs_verdict_is_its_readmes_and_the_documented_one() -> None
 
 
 GEMMA_VERDICTS, SMOL_VERDICTS = "gemma3-270m-verdict-h200-2026-11-28", "smollm2-verdict-h200-2026-11-28"
+SMOL_100_STEPS = "smollm2-vllm-verdict-h200-2026-11-28"
 
 
 @pytest.mark.parametrize(
@@ -291,6 +292,7 @@ GEMMA_VERDICTS, SMOL_VERDICTS = "gemma3-270m-verdict-h200-2026-11-28", "smollm2-
         (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-fp8merged"], 18, "worse", None),
         (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-aqn-t10pct-awq"], 18, "unresolved", None),
         (SMOL_VERDICTS, ["bf16-lora", "nvfp4-lora"], 10, "worse", None),
+        (SMOL_100_STEPS, ["bf16-lora", "nvfp4-lora"], 10, "not worse", "docs/compare.md"),
     ],
 )
 def test_the_recorded_verdicts_are_the_ones_their_readmes_and_docs_print(
