@@ -100,6 +100,8 @@ def test_a_run_without_checkpoints_is_told_there_is_nothing_to_resume(tmp_path: 
     with pytest.raises(QerlError, match=r"no checkpoint to continue from.*--overwrite") as info:
         check_fresh_start(tmp_path, overwrite=False)
     assert "--resume auto" not in str(info.value)
+    message = str(info.value)
+    assert "To keep it, train into a fresh folder with --set output.dir=DIR (it has no checkpoint" in message
 
 
 def test_a_failed_start_leaves_no_empty_folder(tmp_path: Path) -> None:

@@ -75,15 +75,15 @@ def check_fresh_start(out_dir: str | Path, *, overwrite: bool, clear: bool = Tru
         return
     if not overwrite:
         names = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in found))
-        resume = (
-            "continue it with --resume auto, "
+        keep = (
+            "continue it with --resume auto, or train into a fresh folder with --set output.dir=DIR"
             if list_checkpoints(out)
-            else "(it has no checkpoint to continue from) "
+            else "train into a fresh folder with --set output.dir=DIR (it has no checkpoint to continue from)"
         )
         raise QerlError(
             f"output.dir {out} already holds a training run ({names}); nothing was changed. To keep it, "
-            f"{resume}or train into a fresh folder with --set output.dir=DIR; to replace it, add --overwrite "
-            "(its metrics, completions, checkpoints and adapter are deleted)"
+            f"{keep}; to replace it, add --overwrite (its metrics, completions, checkpoints and adapter are "
+            "deleted)"
         )
     if clear:
         clear_run(out)
