@@ -36,16 +36,36 @@ def test_candidates_start_with_the_bucket_config() -> None:
 def test_table_has_one_line_per_linear_and_rows() -> None:
     def row(backend: str, m: int, lora: bool, us: float) -> dict:
         return {"model": "qwen2.5-7b", "linear": "qkv", "n": 4608, "k": 3584, "m": m, "backend": backend,
-                "lora": lora, "us": us, "of_hbm_bound": 0.5}  # fmt: skip
+                "lora": lora, "us": us, "of_hbm_bound": 0.5, "of_roofline": 0.75}  # fmt: skip
 
-    rows = [row("bf16", 8, False, 10.0), row("bf16", 8, True, 12.5), row("qerl-nvfp4", 8, False, 4.0),
-            row("bf16", 128, False, 20.0)]  # fmt: skip
+    older = {**row("bf16", 128, False, 20.0), "of_roofline": None}  # a report from before the roofline share
+    rows = [row("bf16", 8, False, 10.0), row("bf16", 8, True, 12.5), row("qerl-nvfp4", 8, False, 4.0), older]
     console = Console(width=200, record=True)
     console.print(gemm_table(rows, "NVIDIA H200"))
     text = console.export_text()
-    assert "10.0 (50%) / 12.5 (50%)" in text and "4.0 (50%) / -" in text
+    assert "10.0 (75%) / 12.5 (75%)" in text and "4.0 (75%) / -" in text and "20.0 (HBM 50%) / -" in text
     assert "marlin" not in text and "fp8" not in text  # only the backends measured get a column
     assert sum("4608 x 3584" in line for line in text.splitlines()) == 2  # rows 8 and 128
+
+
+def test_the_roofline_share_is_the_tighter_bounds_share() -> None:
+    from qerl_cli.bench.gemm import bound_shares
+    from qerl_cli.bench.roofline import GpuSpec
+
+    h200 = GpuSpec("H200", bandwidth=4.8e12, bf16_flops=989e12, fp8_flops=1979e12)
+    # The 7B layer's four linears at 128 tokens in NVFP4: 59.7 GFLOP, ~131 MB: the tensor cores bound it
+    # (60 us at the peak) well above the HBM bound (27 us), so at 120 us it is at half its roofline.
+    flops, read = 2 * 128 * 233_046_016, 131_088_384
+    of_hbm, of_peak, of_roofline = bound_shares(flops, read, 120.0, h200, "qerl-nvfp4")
+    assert of_hbm == pytest.approx(read / 4.8e12 / 120e-6) and of_hbm < 0.25
+    assert of_peak == pytest.approx(flops / 120e-6 / 989e12) and of_roofline == of_peak
+    assert 0.49 < of_roofline < 0.51
+    # At 8 tokens the bytes bind; FP8 is judged against its own (twice the) peak.
+    assert bound_shares(2 * 8 * 233_046_016, read, 60.0, h200, "qerl-nvfp4")[2] == pytest.approx(
+        read / 4.8e12 / 60e-6
+    )
+    assert bound_shares(flops, read, 120.0, h200, "fp8")[1] == pytest.approx(flops / 120e-6 / 1979e12)
+    assert bound_shares(flops, read, 120.0, None, "bf16") == (None, None, None)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +93,7 @@ def test_small_sweep_on_gpu() -> None:
     measured = {r["backend"] for r in rows}
     assert measured | {s.split(":")[0] for s in skipped} == set(BACKENDS)
     for r in rows:
-        assert r["us"] > 0 and 0 < r["of_hbm_bound"] < 1.2
+        assert r["us"] > 0 and 0 < r["of_hbm_bound"] <= r["of_roofline"] < 1.2
         # NVFP4 backends compute on the very weights of the reference; FP8 rounds weights and activations
         assert r["max_rel_err"] < (0.08 if r["backend"] == "fp8" else 0.02), r
     assert {t["m"] for t in tuning} == {8, 128} and any(t["bucket_default"] for t in tuning)

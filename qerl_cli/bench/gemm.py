@@ -33,7 +33,7 @@ from rich.table import Table
 
 from qerl_cli import formats
 from qerl_cli.bench.gemm_settings import BACKENDS, GemmSettings  # noqa: F401 - GemmSettings: kernels.py's
-from qerl_cli.bench.roofline import gpu_spec
+from qerl_cli.bench.roofline import GpuSpec, gpu_spec
 from qerl_cli.formats.fp8 import has_fp8_tensor_cores, quantize_per_channel
 from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
 from qerl_cli.kernels.nvfp4_gemm import LoraWeights, Nvfp4Weight, candidates_for, triton_nvfp4_linear
@@ -64,6 +64,10 @@ class GemmRow:
     bytes_read: int
     of_hbm_bound: float | None
     of_tensor_peak: float | None
+    # The share of the tighter of the two bounds (the roofline's max(bytes / bandwidth, FLOPs / peak)):
+    # past the crossover (about 100 tokens for a 4-bit weight on an H200) the tensor cores bound a
+    # W4A16 GEMM, and its share of the HBM bound alone can no longer approach 100%.
+    of_roofline: float | None
     max_rel_err: float | None  # against dequantize-then-matmul of the same weight (float32)
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,14 +230,26 @@ def measure_gemm(
     adapter_params = LORA_RANK * (layer.k + layer.n) if lora else 0
     flops = 2 * m * (layer.n * layer.k + adapter_params)
     read = layer.weight_bytes(backend) + 2 * m * layer.k + 2 * adapter_params
-    peak = (spec.fp8_flops if backend == "fp8" else spec.bf16_flops) if spec else None
+    of_hbm, of_peak, of_roofline = bound_shares(flops, read, us, spec, backend)
     return GemmRow(
         model=model, linear=linear, n=layer.n, k=layer.k, m=m, backend=backend, lora=lora, us=us,
-        tflops=flops / us / 1e6, bytes_read=read,
-        of_hbm_bound=read / spec.bandwidth / (us * 1e-6) if spec else None,
-        of_tensor_peak=flops / (us * 1e-6) / peak if peak else None,
-        max_rel_err=err,
+        tflops=flops / us / 1e6, bytes_read=read, of_hbm_bound=of_hbm, of_tensor_peak=of_peak,
+        of_roofline=of_roofline, max_rel_err=err,
     )  # fmt: skip
+
+
+def bound_shares(
+    flops: int, bytes_read: int, us: float, spec: GpuSpec | None, backend: str
+) -> tuple[float | None, float | None, float | None]:
+    """(share of the HBM bound, of the tensor-core peak, of the roofline bound) of a GEMM that took ``us``:
+    the roofline's time is the larger of bytes / bandwidth and FLOPs / peak (FP8's peak for ``fp8``), so
+    its share is the larger of the other two. None where the GPU is not in the bench's table."""
+    if spec is None:
+        return None, None, None
+    peak = spec.fp8_flops if backend == "fp8" and spec.fp8_flops else spec.bf16_flops
+    of_hbm = bytes_read / spec.bandwidth / (us * 1e-6)
+    of_peak = flops / (us * 1e-6) / peak
+    return of_hbm, of_peak, max(of_hbm, of_peak)
 
 
 def tune_configs(
@@ -333,11 +349,15 @@ def gemm_section(report: dict[str, Any], save: Callable[[], None], cuda: bool) -
 
 
 def gemm_table(rows: list[dict[str, Any]], device: str):  # -> rich.table.Table
-    """One line per (model, linear, tokens): each backend's microseconds and share of the HBM bound,
-    without / with the adapter."""
+    """One line per (model, linear, tokens): each backend's microseconds and share of its roofline bound
+    (the tighter of HBM and tensor-core time), without / with the adapter. Rows of reports written before
+    that share was recorded show their share of the HBM bound, marked "HBM"."""
 
     backends = [b for b in BACKENDS if any(r["backend"] == b for r in rows)]
-    table = Table(title=f"Decode GEMMs on {device}: us (share of the HBM bound), without / with LoRA r16")
+    table = Table(
+        title=f"Decode GEMMs on {device}: us (share of the roofline bound: max of HBM and tensor-core time), "
+        "without / with LoRA r16"
+    )
     for name in ("model", "linear", "N x K", "tokens", *backends):
         table.add_column(name)
     cells: dict[tuple, dict[str, dict[bool, dict[str, Any]]]] = {}
@@ -349,7 +369,11 @@ def gemm_table(rows: list[dict[str, Any]], device: str):  # -> rich.table.Table
         parts = []
         for lora in (False, True):
             r = pair.get(lora)
-            share = f" ({r['of_hbm_bound']:.0%})" if r and r["of_hbm_bound"] is not None else ""
+            share = ""
+            if r and r.get("of_roofline") is not None:
+                share = f" ({r['of_roofline']:.0%})"
+            elif r and r.get("of_hbm_bound") is not None:
+                share = f" (HBM {r['of_hbm_bound']:.0%})"
             parts.append(f"{r['us']:.1f}{share}" if r else "-")
         return " / ".join(parts)
 
