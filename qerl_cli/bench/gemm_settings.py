@@ -3,6 +3,7 @@ so that the CLI refuses a wrong ``--gemm-*`` flag before any import of it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,25 +44,25 @@ class GemmSettings:
     ) -> GemmSettings:
         """From ``--gemm-shapes``, ``--gemm-rows`` (already positive integers), ``--gemm-backends`` and
         ``--gemm-tune`` (None: the default); ``shape_names`` are the model shapes there are."""
-        if shapes is not None:
-            shapes = [s.lower() for s in shapes]
-            unknown = [s for s in shapes if s not in shape_names]
-            if unknown or not shapes:
-                raise QerlError(
-                    f"--gemm-shapes: unknown shape {', '.join(unknown) or '(none given)'}; "
-                    f"choose from {', '.join(shape_names)}"
-                )
-        if backends is not None:
-            backends = [b.lower() for b in backends]
-            unknown = [b for b in backends if b not in BACKENDS]
-            if unknown or not backends:
-                raise QerlError(
-                    f"--gemm-backends: unknown backend {', '.join(unknown) or '(none given)'}; "
-                    f"choose from {', '.join(BACKENDS)}"
-                )
+        shapes = _known("--gemm-shapes", "shape", shapes, shape_names)
+        backends = _known("--gemm-backends", "backend", backends, BACKENDS)
         return cls(
             shapes=tuple(shapes) if shapes else DEFAULT_SHAPES,
             rows=tuple(rows) if rows else DEFAULT_ROWS,
             tune=tune,
             backends=tuple(b for b in BACKENDS if b in backends) if backends else BACKENDS,
         )
+
+
+def _known(flag: str, what: str, given: list[str] | None, known: Sequence[str]) -> list[str] | None:
+    """``given`` lowercased (None: the flag was not given), each a member of ``known``, else refused naming
+    the flag and the choices."""
+    if given is None:
+        return None
+    given = [g.lower() for g in given]
+    unknown = [g for g in given if g not in known]
+    if unknown or not given:
+        raise QerlError(
+            f"{flag}: unknown {what} {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}"
+        )
+    return given
