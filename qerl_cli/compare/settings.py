@@ -39,9 +39,10 @@ class CompareSettings:
     # The engine of the held-out evaluations (each run's adapter and each untrained base). "hf": transformers
     # generate on the trainer's own kernels (the protocol of every comparison before this setting). "vllm":
     # a vLLM engine serving the base as the arm's rollouts did (rollout.linear_backend: Marlin + LoRA, the
-    # LoRA merged into BF16 or FP8 weights), at the run's vLLM share: far less GPU time a run, but the
-    # scores are of vLLM's kernels, not the trainer's. Needs rollout.engine=vllm in every arm (refused
-    # otherwise). Not yet run on a GPU.
+    # LoRA merged into BF16 or FP8 weights), at the run's vLLM share: meant to cost a run less GPU time
+    # (the HF generation was its largest part: docs/compare.md), but the scores are of vLLM's kernels,
+    # not the trainer's, so a comparison keeps to one. Needs rollout.engine=vllm in every arm (refused
+    # otherwise).
     heldout_engine: EngineName = "hf"
     # The arm every other arm's held-out pass@1 is compared with (the verdicts of compare.md). Unset:
     # bf16-lora when it is among the arms, else no verdicts.
