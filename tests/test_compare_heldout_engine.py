@@ -162,9 +162,10 @@ def test_a_machine_without_vllm_is_refused_in_the_parent_before_training(
 
     monkeypatch.setattr(heldout_mod, "resolve_engine", no_vllm)
     with pytest.raises(
-        QerlError, match=r"compare.heldout_engine=vllm cannot evaluate here \(--engine vllm: vLLM"
-    ):
+        QerlError, match=r"cannot evaluate on this machine \(qerl eval's check: --engine vllm: vLLM is not"
+    ) as err:
         runner.run_compare(recipe, ["bf16-lora"], 1, tmp_path / "cmp", sets=VLLM_SETS)
+    assert str(err.value).endswith("with vLLM installed, or leave compare.heldout_engine at hf")
     # With vLLM present the comparison goes on (here: to making its bases).
     monkeypatch.setattr(heldout_mod, "resolve_engine", lambda name: name)
     with pytest.raises(AssertionError, match="bases made"):

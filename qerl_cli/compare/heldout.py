@@ -129,8 +129,8 @@ def check_heldout_engine(settings: CompareSettings, rollout_engines: dict[str, s
         resolve_engine("vllm")
     except QerlError as exc:
         raise QerlError(
-            f"compare.heldout_engine=vllm cannot evaluate here ({exc}): run on a CUDA GPU with vLLM "
-            "installed, or leave compare.heldout_engine at hf"
+            f"compare.heldout_engine=vllm cannot evaluate on this machine (qerl eval's check: {exc}). Run "
+            "the comparison on a CUDA GPU with vLLM installed, or leave compare.heldout_engine at hf"
         ) from None
 
 
