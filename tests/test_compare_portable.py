@@ -32,9 +32,9 @@ def _train_nothing(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
         out = Path(conf.output.dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.2, "entropy": 1.0}) + "\n")
-        return SimpleNamespace(adapter=str(out / "adapter"), steps=1, resumed_from=None)
+        return SimpleNamespace(adapter=str(out / "adapter"), steps=1, resumed_from=None, linear_backend=None)
 
-    def evaluate(conf, settings, adapter, out):
+    def evaluate(conf, settings, adapter, out, linear_backend=None):
         evaluated.append(adapter)
         return _score(FIGURES.get(adapter, 0.30), 0.05)
 

@@ -8,7 +8,7 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from qerl_cli import evaluation
 from qerl_cli.compare.base_identity import base_identity
@@ -17,9 +17,11 @@ from qerl_cli.compare.results import BaseHeldout, HeldoutScore
 from qerl_cli.compare.runs import arm_config
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, TrainConfig
+from qerl_cli.config.sections import LinearBackend
 from qerl_cli.data.benchmarks import benchmark_spec, load_benchmark
 from qerl_cli.data.prompts import render_prompt
 from qerl_cli.errors import QerlError
+from qerl_cli.evaluation.run import resolve_engine
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import init_folder
 from qerl_cli.modeling.loading import load_tokenizer
@@ -51,10 +53,39 @@ def heldout_sampling(conf: TrainConfig, settings: CompareSettings) -> tuple[floa
 
 
 def evaluate_heldout(
-    conf: TrainConfig, settings: CompareSettings, adapter: str | None, out: Path
-) -> HeldoutScore:
+    conf: TrainConfig, settings: CompareSettings, adapter: str | None, out: Path,
+    linear_backend: str | None = None,
+) -> HeldoutScore:  # fmt: skip
     """pass@1 (with its standard error) on the held-out split, via qerl eval (no adapter: the base): each
-    problem's share of correct answers among ``compare.heldout_samples``, averaged over the problems."""
+    problem's share of correct answers among ``compare.heldout_samples``, averaged over the problems.
+    ``linear_backend``: what the run's rollout engine resolved ``rollout.linear_backend`` to (a vLLM
+    evaluation serves the adapter with the same kernels; None: the recipe's setting)."""
+
+    eval_cfg = heldout_eval_config(conf, settings, adapter, out, linear_backend)
+    bench = eval_cfg.benchmarks[0]
+    results = evaluation.run_eval(eval_cfg, log=lambda message: log.info("%s", message))
+    metrics = results.benchmarks[bench].metrics
+    return HeldoutScore(
+        benchmark=bench,
+        pass_at_1=metrics.pass_at_1,
+        pass_at_1_se=metrics.pass_at_1_se,
+        problems=metrics.num_problems,
+        samples=settings.heldout_samples,
+        engine=eval_cfg.engine,
+    )
+
+
+def heldout_eval_config(
+    conf: TrainConfig, settings: CompareSettings, adapter: str | None, out: Path,
+    linear_backend: str | None = None,
+) -> EvalConfig:  # fmt: skip
+    """The ``qerl eval`` settings of a held-out evaluation on ``compare.heldout_engine``.
+
+    ``vllm`` serves the base as the arm's rollouts did: the run's linear backend (``linear_backend``, when
+    it is a ``rollout.linear_backend`` value, else the recipe's: ``auto`` resolves again for the eval's
+    own batch), the recipe's ``rollout.vllm_kwargs``, and the run's vLLM share where it is a number (the
+    one compare gives each run sharing a GPU); ``auto``, a share sized around the trainer, leaves the
+    eval's own default, as nothing else holds the GPU once training is done."""
 
     bench = heldout_benchmark(conf)
     temperature, top_p = heldout_sampling(conf, settings)
@@ -66,15 +97,41 @@ def evaluate_heldout(
         grader_workers=max(1, conf.reward.grader_workers), device=conf.train.device, dtype=conf.model.dtype,
         generation_batch_size=conf.rollout.generation_batch_size,
     )  # fmt: skip
-    results = evaluation.run_eval(eval_cfg, log=lambda message: log.info("%s", message))
-    metrics = results.benchmarks[bench].metrics
-    return HeldoutScore(
-        benchmark=bench,
-        pass_at_1=metrics.pass_at_1,
-        pass_at_1_se=metrics.pass_at_1_se,
-        problems=metrics.num_problems,
-        samples=settings.heldout_samples,
-    )
+    if settings.heldout_engine == "hf":
+        return eval_cfg
+    r = conf.rollout
+    backend = linear_backend if linear_backend in get_args(LinearBackend) else r.linear_backend
+    share = r.gpu_memory_utilization
+    return replace(
+        eval_cfg, engine="vllm", linear_backend=backend, vllm_kwargs=dict(r.vllm_kwargs),
+        trust_remote_code=conf.model.trust_remote_code,
+        gpu_memory_utilization=EvalConfig.gpu_memory_utilization if share == "auto" else float(share),
+    )  # fmt: skip
+
+
+def check_heldout_engine(settings: CompareSettings, rollout_engines: dict[str, str]) -> None:
+    """Refuse, before anything trains, a held-out engine the comparison cannot use: ``vllm`` for an arm
+    whose rollouts run on hf (``rollout_engines``: each arm's; its scores would come from other kernels
+    than its rollouts' and its reference's), or on a machine without vLLM or a CUDA GPU (found now, not
+    after every run trained)."""
+
+    if settings.heldout_engine == "hf":
+        return
+    on_hf = [arm for arm, engine in rollout_engines.items() if engine != "vllm"]
+    if on_hf:
+        raise QerlError(
+            f"compare.heldout_engine=vllm evaluates every run on vLLM, but arm(s) {', '.join(on_hf)} train "
+            "with rollout.engine=hf: the comparison would evaluate those arms differently from how it "
+            "trains them. Set rollout.engine=vllm (in the recipe or --set rollout.engine=vllm) or leave "
+            "compare.heldout_engine at hf"
+        )
+    try:
+        resolve_engine("vllm")
+    except QerlError as exc:
+        raise QerlError(
+            f"compare.heldout_engine=vllm cannot evaluate on this machine (qerl eval's check: {exc}). Run "
+            "the comparison on a CUDA GPU with vLLM installed, or leave compare.heldout_engine at hf"
+        ) from None
 
 
 def _base_eval_key(conf: TrainConfig, settings: CompareSettings, out: Path) -> dict[str, Any]:
@@ -93,8 +150,17 @@ def _base_eval_key(conf: TrainConfig, settings: CompareSettings, out: Path) -> d
         "heldout_problems": settings.heldout_problems,
         "heldout_samples": settings.heldout_samples, "heldout_temperature": temperature,
         "entropy_prompts": ENTROPY_PROMPTS, "entropy_samples": ENTROPY_SAMPLES, "lora_init": conf.lora.init,
-        **sampled,
+        **sampled, **_engine_key(conf, settings),
     }  # fmt: skip
+
+
+def _engine_key(conf: TrainConfig, settings: CompareSettings) -> dict[str, Any]:
+    """The held-out engine's part of a base's key: nothing for hf, so the figures earlier comparisons kept
+    (all on hf) are still found; for vllm the engine and the kernels it serves the base with, so neither
+    engine's figures stand in for the other's."""
+    if settings.heldout_engine == "hf":
+        return {}
+    return {"heldout_engine": settings.heldout_engine, "linear_backend": conf.rollout.linear_backend}
 
 
 def read_base_heldout(folder: Path) -> BaseHeldout:

@@ -18,6 +18,9 @@ from qerl_cli.evaluation.results import RESULTS_NAME, read_results
 
 log = logging.getLogger(__name__)
 
+# The held-out engine of every evaluation made before runs recorded it (compare always evaluated on hf).
+HELDOUT_ENGINE_BEFORE = "hf"
+
 
 @dataclass
 class HeldoutScore:
@@ -28,15 +31,24 @@ class HeldoutScore:
     pass_at_1_se: float | None
     problems: int | None
     samples: int | None
+    # The engine that generated its answers (compare.heldout_engine). None: written before it was recorded,
+    # when the held-out evaluation always ran on hf (HELDOUT_ENGINE_BEFORE).
+    engine: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        engine = {} if self.engine is None else {"engine": self.engine}  # an older file's layout, as it was
         return {"benchmark": self.benchmark, "pass@1": self.pass_at_1, "pass@1_se": self.pass_at_1_se,
-                "problems": self.problems, "samples": self.samples}  # fmt: skip
+                "problems": self.problems, "samples": self.samples, **engine}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HeldoutScore:
         return cls(data.get("benchmark"), data["pass@1"], data.get("pass@1_se"), data.get("problems"),
-                   data.get("samples"))  # fmt: skip
+                   data.get("samples"), data.get("engine"))  # fmt: skip
+
+    @property
+    def engine_used(self) -> str:
+        """The engine of its answers, an unrecorded one being the hf engine of its time."""
+        return self.engine or HELDOUT_ENGINE_BEFORE
 
     def rescored(self, eval_folder: Path) -> HeldoutScore:
         """This score, or the one ``qerl eval --rescore`` wrote since into the evaluation's folder (its

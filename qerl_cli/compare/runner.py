@@ -81,7 +81,10 @@ def run_one(
     resume = str(out) if out.is_dir() and list_checkpoints(out) else None
     # Without a checkpoint, what the folder holds is a failed attempt of this same run: start it over.
     summary = trainer_mod.train(conf, resume=resume, progress=progress, overwrite=resume is None)
-    figures = heldout.evaluate_heldout(conf, settings, summary.adapter, out / "heldout")
+    # A vLLM evaluation serves the adapter with the kernels the run's rollouts used (auto's choice).
+    figures = heldout.evaluate_heldout(
+        conf, settings, summary.adapter, out / "heldout", summary.linear_backend
+    )
     records = read_metrics(out / "metrics.jsonl")
     result = RunResult(
         arm=arm,
@@ -152,6 +155,8 @@ def run_compare(
     plan = _plan(ablation, arms, only)
     if report_only:
         return _report_only(ablation, plan, threshold)
+    if ablation.settings.heldout_engine != "hf":  # refused before any base is made or run trains
+        heldout.check_heldout_engine(ablation.settings, _rollout_engines(ablation))
     ablation.bases = prepare_bases(
         ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
     )
@@ -191,6 +196,18 @@ def _ablation(
         arms=select_arms(settings, arms), seeds=seeds, base_seed=base_seed, out=out,
         invocation=invocation_id(),
     )  # fmt: skip
+
+
+def _rollout_engines(ablation: _Ablation) -> dict[str, str]:
+    """{arm: its rollout.engine}, read on the recipe's model before the bases are made (an arm's engine
+    does not depend on its base), with the vLLM share planning leaves to compare (as :func:`_train`)."""
+    planning = planning_sets(ablation.sets)
+    return {
+        arm: arm_config(
+            ablation.data, overrides, planning, ablation.base_seed, ablation.out, arm, {}
+        ).rollout.engine
+        for arm, overrides in ablation.arms.items()
+    }
 
 
 def _reference(asked: str | None, arms: dict[str, dict[str, Any]]) -> str | None:

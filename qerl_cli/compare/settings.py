@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qerl_cli.config.sections import EngineName
+
 # The three settings the QeRL paper compares, and the dequantized control (compare.arms' docstring).
 BUILTIN_ARMS: dict[str, dict[str, Any]] = {
     "bf16-lora": {"model.format": "bf16", "aqn.enabled": False},
@@ -34,6 +36,14 @@ class CompareSettings:
     # Temperature of the held-out samples. Unset: 0 (greedy) with one sample, the recipe's
     # rollout.temperature with several. 0 with several samples is refused (k copies of one answer).
     heldout_temperature: float | None = None
+    # The engine of the held-out evaluations (each run's adapter and each untrained base). "hf": transformers
+    # generate on the trainer's own kernels (the protocol of every comparison before this setting). "vllm":
+    # a vLLM engine serving the base as the arm's rollouts did (rollout.linear_backend: Marlin + LoRA, the
+    # LoRA merged into BF16 or FP8 weights), at the run's vLLM share: meant to cost a run less GPU time
+    # (the HF generation was its largest part: docs/compare.md), but the scores are of vLLM's kernels,
+    # not the trainer's, so a comparison keeps to one. Needs rollout.engine=vllm in every arm (refused
+    # otherwise).
+    heldout_engine: EngineName = "hf"
     # The arm every other arm's held-out pass@1 is compared with (the verdicts of compare.md). Unset:
     # bf16-lora when it is among the arms, else no verdicts.
     reference: str | None = None

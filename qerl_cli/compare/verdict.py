@@ -25,12 +25,14 @@ For every arm but the reference, from the per-seed held-out pass@1 of both (in p
 
 An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds.
 Runs of an arm and its reference made on different GPUs (or CPUs) get a note in the verdict and a
-warning; runs from several ``qerl compare`` invocations on the same machine kind are noted only.
+warning; runs from several ``qerl compare`` invocations on the same machine kind are noted only, and so
+are runs whose held-out evaluations ran on different engines (``compare.heldout_engine``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from qerl_cli.compare.results import NEEDS_SEEDS, ArmVerdict, RunResult
@@ -145,7 +147,7 @@ def _verdict(
     verdict = ArmVerdict(
         arm=arm, reference=reference, margin=margin, verdict=NEEDS_SEEDS, seeds=[r.seed for r in runs],
         reference_seeds=[r.seed for r in ref_runs], devices=devices, invocations=invocations,
-        notes=provenance_notes(devices, invocations),
+        notes=[*provenance_notes(devices, invocations), *engine_notes(both)],
     )  # fmt: skip
     if len(runs) < 2 or len(ref_runs) < 2:
         return verdict
@@ -175,6 +177,17 @@ def provenance_notes(devices: list[str], invocations: list[str]) -> list[str]:
     if len(invocations) > 1:
         notes.append(f"runs from {len(invocations)} invocations")
     return notes
+
+
+def engine_notes(runs: Sequence[RunResult]) -> list[str]:
+    """A note when the runs' held-out answers came from different engines (compare.heldout_engine changed
+    between the invocations that made them): each engine's kernels score a little differently, and that
+    enters the difference. A run that did not record its engine was evaluated on hf, as all were then."""
+    counts = Counter(r.heldout.engine_used for r in runs)
+    if len(counts) < 2:
+        return []
+    parts = [f"{engine} ({n} run{'s' if n != 1 else ''})" for engine, n in sorted(counts.items())]
+    return [f"held-out evaluated on {', '.join(parts[:-1])} and {parts[-1]}"]
 
 
 def verdict_warnings(verdicts: list[ArmVerdict]) -> list[str]:
