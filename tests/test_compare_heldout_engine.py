@@ -95,6 +95,11 @@ def test_vllm_serves_the_runs_kernels_at_its_share(
     auto, _ = _conf(tmp_path, tiny_model_dir, [*VLLM_SETS, "rollout.gpu_memory_utilization=auto"])
     alone = heldout_mod.heldout_eval_config(auto, settings, None, tmp_path)
     assert alone.gpu_memory_utilization == EvalConfig().gpu_memory_utilization
+    assert not alone.kv_cache_from_share  # the whole GPU (train.gpu_fraction 1): vLLM may profile it
+    # A run that shares the GPU (compare's train.gpu_fraction < 1) sizes the eval's KV cache from its share,
+    # as its training engine did: profiling would count the neighbours' memory as its own.
+    shared, _ = _conf(tmp_path, tiny_model_dir, [*VLLM_SETS, "train.gpu_fraction=0.46"])
+    assert heldout_mod.heldout_eval_config(shared, settings, None, tmp_path).kv_cache_from_share
 
 
 def test_kept_base_figures_are_keyed_by_engine_only_off_hf(

@@ -106,6 +106,9 @@ def heldout_eval_config(
         eval_cfg, engine="vllm", linear_backend=backend, vllm_kwargs=dict(r.vllm_kwargs),
         trust_remote_code=conf.model.trust_remote_code,
         gpu_memory_utilization=EvalConfig.gpu_memory_utilization if share == "auto" else float(share),
+        # A run sharing the GPU (compare's train.gpu_fraction < 1) sizes the KV cache from its share, as
+        # its training engine did: profiling would read the neighbours' memory as its own.
+        kv_cache_from_share=conf.train.gpu_fraction < 1,
     )  # fmt: skip
 
 

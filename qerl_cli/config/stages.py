@@ -118,6 +118,10 @@ class EvalConfig:
     grader_workers: int = 2
     # vLLM engine: its share of the GPU's memory.
     gpu_memory_utilization: float = 0.85
+    # vLLM engine: size its KV cache from that share (the share of the whole GPU less the model) instead
+    # of by profiling the device's free memory, which other processes sharing the GPU change meanwhile
+    # (qerl compare's runs evaluating beside their neighbours).
+    kv_cache_from_share: bool = False
     # The linear kernels under vLLM, as rollout.linear_backend (qerl_cli.rollout.backends). "marlin" by
     # default: an evaluation scores the 4-bit weights exactly as trained; "auto" / "fp8" may serve the FP8
     # copy (faster at high concurrency, one more rounding of every weight).

@@ -98,6 +98,7 @@ def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
             enable_sleep_mode=False,  # nothing else shares the GPU during evaluation
             enable_lora=rank is not None, max_lora_rank=rank or 16, seed=cfg.seed,
             linear_backend=cfg.linear_backend, vllm_kwargs=dict(cfg.vllm_kwargs),
+            kv_cache_from_share=cfg.kv_cache_from_share,
         )  # fmt: skip
     else:
         request = factory.EngineRequest(
