@@ -170,12 +170,13 @@ def choose_tuned_config_folder(
 
 
 def use_tuned_lora_configs(
-    gpu_name: str | None, env: MutableMapping[str, str] | None = None, folder: Path = SHIPPED_FOLDER
+    gpu_name: str | None, env: MutableMapping[str, str] | None = None, folder: Path | None = None
 ) -> TunedConfigChoice:
-    """Point vLLM's LoRA kernels at qerl's tuned configs for this GPU (``env``: the process environment),
-    unless the user set ``VLLM_TUNED_CONFIG_FOLDER``; logs one line saying which folder and why. Call it
-    before the engine is built: vLLM keeps the first configs it reads."""
+    """Point vLLM's LoRA kernels at qerl's tuned configs for this GPU (``env``: the process environment;
+    ``folder``: the shipped one), unless the user set ``VLLM_TUNED_CONFIG_FOLDER``; logs one line saying
+    which folder and why. Call it before the engine is built: vLLM keeps the first configs it reads."""
     env = os.environ if env is None else env
+    folder = SHIPPED_FOLDER if folder is None else folder
     choice = choose_tuned_config_folder(gpu_name, env, folder)
     if choice.source == "shipped":
         env[ENV_VAR] = str(choice.folder)
