@@ -35,7 +35,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 # -- the plan ---------------------------------------------------------------------------------------
 def test_keys_are_the_ops_calls_of_each_fused_linear() -> None:
-    keys = plan_keys(QWEN7B, 16, (8,))
+    keys = plan_keys(QWEN7B, 16, [8])
     shrink = {k.linears: (k.num_slices, k.k, k.n) for k in keys if k.op == "shrink"}
     assert shrink == {("qkv",): (3, 3584, 16), ("o",): (1, 3584, 16), ("gate_up",): (2, 3584, 16),
                       ("down",): (1, 18944, 16)}  # fmt: skip
@@ -43,7 +43,7 @@ def test_keys_are_the_ops_calls_of_each_fused_linear() -> None:
     # expand's n is the largest slice's output (q's, not k's or v's); o and down share one key
     assert expand == {("qkv",): (3, 16, 3584, (3584, 512, 512)), ("o", "down"): (1, 16, 3584, (3584,)),
                       ("gate_up",): (2, 16, 18944, (18944, 18944))}  # fmt: skip
-    assert len(plan_keys(QWEN7B, 16, (8, 256))) == 2 * len(keys)
+    assert len(plan_keys(QWEN7B, 16, [8, 256])) == 2 * len(keys)
 
 
 def test_candidates_cover_the_rank_and_leave_out_tiles_of_padding() -> None:
@@ -91,7 +91,7 @@ def fake_trial(failing: set[int] = frozenset(), differing: set[int] = frozenset(
 
 DEFAULT = {"block_m": 32, "block_n": 16, "block_k": 256, "split_k": 64, "num_warps": 4, "num_ctas": 1,
            "group_size_m": 8, "num_stages": 2, "max_nreg": None}  # fmt: skip
-KEY = plan_keys(QWEN7B, 16, (64,))[0]
+KEY = plan_keys(QWEN7B, 16, [64])[0]
 
 
 def test_the_fastest_valid_config_wins_and_failed_or_differing_ones_are_skipped() -> None:
@@ -123,9 +123,9 @@ def test_a_key_whose_default_cannot_run_has_no_config_and_says_why() -> None:
 
 
 def test_the_files_are_what_vllms_lookup_finds_and_the_report_has_every_trial(tmp_path: Path) -> None:
-    settings = LoraTuneSettings(rows=(8, 256), output=str(tmp_path))
+    settings = LoraTuneSettings(rows=[8, 256], output=str(tmp_path))
     results = lora_tune.run_search(settings, fake_trial(failing={64}), lambda key, max_loras: dict(DEFAULT))
-    written = lora_tune.write_configs(results, GPU, tmp_path, settings.max_loras)
+    written = lora_tune.write_configs(results, GPU, tmp_path, 1)
     assert sorted(p.name for p in written) == ["NVIDIA_Test_GPU_80GB_EXPAND_TRUE.json",
                                                "NVIDIA_Test_GPU_80GB_SHRINK.json"]  # fmt: skip
     for result in results:
@@ -164,38 +164,40 @@ def test_install_copies_into_the_shipped_folder_of_a_checkout(tmp_path: Path, mo
 
 # -- the command ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("gpu", "vllm", "invariant", "message"),
+    ("gpu", "vllm", "invariant", "device", "message"),
     [
-        (False, True, "0", "on a CUDA GPU and none is visible"),
-        (True, False, "0", 'vLLM is not installed: pip install "qerl[vllm]"'),
-        (True, True, "1", "ignores tuned LoRA configs in batch-invariant mode"),
+        (False, True, "0", "auto", "on a CUDA GPU and none is visible"),
+        (True, False, "0", "auto", 'vLLM is not installed: pip install "qerl[vllm]"'),
+        (True, True, "1", "auto", "ignores tuned LoRA configs in batch-invariant mode"),
+        (True, True, "0", "cuda:64", "--device cuda:64: this machine has"),
     ],
 )
 def test_refused_before_anything_runs_without_a_gpu_or_vllm(
-    capsys, tmp_path: Path, monkeypatch, gpu: bool, vllm: bool, invariant: str, message: str
+    capsys, tmp_path: Path, monkeypatch, gpu: bool, vllm: bool, invariant: str, device: str, message: str
 ) -> None:
     monkeypatch.setattr(lora_tune_gpu, "gpu_available", lambda: gpu)
     monkeypatch.setattr(lora_tune_gpu, "vllm_available", lambda: vllm)
     monkeypatch.setenv(lkc.BATCH_INVARIANT_ENV, invariant)
-    rc, out, err = run(capsys, "-o", str(tmp_path / "out"))
+    rc, out, err = run(capsys, "-o", str(tmp_path / "out"), "--device", device)
     assert rc == 2 and message in err
     assert not (tmp_path / "out").exists()
 
 
-def test_dry_run_prints_the_plan_without_a_gpu(capsys, tmp_path: Path, monkeypatch) -> None:
+def test_dry_run_prints_the_settings_and_the_plan_without_a_gpu(capsys, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(lora_tune_gpu, "gpu_available", lambda: False)
-    rc, out, err = run(capsys, "--rows", "8,256", "--rank", "32", "-o", str(tmp_path / "out"), "--dry-run")
+    out_dir = str(tmp_path / "out")
+    rc, out, err = run(capsys, "--rows", "256,8", "--set", "rank=32", "-o", out_dir, "--dry-run")
     assert rc == 0, err
-    planned = yaml.safe_load(out)
-    assert planned["settings"]["rows"] == [8, 256] and planned["settings"]["rank"] == 32
-    assert planned["linears"]["qkv"] == {"in_features": 3584, "slices": [3584, 512, 512]}
-    assert planned["keys"] == {"shrink": 8, "expand": 6}
-    assert planned["grid"] == {
-        "shrink": len(candidates("shrink", 32)),
-        "expand": len(candidates("expand", 32)),
-    }
+    # The settings as a --config file, sorted rows; the plan as comments after them.
+    assert yaml.safe_load(out) == {"model": "qwen2.5-7b", "rank": 32, "rows": [8, 256], "install": False,
+                                   "device": "auto", "output": out_dir}  # fmt: skip
+    plan = [line[2:] for line in out.splitlines() if line.startswith("# ")]
+    assert "qkv 3584 -> 3584+512+512" in plan[1] and "down 18944 -> 3584" in plan[1]
+    assert plan[2] == "keys: 8 shrink, 6 expand"
+    grid = f"{len(candidates('shrink', 32))} shrink and {len(candidates('expand', 32))} expand candidates"
+    assert plan[3].startswith(f"grid: {grid}")
     shrink_trials = sum(len(candidates("shrink", 32, m)) + 1 for m in (8, 256)) * 4
-    assert planned["trials"]["shrink"] == shrink_trials
+    assert plan[4].startswith(f"trials: {shrink_trials} shrink")
     assert not (tmp_path / "out").exists()
 
 
@@ -205,6 +207,8 @@ def test_dry_run_prints_the_plan_without_a_gpu(capsys, tmp_path: Path, monkeypat
         (["--rank", "0"], "--rank must be a positive integer"),
         (["--rank", "12"], "give --rank 16"),
         (["--rows", "8,x"], "--rows takes comma-separated positive integers"),
+        (["--set", "rows=[0]"], "rows takes positive token counts"),
+        (["--device", "cpu"], "--device is auto or cuda[:N]"),
         (["--model", "no-such-shape"], "neither a model shape"),
     ],
 )

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from rich.table import Table
 
-from qerl_cli.bench.lora_tune_settings import LoraTuneSettings
+from qerl_cli.bench.lora_tune_settings import MAX_LORAS, LoraTuneSettings
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.random_checkpoint import SHAPES
@@ -138,7 +138,7 @@ def check_rank(rank: int) -> int:
     return rank
 
 
-def plan_keys(shape: ModelShape, rank: int, rows: tuple[int, ...]) -> list[TuneKey]:
+def plan_keys(shape: ModelShape, rank: int, rows: list[int]) -> list[TuneKey]:
     """Every key of both ops, linears of the same key merged (the op sees the same shapes)."""
     keys: dict[tuple[Any, ...], TuneKey] = {}
     for op, m, (name, (k_in, outs)) in itertools.product(("shrink", "expand"), rows,
@@ -179,24 +179,40 @@ def candidates(op: Op, rank: int, m: int | None = None) -> list[dict[str, Any]]:
 
 
 def plan(settings: LoraTuneSettings) -> dict[str, Any]:
-    """What a run would do (``--dry-run`` prints it): the shape's linears, the keys, the candidates."""
+    """What a run would do: the shape's linears (input features, each slice's output features), the keys
+    per op, each op's grid and the trials per op (vLLM's default included)."""
     check_rank(settings.rank)
     shape = model_shape(settings.model)
     keys = plan_keys(shape, settings.rank, settings.rows)
-    trials = {op: sum(len(candidates(op, settings.rank, k.m)) + 1 for k in keys if k.op == op)
-              for op in ("shrink", "expand")}  # fmt: skip
-    linears = {
-        name: {"in_features": k, "slices": list(outs)} for name, (k, outs) in shape.fused_linears().items()
-    }
+    ops = ("shrink", "expand")
     return {
-        "settings": settings.to_dict(),
-        "linears": linears,
-        "keys": {op: sum(1 for k in keys if k.op == op) for op in ("shrink", "expand")},
-        # Per key: the candidates Triton may compile, and vLLM's default (always timed first).
-        "grid": {op: len(candidates(op, settings.rank)) for op in ("shrink", "expand")},
-        "trials": trials,
-        "files": ["{GPU}_SHRINK.json", "{GPU}_EXPAND_TRUE.json", REPORT_NAME],
+        "linears": shape.fused_linears(),
+        "keys": {op: sum(1 for k in keys if k.op == op) for op in ops},
+        "grid": {op: len(candidates(op, settings.rank)) for op in ops},  # type: ignore[arg-type]
+        "trials": {
+            op: sum(len(candidates(op, settings.rank, k.m)) + 1 for k in keys if k.op == op)  # type: ignore[arg-type]
+            for op in ops
+        },  # fmt: skip
     }
+
+
+def plan_lines(settings: LoraTuneSettings) -> list[str]:
+    """The plan in words, a line each (``--dry-run`` prints them after the settings)."""
+    planned = plan(settings)
+    linears = ", ".join(
+        f"{name} {k} -> {'+'.join(map(str, outs))}" for name, (k, outs) in planned["linears"].items()
+    )
+    keys, grid, trials = planned["keys"], planned["grid"], planned["trials"]
+    return [
+        f"plan: {settings.model}, LoRA rank {settings.rank}, max_loras {MAX_LORAS}, token counts "
+        f"{','.join(map(str, settings.rows))}",
+        f"linears (input features -> each slice's output features): {linears}",
+        f"keys: {keys['shrink']} shrink, {keys['expand']} expand",
+        f"grid: {grid['shrink']} shrink and {grid['expand']} expand candidates (block_m taller than a key's "
+        "tokens left out), after vLLM's default",
+        f"trials: {trials['shrink']} shrink, {trials['expand']} expand",
+        f"writes: {{GPU}}_SHRINK.json, {{GPU}}_EXPAND_TRUE.json and {REPORT_NAME} into {settings.output}",
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,7 +242,7 @@ def run_search(
     results = []
     for key in plan_keys(model_shape(settings.model), settings.rank, settings.rows):
         result = tune_key(
-            key, default_config(key, settings.max_loras), candidates(key.op, settings.rank, key.m), trial
+            key, default_config(key, MAX_LORAS), candidates(key.op, settings.rank, key.m), trial
         )
         results.append(result)
         if on_key is not None:

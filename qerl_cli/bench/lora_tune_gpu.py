@@ -46,7 +46,7 @@ from qerl_cli.bench.lora_tune import (
     source_tree_folder,
     write_configs,
 )
-from qerl_cli.bench.lora_tune_settings import LoraTuneSettings
+from qerl_cli.bench.lora_tune_settings import MAX_LORAS, LoraTuneSettings
 from qerl_cli.bench.preflight import VLLM_EXTRA, gpu_available, vllm_available
 from qerl_cli.bench.progress import Progress
 from qerl_cli.errors import QerlError
@@ -61,12 +61,18 @@ TOLERANCE = 1e-2
 OPS_PACKAGE = "vllm.lora.ops.triton_ops"
 
 
-def check_can_run() -> None:
-    """Refuse, before anything runs, where the ops cannot: no CUDA GPU, no vLLM, batch-invariant mode."""
+def check_can_run(device: str = "auto") -> None:
+    """Refuse, before anything runs, where the ops cannot: no CUDA GPU (or not the one ``device`` names),
+    no vLLM, batch-invariant mode."""
     if not gpu_available():
         raise QerlError(
             "qerl bench lora-tune times vLLM's LoRA kernels on a CUDA GPU and none is visible; run it on the "
             "GPU the configs are for (--dry-run prints the plan here)"
+        )
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise QerlError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), numbered from 0"
         )
     if not vllm_available():
         raise QerlError(
@@ -211,7 +217,7 @@ def run_lora_tune(settings: LoraTuneSettings, command: str) -> dict[str, Any]:
     """Search every key of ``settings`` on this GPU, write the config files and ``lora_tune.json`` into
     ``settings.output`` (the report after each key, so a run cut short keeps its figures) and, with
     ``install``, copy the files into the source tree's shipped folder."""
-    check_can_run()
+    check_can_run(settings.device)
     shipped = source_tree_folder() if settings.install else None  # refused now, not after the run
     given = os.environ.pop(lkc.ENV_VAR, None)  # vLLM's defaults are what the candidates are timed against
     if given:
@@ -219,9 +225,11 @@ def run_lora_tune(settings: LoraTuneSettings, command: str) -> dict[str, Any]:
             "%s=%s is ignored while tuning: candidates are timed against vLLM's defaults", lkc.ENV_VAR, given
         )
     started = time.perf_counter()
+    device = torch.device("cuda" if settings.device == "auto" else settings.device)
+    torch.cuda.set_device(device)  # vLLM's ops launch on the current device
     out_dir = files.ensure_output_dir(settings.output, "--output")
-    gpu = torch.cuda.get_device_name()
-    ops = VllmLoraOps(settings.rank, settings.max_loras, torch.device("cuda"))
+    gpu = torch.cuda.get_device_name(device)
+    ops = VllmLoraOps(settings.rank, MAX_LORAS, device)
     header = report_header(SCHEMA, command)
     total = len(plan_keys(model_shape(settings.model), settings.rank, settings.rows))
     progress = Progress("bench lora-tune", total, started=started)
@@ -236,7 +244,7 @@ def run_lora_tune(settings: LoraTuneSettings, command: str) -> dict[str, Any]:
         write_report(out_dir / REPORT_NAME, report(header, settings, results, started, []))
 
     run_search(settings, ops.trial, ops.default_config, on_key)
-    written = write_configs(results, gpu, out_dir, settings.max_loras)
+    written = write_configs(results, gpu, out_dir, MAX_LORAS)
     data = report(header, settings, results, started, written)
     if shipped is not None:
         data["installed"] = [str(p.relative_to(shipped.parents[2])) for p in install(written, shipped)]
