@@ -117,9 +117,12 @@ def test_the_default_stays_when_no_candidate_beats_it() -> None:
     assert result.best is not None and result.best.config == fastest and result.speedup == 1.0
 
 
-def test_a_key_whose_default_cannot_run_has_no_config_and_says_why() -> None:
+def test_a_key_whose_default_cannot_run_keeps_the_default_and_says_why(tmp_path: Path) -> None:
     result = tune_key(KEY, DEFAULT, candidates("shrink", 16, 64), fake_trial(failing={256}))
     assert result.best is None and result.trials == [] and "OutOfResources" in (result.error or "")
+    # Its slice count stays in the table (vLLM looks it up exactly), with what vLLM runs there anyway.
+    (path,) = lora_tune.write_configs([result], GPU, tmp_path, 1)
+    assert vllm_rule_lookup(tmp_path, GPU, "shrink", None, (2, KEY.num_slices, 64, KEY.k, KEY.n)) == DEFAULT
 
 
 def test_the_files_are_what_vllms_lookup_finds_and_the_report_has_every_trial(tmp_path: Path) -> None:

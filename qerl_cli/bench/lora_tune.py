@@ -254,11 +254,14 @@ def run_search(
 # The files
 # --------------------------------------------------------------------------------------------
 def tables(results: list[KeyResult], max_loras: int) -> dict[str, dict[str, Any]]:
-    """op -> its table of the best config per key (keys without one are left out: vLLM then takes the
-    nearest key's)."""
+    """op -> its table of the best config per key. A key whose search failed gets vLLM's default: vLLM
+    looks the slice count up exactly, so a table without a slice count the model has would stop the
+    engine, while the default is what vLLM would have run there anyway."""
     out: dict[str, dict[str, Any]] = {}
     for op in ("shrink", "expand"):
-        chosen = [(r.key.config_key(max_loras), r.best.config) for r in results if r.key.op == op and r.best]
+        chosen = [
+            (r.key.config_key(max_loras), (r.best or r.default).config) for r in results if r.key.op == op
+        ]
         if chosen:
             out[op] = lkc.nest(chosen)
     return out

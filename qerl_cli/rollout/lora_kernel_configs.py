@@ -10,7 +10,9 @@ the configs on a GPU and writes them here in vLLM's own names and layout; ``qerl
 Files (vLLM's naming rule): ``{GPU}_SHRINK.json`` and ``{GPU}_EXPAND_{TRUE|FALSE}.json``, where GPU is
 ``torch.cuda.get_device_name()`` with spaces and dashes made underscores and TRUE / FALSE is the expand
 op's ``add_inputs``. Layout: ``table[max_loras][num_slices][m][k][n] = {block_m, ...}``, every key a
-decimal string; vLLM takes the exact key at each level when there is one, else the numerically nearest.
+decimal string; vLLM takes the exact key at each level when there is one, else the numerically nearest,
+except ``num_slices``, which it takes exactly: a table must hold every slice count of the model's LoRA
+layers (1, 2 and 3 for decoders with fused q/k/v and gate/up), or vLLM stops at the first layer without.
 ``max_loras`` there is the length of the op's LoRA-id list, the engine's ``max_loras`` plus the slot for
 "no LoRA" (:func:`lookup_max_loras`); ``k, n`` are (input features, rank) for shrink and (rank, the
 largest slice's output features) for expand.
