@@ -225,8 +225,9 @@ def run_lora_tune(settings: LoraTuneSettings, command: str) -> dict[str, Any]:
             "%s=%s is ignored while tuning: candidates are timed against vLLM's defaults", lkc.ENV_VAR, given
         )
     started = time.perf_counter()
-    device = torch.device("cuda" if settings.device == "auto" else settings.device)
-    torch.cuda.set_device(device)  # vLLM's ops launch on the current device
+    if settings.device != "auto":
+        torch.cuda.set_device(torch.device(settings.device))  # vLLM's ops launch on the current device
+    device = torch.device("cuda", torch.cuda.current_device())
     out_dir = files.ensure_output_dir(settings.output, "--output")
     gpu = torch.cuda.get_device_name(device)
     ops = VllmLoraOps(settings.rank, MAX_LORAS, device)
