@@ -225,7 +225,7 @@ def run_lora_tune(settings: LoraTuneSettings, command: str) -> dict[str, Any]:
             "%s=%s is ignored while tuning: candidates are timed against vLLM's defaults", lkc.ENV_VAR, given
         )
     started = time.perf_counter()
-    if settings.device != "auto":
+    if ":" in settings.device:  # cuda:N (auto and cuda: the current GPU)
         torch.cuda.set_device(torch.device(settings.device))  # vLLM's ops launch on the current device
     device = torch.device("cuda", torch.cuda.current_device())
     out_dir = files.ensure_output_dir(settings.output, "--output")
