@@ -6,11 +6,14 @@ vLLM, and ``--dry-run``'s plan."""
 from __future__ import annotations
 
 import json
+import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from test_lora_kernel_configs import vllm_rule_lookup
 
@@ -218,3 +221,76 @@ def test_dry_run_prints_the_settings_and_the_plan_without_a_gpu(capsys, tmp_path
 def test_bad_input_exits_2_naming_the_flag(capsys, argv: list[str], message: str) -> None:
     rc, out, err = run(capsys, *argv, "--dry-run")
     assert rc == 2 and message in err
+
+
+# -- the GPU side's plumbing, with vLLM's ops stood in for ------------------------------------------
+def stand_in_ops(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``vllm.lora.ops.triton_ops`` with its two ops in torch, each reading its config through its module's
+    ``get_lora_op_configs`` as vLLM's do: block_k 64 "fails to compile", block_m 64 computes a wrong
+    output. Records the configs each op launched in."""
+    launched: dict[str, list[dict[str, Any]]] = {"shrink": [], "expand": []}
+    package = types.ModuleType("vllm.lora.ops.triton_ops")
+    mods = {name: types.ModuleType(f"vllm.lora.ops.triton_ops.{name}")
+            for name in ("lora_shrink_op", "lora_expand_op", "utils")}  # fmt: skip
+    mods["utils"].get_lora_op_configs = lambda op_type, **kw: dict(DEFAULT)
+
+    def run_op(op: str, module: types.ModuleType) -> dict[str, Any]:
+        config = module.get_lora_op_configs(op, max_loras=2, batch=1, hidden_size=1, rank=1, num_slices=1)
+        launched[op].append(config)
+        if config["block_k"] == 64:
+            raise RuntimeError("OutOfResources: out of resource: shared memory\nRequired: 200000")
+        return config
+
+    def lora_shrink(x, weights, out, *meta_and_scaling):
+        config = run_op("shrink", mods["lora_shrink_op"])
+        out.zero_()
+        for i, w in enumerate(weights):
+            out[i] += x.float() @ w[0].float().t() * (2.0 if config["block_m"] == 64 else 1.0)
+
+    def lora_expand(x, weights, out, *meta, offset_start=0, add_inputs=True):
+        run_op("expand", mods["lora_expand_op"])
+        start = offset_start
+        for i, w in enumerate(weights):
+            out[:, start : start + w.shape[1]] += (x[i] @ w[0].float().t()).to(out.dtype)
+            start += w.shape[1]
+
+    class Meta:
+        @staticmethod
+        def make(max_loras: int, tokens: int, device: Any) -> Meta:
+            return Meta()
+
+        def prepare_tensors(self, mapping: Any) -> None:
+            assert (mapping == 0).all()  # every token on adapter 0
+
+        def meta_args(self, tokens: int, specialize: bool) -> tuple:
+            return (None,) * 7
+
+    mods["lora_shrink_op"].get_lora_op_configs = mods["lora_expand_op"].get_lora_op_configs = None
+    package.lora_shrink, package.lora_expand, package.LoRAKernelMeta = lora_shrink, lora_expand, Meta
+    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops", package)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, f"vllm.lora.ops.triton_ops.{name}", mod)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(lora_tune_gpu, "graph_us", lambda calls: 5.0 + len(launched["shrink"]) / 1000)
+    return launched
+
+
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+def test_each_config_reaches_vllms_op_and_its_output_is_checked(monkeypatch, op: str) -> None:
+    launched = stand_in_ops(monkeypatch)
+    ops = lora_tune_gpu.VllmLoraOps(16, 1, torch.device("cpu"))
+    key = next(k for k in plan_keys(QWEN7B, 16, [8]) if k.op == op and k.num_slices == 3)
+    default = ops.default_config(key, 1)
+    assert default == DEFAULT
+    ok = ops.trial(key, dict(DEFAULT, block_k=128), default)
+    assert ok.status == "ok" and ok.us is not None
+    failed = ops.trial(key, dict(DEFAULT, block_k=64), default)
+    assert (
+        failed.status == "failed"
+        and failed.detail == "RuntimeError: OutOfResources: out of resource: shared memory"
+    )
+    wrong = ops.trial(key, dict(DEFAULT, block_m=64), default)
+    assert wrong.status == ("differs" if op == "shrink" else "ok")  # the stand-in's expand ignores block_m
+    # The reference in the default config first, then each trial's own; nothing forced outside a trial.
+    assert [c["block_k"] for c in launched[op][:3]] == [DEFAULT["block_k"], 128, 64]
+    assert sys.modules[f"vllm.lora.ops.triton_ops.lora_{op}_op"].get_lora_op_configs is None
