@@ -23,7 +23,6 @@ from qerl_cli.cli.app import (
     positive_ints,
     set_option,
 )
-from qerl_cli.cli.bench import DeviceOption
 from qerl_cli.cli.bench_tools import load_settings, option
 
 L = LoraTuneSettings  # the --help defaults below are its own
@@ -61,7 +60,7 @@ def lora_tune(
     rank: option(L, "rank", "--rank", "RANK") = None,
     rows: RowsOption = None,
     install: InstallOption = None,
-    device: DeviceOption = None,
+    device: option(L, "device", "--device", "DEVICE", str) = None,
     output: OutputOption = None,
     config: ConfigOption = None,
     set_: LoraTuneSet = None,
