@@ -124,6 +124,8 @@ def _forced(module: ModuleType, config: Mapping[str, Any]) -> Iterator[None]:
 class VllmLoraOps:
     """vLLM's two LoRA ops on one GPU, each key's tensors made when it is first timed."""
 
+    dtype = torch.bfloat16  # the activations' and the LoRA weights' dtype in qerl's engines
+
     def __init__(self, rank: int, max_loras: int, device: torch.device) -> None:
         self.mods = _ops_modules()
         self.rank, self.max_loras, self.device = rank, max_loras, device
@@ -152,7 +154,7 @@ class VllmLoraOps:
                 shapes = [(self.max_loras, self.rank, key.in_features)] * key.num_slices
             else:
                 shapes = [(self.max_loras, out, self.rank) for out in key.slice_sizes]
-            self._weights[ident] = [self._randn(*s, dtype=torch.bfloat16, scale=0.02) for s in shapes]
+            self._weights[ident] = [self._randn(*s, dtype=self.dtype, scale=0.02) for s in shapes]
         return self._weights[ident]
 
     def _prepare(self, key: TuneKey) -> None:
@@ -165,7 +167,7 @@ class VllmLoraOps:
         args = meta.meta_args(key.m, False)
         weights = self._weights_for(key)
         if key.op == "shrink":
-            x = self._randn(key.m, key.in_features, dtype=torch.bfloat16)
+            x = self._randn(key.m, key.in_features, dtype=self.dtype)
             out = torch.empty((key.num_slices, key.m, self.rank), dtype=torch.float32, device=self.device)
             op = self.mods["package"].lora_shrink
 
@@ -173,7 +175,7 @@ class VllmLoraOps:
                 op(x, weights, out, *args, 1.0)
         else:
             x = self._randn(key.num_slices, key.m, self.rank, dtype=torch.float32)
-            out = torch.zeros((key.m, sum(key.slice_sizes)), dtype=torch.bfloat16, device=self.device)
+            out = torch.zeros((key.m, sum(key.slice_sizes)), dtype=self.dtype, device=self.device)
             op = self.mods["package"].lora_expand
 
             def call() -> None:
