@@ -19,6 +19,8 @@ HOMES = {
     "GIB": "qerl_cli/torch_utils.py",
     "lora_params": "qerl_cli/modeling/model_shape.py",
     "linear_shapes": "qerl_cli/modeling/model_shape.py",
+    "fused_linears": "qerl_cli/modeling/model_shape.py",
+    "gpu_file_prefix": "qerl_cli/rollout/lora_kernel_configs.py",
     "rollout_weight_format": "qerl_cli/rollout/backends.py",
     "BaseCompute": "qerl_cli/config/sections.py",
     "FusedKernels": "qerl_cli/config/sections.py",

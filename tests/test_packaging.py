@@ -55,6 +55,11 @@ def test_the_wheel_carries_the_recipes_and_finds_them_by_name(tmp_path: Path) ->
         assert (installed / recipe.name).read_bytes() == recipe.read_bytes(), recipe.name
     assert (target / "qerl_cli" / "rollout" / "crossover.json").is_file()
     assert (target / "qerl_cli" / "bench" / "gpus.json").is_file()  # the roofline's GPU table
+    # The tuned LoRA kernel configs: the folder and every config file a clone ships.
+    shipped = REPO / "qerl_cli" / "rollout" / "lora_configs"
+    carried = target / "qerl_cli" / "rollout" / "lora_configs"
+    assert (carried / "README.md").is_file()
+    assert sorted(p.name for p in carried.glob("*.json")) == sorted(p.name for p in shipped.glob("*.json"))
 
     # From a folder that is no clone, the installed qerl finds a recipe by name and by its clone path.
     elsewhere = tmp_path / "elsewhere"

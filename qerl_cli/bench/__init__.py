@@ -7,7 +7,8 @@
   :func:`bench_table` renders it, :func:`gate_failures` lists what the ``--baseline`` gate found (the
   CLI exits 1 when it is not empty);
 * ``kernels`` (:mod:`~qerl_cli.bench.kernels`), ``update`` (:mod:`~qerl_cli.bench.update`),
-  ``scaling`` (:mod:`~qerl_cli.bench.scaling`) and ``quality`` (:mod:`~qerl_cli.bench.quality`)
+  ``scaling`` (:mod:`~qerl_cli.bench.scaling`), ``quality`` (:mod:`~qerl_cli.bench.quality`) and
+  ``lora-tune`` (:mod:`~qerl_cli.bench.lora_tune`, its GPU side :mod:`~qerl_cli.bench.lora_tune_gpu`)
   each write their own JSON, which begins with :func:`~qerl_cli.bench.header.report_header`.
 
 The package imports its modules when they are used (``qerl_cli.bench.run_bench`` imports the rollout

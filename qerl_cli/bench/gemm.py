@@ -77,14 +77,8 @@ class GemmRow:
 def model_linears(shape_name: str) -> dict[str, tuple[int, int]]:
     """(N, K) of each GEMM of one decoder layer as vLLM runs it: q/k/v and gate/up fused."""
 
-    shapes = ModelShape.from_config(SHAPES[shape_name]).linear_shapes()
-    hidden = shapes["q_proj"][0]
-    return {
-        "qkv": (sum(shapes[p][1] for p in ("q_proj", "k_proj", "v_proj")), hidden),
-        "o": (shapes["o_proj"][1], shapes["o_proj"][0]),
-        "gate_up": (shapes["gate_proj"][1] + shapes["up_proj"][1], hidden),
-        "down": (shapes["down_proj"][1], shapes["down_proj"][0]),
-    }
+    fused = ModelShape.from_config(SHAPES[shape_name]).fused_linears()
+    return {name: (sum(outs), k) for name, (k, outs) in fused.items()}
 
 
 def graph_us(calls: list[Callable[[], Any]], replays: int = REPLAYS) -> float:

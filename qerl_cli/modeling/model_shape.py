@@ -61,6 +61,17 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
 
+    def fused_linears(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The GEMMs of one decoder layer as vLLM runs them, q/k/v and gate/up fused: each one's input
+        features and its slices' output features (one slice per projection it fuses)."""
+        shapes = self.linear_shapes()
+        return {
+            "qkv": (shapes["q_proj"][0], tuple(shapes[p][1] for p in ("q_proj", "k_proj", "v_proj"))),
+            "o": (shapes["o_proj"][0], (shapes["o_proj"][1],)),
+            "gate_up": (shapes["gate_proj"][0], (shapes["gate_proj"][1], shapes["up_proj"][1])),
+            "down": (shapes["down_proj"][0], (shapes["down_proj"][1],)),
+        }
+
     def lora_params(self, rank: int, targets: Iterable[str] | None = None) -> int:
         """Parameters of a rank-``rank`` LoRA (A and B) on the ``targets`` projections of every layer
         (None: all seven)."""

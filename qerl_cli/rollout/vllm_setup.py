@@ -17,6 +17,7 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
+from qerl_cli.rollout.lora_kernel_configs import use_tuned_lora_configs
 
 # vLLM's LoRAConfig only accepts these ranks; a recipe's value is rounded up to the next one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -89,6 +90,11 @@ def _cuda_capability() -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
 
 
+def _cuda_device_name() -> str | None:
+    """``torch.cuda.get_device_name()`` of the current device, None without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def _cuda_free_bytes() -> int | None:
     if not torch.cuda.is_available():
         return None
@@ -127,11 +133,15 @@ def vllm_in_process() -> bool:
 
 
 def _import_vllm() -> SimpleNamespace:
-    """The pieces of vLLM we use, imported on first engine construction."""
+    """The pieces of vLLM we use, imported on first engine construction, with the engine's environment
+    set first: every engine (train, eval, each bench backend) is built after this call."""
     # Keep the engine core in this process: LLM.apply_model then runs our noise function on the
     # very modules that generate, and torch.cuda memory figures include vLLM's allocations. (With
     # multiprocessing, vLLM only ships functions to its worker under VLLM_ALLOW_INSECURE_SERIALIZATION=1.)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The same LoRA kernel configs for every backend, so their figures compare: qerl's tuned ones for
+    # this GPU where it ships them, unless the user named a folder.
+    use_tuned_lora_configs(_cuda_device_name())
     try:
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
