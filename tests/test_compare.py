@@ -123,8 +123,8 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
     evaluated = []
     original_eval = heldout_mod.evaluate_heldout
     monkeypatch.setattr(
-        heldout_mod, "evaluate_heldout", lambda conf, st, adapter, target: evaluated.append(adapter)
-        or original_eval(conf, st, adapter, target),
+        heldout_mod, "evaluate_heldout", lambda conf, st, adapter, target, *rest: evaluated.append(adapter)
+        or original_eval(conf, st, adapter, target, *rest),
     )  # fmt: skip
     again = runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 2, out, sets=TINY_SETS)
     assert None not in evaluated  # the bases' evaluations were kept, not repeated
