@@ -7,7 +7,7 @@ A``, k = input features, n = rank) and ``lora_expand`` (``+= xa @ B``, k = rank,
 output features), one key per distinct (op, slices, m, k, n). For each key the search times vLLM's
 default config first, then every candidate of a small grid (:func:`candidates`); a candidate that fails
 to compile or run, or whose output differs from the default's, is skipped (and reported), and the
-fastest of the rest is written. The timing itself (:mod:`qerl_cli.bench.lora_ops`, vLLM's ops in CUDA
+fastest of the rest is written. The timing itself (:mod:`qerl_cli.bench.lora_tune_gpu`, vLLM's ops in CUDA
 graphs) is handed in as a function, so the search and the files are tested on the CPU.
 
 Only ``add_inputs=True`` (the LoRA output added onto the base layer's: vLLM's single-stream path, the

@@ -21,6 +21,7 @@ import torch
 from qerl_cli.compare.runs import run_dir
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.setup import ENGINE_READY_FILE
+from qerl_cli.rollout.lora_kernel_configs import BATCH_INVARIANT_ENV
 
 log = logging.getLogger(__name__)
 # The least gap between two vLLM runs' starts on one GPU; each also waits for the previous one's engine.
@@ -36,7 +37,7 @@ def child_environment(batch_invariant: bool) -> dict[str, str]:
     """What a run's child process gets on top of this one's environment: ``compare.batch_invariant``
     turns on vLLM's batch-invariant mode (its kernels then give a sequence the same numerics whatever
     it is batched with, so a seed reproduces its run), which vLLM reads from its environment."""
-    return {"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {}
+    return {BATCH_INVARIANT_ENV: "1"} if batch_invariant else {}
 
 
 def invocation_id() -> str:
