@@ -289,8 +289,10 @@ SMOL_100_STEPS = "smollm2-vllm-verdict-h200-2026-11-28"
     [
         (GEMMA_VERDICTS, ["bf16-lora", "nvfp4-lora"], 9, "unresolved", "docs/compare.md"),
         (GEMMA_VERDICTS, ["bf16-lora", "nvfp4-lora"], 18, "unresolved", "docs/compare.md"),
-        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-fp8merged"], 18, "worse", None),
-        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-aqn-t10pct-awq"], 18, "unresolved", None),
+        (GEMMA_VERDICTS, ["bf16-lora", "nvfp4-lora"], 28, "unresolved", None),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-fp8merged"], 28, "worse", None),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-aqn-t10pct-awq"], 28, "unresolved", None),
+        (GEMMA_VERDICTS, ["nvfp4-lora", "nvfp4-merged"], 28, "unresolved", None),
         (SMOL_VERDICTS, ["bf16-lora", "nvfp4-lora"], 10, "worse", None),
         (SMOL_100_STEPS, ["bf16-lora", "nvfp4-lora"], 10, "not worse", "docs/compare.md"),
     ],

@@ -80,10 +80,27 @@ def test_nest_writes_the_fields_given_and_no_others() -> None:
     assert table["2"]["1"]["8"]["16"]["3584"] == given
 
 
-def test_no_configs_are_shipped_yet_and_the_readme_says_so() -> None:
-    assert lkc.SHIPPED_FOLDER.is_dir()
-    assert list(lkc.SHIPPED_FOLDER.glob("*.json")) == []
-    assert "No configs are shipped yet" in (lkc.SHIPPED_FOLDER / "README.md").read_text()
+def test_every_shipped_config_file_is_a_table_vllm_can_use_and_the_readme_names_it() -> None:
+    # vLLM looks num_slices up exactly and stops at the first layer whose slice count is missing, so a
+    # shipped table must hold 1, 2 and 3 (o/down, gate_up, qkv) under qerl's max_loras key.
+    files = sorted(lkc.SHIPPED_FOLDER.glob("*.json"))
+    assert files, "the shipped folder holds no config file"
+    readme = (lkc.SHIPPED_FOLDER / "README.md").read_text()
+    for path in files:
+        table = lkc.read_table(path)
+        assert list(table) == [str(lkc.lookup_max_loras(1))], path.name
+        assert sorted(table["2"]) == ["1", "2", "3"], path.name
+        for num_slices, by_m in table["2"].items():
+            for m in ("8", "128", "2048"):
+                config = lkc.lookup(table, ConfigKey(2, int(num_slices), int(m), *_first_kn(by_m[m])))
+                assert set(config) <= set(lkc.CONFIG_FIELDS)
+                assert {"block_m", "block_n", "block_k"} <= set(config)
+        assert path.name in readme, f"{path.name} is shipped but the folder's README does not list it"
+
+
+def _first_kn(by_k: dict) -> tuple[int, int]:
+    k = next(iter(by_k))
+    return int(k), int(next(iter(by_k[k])))
 
 
 # -- the engine's environment -----------------------------------------------------------------------

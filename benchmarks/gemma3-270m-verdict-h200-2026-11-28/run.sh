@@ -19,6 +19,9 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 OUT_DIR=${OUT_DIR:-runs/gemma-verdict}
 ARMS=${ARMS:-bf16-lora,nvfp4-lora}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# The committed runs ran vLLM's default LoRA kernel configs (qerl shipped none then): added seeds keep them,
+# through an empty folder, unless the caller names one.
+export VLLM_TUNED_CONFIG_FOLDER=${VLLM_TUNED_CONFIG_FOLDER:-$(mktemp -d)}
 with_lc() { PYTHONPATH=$REPO:${LC_SITE:-} "$@"; }
 with_vllm() { PYTHONPATH=$REPO:${VLLM_SITE:-} "$@"; }
 HELDOUT=(--set compare.heldout_problems=1024 --set compare.heldout_samples=4 --set compare.heldout_temperature=0.7)
