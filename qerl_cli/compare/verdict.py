@@ -24,8 +24,8 @@ For every arm but the reference, from the per-seed held-out pass@1 of both (in p
   narrower one: an interval about a difference d resolves it only when narrower than ±max(M + d, -d)
   (:func:`resolving_half_width`), so the seeds at which it would, were the difference to stay at d, are
   counted too (``seeds_to_resolve``). While the interval is wider than ±M the line gives the ±M count,
-  and the observed-difference count after it where that is larger; once it is no wider than ±M (more
-  seeds than the ±M count), only the latter, with the end (-M or 0) the interval still holds.
+  and the observed-difference count after it where that is larger; once it is no wider than ±M (the
+  seeds run have reached the ±M count), only the latter, with the end (-M or 0) the interval still holds.
 
 An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds.
 Runs of an arm and its reference made on different GPUs (or CPUs) get a note in the verdict and a
@@ -313,8 +313,9 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
         f"p. Margin {m} points, fixed before the runs: better (the interval's lower end > 0), else not "
         f"worse by more than {m} points (lower end > -{m}), else worse (upper end < 0), else unresolved, "
         f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points. An "
-        f"interval about a difference d between -{m} and 0 resolves it only when narrower than "
-        f"±max({m} + d, -d), so where that takes more seeds, their count at the observed d is given too.",
+        f"interval about a difference d between -{m} and 0 resolves the verdict only when narrower than "
+        f"±max({m} + d, -d): where that takes more seeds than ±{m}, their count at the observed d is given "
+        "too.",
         "",
         *(f"- {verdict_line(v)}" for v in verdicts),
         *planning_lines(verdicts),
