@@ -243,10 +243,12 @@ def permutation_test(
 
 
 def seeds_for_half_width(sd_a: float, sd_b: float, half_width: float, confidence: float = 0.95,
-                         limit: int = 10000) -> int | None:  # fmt: skip
+                         limit: int = 10000, *, strict: bool = False) -> int | None:  # fmt: skip
     """The least n (>= 2) seeds per arm at which Welch's ``confidence`` interval of the difference, at
     these standard deviations, is no wider than ± ``half_width``: t(df_n) * sqrt((sd_a^2 + sd_b^2) / n)
-    <= half_width, with df_n Welch's for n a side. None: more than ``limit``."""
+    <= half_width, with df_n Welch's for n a side. ``strict``: narrower than it (< half_width), for a
+    bound the interval must stay inside of, such as a verdict's edge, which an interval reaching it
+    does not clear. None: more than ``limit``."""
 
     var = sd_a * sd_a + sd_b * sd_b
     # t > z at every df, so no n below the normal approximation's z^2 * var / half_width^2 will do: the
@@ -255,7 +257,8 @@ def seeds_for_half_width(sd_a: float, sd_b: float, half_width: float, confidence
     start = max(2, math.floor(z * z * var / half_width**2)) if half_width > 0 else limit + 1
     for n in range(start, limit + 1):
         df = welch_df(sd_a * sd_a, n, sd_b * sd_b, n)
-        if t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(var / n) <= half_width:
+        width = t_quantile(0.5 + confidence / 2.0, df) * math.sqrt(var / n)
+        if width < half_width or (width == half_width and not strict):
             return n
     return None
 

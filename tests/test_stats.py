@@ -91,6 +91,15 @@ def test_seeds_for_half_width_of_a_hand_worked_case() -> None:
     assert stats.seeds_for_half_width(100.0, 100.0, 0.01, limit=50) is None
 
 
+def test_seeds_for_half_width_strict_wants_an_interval_narrower_than_the_bound() -> None:
+    """A half-width exactly that of n = 9 seeds (sd 1 both): no wider than it at 9, narrower only at 10,
+    as an interval reaching a verdict's edge does not clear it."""
+    at_nine = stats.t_quantile(0.975, stats.welch_df(1.0, 9, 1.0, 9)) * math.sqrt(2.0 / 9)
+    assert stats.seeds_for_half_width(1.0, 1.0, at_nine) == 9
+    assert stats.seeds_for_half_width(1.0, 1.0, at_nine, strict=True) == 10
+    assert stats.seeds_for_half_width(0.0, 0.0, 1.0, strict=True) == 2  # a zero width is narrower
+
+
 @pytest.mark.parametrize(("sd_a", "sd_b", "width"), [(9.7, 9.7, 5.0), (3.0, 12.0, 5.0), (0.5, 0.2, 1.0)])
 def test_seeds_for_half_width_is_the_least_n_whose_interval_is_as_narrow(
     sd_a: float, sd_b: float, width: float

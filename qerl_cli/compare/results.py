@@ -210,6 +210,10 @@ class ArmVerdict:
     seeds_needed: int | None = None  # unresolved: seeds per arm for an interval of ± the margin
     # unresolved: the same, with the scatter at its one-sided 80% upper bound (its SDs are estimates)
     seeds_needed_assured: int | None = None
+    # unresolved: seeds per arm at which an interval at this scatter would resolve it were the difference to
+    # stay where it is (compare.verdict.resolving_half_width); None: more than the search's limit, or a
+    # report written before it was recorded
+    seeds_to_resolve: int | None = None
     devices: list[str] = field(default_factory=list)  # of the arm's and the reference's runs
     invocations: list[str] = field(default_factory=list)  # the compare invocations that made them
     notes: list[str] = field(default_factory=list)

@@ -20,8 +20,12 @@ For every arm but the reference, from the per-seed held-out pass@1 of both (in p
 - for ``unresolved``, the seeds per arm the observed scatter would need: the least n at which the
   interval, at both arms' standard deviations over seeds, is no wider than ±M
   (:func:`qerl_cli.stats.seeds_for_half_width`; docs/defaults.md's "seeds per arm for ±5"). Such an
-  interval resolves a difference above 0 (not worse) or below -M (worse); one between the two may take
-  more.
+  interval resolves a difference above 0 (not worse) or below -M (worse); one between the two needs a
+  narrower one: an interval about a difference d resolves it only when narrower than ±max(M + d, -d)
+  (:func:`resolving_half_width`), so the seeds at which it would, were the difference to stay at d, are
+  counted too (``seeds_to_resolve``). While the interval is wider than ±M the line gives the ±M count,
+  and the observed-difference count after it where that is larger; once it is no wider than ±M (the
+  seeds run have reached the ±M count), only the latter, with the end (-M or 0) the interval still holds.
 
 An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds.
 Runs of an arm and its reference made on different GPUs (or CPUs) get a note in the verdict and a
@@ -52,6 +56,8 @@ CONFIDENCE = 0.95
 # margin about half the time; at their 80% upper bound, about four times in five.
 ASSURANCE = 0.8
 _SEED_LIMIT = 10000  # seeds_needed searched up to
+# How a verdict line names the seeds it counts (the line's first count; a second one after it omits it).
+_UNIT = "seeds per arm at this scatter "
 UNRECORDED = "unrecorded"  # a run written before result.json recorded its device or invocation
 
 
@@ -64,6 +70,15 @@ def decide(low: float, high: float, margin: float) -> str:
     if high < 0:
         return "worse"
     return "unresolved"
+
+
+def resolving_half_width(difference: float, margin: float) -> float:
+    """The half-width an interval about ``difference`` (points) must stay under to be resolved at
+    ``margin``: low = d - hw > -M (not worse, or better) needs hw < M + d, high = d + hw < 0 (worse) needs
+    hw < -d, and the easier of the two is max(M + d, -d), M + d for d >= 0. It is least, M / 2, at
+    d = -M / 2, the hardest difference to resolve. Strictly under: at exactly this half-width the interval
+    reaches -M or 0, and the edges belong to the weaker verdict (:func:`decide`)."""
+    return max(margin + difference, -difference)
 
 
 def verdict_words(verdict: str, margin: float) -> str:
@@ -85,12 +100,35 @@ def p_method(v: ArmVerdict) -> str:
     return f"Monte Carlo, {v.p_relabelings} draws"
 
 
+def within_margin(v: ArmVerdict) -> bool:
+    """Whether an unresolved verdict's interval is already no wider than ± the margin: more seeds would
+    not narrow it to ±M, only past the narrower half-width that resolves it at the observed difference."""
+    return v.low is not None and v.high is not None and (v.high - v.low) / 2 <= v.margin
+
+
+def resolving_count_is_larger(v: ArmVerdict) -> bool:
+    """Whether the seeds to resolve an unresolved verdict at the observed difference exceed the ±M count
+    (None: more than the search's limit)."""
+    if v.seeds_needed is None:
+        return False  # the ±M count is already past the limit: no larger figure to add
+    return v.seeds_to_resolve is None or v.seeds_to_resolve > v.seeds_needed
+
+
+def _count(seeds: int | None) -> str:
+    """A resolving count as the cell shows it: "≈62", or ">10000" past the search's limit."""
+    return f"≈{seeds}" if seeds else f">{_SEED_LIMIT}"
+
+
 def verdict_cell(v: ArmVerdict) -> str:
     """The table's verdict cell."""
-    if v.verdict == "unresolved":
-        needed = v.seeds_needed or f">{_SEED_LIMIT}"
-        return f"unresolved ({needed} seeds/arm for ±{v.margin:g})"
-    return v.verdict
+    if v.verdict != "unresolved":
+        return v.verdict
+    at = f"at a {v.difference:+.1f} difference"
+    if within_margin(v):
+        return f"unresolved ({_count(v.seeds_to_resolve)} seeds/arm {at})"
+    needed = v.seeds_needed or f">{_SEED_LIMIT}"
+    later = f", {_count(v.seeds_to_resolve)} {at}" if resolving_count_is_larger(v) else ""
+    return f"unresolved ({needed} seeds/arm for ±{v.margin:g}{later})"
 
 
 def interval_cell(v: ArmVerdict) -> str:
@@ -116,12 +154,41 @@ def verdict_line(v: ArmVerdict) -> str:
             f"{verdict_words(v.verdict, v.margin)}"
         )
         if v.verdict == "unresolved":
-            text += (
-                f"; {v.seeds_needed} seeds per arm at this scatter would narrow it to ±{v.margin:g} points"
-                if v.seeds_needed
-                else f"; more than {_SEED_LIMIT} seeds per arm at this scatter to narrow it to ±{v.margin:g}"
-            )
+            text += f"; {_seeds_words(v)}"
     return text + "".join(f" ({note})" for note in v.notes)
+
+
+def _held_end(v: ArmVerdict) -> str:
+    """The end an unresolved interval still holds that stands between it and the nearer verdict: -M for
+    a difference above -M/2 (not worse is nearer), 0 below it (worse is), both at -M/2."""
+    m = f"-{v.margin:g}"
+    if v.difference > -v.margin / 2:  # type: ignore[operator]  # an unresolved verdict has its difference
+        return m
+    return "0" if v.difference < -v.margin / 2 else f"{m} and 0"  # type: ignore[operator]
+
+
+def _resolve_words(v: ArmVerdict, unit: str) -> str:
+    """How many seeds (``unit``: "seeds per arm at this scatter", or "" after a count that said it) would
+    resolve an unresolved verdict were the difference to stay put."""
+    stayed = f"if the difference stayed at {v.difference:+.1f} points"
+    if v.seeds_to_resolve:
+        return f"≈ {v.seeds_to_resolve} {unit}would resolve it {stayed}"
+    return f"more than {_SEED_LIMIT} {unit}would be needed to resolve it {stayed}"
+
+
+def _seeds_words(v: ArmVerdict) -> str:
+    """What the verdict line says of the seeds an unresolved verdict wants: the ±M planning count while
+    the interval is wider (with the observed-difference count where larger); once it is no wider, how
+    wide it is, the end it still holds and the observed-difference count."""
+    if within_margin(v):
+        half = (v.high - v.low) / 2  # type: ignore[operator]  # within_margin: both ends are there
+        return f"at ±{half:.1f} points it still holds {_held_end(v)}, and {_resolve_words(v, _UNIT)}"
+    narrow = (
+        f"{v.seeds_needed} seeds per arm at this scatter would narrow it to ±{v.margin:g} points"
+        if v.seeds_needed
+        else f"more than {_SEED_LIMIT} seeds per arm at this scatter to narrow it to ±{v.margin:g}"
+    )
+    return f"{narrow}, and {_resolve_words(v, '')}" if resolving_count_is_larger(v) else narrow
 
 
 def arm_verdicts(
@@ -164,6 +231,11 @@ def _verdict(
         verdict.seeds_needed = seeds_for_half_width(sd_a, sd_b, margin, CONFIDENCE, _SEED_LIMIT)
         verdict.seeds_needed_assured = seeds_with_assurance(
             sd_a, len(a), sd_b, len(b), margin, CONFIDENCE, ASSURANCE, _SEED_LIMIT
+        )
+        # Strictly narrower: an interval reaching -M or 0 stays unresolved.
+        resolving = resolving_half_width(interval.difference, margin)
+        verdict.seeds_to_resolve = seeds_for_half_width(
+            sd_a, sd_b, resolving, CONFIDENCE, _SEED_LIMIT, strict=True
         )
     return verdict
 
@@ -240,7 +312,10 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
         "means with its 95% interval (Welch's t, Welch-Satterthwaite df), and a two-sided permutation test's "
         f"p. Margin {m} points, fixed before the runs: better (the interval's lower end > 0), else not "
         f"worse by more than {m} points (lower end > -{m}), else worse (upper end < 0), else unresolved, "
-        f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points.",
+        f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points. An "
+        f"interval about a difference d between -{m} and 0 resolves the verdict only when narrower than "
+        f"±max({m} + d, -d): where that takes more seeds than ±{m}, their count at the observed d is given "
+        "too.",
         "",
         *(f"- {verdict_line(v)}" for v in verdicts),
         *planning_lines(verdicts),
@@ -249,18 +324,39 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
 
 def planning_lines(verdicts: list[ArmVerdict]) -> list[str]:
     """compare.md's advice on the seeds to run for each unresolved verdict: the SDs are estimates from the
-    seeds run, so it gives the count at their 80% upper bound beside the point estimate."""
-    lines = [
-        f"- {v.arm}: {v.seeds_needed} seeds per arm at the scatter seen, {v.seeds_needed_assured} at its "
-        f"{ASSURANCE:.0%} upper bound (run --seeds {v.seeds_needed_assured} to reach ±{v.margin:g} about "
-        f"{ASSURANCE:.0%} of the time; now {len(v.seeds)} vs {len(v.reference_seeds)})"
-        for v in verdicts
-        if v.verdict == "unresolved" and v.seeds_needed and v.seeds_needed_assured
-    ]
+    seeds run, so it gives the count at their 80% upper bound beside the point estimate, and the count
+    that would resolve it at the observed difference where that is larger (or the interval is already
+    within the margin)."""
+    lines = [line for v in verdicts if v.verdict == "unresolved" and (line := _plan_line(v))]
     if not lines:
         return []
     intro = (
         "Seeds to plan for: the standard deviations over seeds are themselves estimates, and an interval "
         "planned on them reaches the margin only about half the time."
     )
+    if any(
+        v.verdict == "unresolved" and (within_margin(v) or resolving_count_is_larger(v)) for v in verdicts
+    ):
+        intro += " A count at the observed difference assumes, too, that the difference stays where it is."
     return ["", intro, "", *lines]
+
+
+def _plan_line(v: ArmVerdict) -> str | None:
+    """One unresolved verdict's planning line; None when there is no count to plan for (past the limit)."""
+    now = f"now {len(v.seeds)} vs {len(v.reference_seeds)}"
+    resolving = resolving_half_width(v.difference, v.margin)  # type: ignore[arg-type]  # unresolved: set
+    count = f"≈ {v.seeds_to_resolve}" if v.seeds_to_resolve else f"more than {_SEED_LIMIT}"
+    resolve = (
+        f"resolving it if the difference stayed at {v.difference:+.1f} points (an interval narrower than "
+        f"±{resolving:.1f}) takes {count} per arm at the scatter seen"
+    )
+    if within_margin(v):
+        return f"- {v.arm}: the interval is already within ±{v.margin:g} ({now}); {resolve}"
+    if not (v.seeds_needed and v.seeds_needed_assured):
+        return None
+    line = (
+        f"- {v.arm}: {v.seeds_needed} seeds per arm at the scatter seen, {v.seeds_needed_assured} at its "
+        f"{ASSURANCE:.0%} upper bound (run --seeds {v.seeds_needed_assured} to reach ±{v.margin:g} about "
+        f"{ASSURANCE:.0%} of the time; {now})"
+    )
+    return f"{line}; {resolve}" if resolving_count_is_larger(v) else line
