@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,13 +18,14 @@ from qerl_cli.bench.gate import check_regressions, gate_caveat
 from qerl_cli.bench.hostload import (
     NO_GPU,
     GpuProcess,
+    GpuScan,
     HostLoad,
     HostProbes,
     LoadSample,
     busy_reasons,
     busy_warning,
-    is_ours,
     nvidia_smi_processes,
+    owner,
     parse_compute_apps,
     start_host_load,
 )
@@ -76,7 +78,7 @@ class FakeHost:
     """Readings in turn: each sample takes the next load, clock, own CPU seconds and GPU list."""
 
     def __init__(self, loads: Iterable[float], clocks: Iterable[float], cpu: Iterable[float],
-                 gpus: Iterable[list[GpuProcess] | str] | None = None, cpus: int = 4) -> None:  # fmt: skip
+                 gpus: Iterable[GpuScan | str] | None = None, cpus: int = 4) -> None:  # fmt: skip
         self.loads, self.clocks, self.cpu = iter(loads), iter(clocks), iter(cpu)
         self.gpus = iter(gpus) if gpus is not None else None
         self.cpus = cpus
@@ -126,7 +128,8 @@ def test_this_runs_own_cpu_use_is_taken_out_of_the_load_as_the_kernel_averages_i
 
 
 def test_the_gpus_other_processes_are_unknown_until_listed_then_every_one_seen_is_kept() -> None:
-    gpus = ["nvidia-smi not found", [GpuProcess(9, 100)], [GpuProcess(9, 300), GpuProcess(3, None)], "gone"]
+    gpus = ["nvidia-smi not found", GpuScan([GpuProcess(9, 100)]),
+            GpuScan([GpuProcess(9, 300), GpuProcess(3, None)]), "gone"]  # fmt: skip
     fake = FakeHost(loads=[0.1] * 4, clocks=range(5), cpu=[0] * 5, gpus=gpus)
     load = fake.start()
     assert (load.gpu_processes, load.gpu_note, load.busy) == (None, "nvidia-smi not found", False)
@@ -135,6 +138,17 @@ def test_the_gpus_other_processes_are_unknown_until_listed_then_every_one_seen_i
     assert load.gpu_processes == [GpuProcess(3, None), GpuProcess(9, 300)] and load.gpu_note is None
     assert load.busy_reason == "2 other processes on the measured GPU (pid 3; pid 9, 300 MiB)"
     assert len(fake.warnings) == 1  # busy from the second sample on, warned once
+
+
+def test_processes_outside_this_pid_namespace_are_recorded_and_not_counted(tmp_path: Path) -> None:
+    # A container: nvidia-smi gives the host's pids, among them maybe this run's own.
+    gpus = [GpuScan(unseen=[GpuProcess(40170, 185)]), GpuScan(), GpuScan()]
+    load = FakeHost(loads=[0.1] * 3, clocks=range(4), cpu=[0] * 4, gpus=gpus).start()
+    load.sample()
+    assert (load.gpu_processes, load.gpu_unseen, load.busy) == ([], [GpuProcess(40170, 185)], False)
+    idle = report(14500.0, load)
+    write_json(idle, tmp_path)
+    assert read_report(tmp_path) == idle and "1 outside this PID namespace (not counted)" in to_markdown(idle)
 
 
 def test_the_default_warning_is_one_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,14 +180,29 @@ def test_compute_apps_are_filtered_to_the_measured_gpu_and_to_other_processes() 
         f"555, 1024, {GPU_UUID}\n"  # this run's own worker
         "not a line\n"
     )
-    found = parse_compute_apps(text, GPU_UUID.removeprefix("GPU-"), ours=lambda pid: pid == 555)
-    assert found == [GpuProcess(100, 20480), GpuProcess(102, None)]
+    found = parse_compute_apps(text, GPU_UUID.removeprefix("GPU-"))
+    assert found == [GpuProcess(100, 20480), GpuProcess(102, None), GpuProcess(555, 1024)]
 
 
-def test_this_process_and_its_descendants_are_ours() -> None:
+def test_this_process_and_its_descendants_are_ours_a_pid_this_namespace_lacks_is_unseen() -> None:
     parents = {30: 20, 20: 10, 10: 1, 40: 1, 50: 51, 51: 50}
-    assert is_ours(10, 10, parents.get) and is_ours(30, 10, parents.get)
-    assert not is_ours(40, 10, parents.get) and not is_ours(50, 10, parents.get)  # a cycle ends
+    assert owner(10, 10, parents.get) == owner(30, 10, parents.get) == "ours"
+    assert owner(40, 10, parents.get) == owner(50, 10, parents.get) == "other"  # a cycle ends
+    assert owner(40170, 10, parents.get) == "unseen"
+
+
+def test_nvidia_smi_splits_the_measured_gpus_processes_by_owner() -> None:
+    me = os.getpid()
+    listing = f"{me}, 900, {GPU_UUID}\n{me + 1}, 64, {GPU_UUID}\n77777777, 185, {GPU_UUID}\n"
+    parents = {me: 1, me + 1: 1}
+
+    def run(query: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(query, 0, listing, "")
+
+    scan = nvidia_smi_processes(
+        GPU_UUID, run=run, which=lambda name: "/usr/bin/nvidia-smi", parent_of=parents.get
+    )
+    assert scan == GpuScan(others=[GpuProcess(me + 1, 64)], unseen=[GpuProcess(77777777, 185)])
 
 
 def test_without_nvidia_smi_the_processes_are_unknown_not_an_error() -> None:
@@ -198,7 +227,7 @@ def test_nvidia_smi_failures_are_recorded_as_unknown() -> None:
     )
     assert nvidia_smi_processes(GPU_UUID, run=hangs, which=which).startswith("nvidia-smi failed:")
     listed = nvidia_smi_processes(GPU_UUID, run=failing(0, f"1, 64, {GPU_UUID}\n"), which=which)
-    assert listed == [GpuProcess(1, 64)]
+    assert listed == GpuScan(others=[GpuProcess(1, 64)])  # pid 1 (init) is never this run's
 
 
 # --------------------------------------------------------------------------------------------

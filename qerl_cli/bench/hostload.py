@@ -103,20 +103,32 @@ class GpuProcess:
         return f"pid {self.pid}" + ("" if self.used_memory_mib is None else f", {self.used_memory_mib} MiB")
 
 
+@dataclass
+class GpuScan:
+    """One listing of the processes on the measured GPU other than this run's: ``others``, processes of
+    this PID namespace, and ``unseen``, pids it does not have. nvidia-smi reports the host's pids, so
+    inside a container those are another container's processes or this run's own seen from the host,
+    which cannot be told apart: they are recorded and do not make a run busy."""
+
+    others: list[GpuProcess] = field(default_factory=list)
+    unseen: list[GpuProcess] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class HostProbes:
-    """Where the readings come from. ``gpu_processes`` returns the other processes on the measured GPU,
-    or a string saying why they are unknown (no GPU, no nvidia-smi)."""
+    """Where the readings come from. ``gpu_processes`` lists the measured GPU's other processes, or
+    says why they are unknown (no GPU, no nvidia-smi)."""
 
     loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg
     cpu_count: Callable[[], int | None] = os.cpu_count
     own_cpu_s: Callable[[], float] = own_cpu_seconds
     process_age_s: Callable[[], float | None] = process_age_seconds
     clock: Callable[[], float] = time.monotonic
-    gpu_processes: Callable[[], list[GpuProcess] | str] = lambda: NO_GPU
+    gpu_processes: Callable[[], GpuScan | str] = lambda: NO_GPU
 
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:
+    """The parent of ``pid``; None where this PID namespace has no such process."""
     try:
         with open(f"{proc}/{pid}/stat", encoding="utf-8", errors="replace") as handle:
             return int(handle.read().rsplit(")", 1)[1].split()[1])
@@ -124,32 +136,33 @@ def parent_pid(pid: int, proc: str = "/proc") -> int | None:
         return None
 
 
-def is_ours(pid: int, me: int, parent_of: Callable[[int], int | None] = parent_pid) -> bool:
-    """Whether ``pid`` is this process or one of its descendants (an engine's worker)."""
+def owner(pid: int, me: int, parent_of: Callable[[int], int | None] = parent_pid) -> str:
+    """``"ours"`` (this process or a descendant: an engine's worker), ``"other"``, or ``"unseen"`` (no
+    such process in this PID namespace)."""
+    if pid != me and parent_of(pid) is None:
+        return "unseen"
     seen: set[int] = set()
     while pid and pid not in seen:
         if pid == me:
-            return True
+            return "ours"
         seen.add(pid)
         pid = parent_of(pid) or 0
-    return False
+    return "other"
 
 
 def _uuid(text: str) -> str:
-    return text.strip().lower().removeprefix("gpu-")
+    """A GPU UUID's hex digits: nvidia-smi writes ``GPU-`` before them, torch may not."""
+    return "".join(c for c in text.lower() if c in "0123456789abcdef")
 
 
-def parse_compute_apps(text: str, gpu_uuid: str, ours: Callable[[int], bool]) -> list[GpuProcess]:
+def parse_compute_apps(text: str, gpu_uuid: str) -> list[GpuProcess]:
     """The processes of ``nvidia-smi --query-compute-apps=pid,used_memory,gpu_uuid`` (CSV, no header, no
-    units) on the GPU ``gpu_uuid`` that are not ``ours``."""
+    units) on the GPU ``gpu_uuid``."""
     found = []
     for line in text.splitlines():
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) != 3 or not parts[0].isdigit() or _uuid(parts[2]) != _uuid(gpu_uuid):
-            continue
-        pid = int(parts[0])
-        if not ours(pid):
-            found.append(GpuProcess(pid, int(parts[1]) if parts[1].isdigit() else None))
+        if len(parts) == 3 and parts[0].isdigit() and _uuid(parts[2]) == _uuid(gpu_uuid):
+            found.append(GpuProcess(int(parts[0]), int(parts[1]) if parts[1].isdigit() else None))
     return found
 
 
@@ -157,11 +170,10 @@ def nvidia_smi_processes(
     gpu_uuid: str | None,
     run: Callable[..., Any] = subprocess.run,
     which: Callable[[str], str | None] = shutil.which,
-) -> list[GpuProcess] | str:
-    """The other processes on the GPU ``gpu_uuid`` as nvidia-smi lists them, or why they are unknown.
-
-    Inside a container nvidia-smi may not list other containers' processes: an empty list then means
-    none that it can see."""
+    parent_of: Callable[[int], int | None] = parent_pid,
+) -> GpuScan | str:
+    """The processes on the GPU ``gpu_uuid`` that are not this run's, as nvidia-smi lists them, or why
+    they are unknown."""
     if gpu_uuid is None:
         return "the measured GPU's UUID is unknown"
     exe = which("nvidia-smi")
@@ -174,8 +186,22 @@ def nvidia_smi_processes(
         return f"nvidia-smi failed: {exc}"
     if done.returncode != 0:
         return f"nvidia-smi exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}"
-    me = os.getpid()
-    return parse_compute_apps(done.stdout, gpu_uuid, lambda pid: is_ours(pid, me))
+    scan, me = GpuScan(), os.getpid()
+    for process in parse_compute_apps(done.stdout, gpu_uuid):
+        kind = owner(process.pid, me, parent_of)
+        if kind != "ours":
+            (scan.others if kind == "other" else scan.unseen).append(process)
+    return scan
+
+
+def _merged(before: list[GpuProcess] | None, found: list[GpuProcess]) -> list[GpuProcess]:
+    """Every process seen so far, each with the most memory it was seen holding."""
+    seen = {p.pid: p for p in before or []}
+    for process in found:
+        earlier = seen.get(process.pid)
+        if earlier is None or (process.used_memory_mib or 0) > (earlier.used_memory_mib or 0):
+            seen[process.pid] = process
+    return sorted(seen.values(), key=lambda p: p.pid)
 
 
 class _Sampler:
@@ -225,6 +251,7 @@ class HostLoad:
     samples: int = 0
     gpu_processes: list[GpuProcess] | None = None  # every other process seen; None: unknown (gpu_note)
     gpu_note: str | None = None  # why the GPU's other processes are unknown
+    gpu_unseen: list[GpuProcess] | None = None  # pids outside this PID namespace (GpuScan)
     busy_reason: str | None = None
     sampler: _Sampler | None = field(default=None, compare=False, repr=False)
 
@@ -260,17 +287,13 @@ class HostLoad:
             self.sampler.warned = True
             self.sampler.warn(busy_warning(self.busy_reason))
 
-    def _add_gpu_processes(self, found: list[GpuProcess] | str) -> None:
+    def _add_gpu_processes(self, found: GpuScan | str) -> None:
         if isinstance(found, str):  # unknown this time: keep what earlier samples saw
             if self.gpu_processes is None:
                 self.gpu_note = found
             return
-        seen = {p.pid: p for p in self.gpu_processes or []}
-        for process in found:
-            before = seen.get(process.pid)
-            if before is None or (process.used_memory_mib or 0) > (before.used_memory_mib or 0):
-                seen[process.pid] = process
-        self.gpu_processes, self.gpu_note = sorted(seen.values(), key=lambda p: p.pid), None
+        self.gpu_processes, self.gpu_note = _merged(self.gpu_processes, found.others), None
+        self.gpu_unseen = _merged(self.gpu_unseen, found.unseen) or None  # None when none, as read back
 
     def to_dict(self) -> dict[str, Any]:
         """The ``host_load`` section (the verdict is written beside it: :meth:`verdict`)."""
@@ -284,6 +307,8 @@ class HostLoad:
             "peak": self.peak.to_dict() if self.peak else None,
             "gpu_processes": None if processes is None else [p.to_dict() for p in processes],
         }
+        if self.gpu_unseen:
+            out["gpu_unseen"] = [p.to_dict() for p in self.gpu_unseen]
         if self.gpu_note is not None:
             out["gpu_note"] = self.gpu_note
         return out
@@ -307,6 +332,9 @@ class HostLoad:
             samples=data.get("samples", 0),
             gpu_processes=None if processes is None else [GpuProcess.from_dict(p) for p in processes],
             gpu_note=data.get("gpu_note"),
+            gpu_unseen=[GpuProcess.from_dict(p) for p in data["gpu_unseen"]]
+            if "gpu_unseen" in data
+            else None,
             busy_reason=busy_reason,
         )
 

@@ -257,6 +257,8 @@ def host_load_line(host: HostLoad | None) -> str | None:
         gpu = f"; other processes on the GPU unknown ({host.gpu_note})"
     else:
         gpu = f"; {len(host.gpu_processes)} other process(es) on the GPU"
+    if host.gpu_unseen:  # a container's view: these may be this run's own processes
+        gpu += f", {len(host.gpu_unseen)} outside this PID namespace (not counted)"
     return f"Host: {host.cpu_count} CPUs, {load}{gpu}."
 
 
