@@ -130,7 +130,7 @@ def test_this_runs_own_cpu_use_is_taken_out_of_the_load_as_the_kernel_averages_i
 def test_the_gpus_other_processes_are_unknown_until_listed_then_every_one_seen_is_kept() -> None:
     gpus = ["nvidia-smi not found", GpuScan([GpuProcess(9, 100)]),
             GpuScan([GpuProcess(9, 300), GpuProcess(3, None)]), "gone"]  # fmt: skip
-    fake = FakeHost(loads=[0.1] * 4, clocks=range(5), cpu=[0] * 5, gpus=gpus)
+    fake = FakeHost(loads=[0.1] * 4, clocks=range(0, 50, 10), cpu=[0] * 5, gpus=gpus)
     load = fake.start()
     assert (load.gpu_processes, load.gpu_note, load.busy) == (None, "nvidia-smi not found", False)
     for _ in range(3):
@@ -143,12 +143,23 @@ def test_the_gpus_other_processes_are_unknown_until_listed_then_every_one_seen_i
 def test_processes_outside_this_pid_namespace_are_recorded_and_not_counted(tmp_path: Path) -> None:
     # A container: nvidia-smi gives the host's pids, among them maybe this run's own.
     gpus = [GpuScan(unseen=[GpuProcess(40170, 185)]), GpuScan(), GpuScan()]
-    load = FakeHost(loads=[0.1] * 3, clocks=range(4), cpu=[0] * 4, gpus=gpus).start()
+    load = FakeHost(loads=[0.1] * 3, clocks=range(0, 40, 10), cpu=[0] * 4, gpus=gpus).start()
     load.sample()
     assert (load.gpu_processes, load.gpu_unseen, load.busy) == ([], [GpuProcess(40170, 185)], False)
     idle = report(14500.0, load)
     write_json(idle, tmp_path)
     assert read_report(tmp_path) == idle and "1 outside this PID namespace (not counted)" in to_markdown(idle)
+
+
+def test_the_gpu_is_listed_at_the_first_sample_then_at_most_every_ten_seconds() -> None:
+    gpus = [GpuScan(), GpuScan([GpuProcess(5, 1)]), GpuScan([GpuProcess(6, 1)])]
+    fake = FakeHost(loads=[0.1] * 4, clocks=[0, 0, 9.9, 10, 19.9], cpu=[0] * 5, gpus=gpus)
+    load = fake.start()  # listed at 0
+    load.sample()  # 9.9 s: not yet
+    assert load.gpu_processes == []
+    load.sample()  # 10 s: listed
+    load.sample()  # 19.9 s: not yet (a third listing would be pid 6)
+    assert load.gpu_processes == [GpuProcess(5, 1)] and load.samples == 4
 
 
 def test_the_default_warning_is_one_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

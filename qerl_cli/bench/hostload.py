@@ -34,6 +34,9 @@ BUSY_LOAD_FRACTION = 0.5
 LOAD_WINDOW_S = 60.0
 # nvidia-smi answers in well under a second; a hung driver must not hang the benchmark.
 NVIDIA_SMI_TIMEOUT_S = 10.0
+# The GPU's processes are listed at most this often (the load, which costs nothing, at every sample):
+# `lora-tune` writes its report after every key, and nvidia-smi can take a second on a many-GPU host.
+GPU_QUERY_INTERVAL_S = 10.0
 NO_GPU = "no GPU measured"
 
 
@@ -213,10 +216,18 @@ class _Sampler:
         self.warn = warn
         self.warned = False
         self.started = self.last_clock = probes.clock()
+        self.last_gpu_query: float | None = None
         self.last_cpu = probes.own_cpu_s()
         # Before the first sample this process ran for its age: its CPU time spread evenly over it.
         age = probes.process_age_s()
         self.own_1m = _decayed(0.0, self.last_cpu / age, age) if age and age > 0 else 0.0
+
+    def gpu_due(self) -> bool:
+        """Whether to list the GPU's processes now (the first sample, then every GPU_QUERY_INTERVAL_S)."""
+        due = self.last_gpu_query is None or self.last_clock - self.last_gpu_query >= GPU_QUERY_INTERVAL_S
+        if due:
+            self.last_gpu_query = self.last_clock
+        return due
 
     def own_share(self) -> tuple[float, float]:
         """(seconds since the first sample, this run's 1-minute share of the load now)."""
@@ -280,7 +291,8 @@ class HostLoad:
             if self.peak is None or reading.others_1m > self.peak.others_1m:
                 self.peak = reading
         self.samples += 1
-        self._add_gpu_processes(probes.gpu_processes())
+        if self.sampler.gpu_due():
+            self._add_gpu_processes(probes.gpu_processes())
         reasons = busy_reasons(self)
         self.busy_reason = "; ".join(reasons) if reasons else None
         if self.busy_reason and not self.sampler.warned:
