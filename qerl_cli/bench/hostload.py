@@ -26,13 +26,13 @@ from typing import Any
 
 # The rule: a run is busy when the 1-minute load of *other* processes exceeds this fraction of the
 # host's CPUs at any sample, or another process uses the measured GPU. Half, because os.cpu_count()
-# counts logical CPUs and GPU hosts run two per physical core (SMT): above half of them every physical
+# counts logical CPUs and GPU servers commonly run two per physical core (SMT): above half every physical
 # core has a runnable thread, so the engine's CPU-bound step loop (scheduler, sampler, detokenizer)
 # shares its core and the GPU waits between steps. Below half a loaded host still has a core to spare.
 BUSY_LOAD_FRACTION = 0.5
 # The kernel's 1-minute load average decays with this time constant (seconds).
 LOAD_WINDOW_S = 60.0
-# nvidia-smi answers in well under a second; a hung driver must not hang the benchmark.
+# nvidia-smi answers within a second or so; a hung driver must not hang the benchmark.
 NVIDIA_SMI_TIMEOUT_S = 10.0
 # The GPU's processes are listed at most this often (the load, which costs nothing, at every sample):
 # `lora-tune` writes its report after every key, and nvidia-smi can take a second on a many-GPU host.
