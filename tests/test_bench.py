@@ -159,8 +159,9 @@ def test_the_report_is_bench_json_key_for_key(bench_run):
     assert json.dumps(report.to_dict()) == json.dumps(on_disk)  # same keys, same order, same values
     assert read_report(out) == report and json.dumps(read_report(out).to_dict()) == json.dumps(on_disk)
     assert list(on_disk) == [
-        "schema", "created", "device", "figures_label", "machine", "gpu", "versions", "settings", "rollout",
-        "memory", "e2e", "regression", "errors", "timings", "files",
+        "schema", "created", "device", "figures_label", "host_busy", "host_busy_reason", "machine",
+        "host_load", "gpu", "versions", "settings", "rollout", "memory", "e2e", "regression", "errors",
+        "timings", "files",
     ]  # fmt: skip
     # While measuring, the file says it is not complete yet (and has no timings or files).
     partial = dataclasses.replace(report, complete=False, timings=None, files=None).to_dict()

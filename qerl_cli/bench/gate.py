@@ -4,6 +4,10 @@ Throughput may not drop, and memory and step time may not rise, by more than the
 the baseline measured that failed now is a regression too. Each rollout format is compared on its
 default kernels only (a ``--concurrency`` sweep's other backends are measurements, not a contract);
 each e2e row by its format and linear backend (every pair of ``qerl bench e2e`` was asked for by name).
+
+A run or baseline measured on a busy host (:mod:`qerl_cli.bench.hostload`) is still gated, since a
+regression may be real either way, but the outcome says the comparison is not clean
+(:func:`gate_caveat`): a drop may be the host's, and a busy baseline hides one.
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: flo
             "the baseline shares no measurement with this run (other formats, batches or LoRA rank); "
             "run with the baseline's --formats and --batch"
         )
-    return RegressionOutcome(tolerance=tolerance, compared=compared, failures=failures, passed=not failures)
+    return RegressionOutcome(tolerance=tolerance, compared=compared, failures=failures, passed=not failures,
+                             baseline_host_busy=baseline.host_busy_reason)  # fmt: skip
 
 
 def _gated_rows(report: BenchResult, section: str) -> list[dict[str, Any]]:
@@ -134,6 +139,21 @@ def _gated_rows(report: BenchResult, section: str) -> list[dict[str, Any]]:
         return [{**r, "backend": row_backend(r)} for r in report.e2e or []]
     rows = {"rollout": report.rollout, "memory": report.memory}[section]
     return [r for r in rows if r.get("backend") in (None, "default", "marlin")]
+
+
+def gate_caveat(report: BenchResult) -> str | None:
+    """Why the ``--baseline`` comparison is not clean (this run's or the baseline's host was busy), or
+    None: a clean comparison, or no gate. A warning, never a failure of the gate."""
+    if report.regression is None:
+        return None
+    reasons = {"this run's": report.host_busy_reason, "the baseline's": report.regression.baseline_host_busy}
+    busy = [f"{whose} host was busy ({why})" for whose, why in reasons.items() if why]
+    if not busy:
+        return None
+    return (
+        "the regression gate's comparison is not clean: " + "; ".join(busy) + ". A change may be the "
+        "host's, not qerl's; rerun on an idle host before trusting it."
+    )
 
 
 def gate_failures(report: BenchResult) -> list[str]:

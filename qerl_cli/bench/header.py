@@ -1,5 +1,7 @@
-"""What every ``qerl bench`` report starts with: the command that made it, when, on which device, and
-the versions of the stack (from :mod:`qerl_cli.envinfo`, the one reader of versions and GPUs).
+"""What every ``qerl bench`` report starts with: the command that made it, when, on which device, the
+versions of the stack (from :mod:`qerl_cli.envinfo`, the one reader of versions and GPUs) and whether
+the host was busy (:mod:`qerl_cli.bench.hostload`: sampled when the report begins and each time it is
+written, so its last write is the run's end).
 
 ``bench.json`` (:mod:`qerl_cli.bench.result`) lays these out among its own keys; the other benchmarks'
 JSON files (``kernels.json``, ``update.json``, ``scaling.json``, ``quality.json``) begin with
@@ -11,12 +13,14 @@ from __future__ import annotations
 import os
 import platform
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qerl_cli import files
+from qerl_cli.bench.hostload import NO_GPU, HostLoad, HostProbes, nvidia_smi_processes, start_host_load
 from qerl_cli.envinfo import gpu_driver, gpu_info, package_versions
 
 VERSIONED_PACKAGES = (
@@ -72,10 +76,28 @@ def gpu_summary() -> dict[str, Any] | None:
     }
 
 
+def measured_gpu_uuid() -> str | None:
+    """The UUID of the GPU the benchmark measures (torch's current device), to find the other processes
+    on it; never written in a report (it names one physical board). None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return str(uuid) if uuid else None
+
+
+def start_run_host_load(gpu: bool) -> HostLoad:
+    """The host's load from now on, and on a GPU run the other processes on the measured GPU."""
+    processes = partial(nvidia_smi_processes, measured_gpu_uuid()) if gpu else lambda: NO_GPU
+    return start_host_load(HostProbes(gpu_processes=processes))
+
+
 def report_header(schema: str, command: str) -> dict[str, Any]:
     """``schema``, ``command``, ``created``, ``device`` (the GPU's name, or ``"cpu"``), ``gpu`` (its
-    details, None on the CPU) and ``versions``: the first keys of every benchmark's JSON."""
+    details, None on the CPU), ``versions``, then ``host_busy``, ``host_busy_reason`` and ``host_load``
+    (a :class:`~qerl_cli.bench.hostload.HostLoad`, which :func:`write_report` samples and writes): the
+    first keys of every benchmark's JSON."""
     gpu = gpu_summary()
+    host = start_run_host_load(gpu is not None)
     return {
         "schema": schema,
         "command": command,
@@ -83,9 +105,19 @@ def report_header(schema: str, command: str) -> dict[str, Any]:
         "device": gpu["name"] if gpu else "cpu",
         "gpu": gpu,
         "versions": versions(),
+        **host.verdict(),
+        "host_load": host,
     }
 
 
 def write_report(path: str | Path, data: dict[str, Any]) -> Path:
-    """A benchmark's JSON, written staged (a run cut short leaves the previous file whole)."""
+    """A benchmark's JSON, written staged (a run cut short leaves the previous file whole).
+
+    A report begun by :func:`report_header` has its host load sampled first (each write is a point
+    between cases; the last is the run's end) and its ``host_busy`` keys renewed in ``data``."""
+    host = data.get("host_load")
+    if isinstance(host, HostLoad):
+        host.sample()
+        data.update(host.verdict())
+        data = {**data, "host_load": host.to_dict()}
     return files.write_json(path, data)

@@ -16,6 +16,8 @@ from rich.text import Text
 from qerl_cli import files
 from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
+from qerl_cli.bench.gate import gate_caveat
+from qerl_cli.bench.hostload import NO_GPU, HostLoad, busy_warning
 from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.result import BenchResult
 
@@ -188,6 +190,9 @@ def bench_table(report: BenchResult):  # -> rich.console.Group
     """Rich renderable: rollout, memory, e2e tables and the regression outcome."""
 
     parts: list[Any] = [Text(_title(report), style="bold"), Text(report.figures_label, style="yellow")]
+    busy = busy_line(report)
+    if busy:
+        parts.append(Text(busy, style="bold yellow"))
     for title, columns, rows in _tables(report):
         if not rows:
             continue
@@ -212,6 +217,9 @@ def bench_table(report: BenchResult):  # -> rich.console.Group
         else:
             parts.append(Text("Regression gate FAILED:", style="bold red"))
             parts.extend(Text(f"  {f}", style="red") for f in regression.failures)
+    caveat = gate_caveat(report)
+    if caveat:
+        parts.append(Text(f"Warning: {caveat}", style="yellow"))
     return Group(*parts)
 
 
@@ -227,18 +235,48 @@ def machine_line(machine: dict[str, Any]) -> str:
     return f"{machine['cpu_count']} CPUs" + (f", {ram / 2**30:.0f} GiB RAM" if ram else "")
 
 
+def busy_line(report: BenchResult) -> str | None:
+    """The warning of a run on a busy host (what was busy), None for an idle or unrecorded one."""
+    reason = report.host_busy_reason
+    return None if reason is None else f"Warning: {busy_warning(reason)}."
+
+
+def host_load_line(host: HostLoad | None) -> str | None:
+    """The host's 1-minute load at the start and end, the other processes' highest, and the GPU's other
+    processes; None for a report from before the load was recorded."""
+    if host is None:
+        return None
+    if host.start is None or host.end is None or host.peak is None:
+        load = "load average unknown"
+    else:
+        load = (f"1-minute load {host.start.load_1m:.1f} at the start, {host.end.load_1m:.1f} at the end, "
+                f"other processes' highest {host.peak.others_1m:.1f}")  # fmt: skip
+    if host.gpu_note == NO_GPU:
+        gpu = ""
+    elif host.gpu_processes is None:
+        gpu = f"; other processes on the GPU unknown ({host.gpu_note})"
+    else:
+        gpu = f"; {len(host.gpu_processes)} other process(es) on the GPU"
+    if host.gpu_unseen:  # a container's view: these may be this run's own processes
+        gpu += f", {len(host.gpu_unseen)} outside this PID namespace (not counted)"
+    return f"Host: {host.cpu_count} CPUs, {load}{gpu}."
+
+
 def to_markdown(report: BenchResult) -> str:
     gpu = report.gpu
     versions = report.versions
+    busy, host = busy_line(report), host_load_line(report.host_load)
     lines = [
         f"## {_title(report)}",
         "",
         f"**{report.figures_label}**",
         "",
+        *([f"**{busy}**", ""] if busy else []),
         f"Machine: {machine_line(report.machine)}"
         + (f", GPU: {gpu['name']} x{gpu['count']}, CUDA {gpu['cuda']}" if gpu else ", no GPU")
         + (f", driver {gpu['driver']}" if gpu and gpu.get("driver") else ""),
         "",
+        *([host, ""] if host else []),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         "",
     ]
@@ -259,6 +297,9 @@ def to_markdown(report: BenchResult) -> str:
             lines.append("Regression gate: **FAILED**")
             lines += [f"- {f}" for f in regression.failures]
         lines.append("")
+    caveat = gate_caveat(report)
+    if caveat:
+        lines += [f"Warning: {caveat}", ""]
     return "\n".join(lines)
 
 

@@ -6,7 +6,10 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
 * ``schema``, ``created``, ``command`` (the ``qerl bench`` command line; absent in files of qerl before
   the bench subcommands), ``device`` (``"gpu"`` or ``"cpu"``) and ``figures_label``, which says how far
   the figures can be trusted (CPU figures are only good for ratios between formats of the same run);
-* ``machine``, ``gpu`` (None on CPU), ``versions``, ``settings``;
+* ``host_busy`` and ``host_busy_reason``: whether other work on the host or the GPU made the figures
+  incomparable with an idle run's (:mod:`qerl_cli.bench.hostload`'s rule; absent in earlier files);
+* ``machine``, ``host_load`` (the load and the GPU's other processes, sampled at the start, after every
+  case and at the end; absent in earlier files), ``gpu`` (None on CPU), ``versions``, ``settings``;
 * ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency;
 * ``memory``: one row per (format, backend, LoRA rank) with weight bytes, peaks, KV-cache budget and
   how they were measured;
@@ -14,7 +17,8 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
   phase, its ``format`` and ``backend`` (the name the pair ran under; rows of earlier versions have
   no ``backend``: :func:`~qerl_cli.bench.e2e_backends.row_backend`) and the step time against BF16's
   (``None`` for the other benchmarks);
-* ``regression``: the outcome of ``--baseline`` (``None`` without it);
+* ``regression``: the outcome of ``--baseline`` (``None`` without it; ``baseline_host_busy`` when the
+  baseline's host was busy);
 * ``errors``: the cases that produced no figures, with why;
 * ``complete: false`` while the run is still measuring (the file is rewritten after every case);
 * ``timings``: seconds of the whole measurement, of writing the random checkpoints, of each format
@@ -36,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.bench.header import created_now, gpu_summary, machine_info, versions
+from qerl_cli.bench.header import created_now, gpu_summary, machine_info, start_run_host_load, versions
+from qerl_cli.bench.hostload import HostLoad
 from qerl_cli.errors import QerlError
 
 SCHEMA = "qerl-bench/1"
@@ -45,20 +50,26 @@ REPORT_NAME = "bench.json"
 
 @dataclass
 class RegressionOutcome:
-    """``--baseline``: how many figures were compared and which regressed beyond the tolerance."""
+    """``--baseline``: how many figures were compared and which regressed beyond the tolerance, and
+    whether the baseline's host was busy (its reason; the comparison is then not clean)."""
 
     tolerance: float
     compared: int
     failures: list[str]
     passed: bool
+    baseline_host_busy: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tolerance": self.tolerance, "compared": self.compared, "failures": list(self.failures),
-                "passed": self.passed}  # fmt: skip
+        out = {"tolerance": self.tolerance, "compared": self.compared, "failures": list(self.failures),
+               "passed": self.passed}  # fmt: skip
+        if self.baseline_host_busy is not None:
+            out["baseline_host_busy"] = self.baseline_host_busy
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RegressionOutcome:
-        return cls(data["tolerance"], data["compared"], list(data["failures"]), data["passed"])
+        return cls(data["tolerance"], data["compared"], list(data["failures"]), data["passed"],
+                   data.get("baseline_host_busy"))  # fmt: skip
 
 
 @dataclass
@@ -101,8 +112,9 @@ class BenchFiles:
 
 
 _BENCH_KEYS = (
-    "schema", "created", "command", "device", "figures_label", "machine", "gpu", "versions", "settings",
-    "rollout", "memory", "e2e", "regression", "errors", "complete", "timings", "files",
+    "schema", "created", "command", "device", "figures_label", "host_busy", "host_busy_reason", "machine",
+    "host_load", "gpu", "versions", "settings", "rollout", "memory", "e2e", "regression", "errors",
+    "complete", "timings", "files",
 )  # fmt: skip
 
 
@@ -128,6 +140,12 @@ class BenchResult:
     files: BenchFiles | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as read
     command: str | None = None  # the command line; None in the files of earlier versions
+    host_load: HostLoad | None = None  # None in the files of earlier versions
+
+    @property
+    def host_busy_reason(self) -> str | None:
+        """What made the host busy during the run; None when it was idle or not recorded."""
+        return self.host_load.busy_reason if self.host_load else None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -136,7 +154,9 @@ class BenchResult:
             **({"command": self.command} if self.command is not None else {}),
             "device": self.device,
             "figures_label": self.figures_label,
+            **(self.host_load.verdict() if self.host_load else {}),
             "machine": self.machine,
+            **({"host_load": self.host_load.to_dict()} if self.host_load else {}),
             "gpu": self.gpu,
             "versions": self.versions,
             "settings": self.settings,
@@ -158,6 +178,7 @@ class BenchResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BenchResult:
         regression, timings, written = data.get("regression"), data.get("timings"), data.get("files")
+        host = data.get("host_load")
         return cls(
             schema=data["schema"],
             created=data.get("created", ""),
@@ -177,6 +198,7 @@ class BenchResult:
             files=BenchFiles.from_dict(written) if written else None,
             extra={key: value for key, value in data.items() if key not in _BENCH_KEYS},
             command=data.get("command"),
+            host_load=HostLoad.from_dict(host, data.get("host_busy_reason")) if host else None,
         )
 
 
@@ -199,6 +221,7 @@ def new_report(settings: dict[str, Any], command: str | None = None) -> BenchRes
         versions=versions(),
         settings=settings,
         command=command,
+        host_load=start_run_host_load(gpu is not None),
     )
 
 
@@ -206,6 +229,10 @@ def new_report(settings: dict[str, Any], command: str | None = None) -> BenchRes
 # Files
 # --------------------------------------------------------------------------------------------
 def write_json(report: BenchResult, out_dir: str | Path) -> Path:
+    """``bench.json``; the host load is sampled first (each write follows a case; the last is the run's
+    end), in place, so a copy of the report made for a partial write samples the original's."""
+    if report.host_load is not None:
+        report.host_load.sample()
     return files.write_json(Path(out_dir) / REPORT_NAME, report.to_dict())
 
 
