@@ -15,9 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
-
-from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config
+from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config, read_yaml
 from qerl_cli.config.checks import ConfigValueError, key
 from qerl_cli.config.sections import BaseCompute, FusedKernels, LinearBackend
 from qerl_cli.errors import QerlError
@@ -178,9 +176,8 @@ def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | No
     """The config keys the user set: flags given, ``--set`` keys, and the keys of a ``--config`` file."""
     keys = {key for key, value in values.items() if value is not None}
     keys |= {item.partition("=")[0].strip() for item in sets or []}
-    if config is not None and Path(config).is_file():
-        data = yaml.safe_load(Path(config).read_text()) or {}
-        keys |= set(data) if isinstance(data, dict) else set()
+    if config is not None:  # read as load_config reads it: a file that is no YAML mapping is a QerlError
+        keys |= set(read_yaml(config))
     return keys
 
 

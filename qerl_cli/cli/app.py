@@ -296,17 +296,26 @@ def use_free_cpu_threads() -> None:
 def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
     """A recipe or ``--config`` argument that names a folder or a binary file is the user's to fix:
     say which, and what is expected, before the YAML reader takes a folder for a missing file or
-    fails on undecodable bytes. (A shipped recipe's bare name is not a path: the config resolves it.)"""
+    fails on undecodable bytes. (A shipped recipe's bare name is not a path: the config resolves it.)
+
+    ``--config`` holds one command's settings, never a shipped training recipe: a missing one is named
+    as the flag, with the way to write one, not answered with the list of training recipes."""
     if path is None:
         return
     path = Path(path)
+    settings = what == "--config"
+    if settings and not path.exists():
+        raise QerlError(
+            f"--config {path}: no such file; give a YAML file of this command's settings (the command "
+            "with --dry-run prints them as YAML: `... --dry-run > settings.yaml`)"
+        )
     if path.is_dir():
         yamls = sorted(p.name for p in path.glob("*.y*ml"))[:4]
         inside = f" (it holds {', '.join(yamls)})" if yamls else ""
-        raise QerlError(
-            f"{what} {path} is a folder{inside}; give a recipe YAML file in it, or a shipped recipe's "
-            "name (tiny, gsm8k_7b, ...)"
-        )
+        expected = "a YAML file of this command's settings" if settings else (
+            "a recipe YAML file in it, or a shipped recipe's name (tiny, gsm8k_7b, ...)"
+        )  # fmt: skip
+        raise QerlError(f"{what} {path} is a folder{inside}; give {expected}")
     if path.is_file():
         try:
             path.read_text(encoding="utf-8")

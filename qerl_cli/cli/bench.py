@@ -26,6 +26,7 @@ from qerl_cli.cli.app import (
     ConfigOption,
     DryRunOption,
     QerlGroup,
+    check_recipe_path,
     command_line,
     config_option,
     csv,
@@ -171,6 +172,7 @@ def run_bench_command(
     ``values`` are the flags (None: not given); e2e's ``recipe``, a training recipe, fills the shape
     flags not given; ``defaults`` what a subcommand uses for a key that neither flags, ``--config`` nor
     ``--set`` set."""
+    check_recipe_path(config, "--config")
     flags = given_flags(values, sets, memory_cap_gib="--memory-cap")
     check_formats(values.get("formats"), "--formats")
     check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")

@@ -38,6 +38,7 @@ from qerl_cli.bench.settings import (
 from qerl_cli.cli.app import (
     ConfigOption,
     DryRunOption,
+    check_recipe_path,
     command_line,
     config_option,
     console,
@@ -151,6 +152,7 @@ FusedOption = Annotated[
 def load_settings(cls: type[S], values: dict[str, Any], config: Path | None, sets: list[str] | None) -> S:
     """A tool benchmark's settings: ``--config`` < its flags (None: not given) < ``--set``, checked by
     the class (an error names the flag that set a key); formats from any of them against the registry."""
+    check_recipe_path(config, "--config")
     check_formats(values.get("formats"), "--formats")
     flags = given_flags(values, sets)
     conf = load_config(cls, config, sets, flags=flags, **values)
@@ -336,6 +338,7 @@ def scaling(
     if model_format is not None and not model:  # before bench.scaling's import, which brings torch
         raise QerlError("--format names the format of a --model SHAPE; give --model too")
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
+    check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, sets)
     from qerl_cli.bench.scaling import model_folder, scaled_config
 

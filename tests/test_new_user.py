@@ -1,0 +1,153 @@
+"""A new user's first hour, followed from the README on a CPU machine: each stumble found there, held.
+
+Every bad input exits 2 with one message that says what was wrong and what to do, with no traceback
+and no "internal error"; the help says what each option does; the README's commands are ones that run.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.main import get_command
+
+from qerl_cli.cli import app, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = main(list(argv))
+    _, err = capsys.readouterr()
+    return rc, " ".join(err.split())
+
+
+def usage_error(rc: int, err: str) -> bool:
+    """Exit 2 with qerl's one-line error, not a crash."""
+    return rc == 2 and err.startswith("error:") and "internal error" not in err and "Traceback" not in err
+
+
+@pytest.fixture
+def bad_yamls(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "folder").mkdir()
+    malformed = tmp_path / "malformed.yaml"
+    malformed.write_text("batch: [2, 8\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x00\x01qerl")
+    return {"malformed": malformed, "binary": binary, "folder": tmp_path / "folder"}
+
+
+# The bench.json benchmarks read --config's keys before the config itself (to tell the keys given from
+# the defaults): a malformed file crashed there, exit 1, "internal error: ParserError".
+@pytest.mark.parametrize(
+    "bench", [["bench"], ["bench", "rollout"], ["bench", "concurrency"], ["bench", "e2e"]]
+)
+@pytest.mark.parametrize("kind", ["malformed", "binary"])
+def test_a_bench_config_that_is_not_yaml_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], bad_yamls: dict[str, Path], bench: list[str], kind: str
+) -> None:
+    path = bad_yamls[kind]
+    rc, err = run(capsys, *bench, "--config", str(path), "--dry-run")
+    assert usage_error(rc, err), err
+    assert str(path) in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["bench"], ["bench", "kernels"], ["bench", "lora-tune"], ["eval", "m"], ["quantize", "m"]]
+)
+def test_a_config_that_is_a_folder_says_so(
+    capsys: pytest.CaptureFixture[str], bad_yamls: dict[str, Path], argv: list[str]
+) -> None:
+    rc, err = run(capsys, *argv, "--config", str(bad_yamls["folder"]), "--dry-run")
+    assert usage_error(rc, err), err
+    assert "is a folder" in err  # not "not found": it is there
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "update"], ["eval", "m"], ["quantize", "m"]])
+def test_a_missing_config_is_named_as_the_flag_not_as_a_training_recipe(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str]
+) -> None:
+    """--config of a stage is that stage's settings: the shipped training recipes are no remedy."""
+    missing = tmp_path / "settings.yaml"
+    rc, err = run(capsys, *argv, "--config", str(missing), "--dry-run")
+    assert usage_error(rc, err), err
+    assert f"--config {missing}: no such file" in err
+    assert "qerl train NAME" not in err and "--dry-run" in err  # the remedy: a dry run prints one
+
+
+def test_resume_from_a_folder_that_is_not_there_fails_in_the_checks(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--dry-run said "--resume continues the run there" of a folder that does not exist; a run found
+    out only after the model had loaded."""
+    missing = tmp_path / "no-such-run"
+    rc, err = run(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set",
+        f"output.dir={tmp_path / 'run'}", "--resume", str(missing), "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err), err
+    assert f"--resume {missing}: no such directory" in err
+
+
+def test_resume_auto_without_a_checkpoint_fails_in_the_checks(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    (out / "checkpoint-2").mkdir(parents=True)  # no state file: the save never finished
+    rc, err = run(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set", f"output.dir={out}",
+        "--resume", "auto", "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err), err
+    assert "no complete checkpoint-N/ inside" in err
+
+
+def test_a_relative_model_folder_not_written_yet_is_not_only_a_hub_id(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's `--set model.path=runs/smol-nvfp4` before the quantize step has written it reads as
+    a Hub id (owner/name): the error told the user to `huggingface-cli download runs/smol-nvfp4`."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    rc, err = run(
+        capsys, "train", "tiny", "--set", "model.path=runs/smol-nvfp4", "--set", "output.dir=out",
+        "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err), err
+    assert f"no folder {tmp_path / 'runs/smol-nvfp4'}" in err
+    assert "qerl quantize" in err and "--set model.path=DIR" in err  # how to make it, or where to point
+
+
+def _options(command, path: str = "qerl"):  # noqa: ANN001, ANN202 (click's or typer's classes)
+    for param in command.params:
+        yield path, param
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _options(sub, f"{path} {name}")
+
+
+def test_every_option_says_what_it_does() -> None:
+    """An option listed in --help with no text (`qerl compare --output` had none) leaves the user to
+    guess what it takes and what its default means."""
+    silent = [
+        f"{path} {param.opts[0]}"
+        for path, param in _options(get_command(app))
+        if param.param_type_name == "option" and not param.hidden and not (param.help or "").strip()
+    ]
+    assert not silent
+
+
+@pytest.mark.parametrize("command", ["quantize", "eval"])
+def test_a_model_argument_names_every_source_it_takes(command: str) -> None:
+    """The README: "every command takes a hub id, a folder, a .gguf file or an alias"."""
+    cmd = get_command(app).commands[command]
+    model = next(p for p in cmd.params if p.name == "model")
+    assert "alias" in model.help and ".gguf" in model.help
+
+
+def test_the_readme_installs_qerl_from_the_clone() -> None:
+    """qerl is not on PyPI: `pip install "qerl[vllm]"` finds no such distribution. The install
+    section says how to install a clone with its extras."""
+    install = REPO.joinpath("README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r'pip install -e "\.\[vllm\]"', install), install
+    assert not re.search(r"pip install\W+qerl\[", install)
