@@ -24,6 +24,7 @@ from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import check_model_source, missing_model_hint
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.rewards.grading import require_math_verify
+from qerl_cli.rl.checkpoint import find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, run_entries
 from qerl_cli.torch_utils import cpu_seconds, duration, resolve_device
 
@@ -40,6 +41,8 @@ def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[
     """Every cheap check of a training run, in the order its costs would come; nothing is written."""
 
     checked = [output_folder(cfg.output.dir, resume=resume, overwrite=overwrite)]
+    if resume is not None:
+        checked.append(resume_checkpoint(resume))
     device = resolve_device(cfg.train.device, "train.device")  # a GPU where the config names one
     checked.append(Checked("train.device", f"{cfg.train.device} -> {device}"))
     checked.append(model_source(cfg))
@@ -76,6 +79,12 @@ def output_folder(out_dir: str | Path, *, resume: str | None, overwrite: bool) -
         return Checked("output.dir", f"{out}: holds a run, which --overwrite deletes when the run starts")
     check_fresh_start(out, overwrite=False)  # refuses a folder holding a run
     return Checked("output.dir", f"{out}: writable, holds no run")
+
+
+def resume_checkpoint(resume: str | Path) -> Checked:
+    """The checkpoint ``--resume`` continues from, found and verified now: a folder that is not there, or
+    holds no complete checkpoint, would otherwise be found only once the model has loaded."""
+    return Checked("--resume", f"{find_last_checkpoint(resume)}: verifies")
 
 
 def model_source(cfg: TrainConfig) -> Checked:
