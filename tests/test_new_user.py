@@ -116,7 +116,8 @@ def test_a_relative_model_folder_not_written_yet_is_not_only_a_hub_id(
     )  # fmt: skip
     assert usage_error(rc, err), err
     assert f"no folder {tmp_path / 'runs/smol-nvfp4'}" in err
-    assert "qerl quantize" in err and "--set model.path=DIR" in err  # how to make it, or where to point
+    # how to make it, or where to point; no guessed Hub owner ("ORG/smol") in the command to copy
+    assert "qerl quantize MODEL --format nvfp4 -o runs/smol-nvfp4" in err and "--set model.path=DIR" in err
 
 
 def _options(command, path: str = "qerl"):  # noqa: ANN001, ANN202 (click's or typer's classes)

@@ -69,12 +69,16 @@ def _in_hub_cache(repo_id: str, revision: str | None) -> bool:
     return isinstance(found, str)
 
 
-def offline_message(name: str, what: str) -> str:
+def offline_message(name: str, what: str, hint: str = "") -> str:
+    """An owner/name that is neither a folder nor in the Hub cache, offline. It is as often a relative
+    folder not written yet (the README's runs/smol-nvfp4 before `qerl quantize -o` made it) as a Hub id:
+    the message gives the remedy of each reading (``hint``: how to make the folder)."""
     why = "HF_HUB_OFFLINE=1 is set" if hub_offline_by_env() else "the Hugging Face Hub cannot be reached"
+    folder = Path(name).expanduser().absolute()
     return (
-        f"{what} {name} is a Hugging Face Hub id, {why}, and it is not in the local cache: "
-        f"download it where there is network (`huggingface-cli download {name} --local-dir DIR`) "
-        "and pass the folder instead"
+        f"{what} {name}: no folder {folder}, and it reads as a Hugging Face Hub id, {why}, and it is not "
+        f"in the local cache. A folder: {hint or 'give its path'}. A Hub id: download it where there is "
+        f"network (`huggingface-cli download {name} --local-dir DIR`) and pass the folder instead"
     )
 
 
@@ -95,7 +99,10 @@ def missing_model_hint(path: str | Path, fmt: str = "auto") -> str:
     match = _QUANTIZED_NAME.match(Path(text).name)
     if match:
         model, name_fmt = match["model"], match["fmt"].lower()
-        org = next((o for key, o in _HUB_ORGS.items() if model.lower().startswith(key)), "ORG")
+        org = next((o for key, o in _HUB_ORGS.items() if model.lower().startswith(key)), None)
+        if org is None:  # a folder name of the user's (runs/smol-nvfp4): no Hub id to guess from it
+            quantize = f"qerl quantize MODEL --format {name_fmt} -o {text}"
+            return f"write it with `{quantize}` (see docs/quantize.md), {point}"
         return (
             f"it is what `qerl quantize {org}/{model} --format {name_fmt} -o {text}` writes (a GPU "
             f"machine; see docs/quantize.md), {point}"
@@ -133,7 +140,7 @@ def check_model_source(
     if _in_hub_cache(text, revision):
         return
     if hub_offline_by_env() or not hub_reachable():
-        raise QerlError(offline_message(text, what))
+        raise QerlError(offline_message(text, what, hint))
 
 
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
