@@ -290,7 +290,14 @@ def compare(
         int, typer.Option("--seeds", metavar="N", help="Seeds per arm (train.seed, +1, +2, ...).")
     ] = 3,
     output: Annotated[
-        str | None, typer.Option("--output", "-o", metavar="DIR", show_default="runs/compare-RECIPE")
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="DIR",
+            help="Folder of the runs (ARM/seed-S/), the bases made and the report; run again, it resumes.",
+            show_default="runs/compare-RECIPE",
+        ),
     ] = None,
     jobs: Annotated[
         int,

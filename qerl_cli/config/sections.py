@@ -39,7 +39,8 @@ RESOLVED_CONFIG_NAME = "config.yaml"
 # --------------------------------------------------------------------------------------------
 @dataclass
 class ModelSection:
-    # A hub id or a local folder (BF16, or a qerl / compressed-tensors / bitsandbytes 4-bit output).
+    # A hub id, a local folder (BF16, or a qerl / compressed-tensors / bitsandbytes 4-bit output), a .gguf
+    # file or a model alias (qerl models).
     path: str = ""
     # "auto" reads the checkpoint's quantization_config; set it to insist on one format.
     format: ModelFormat = "auto"

@@ -28,7 +28,7 @@ SWEPT_BACKENDS = tuple(b for b in get_args(LinearBackend) if b != "auto")
 # --------------------------------------------------------------------------------------------
 @dataclass
 class QuantizeConfig:
-    # Hub id or local folder of the BF16 model to quantize.
+    # The BF16 model to quantize: a hub id, a local folder, a .gguf file or a model alias (qerl models).
     model: str = ""
     # The 4-bit format: nvfp4, mxfp4 or nf4.
     format: QuantFormat = "nvfp4"
@@ -84,7 +84,7 @@ class QuantizeConfig:
 
 @dataclass
 class EvalConfig:
-    # Hub id or local folder (BF16 or qerl 4-bit).
+    # A hub id, a local folder (BF16 or qerl 4-bit), a .gguf file or a model alias (qerl models).
     model: str = ""
     # LoRA adapter folder (PEFT format) on the model; null: the bare model.
     adapter: str | None = None
