@@ -152,3 +152,27 @@ def test_the_readme_installs_qerl_from_the_clone() -> None:
     install = REPO.joinpath("README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     assert re.search(r'pip install -e "\.\[vllm\]"', install), install
     assert not re.search(r"pip install\W+qerl\[", install)
+
+
+def test_a_recipe_that_is_not_yaml_is_one_line_naming_where(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """PyYAML's own text spans five lines and quotes the file as "<unicode string>", which reads like a
+    crash: qerl says where (the line, and the line the unclosed bracket opened on) in one."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  max_steps: [5\n")
+    rc = main(["train", str(recipe), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "line 3, column 1" in err and "line 2, column 14" in err and "<unicode string>" not in err
+
+
+def test_a_settings_file_that_is_no_mapping_is_not_asked_for_sections(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """eval's --config is flat (samples: 4), not a recipe's sections (model:, train:)."""
+    text = tmp_path / "notes.txt"
+    text.write_text("just a sentence\n")
+    rc, err = run(capsys, "eval", "m", "--config", str(text), "--dry-run")
+    assert usage_error(rc, err), err
+    assert "must hold a YAML mapping (key: value lines" in err and "--dry-run prints one" in err

@@ -282,10 +282,27 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except DuplicateKeyError as exc:
         raise QerlError(f"{path}: {exc}; keep one of them") from None
     except yaml.YAMLError as exc:
-        raise QerlError(f"{path} is not valid YAML: {exc}") from None
+        raise QerlError(f"{path} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
-        raise QerlError(f"{path} must hold a mapping of sections (model:, train:, ...)")
+        raise QerlError(
+            f"{path} must hold a YAML mapping (key: value lines; a recipe's are sections: model:, train:, "
+            "...); the command's --dry-run prints one"
+        )
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error on one line: where (line and column, counted from 1) and what. Its own text spans
+    several lines, quoting the document as "<unicode string>", which reads like a crash."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:  # a ReaderError (bytes that are no text): its first line says it
+        return f"{str(exc).splitlines()[0]}; give a YAML text file"
+    where = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and opened is not None:  # where the unclosed bracket or block began
+        where += f" ({context} at line {opened.line + 1}, column {opened.column + 1})"
+    return f"{where}; fix it there"
 
 
 def validate(config: Any, prefix: str = "") -> None:
