@@ -176,3 +176,18 @@ def test_a_settings_file_that_is_no_mapping_is_not_asked_for_sections(
     rc, err = run(capsys, "eval", "m", "--config", str(text), "--dry-run")
     assert usage_error(rc, err), err
     assert "must hold a YAML mapping (key: value lines" in err and "--dry-run prints one" in err
+
+
+def test_no_option_help_offers_a_value_the_flag_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
+    """A key's comment said "null: all" and "0 takes the benchmark's default": as a flag, null is no
+    number (click refuses it) and `--samples 0` is refused; the flag's help says "left out" instead."""
+    offers_null = [
+        f"{path} {param.opts[0]}"
+        for path, param in _options(get_command(app))
+        if re.search(r"\bnull\b", param.help or "")
+    ]
+    assert not offers_null
+    samples = next(p for p in get_command(app).commands["eval"].params if p.name == "samples")
+    rc, err = run(capsys, "eval", "m", "--samples", "0", "--dry-run")
+    assert rc == 2 and "--samples must be at least 1" in err
+    assert "0 takes" not in samples.help and "left out: each benchmark's default" in samples.help

@@ -188,10 +188,16 @@ def config_option(
     if not any(decl.startswith("--") for decl in decls):
         raise TypeError(f"config_option({cls.__name__}, {key!r}): give the flag's names, e.g. '--{key}'")
     if help is None:
-        help = field_help(cls).get(key, "")
+        help = flag_help(field_help(cls).get(key, ""))
     if show_default is None:
         show_default = config_default(cls, key)
     return typer.Option(*decls, metavar=metavar, help=help, show_default=show_default)
+
+
+def flag_help(key_help: str) -> str:
+    """A config key's comment as its flag's help: the key's ``null: X`` (YAML's "no value") is, for a
+    flag, the flag left out (``--max-problems null`` is no number: click refuses it)."""
+    return re.sub(r"\bnull: ", "left out: ", key_help)
 
 
 # The parameters of a stage command that are no config key: the rest are named as their keys.

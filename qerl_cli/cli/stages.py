@@ -210,7 +210,16 @@ def eval_(
         str | None, config_option(E, "benchmarks", "--benchmarks", metavar="NAME,...")
     ] = None,
     samples: Annotated[
-        int | None, config_option(E, "samples", "--samples", metavar="N", show_default="per benchmark")
+        int | None,
+        config_option(  # the key's 0 ("the benchmark's default") is refused as a flag: at_least_one
+            E,
+            "samples",
+            "--samples",
+            metavar="N",
+            show_default="per benchmark",
+            help="Samples per problem; left out: each benchmark's default (4 for gsm8k/math500, 16 for "
+            "aime/amc).",
+        ),
     ] = None,
     engine: Annotated[str | None, config_option(E, "engine", "--engine", metavar="ENGINE")] = None,
     data_files: Annotated[
