@@ -191,3 +191,10 @@ def test_no_option_help_offers_a_value_the_flag_cannot_take(capsys: pytest.Captu
     rc, err = run(capsys, "eval", "m", "--samples", "0", "--dry-run")
     assert rc == 2 and "--samples must be at least 1" in err
     assert "0 takes" not in samples.help and "left out: each benchmark's default" in samples.help
+
+
+def test_an_unknown_benchmark_is_listed_as_words_not_python_lists(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run(capsys, "eval", "m", "--benchmarks", "GSM8K", "--dry-run")
+    assert usage_error(rc, err), err
+    assert "unknown benchmark(s) GSM8K: choose from gsm8k, math500" in err and "[" not in err
+    assert "synthetic-*" in err  # the synthetic tasks are benchmarks too

@@ -150,11 +150,14 @@ class EvalConfig:
         if unknown:
             raise ConfigValueError(
                 _key(where, "benchmarks"),
-                f"has unknown benchmark(s) {unknown}: choose from {BENCHMARKS_ALL} "
-                "or give a file with --data-file NAME=PATH",
+                f"has unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHMARKS_ALL)} "
+                "(lower case), a synthetic-* task, or give a file with --data-file NAME=PATH",
             )
         if not self.rescore and not self.model:
-            raise QerlError("no model given: pass a hub id or a local folder (or --rescore DIR)")
+            raise QerlError(
+                "no model given: pass a hub id, a local folder, a .gguf file or a model alias (qerl models), "
+                "or --rescore DIR"
+            )
 
 
 @dataclass
