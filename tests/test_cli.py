@@ -468,7 +468,7 @@ OPTIONS = {
     "env": {"--json"},
     "models": {"--json"},
     "tiny-base": {"--formats", "--seed", "--overwrite"},
-    "tiny-model": {"--seed"},
+    "tiny-model": {"--seed", "--overwrite"},
     "quality": {"--rows", "--seq-len", "--device", "--output", "-o"},
 }  # fmt: skip
 # Each stage with --dry-run, typed out with its options, and the keys they set in the resolved config.

@@ -198,3 +198,22 @@ def test_an_unknown_benchmark_is_listed_as_words_not_python_lists(capsys: pytest
     assert usage_error(rc, err), err
     assert "unknown benchmark(s) GSM8K: choose from gsm8k, math500" in err and "[" not in err
     assert "synthetic-*" in err  # the synthetic tasks are benchmarks too
+
+
+def test_tiny_model_into_a_folder_holding_a_model_loses_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl tiny-model OUT` on a real model's folder replaced its config.json and weights silently."""
+    from qerl_cli.modeling import tiny
+
+    written: list[Path] = []
+    monkeypatch.setattr(tiny, "write_tiny_model", lambda out, seed=0: written.append(out) or out)
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    rc, err = run(capsys, "tiny-model", str(model))
+    assert usage_error(rc, err), err
+    assert "already holds a model (config.json)" in err and "--overwrite" in err
+    assert not written and (model / "config.json").read_text() == '{"model_type": "llama"}'
+    assert run(capsys, "tiny-model", str(model), "--overwrite")[0] == 0 and written == [model]
+    assert run(capsys, "tiny-model", str(tmp_path / "new"))[0] == 0  # a new folder needs no flag

@@ -67,10 +67,21 @@ def tiny_model(
     seed: Annotated[
         int, typer.Option("--seed", metavar="SEED", help="Weights are a deterministic function of the seed.")
     ] = 0,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the model files of a folder that holds a model.")
+    ] = False,
 ) -> None:
     """Write a tiny offline Qwen2 model (transformers and vLLM load it)."""
     from qerl_cli.modeling.tiny import write_tiny_model
 
+    # OUT given as a real model's folder would lose its config.json and weights without a word.
+    held = sorted(p.name for p in (out.glob("*") if out.is_dir() else []) if p.name == "config.json"
+                  or p.suffix == ".safetensors")  # fmt: skip
+    if held and not overwrite:
+        raise QerlError(
+            f"OUT {out} already holds a model ({', '.join(held)}); nothing was written. Choose another "
+            "folder, or add --overwrite to replace its model files"
+        )
     path = write_tiny_model(out, seed=seed)
     console.print(f"wrote tiny Qwen2 model to [bold]{escape(str(path))}[/bold]")
 
