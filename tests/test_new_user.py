@@ -217,3 +217,32 @@ def test_tiny_model_into_a_folder_holding_a_model_loses_nothing(
     assert not written and (model / "config.json").read_text() == '{"model_type": "llama"}'
     assert run(capsys, "tiny-model", str(model), "--overwrite")[0] == 0 and written == [model]
     assert run(capsys, "tiny-model", str(tmp_path / "new"))[0] == 0  # a new folder needs no flag
+
+
+def test_a_missing_eval_baseline_fails_before_any_generation(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--baseline` naming no file was read only after every benchmark had been generated and graded
+    (minutes on a CPU), then the run failed: the baseline is read first."""
+    from qerl_cli.evaluation import run as eval_run
+
+    def no_generation(*args: object, **kwargs: object) -> None:
+        raise AssertionError("generated before the baseline was checked")
+
+    monkeypatch.setattr(eval_run, "evaluate_benchmark", no_generation)
+    missing = tmp_path / "nope" / "results.json"
+    rc, err = run(
+        capsys, "eval", str(tiny_model_dir), "--engine", "hf", "--benchmarks", "synthetic-addition",
+        "--max-problems", "1", "--samples", "1", "--max-new-tokens", "2", "-o", str(tmp_path / "e"),
+        "--baseline", str(missing),
+    )  # fmt: skip
+    assert rc == 2 and "internal error" not in err  # after the CPU estimate line, the one error
+    assert err.endswith(f"error: {missing} not found: give the results.json of an earlier `qerl eval` run")
+
+
+def test_rescore_of_a_missing_folder_says_what_to_give(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rc, err = run(capsys, "eval", "--rescore", str(tmp_path / "nope"))
+    assert usage_error(rc, err), err
+    assert "no such folder; give the output folder of an earlier `qerl eval` run" in err

@@ -87,7 +87,7 @@ def find_sample_files(directory: str | Path) -> dict[str, Path]:
     """
     folder = Path(directory)
     if not folder.is_dir():
-        raise QerlError(f"not a directory: {folder}")
+        raise QerlError(f"{folder}: no such folder; give the output folder of an earlier `qerl eval` run")
     found: dict[str, Path] = {}
     for suffix in (f".jsonl{GZIP_SUFFIX}", ".jsonl"):  # plain last, so that it wins
         for p in folder.glob(f"{SAMPLES_PREFIX}*{suffix}"):

@@ -279,6 +279,8 @@ def run_eval(
     """
     cfg.validate()
     log = log or _default_log()
+    if cfg.baseline:  # read now: a missing or broken baseline must not wait for minutes of generating
+        read_results(cfg.baseline)
     if cfg.rescore:
         return rescore(cfg, log)
     if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
