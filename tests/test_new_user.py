@@ -246,3 +246,20 @@ def test_rescore_of_a_missing_folder_says_what_to_give(
     rc, err = run(capsys, "eval", "--rescore", str(tmp_path / "nope"))
     assert usage_error(rc, err), err
     assert "no such folder; give the output folder of an earlier `qerl eval` run" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--arms", "foo,bar"], "unknown arm(s) foo, bar: built in are bf16-lora"),
+        (["--only", "nvfp4-lora/9"], "--only nvfp4-lora/9 matches no run; runs are ARM/SEED of the arms "
+         "bf16-lora,nvfp4-lora,nvfp4-aqn and the seeds 0..2"),
+    ],
+)  # fmt: skip
+def test_compare_names_a_wrong_arm_or_run_in_words(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], expected: str
+) -> None:
+    """They were Python lists (['foo']), and --only did not say which seeds there are."""
+    rc, err = run(capsys, "compare", "tiny", *flags, "-o", str(tmp_path / "c"))
+    assert rc == 2 and "internal error" not in err and "['" not in err
+    assert expected in err

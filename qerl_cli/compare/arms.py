@@ -164,8 +164,8 @@ def select_arms(settings: CompareSettings, names: list[str]) -> dict[str, dict[s
     unknown = [n for n in names if n not in settings.arms]
     if unknown:
         raise QerlError(
-            f"unknown arm(s) {unknown}: built in are {', '.join(BUILTIN_ARMS)}; a recipe adds its own "
-            "under compare.arms"
+            f"unknown arm(s) {', '.join(unknown)}: built in are {', '.join(BUILTIN_ARMS)}; a recipe adds its "
+            "own under compare.arms"
         )
     if len(set(names)) != len(names):
         raise QerlError(f"--arms names an arm twice: {names}")

@@ -231,9 +231,10 @@ def _plan(ablation: _Ablation, arms: list[str], only: list[str] | None) -> list[
         wanted = set(only)
         plan = [(a, s) for a, s in plan if f"{a}/{s}" in wanted]
         if not plan:
+            seeds = f"{ablation.base_seed}..{ablation.base_seed + ablation.seeds - 1}"
             raise QerlError(
-                f"--only {sorted(wanted)} matches no run; runs are ARM/SEED like "
-                f"{arms[0]}/{ablation.base_seed}"
+                f"--only {','.join(sorted(wanted))} matches no run; runs are ARM/SEED of the arms "
+                f"{','.join(ablation.arms)} and the seeds {seeds} (like {arms[0]}/{ablation.base_seed})"
             )
     return plan
 
