@@ -263,3 +263,18 @@ def test_compare_names_a_wrong_arm_or_run_in_words(
     rc, err = run(capsys, "compare", "tiny", *flags, "-o", str(tmp_path / "c"))
     assert rc == 2 and "internal error" not in err and "['" not in err
     assert expected in err
+
+
+def test_the_readme_extras_table_is_pyproject_s() -> None:
+    """Each extra of pyproject.toml is a row of the install table, each row an extra, and the dev row
+    names every package dev adds (pytest-xdist was missing: pytest's -n auto needs it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads(REPO.joinpath("pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = REPO.joinpath("README.md").read_text()
+    rows = dict(re.findall(r"^\| `qerl\[(\w+)\]` \| ([^|]+) \|", readme, re.M))
+    assert set(rows) == set(extras)
+    for requirement in extras["dev"]:
+        own = re.fullmatch(r"qerl\[([\w,]+)\]", requirement)  # dev's own extras: qerl[quantize,nf4,gguf]
+        names = own[1].split(",") if own else [re.split(r"[<>=\[ ]", requirement)[0]]
+        assert all(name in rows["dev"] for name in names), (requirement, rows["dev"])
