@@ -278,3 +278,17 @@ def test_the_readme_extras_table_is_pyproject_s() -> None:
         own = re.fullmatch(r"qerl\[([\w,]+)\]", requirement)  # dev's own extras: qerl[quantize,nf4,gguf]
         names = own[1].split(",") if own else [re.split(r"[<>=\[ ]", requirement)[0]]
         assert all(name in rows["dev"] for name in names), (requirement, rows["dev"])
+
+
+def test_a_choice_typed_as_the_docs_write_it_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README says NVFP4, AWQ, RTN; `qerl bench --formats NVFP4` took it, `qerl quantize -f NVFP4`
+    refused it. A choice is matched regardless of case and stored as the config spells it."""
+    import yaml
+
+    rc = main(["quantize", "m", "-f", "NVFP4", "--method", "RTN", "--set", "lora_init=EoRA", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    config = yaml.safe_load(out)
+    assert (config["format"], config["method"], config["lora_init"]) == ("nvfp4", "rtn", "eora")
+    rc, err = run(capsys, "quantize", "m", "-f", "NVFP5", "--dry-run")
+    assert usage_error(rc, err) and "expected 'nvfp4' | 'mxfp4' | 'nf4'" in err  # a wrong one still is not

@@ -56,6 +56,10 @@ def _coerce(value: Any, tp: Any) -> Any:
             return "on" if value else "off"
         if value in choices:
             return value
+        # The docs write the formats and methods as names (NVFP4, AWQ): every choice is lower case, so
+        # a user's NVFP4 can mean nothing but nvfp4 (bench --formats took it already).
+        if isinstance(value, str) and value.lower() in choices:
+            return value.lower()
         raise _Mismatch
     if origin in (typing.Union, types.UnionType):
         details = []
@@ -302,7 +306,12 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     context, opened = getattr(exc, "context", None), getattr(exc, "context_mark", None)
     if context and opened is not None:  # where the unclosed bracket or block began
         where += f" ({context} at line {opened.line + 1}, column {opened.column + 1})"
-    return f"{where}; fix it there"
+    # The line to fix, quoted: the one the bracket or block opened on, else the one the problem is on.
+    at = opened if context and opened is not None else mark
+    lines = (getattr(at, "buffer", None) or "").splitlines()
+    text = lines[at.line].strip() if at.line < len(lines) else ""
+    quoted = f": `{text if len(text) <= 80 else text[:77] + '...'}`" if text else ""
+    return f"{where}; fix it there{quoted}"
 
 
 def validate(config: Any, prefix: str = "") -> None:
