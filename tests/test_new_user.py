@@ -292,3 +292,14 @@ def test_a_choice_typed_as_the_docs_write_it_is_taken(capsys: pytest.CaptureFixt
     assert (config["format"], config["method"], config["lora_init"]) == ("nvfp4", "rtn", "eora")
     rc, err = run(capsys, "quantize", "m", "-f", "NVFP5", "--dry-run")
     assert usage_error(rc, err) and "expected 'nvfp4' | 'mxfp4' | 'nf4'" in err  # a wrong one still is not
+
+
+def test_an_unknown_key_with_nothing_close_names_the_keys_there(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    """A model's config.json given as the recipe said only "unknown config key 'architectures'"."""
+    rc, err = run(capsys, "train", str(tiny_model_dir / "config.json"), "--dry-run")
+    assert usage_error(rc, err), err
+    assert "the keys at the top level: model, lora, rollout, algorithm, aqn, data, reward, train" in err
+    rc, err = run(capsys, "eval", "m", "--set", "zzzzzz=1", "--dry-run")
+    assert usage_error(rc, err) and "the command's --dry-run prints every key with its value" in err

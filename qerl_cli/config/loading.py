@@ -146,9 +146,21 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(root: type, root_prefix: str, path: str) -> QerlError:
-    close = difflib.get_close_matches(path, _all_keys(root, root_prefix), n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return QerlError(f"unknown config key '{path}'{hint}")
+    keys = _all_keys(root, root_prefix)
+    close = difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
+    if close:
+        return QerlError(f"unknown config key '{path}'; did you mean {close[0]}?")
+    # Nothing close (a model's config.json given as the recipe, a key of another stage): the keys that
+    # belong there when they are few (a recipe's sections), else where they are all listed.
+    parent = path.rpartition(".")[0]
+    there = [key.rpartition(".")[2] for key in keys if key.rpartition(".")[0] == parent]
+    where = f"under {parent}" if parent else "at the top level"
+    hint = (
+        f"the keys {where}: {', '.join(there)}"
+        if 0 < len(there) <= 12
+        else "the command's --dry-run prints every key with its value"
+    )
+    return QerlError(f"unknown config key '{path}'; {hint}")
 
 
 def from_dict(
