@@ -158,20 +158,11 @@ def model_source_found(
     starts, once (``sources.resolve_model_source``)."""
 
     text = str(name)
-    alias = sources.ALIASES.get(text.lower())
-    if alias is not None:
-        found, how = sources.alias_status(alias)
-        if found is None:
-            raise QerlError(f"{what} {text}: model alias {alias.name!r}: {alias.filename} {how}")
-        return f"{text}: the model alias's GGUF ({how}), converted to a BF16 folder at the start, once"
-    path = Path(text).expanduser()
-    if path.suffix.lower() == sources.GGUF_SUFFIX and not path.exists():
-        raise QerlError(f"{what} {text}: no such GGUF file; check the path")
-    gguf = sources.gguf_file_in(path) if path.exists() else None
+    gguf = sources.gguf_source(text)  # an alias not on this machine, or a .gguf not there, is refused
     if gguf is not None:
         return f"{text}: the GGUF file {gguf}, converted to a BF16 folder at the start, once"
     check_model_source(text, what=what, trust_remote_code=trust_remote_code, trust_hint=trust_hint, hint=hint)
-    if path.exists():
+    if Path(text).expanduser().exists():
         return f"{text}: a model folder (config.json, safetensors weights)"
     if _in_hub_cache(text, None):
         return f"{text}: a Hugging Face Hub id, in the local cache"
