@@ -265,7 +265,7 @@ def eval_(
         print_checks(eval_preflight(conf).checks)
         return
     from qerl_cli.evaluation import eval_table, run_eval
-    from qerl_cli.evaluation.run import resolve_engine
+    from qerl_cli.evaluation.preflight import resolve_engine
     from qerl_cli.torch_utils import runs_on_cpu
 
     if not conf.rescore:
