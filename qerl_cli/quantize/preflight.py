@@ -165,7 +165,7 @@ def packages(fmt: str, method: str, eval_ppl: bool) -> str:
     needed = []
     if needs_llmcompressor(fmt, method):
         if importlib.util.find_spec("llmcompressor") is None:
-            pipeline.require_llmcompressor()  # raises, naming qerl[quantize]
+            raise QerlError(pipeline.LLMCOMPRESSOR_MISSING)
         needed.append("llm-compressor")
     if fmt == "nf4" and eval_ppl:
         if importlib.util.find_spec("bitsandbytes") is None:
