@@ -1,8 +1,9 @@
 """``qerl quantize``: BF16 model folder or hub id in, 4-bit checkpoint folder out.
 
-Order of work: every cheap check first (format, method, model reachable, output free, calibration
-file readable, layer widths), then the expensive part inside a staging folder that only becomes the
-output once it is complete. With ``--lora-init`` the error-compensating LoRA start is written into
+Order of work: every check that needs no model first (:mod:`qerl_cli.quantize.preflight`: format,
+method, model reachable, output free and writable, calibration source, packages; what ``--dry-run``
+runs), then the model and its layer widths, then the expensive part inside a staging folder that only
+becomes the output once it is complete. With ``--lora-init`` the error-compensating LoRA start is written into
 that folder too, after the checkpoint (:mod:`qerl_cli.quantize.error_init`).
 """
 
