@@ -73,6 +73,25 @@ def ensure_output_dir(path: str | Path, what: str) -> Path:
     return path
 
 
+def check_writable_folder(path: str | Path, what: str, remedy: str) -> bool:
+    """Whether the output folder ``path`` exists, once it is known it can be made and written: checked on
+    it or on the nearest folder above it that exists, creating nothing (the checks before work, and
+    ``--dry-run``, write nothing). ``what`` names its setting, ``remedy`` how to give another
+    ("choose another with --output DIR")."""
+
+    out = Path(path).expanduser()
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == out and not out.is_dir():
+        raise QerlError(f"{what} {path} is a file, not a folder: give another path or move the file")
+    if not existing.is_dir():
+        raise QerlError(f"{what} {path} cannot be written: {existing} is a file, not a folder; {remedy}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise QerlError(f"{what} {path} cannot be written: {existing} is not writable by this user; {remedy}")
+    return existing == out
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write through a temporary file and rename, so an interrupted run never leaves half a file.
 

@@ -528,13 +528,22 @@ def check_every_option_is_registered() -> None:
         assert documented <= have, f"qerl {name} lacks {sorted(documented - have)}; it has {sorted(have)}"
         upper = sorted(opt for opt in have if opt != opt.lower())
         assert not upper, f"qerl {name}: options named after their metavar: {upper}"
+    from types import SimpleNamespace
     from unittest import mock
 
+    planned = SimpleNamespace(checks=[])  # a plan whose checks all passed
     for argv, expected in DRY_RUNS:
         out, err = io.StringIO(), io.StringIO()
-        # What each option resolves to, not train's checks of the machine (tests/test_preflight.py).
-        no_checks = mock.patch("qerl_cli.rl.preflight.preflight", lambda *args, **kwargs: [])
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), no_checks:
+        # What each option resolves to, not the stages' checks of the machine (tests/test_preflight.py,
+        # tests/test_quantize_preflight.py, tests/test_eval_preflight.py).
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch("qerl_cli.rl.preflight.preflight", lambda *args, **kwargs: []))
+            for stage in ("quantize", "evaluation"):
+                stack.enter_context(
+                    mock.patch(f"qerl_cli.{stage}.preflight.preflight", lambda *a, **k: planned)
+                )
+            stack.enter_context(contextlib.redirect_stdout(out))
+            stack.enter_context(contextlib.redirect_stderr(err))
             rc = main([*argv, "--dry-run"])
         assert rc == 0, f"qerl {' '.join(argv)} --dry-run exited {rc}: {err.getvalue()}"
         resolved = yaml.safe_load(out.getvalue())

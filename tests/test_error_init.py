@@ -414,6 +414,6 @@ def test_the_cli_takes_the_two_options(tiny_model_dir: Path, capsys) -> None:
     from qerl_cli.cli import main
 
     argv = ["quantize", str(tiny_model_dir), "--method", "rtn", "--lora-init", "svd", "--lora-init-rank", "8"]
-    assert main([*argv, "--dry-run"]) == 0
+    assert main([*argv, "--calib", "qerl-text", "--dry-run"]) == 0  # the dry run checks the calibration set
     text = capsys.readouterr().out
     assert "lora_init: svd" in text and "lora_init_rank: 8" in text

@@ -280,12 +280,17 @@ def test_the_readme_extras_table_is_pyproject_s() -> None:
         assert all(name in rows["dev"] for name in names), (requirement, rows["dev"])
 
 
-def test_a_choice_typed_as_the_docs_write_it_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_choice_typed_as_the_docs_write_it_is_taken(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """The README says NVFP4, AWQ, RTN; `qerl bench --formats NVFP4` took it, `qerl quantize -f NVFP4`
     refused it. A choice is matched regardless of case and stored as the config spells it."""
     import yaml
 
-    rc = main(["quantize", "m", "-f", "NVFP4", "--method", "RTN", "--set", "lora_init=EoRA", "--dry-run"])
+    rc = main(
+        ["quantize", str(tiny_model_dir), "-f", "NVFP4", "--method", "RTN", "--set", "lora_init=EoRA",
+         "--calib", "qerl-text", "-o", str(tmp_path / "out"), "--dry-run"]
+    )  # fmt: skip
     out, err = capsys.readouterr()
     assert rc == 0, err
     config = yaml.safe_load(out)

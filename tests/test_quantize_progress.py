@@ -10,7 +10,7 @@ import pytest
 
 from qerl_cli.cli import main
 from qerl_cli.errors import QerlError
-from qerl_cli.quantize.run import calibration_source
+from qerl_cli.quantize.preflight import calibration_source
 
 
 def test_quantize_prints_its_stages(

@@ -62,9 +62,11 @@ def test_every_key_docs_recipes_shows_exists() -> None:
     "given", [["--lora-init", "none"], ["--set", "lora_init=none"], ["--lora-init", "zeros"]]
 )
 def test_lora_init_none_is_read_as_zeros(
-    given: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
+    given: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    assert main(["quantize", str(tmp_path), *given, "--dry-run"]) == 0
+    # nf4 by rtn: the dry run's checks need no calibration set or package
+    rtn = ["-f", "nf4", "--method", "rtn", "-o", str(tmp_path / "out")]
+    assert main(["quantize", str(tiny_model_dir), *rtn, *given, "--dry-run"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["lora_init"] == "zeros"
     assert QuantizeConfig(lora_init="none").lora_init == "zeros"  # type: ignore[arg-type]
 

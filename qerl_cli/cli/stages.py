@@ -40,7 +40,7 @@ from qerl_cli.cli.progress import eval_cpu_estimate, quiet_library_bars, say_est
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
 from qerl_cli.config.keydocs import field_help, key_docs, sections
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Checked, QerlError
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
 # commands are in cli/bench.py).
@@ -89,7 +89,10 @@ def quantize(
     values = flag_values(locals())
     check_recipe_path(config, "--config")
     conf = load_config(QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values)
-    if finish_config(conf, dry_run):
+    if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
+        from qerl_cli.quantize.preflight import preflight as quantize_preflight
+
+        print_checks(quantize_preflight(conf).checks)
         return
     quiet_library_bars()
     from qerl_cli.quantize import quantize_table, run_quantize
@@ -157,10 +160,7 @@ def train(
     resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
 
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
-        checks = preflight(conf, resume=resume_dir, overwrite=overwrite)
-        err_console.print("[bold]checked, nothing loaded or written:[/bold]")
-        for check in checks:
-            err_console.print(f"  {escape(check.what)}: {escape(check.found)}", highlight=False)
+        print_checks(preflight(conf, resume=resume_dir, overwrite=overwrite))
         return
     from qerl_cli.rl.run_folder import stop_hint
     from qerl_cli.rl.trainer import train as run_train
@@ -176,6 +176,14 @@ def train(
     result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
+
+
+def print_checks(checks: list[Checked]) -> None:
+    """``--dry-run``'s list of the checks a stage makes before work, on stderr (stdout holds the YAML);
+    a failing one has raised its QerlError (exit 2) before this."""
+    err_console.print("[bold]checked, nothing loaded or written:[/bold]")
+    for check in checks:
+        err_console.print(f"  {escape(check.what)}: {escape(check.found)}", highlight=False)
 
 
 def print_keys(config: type, prefix: str) -> None:
@@ -251,10 +259,13 @@ def eval_(
     flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
     check_recipe_path(config, "--config")
     conf = load_config(EvalConfig, config, set_, flags=flags, **values)
-    if finish_config(conf, dry_run):
+    if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
+        from qerl_cli.evaluation.preflight import preflight as eval_preflight
+
+        print_checks(eval_preflight(conf).checks)
         return
     from qerl_cli.evaluation import eval_table, run_eval
-    from qerl_cli.evaluation.run import resolve_engine
+    from qerl_cli.evaluation.preflight import resolve_engine
     from qerl_cli.torch_utils import runs_on_cpu
 
     if not conf.rescore:

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 
-from qerl_cli.config import BENCHMARKS_ALL, EvalConfig
+from qerl_cli.config import EvalConfig
 from qerl_cli.data.benchmarks import benchmark_source, default_samples, load_benchmark
 from qerl_cli.data.problem import Problem
 from qerl_cli.data.prompts import get_template, prompt_record, render_prompt
 from qerl_cli.errors import QerlError
 from qerl_cli.evaluation.metrics import benchmark_metrics, paired_difference, per_problem_counts
+from qerl_cli.evaluation.preflight import output_dir, preflight, rescore_selection, resolve_engine
 from qerl_cli.evaluation.report import results_markdown
 from qerl_cli.evaluation.results import (
     MARKDOWN_NAME,
@@ -43,10 +42,8 @@ from qerl_cli.evaluation.results import (
     write_samples,
 )
 from qerl_cli.files import append_step_summary, ensure_output_dir
-from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
 from qerl_cli.modeling.adapter import rank as adapter_rank
 from qerl_cli.modeling.loading import load_tokenizer
-from qerl_cli.modeling.source_checks import check_model_source
 from qerl_cli.rewards.extract import cut_at_stop
 from qerl_cli.rewards.grading import GradeResult
 from qerl_cli.rewards.pool import Grader
@@ -73,20 +70,6 @@ def samples_for(cfg: EvalConfig, benchmark: str) -> int:
 # --------------------------------------------------------------------------------------------
 # Engine and tokenizer
 # --------------------------------------------------------------------------------------------
-def resolve_engine(name: str) -> str:
-    """``auto``: vLLM where a CUDA GPU and vLLM are present, else the HF engine (as ``qerl bench``
-    chooses). ``vllm`` on a machine without either is refused at once, naming ``--engine hf``."""
-
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    gpu = torch.cuda.is_available()
-    if name == "auto":
-        return "vllm" if has_vllm and gpu else "hf"
-    if name == "vllm" and not (has_vllm and gpu):
-        why = "this machine has no CUDA GPU" if has_vllm else "vLLM is not installed (pip install qerl[vllm])"
-        raise QerlError(f"--engine vllm: {why}; evaluate with the HF engine: --engine hf (or --engine auto)")
-    return name
-
-
 def build_engine(cfg: EvalConfig, tokenizer: Any) -> RolloutEngine:
     """The engine for ``cfg.engine`` with the adapter applied (through the rollout factory)."""
 
@@ -277,15 +260,13 @@ def run_eval(
     ``tokenizer``: the one whose chat template renders prompts (default: the engine's, else the
     model's). ``cfg.rescore`` re-grades a previous run's samples instead of generating.
     """
-    cfg.validate()
     log = log or _default_log()
-    if cfg.baseline:  # read now: a missing or broken baseline must not wait for minutes of generating
-        read_results(cfg.baseline)
+    # Model, adapter, benchmarks' data, baseline, output folder: checked before minutes of loading.
+    plan = preflight(cfg, engine_given=engine is not None)
     if cfg.rescore:
         return rescore(cfg, log)
-    if engine is None:  # the model and adapter paths first: a typo must not wait for a dataset download
-        cfg = dataclasses.replace(cfg, engine=resolve_engine(cfg.engine))
-        _check_model_paths(cfg)
+    if engine is None:
+        cfg = dataclasses.replace(cfg, engine=plan.engine)
     out_dir = ensure_output_dir(cfg.output, "--output")
     # Data next: a missing benchmark file should fail before minutes of model loading.
     suites = {
@@ -317,17 +298,6 @@ def run_eval(
     return _finish(results, out_dir, cfg, log)
 
 
-def _check_model_paths(cfg: EvalConfig) -> None:
-    check_model_source(
-        cfg.model,
-        what="model",
-        trust_remote_code=cfg.trust_remote_code,
-        trust_hint="--set trust_remote_code=true",
-    )
-    if cfg.adapter:  # a caller's engine syncs the adapter itself
-        check_adapter_folder(cfg.adapter)
-
-
 def _run_benchmark(
     cfg: EvalConfig, name: str, problems: Sequence[Problem], engine: RolloutEngine, grader: Grader,
     tokenizer: Any, out_dir: Path, log: Log,
@@ -356,26 +326,17 @@ def _run_benchmark(
     return score
 
 
-def _rescore_selection(cfg: EvalConfig, files: dict[str, Path]) -> dict[str, Path]:
-    if list(cfg.benchmarks) == list(BENCHMARKS_ALL):  # the default: everything that was saved
-        return files
-    chosen = {b: p for b, p in files.items() if b in cfg.benchmarks}
-    if not chosen:
-        raise QerlError(f"none of {cfg.benchmarks} has saved samples; found {sorted(files)}")
-    return chosen
-
-
 def rescore(cfg: EvalConfig, log: Log | None = None) -> EvalResult:
     """Re-grade the samples saved in ``cfg.rescore`` (no generation) and rewrite the results.
 
     Results go to ``cfg.output`` when it was changed from the default, else back into the rescored
-    folder (its samples files get the new grades; the completions are untouched).
+    folder (``preflight.output_dir``).
     """
     log = log or _default_log()
     source = Path(str(cfg.rescore))
-    files = _rescore_selection(cfg, find_sample_files(source))
+    files = rescore_selection(cfg, find_sample_files(source))
     old = read_results(source) if (source / RESULTS_NAME).is_file() else None
-    out_dir = Path(cfg.output) if cfg.output != EvalConfig().output else source
+    out_dir = output_dir(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = _rescored_record(cfg, source, old, files)
     # Graded as generated: the stop strings of the samples' prompt record, else of --template's.
@@ -431,4 +392,7 @@ def _regrade(
     return score
 
 
-__all__ = ["build_engine", "compare_with_baseline", "evaluate_benchmark", "rescore", "run_eval"]
+__all__ = [
+    "build_engine", "compare_with_baseline", "evaluate_benchmark", "rescore", "run_eval",
+    "resolve_engine",  # its home is preflight; compare's held-out evaluation reaches it here
+]  # fmt: skip

@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 from huggingface_hub import try_to_load_from_cache
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling import sources
 from qerl_cli.modeling.sources import resolve_model_source
 
 ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
@@ -141,6 +142,31 @@ def check_model_source(
         return
     if hub_offline_by_env() or not hub_reachable():
         raise QerlError(offline_message(text, what, hint))
+
+
+def model_source_found(
+    name: str | Path,
+    *,
+    what: str = "model",
+    trust_remote_code: bool = False,
+    trust_hint: str = "--set model.trust_remote_code=true",
+    hint: str = "",
+) -> str:
+    """:func:`check_model_source`'s checks, saying what was found, without converting a GGUF file: a
+    stage's checks before work (and ``--dry-run``) load no model, and converting one loads it. An alias
+    must be on this machine (found offline); its file, or a ``.gguf`` given, is converted when the work
+    starts, once (``sources.resolve_model_source``)."""
+
+    text = str(name)
+    gguf = sources.gguf_source(text)  # an alias not on this machine, or a .gguf not there, is refused
+    if gguf is not None:
+        return f"{text}: the GGUF file {gguf}, converted to a BF16 folder at the start, once"
+    check_model_source(text, what=what, trust_remote_code=trust_remote_code, trust_hint=trust_hint, hint=hint)
+    if Path(text).expanduser().exists():
+        return f"{text}: a model folder (config.json, safetensors weights)"
+    if _in_hub_cache(text, None):
+        return f"{text}: a Hugging Face Hub id, in the local cache"
+    return f"{text}: a Hugging Face Hub id, the Hub reachable (downloaded at the start)"
 
 
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:

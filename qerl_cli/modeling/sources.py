@@ -232,18 +232,24 @@ def gguf_file_in(path: Path) -> Path | None:
 
 def resolve_model_source(ref: str | Path) -> str:
     """A Hugging Face folder or hub id for ``ref`` (see the module docstring); cheap after the first call."""
+    gguf = gguf_source(ref)
+    return str(materialize_gguf(gguf)) if gguf is not None else str(ref)
+
+
+def gguf_source(ref: str | Path) -> Path | None:
+    """The GGUF file ``ref`` names (an alias's, a ``.gguf`` file, a folder holding one), found without
+    converting it (the checks before work load no model); None for a model folder or a hub id."""
     text = str(ref)
     alias = ALIASES.get(text.lower())
     if alias is not None:
         found, how = alias_status(alias)
         if found is None:
             raise QerlError(f"model alias {alias.name!r}: {alias.filename} {how}")
-        return str(materialize_gguf(found))
+        return found
     path = Path(text).expanduser()
     if path.suffix.lower() == GGUF_SUFFIX and not path.exists():
         raise QerlError(f"GGUF file {text!r} not found: check the path")
-    gguf = gguf_file_in(path) if path.exists() else None
-    return str(materialize_gguf(gguf)) if gguf is not None else text
+    return gguf_file_in(path) if path.exists() else None
 
 
 def model_name(gguf: Path) -> str:

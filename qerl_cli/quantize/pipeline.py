@@ -48,14 +48,17 @@ NF4_AWQ_PROXY = {
 }
 
 
+LLMCOMPRESSOR_MISSING = (
+    "NVFP4/MXFP4 quantization and AWQ need llm-compressor: pip install 'qerl[quantize]' "
+    "(or use --format nf4 --method rtn, which does not)"
+)
+
+
 def require_llmcompressor() -> None:
     try:
         import llmcompressor  # noqa: F401
     except ImportError:
-        raise QerlError(
-            "NVFP4/MXFP4 quantization and AWQ need llm-compressor: pip install 'qerl[quantize]' "
-            "(or use --format nf4 --method rtn, which does not)"
-        ) from None
+        raise QerlError(LLMCOMPRESSOR_MISSING) from None
 
 
 @contextmanager

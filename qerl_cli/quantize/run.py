@@ -1,14 +1,14 @@
 """``qerl quantize``: BF16 model folder or hub id in, 4-bit checkpoint folder out.
 
-Order of work: every cheap check first (format, method, model reachable, output free, calibration
-file readable, layer widths), then the expensive part inside a staging folder that only becomes the
-output once it is complete. With ``--lora-init`` the error-compensating LoRA start is written into
+Order of work: every check that needs no model first (:mod:`qerl_cli.quantize.preflight`: format,
+method, model reachable, output free and writable, calibration source, packages; what ``--dry-run``
+runs), then the model and its layer widths, then the expensive part inside a staging folder that only
+becomes the output once it is complete. With ``--lora-init`` the error-compensating LoRA start is written into
 that folder too, after the checkpoint (:mod:`qerl_cli.quantize.error_init`).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,16 +19,15 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.config import QuantizeConfig
-from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling import source_checks
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
-from qerl_cli.modeling.source_checks import check_model_source
+from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize import error_init, pipeline, report
 from qerl_cli.quantize.calibration import HELD_OUT_SAMPLES, CalibrationSet, load_calibration
 from qerl_cli.quantize.nf4 import save_nf4
+from qerl_cli.quantize.preflight import needs_llmcompressor, preflight
 from qerl_cli.quantize.report import (
     MarlinRefusals,
     Perplexity,
@@ -39,17 +38,11 @@ from qerl_cli.quantize.report import (
 )
 from qerl_cli.quantize.validate import (
     CALIBRATED_METHODS,
-    check_format,
     check_layers,
-    check_method,
-    check_method_for_format,
-    check_output,
-    default_output,
     quantized_linear_names,
-    resolve_model,
     staged_output,
 )
-from qerl_cli.torch_utils import cpu_seconds, duration, resolve_device
+from qerl_cli.torch_utils import cpu_seconds, duration
 
 
 def _load_model(ref: str, trust_remote_code: bool):
@@ -70,19 +63,6 @@ def _load_quantized(path: Path, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=str(device)).eval()
-
-
-def _require_extras(fmt: str, method: str, eval_ppl: bool) -> None:
-    if fmt != "nf4" or method == "awq":
-        pipeline.require_llmcompressor()
-    if fmt == "nf4" and eval_ppl:
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise QerlError(
-                "--eval-ppl on NF4 loads the result with bitsandbytes: pip install 'qerl[nf4]' "
-                "(quantizing to NF4 itself does not need it)"
-            ) from None
 
 
 @dataclass
@@ -187,34 +167,18 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
     the calibration set and the BF16 model with its layer checks; returns the job and the model."""
     from transformers import AutoTokenizer
 
-    cfg.validate()
-    fmt = check_format(cfg.format)
-    method = check_method(cfg.method)
-    check_method_for_format(method, fmt)
-    check_lora_init(cfg.lora_init, method)
-    # A missing model folder or a taken output answers in well under a second; importing
-    # llm-compressor (below) takes ~7 s, so it comes after.
-    # A file, a missing folder or a Hub id while offline is answered here, at once, naming what is
-    # expected (the Hub lookup below would retry, then call a file a missing folder).
-    check_model_source(
-        cfg.model,
-        what="MODEL",
-        trust_remote_code=cfg.trust_remote_code,
-        trust_hint="--set trust_remote_code=true",
-    )
-    source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    output = check_output(
-        Path(cfg.output) if cfg.output else default_output(source, fmt), source, cfg.overwrite
-    )
-    _require_extras(fmt, method, cfg.eval_ppl)
-    device = resolve_device(cfg.device)
+    plan = preflight(cfg)  # every check that needs no model, in a second or two
+    fmt, method, output, device = plan.fmt, plan.method, plan.output, plan.device
+    if needs_llmcompressor(fmt, method):  # found by the checks; imported now, before the model loads
+        pipeline.require_llmcompressor()
+    source = resolve_model_source(plan.source.ref)  # a GGUF file is converted here, once
 
-    tokenizer = AutoTokenizer.from_pretrained(source.ref, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     calib: CalibrationSet | None = None
     # --lora-init weighs the rounding error by the calibration activations, even for rtn.
-    calibrate = method in CALIBRATED_METHODS or cfg.lora_init != "zeros"
-    if calibrate or cfg.eval_ppl:
-        log(calibration_source(cfg.calib, cfg.calib_split, cfg.num_samples if calibrate else 0))
+    calibrate = plan.calibrate
+    if plan.calibration is not None:
+        log(plan.calibration)
         calib = load_calibration(
             cfg.calib,
             tokenizer,
@@ -225,48 +189,18 @@ def _prepare(cfg: QuantizeConfig, log: Log) -> tuple[_Job, torch.nn.Module]:
             field_name=cfg.calib_field,
             held_out=HELD_OUT_SAMPLES if cfg.eval_ppl else 0,
         )
-    log(f"loading the BF16 model {source.ref} ...")
-    model = _load_model(source.ref, cfg.trust_remote_code)
+    log(f"loading the BF16 model {source} ...")
+    model = _load_model(source, cfg.trust_remote_code)
     skipped = check_layers(model, fmt, formats.get(fmt).block_size, cfg.skip_incompatible)
     quantized = quantized_linear_names(model, skipped)
     # Hopper-class GPUs run FP4 through vLLM's Marlin kernels, which refuse some widths: say which now.
     vllm_refused = marlin_refusals(module_shapes(model, quantized)) if fmt in MARLIN_FORMATS else []
     job = _Job(
-        fmt=fmt, method=method, source=source.ref, output=output, device=device, tokenizer=tokenizer,
+        fmt=fmt, method=method, source=source, output=output, device=device, tokenizer=tokenizer,
         calib=calib, skipped=skipped, quantized=quantized, vllm_refused=vllm_refused,
         float_keys=set(model.state_dict()), bf16_bytes=report.state_bytes(model),
     )  # fmt: skip
     return job, model
-
-
-def calibration_source(calib: str, split: str, samples: int) -> str:
-    """Where the calibration rows come from, said before they are fetched; a Hub set while the Hub is
-    offline or unreachable is refused at once, naming the shipped set to use instead."""
-
-    what = f"{samples} calibration samples" if samples else "held-out perplexity rows"
-    if calib == BUILTIN_NAME:
-        return f"{what} from {BUILTIN_NAME} (shipped with qerl, offline)"
-    if Path(calib).expanduser().exists() or Path(calib).suffix.lower() in (".jsonl", ".parquet"):
-        return f"{what} from the file {calib}"
-    offline = source_checks.hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
-        "1",
-        "true",
-        "yes",
-    )
-    if offline or not source_checks.hub_reachable():
-        why = (
-            "the Hub is offline here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
-            if offline
-            else "the Hub cannot be reached"
-        )
-        raise QerlError(
-            f"--calib {calib} is a Hugging Face Hub dataset and {why}: calibrate offline with "
-            f"--calib {BUILTIN_NAME} (shipped with qerl) or a local .jsonl/.parquet file"
-        )
-    return (
-        f"{what} from {calib} (split {split}), streamed from the Hugging Face Hub; offline, use --calib "
-        f"{BUILTIN_NAME} (shipped) or a local .jsonl/.parquet"
-    )
 
 
 def _cpu_estimate(job: _Job, cfg: QuantizeConfig) -> str:
@@ -282,18 +216,6 @@ def _cpu_estimate(job: _Job, cfg: QuantizeConfig) -> str:
         "from the configuration, it may be off 2x either way. Fewer --num-samples / --seq-len, or "
         "--method rtn, take less)"
     )
-
-
-def check_lora_init(lora_init: str, method: str) -> None:
-    """``--lora-init`` factors ``W - deq(Q(W))``; with AWQ that is not the rounding error: its smoothing
-    divides the linear inputs by per-channel scales folded into the preceding norm weights, so the 4-bit
-    linears see other inputs than the BF16 ones and ``W`` itself was replaced."""
-    if lora_init != "zeros" and method == "awq":
-        raise QerlError(
-            f"--lora-init {lora_init} cannot follow --method awq: AWQ's smoothing also rescales the norm "
-            "weights (the linear layers' inputs), so the error of the rounded weights is not W - deq(Q(W)) "
-            "and a correction of it would not restore the BF16 model. Use --method gptq or rtn"
-        )
 
 
 def _write_lora_init(cfg: QuantizeConfig, job: _Job, staging: Path) -> LoraInitInfo | None:

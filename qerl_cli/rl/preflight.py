@@ -11,30 +11,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.datasets import check_reachable
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Checked, QerlError
+from qerl_cli.files import check_writable_folder
 from qerl_cli.modeling.model_shape import ModelShape
-from qerl_cli.modeling.source_checks import check_model_source, missing_model_hint
+from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl.checkpoint import find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, run_entries
 from qerl_cli.torch_utils import cpu_seconds, duration, resolve_device
-
-
-@dataclass(frozen=True)
-class Checked:
-    """One check that passed: what was checked, and what was found."""
-
-    what: str
-    found: str
 
 
 def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[Checked]:
@@ -56,22 +47,7 @@ def output_folder(out_dir: str | Path, *, resume: str | None, overwrite: bool) -
     """``output.dir`` can be made and written (checked on it or on the nearest folder above that
     exists: nothing is created here), and holds no other run unless ``--resume`` or ``--overwrite``."""
     out = Path(out_dir)
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing == out and not out.is_dir():
-        raise QerlError(f"output.dir {out} is a file, not a folder: give another path or move the file")
-    if not existing.is_dir():
-        raise QerlError(
-            f"output.dir {out} cannot be written: {existing} is a file, not a folder; choose another "
-            "with --set output.dir=DIR"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise QerlError(
-            f"output.dir {out} cannot be written: {existing} is not writable by this user; choose another "
-            "with --set output.dir=DIR"
-        )
-    if not out.exists():
+    if not check_writable_folder(out, "output.dir", "choose another with --set output.dir=DIR"):
         return Checked("output.dir", f"{out}: a new folder (made when the run starts)")
     if resume is not None:
         return Checked("output.dir", f"{out}: writable; --resume continues the run there")
@@ -89,13 +65,13 @@ def resume_checkpoint(resume: str | Path) -> Checked:
 
 def model_source(cfg: TrainConfig) -> Checked:
     path = cfg.model.path
-    check_model_source(
+    found = model_source_found(
         path,
         what="model.path",
         trust_remote_code=cfg.model.trust_remote_code,
         hint=missing_model_hint(path, cfg.model.format),
     )
-    return Checked("model.path", f"{path}: found")
+    return Checked("model.path", found)
 
 
 def dataset(cfg: TrainConfig) -> Checked:

@@ -132,4 +132,5 @@ def start_signal(trainer: SteppingTrainer) -> StartSignal:
         quantized=trainer.policy.is_quantized,
         gptq=quantized_with(cfg.model.path) == "gptq",
         error_start=cfg.lora.init != "zeros",
+        num_generations=cfg.rollout.num_generations,
     )

@@ -1,0 +1,130 @@
+"""What `qerl eval` checks before it loads anything: the questions whose answer would otherwise come after
+the model load or minutes of generating (a model or adapter folder that is not there, a benchmark whose
+data cannot be reached offline, a baseline that cannot be read, an output folder that cannot be
+written). ``qerl eval --dry-run`` runs exactly these and says what each found; a run makes them first.
+
+Each check raises the QerlError that names what is wrong and what to do; :func:`preflight` returns
+the engine it settled on and the checks, in order. Nothing is loaded or written here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qerl_cli.config import BENCHMARKS_ALL, EvalConfig
+from qerl_cli.data.benchmarks import benchmark_spec
+from qerl_cli.data.datasets import SYNTHETIC_PREFIX, check_reachable
+from qerl_cli.data.synthetic import make_problems
+from qerl_cli.errors import Checked, QerlError
+from qerl_cli.evaluation.results import find_sample_files, read_results
+from qerl_cli.files import check_writable_folder
+from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+from qerl_cli.modeling.source_checks import model_source_found
+
+TRUST_HINT = "--set trust_remote_code=true"
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What the checks settled, and what each found (for ``--dry-run`` to print)."""
+
+    engine: str  # the engine ``auto`` resolved to; the caller's engine's name when one is given
+    checks: list[Checked]
+
+
+def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
+    """Every cheap check of ``qerl eval``, the instant ones first; loads and writes nothing.
+
+    ``engine_given``: the caller holds an engine (tests, a stage that has the model loaded), so the
+    model, the adapter (the engine syncs it) and the engine choice are its own."""
+
+    cfg.validate()
+    if cfg.rescore:
+        return EvalPlan("none (re-grading)", [rescored(cfg), *baseline(cfg), output_folder(cfg)])
+    checks = []
+    engine = cfg.engine
+    if not engine_given:  # the model and adapter first: a typo must not wait for a dataset probe
+        engine = resolve_engine(cfg.engine)
+        checks.append(Checked("--engine", f"{cfg.engine} -> {engine}"))
+        found = model_source_found(
+            cfg.model, what="model", trust_remote_code=cfg.trust_remote_code, trust_hint=TRUST_HINT
+        )
+        checks.append(Checked("MODEL", found))
+        if cfg.adapter:
+            checks.append(Checked("--adapter", f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder"))
+    checks += [
+        Checked(f"benchmark {name}", benchmark(name, cfg.data_files.get(name))) for name in cfg.benchmarks
+    ]
+    checks += [*baseline(cfg), output_folder(cfg)]
+    return EvalPlan(engine, checks)
+
+
+def resolve_engine(name: str) -> str:
+    """``auto``: vLLM where a CUDA GPU and vLLM are present, else the HF engine (as ``qerl bench``
+    chooses). ``vllm`` on a machine without either is refused at once, naming ``--engine hf``."""
+
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    gpu = torch.cuda.is_available()
+    if name == "auto":
+        return "vllm" if has_vllm and gpu else "hf"
+    if name == "vllm" and not (has_vllm and gpu):
+        why = "this machine has no CUDA GPU" if has_vllm else "vLLM is not installed (pip install qerl[vllm])"
+        raise QerlError(f"--engine vllm: {why}; evaluate with the HF engine: --engine hf (or --engine auto)")
+    return name
+
+
+def benchmark(name: str, data_file: str | None) -> str:
+    """Where a benchmark's problems come from, reachable now: its ``--data-file``, a synthetic task's
+    held-out split, or the Hub set (in the local cache, or on a reachable Hub)."""
+
+    if data_file:
+        return check_reachable(data_file, what=f"--data-file {name}:")
+    if name.startswith(SYNTHETIC_PREFIX):
+        make_problems(name, split="test", n=0)  # an unknown task is refused, naming the tasks
+        return "a synthetic task's held-out split, generated here"
+    if benchmark_spec(name) is None:  # cfg.validate() names the choices; a data file was not given
+        raise QerlError(f"benchmark '{name}' is not built in; give its file with --data-file {name}=PATH")
+    return check_reachable(name, what="benchmark")
+
+
+def baseline(cfg: EvalConfig) -> list[Checked]:
+    """``--baseline`` read now: a missing or broken one must not wait for minutes of generating."""
+    if not cfg.baseline:
+        return []
+    base = read_results(cfg.baseline)
+    names = ", ".join(base.benchmarks) or "none"
+    return [Checked("--baseline", f"{cfg.baseline}: a results file (benchmarks: {names})")]
+
+
+def rescore_selection(cfg: EvalConfig, files: dict[str, Path]) -> dict[str, Path]:
+    """The saved samples ``--rescore`` re-grades: every benchmark's by default, else those named."""
+    if list(cfg.benchmarks) == list(BENCHMARKS_ALL):  # the default: everything that was saved
+        return files
+    chosen = {b: p for b, p in files.items() if b in cfg.benchmarks}
+    if not chosen:
+        raise QerlError(f"none of {cfg.benchmarks} has saved samples; found {sorted(files)}")
+    return chosen
+
+
+def rescored(cfg: EvalConfig) -> Checked:
+    files = rescore_selection(cfg, find_sample_files(str(cfg.rescore)))
+    return Checked("--rescore", f"{cfg.rescore}: samples of {', '.join(files)}")
+
+
+def output_dir(cfg: EvalConfig) -> Path:
+    """Where the results go: ``--output``; a rescore without one writes back into the rescored folder
+    (its samples files get the new grades; the completions are untouched)."""
+    if cfg.rescore and cfg.output == EvalConfig().output:
+        return Path(cfg.rescore)
+    return Path(cfg.output)
+
+
+def output_folder(cfg: EvalConfig) -> Checked:
+    out = output_dir(cfg)
+    if check_writable_folder(out, "--output", "choose another with --output DIR"):
+        return Checked("--output", f"{out}: writable (results.json and the samples files replaced there)")
+    return Checked("--output", f"{out}: a new folder (made when the run starts)")

@@ -1,0 +1,133 @@
+"""`qerl eval` checks what it can before it loads a model (the model and adapter, each benchmark's data,
+the baseline, the output folder), and `qerl eval --dry-run` runs exactly these checks, saying what each
+found, and writes nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl_cli.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, " ".join(err.split())  # rich wraps long lines
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks must answer before the engine (the model) or the tokenizer loads."""
+    import qerl_cli.evaluation.run as run_module
+
+    monkeypatch.setattr(run_module, "build_engine", lambda *a, **k: pytest.fail("model loaded before checks"))
+    monkeypatch.setattr(run_module, "load_eval_tokenizer", lambda *a: pytest.fail("tokenizer loaded first"))
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Path:
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 4}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_dry_run_lists_the_checks_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, adapter: Path
+) -> None:
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    out_dir = tmp_path / "e"
+    rc, out, err = run(
+        capsys, "eval", str(tiny_model_dir), "--adapter", str(adapter), "--engine", "hf",
+        "--benchmarks", "synthetic-addition,gsm8k", "--data-file", f"gsm8k={data}", "-o", str(out_dir),
+        "--dry-run",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert yaml.safe_load(out)["model"] == str(tiny_model_dir)  # the YAML stays reusable on stdout
+    assert "checked, nothing loaded or written:" in err
+    assert "--engine: hf -> hf" in err and f"MODEL: {tiny_model_dir}: a model folder" in err
+    assert f"--adapter: {adapter}: a PEFT adapter folder" in err
+    assert "benchmark synthetic-addition: a synthetic task's held-out split, generated here" in err
+    assert f"benchmark gsm8k: the local file {data}" in err
+    assert f"--output: {out_dir}: a new folder (made when the run starts)" in err
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--adapter", "no-adapter"], "--adapter no-adapter: no such folder"),
+        (["--benchmarks", "synthetic-nope"], "unknown synthetic task 'synthetic-nope'; choose one of"),
+        (
+            ["--benchmarks", "gsm8k", "--data-file", "gsm8k=missing.jsonl"],
+            "--data-file gsm8k: missing.jsonl: no such",
+        ),
+        (["--benchmarks", "math500"], "benchmark math500 comes from the Hugging Face Hub"),
+        (
+            ["--baseline", "nowhere.json"],
+            "nowhere.json not found: give the results.json of an earlier `qerl eval`",
+        ),
+        (["-o", "a-file"], "--output a-file is a file, not a folder: give another path or move the file"),
+    ],
+)
+def test_a_bad_input_exits_2_naming_it_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch, no_model_load,
+    args: list[str], message: str,
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("qerl_cli.data.datasets._in_local_cache", lambda hub_id: False)  # an empty cache
+    (tmp_path / "a-file").write_text("x")
+    before = sorted(tmp_path.iterdir())
+    for dry in ([], ["--dry-run"]):
+        argv = [
+            "eval",
+            str(tiny_model_dir),
+            "--engine",
+            "hf",
+            "--benchmarks",
+            "synthetic-addition",
+            *args,
+            *dry,
+        ]
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2 and message in err, err
+    assert sorted(tmp_path.iterdir()) == before  # no eval_results/ made
+
+
+def test_a_missing_model_and_an_unusable_engine_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch, no_model_load
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run(capsys, "eval", "./no-such-model", "--benchmarks", "synthetic-addition", "--dry-run")
+    assert rc == 2 and "model ./no-such-model: no such folder" in err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    rc, _, err = run(
+        capsys, "eval", "m", "--engine", "vllm", "--benchmarks", "synthetic-addition", "--dry-run"
+    )
+    assert rc == 2 and "--engine vllm: vLLM is not installed" in err and "--engine hf" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rescore_checks_its_samples_and_writes_back_there(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    rc, _, err = run(capsys, "eval", "--rescore", str(saved), "--dry-run")
+    assert rc == 2 and f"{saved} holds no samples_<benchmark>.jsonl files to rescore" in err
+    (saved / "samples_gsm8k.jsonl").write_text("")
+    rc, _, err = run(capsys, "eval", "--rescore", str(saved), "--dry-run")
+    assert rc == 0, err
+    assert f"--rescore: {saved}: samples of gsm8k" in err
+    assert f"--output: {saved}: writable" in err
+    assert [p.name for p in saved.iterdir()] == ["samples_gsm8k.jsonl"]

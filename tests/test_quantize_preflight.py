@@ -1,0 +1,154 @@
+"""`qerl quantize` checks what it can before it loads a model (the model source, the output folder, the
+calibration source, the packages the method needs), and `qerl quantize --dry-run` runs exactly these
+checks, saying what each found, and writes nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qerl_cli.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, " ".join(err.split())  # rich wraps long lines
+
+
+@pytest.fixture
+def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks must answer before the BF16 model (or its tokenizer) loads."""
+    import transformers
+
+    import qerl_cli.quantize.run as run_module
+
+    monkeypatch.setattr(run_module, "_load_model", lambda *a, **k: pytest.fail("model loaded before checks"))
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("tokenizer loaded first")
+    )
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working folder (the default output goes there), whose listing proves nothing was written."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
+    return folder
+
+
+def test_dry_run_lists_the_checks_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path
+) -> None:
+    rc, out, err = run(
+        capsys, "quantize", str(tiny_model_dir), "-f", "nvfp4", "--method", "gptq", "--lora-init", "eora",
+        "--calib", "qerl-text", "--device", "cpu", "--dry-run",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert yaml.safe_load(out)["model"] == str(tiny_model_dir)  # the YAML stays reusable on stdout
+    assert "checked, nothing loaded or written:" in err
+    assert "--format / --method: nvfp4 by gptq, then the eora LoRA start (rank 16)" in err
+    assert f"MODEL: {tiny_model_dir}: a model folder" in err
+    assert f"--output: {workdir / 'model-NVFP4'}: a new folder" in err
+    assert "--calib: 256 calibration samples from qerl-text (shipped with qerl, offline)" in err
+    assert "packages: llm-compressor" in err and "--device: cpu -> cpu" in err
+    assert list(workdir.iterdir()) == [] and not (workdir.parent / "cache").exists()
+
+
+def test_rtn_takes_no_calibration_and_nf4_rtn_needs_no_package(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path
+) -> None:
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "--dry-run")
+    assert rc == 0, err
+    assert "--calib: not used (rtn takes no calibration samples)" in err
+    assert "packages: none beyond qerl's own (nf4 by rtn)" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--calib", "missing.jsonl"], "--calib missing.jsonl: no such file; give a .jsonl or .parquet file"),
+        (["--calib", "open-thoughts/OpenThoughts-114k"], "calibrate offline with --calib qerl-text"),
+        (["-f", "nf4", "--method", "gptq"], "--method gptq has no NF4 scheme"),
+        (["--method", "awq", "--lora-init", "eora"], "--lora-init eora cannot follow --method awq"),
+        (["-f", "int3"], "--format has value 'int3' (str); expected 'nvfp4' | 'mxfp4' | 'nf4'"),
+    ],
+)
+def test_a_bad_setting_exits_2_naming_it_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path, no_model_load, args, message
+) -> None:
+    for dry in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "-o", "out", *args, *dry)
+        assert rc == 2 and message in err, err
+    assert list(workdir.iterdir()) == []
+
+
+def test_a_missing_model_exits_2_naming_how_to_give_one(
+    capsys: pytest.CaptureFixture[str], workdir: Path, no_model_load
+) -> None:
+    for model, message in (
+        ("./no-such-model", "MODEL ./no-such-model: no such folder"),
+        ("missing.gguf", "GGUF file 'missing.gguf' not found: check the path"),
+    ):
+        rc, _, err = run(capsys, "quantize", model, "--dry-run")
+        assert rc == 2 and message in err, err
+    assert list(workdir.iterdir()) == []
+
+
+def test_the_output_folder_is_checked(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path, no_model_load
+) -> None:
+    (workdir / "taken").mkdir()
+    (workdir / "taken" / "keep.txt").write_text("mine")
+    (workdir / "a-file").write_text("x")
+    for args, message in (
+        (["-o", "taken"], "output folder taken already exists: pass --overwrite to replace it"),
+        (["-o", "a-file/out"], "--output a-file/out cannot be written: a-file is a file, not a folder"),
+        (["-o", str(tiny_model_dir)], "is the input model folder: choose another --output"),
+        (["-o", "no/such/parent"], "the parent folder of no/such/parent does not exist: create it first"),
+    ):
+        rc, _, err = run(
+            capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", *args, "--dry-run"
+        )
+        assert rc == 2 and message in err, err
+    rc, _, err = run(
+        capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken", "--overwrite",
+        "--dry-run",
+    )  # fmt: skip
+    assert (
+        rc == 0
+        and "--output: taken: exists, replaced by --overwrite once the new checkpoint is complete" in err
+    )
+    assert (workdir / "taken" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in workdir.iterdir()) == ["a-file", "taken"]
+
+
+def test_llm_compressor_missing_names_the_extra(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path, monkeypatch, no_model_load
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llmcompressor" else real(name, *a)
+    )
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "--method", "rtn", "--dry-run")
+    assert rc == 2 and "need llm-compressor: pip install 'qerl[quantize]'" in err
+    assert "--format nf4 --method rtn, which does not" in err
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "--dry-run")
+    assert rc == 0, err  # NF4 by round to nearest is qerl's own code
+
+
+def test_a_gguf_file_is_found_not_converted(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tmp_path: Path
+) -> None:
+    gguf = tmp_path / "Tiny-Model.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF")  # never read by the checks: converting it is the run's first work
+    rc, _, err = run(capsys, "quantize", str(gguf), "-f", "nf4", "--method", "rtn", "--dry-run")
+    assert rc == 0, err
+    assert f"MODEL: {gguf}: the GGUF file {gguf}, converted to a BF16 folder at the start, once" in err
+    assert f"--output: {workdir / 'Tiny-Model-NF4'}: a new folder" in err
+    assert not (tmp_path / "cache").exists()
