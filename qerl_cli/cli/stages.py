@@ -183,7 +183,8 @@ def print_checks(checks: list[Checked]) -> None:
     a failing one has raised its QerlError (exit 2) before this."""
     err_console.print("[bold]checked, nothing loaded or written:[/bold]")
     for check in checks:
-        err_console.print(f"  {escape(check.what)}: {escape(check.found)}", highlight=False)
+        # soft_wrap: a path stays one piece to copy (rich would fold it at the console's width)
+        err_console.print(f"  {escape(check.what)}: {escape(check.found)}", highlight=False, soft_wrap=True)
 
 
 def print_keys(config: type, prefix: str) -> None:
