@@ -10,14 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from qerl_cli.cli import main
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, " ".join(err.split())  # rich wraps long lines
+from cli_runner import run_cli as run
 
 
 @pytest.fixture

@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runner import run_cli as run
 
-from qerl_cli.cli import main
 from qerl_cli.modeling.source_checks import missing_model_hint
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, " ".join(err.split())
 
 
 def recipe(tmp_path: Path, model: Path | str, *lines: str) -> Path:
