@@ -103,7 +103,7 @@ def test_an_output_that_cannot_be_written_is_refused(capsys, tmp_path: Path) -> 
     blocker.write_text("x")
     for argv in (["bench", "--dry-run"], ["bench", "kernels", "--dry-run"], ["bench", "update", "--dry-run"]):
         rc, _, err = run(capsys, *argv, "-o", str(blocker))
-        assert rc == 2 and "is a file; give a folder" in err, argv
+        assert rc == 2 and "is a file, not a folder" in err, argv
 
 
 def test_gpu_only_settings_are_refused_on_the_cpu(monkeypatch, capsys) -> None:

@@ -12,11 +12,11 @@ Importing this module imports no torch: the GPU probe (:func:`gpu_available`) im
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qerl_cli import files
 from qerl_cli.errors import QerlError
 
 VLLM_EXTRA = 'pip install "qerl[vllm]"'
@@ -128,14 +128,7 @@ def check_tolerance(tolerance: float, flag: str = "--tolerance") -> None:
 
 def check_output(path: str | Path, flag: str = "--output") -> None:
     """The output folder can be made and written (its nearest existing parent is writable)."""
-    target = Path(path).expanduser()
-    if target.exists() and not target.is_dir():
-        raise QerlError(f"{flag} {path} is a file; give a folder")
-    existing = target
-    while not existing.exists():
-        existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise QerlError(f"{flag} {path}: {existing} is not writable; give a folder you can write to")
+    files.check_writable_folder(path, flag, "give a folder you can write to")
 
 
 def describe_model(model: str, formats: list[str] | None = None) -> str:
