@@ -8,13 +8,44 @@ import triton
 import triton.language as tl
 
 # F32_DOT (the CPU interpreter): Triton 3.9's interpreter multiplies BF16 dot operands as their raw bits,
-# and its float32 -> BF16 cast truncates. There the weight tile stays float32, rounded to BF16 values by
-# _rne_bf16 (the GPU's cast), and both operands go in as float32: the same products, since BF16 x BF16
-# is exact in float32, so the interpreter computes what the GPU does.
+# and its float32 -> BF16 cast truncates; it runs no inline PTX either. There the weight tile stays float32
+# (the same exact values) and both dot operands go in as float32: BF16 x BF16 is exact in float32, so the
+# interpreter computes what the GPU does.
 
-# The decode below yields each E2M1 value times 2**-14 (see _e2m1_pair); the multipliers the host passes
-# are scaled by 2**14 to undo it. Both scalings are exact, so the product is the reference's float32 one.
-SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as an int32: the sign bits of two FP16 halves
+# The weight tile holds E2M1 value x E4M3 scale x 2**-8, exactly (at most 6 significant bits, 2**-18 to
+# 10.5: BF16 holds every such product); the global scale (x 2**8) multiplies the float32 accumulator in
+# the epilogue. The decode places each 4-bit code in a BF16's sign, two low exponent bits and top
+# mantissa bit: E2M1's exponent bias is 1 and BF16's 127, so the BF16 reads the E2M1 value x 2**-126
+# (code 1, 0.5, as the BF16 subnormal 2**-127); the scale table holds E4M3 x 2**118, so one BF16 multiply
+# gives E2M1 x scale x 2**-8 (_triton_nvfp4_gemm.SCALE_BIAS on the host side). No float32 round trip.
+
+# Two packed bytes in ($2, as loaded: a thread holds two adjacent bytes of a row), out the BF16 weights
+# of their low nibbles (first half of K, $0) and of their high ones (second half, $1), each pair times
+# its BF16 scales ($3, $4). prmt spreads the two bytes to the two 16-bit halves of a register, so one
+# shift, mask and bf16x2 FMA (with -0, i.e. a multiply, on sm_80+) serves two weights: under 3
+# instructions a weight, where the float32 route (FP16 trick, convert, multiply, round) took ~5.
+DECODE_TWO_BYTES = tl.constexpr("""
+{
+.reg .b32 t, u, v, z;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $2, 0, 0x4140;
+shl.b32 u, t, 6;
+shl.b32 v, t, 12;
+and.b32 u, u, 0x01C001C0;
+and.b32 v, v, 0x80008000;
+or.b32 u, u, v;
+fma.rn.bf16x2 $0, u, $3, z;
+shl.b32 u, t, 2;
+shl.b32 v, t, 8;
+and.b32 u, u, 0x01C001C0;
+and.b32 v, v, 0x80008000;
+or.b32 u, u, v;
+fma.rn.bf16x2 $1, u, $4, z;
+}
+""")
+# The interpreter's float32 twin: the same bits, placed in a float32 (exponent bias 127 as BF16's, so
+# the same 2**-126 factor; code 1 a float32 subnormal, which numpy keeps).
+F32_SIGN = tl.constexpr(-2147483648)  # 0x80000000 as an int32
 
 
 @triton.jit
@@ -26,62 +57,60 @@ def _rne_bf16(v):
 
 
 @triton.jit
-def _e2m1_pair(byte):
-    # One packed byte (int32) -> its (even, odd) E2M1 values as float32, each times 2**-14. The 3-bit
-    # magnitude code of E2M1 is exactly the low exponent bits and top mantissa bit of an FP16 number
-    # whose exponent bias is 14 more (15 vs 1), subnormal 0.5 included (FP16 keeps its subnormals,
-    # where an FP32 bit trick would meet flush-to-zero). Both values are built at once as the two FP16
-    # halves of one int32: b * (2**9 + 2**21) is b << 9 | b << 21 (they do not overlap, so no carry)
-    # and holds both magnitudes in place, b * (2**12 + 2**24) both signs. Two multiplies and two logic
-    # ops per byte: on sm_90 this took the K loop from about 12 to 9.6 instructions per weight value.
-    magnitudes = (byte * 0x200200) & 0x0E000E00
-    pair = ((byte * 0x1001000) & SIGNS) | magnitudes
-    low = pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # int16: the low half
-    high = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return low, high
+def _decode_f32(byte, low_scale, high_scale):
+    # The interpreter's decode: each nibble's E2M1 value x 2**-126 as float32, times its BF16 scale.
+    word = byte.to(tl.int32)
+    low = (((word << 28) & F32_SIGN) | ((word & 7) << 22)).to(tl.float32, bitcast=True)
+    high = (((word << 24) & F32_SIGN) | ((word & 0x70) << 18)).to(tl.float32, bitcast=True)
+    return low * low_scale.to(tl.float32), high * high_scale.to(tl.float32)
 
 
 @triton.jit
-def _weight_halves(packed_ptr, scale_ptr, mult_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
+def _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
                    BJ: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
-    # The dequantized bf16 tiles W[offs_n, j0:j0+BJ] (low nibbles) and W[offs_n, KH+j0:KH+j0+BJ] (high
-    # nibbles) of the half-split layout (nvfp4_gemm.split_halves). Bytes as [BN, BJ/16, 16]: one block
-    # of 16 K values per middle index in either nibble, so each block's multiplier broadcasts without a
-    # gather, and the merge of the last two axes into [BN, BJ] keeps every value where it is (no
-    # interleave of the two nibbles, which cost a shared-memory round trip per K step).
+    # The weight tiles W[offs_n, j0:j0+BJ] (low nibbles) and W[offs_n, KH+j0:KH+j0+BJ] (high nibbles)
+    # of the half-split layout (nvfp4_gemm.split_halves), each x 2**-8 (the epilogue undoes it). Bytes
+    # as [BN, BJ/16, 16]: one block of 16 K values per middle index in either nibble, so each block's
+    # scale broadcasts without a gather, and the merge of the last two axes into [BN, BJ] keeps every
+    # value where it is (no interleave of the two nibbles, which cost a shared-memory round trip).
     blocks = j0 // 16 + tl.arange(0, BJ // 16)
     byte_offs = offs_n[:, None, None] * KH + blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     low_offs = offs_n[:, None] * (K // 16) + blocks[None, :]
     high_offs = low_offs + KH // 16
     if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
-        byte = tl.load(packed_ptr + byte_offs).to(tl.int32)
+        byte = tl.load(packed_ptr + byte_offs)
         low_code = tl.load(scale_ptr + low_offs)
         high_code = tl.load(scale_ptr + high_offs)
     else:
         mask = n_mask[:, None] & (blocks[None, :] < KH // 16)
-        byte = tl.load(packed_ptr + byte_offs, mask=mask[:, :, None], other=0).to(tl.int32)
+        byte = tl.load(packed_ptr + byte_offs, mask=mask[:, :, None], other=0)
         low_code = tl.load(scale_ptr + low_offs, mask=mask & (blocks[None, :] < K // 16), other=0)
         high_code = tl.load(
             scale_ptr + high_offs, mask=mask & (blocks[None, :] + KH // 16 < K // 16), other=0
         )
-    # The reference's multiplier of each block, looked up by its E4M3 code in the host's table (the
-    # format's own float32 scale / global scale, x 2**14): decoding E4M3 and dividing here took a fifth
-    # of the K loop's instructions on sm_90.
-    low_mult = tl.load(mult_ptr + low_code.to(tl.int32))[:, :, None]
-    high_mult = tl.load(mult_ptr + high_code.to(tl.int32))[:, :, None]
-    low, high = _e2m1_pair(byte)
+    # Each block's BF16 scale x 2**118, looked up by its E4M3 code (nvfp4_gemm.code_scales).
+    low_scale = tl.load(table_ptr + low_code.to(tl.int32)).to(tl.bfloat16)
+    high_scale = tl.load(table_ptr + high_code.to(tl.int32)).to(tl.bfloat16)
+    low_scale = tl.broadcast_to(low_scale[:, :, None], (BN, BJ // 16, 16))
+    high_scale = tl.broadcast_to(high_scale[:, :, None], (BN, BJ // 16, 16))
     if F32_DOT:
-        low, high = _rne_bf16(low * low_mult), _rne_bf16(high * high_mult)
+        low, high = _decode_f32(byte, low_scale, high_scale)
     else:
-        low, high = (low * low_mult).to(tl.bfloat16), (high * high_mult).to(tl.bfloat16)
+        low, high = tl.inline_asm_elementwise(
+            DECODE_TWO_BYTES, "=r,=r,r,r,r", [byte, low_scale, high_scale],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+        )  # fmt: skip
     return tl.reshape(low, (BN, BJ)), tl.reshape(high, (BN, BJ))
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
-              stride_ym, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr,
-              R_PAD: tl.constexpr, XA_SPLITS: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
-    # acc is y^T for this tile, [BN, BM] in float32: add bias and the LoRA expansion, round once to bf16.
+def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr,
+              lora_scaling, y_ptr, stride_ym, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+              RANK: tl.constexpr, R_PAD: tl.constexpr, XA_SPLITS: tl.constexpr,
+              F32_DOT: tl.constexpr):  # fmt: skip
+    # acc is y^T for this tile, [BN, BM] in float32, of weights x 2**-8 / global scale: the one float32
+    # multiply by 2**8 / global scale, then bias and the LoRA expansion, rounded once to bf16.
+    acc = acc * tl.load(out_scale_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     if HAS_LORA:
@@ -103,7 +132,8 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_p
 
 @triton.jit
 def nvfp4_gemm_kernel(
-    x_ptr, packed_ptr, scale_ptr, mult_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
+    x_ptr, packed_ptr, scale_ptr, table_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr,
+    lock_ptr,
     M, N, K, KH, stride_xm, stride_ym, lora_scaling,
     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
@@ -127,7 +157,7 @@ def nvfp4_gemm_kernel(
     offs_j = tl.arange(0, BJ)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_begin, j_end, BJ):
-        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, mult_ptr, offs_n, n_mask, j0, KH, K, BN, BJ,
+        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, BN, BJ,
                                        EVEN, F32_DOT)  # fmt: skip
         ks = j0 + offs_j
         x_offs = offs_m[None, :] * stride_xm + ks[:, None]
@@ -144,8 +174,9 @@ def nvfp4_gemm_kernel(
             acc = tl.dot(w_low, x_low, acc)
             acc = tl.dot(w_high, x_high, acc)
     if SPLIT_K == 1:
-        _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling, y_ptr,
-                  stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS, F32_DOT)  # fmt: skip
+        _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr,
+                  lora_scaling, y_ptr, stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS,
+                  F32_DOT)  # fmt: skip
     else:
         # Serial split-K: every split leaves its partial in the workspace; the last one to arrive at the
         # tile's counter sums them all in split order (deterministic), runs the epilogue and resets the
@@ -160,8 +191,9 @@ def nvfp4_gemm_kernel(
                 total += tl.load(
                     ws_ptr + s * M * N + tile_offs, mask=tile_mask, other=0.0, cache_modifier=".cg"
                 )
-            _epilogue(total, offs_m, offs_n, m_mask, n_mask, M, bias_ptr, xa_ptr, lora_b_ptr, lora_scaling,
-                      y_ptr, stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD, XA_SPLITS, F32_DOT)  # fmt: skip
+            _epilogue(total, offs_m, offs_n, m_mask, n_mask, M, out_scale_ptr, bias_ptr, xa_ptr,
+                      lora_b_ptr, lora_scaling, y_ptr, stride_ym, HAS_BIAS, HAS_LORA, RANK, R_PAD,
+                      XA_SPLITS, F32_DOT)  # fmt: skip
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 

@@ -3,10 +3,13 @@
 ``x`` is ``[..., K]`` BF16; ``W`` is one linear's NVFP4 buffers exactly as the checkpoint stores them
 (:mod:`qerl_cli.formats.nvfp4`: ``weight_packed`` uint8 ``[N, K/2]`` with the even column in the low
 nibble, ``weight_scale`` E4M3 ``[N, K/16]``, ``weight_global_scale`` float32 ``[1]``). The Triton kernel
-dequantizes each weight tile in registers (the dense weight never reaches global memory) to the very
-BF16 values of the format's own ``dequantize_buffers(..., torch.bfloat16)`` -- E2M1 value times the
-correctly rounded float32 ``scale / global_scale``, rounded once -- and multiplies with float32
-accumulation; the output is rounded to BF16 once, after bias and LoRA. The kernel reads the packed
+dequantizes each weight tile in registers (the dense weight never reaches global memory) to the exact
+products E2M1 value x E4M3 scale (x 2**-8, which BF16 holds without rounding: one packed BF16 multiply
+per two weights, as Marlin does) and multiplies with float32 accumulation; the global scale multiplies
+the accumulator once, and the output is rounded to BF16 once, after bias and LoRA. So no weight is
+rounded: the result is within one BF16 rounding per weight of the format's own
+``dequantize_buffers(..., torch.bfloat16)`` (which rounds each E2M1 x float32 ``scale / global_scale``)
+and closer to the checkpoint's exact values. The kernel reads the packed
 weight in a layout of its own (:func:`split_halves`, made once per weight: the low nibbles hold the first
 half of K, the high ones the second), so each K step is two plain dequantized tiles, each multiplied by
 its half of ``x``, and no tile is re-laid-out between its load and the MMA.
@@ -30,11 +33,14 @@ from functools import cache
 import torch
 
 from qerl_cli import formats
+from qerl_cli.formats.fp4 import decode_packed
 from qerl_cli.kernels.dequant import use_triton_for
 
 BLOCK = 16  # NVFP4's block of values sharing one E4M3 scale
-# The kernel decodes E2M1 values times 2**-14 (_triton_nvfp4_gemm._e2m1_pair); its multipliers undo it.
-DECODE_UNSCALE = 16384.0
+# The kernel's weight tile is E2M1 x E4M3 scale x 2**-WEIGHT_EXPONENT, exactly (_triton_nvfp4_gemm): its
+# BF16 decode reads each code as its E2M1 value x 2**-126, and the scale table holds E4M3 x 2**SCALE_BIAS.
+WEIGHT_EXPONENT = 8
+SCALE_BIAS = 126 - WEIGHT_EXPONENT
 MAX_RANK = 128
 # The shrink kernel's K split never exceeds this: the GEMM epilogue reads every split's partial.
 MAX_XA_SPLITS = 8
@@ -132,13 +138,24 @@ class LoraWeights:
         return self.a.shape[0]
 
 
-def code_multipliers(global_scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``[256]``: the block multiplier of every E4M3 scale code under ``global_scale`` -- the
-    format's own ``block_multipliers``, so the very float32 division -- times :data:`DECODE_UNSCALE`
-    (exact). The kernel looks each block's multiplier up here instead of decoding and dividing."""
-    codes = torch.arange(256, dtype=torch.int32, device=global_scale.device).to(torch.uint8)
-    buffers = {"weight_scale": codes.view(torch.float8_e4m3fn)[None, :], "weight_global_scale": global_scale}
-    return (formats.get("nvfp4").block_multipliers(buffers).reshape(256) * DECODE_UNSCALE).contiguous()
+def code_scales(device: torch.device | str) -> torch.Tensor:
+    """float32 ``[256]``: every E4M3 scale code's value x 2**SCALE_BIAS, looked up by the kernel per
+    block and rounded there to BF16 exactly (E4M3's 4 significant bits in BF16's 8, 2**109 to 448 x
+    2**118 in its range). float32, not BF16: Triton then loads the looked-up values straight in the
+    decode's register layout (a BF16 table cost a shared-memory layout conversion per K step on sm_90)."""
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn)
+    return codes.float() * 2.0**SCALE_BIAS
+
+
+@cache
+def _code_scales(device: torch.device) -> torch.Tensor:
+    return code_scales(device)  # one table per device (CUDA graphs keep pointing at it)
+
+
+def output_scale(global_scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[1]``: what the kernel's accumulator is multiplied by, 2**WEIGHT_EXPONENT / global
+    scale (a device tensor: no host sync, so the call can be captured in a CUDA graph)."""
+    return (2.0**WEIGHT_EXPONENT / global_scale.float().reshape(1)).contiguous()
 
 
 def split_halves(packed: torch.Tensor) -> torch.Tensor:
@@ -159,24 +176,24 @@ def split_halves(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Nvfp4Weight:
-    """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``multipliers`` is
-    :func:`code_multipliers` of its global scale and ``halves`` :func:`split_halves` of ``packed``, each
+    """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``out_scale`` is
+    :func:`output_scale` of its global scale and ``halves`` :func:`split_halves` of ``packed``, each
     computed once (None: on every call)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
-    multipliers: torch.Tensor | None = None
+    out_scale: torch.Tensor | None = None
     halves: torch.Tensor | None = None
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> Nvfp4Weight:
         global_scale, packed = buffers["weight_global_scale"], buffers["weight_packed"]
-        multipliers = code_multipliers(global_scale)
-        return cls(packed, buffers["weight_scale"], global_scale, multipliers, split_halves(packed))
+        scale = buffers["weight_scale"]
+        return cls(packed, scale, global_scale, output_scale(global_scale), split_halves(packed))
 
-    def kernel_multipliers(self) -> torch.Tensor:
-        return self.multipliers if self.multipliers is not None else code_multipliers(self.global_scale)
+    def kernel_out_scale(self) -> torch.Tensor:
+        return self.out_scale if self.out_scale is not None else output_scale(self.global_scale)
 
     def kernel_halves(self) -> torch.Tensor:
         return self.halves if self.halves is not None else split_halves(self.packed)
@@ -184,7 +201,7 @@ class Nvfp4Weight:
     def clone(self) -> Nvfp4Weight:
         """A copy in new memory, the derived tables included (the bench reads distinct copies)."""
         return Nvfp4Weight(*(t.clone() if t is not None else None for t in (
-            self.packed, self.scale, self.global_scale, self.multipliers, self.halves)))  # fmt: skip
+            self.packed, self.scale, self.global_scale, self.out_scale, self.halves)))  # fmt: skip
 
     @property
     def out_features(self) -> int:
@@ -202,10 +219,24 @@ class Nvfp4Weight:
         }
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The dense ``[N, K]`` weight by the format's own (torch) dequantization."""
+        """The dense ``[N, K]`` weight by the format's own (torch) dequantization: each value rounded to
+        ``dtype`` from E2M1 x (scale / global scale)."""
         return formats.get("nvfp4").dequantize_buffers(
             self.buffers(), self.out_features, self.in_features, dtype
         )
+
+    def exact_products(self) -> torch.Tensor:
+        """float32 ``[N, K]``: E2M1 x E4M3 scale x 2**-WEIGHT_EXPONENT, exact: the kernel's weight tile,
+        which the kernel's accumulator multiplies by :func:`output_scale` once."""
+        values = decode_packed(self.packed).unflatten(-1, (-1, BLOCK))
+        blocks = values * (self.scale.float() * 2.0**-WEIGHT_EXPONENT).unsqueeze(-1)
+        return blocks.flatten(-2)
+
+    def kernel_dequantize(self) -> torch.Tensor:
+        """BF16 ``[N, K]``: what the kernel computes for an identity ``x``: the exact product times
+        :func:`output_scale` in float32, rounded once to BF16 (within one BF16 rounding of the format's
+        :meth:`dequantize`, which rounds the block multiplier to float32 first)."""
+        return (self.exact_products() * self.kernel_out_scale().float()).to(torch.bfloat16)
 
 
 @cache
@@ -256,12 +287,12 @@ def nvfp4_linear_reference(
     lora: LoraWeights | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The same result by dequantizing (the format's torch path) and matmul in ``dtype`` (float64 to
-    check the kernel), cast back to ``x``'s dtype."""
+    """The kernel's arithmetic in torch: ``x`` times the exact weight products (:meth:`Nvfp4Weight.
+    exact_products`) in ``dtype`` (float64 to check the kernel), times :func:`output_scale`, then bias
+    and LoRA, cast back to ``x``'s dtype."""
     check_operands(x, weight, bias, lora)
-    w = weight.dequantize(torch.bfloat16).to(dtype)
     xs = x.to(dtype)
-    y = xs @ w.T
+    y = (xs @ weight.exact_products().to(dtype).T) * weight.kernel_out_scale().to(dtype)
     if bias is not None:
         y = y + bias.to(dtype)
     if lora is not None:
@@ -354,8 +385,8 @@ def triton_nvfp4_linear(
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, halves, weight.scale.contiguous().view(torch.uint8), weight.kernel_multipliers(),
-        bias if bias is not None else y, xa, lora_b, y, ws, locks,
+        x2, halves, weight.scale.contiguous().view(torch.uint8), _code_scales(x.device),
+        weight.kernel_out_scale(), bias if bias is not None else y, xa, lora_b, y, ws, locks,
         m, n, k, kh, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,
