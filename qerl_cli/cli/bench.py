@@ -151,7 +151,8 @@ MemoryCapOption = Annotated[
     typer.Option(
         "--memory-cap",
         metavar="GIB",
-        help="GPU memory the run may use; a helper process holds the rest (an 80 GB budget on a larger GPU).",
+        help="GPU memory the run may use; a helper process holds the rest (a smaller GPU's budget on a "
+        "larger one).",
         show_default="the whole GPU",
     ),
 ]

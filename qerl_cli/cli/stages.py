@@ -284,7 +284,7 @@ def demo(
         str, typer.Option("--output", "-o", metavar="DIR", help="Where the demo writes its run.")
     ] = "runs/demo",
     steps: Annotated[
-        int, typer.Option("--steps", metavar="N", help="GRPO steps (the reward rise needs about 60).")
+        int, typer.Option("--steps", metavar="N", help="GRPO steps (fewer may end before the reward rises).")
     ] = 60,
     seed: Annotated[
         int, typer.Option("--seed", metavar="SEED", help="Seed of the model, data and sampling.")
