@@ -332,6 +332,12 @@ def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
             ) from None
 
 
+def print_plan(lines: list[str]) -> None:
+    """``--dry-run``'s plan after the config's YAML, as YAML comments (``# plan:``), so that the output
+    stays a ``--config`` file: the one way every benchmark prints what it will do."""
+    sys.stdout.write("".join(f"# {line}\n" for line in lines))
+
+
 def finish_config(config: Any, dry_run: bool) -> bool:
     """Print the resolved config for --dry-run; returns True when the command should stop."""
     if dry_run:  # plain YAML, not rich markup, so the output can be saved and reused as a recipe

@@ -33,6 +33,7 @@ from qerl_cli.cli.app import (
     finish_config,
     given_flags,
     positive_ints,
+    print_plan,
     set_option,
     use_free_cpu_threads,
 )
@@ -193,7 +194,7 @@ def run_bench_command(
     # The engine, packages, model and output checked, and the CPU's lengths filled in, before any work.
     plan = bench_plan(conf, given=given, backends_given="backends" in given)
     if finish_config(conf, dry_run):
-        sys.stdout.write("".join(f"# {line}\n" for line in plan.lines()))  # YAML comments: still a config
+        print_plan(plan.lines())
         return
     print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none
     from qerl_cli.bench import run_bench

@@ -10,7 +10,6 @@ settings (:mod:`qerl_cli.bench.settings`) as every stage does: ``--config`` < fl
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -45,6 +44,7 @@ from qerl_cli.cli.app import (
     csv,
     finish_config,
     given_flags,
+    print_plan,
     set_option,
     use_free_cpu_threads,
 )
@@ -54,6 +54,7 @@ from qerl_cli.cli.gemm_options import (
     GemmRowsOption,
     GemmShapesOption,
     GemmTuneOption,
+    gemm_plan,
     gemm_settings,
 )
 from qerl_cli.config import TrainConfig, load_config
@@ -189,10 +190,7 @@ def kernels(
     check_tool(conf.output, conf.device, conf.model)
     gemm = gemm_settings(gemm_shapes, gemm_rows, gemm_backends, gemm_tune)
     if finish_config(conf, dry_run):
-        # Flags, not config keys: as comments, so the YAML stays a --config file.
-        sys.stdout.write(
-            "".join(f"# --{key.replace('_', '-')}: {value}\n" for key, value in gemm.to_dict().items())
-        )
+        print_plan(gemm_plan(gemm, conf.formats, conf.device))  # flags, not config keys: the plan's
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
 
