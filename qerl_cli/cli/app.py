@@ -155,8 +155,8 @@ DryRunOption = Annotated[
     bool,
     typer.Option(
         "--dry-run",
-        help="Print the resolved config as YAML and exit without the work; train and bench also make their "
-        "checks before work (exit 2 naming what fails).",
+        help="Print the resolved config as YAML, make the checks a run makes before any work (exit 2 naming "
+        "what fails) and exit without the work.",
     ),
 ]
 ConfigOption = Annotated[

@@ -57,9 +57,10 @@ from qerl_cli.cli.gemm_options import (
     gemm_plan,
     gemm_settings,
 )
+from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.config.sections import BaseCompute, FusedKernels
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Checked, QerlError
 
 S = TypeVar("S")
 OutputOption = Annotated[
@@ -338,6 +339,7 @@ def scaling(
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, sets)
+    from qerl_cli.bench.models import is_shape
     from qerl_cli.bench.scaling import model_folder, scaled_config
 
     if model:
@@ -347,8 +349,12 @@ def scaling(
     check_output(output)
     if conf.rollout.engine == "vllm":  # the recipe's engine: a GPU and vLLM, checked before the model loads
         resolve_engine("vllm")
-    if finish_config(conf, dry_run):
+    # A dry run writes no --model SHAPE's checkpoint: the shape stands for it.
+    shape = model if model and not Path(conf.model.path).is_dir() and is_shape(model) else None
+    if finish_config(conf, dry_run):  # the YAML, then the checks of `qerl train` on the run it trains
+        print_checks(scaling_checks(conf, shape))
         return
+    scaling_checks(conf, shape)  # seconds, before a model loads for minutes
     from qerl_cli.bench.scaling import REPORT_NAME, run_scaling, scaling_table
     from qerl_cli.torch_utils import runs_on_cpu
 
@@ -366,6 +372,24 @@ def scaling(
     if int(os.environ.get("RANK", "0")) == 0:
         console.print(scaling_table(report))
         _done(Path(output) / REPORT_NAME, False)
+
+
+def scaling_checks(conf: TrainConfig, shape: str | None) -> list[Checked]:
+    """`qerl train`'s checks before work (:mod:`qerl_cli.rl.preflight`) on the run the benchmark trains: a
+    recipe whose model, dataset or engine is missing fails in seconds, not once the run has begun.
+    ``shape``: the --model SHAPE whose random-weight checkpoint a dry run does not write; said, not
+    checked."""
+    from qerl_cli.rl import preflight as train_checks
+
+    if shape is None:
+        return train_checks.preflight(conf, resume=None, overwrite=False)
+    return [
+        train_checks.output_folder(conf.output.dir, resume=None, overwrite=False),
+        Checked("model.path", f"{conf.model.path}: {describe_model(shape)}"),
+        train_checks.dataset(conf),
+        train_checks.engine(conf),
+        train_checks.grader(),
+    ]
 
 
 def quality(
