@@ -135,3 +135,18 @@ def test_rescore_of_benchmarks_not_saved_names_those_saved_in_words(
     assert usage_error(rc, err), err
     assert "[" not in err and f"--rescore {tmp_path}: no saved samples of gsm8k" in err
     assert "rescore them with --benchmarks synthetic-addition, or leave --benchmarks out for all" in err
+
+
+def test_resume_auto_without_a_run_is_named_as_auto(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`qerl train tiny --resume auto` before any run said "--resume runs/tiny: no such directory; ... or
+    --resume auto", a path the user never typed and the flag they had given as the remedy."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set", f"output.dir={out}",
+        "--resume", "auto", "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err), err
+    assert f"--resume auto: the recipe's output.dir {out} does not exist, so there is no run to resume" in err
+    assert "start the run without --resume" in err and "or --resume auto" not in err

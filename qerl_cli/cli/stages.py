@@ -158,6 +158,12 @@ def train(
 
     check_resume_or_overwrite(resume, overwrite)
     resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
+    if resume == "auto" and not Path(conf.output.dir).expanduser().exists():
+        # Named as the flag the user typed: "--resume runs/tiny: no such directory" read as a typo of theirs.
+        raise QerlError(
+            f"--resume auto: the recipe's output.dir {conf.output.dir} does not exist, so there is no run to "
+            "resume: start the run without --resume (or give --resume DIR, the output.dir of an earlier run)"
+        )
 
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         print_checks(preflight(conf, resume=resume_dir, overwrite=overwrite))
