@@ -4,6 +4,8 @@ RECIPE --dry-run` on the shipped recipes, `qerl quantize` / `qerl eval` / `qerl 
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,28 @@ def test_resume_auto_without_a_run_is_named_as_auto(
     assert usage_error(rc, err), err
     assert f"--resume auto: the recipe's output.dir {out} does not exist, so there is no run to resume" in err
     assert "start the run without --resume" in err and "or --resume auto" not in err
+
+
+def test_quantize_of_a_4bit_folder_fails_in_the_checks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`qerl quantize runs/smol-nvfp4` (the 4-bit output given back as MODEL) passed --dry-run; the run
+    refused it only after loading the model."""
+    base = tmp_path / "smol-nvfp4"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
+    rc, _, err = run_cli(
+        capsys,
+        "quantize",
+        str(base),
+        "-f",
+        "nvfp4",
+        "--method",
+        "rtn",
+        "-o",
+        str(tmp_path / "out"),
+        "--dry-run",
+    )
+    assert usage_error(rc, err), err
+    assert f"MODEL {base} is already quantized: give the BF16 model it was made from" in err
