@@ -177,3 +177,26 @@ def test_quantize_of_a_4bit_folder_fails_in_the_checks(
     )
     assert usage_error(rc, err), err
     assert f"MODEL {base} is already quantized: give the BF16 model it was made from" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "--baseline", "FOLDER/notes.json"], "is not a qerl bench report (expected schema"),
+        (["bench", "e2e", "--baseline", "FOLDER"], "FOLDER/bench.json not found"),
+        (["bench", "scaling", "tiny", "--set", "model.path=MODEL", "--reference", "FOLDER"],
+         "FOLDER/scaling.json not found: give the scaling.json of a `qerl bench scaling` run"),
+    ],
+)  # fmt: skip
+def test_a_baseline_or_reference_that_is_no_report_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, argv: list[str], expected: str
+) -> None:
+    """The runs read `--baseline` / `--reference` first and refuse a folder without the report or a file
+    of another kind; their dry runs only asked that the path exist, and passed."""
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    (folder / "notes.json").write_text("{}")
+    filled = [a.replace("FOLDER", str(folder)).replace("MODEL", str(tiny_model_dir)) for a in argv]
+    rc, _, err = run_cli(capsys, *filled, "-o", str(tmp_path / "out"), "--dry-run")
+    assert usage_error(rc, err), err
+    assert expected.replace("FOLDER", str(folder)) in err

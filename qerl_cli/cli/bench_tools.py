@@ -340,8 +340,10 @@ def scaling(
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, sets)
     from qerl_cli.bench.models import is_shape
-    from qerl_cli.bench.scaling import model_folder, scaled_config
+    from qerl_cli.bench.scaling import model_folder, read_reference, scaled_config
 
+    if reference:  # read as the run reads it first: a folder or another report fails the dry run too
+        read_reference(reference)
     if model:
         conf.model.path = str(model_folder(model, model_format, write=not dry_run, synthetic=synthetic))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -349,7 +351,7 @@ def scaling(
     check_output(output)
     if conf.rollout.engine == "vllm":  # the recipe's engine: a GPU and vLLM, checked before the model loads
         resolve_engine("vllm")
-    # A dry run writes no --model SHAPE's checkpoint: the shape stands for it.
+    # A dry run writes no --model SHAPE's checkpoint: the shape stands for it in the checks.
     shape = model if model and not Path(conf.model.path).is_dir() and is_shape(model) else None
     if finish_config(conf, dry_run):  # the YAML, then the checks of `qerl train` on the run it trains
         print_checks(scaling_checks(conf, shape))
@@ -360,25 +362,16 @@ def scaling(
 
     if runs_on_cpu(conf.train.device):
         use_free_cpu_threads()
-    report = run_scaling(
-        conf,
-        output,
-        command=command_line(),
-        steps=steps,
-        prompts_per_gpu=prompts_per_gpu,
-        reference=reference,
-        synthetic=synthetic,
-    )
+    report = run_scaling(conf, output, command=command_line(), steps=steps, prompts_per_gpu=prompts_per_gpu,
+                         reference=reference, synthetic=synthetic)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         console.print(scaling_table(report))
         _done(Path(output) / REPORT_NAME, False)
 
 
 def scaling_checks(conf: TrainConfig, shape: str | None) -> list[Checked]:
-    """`qerl train`'s checks before work (:mod:`qerl_cli.rl.preflight`) on the run the benchmark trains: a
-    recipe whose model, dataset or engine is missing fails in seconds, not once the run has begun.
-    ``shape``: the --model SHAPE whose random-weight checkpoint a dry run does not write; said, not
-    checked."""
+    """`qerl train`'s checks before work (:mod:`qerl_cli.rl.preflight`) on the run the benchmark trains, so
+    a missing model, dataset or engine fails in seconds. ``shape``: a --model SHAPE not written yet."""
     from qerl_cli.rl import preflight as train_checks
 
     if shape is None:
