@@ -20,8 +20,8 @@ FIGURE = re.compile(
     r"s|sec|seconds?|ms|µs|us|min|minutes?|h|hours?"  # time
     r"|tok/s|tokens/s|GB/s|TB/s|GFLOP/s|TFLOP/s"  # rate
     r"|[KMGT]i?B"  # memory
-    r"|x"  # a speed-up (1.58x)
     r")(?![\w/])"
+    r"|\b\d+(?:\.\d+)?x\b"  # a speed-up (1.58x), not a product (16 x 8)
     r"|\b\d+(?:\.\d+)?\s*%(?! interval)"
 )
 DEFAULT = re.compile(r"\[default: [^\]]*\]")
@@ -48,7 +48,7 @@ def test_the_scan_finds_what_tiny_base_carried() -> None:
     )
     found = ["76 s", "1.5 min", "13 min", "38 s", "243 µs", "1.58x", "25%", "1.6 GiB", "900 tok/s"]
     assert figures(text) == found
-    assert figures("a 95% interval; --rows 64 [default: 30 s]; qwen2.5-7b; 4-bit; 2 cores") == []
+    assert figures("a 95% interval; --rows 64 [default: 30 s]; qwen2.5-7b; 4-bit; 2 cores; 16 x 8") == []
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda path: " ".join(("qerl", *path)))
