@@ -115,7 +115,10 @@ DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
     (["update", "--checkpointing", "on", "--micro-batch", "2"], {"checkpointing": True, "micro_batch": 2}),
     (["update", "--base-compute", "bf16,fp8"], {"base_compute": ["bf16", "fp8"]}),
     (
-        ["scaling", "tiny", "--steps", "4", "--prompts-per-gpu", "3", "--set", "rollout.num_generations=2"],
+        # The tiny shape for model.path: the recipe's base is built by `qerl tiny-base`, which the dry run's
+        # checks would ask for.
+        ["scaling", "tiny", "--model", "tiny", "--steps", "4", "--prompts-per-gpu", "3"]
+        + ["--set", "rollout.num_generations=2"],
         {
             "train": lambda t: (t["max_steps"], t["prompts_per_step"]) == (4, 3),
             "rollout": lambda r: r["num_generations"] == 2,
@@ -507,9 +510,12 @@ def test_scaling_shape_dry_run_names_the_checkpoint_and_writes_nothing(
     if not torch_cuda():  # gsm8k_7b rolls out with vLLM: its dry run checks for a GPU and vLLM
         assert rc == 2 and "--engine vllm needs a CUDA GPU" in err
     from qerl_cli.bench import preflight
+    from qerl_cli.errors import Checked
+    from qerl_cli.rl import preflight as train_checks
 
     monkeypatch.setattr(preflight, "gpu_available", lambda: True)  # the GPU machine it is prepared for
     monkeypatch.setattr(preflight, "vllm_available", lambda: True)
+    monkeypatch.setattr(train_checks, "engine", lambda cfg: Checked("rollout.engine", "vllm (a GPU here)"))
     rc, out, err = run(
         capsys, "bench", "scaling", "gsm8k_7b", "--model", "qwen2.5-7b", "--synthetic", "--prompts-per-gpu",
         "16", "--dry-run",

@@ -139,6 +139,7 @@ def test_train_renders_its_summary(
     monkeypatch.setattr("qerl_cli.rl.preflight.preflight", lambda *args, **kwargs: [])  # no model "m" here
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  path: m\ntrain:\n  device: cuda\noutput:\n  dir: {tmp_path / 'run'}\n")
+    (tmp_path / "run").mkdir()  # --resume auto: a run there to resume
     rc, out, _ = run(capsys, "train", str(recipe), "--resume", "auto")
     assert rc == 0 and seen == [str(tmp_path / "run")]
     assert [line.rstrip() for line in out.splitlines()] == TRAIN_TABLE

@@ -87,7 +87,8 @@ def test_resume_from_a_folder_that_is_not_there_fails_in_the_checks(
         f"output.dir={tmp_path / 'run'}", "--resume", str(missing), "--dry-run",
     )  # fmt: skip
     assert usage_error(rc, err), err
-    assert f"--resume {missing}: no such directory" in err
+    assert f"--resume {missing}: no such directory; give the output.dir of an earlier `qerl train` run" in err
+    assert "--resume auto for the recipe's own output.dir" in err  # not only "no such directory"
 
 
 def test_resume_auto_without_a_checkpoint_fails_in_the_checks(

@@ -1,6 +1,7 @@
 """Was the host busy while a benchmark measured? The host's load and the other processes on the measured
-GPU, sampled at the start of a run, each time its report is written (after every case or section) and
-at its end, and the one rule that calls a run busy.
+GPU, sampled at the start of a run, each time its report is written (after every case or section; ``bench
+scaling``, whose report is written once, after every training step) and at its end, and the one rule
+that calls a run busy.
 
 A busy host depresses rollout figures unevenly: vLLM's decode loop needs a CPU core at every step, so a
 host whose cores are taken by other work starves it, and another process on the same GPU takes its

@@ -152,5 +152,15 @@ def describe_model(model: str, formats: list[str] | None = None) -> str:
 
 
 def summary(items: dict[str, Any]) -> list[str]:
-    """``key: value`` lines of a plan."""
-    return [f"{key}: {value}" for key, value in items.items() if value is not None]
+    """``key: value`` lines of a plan, each value in words (:func:`plan_value`); None: no line."""
+    return [f"{key}: {plan_value(value)}" for key, value in items.items() if value is not None]
+
+
+def plan_value(value: Any) -> str:
+    """A plan's value as a reader writes it: a list as its items with commas (not ``['a', 'b']``), a
+    flag as on or off (not ``True``)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
+    return str(value)

@@ -212,16 +212,22 @@ def run_scaling(
     rank = int(os.environ.get("RANK", "0"))
     reward = RandomReward(derive_seed(cfg.train.seed, "bench-reward", rank)) if synthetic else None
     progress = Progress("bench scaling", steps)
+    # Begun before the first step, as every benchmark's report: the host load's start is the run's.
+    header = report_header(SCHEMA, command)
+    host = header["host_load"]
 
     def on_step(step: int, record: dict[str, Any]) -> None:  # one line a step (rank 0), for the logs
         if rank == 0:
+            # After every step, as the others after every case: a load that came and went mid-run is
+            # the peak that makes the run busy (write_report takes the end).
+            host.sample()
             progress.finish(f"step {step}", seconds=float(record.get("time_step_s", 0.0)))
 
     result = train(cfg, progress=False, reward_fn=reward, on_step=on_step)
     tp = cfg.rollout.tensor_parallel_size
     run = run_summary(read_metrics(out / RUN_DIR / METRICS_FILE), gpus_in_use(result.world_size, tp))
     report: dict[str, Any] = {
-        **report_header(SCHEMA, command),
+        **header,
         "world_size": result.world_size,
         "scaling": scaling_kind(prompts_per_gpu, tp),
         "settings": {

@@ -155,8 +155,8 @@ DryRunOption = Annotated[
     bool,
     typer.Option(
         "--dry-run",
-        help="Print the resolved config as YAML and exit without the work; train and bench also make their "
-        "checks before work (exit 2 naming what fails).",
+        help="Print the resolved config as YAML, make the checks a run makes before any work (exit 2 naming "
+        "what fails) and exit without the work.",
     ),
 ]
 ConfigOption = Annotated[
@@ -330,6 +330,12 @@ def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
                 f"{what} {path} is not a text YAML file (byte {exc.start} is not UTF-8 text); "
                 "give a recipe YAML file"
             ) from None
+
+
+def print_plan(lines: list[str]) -> None:
+    """``--dry-run``'s plan after the config's YAML, as YAML comments (``# plan:``), so that the output
+    stays a ``--config`` file: the one way every benchmark prints what it will do."""
+    sys.stdout.write("".join(f"# {line}\n" for line in lines))
 
 
 def finish_config(config: Any, dry_run: bool) -> bool:

@@ -33,6 +33,7 @@ from qerl_cli.cli.app import (
     finish_config,
     given_flags,
     positive_ints,
+    print_plan,
     set_option,
     use_free_cpu_threads,
 )
@@ -151,7 +152,8 @@ MemoryCapOption = Annotated[
     typer.Option(
         "--memory-cap",
         metavar="GIB",
-        help="GPU memory the run may use; a helper process holds the rest (an 80 GB budget on a larger GPU).",
+        help="GPU memory the run may use; a helper process holds the rest (a smaller GPU's budget on a "
+        "larger one).",
         show_default="the whole GPU",
     ),
 ]
@@ -188,11 +190,14 @@ def run_bench_command(
         if not getattr(conf, key):
             setattr(conf, key, list(value))
     from qerl_cli.bench.plan import bench_plan
+    from qerl_cli.bench.result import read_report
 
+    if conf.baseline:  # read as the run reads it first: a folder or a file of another kind fails the dry run
+        read_report(conf.baseline)
     # The engine, packages, model and output checked, and the CPU's lengths filled in, before any work.
     plan = bench_plan(conf, given=given, backends_given="backends" in given)
     if finish_config(conf, dry_run):
-        sys.stdout.write("".join(f"# {line}\n" for line in plan.lines()))  # YAML comments: still a config
+        print_plan(plan.lines())
         return
     print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none
     from qerl_cli.bench import run_bench

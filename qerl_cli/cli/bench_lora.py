@@ -5,7 +5,6 @@ before torch is imported; ``--dry-run`` prints them as YAML and the plan as comm
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +20,7 @@ from qerl_cli.cli.app import (
     console,
     finish_config,
     positive_ints,
+    print_plan,
     set_option,
 )
 from qerl_cli.cli.bench_tools import load_settings, option
@@ -83,7 +83,7 @@ def lora_tune(
 
     lines = plan_lines(conf)  # the shape and the rank checked, GPU or not
     if finish_config(conf, dry_run):
-        sys.stdout.write("".join(f"# {line}\n" for line in lines))  # comments: the YAML stays a --config file
+        print_plan(lines)
         return
     from qerl_cli.bench.lora_tune_gpu import run_lora_tune
 

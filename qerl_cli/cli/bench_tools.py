@@ -10,7 +10,6 @@ settings (:mod:`qerl_cli.bench.settings`) as every stage does: ``--config`` < fl
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -45,6 +44,7 @@ from qerl_cli.cli.app import (
     csv,
     finish_config,
     given_flags,
+    print_plan,
     set_option,
     use_free_cpu_threads,
 )
@@ -54,11 +54,13 @@ from qerl_cli.cli.gemm_options import (
     GemmRowsOption,
     GemmShapesOption,
     GemmTuneOption,
+    gemm_plan,
     gemm_settings,
 )
+from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.config.sections import BaseCompute, FusedKernels
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import Checked, QerlError
 
 S = TypeVar("S")
 OutputOption = Annotated[
@@ -189,10 +191,7 @@ def kernels(
     check_tool(conf.output, conf.device, conf.model)
     gemm = gemm_settings(gemm_shapes, gemm_rows, gemm_backends, gemm_tune)
     if finish_config(conf, dry_run):
-        # Flags, not config keys: as comments, so the YAML stays a --config file.
-        sys.stdout.write(
-            "".join(f"# --{key.replace('_', '-')}: {value}\n" for key, value in gemm.to_dict().items())
-        )
+        print_plan(gemm_plan(gemm, conf.formats, conf.device))  # flags, not config keys: the plan's
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
 
@@ -340,8 +339,11 @@ def scaling(
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, sets)
-    from qerl_cli.bench.scaling import model_folder, scaled_config
+    from qerl_cli.bench.models import is_shape
+    from qerl_cli.bench.scaling import model_folder, read_reference, scaled_config
 
+    if reference:  # read as the run reads it first: a folder or another report fails the dry run too
+        read_reference(reference)
     if model:
         conf.model.path = str(model_folder(model, model_format, write=not dry_run, synthetic=synthetic))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -349,25 +351,38 @@ def scaling(
     check_output(output)
     if conf.rollout.engine == "vllm":  # the recipe's engine: a GPU and vLLM, checked before the model loads
         resolve_engine("vllm")
-    if finish_config(conf, dry_run):
+    # A dry run writes no --model SHAPE's checkpoint: the shape stands for it in the checks.
+    shape = model if model and not Path(conf.model.path).is_dir() and is_shape(model) else None
+    if finish_config(conf, dry_run):  # the YAML, then the checks of `qerl train` on the run it trains
+        print_checks(scaling_checks(conf, shape))
         return
+    scaling_checks(conf, shape)  # seconds, before a model loads for minutes
     from qerl_cli.bench.scaling import REPORT_NAME, run_scaling, scaling_table
     from qerl_cli.torch_utils import runs_on_cpu
 
     if runs_on_cpu(conf.train.device):
         use_free_cpu_threads()
-    report = run_scaling(
-        conf,
-        output,
-        command=command_line(),
-        steps=steps,
-        prompts_per_gpu=prompts_per_gpu,
-        reference=reference,
-        synthetic=synthetic,
-    )
+    report = run_scaling(conf, output, command=command_line(), steps=steps, prompts_per_gpu=prompts_per_gpu,
+                         reference=reference, synthetic=synthetic)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         console.print(scaling_table(report))
         _done(Path(output) / REPORT_NAME, False)
+
+
+def scaling_checks(conf: TrainConfig, shape: str | None) -> list[Checked]:
+    """`qerl train`'s checks before work (:mod:`qerl_cli.rl.preflight`) on the run the benchmark trains, so
+    a missing model, dataset or engine fails in seconds. ``shape``: a --model SHAPE not written yet."""
+    from qerl_cli.rl import preflight as train_checks
+
+    if shape is None:
+        return train_checks.preflight(conf, resume=None, overwrite=False)
+    return [
+        train_checks.output_folder(conf.output.dir, resume=None, overwrite=False),
+        Checked("model.path", f"{conf.model.path}: {describe_model(shape)}"),
+        train_checks.dataset(conf),
+        train_checks.engine(conf),
+        train_checks.grader(),
+    ]
 
 
 def quality(

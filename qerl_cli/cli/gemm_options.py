@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from qerl_cli.bench.gemm_settings import BACKENDS, DEFAULT_ROWS, DEFAULT_SHAPES, GemmSettings
+from qerl_cli.bench.preflight import summary
 from qerl_cli.cli.app import csv, positive_ints
 
 GemmShapesOption = Annotated[
@@ -55,3 +56,22 @@ def gemm_settings(shapes: str | None, rows: str | None, backends: str | None, tu
     return GemmSettings.from_flags(
         csv(shapes), positive_ints(rows, "--gemm-rows"), csv(backends), tune, names or []
     )
+
+
+def gemm_plan(gemm: GemmSettings, formats: list[str], device: str) -> list[str]:
+    """``qerl bench kernels --dry-run``'s plan: whether the GEMM section runs, and its flags' values (as
+    ``bench concurrency``'s plan is printed)."""
+    if "nvfp4" not in formats:
+        runs = "skipped (nvfp4 is not among --formats)"
+    elif device.startswith("cpu"):
+        runs = f"skipped (--device {device}: the GEMMs are timed on a CUDA GPU only)"
+    else:
+        runs = "on a CUDA GPU (skipped on the CPU)"
+    items = {
+        "GEMM section": runs,
+        "--gemm-shapes": gemm.shapes,
+        "--gemm-rows": gemm.rows,
+        "--gemm-backends": gemm.backends,
+        "--gemm-tune": gemm.tune,
+    }
+    return ["plan:", *(f"  {line}" for line in summary(items))]

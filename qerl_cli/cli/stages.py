@@ -158,6 +158,12 @@ def train(
 
     check_resume_or_overwrite(resume, overwrite)
     resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
+    if resume == "auto" and not Path(conf.output.dir).expanduser().exists():
+        # Named as the flag the user typed: "--resume runs/tiny: no such directory" read as a typo of theirs.
+        raise QerlError(
+            f"--resume auto: the recipe's output.dir {conf.output.dir} does not exist, so there is no run to "
+            "resume: start the run without --resume (or give --resume DIR, the output.dir of an earlier run)"
+        )
 
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         print_checks(preflight(conf, resume=resume_dir, overwrite=overwrite))
@@ -284,7 +290,7 @@ def demo(
         str, typer.Option("--output", "-o", metavar="DIR", help="Where the demo writes its run.")
     ] = "runs/demo",
     steps: Annotated[
-        int, typer.Option("--steps", metavar="N", help="GRPO steps (the reward rise needs about 60).")
+        int, typer.Option("--steps", metavar="N", help="GRPO steps (fewer may end before the reward rises).")
     ] = 60,
     seed: Annotated[
         int, typer.Option("--seed", metavar="SEED", help="Seed of the model, data and sampling.")

@@ -44,11 +44,11 @@ def tiny_base(
     ] = 0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
 ) -> None:
-    """Build the warm-started tiny base that recipes/tiny.yaml trains (about a minute on 2 free cores).
+    """Build the warm-started tiny base that recipes/tiny.yaml trains, on the CPU.
 
-    It needs about 76 s of CPU time. Beside other CPU-bound work it runs on the cores left free: with one
-    of 2 cores busy, one thread, about 1.5 min (two threads there stalled each other: 13 min 38 s); on 2
-    cores loaded 10 deep, 5.3 min. QERL_NUM_THREADS=N sets the thread count.
+    It runs torch on the CPU cores free when it starts: a thread more than the free cores stalls the
+    others, so beside other CPU-bound work it takes fewer threads and longer (docs/tools.md gives the
+    times measured, idle and beside other work). QERL_NUM_THREADS=N sets the thread count.
     """
     quiet_library_bars()
     from qerl_cli.rl.warmstart import build_tiny_base

@@ -30,6 +30,7 @@ from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize import run_quantize
 from qerl_cli.quantize.native import DEQUANTIZED_RECORD, write_dequantized_checkpoint, write_rtn_checkpoint
 from qerl_cli.quantize.report import REPORT_NAME
+from qerl_cli.rl.preflight import model_source as check_model_path
 from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def prepare_bases(
     source = probe.model.path
     if not source:
         raise QerlError("the recipe has no model.path: set it or pass --set model.path=...")
+    check_model_path(probe)  # a folder not there is named as one, with how to make it
     folder = resolve_model_source(source)
     own = detect_format(read_config(Path(folder)))
     bases: dict[str, str] = {}

@@ -106,7 +106,12 @@ def rescore_selection(cfg: EvalConfig, files: dict[str, Path]) -> dict[str, Path
         return files
     chosen = {b: p for b, p in files.items() if b in cfg.benchmarks}
     if not chosen:
-        raise QerlError(f"none of {cfg.benchmarks} has saved samples; found {sorted(files)}")
+        saved = ",".join(sorted(files))
+        raise QerlError(
+            f"--rescore {cfg.rescore}: no saved samples of {', '.join(cfg.benchmarks)}; it holds those of "
+            f"{saved.replace(',', ', ')}: rescore them with --benchmarks {saved}, or leave --benchmarks out "
+            "for all"
+        )
     return chosen
 
 

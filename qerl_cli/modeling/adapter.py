@@ -28,6 +28,12 @@ from qerl_cli.modeling.lora import attach_lora
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PICKLE_WEIGHTS = "adapter_model.bin"
+# Where a missing adapter folder is to be found (`qerl train` writes OUTPUT/adapter, OUTPUT being output.dir).
+WHERE_ADAPTERS_ARE = (
+    "give the adapter folder of a `qerl train` run, OUTPUT/adapter where OUTPUT is its recipe's output.dir "
+    "(`qerl train tiny` writes runs/tiny/adapter; `qerl train RECIPE --dry-run` prints output.dir), or a "
+    "checkpoint's OUTPUT/checkpoint-N/adapter"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -37,11 +43,14 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
     """A PEFT LoRA adapter folder (config + safetensors weights) as a Path, or a QerlError."""
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise QerlError(f"{what} {path}: no such folder")
+        raise QerlError(f"{what} {path}: no such folder; {WHERE_ADAPTERS_ARE}")
     if not folder.is_dir():
         raise QerlError(f"{what} {path} is a file; give the adapter folder (e.g. OUTPUT/adapter)")
     if not (folder / ADAPTER_CONFIG).is_file():
-        raise QerlError(f"{what} {path} is not a PEFT adapter folder (no {ADAPTER_CONFIG})")
+        # A training run's folder given for its adapter: name the adapter inside it.
+        inner = folder / "adapter"
+        hint = f"; it holds a run's adapter: {what} {inner}" if (inner / ADAPTER_CONFIG).is_file() else ""
+        raise QerlError(f"{what} {path} is not a PEFT adapter folder (no {ADAPTER_CONFIG}){hint}")
     if not (folder / ADAPTER_WEIGHTS).is_file():
         pickle = (folder / PICKLE_WEIGHTS).is_file()
         raise QerlError(

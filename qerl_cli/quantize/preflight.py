@@ -11,6 +11,7 @@ checks, in order. Nothing is loaded, converted or written here.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,15 @@ def model_source(cfg: QuantizeConfig) -> tuple[ModelSource, str]:
     gguf = gguf_source(cfg.model)
     if gguf is not None:  # the output may not hold the file either: --overwrite would delete it
         return ModelSource(ref=str(gguf), name=model_name(gguf), is_local=True), found
-    return resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code), found
+    source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    # A 4-bit folder (a base qerl quantize wrote, say) is refused here, not once it has loaded.
+    config = Path(source.ref) / "config.json"
+    if source.is_local and config.is_file() and json.loads(config.read_text()).get("quantization_config"):
+        raise QerlError(
+            f"MODEL {cfg.model} is already quantized: give the BF16 model it was made from (a base qerl "
+            'quantize wrote names it as "model" in its qerl_quant.json)'
+        )
+    return source, found
 
 
 def output_folder(cfg: QuantizeConfig, source: ModelSource, fmt: str) -> tuple[Path, str]:

@@ -121,9 +121,7 @@ def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
         raise QerlError(f"output {output} exists and is a file: remove it or choose another --output")
     if output.exists() and not overwrite:
         raise QerlError(f"output folder {output} already exists: pass --overwrite to replace it")
-    if not output.parent.exists():
-        raise QerlError(f"the parent folder of {output} does not exist: create it first")
-    return output
+    return output  # a parent folder not there yet is made, as train and eval make theirs
 
 
 def incompatible_layers(model: torch.nn.Module, block_size: int) -> list[str]:

@@ -319,7 +319,11 @@ def find_last_checkpoint(path: str | Path) -> Path:
     found = list_checkpoints(path)
     if not found:
         if not path.exists():
-            raise QerlError(f"--resume {path}: no such directory")
+            raise QerlError(
+                f"--resume {path}: no such directory; give the output.dir of an earlier `qerl train` run "
+                "(the folder of its checkpoint-N/ folders: runs/tiny for `qerl train tiny`), or --resume "
+                "auto for the recipe's own output.dir"
+            )
         raise QerlError(
             f"--resume {path}: no complete checkpoint-N/ inside; nothing to resume from "
             "(checkpoints are written every output.save_steps steps): start the run again without "

@@ -1,0 +1,202 @@
+"""The README walked from the top on a CPU machine, as a new user does (`qerl --help`, `qerl train
+RECIPE --dry-run` on the shipped recipes, `qerl quantize` / `qerl eval` / `qerl bench ... --dry-run`,
+`qerl compare`): each stumble found, held by the test that would have caught it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_runner import run_cli
+from typer.main import get_command
+
+from qerl_cli.cli import app
+
+
+def usage_error(rc: int, err: str) -> bool:
+    return rc == 2 and err.startswith("error:") and "internal error" not in err
+
+
+def _dry_run_helps() -> dict[str, str]:
+    """Every command's --dry-run help, by its command line."""
+
+    def walk(command, path: str):  # noqa: ANN001, ANN202 (typer's click classes)
+        for param in command.params:
+            if "--dry-run" in param.opts:
+                yield path, param.help
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    return dict(walk(get_command(app), "qerl"))
+
+
+def test_every_dry_run_help_says_it_makes_the_checks() -> None:
+    """The shared help said "train and bench also make their checks before work": quantize and eval make
+    theirs too, so on `qerl quantize --help` it read as if they made none."""
+    helps = _dry_run_helps()
+    assert {"qerl quantize", "qerl train", "qerl eval", "qerl bench rollout", "qerl bench scaling"} <= set(
+        helps
+    )
+    for command, text in helps.items():
+        assert "make the checks a run makes before any work" in text, command
+        assert not any(f"{name} " in text for name in ("train", "bench", "quantize", "eval")), (command, text)
+
+
+@pytest.fixture
+def file_in_the_way(tmp_path: Path) -> str:
+    path = tmp_path / "a-file"
+    path.write_text("x")
+    return str(path / "out")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["quantize", "MODEL", "-f", "nf4", "--method", "rtn", "-o", "OUT"],
+        ["train", "tiny", "--set", "model.path=MODEL", "--set", "output.dir=OUT"],
+        ["eval", "MODEL", "--engine", "hf", "--benchmarks", "synthetic-addition", "-o", "OUT"],
+        ["bench", "rollout", "-o", "OUT"],
+        ["bench", "kernels", "-o", "OUT"],
+        ["bench", "update", "-o", "OUT"],
+        ["bench", "scaling", "tiny", "--set", "model.path=MODEL", "-o", "OUT"],
+        ["bench", "quality", "MODEL", "-o", "OUT"],
+        ["bench", "lora-tune", "-o", "OUT"],
+    ],
+    ids=lambda argv: " ".join(argv[:2]),
+)
+def test_every_dry_run_refuses_an_output_it_cannot_write(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, file_in_the_way: str, argv: list[str]
+) -> None:
+    """What the help promises, on every command that has --dry-run: an output under a file is refused."""
+    filled = [a.replace("MODEL", str(tiny_model_dir)).replace("OUT", file_in_the_way) for a in argv]
+    rc, _, err = run_cli(capsys, *filled, "--dry-run")
+    assert usage_error(rc, err), err
+    assert "is a file, not a folder" in err
+
+
+def test_bench_scaling_dry_run_makes_train_s_checks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl bench scaling tiny --dry-run` said nothing of the recipe's base, which `qerl tiny-base` had not
+    built: exit 0, and the run itself failed after its start. It checks what `qerl train` checks."""
+    monkeypatch.chdir(tmp_path)  # no runs/tiny-base here
+    rc, out, err = run_cli(capsys, "bench", "scaling", "tiny", "-o", "sc", "--dry-run")
+    assert usage_error(rc, err), err
+    assert "model.path runs/tiny-base/nvfp4: no such folder" in err and "qerl tiny-base" in err
+    assert out  # the YAML first, as qerl train's dry run
+    rc, _, err = run_cli(
+        capsys, "bench", "scaling", "tiny", "--set", f"model.path={tiny_model_dir}", "-o", "sc", "--dry-run"
+    )
+    assert rc == 0, err
+    assert (
+        "checked, nothing loaded or written:" in err
+        and f"model.path: {tiny_model_dir}: a model folder" in err
+    )
+    assert not (tmp_path / "sc").exists()
+
+
+def test_quantize_into_a_folder_whose_parent_is_not_there_yet(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's `qerl quantize ... -o runs/smol-nvfp4` on a fresh clone (no runs/ yet) was refused:
+    "the parent folder of runs/smol-nvfp4 does not exist: create it first"; train, eval and bench make
+    theirs. The checks say it is a new folder; the run makes it (staged beside it, parents made)."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(
+        capsys, "quantize", str(tiny_model_dir), "-f", "nvfp4", "--method", "rtn", "-o", "runs/smol-nvfp4",
+        "--dry-run",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "--output: runs/smol-nvfp4: a new folder" in err
+    assert not (tmp_path / "runs").exists()  # a dry run makes nothing
+
+
+def test_compare_names_a_missing_base_folder_as_missing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl compare tiny` before `qerl tiny-base` said "runs/tiny-base/nvfp4 has no config.json; pass a
+    Hugging Face model folder" of a folder that does not exist."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = run_cli(capsys, "compare", "tiny", "--arms", "bf16-lora", "--seeds", "1", "-o", "cmp")
+    assert usage_error(rc, err), err
+    assert "model.path runs/tiny-base/nvfp4: no such folder" in err and "qerl tiny-base" in err
+    assert "has no config.json" not in err
+
+
+def test_rescore_of_benchmarks_not_saved_names_those_saved_in_words(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """It said "none of ['gsm8k'] has saved samples; found ['synthetic-addition']": Python lists, no
+    remedy."""
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "samples_synthetic-addition.jsonl").write_text('{"problem_id": 0}\n')
+    rc, _, err = run_cli(capsys, "eval", "--rescore", str(tmp_path), "--benchmarks", "gsm8k", "--dry-run")
+    assert usage_error(rc, err), err
+    assert "[" not in err and f"--rescore {tmp_path}: no saved samples of gsm8k" in err
+    assert "rescore them with --benchmarks synthetic-addition, or leave --benchmarks out for all" in err
+
+
+def test_resume_auto_without_a_run_is_named_as_auto(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`qerl train tiny --resume auto` before any run said "--resume runs/tiny: no such directory; ... or
+    --resume auto", a path the user never typed and the flag they had given as the remedy."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set", f"output.dir={out}",
+        "--resume", "auto", "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err), err
+    assert f"--resume auto: the recipe's output.dir {out} does not exist, so there is no run to resume" in err
+    assert "start the run without --resume" in err and "or --resume auto" not in err
+
+
+def test_quantize_of_a_4bit_folder_fails_in_the_checks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`qerl quantize runs/smol-nvfp4` (the 4-bit output given back as MODEL) passed --dry-run; the run
+    refused it only after loading the model."""
+    base = tmp_path / "smol-nvfp4"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
+    rc, _, err = run_cli(
+        capsys,
+        "quantize",
+        str(base),
+        "-f",
+        "nvfp4",
+        "--method",
+        "rtn",
+        "-o",
+        str(tmp_path / "out"),
+        "--dry-run",
+    )
+    assert usage_error(rc, err), err
+    assert f"MODEL {base} is already quantized: give the BF16 model it was made from" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "--baseline", "FOLDER/notes.json"], "is not a qerl bench report (expected schema"),
+        (["bench", "e2e", "--baseline", "FOLDER"], "FOLDER/bench.json not found"),
+        (["bench", "scaling", "tiny", "--set", "model.path=MODEL", "--reference", "FOLDER"],
+         "FOLDER/scaling.json not found: give the scaling.json of a `qerl bench scaling` run"),
+    ],
+)  # fmt: skip
+def test_a_baseline_or_reference_that_is_no_report_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, argv: list[str], expected: str
+) -> None:
+    """The runs read `--baseline` / `--reference` first and refuse a folder without the report or a file
+    of another kind; their dry runs only asked that the path exist, and passed."""
+    folder = tmp_path / "earlier"
+    folder.mkdir()
+    (folder / "notes.json").write_text("{}")
+    filled = [a.replace("FOLDER", str(folder)).replace("MODEL", str(tiny_model_dir)) for a in argv]
+    rc, _, err = run_cli(capsys, *filled, "-o", str(tmp_path / "out"), "--dry-run")
+    assert usage_error(rc, err), err
+    assert expected.replace("FOLDER", str(folder)) in err
