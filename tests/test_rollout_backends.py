@@ -503,3 +503,30 @@ def test_an_engine_in_a_slice_of_the_gpu_sizes_its_kv_cache_from_its_share(
     with pytest.raises(QerlError, match="leaves no KV cache room for one full-length sequence"):
         # 4 GiB: the overhead alone (auto: no backend fits, vLLM's default is kept and refused here)
         make_engine(dataclasses.replace(request, gpu_memory_utilization=0.05, linear_backend="auto"))
+
+
+def test_the_shipped_h200_entries_choose_marlin_for_few_sequences_and_the_bf16_copy_for_many() -> None:
+    """The H200 rows of the shipped table (an idle H200, vLLM 0.26, tuned LoRA kernels): Marlin + LoRA is
+    the fastest at 8 sequences, the merged BF16 copy of the 4-bit base at 128; the copy only where the
+    memory plan holds it and leaves the round its KV cache."""
+    shipped = backends.load_table(None)
+    sizes = {"marlin": 5 * 2**30, "humming": 5 * 2**30, "fp8": 8 * 2**30, "fp8-merged": 8 * 2**30,
+             "merged": 15 * 2**30}  # fmt: skip
+    kv = 2304 * 57344  # one 2304-token sequence of the 7B's KV cache (BF16)
+    roomy = env(gpu_name="NVIDIA H200", humming_installed=False, vllm_budget_bytes=120 * 2**30,
+                kv_bytes_per_sequence=kv)  # fmt: skip
+    few = choose_backend("auto", "nvfp4", concurrency=8, env=roomy, table=shipped, merge_ok=True,
+                         weight_bytes=sizes, fp8_ok=False)  # fmt: skip
+    assert few.backend == "marlin", few.reason
+    many = choose_backend("auto", "nvfp4", concurrency=128, env=roomy, table=shipped, merge_ok=True,
+                          weight_bytes=sizes, fp8_ok=False)  # fmt: skip
+    assert many.backend == "merged" and "on NVIDIA H200" in many.reason, many.reason
+    assert many.predicted_tokens_per_s > 1.2 * many.candidates["marlin"]
+    unknown_memory = choose_backend("auto", "nvfp4", concurrency=128, env=env(gpu_name="NVIDIA H200"),
+                                    table=shipped, merge_ok=True, fp8_ok=False)  # fmt: skip
+    assert unknown_memory.backend == "marlin", unknown_memory.reason
+    tight = env(gpu_name="NVIDIA H200", humming_installed=False, vllm_budget_bytes=18 * 2**30,
+                kv_bytes_per_sequence=kv)  # fmt: skip
+    squeezed = choose_backend("auto", "nvfp4", concurrency=128, env=tight, table=shipped, merge_ok=True,
+                              weight_bytes=sizes, fp8_ok=False)  # fmt: skip
+    assert squeezed.backend == "marlin", squeezed.reason  # the copy leaves too few sequences KV room
