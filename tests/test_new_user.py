@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from cli_runner import usage_error
 from typer.main import get_command
 
 from qerl_cli.cli import app, main
@@ -21,11 +22,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     rc = main(list(argv))
     _, err = capsys.readouterr()
     return rc, " ".join(err.split())
-
-
-def usage_error(rc: int, err: str) -> bool:
-    """Exit 2 with qerl's one-line error, not a crash."""
-    return rc == 2 and err.startswith("error:") and "internal error" not in err and "Traceback" not in err
 
 
 @pytest.fixture

@@ -7,15 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from cli_runner import run_cli, usage_error
 
 ADAPTER_REMEDY = (
     "give the adapter folder of a `qerl train` run, OUTPUT/adapter where OUTPUT is its recipe's output.dir"
 )
-
-
-def usage_error(rc: int, err: str) -> bool:
-    return rc == 2 and err.startswith("error:") and "internal error" not in err
 
 
 def test_eval_adapter_missing_says_where_train_writes_adapters(

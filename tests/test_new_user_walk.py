@@ -9,14 +9,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from cli_runner import run_cli, usage_error
 from typer.main import get_command
 
 from qerl_cli.cli import app
-
-
-def usage_error(rc: int, err: str) -> bool:
-    return rc == 2 and err.startswith("error:") and "internal error" not in err
 
 
 def _dry_run_helps() -> dict[str, str]:
@@ -200,3 +196,16 @@ def test_a_baseline_or_reference_that_is_no_report_fails_the_dry_run(
     rc, _, err = run_cli(capsys, *filled, "-o", str(tmp_path / "out"), "--dry-run")
     assert usage_error(rc, err), err
     assert expected.replace("FOLDER", str(folder)) in err
+
+
+def test_a_model_folder_with_a_broken_config_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A config.json that is not JSON (a download cut short) was a crash of the checks (JSONDecodeError)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama",')
+    rc, _, err = run_cli(capsys, "quantize", str(model), "-f", "nvfp4", "--method", "rtn", "-o",
+                         str(tmp_path / "out"), "--dry-run")  # fmt: skip
+    assert usage_error(rc, err), err
+    assert "config.json is not valid JSON" in err

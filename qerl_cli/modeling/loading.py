@@ -60,7 +60,12 @@ def read_config(path: Path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise QerlError(f"{path} has no config.json; pass a Hugging Face model folder")
-    return json.loads(config_file.read_text())
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise QerlError(
+            f"{config_file} is not valid JSON ({exc}); fix it or download the model folder again"
+        ) from None
 
 
 def detect_format(config: dict) -> str:

@@ -11,7 +11,6 @@ checks, in order. Nothing is loaded, converted or written here.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.errors import Checked, QerlError
 from qerl_cli.files import check_writable_folder
 from qerl_cli.modeling import source_checks
+from qerl_cli.modeling.loading import read_config
 from qerl_cli.modeling.sources import gguf_source, model_name
 from qerl_cli.quantize import pipeline
 from qerl_cli.quantize.calibration import LOCAL_SUFFIXES
@@ -101,8 +101,9 @@ def model_source(cfg: QuantizeConfig) -> tuple[ModelSource, str]:
         return ModelSource(ref=str(gguf), name=model_name(gguf), is_local=True), found
     source = resolve_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     # A 4-bit folder (a base qerl quantize wrote, say) is refused here, not once it has loaded.
-    config = Path(source.ref) / "config.json"
-    if source.is_local and config.is_file() and json.loads(config.read_text()).get("quantization_config"):
+    folder = Path(source.ref)
+    local_config = source.is_local and (folder / "config.json").is_file()
+    if local_config and read_config(folder).get("quantization_config"):
         raise QerlError(
             f"MODEL {cfg.model} is already quantized: give the BF16 model it was made from (a base qerl "
             'quantize wrote names it as "model" in its qerl_quant.json)'
