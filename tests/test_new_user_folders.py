@@ -14,14 +14,22 @@ ADAPTER_REMEDY = (
 )
 
 
+def eval_dry_run(
+    capsys: pytest.CaptureFixture[str], model: Path, adapter: Path, tmp_path: Path
+) -> tuple[int, str]:
+    """`qerl eval MODEL --adapter ADAPTER --dry-run` on the CPU's HF engine: its exit code and stderr."""
+    rc, _, err = run_cli(
+        capsys, "eval", str(model), "--adapter", str(adapter), "--engine", "hf",
+        "--benchmarks", "synthetic-addition", "-o", str(tmp_path / "e"), "--dry-run",
+    )  # fmt: skip
+    return rc, err
+
+
 def test_eval_adapter_missing_says_where_train_writes_adapters(
     capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     missing = tmp_path / "runs" / "tiny" / "adaptr"
-    rc, _, err = run_cli(
-        capsys, "eval", str(tiny_model_dir), "--adapter", str(missing), "--engine", "hf",
-        "--benchmarks", "synthetic-addition", "-o", str(tmp_path / "e"), "--dry-run",
-    )  # fmt: skip
+    rc, err = eval_dry_run(capsys, tiny_model_dir, missing, tmp_path)
     assert usage_error(rc, err), err
     assert f"--adapter {missing}: no such folder; {ADAPTER_REMEDY}" in err
     assert "`qerl train tiny` writes runs/tiny/adapter" in err and "OUTPUT/checkpoint-N/adapter" in err
@@ -34,10 +42,7 @@ def test_eval_adapter_given_a_run_folder_names_the_adapter_inside(
     run = tmp_path / "runs" / "tiny"
     (run / "adapter").mkdir(parents=True)
     (run / "adapter" / "adapter_config.json").write_text("{}")
-    rc, _, err = run_cli(
-        capsys, "eval", str(tiny_model_dir), "--adapter", str(run), "--engine", "hf",
-        "--benchmarks", "synthetic-addition", "-o", str(tmp_path / "e"), "--dry-run",
-    )  # fmt: skip
+    rc, err = eval_dry_run(capsys, tiny_model_dir, run, tmp_path)
     assert usage_error(rc, err), err
     assert f"(no adapter_config.json); it holds a run's adapter: --adapter {run}/adapter" in err
 
