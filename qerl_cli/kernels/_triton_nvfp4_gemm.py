@@ -23,8 +23,8 @@ import triton.language as tl
 # of their low nibbles (first half of K, $0) and of their high ones (second half, $1), each pair times
 # its BF16 scales ($3, $4). prmt spreads the two bytes to the two 16-bit halves of a register, so one
 # shift, mask and bf16x2 FMA (with -0, i.e. a multiply, on sm_80+) serves two weights: about 3
-# instructions a weight, where the float32 route (FP16 trick, convert, multiply, round) took ~5 (the
-# 128-token tile's K loop on sm_90: 9.7 -> 7.0 instructions a weight; the GEMM 3-6% faster on an H200).
+# instructions a weight, where the float32 route (FP16 trick, convert, multiply, round) took ~5
+# (its effect on the K loop and the GEMM: benchmarks/h200-2026-11-28-nvfp4-exact-decode).
 DECODE_TWO_BYTES = tl.constexpr("""
 {
 .reg .b32 t, u, v, z;
