@@ -20,6 +20,7 @@ from qerl_cli.bench.gate import gate_caveat
 from qerl_cli.bench.hostload import NO_GPU, HostLoad, busy_warning
 from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.result import BenchResult
+from qerl_cli.rollout.backends import DENSE_MERGED
 
 MARKDOWN_NAME = "bench.md"
 # The parts of a step in bench e2e's rows (bench.e2e.PHASE_METRICS, then "other_s"); they add up to step_s.
@@ -34,20 +35,29 @@ def _key(row: dict[str, Any], *fields: str) -> tuple:
     return tuple(row.get(f) for f in fields)
 
 
-def add_speedups(report: BenchResult) -> None:
-    """``speedup_vs_bf16`` on every rollout and e2e row: ratios within this one run only."""
+def _rollout_speedups(report: BenchResult, field: str, backend: str) -> None:
+    """``field`` on every rollout row: its tokens/s over BF16's on ``backend`` at the same LoRA rank and
+    batch in this run (None without that row)."""
     reference = {
         _key(r, "lora_rank", "batch"): r
         for r in report.rollout
-        if r["format"] == REFERENCE_FORMAT and r.get("backend", "default") == "default"
+        if r["format"] == REFERENCE_FORMAT and r.get("backend", "default") == backend
     }
     for row in report.rollout:
         ref = reference.get(_key(row, "lora_rank", "batch"))
-        row["speedup_vs_bf16"] = (
+        row[field] = (
             row["output_tokens_per_s"] / ref["output_tokens_per_s"]
             if ref and ref.get("output_tokens_per_s")
             else None
         )
+
+
+def add_speedups(report: BenchResult) -> None:
+    """``speedup_vs_bf16`` on every rollout and e2e row, and ``speedup_vs_bf16_merged`` on every rollout
+    row where the run measured BF16 with the LoRA merged (the fastest BF16 rollout a 4-bit one must beat):
+    ratios within this one run only."""
+    _rollout_speedups(report, "speedup_vs_bf16", "default")
+    _rollout_speedups(report, "speedup_vs_bf16_merged", DENSE_MERGED)
     e2e = [r for r in report.e2e or [] if "error" not in r]
     reference = e2e_reference(e2e)
     ref_step = reference.get("step_s") if reference else None
@@ -99,7 +109,20 @@ E2E_COLUMNS = ("format", "backend", "AQN s", "generation s", "reward s", "sleep 
                "wake s", "sync s", "other s", "step s", "step / BF16")  # fmt: skip
 
 
+def _has_merged_reference(report: BenchResult) -> bool:
+    return any(r.get("speedup_vs_bf16_merged") is not None for r in report.rollout)
+
+
+def rollout_columns(report: BenchResult) -> tuple[str, ...]:
+    """The rollout table's columns: with "vs BF16 merged" where the run measured BF16 merged."""
+    if not _has_merged_reference(report):
+        return ROLLOUT_COLUMNS
+    at = ROLLOUT_COLUMNS.index("vs BF16") + 1
+    return (*ROLLOUT_COLUMNS[:at], "vs BF16 merged", *ROLLOUT_COLUMNS[at:])
+
+
 def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
+    merged = _has_merged_reference(report)
     return [
         (
             format_label(r),
@@ -107,6 +130,7 @@ def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
             str(r["batch"]),
             _fmt(r["output_tokens_per_s"]),
             _speedup(r.get("speedup_vs_bf16")),
+            *((_speedup(r.get("speedup_vs_bf16_merged")),) if merged else ()),
             _fmt(r["prefill_tokens_per_s"]),
             _fmt(r["decode_ms_per_token"], ".2f"),
         )
@@ -171,7 +195,7 @@ def _tables(report: BenchResult) -> list[tuple[str, tuple[str, ...], list[tuple[
     """(title, columns, rows) of every table, for both the terminal and the Markdown rendering."""
 
     return [
-        ("Rollout throughput", ROLLOUT_COLUMNS, rollout_rows(report)),
+        ("Rollout throughput", rollout_columns(report), rollout_rows(report)),
         ("Rollout against the GPU's roofline", ROOFLINE_COLUMNS, roofline_rows(report)),
         ("Memory", MEMORY_COLUMNS, memory_rows(report)),
         ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
