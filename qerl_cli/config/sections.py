@@ -79,8 +79,8 @@ class LoraSection:
 
 @dataclass
 class RolloutSection:
-    # "hf": transformers generate in the trainer's process; "vllm": a colocated vLLM engine (pip install
-    # "qerl[vllm]").
+    # "hf": transformers generate in the trainer's process; "vllm": a colocated vLLM engine (the vllm
+    # extra: pip install -e ".[vllm]" in the qerl clone).
     engine: EngineName = "hf"
     # Completions sampled per prompt: the GRPO group size.
     num_generations: int = 8
@@ -117,7 +117,7 @@ class RolloutSection:
     logprob_gap_warn: float = 0.25
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
-    # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
+    # Hopper; the humming extra); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
     # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
     # after every update, vLLM without LoRA (on a BF16 base: "merged"); "merged": the LoRA merged into
     # BF16 weights after every update, vLLM without LoRA: a BF16 base's own, a 4-bit base's BF16 copy

@@ -17,7 +17,7 @@ import torch
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.datasets import check_reachable
-from qerl_cli.errors import Checked, QerlError
+from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
@@ -85,7 +85,7 @@ def engine(cfg: TrainConfig) -> Checked:
         return Checked("rollout.engine", f"{name}: built in")
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
-            "rollout.engine=vllm needs vLLM, which is not installed: pip install 'qerl[vllm]' (GPU "
+            f"rollout.engine=vllm needs vLLM, which is not installed: {install_hint('vllm')} (GPU "
             "machines), or use the HF engine with --set rollout.engine=hf"
         )
 
