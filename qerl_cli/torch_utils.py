@@ -1,5 +1,6 @@
-"""Device and dtype names from configs, resolved in one place for every stage, and the CPU thread count
-of the CPU paths (demo, tiny-base, CPU training and evaluation)."""
+"""Device and dtype names from configs, resolved in one place for every stage, the CPU thread count of
+the CPU paths (demo, tiny-base, CPU training and evaluation), and the CPU time estimates and the way a
+line says a duration or a model's size."""
 
 from __future__ import annotations
 
