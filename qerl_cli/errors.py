@@ -1,4 +1,5 @@
-"""The one exception type for mistakes a user can fix, and what a check that passed found.
+"""The one exception type for mistakes a user can fix, what a check that passed found, and the
+command that installs a missing optional package.
 
 The CLI prints a ``QerlError`` as a short red message and exits 2; anything else is a bug and
 exits 1 (with a traceback under ``--debug``). The checks each stage makes before any work (``train``,
@@ -7,6 +8,10 @@ exits 1 (with a traceback under ``--debug``). The checks each stage makes before
 """
 
 from dataclasses import dataclass
+
+# qerl's optional-dependency groups (pyproject's [project.optional-dependencies]; a test holds the two
+# equal), so that a hint never names an extra pip would not find.
+EXTRAS = frozenset({"vllm", "quantize", "nf4", "gguf", "humming", "liger", "dev"})
 
 
 class QerlError(Exception):
@@ -19,3 +24,15 @@ class Checked:
 
     what: str
     found: str
+
+
+def install_hint(*extras: str) -> str:
+    """The command that installs qerl's extras, for a message about a missing package.
+
+    qerl is not on PyPI, so a hint naming the distribution qerl (with its extras) fails when copied:
+    extras come from an editable install of the clone, run in its folder (the README's "Install").
+    """
+    unknown = sorted(set(extras) - EXTRAS)
+    if not extras or unknown:
+        raise ValueError(f"install_hint takes qerl's extras ({', '.join(sorted(EXTRAS))}), got {extras!r}")
+    return f'pip install -e ".[{",".join(extras)}]" in the qerl clone'

@@ -1,5 +1,6 @@
-"""Device and dtype names from configs, resolved in one place for every stage, and the CPU thread count
-of the CPU paths (demo, tiny-base, CPU training and evaluation)."""
+"""Device and dtype names from configs, resolved in one place for every stage, the CPU thread count of
+the CPU paths (demo, tiny-base, CPU training and evaluation), and the CPU time estimates and the way a
+line says a duration or a model's size."""
 
 from __future__ import annotations
 
@@ -248,3 +249,22 @@ def duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def estimated_duration(seconds: float) -> str:
+    """An estimate's duration for a line: ``~1m15s``; ``under 1s`` below a second (a tiny model's step),
+    where ``~0s`` would read as nothing at all."""
+    return "under 1s" if seconds < 1 else f"~{duration(seconds)}"
+
+
+def parameter_count(params: int) -> str:
+    """``134_515_008`` -> ``135M``, ``7_615_616_512`` -> ``7.6B``, ``620_000`` -> ``620K``, ``1_200_000``
+    -> ``1.2M``, ``512`` -> ``512``: a model's size for a line, in the unit that keeps a figure (a tiny
+    model's ``0M`` says nothing): one decimal below 10 of a unit, whole ones above."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        # From 99.95% of a unit on, the unit below would print 1000 (999.6K): say 1M.
+        if params >= 0.9995 * scale:
+            value = params / scale
+            text = f"{value:.0f}" if value >= 9.95 else f"{value:.1f}".removesuffix(".0")
+            return f"{text}{unit}"
+    return str(params)

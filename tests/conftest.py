@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
-    no_vllm = pytest.mark.skip(reason='needs vLLM (pip install "qerl[vllm]" on a GPU machine)')
+    no_vllm = pytest.mark.skip(reason="needs vLLM (the vllm extra, on a GPU machine)")
     has_vllm = importlib.util.find_spec("vllm") is not None
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -49,38 +49,39 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch, *, gpu: bool, missing: tuple[s
 def test_a_gpu_without_vllm_is_a_usage_error_naming_the_extra(monkeypatch, capsys, no_work, tmp_path) -> None:
     fake_machine(monkeypatch, gpu=True, missing=("vllm",))
     rc, out, err = run(capsys, "bench", "--batch", "2,8", "-o", str(tmp_path / "out"))
-    assert rc == 2 and "vLLM is not installed" in err and 'pip install "qerl[vllm]"' in err
+    assert rc == 2 and "vLLM is not installed" in err and 'pip install -e ".[vllm]"' in err
     assert "--engine hf" in err  # how to measure the transformers engine on purpose
     rc, _, err = run(capsys, "bench", "e2e", "--dry-run")
-    assert rc == 2 and "qerl[vllm]" in err  # the dry run checks it too
+    assert rc == 2 and '".[vllm]"' in err  # the dry run checks it too
     rc, out, err = run(capsys, "bench", "--engine", "hf", "--dry-run")  # asked for: allowed
     assert rc == 0 and "engine: hf" in out
-    print("a GPU without vLLM: exit 2 naming qerl[vllm]; --engine hf goes on")
+    print("a GPU without vLLM: exit 2 naming the vllm extra; --engine hf goes on")
 
 
 def test_a_format_without_its_package_is_refused_before_any_case(monkeypatch, capsys, no_work) -> None:
     fake_machine(monkeypatch, gpu=True, missing=("bitsandbytes",))
     rc, _, err = run(capsys, "bench", "--batch", "2,8")  # the default formats: bf16, nf4, nvfp4
     assert rc == 2 and "the nf4 case on vLLM needs the bitsandbytes package" in err
-    assert 'pip install "qerl[nf4]"' in err
+    assert 'pip install -e ".[nf4]"' in err
     rc, out, err = run(capsys, "bench", "--formats", "bf16,nvfp4", "--dry-run")  # no NF4: nothing missing
     assert rc == 0 and "engine: vllm" in out, err
     # The transformers engine serves NF4 with qerl's own layers: no bitsandbytes needed.
     fake_machine(monkeypatch, gpu=False, missing=("bitsandbytes", "vllm"))
     rc, out, err = run(capsys, "bench", "--dry-run")
     assert rc == 0 and "engine: hf" in out, err
-    print("NF4 on vLLM without bitsandbytes: exit 2 naming qerl[nf4] before the BF16 case")
+    print("NF4 on vLLM without bitsandbytes: exit 2 naming the nf4 extra before the BF16 case")
 
 
 def test_the_sweep_leaves_out_an_uninstalled_default_backend_but_not_a_named_one(monkeypatch, capsys) -> None:
     fake_machine(monkeypatch, gpu=True, missing=("humming",))
     rc, out, err = run(capsys, "bench", "concurrency", "--formats", "nvfp4", "--dry-run")
     assert rc == 0, err
-    assert yaml.safe_load(out)["backends"] == ["marlin", "fp8"] and "humming left out" in out
+    assert yaml.safe_load(out)["backends"] == ["marlin", "fp8"]
+    assert 'humming left out (not installed: pip install -e ".[humming]" in the qerl clone)' in out
     rc, _, err = run(
         capsys, "bench", "concurrency", "--formats", "nvfp4", "--backends", "humming", "--dry-run"
     )
-    assert rc == 2 and 'pip install "qerl[humming]"' in err
+    assert rc == 2 and 'pip install -e ".[humming]"' in err
 
 
 def test_update_defaults_run_on_the_dev_install_and_liger_asked_for_is_checked(monkeypatch, capsys) -> None:
@@ -91,7 +92,7 @@ def test_update_defaults_run_on_the_dev_install_and_liger_asked_for_is_checked(m
     rc, out, err = run(capsys, "bench", "update", "--dry-run")
     assert rc == 0 and yaml.safe_load(out)["fused"] == ["off"], err  # [dev] has no liger-kernel
     rc, _, err = run(capsys, "bench", "update", "--fused", "off,liger", "--dry-run")
-    assert rc == 2 and "--fused liger needs the liger_kernel package" in err and "qerl[liger]" in err
+    assert rc == 2 and "--fused liger needs the liger_kernel package" in err and '".[liger]"' in err
     monkeypatch.setattr(bench_tools, "package_available", lambda m: True)
     monkeypatch.setattr(preflight, "package_available", lambda m: True)
     rc, out, _ = run(capsys, "bench", "update", "--dry-run")
@@ -277,7 +278,7 @@ def test_quality_default_rows_skip_awq_without_llm_compressor_named_rows_need_it
     rc, out, err = run(capsys, "bench", "quality", "m", "--dry-run")
     assert rc == 0 and yaml.safe_load(out)["rows"] == ["nvfp4-rtn", "mxfp4-rtn", "nf4-rtn"], err
     rc, _, err = run(capsys, "bench", "quality", "m", "--rows", "nvfp4-awq,nf4-rtn", "--dry-run")
-    assert rc == 2 and "--rows nvfp4-awq needs the llmcompressor package" in err and "qerl[quantize]" in err
+    assert rc == 2 and "--rows nvfp4-awq needs the llmcompressor package" in err and '".[quantize]"' in err
 
 
 def test_the_gpu_default_plans_three_engines_within_the_recorded_ci_time(monkeypatch, capsys) -> None:

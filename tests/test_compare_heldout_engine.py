@@ -21,7 +21,7 @@ from qerl_cli.compare.arms import read_settings
 from qerl_cli.compare.results import HeldoutScore, RunResult
 from qerl_cli.compare.verdict import arm_verdicts, engine_notes, verdict_line
 from qerl_cli.config import EvalConfig
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 
 VLLM_SETS = [*TINY_SETS, "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.23"]
 
@@ -163,7 +163,7 @@ def test_a_machine_without_vllm_is_refused_in_the_parent_before_training(
     recipe = _recipe(tmp_path, tiny_model_dir, {"heldout_engine": "vllm"})
 
     def no_vllm(name: str) -> str:
-        raise QerlError("--engine vllm: vLLM is not installed (pip install qerl[vllm])")
+        raise QerlError(f"--engine vllm: vLLM is not installed ({install_hint('vllm')})")
 
     monkeypatch.setattr(heldout_mod, "resolve_engine", no_vllm)
     with pytest.raises(

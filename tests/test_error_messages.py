@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from qerl_cli.cli import main
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -30,11 +30,11 @@ def test_vllm_hint_keeps_the_extra_name(capsys: pytest.CaptureFixture[str], monk
     import qerl_cli.envinfo
 
     def boom() -> dict:
-        raise QerlError('rollout engine "vllm" needs vLLM: pip install "qerl[vllm]"')
+        raise QerlError(f'rollout engine "vllm" needs vLLM: {install_hint("vllm")}')
 
     monkeypatch.setattr(qerl_cli.envinfo, "collect", boom)
     rc, _, err = run(capsys, "env")
-    assert rc == 2 and 'pip install "qerl[vllm]"' in err
+    assert rc == 2 and 'pip install -e ".[vllm]" in the qerl clone' in err
 
 
 # -- list values: say which element is wrong -----------------------------------------------------

@@ -183,7 +183,7 @@ def test_rope_exactness_rule() -> None:
 # --------------------------------------------------------------------------------------------
 needs_liger = pytest.mark.skipif(
     importlib.util.find_spec("liger_kernel") is None,
-    reason='needs liger-kernel (pip install "qerl[liger]"); CI does not install it',
+    reason="needs liger-kernel (the liger extra); CI does not install it",
 )
 
 

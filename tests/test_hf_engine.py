@@ -170,7 +170,7 @@ def test_make_engine_errors() -> None:
     with pytest.raises(QerlError, match="unknown rollout engine"):
         make_engine(EngineRequest("tgi", "x"))
     if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(QerlError, match=r'pip install "qerl\[vllm\]"'):
+        with pytest.raises(QerlError, match=r'pip install -e "\.\[vllm\]"'):
             make_engine(EngineRequest("vllm", "x"))
     with pytest.raises(QerlError, match="only apply to the vllm engine"):
         make_engine(EngineRequest("hf", "x", gpu_memory_utilization=0.5))

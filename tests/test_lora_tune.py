@@ -173,7 +173,7 @@ def test_install_copies_into_the_shipped_folder_of_a_checkout(tmp_path: Path, mo
     ("gpu", "vllm", "invariant", "device", "message"),
     [
         (False, True, "0", "auto", "on a CUDA GPU and none is visible"),
-        (True, False, "0", "auto", 'vLLM is not installed: pip install "qerl[vllm]"'),
+        (True, False, "0", "auto", 'vLLM is not installed: pip install -e ".[vllm]"'),
         (True, True, "1", "auto", "ignores tuned LoRA configs in batch-invariant mode"),
         (True, True, "0", "cuda:64", "--device cuda:64: this machine has"),
     ],

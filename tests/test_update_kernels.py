@@ -104,7 +104,7 @@ def test_fused_kernels_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(fused_kernels, "liger_installed", lambda: False)
     assert fused_kernels.apply_fused_kernels(model_of("qwen2"), "off", on_gpu=True).kind == "off"
     assert fused_kernels.apply_fused_kernels(model_of("qwen2"), "auto", on_gpu=True).kind == "off"
-    with pytest.raises(QerlError, match=r'pip install "qerl\[liger\]"'):
+    with pytest.raises(QerlError, match=r'pip install -e "\.\[liger\]"'):
         fused_kernels.apply_fused_kernels(model_of("qwen2"), "liger", on_gpu=True)
     with pytest.raises(QerlError, match="auto, liger, off"):
         fused_kernels.apply_fused_kernels(model_of("qwen2"), "triton", on_gpu=True)

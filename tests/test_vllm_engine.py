@@ -350,7 +350,7 @@ SPEC = SamplingSpec(max_new_tokens=3, temperature=0.7, top_p=1.0, top_k=-1, seed
 def test_missing_vllm_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     monkeypatch.setattr(vllm_setup, "_cuda_capability", lambda: (9, 0))
-    with pytest.raises(QerlError, match=r'pip install "qerl\[vllm\]"'):
+    with pytest.raises(QerlError, match=r'pip install -e "\.\[vllm\]"'):
         make_engine(tmp_path)
 
 

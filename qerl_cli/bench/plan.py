@@ -26,6 +26,7 @@ from qerl_cli.bench.progress import clock
 from qerl_cli.bench.rollout import WARMUP_TOKENS
 from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig
+from qerl_cli.errors import install_hint
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
 # given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
@@ -149,7 +150,7 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
         if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
             # The default sweep measures what is installed; a backend asked for by name must run.
             cfg.backends = [b for b in cfg.backends if b != "humming"]
-            notes.append('backends: humming left out (not installed: pip install "qerl[humming]")')
+            notes.append(f"backends: humming left out (not installed: {install_hint('humming')})")
         else:
             requirements += backend_needs
     preflight.check_requirements(requirements)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 
-VLLM_EXTRA = 'pip install "qerl[vllm]"'
+VLLM_EXTRA = install_hint("vllm")
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,7 @@ class Requirement:
 
     def message(self) -> str:
         return (
-            f"{self.why} needs the {self.module} package, which is not installed: "
-            f'pip install "qerl[{self.extra}]"'
+            f"{self.why} needs the {self.module} package, which is not installed: {install_hint(self.extra)}"
         )
 
 

@@ -39,7 +39,7 @@ def eval_cpu_estimate(conf: EvalConfig) -> str | None:
 
     from qerl_cli.data.benchmarks import default_samples
     from qerl_cli.rl.preflight import model_parameters
-    from qerl_cli.torch_utils import cpu_seconds, duration
+    from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count
 
     sized = model_parameters(conf.model) if conf.model else None
     if sized is None:
@@ -49,15 +49,16 @@ def eval_cpu_estimate(conf: EvalConfig) -> str | None:
     one = cpu_seconds(
         params, forward_tokens=prompt_tokens, decode_tokens=conf.max_new_tokens, four_bit=four_bit
     )
-    per = f"~{duration(100 * one)} per 100 completions of up to {conf.max_new_tokens} tokens"
+    per = f"{estimated_duration(100 * one)} per 100 completions of up to {conf.max_new_tokens} tokens"
     if conf.max_problems:
         counts = {
             name: conf.max_problems * (conf.samples or default_samples(name)) for name in conf.benchmarks
         }
         per += "; " + ", ".join(
-            f"{name} ({n} completions) ~{duration(n * one)}" for name, n in counts.items()
+            f"{name} ({n} completions) {estimated_duration(n * one)}" for name, n in counts.items()
         )
+    threads, size = torch.get_num_threads(), parameter_count(params)
     return (
-        f"estimate on this CPU ({torch.get_num_threads()} threads, {params / 1e6:.0f}M parameters): {per} "
+        f"estimate on this CPU ({threads} threads, {size} parameters): {per} "
         "(worked out from the configuration, it may be off 2x either way; --max-problems N evaluates fewer)"
     )

@@ -21,7 +21,7 @@ from qerl_cli.compare.runs import RESULT_NAME, run_dir
 from qerl_cli.compare.settings import DEFAULT_BASE_METHOD
 from qerl_cli.config import QuantizeConfig, TrainConfig, apply_overrides, from_dict
 from qerl_cli.data import calib_text
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.files import is_complete_folder, write_folder_once
 from qerl_cli.modeling.adapter import check_folder
 from qerl_cli.modeling.error_init import init_folder
@@ -172,8 +172,8 @@ def _check_llmcompressor_available(target: Path, fmt: str, method: str) -> None:
     if is_complete_folder(target) or importlib.util.find_spec("llmcompressor") is not None:
         return
     raise QerlError(
-        f"making the {fmt} {method.upper()} base needs llm-compressor, which is not installed here (pip "
-        "install 'qerl[quantize]'; it cannot share an environment with vLLM). Make the base where it is "
+        f"making the {fmt} {method.upper()} base needs llm-compressor, which is not installed here "
+        f"({install_hint('quantize')}; it cannot share an environment with vLLM). Make the base where it is "
         f"installed (qerl quantize MODEL --format {fmt} --method {method} --calib qerl-text --calib-field "
         f"text) and copy it to {target}, or give the arms its path (compare.arms.<arm>.model.path), or use "
         "round to nearest: --set compare.base_method=rtn"

@@ -79,8 +79,8 @@ class LoraSection:
 
 @dataclass
 class RolloutSection:
-    # "hf": transformers generate in the trainer's process; "vllm": a colocated vLLM engine (pip install
-    # "qerl[vllm]").
+    # "hf": transformers generate in the trainer's process; "vllm": a colocated vLLM engine (the vllm
+    # extra: pip install -e ".[vllm]" in the qerl clone).
     engine: EngineName = "hf"
     # Completions sampled per prompt: the GRPO group size.
     num_generations: int = 8
@@ -117,7 +117,7 @@ class RolloutSection:
     logprob_gap_warn: float = 0.25
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
-    # Hopper; pip install "qerl[humming]"); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
+    # Hopper; the humming extra); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
     # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
     # after every update, vLLM without LoRA (on a BF16 base: "merged"); "merged": the LoRA merged into
     # BF16 weights after every update, vLLM without LoRA: a BF16 base's own, a 4-bit base's BF16 copy
@@ -229,8 +229,8 @@ class AQNSection:
     sigma_end: float = 1e-4
     # Stage 1 runs without noise; the decay spans the other num_stages - 1.
     first_stage_noise_free: bool = True
-    # Size sigma to the model: a raw sigma does not transfer between models (on Gemma 3 270M the paper's
-    # 1e-2 stopped learning, held-out 0.3% vs 17.1% without AQN). "tokens": before the first step, bisect
+    # Size sigma to the model: a raw sigma does not transfer between models (docs/aqn.md: the paper's
+    # stopped a small model from learning). "tokens": before the first step, bisect
     # sigma_start in log space until the noise changes `target` of the greedy completion tokens of
     # `calibration_prompts` training prompts (qerl_cli.rl.aqn_calibration); "off": the sigmas as given.
     # A KL target is not offered: the engine interface returns the logprobs of sampled tokens only, and
@@ -238,17 +238,17 @@ class AQNSection:
     calibrate: Literal["off", "tokens"] = "off"
     # With calibrate=tokens, in (0, 1): the share of greedy completion tokens the first noisy stage's
     # noise should change, every token from a completion's first changed one on (rl.aqn_calibration
-    # .tokens_changed). No default: it is the choice calibration exists for (the Gemma sweep tries
-    # 0.01, 0.03 and 0.10).
+    # .tokens_changed). No default: it is the choice calibration exists for (docs/aqn.md: the targets a
+    # recipe sweeps).
     target: float | None = None
     # Training prompts the calibration (and each noisy stage's measurement, aqn_tokens_changed) decodes:
     # the first ones of the seeded prompt stream, read without moving it.
     calibration_prompts: int = 8
-    # Greedy tokens per calibration completion; None: rollout.max_completion_length (what the target
+    # Greedy tokens per calibration completion; null: rollout.max_completion_length (what the target
     # means: a share of a rollout's length).
     calibration_max_tokens: int | None = None
     # calibrate=tokens: sigmas the bisection may try (each one greedy pass over the calibration prompts;
-    # 10 narrow 1e-5..1e-1 to a bracket 1% wide).
+    # 10 narrow 1e-5..1e-1 to a bracket whose ends differ by a factor of about 1.01).
     calibration_probes: int = 10
     # calibrate=tokens: the bisection stops early once |effect - target| <= tolerance x target.
     calibration_tolerance: float = 0.2
@@ -279,7 +279,8 @@ class DataSection:
     dataset: str = "gsm8k"
     # Split of the dataset to train on.
     split: str = "train"
-    prompt_field: str | None = None  # None: the registered dataset's own field
+    # Field holding the question; null: the registered dataset's own field.
+    prompt_field: str | None = None
     # Field holding the gold answer; null: the registered dataset's own field.
     answer_field: str | None = None
     # BigMath difficulty levels to keep (e.g. [3, 4, 5]); empty keeps all.
@@ -349,9 +350,9 @@ class TrainSection:
     # The frozen 4-bit base's GEMMs in the update (qerl_cli.modeling.base_compute). bf16: dequantize the
     # packed weight per GEMM. fp8: FP8 E4M3 GEMMs (per-token activation scales) on two FP8 copies of
     # large base weight (>= 2^25 weights; smaller layers keep BF16), derived once and held all run: 2
-    # bytes per such weight (a 7B: 10.6 GiB), an error without a GPU of FP8 tensor cores (compute
-    # capability >= 8.9) or no layer that large. auto: bf16 (fp8 measured 0.99-1.06x of it on an H100, a
-    # 7B). A BF16 base always computes in BF16.
+    # bytes per such weight (the memory plan counts them), an error without a GPU of FP8 tensor cores
+    # (compute capability >= 8.9) or no layer that large. auto: bf16 (fp8's measured gain was not worth
+    # its memory: docs/train.md). A BF16 base always computes in BF16.
     base_compute: BaseCompute = "auto"
     # The fraction of the GPU's memory this run may use: the memory plan (qerl_cli.rl.memory) sizes
     # the micro-batch, checkpointing and vLLM's "auto" share within it. Below 1 when runs share a GPU
@@ -405,9 +406,8 @@ class OutputSection:
     # wandb: the project name.
     wandb_project: str = "qerl"
     # Prompt groups a step whose completions (text, reward, finish reason) go to completions.jsonl: a
-    # record of what the reward paid for. On Gemma 3 270M GRPO learned to answer "94 + 58" (graded equal
-    # to 152) within 40 steps, and only the held-out evaluation showed it
-    # (benchmarks/gemma3-270m-ablation-h100-2026-11-24). 0: none.
+    # record of what the reward paid for: a reward hack shows there, not in the reward curve
+    # (docs/rewards.md). 0: none.
     log_completions: int = 1
 
     def validate(self, where: str) -> None:

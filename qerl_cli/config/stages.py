@@ -165,11 +165,11 @@ class BenchConfig:
     # A SHAPE name (qwen2.5-0.5b ... qwen2.5-72b, tiny), a hub id or a local folder. Empty: qwen2.5-7b
     # on a GPU with vLLM, the tiny shape with the HF engine elsewhere.
     model: str = ""
-    # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job (to finish within
-    # 10 minutes on one GPU; the measured runs: docs/bench.md): three engine starts,
-    # 512 generated tokens. On Hopper vLLM serves MXFP4 through the same Marlin FP4 kernels as NVFP4 (add
-    # it with --formats); RL lengths are --gen-len 2048 or 4096; whole GRPO steps are `qerl bench e2e`
-    # (its settings: qerl_cli.bench.settings.E2EConfig, these keys and the step's own).
+    # Formats timed: bf16, nf4, nvfp4, mxfp4. The defaults are sized for a CI job on one GPU (the
+    # measured runs: docs/bench.md): three engine starts, 512 generated tokens. On Hopper vLLM serves
+    # MXFP4 through the same Marlin FP4 kernels as NVFP4 (add it with --formats); RL lengths are --gen-len
+    # 2048 or 4096; whole GRPO steps are `qerl bench e2e` (its settings:
+    # qerl_cli.bench.settings.E2EConfig, these keys and the step's own).
     formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
     # Batch sizes timed (sequences generated at once).
     batch: list[int] = field(default_factory=lambda: [2, 8])
@@ -188,7 +188,7 @@ class BenchConfig:
     output: str = "bench_results"
     # A bench.json to gate against: exit non-zero on a regression beyond tolerance.
     baseline: str | None = None
-    # Allowed relative regression against baseline (0.1: 10%).
+    # Allowed relative regression against baseline (0.1: a tenth worse).
     tolerance: float = 0.1
     # Untimed runs before the timed ones.
     warmup: int = 1
@@ -207,7 +207,7 @@ class BenchConfig:
     # --concurrency: the linear backends measured (marlin, humming, fp8, fp8-merged, merged).
     backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
     # GiB of GPU memory the benchmark may use: a helper process holds the rest, so the engines and the
-    # trainer see a smaller GPU (an 80 GB card's budget on a larger one). null: the whole GPU.
+    # trainer see a smaller GPU (a smaller card's budget on a larger one). null: the whole GPU.
     memory_cap_gib: float | None = None
 
     def validate(self, where: str = "") -> None:

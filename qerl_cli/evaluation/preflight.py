@@ -19,7 +19,7 @@ from qerl_cli.config import BENCHMARKS_ALL, EvalConfig
 from qerl_cli.data.benchmarks import benchmark_spec
 from qerl_cli.data.datasets import SYNTHETIC_PREFIX, check_reachable
 from qerl_cli.data.synthetic import make_problems
-from qerl_cli.errors import Checked, QerlError
+from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.evaluation.results import find_sample_files, read_results
 from qerl_cli.files import check_writable_folder
 from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
@@ -72,7 +72,9 @@ def resolve_engine(name: str) -> str:
     if name == "auto":
         return "vllm" if has_vllm and gpu else "hf"
     if name == "vllm" and not (has_vllm and gpu):
-        why = "this machine has no CUDA GPU" if has_vllm else "vLLM is not installed (pip install qerl[vllm])"
+        why = (
+            "this machine has no CUDA GPU" if has_vllm else f"vLLM is not installed ({install_hint('vllm')})"
+        )
         raise QerlError(f"--engine vllm: {why}; evaluate with the HF engine: --engine hf (or --engine auto)")
     return name
 

@@ -1,5 +1,5 @@
 """Fused training kernels for the trainer's model (``train.fused_kernels``): Liger's RMSNorm, SwiGLU
-and RoPE (``pip install "qerl[liger]"``, the kernels TRL uses).
+and RoPE (the ``liger`` extra, the kernels TRL uses).
 
 Why: the update runs a forward and a backward over every rollout token; between the projections
 (which QuantLinear and LoRA keep) HF's RMSNorm, SiLU x up and rotary embedding are chains of small
@@ -48,11 +48,11 @@ import torch.nn.functional
 from torch import nn
 
 from qerl_cli.config.sections import FusedKernels
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = 'pip install "qerl[liger]"'
+INSTALL_HINT = install_hint("liger")
 _MISSING = object()  # an attribute that did not exist before the patch
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.files import sha256_file, write_folder_once, write_json
 from qerl_cli.modeling.gguf_tokenizer import GGUFVocabulary, checked_gguf_tokenizer, read_gguf_vocabulary
 
@@ -325,7 +325,7 @@ def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)
     try:
         import gguf as _gguf  # noqa: F401
     except ImportError:
-        raise QerlError("loading a .gguf model needs the gguf package: pip install 'qerl[gguf]'") from None
+        raise QerlError(f"loading a .gguf model needs the gguf package: {install_hint('gguf')}") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name

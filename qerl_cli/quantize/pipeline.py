@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from qerl_cli import formats
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.quantize import awq_mappings
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
 
@@ -49,7 +49,7 @@ NF4_AWQ_PROXY = {
 
 
 LLMCOMPRESSOR_MISSING = (
-    "NVFP4/MXFP4 quantization and AWQ need llm-compressor: pip install 'qerl[quantize]' "
+    f"NVFP4/MXFP4 quantization and AWQ need llm-compressor: {install_hint('quantize')} "
     "(or use --format nf4 --method rtn, which does not)"
 )
 

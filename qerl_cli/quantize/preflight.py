@@ -19,7 +19,7 @@ import torch
 
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.data.calib_text import BUILTIN_NAME
-from qerl_cli.errors import Checked, QerlError
+from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
 from qerl_cli.modeling import source_checks
 from qerl_cli.modeling.loading import read_config
@@ -180,7 +180,7 @@ def packages(fmt: str, method: str, eval_ppl: bool) -> str:
     if fmt == "nf4" and eval_ppl:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise QerlError(
-                "--eval-ppl on NF4 loads the result with bitsandbytes: pip install 'qerl[nf4]' "
+                f"--eval-ppl on NF4 loads the result with bitsandbytes: {install_hint('nf4')} "
                 "(quantizing to NF4 itself does not need it)"
             )
         needed.append("bitsandbytes")

@@ -42,7 +42,7 @@ from qerl_cli.quantize.validate import (
     quantized_linear_names,
     staged_output,
 )
-from qerl_cli.torch_utils import cpu_seconds, duration
+from qerl_cli.torch_utils import cpu_seconds, duration, estimated_duration, parameter_count
 
 
 def _load_model(ref: str, trust_remote_code: bool):
@@ -210,11 +210,12 @@ def _cpu_estimate(job: _Job, cfg: QuantizeConfig) -> str:
     seconds = cpu_seconds(params, forward_tokens=tokens) if tokens else 0.0
     if not tokens:
         return "estimate on this CPU: round to nearest takes seconds to minutes (no calibration)"
+    threads, size = torch.get_num_threads(), parameter_count(params)
     return (
-        f"estimate on this CPU ({torch.get_num_threads()} threads): ~{duration(seconds)} ({job.method} on "
-        f"{cfg.num_samples} x {cfg.seq_len} calibration tokens, {params / 1e6:.0f}M parameters; worked out "
-        "from the configuration, it may be off 2x either way. Fewer --num-samples / --seq-len, or "
-        "--method rtn, take less)"
+        f"estimate on this CPU ({threads} threads): {estimated_duration(seconds)} ({job.method} on "
+        f"{cfg.num_samples} x {cfg.seq_len} calibration tokens, {size} parameters; worked out from the "
+        "configuration, it may be off 2x either way. Fewer --num-samples / --seq-len, or --method rtn, take "
+        "less)"
     )
 
 

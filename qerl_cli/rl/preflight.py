@@ -17,7 +17,7 @@ import torch
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.datasets import check_reachable
-from qerl_cli.errors import Checked, QerlError
+from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
@@ -25,7 +25,7 @@ from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl.checkpoint import find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, run_entries
-from qerl_cli.torch_utils import cpu_seconds, duration, resolve_device
+from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count, resolve_device
 
 
 def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[Checked]:
@@ -85,7 +85,7 @@ def engine(cfg: TrainConfig) -> Checked:
         return Checked("rollout.engine", f"{name}: built in")
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
-            "rollout.engine=vllm needs vLLM, which is not installed: pip install 'qerl[vllm]' (GPU "
+            f"rollout.engine=vllm needs vLLM, which is not installed: {install_hint('vllm')} (GPU "
             "machines), or use the HF engine with --set rollout.engine=hf"
         )
 
@@ -134,9 +134,10 @@ def cpu_estimate(cfg: TrainConfig) -> str | None:
     )
 
     steps, prompts, generations = cfg.train.max_steps, cfg.train.prompts_per_step, cfg.rollout.num_generations
+    run = f"{steps} step{'s' * (steps != 1)}"
     return (
-        f"estimate on this CPU ({torch.get_num_threads()} threads): up to ~{duration(step)} a step, "
-        f"~{duration(step * steps)} for {steps} steps ({prompts} prompts x {generations} completions of up "
-        f"to {answer} tokens on {params / 1e6:.0f}M parameters; worked out from the configuration, it may be "
-        "off 2x either way: the step lines show the real pace)"
+        f"estimate on this CPU ({torch.get_num_threads()} threads): {estimated_duration(step)} a step at "
+        f"most, {estimated_duration(step * steps)} for {run} ({prompts} prompts x {generations} completions "
+        f"of up to {answer} tokens on {parameter_count(params)} parameters; worked out from the "
+        "configuration, it may be off 2x either way: the step lines show the real pace)"
     )

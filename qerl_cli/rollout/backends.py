@@ -2,7 +2,7 @@
 
 * ``marlin``: vLLM's default for 4-bit weights (no setting passed): weights dequantized in registers,
   fastest while a decode step is bound by reading them;
-* ``humming``: vLLM's Humming kernels (``pip install "qerl[humming]"``);
+* ``humming``: vLLM's Humming kernels (the ``humming`` extra);
 * ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.rollout.fp8_rollout`), for a BF16
   base vLLM's online FP8; the trainer keeps its packed 4-bit base and truncated importance sampling
   corrects the extra rounding;
@@ -36,7 +36,7 @@ from typing import Any, get_args
 
 from qerl_cli import formats
 from qerl_cli.config.sections import MERGED_LINEAR_BACKENDS, LinearBackend
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 
 # The crossover table's names, which callers import from here (one import for the whole choice).
@@ -164,11 +164,11 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
                    "backends" if fmt in NOT_FP4_FORMATS else ""))  # fmt: skip
     if backend == "humming":
         if not env.humming_installed:
-            return 'needs the humming-kernels package: pip install "qerl[humming]"'
+            return f"needs the humming-kernels package: {install_hint('humming')}"
         if env.vllm_version is not None and env.vllm_version < HUMMING_VLLM:
-            have = ".".join(map(str, env.vllm_version))
-            return (f"needs vLLM {HUMMING_VLLM[0]}.{HUMMING_VLLM[1]}+ (linear_backend='humming'); this is "
-                    f"vLLM {have}: pip install -U \"qerl[vllm]\"")  # fmt: skip
+            have, need = ".".join(map(str, env.vllm_version)), ".".join(map(str, HUMMING_VLLM))
+            return (f"needs vLLM {need}+ (linear_backend='humming'); this is vLLM {have}: "
+                    f'pip install -U "vllm>={need}"')  # fmt: skip
     fp8_weights = rollout_weight_format(backend, fmt) == "fp8"
     if fp8_weights and env.capability is not None and env.capability < FP8_MIN_CAPABILITY:
         return (f"needs FP8 tensor cores (compute capability 8.9+, Ada or Hopper); this GPU is "

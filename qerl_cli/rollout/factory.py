@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
@@ -214,7 +214,7 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
-            'rollout engine "vllm" needs vLLM, which is not installed: pip install "qerl[vllm]" '
+            f'rollout engine "vllm" needs vLLM, which is not installed: {install_hint("vllm")} '
             "(GPU machines), or use the hf engine"
         )
     merge_base = None

@@ -11,7 +11,7 @@ One ``vllm.LLM`` lives in the trainer's process and shares its GPU. A training s
    without LoRA), and ``check_staleness`` compares vLLM's logprobs on a probe prompt with the trainer's;
 4. ``set_norm_noise`` sets vLLM's own RMSNorm weights to clean + N(0, sigma^2) (AQN).
 
-vLLM is imported lazily (``pip install "qerl[vllm]"``): the rest of qerl works without it. Stages
+vLLM is imported lazily (the ``vllm`` extra): the rest of qerl works without it. Stages
 never build this class themselves: they ask :func:`qerl_cli.rollout.factory.make_engine` for an engine.
 
 The engine is split by responsibility. Here: start-up, generation, sleep / wake and AQN noise. It is

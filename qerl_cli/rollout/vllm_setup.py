@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from qerl_cli import formats
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.rollout.lora_kernel_configs import use_tuned_lora_configs
 
 # vLLM's LoRAConfig only accepts these ranks; a recipe's value is rounded up to the next one.
@@ -148,7 +148,7 @@ def _import_vllm() -> SimpleNamespace:
     except ImportError as exc:
         raise QerlError(
             f"rollout.engine=vllm needs vLLM, which is not importable ({exc}). Install it with: "
-            'pip install "qerl[vllm]" (or use --set rollout.engine=hf)'
+            f"{install_hint('vllm')} (or use --set rollout.engine=hf)"
         ) from None
     return SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, LoRARequest=LoRARequest)
 
