@@ -58,7 +58,7 @@ class CompareSettings:
     # have, offline) or round to nearest (qerl's own packing, seconds, no extra package). AWQ by default:
     # RTN bases of small models can start with too little reward signal for GRPO (docs/compare.md).
     base_method: str = DEFAULT_BASE_METHOD
-    # The least seconds between the starts of runs that share the GPU. None: 10 when vLLM runs go
+    # The least seconds between the starts of runs that share the GPU. null: 10 when vLLM runs go
     # --jobs N > 1 at a time (each also waits until the previous run's vLLM engine is up, at most
     # engine_ready_timeout_s), else 0.
     start_interval_s: float | None = None
