@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of a tiny model. Defaults give about half a million parameters: fast enough to RL-train on a CPU."""
+    """Shape of a tiny model. Defaults give about half a million parameters: fast to RL-train on a CPU."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
