@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from qerl_cli.cli.progress import eval_cpu_estimate
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
@@ -42,7 +43,12 @@ def test_an_estimate_under_a_second_says_so(seconds: float, text: str) -> None:
     assert estimated_duration(seconds) == text
 
 
-def test_train_and_eval_estimates_on_a_tiny_model(tiny_model_dir: Path) -> None:
+def test_train_and_eval_estimates_on_a_tiny_model(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The estimates scale with torch's threads, which a loaded machine's CLI run before this one may have set
+    # to 1 (where the eval line reads "~1s per 100 completions"): fix them at this machine's 2 cores.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     sized = model_parameters(str(tiny_model_dir))
     assert sized is not None and sized[0] < 1_000_000  # the tiny model: the case this guards
     size = f"{parameter_count(sized[0])} parameters"
