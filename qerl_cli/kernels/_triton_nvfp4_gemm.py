@@ -19,31 +19,26 @@ import triton.language as tl
 # (code 1, 0.5, as the BF16 subnormal 2**-127); the scale table holds E4M3 x 2**118, so one BF16 multiply
 # gives E2M1 x scale x 2**-8 (nvfp4_gemm.SCALE_BIAS and WEIGHT_EXPONENT). No float32 round trip.
 
+
 # Two packed bytes in ($2, as loaded: a thread holds two adjacent bytes of a row), out the BF16 weights
 # of their low nibbles (first half of K, $0) and of their high ones (second half, $1), each pair times
 # its BF16 scales ($3, $4). prmt spreads the two bytes to the two 16-bit halves of a register, so one
 # shift, mask and bf16x2 FMA (with -0, i.e. a multiply, on sm_80+) serves two weights: about 3
 # instructions a weight, where the float32 route (FP16 trick, convert, multiply, round) took ~5
 # (its effect on the K loop and the GEMM: benchmarks/h200-2026-11-28-nvfp4-exact-decode).
-DECODE_TWO_BYTES = tl.constexpr("""
-{
-.reg .b32 t, u, v, z;
-mov.b32 z, 0x80008000;
-prmt.b32 t, $2, 0, 0x4140;
-shl.b32 u, t, 6;
-shl.b32 v, t, 12;
-and.b32 u, u, 0x01C001C0;
-and.b32 v, v, 0x80008000;
-or.b32 u, u, v;
-fma.rn.bf16x2 $0, u, $3, z;
-shl.b32 u, t, 2;
-shl.b32 v, t, 8;
-and.b32 u, u, 0x01C001C0;
-and.b32 v, v, 0x80008000;
-or.b32 u, u, v;
-fma.rn.bf16x2 $1, u, $4, z;
-}
-""")
+def _decode_nibbles(magnitude_shift: int, sign_shift: int, out: str, scale: str) -> str:
+    # One nibble of each spread byte to a BF16 (sign to bit 15, its 3-bit magnitude to bits 6-8), times
+    # its scale: the low nibble's bits move by 6 and 12, the high one's (4 bits up) by 2 and 8.
+    return (f"shl.b32 u, t, {magnitude_shift};\nshl.b32 v, t, {sign_shift};\nand.b32 u, u, 0x01C001C0;\n"
+            f"and.b32 v, v, 0x80008000;\nor.b32 u, u, v;\nfma.rn.bf16x2 {out}, u, {scale}, z;\n")  # fmt: skip
+
+
+DECODE_TWO_BYTES = tl.constexpr(
+    "{\n.reg .b32 t, u, v, z;\nmov.b32 z, 0x80008000;\nprmt.b32 t, $2, 0, 0x4140;\n"
+    + _decode_nibbles(6, 12, "$0", "$3")
+    + _decode_nibbles(2, 8, "$1", "$4")
+    + "}\n"
+)
 # The interpreter's float32 twin: the same bits, placed in a float32 (exponent bias 127 as BF16's, so
 # the same 2**-126 factor; code 1 a float32 subnormal, which numpy keeps).
 F32_SIGN = tl.constexpr(-2147483648)  # 0x80000000 as an int32
