@@ -7,4 +7,12 @@ keeps at recipes/ (the one home of the recipes).
 
 from setuptools import find_packages, setup
 
-setup(packages=[*find_packages(include=["qerl_cli", "qerl_cli.*"]), "qerl_cli.recipes"])
+# qerl_cli.rollout.lora_configs holds data only (no __init__.py): listed, so setuptools packages it as the
+# package its files belong to rather than warning that an importable folder is left out.
+setup(
+    packages=[
+        *find_packages(include=["qerl_cli", "qerl_cli.*"]),
+        "qerl_cli.rollout.lora_configs",
+        "qerl_cli.recipes",
+    ]
+)
