@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +44,23 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)")
     monkeypatch.setenv("QERL_TRITON_CPU", "1")
+
+
+@pytest.fixture
+def hide_packages(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``hide_packages("vllm", ...)``: ``importlib.util.find_spec`` reports those packages as not installed
+    for the rest of the test (every other lookup as it is), as on a machine without them."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def hide(*names: str) -> None:
+        def find_spec(name: str, *args: Any, **kwargs: Any) -> Any:
+            return None if name in names else real(name, *args, **kwargs)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    return hide
 
 
 @pytest.fixture(scope="session")

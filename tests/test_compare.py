@@ -695,9 +695,8 @@ def test_parallel_runs_report_a_failed_child_and_summarise_the_rest(
 
 
 def test_awq_is_the_default_base_method_and_its_absence_is_explained(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hide_packages
 ) -> None:
-    import importlib.util
     import inspect
 
     from qerl_cli.compare import bases as bases_mod
@@ -711,12 +710,7 @@ def test_awq_is_the_default_base_method_and_its_absence_is_explained(
         assert runs_mod.load_recipe(recipes / name)[1].base_method == "awq", name
         # Their documented quantize step makes an AWQ base (qerl quantize's default method).
         assert "--format nvfp4 --calib qerl-text -o" in (recipes / name).read_text(), name
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llmcompressor" else real_find_spec(name, *a),
-    )
+    hide_packages("llmcompressor")
     data = {"model": {"path": str(tiny_model_dir)}}
     arms = {"nvfp4-lora": arms_mod.BUILTIN_ARMS["nvfp4-lora"]}
     with pytest.raises(QerlError, match=r"making the nvfp4 AWQ base needs llm-compressor.*--method awq.*"
@@ -911,12 +905,11 @@ def test_an_arm_with_a_lora_start_is_evaluated_from_it_before_training() -> None
 
 
 def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_refused(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hide_packages
 ) -> None:
     """Seen on an H100: a GPTQ base made by `qerl quantize -o DIR/bases/nvfp4-gptq` (where llm-compressor
     was, apart from vLLM) was refused by compare for want of compare's own completion marker."""
     pytest.importorskip("llmcompressor", reason="making the GPTQ base needs llm-compressor (qerl[quantize])")
-    import importlib.util
 
     from qerl_cli.config import QuantizeConfig
     from qerl_cli.quantize import run_quantize
@@ -936,12 +929,7 @@ def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_r
     quantize(target, "eora")
     other = tmp_path / "other" / "bases" / "nvfp4-gptq"
     quantize(other, "none")  # made before llm-compressor is hidden: quantize checks for it first
-    real_find_spec = importlib.util.find_spec  # compare cannot make one here: it must take the one there
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llmcompressor" else real_find_spec(name, *a),
-    )
+    hide_packages("llmcompressor")  # compare cannot make one here: it must take the one there
     assert runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "out") == {
         "g": str(target),
         "e": str(target),

@@ -4,7 +4,6 @@ found, and writes nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -95,15 +94,12 @@ def test_a_bad_input_exits_2_naming_it_before_any_model_loads(
 
 
 def test_a_missing_model_and_an_unusable_engine_exit_2(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch, no_model_load
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch, no_model_load, hide_packages
 ) -> None:
     monkeypatch.chdir(tmp_path)
     rc, _, err = run(capsys, "eval", "./no-such-model", "--benchmarks", "synthetic-addition", "--dry-run")
     assert rc == 2 and "model ./no-such-model: no such folder" in err
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
-    )
+    hide_packages("vllm")
     rc, _, err = run(
         capsys, "eval", "m", "--engine", "vllm", "--benchmarks", "synthetic-addition", "--dry-run"
     )

@@ -3,7 +3,6 @@ names an editable install of the clone's extras (``errors.install_hint``), never
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -49,13 +48,10 @@ def test_the_hint_knows_pyprojects_extras_and_refuses_others() -> None:
 
 
 def test_eval_with_vllm_missing_prints_the_hint(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, hide_packages
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
-    )
+    hide_packages("vllm")
     rc, _, err = run(
         capsys, "eval", "m", "--engine", "vllm", "--benchmarks", "synthetic-addition", "--dry-run"
     )

@@ -3,7 +3,6 @@ package, GPU), and `qerl train --dry-run` runs exactly these checks, saying what
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -90,12 +89,9 @@ def test_a_missing_local_dataset_file_is_named(
 
 
 def test_vllm_missing_is_said_before_any_model_loads(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch, no_training
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, hide_packages
 ) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
-    )
+    hide_packages("vllm")
     rc, _, err = run(
         capsys,
         "train",

@@ -4,7 +4,6 @@ checks, saying what each found, and writes nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -121,12 +120,9 @@ def test_the_output_folder_is_checked(
 
 
 def test_llm_compressor_missing_names_the_extra(
-    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path, monkeypatch, no_model_load
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path, no_model_load, hide_packages
 ) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llmcompressor" else real(name, *a)
-    )
+    hide_packages("llmcompressor")
     rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "--method", "rtn", "--dry-run")
     assert rc == 2 and 'need llm-compressor: pip install -e ".[quantize]" in the qerl clone' in err
     assert "--format nf4 --method rtn, which does not" in err

@@ -234,20 +234,18 @@ def test_reward_fn_rejects_bad_extra_paths() -> None:
 
 
 def test_a_python_without_math_verify_is_refused_before_any_model_loads(
-    monkeypatch: pytest.MonkeyPatch, tiny_model_dir, tmp_path, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir,
+    tmp_path,
+    capsys: pytest.CaptureFixture[str],
+    hide_packages,
 ) -> None:
     """A device image without math-verify once showed only "a grader worker exited during start-up",
     after the model and vLLM had loaded; now the grader pool and `qerl train` say what to install first."""
-    import importlib.util
 
     from qerl_cli.cli import main
 
-    real = importlib.util.find_spec
-
-    def find_spec(name: str, *args, **kwargs):
-        return None if name == "math_verify" else real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    hide_packages("math_verify")
     with pytest.raises(QerlError, match="pip install 'math-verify>=0.8'"):
         Grader(workers=1)
     Grader(workers=1, grade_fn="test_rewards:hanging_grade").close()  # a grader of one's own needs none

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -67,7 +66,7 @@ def test_vllm_engine_fails_before_vllm(smol_nvfp4: Path, monkeypatch: pytest.Mon
 
 
 def test_a_copy_served_backend_skips_the_marlin_check(
-    smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch
+    smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch, hide_packages
 ) -> None:
     """``merged`` serves vLLM a BF16 copy of the dequantized base (and ``fp8`` an FP8 copy): Marlin never
     sees the 576-wide layers, so the run gets past the shape check (here to the missing vLLM; on an H200
@@ -75,10 +74,7 @@ def test_a_copy_served_backend_skips_the_marlin_check(
     from qerl_cli.rollout.factory import EngineRequest, make_engine
 
     monkeypatch.setattr(shapes, "_capability", lambda: (9, 0))
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        "importlib.util.find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a)
-    )
+    hide_packages("vllm")
     for backend in ("merged", "fp8"):
         with pytest.raises(QerlError, match="needs vLLM, which is not installed"):
             make_engine(EngineRequest("vllm", smol_nvfp4, linear_backend=backend))
@@ -87,7 +83,7 @@ def test_a_copy_served_backend_skips_the_marlin_check(
 
 
 def test_auto_serves_a_base_marlin_refuses_as_the_merged_bf16_copy(
-    smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch
+    smol_nvfp4: Path, monkeypatch: pytest.MonkeyPatch, hide_packages
 ) -> None:
     """``auto`` for the trainer's engine (LoRA, merges allowed) on a 576-wide NVFP4 base on Hopper: Marlin
     would refuse it, so the BF16 copy with the LoRA merged serves it; without merges Marlin stays (and the
@@ -102,10 +98,7 @@ def test_auto_serves_a_base_marlin_refuses_as_the_merged_bf16_copy(
     assert choose_rollout_backend(
         str(smol_nvfp4), "auto", concurrency=128, merge_ok=True, lora=False
     ).backend == ("marlin")
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        "importlib.util.find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a)
-    )
+    hide_packages("vllm")
     with pytest.raises(QerlError, match="needs vLLM, which is not installed"):  # past the width check
         make_engine(EngineRequest("vllm", smol_nvfp4, merge_ok=True))
     monkeypatch.setattr(shapes, "_capability", lambda: (10, 0))
