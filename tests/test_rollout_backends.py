@@ -391,7 +391,7 @@ def test_auto_uses_a_table_only_for_a_model_of_comparable_size() -> None:
     # The measured defect: a 7B's table picked the FP8 copy for a 270M Gemma at 128 sequences.
     choice = choose_backend("auto", "nvfp4", concurrency=128, env=env(), table=TABLE, model=GEMMA)
     assert choice.backend == "marlin" and choice.candidates == {}
-    assert "are of qwen2.5-7b (7.6B parameters), not comparable to this model (gemma3-270m (0.27B" in (
+    assert "are of qwen2.5-7b (7.6B parameters), not comparable to this model (gemma3-270m (268M" in (
         choice.reason
     )
     assert "vLLM's default (marlin)" in choice.reason

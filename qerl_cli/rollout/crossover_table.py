@@ -15,6 +15,7 @@ from typing import Any
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape
+from qerl_cli.torch_utils import parameter_count
 
 SHIPPED_TABLE = Path(__file__).with_name("crossover.json")  # measured by qerl bench --concurrency
 # Parameter counts within this factor of each other are of a comparable size (a table entry measured on
@@ -59,7 +60,7 @@ class MeasuredModel:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def label(self) -> str:
-        size = f"{self.parameters / 1e9:.2g}B parameters" if self.parameters else None
+        size = f"{parameter_count(self.parameters)} parameters" if self.parameters else None
         if size is None and self.hidden_size:
             size = f"hidden {self.hidden_size}" + (f", {self.layers} layers" if self.layers else "")
         if self.name and size:
