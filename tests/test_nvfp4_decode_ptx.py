@@ -104,8 +104,7 @@ def test_decode_two_bytes_gives_exact_products_for_every_byte_pair() -> None:
 
 
 def test_scale_table_is_exact_in_bf16() -> None:
-    """Every finite E4M3 code x 2**SCALE_BIAS is a BF16 value (the kernel rounds each block's scale,
-    computed from its code as code_scales holds it, to BF16)."""
+    """Every finite E4M3 code x 2**SCALE_BIAS is a BF16 value (the kernel rounds the table to BF16)."""
     table = code_scales("cpu")
     finite = torch.isfinite(table)
     assert int(finite.sum()) == 254  # all but the two NaN codes

@@ -16,9 +16,8 @@ import triton.language as tl
 # 10.5: BF16 holds every such product); the global scale (x 2**8) multiplies the float32 accumulator in
 # the epilogue. The decode places each 4-bit code in a BF16's sign, two low exponent bits and top
 # mantissa bit: E2M1's exponent bias is 1 and BF16's 127, so the BF16 reads the E2M1 value x 2**-126
-# (code 1, 0.5, as the BF16 subnormal 2**-127); each block's scale is its E4M3 value x 2**118
-# (_scale_from_code), so one BF16 multiply gives E2M1 x scale x 2**-8 (nvfp4_gemm.SCALE_BIAS and
-# WEIGHT_EXPONENT). No float32 round trip.
+# (code 1, 0.5, as the BF16 subnormal 2**-127); the scale table holds E4M3 x 2**118, so one BF16 multiply
+# gives E2M1 x scale x 2**-8 (nvfp4_gemm.SCALE_BIAS and WEIGHT_EXPONENT). No float32 round trip.
 
 
 # Two packed bytes in ($2, as loaded: a thread holds two adjacent bytes of a row), out the BF16 weights
@@ -43,13 +42,6 @@ DECODE_TWO_BYTES = tl.constexpr(
 # The interpreter's float32 twin: the same bits, placed in a float32 (exponent bias 127 as BF16's, so
 # the same 2**-126 factor; code 1 a float32 subnormal, which numpy keeps).
 F32_SIGN = tl.constexpr(-2147483648)  # 0x80000000 as an int32
-# The block scale's factor, 2**SCALE_BIAS (nvfp4_gemm.SCALE_BIAS, checked equal by the tests; that module
-# imports this one lazily, so the value is spelled here). A normal E4M3 code (exponent field e > 0, bias
-# 7) becomes the float32 with exponent field e - 7 + SCALE_BIAS + 127; a subnormal one is its 3-bit
-# mantissa x 2**(SCALE_BIAS - 9) (E4M3's subnormal step is 2**-9).
-SCALE_BIAS = tl.constexpr(118)
-SCALE_EXPONENT_OFFSET = tl.constexpr(127 - 7 + SCALE_BIAS.value)
-SUBNORMAL_SCALE_STEP = tl.constexpr(2.0 ** (SCALE_BIAS.value - 9))
 
 
 @triton.jit
@@ -70,22 +62,8 @@ def _decode_f32(byte, low_scale, high_scale):
 
 
 @triton.jit
-def _scale_from_code(code):
-    # An E4M3 code's value x 2**SCALE_BIAS as float32, exactly, by bit arithmetic (nvfp4_gemm.code_scales
-    # is the reference). Computed, not looked up in a table: a gather from global memory depends on the
-    # code's load, so the K loop would wait a round trip for it every step (never prefetched).
-    c = code.to(tl.int32) & 0xFF
-    sign = (c & 0x80) << 24
-    exponent = (c >> 3) & 0xF
-    mantissa = c & 7
-    normal = sign | ((exponent + SCALE_EXPONENT_OFFSET) << 23) | (mantissa << 20)
-    subnormal = (mantissa.to(tl.float32) * SUBNORMAL_SCALE_STEP).to(tl.int32, bitcast=True) | sign
-    return tl.where(exponent == 0, subnormal, normal).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr, BJ: tl.constexpr,
-                   EVEN: tl.constexpr, WORD_CODES: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
+def _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
+                   BJ: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     # The weight tiles W[offs_n, j0:j0+BJ] (low nibbles) and W[offs_n, KH+j0:KH+j0+BJ] (high nibbles)
     # of the half-split layout (nvfp4_gemm.split_halves), each x 2**-8 (the epilogue undoes it). Bytes
     # as [BN, BJ/16, 16]: one block of 16 K values per middle index in either nibble, so each block's
@@ -97,19 +75,8 @@ def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.cons
     high_offs = low_offs + KH // 16
     if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
         byte = tl.load(packed_ptr + byte_offs)
-        if WORD_CODES:
-            # The codes as int32 words, four to a word: Triton pipelines a load through cp.async only
-            # when each thread's piece is at least 4 bytes, so 1-byte code loads are synchronous and
-            # every K step waits on them. Needs K and KH multiples of 64 and 4-byte aligned scales
-            # (nvfp4_gemm.word_codes); otherwise the bytes, one by one.
-            words = scale_ptr.to(tl.pointer_type(tl.int32))
-            word_offs = offs_n[:, None] * (K // 64) + (blocks // 4)[None, :]
-            shift = (blocks % 4 * 8)[None, :]
-            low_code = (tl.load(words + word_offs) >> shift) & 0xFF
-            high_code = (tl.load(words + word_offs + KH // 64) >> shift) & 0xFF
-        else:
-            low_code = tl.load(scale_ptr + low_offs)
-            high_code = tl.load(scale_ptr + high_offs)
+        low_code = tl.load(scale_ptr + low_offs)
+        high_code = tl.load(scale_ptr + high_offs)
     else:
         mask = n_mask[:, None] & (blocks[None, :] < KH // 16)
         byte = tl.load(packed_ptr + byte_offs, mask=mask[:, :, None], other=0)
@@ -117,9 +84,9 @@ def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.cons
         high_code = tl.load(
             scale_ptr + high_offs, mask=mask & (blocks[None, :] + KH // 16 < K // 16), other=0
         )
-    # Each block's scale x 2**118 in BF16, exactly (E4M3's 4 significant bits in BF16's 8).
-    low_scale = _scale_from_code(low_code).to(tl.bfloat16)
-    high_scale = _scale_from_code(high_code).to(tl.bfloat16)
+    # Each block's BF16 scale x 2**118, looked up by its E4M3 code (nvfp4_gemm.code_scales).
+    low_scale = tl.load(table_ptr + low_code.to(tl.int32)).to(tl.bfloat16)
+    high_scale = tl.load(table_ptr + high_code.to(tl.int32)).to(tl.bfloat16)
     low_scale = tl.broadcast_to(low_scale[:, :, None], (BN, BJ // 16, 16))
     high_scale = tl.broadcast_to(high_scale[:, :, None], (BN, BJ // 16, 16))
     if F32_DOT:
@@ -161,11 +128,12 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, out_scale_ptr, bias_ptr, x
 
 @triton.jit
 def nvfp4_gemm_kernel(
-    x_ptr, packed_ptr, scale_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
+    x_ptr, packed_ptr, scale_ptr, table_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr,
+    lock_ptr,
     M, N, K, KH, stride_xm, stride_ym, lora_scaling,
     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
-    XA_SPLITS: tl.constexpr, EVEN: tl.constexpr, WORD_CODES: tl.constexpr, F32_DOT: tl.constexpr,
+    XA_SPLITS: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     # y^T tile [BN, BM] = W tile [BN, K] @ x^T [K, BM]: the weight is the MMA's left operand (rows of
     # 64 per warpgroup on Hopper), so a handful of tokens is the narrow right side, as small as 16.
@@ -185,8 +153,8 @@ def nvfp4_gemm_kernel(
     offs_j = tl.arange(0, BJ)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_begin, j_end, BJ):
-        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN, BJ, EVEN,
-                                       WORD_CODES, F32_DOT)  # fmt: skip
+        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, BN, BJ,
+                                       EVEN, F32_DOT)  # fmt: skip
         ks = j0 + offs_j
         x_offs = offs_m[None, :] * stride_xm + ks[:, None]
         if EVEN:

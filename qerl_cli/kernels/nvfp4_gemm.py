@@ -38,8 +38,7 @@ from qerl_cli.kernels.dequant import use_triton_for
 
 BLOCK = 16  # NVFP4's block of values sharing one E4M3 scale
 # The kernel's weight tile is E2M1 x E4M3 scale x 2**-WEIGHT_EXPONENT, exactly (_triton_nvfp4_gemm): its
-# BF16 decode reads each code as its E2M1 value x 2**-126, and it multiplies by each block's E4M3 scale x
-# 2**SCALE_BIAS, computed from the code's bits (the kernel module spells the same constant; tests check).
+# BF16 decode reads each code as its E2M1 value x 2**-126, and the scale table holds E4M3 x 2**SCALE_BIAS.
 WEIGHT_EXPONENT = 8
 SCALE_BIAS = 126 - WEIGHT_EXPONENT
 MAX_RANK = 128
@@ -140,12 +139,17 @@ class LoraWeights:
 
 
 def code_scales(device: torch.device | str) -> torch.Tensor:
-    """float32 ``[256]``: every E4M3 scale code's value x 2**SCALE_BIAS, the reference for what the
-    kernel computes from each block's code by bit arithmetic (``_triton_nvfp4_gemm._scale_from_code``)
-    and rounds to BF16 exactly (E4M3's 4 significant bits in BF16's 8, 2**109 to 448 x 2**118 in its
-    range)."""
+    """float32 ``[256]``: every E4M3 scale code's value x 2**SCALE_BIAS, looked up by the kernel per
+    block and rounded there to BF16 exactly (E4M3's 4 significant bits in BF16's 8, 2**109 to 448 x
+    2**118 in its range). float32, not BF16: Triton then loads the looked-up values straight in the
+    decode's register layout (a BF16 table cost a shared-memory layout conversion per K step on sm_90)."""
     codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn)
     return codes.float() * 2.0**SCALE_BIAS
+
+
+@cache
+def _code_scales(device: torch.device) -> torch.Tensor:
+    return code_scales(device)  # one table per device (CUDA graphs keep pointing at it)
 
 
 def output_scale(global_scale: torch.Tensor) -> torch.Tensor:
@@ -345,14 +349,6 @@ def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:
     return xa, splits
 
 
-def word_codes(scale: torch.Tensor, kh: int) -> bool:
-    """Whether the kernel's unmasked variant (K = 2 KH) may read the scale codes (uint8 ``[N, K/16]``,
-    contiguous) as int32 words of four: each row and its second K half (code KH/16 on) start on a word
-    (KH, hence K, a multiple of 64), and the storage is 4-byte aligned. Word loads are pipelined on the
-    GPU, single-byte ones are not."""
-    return kh % 64 == 0 and scale.data_ptr() % 4 == 0
-
-
 def triton_nvfp4_linear(
     x: torch.Tensor,
     weight: Nvfp4Weight,
@@ -388,14 +384,13 @@ def triton_nvfp4_linear(
         lora_b, rank, r_pad, scaling = lora.b.contiguous(), lora.rank, xa.shape[-1], float(lora.scaling)
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
-    scale = weight.scale.contiguous().view(torch.uint8)
-    even = k == 2 * kh and kh % (config.block_k // 2) == 0 and n % config.block_n == 0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, halves, scale, weight.kernel_out_scale(), bias if bias is not None else y, xa, lora_b, y, ws,
-        locks, m, n, k, kh, x2.stride(0), y.stride(0), scaling,
+        x2, halves, weight.scale.contiguous().view(torch.uint8), _code_scales(x.device),
+        weight.kernel_out_scale(), bias if bias is not None else y, xa, lora_b, y, ws, locks,
+        m, n, k, kh, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,
-        EVEN=even, WORD_CODES=even and word_codes(scale, kh),
+        EVEN=k == 2 * kh and kh % (config.block_k // 2) == 0 and n % config.block_n == 0,
         F32_DOT=not x.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return y.reshape(*lead, n)
