@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
+from qerl_cli.bench.gate import check_regressions, gate_caveat
 from qerl_cli.bench.gpuclocks import (
     CLOCK_DROP_FRACTION,
     GpuClocks,
@@ -261,3 +262,26 @@ def test_a_bench_json_from_before_the_clocks_reads_and_writes_back_unchanged(tmp
     assert read.host_load is not None and read.host_load.gpu_clocks is None
     assert json.dumps(read.to_dict()) == json.dumps(old) and gpu_clocks_line(read.host_load) is None
     assert "GPU clocks" not in to_markdown(read) and "GPU throttled" not in to_markdown(read)
+
+
+def test_gating_from_or_against_a_throttled_run_warns_but_does_not_fail() -> None:
+    throttled = GpuClocks([reading(1980), reading(1410, ["sw_power_cap"], elapsed_s=340)])
+    unthrottled = GpuClocks([reading(1980), reading(1950)])
+    against = report(unthrottled)
+    against.regression = check_regressions(against, report(throttled), 0.1)
+    assert (
+        against.regression.passed and against.regression.baseline_gpu_throttled == throttled.throttled_reason
+    )
+    assert against.regression.to_dict()["baseline_gpu_throttled"] == throttled.throttled_reason
+    caveat = gate_caveat(against)
+    assert caveat.startswith(
+        "the regression gate's comparison is not clean: the baseline's GPU was throttled"
+    )
+    assert "this run's" not in caveat
+    from_throttled = report(throttled)
+    from_throttled.regression = check_regressions(from_throttled, report(unthrottled), 0.1)
+    assert "this run's GPU was throttled (SM 1410 MHz at 340 s" in gate_caveat(from_throttled)
+    # Neither throttled: a clean comparison, and no new key in the regression section.
+    clean = report(unthrottled)
+    clean.regression = check_regressions(clean, report(unthrottled), 0.1)
+    assert gate_caveat(clean) is None and "baseline_gpu_throttled" not in clean.regression.to_dict()
