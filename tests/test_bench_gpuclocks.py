@@ -219,6 +219,8 @@ def test_an_unthrottled_run_prints_one_clock_summary_line() -> None:
     unknown = GpuClocks([GpuReading(0.0, None, None, None, None, None, None, None)])
     assert clocks_line(unknown) == "GPU clocks: SM clock unknown across 1 reading, slowdown reasons unknown."
     assert clocks_line(GpuClocks(note="nvidia-smi not found")) == "GPU clocks unknown (nvidia-smi not found)."
+    idle_cap = GpuClocks([reading(1980), reading(345, ["gpu_idle", "sw_power_cap"], utilization=0)])
+    assert clocks_line(idle_cap).endswith("(1 idle), 60 C, slowdown reasons only while idle.")
 
 
 def clocks_line(clocks: GpuClocks) -> str:

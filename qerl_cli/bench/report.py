@@ -290,13 +290,13 @@ def host_load_line(host: HostLoad | None) -> str | None:
     return f"Host: {host.cpu_count} CPUs, {load}{gpu}."
 
 
-def _clock_range(values: list[Any], unit: str) -> str:
+def _clock_range(values: list[int], unit: str) -> str:
     low, high = min(values), max(values)
     return f"{low} {unit}" if low == high else f"{low}-{high} {unit}"
 
 
 def clocks_summary(clocks: GpuClocks) -> str:
-    """``GPU clocks: SM 1980 MHz at start (max 1980), 1755-1980 MHz across 6 readings (2 idle), 52-71 C,
+    """``GPU clocks: SM 1980 MHz at start (max 1980), 345-1980 MHz across 6 readings (2 idle), 52-71 C,
     no slowdown reason.`` for a run that was not throttled."""
     readings = clocks.readings
     first, count = readings[0], len(readings)
@@ -310,8 +310,12 @@ def clocks_summary(clocks: GpuClocks) -> str:
     temperatures = [r.temperature_c for r in readings if r.temperature_c is not None]
     if temperatures:
         parts.append(_clock_range(temperatures, "C"))
-    known = any(r.reasons is not None for r in readings)
-    parts.append("no slowdown reason" if known else "slowdown reasons unknown")
+    if not any(r.reasons is not None for r in readings):
+        parts.append("slowdown reasons unknown")
+    else:  # not throttled: a slowdown reason, if any, came with the driver's gpu_idle
+        parts.append(
+            "slowdown reasons only while idle" if any(r.slowdowns for r in readings) else "no slowdown reason"
+        )
     return f"GPU clocks: {', '.join(parts)}."
 
 
