@@ -356,8 +356,11 @@ def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
         lora_rank=RANK,
         generations=2,
     )
-    (row,) = run_e2e(cfg, e2e_pairs(cfg, "hf", ["bf16"]).pairs, {"bf16": tiny_folder}, "hf", tmp_path)
+    after: list[int] = []  # the report's host load and GPU clocks are sampled after every pair
+    pairs = e2e_pairs(cfg, "hf", ["bf16"]).pairs
+    (row,) = run_e2e(cfg, pairs, {"bf16": tiny_folder}, "hf", tmp_path, lambda: after.append(len(after)))
     assert "error" not in row, row.get("error")
+    assert after == [0]
     assert row["format"] == "bf16" and row["steps_timed"] == 3 and row["sequences_per_step"] == 4
     # The HF engine has no linear backends: one pair, auto, run on the trainer's own layers.
     assert (row["backend"], row["linear_backend"]) == ("auto", "trainer")

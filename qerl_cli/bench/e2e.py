@@ -42,6 +42,7 @@ import sys
 import tempfile
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -289,9 +290,16 @@ def _measure_isolated(
 
 
 def run_e2e(
-    cfg: E2EConfig, pairs: list[E2EPair], checkpoints: dict[str, Path], engine: str, out: Path
+    cfg: E2EConfig,
+    pairs: list[E2EPair],
+    checkpoints: dict[str, Path],
+    engine: str,
+    out: Path,
+    after_pair: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (format, backend) pair, in the pairs' order (BF16 first: the reference of the ratios)."""
+    """One row per (format, backend) pair, in the pairs' order (BF16 first: the reference of the ratios);
+    ``after_pair`` is called after each (the report's host load and GPU clocks are sampled there, so a
+    GPU that heats as the pairs follow one another shows it pair by pair)."""
 
     rows = []
     per_format = Counter(pair.format for pair in pairs)
@@ -302,15 +310,17 @@ def run_e2e(
         model_dir = str(checkpoints[pair.format])
         if engine == "vllm":
             rows.append(_measure_isolated(cfg, pair, model_dir, engine, run_dir))
-            continue
-        try:
-            rows.append(measure_pair(cfg, pair, model_dir, engine, run_dir))
-        except QerlError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - shown in the report; the other pairs still run
-            log.exception("e2e step for %s failed", pair.label)
-            rows.append(_failed(pair, f"{type(exc).__name__}: {exc}"))
-        free_accelerator_memory()  # the trainer of this pair (model, optimizer) before the next one loads
+        else:
+            try:
+                rows.append(measure_pair(cfg, pair, model_dir, engine, run_dir))
+            except QerlError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - shown in the report; the other pairs still run
+                log.exception("e2e step for %s failed", pair.label)
+                rows.append(_failed(pair, f"{type(exc).__name__}: {exc}"))
+            free_accelerator_memory()  # this pair's trainer (model, optimizer) before the next one loads
+        if after_pair is not None:
+            after_pair()
     return rows
 
 

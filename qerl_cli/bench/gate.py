@@ -5,9 +5,10 @@ the baseline measured that failed now is a regression too. Each rollout format i
 default kernels only (a ``--concurrency`` sweep's other backends are measurements, not a contract);
 each e2e row by its format and linear backend (every pair of ``qerl bench e2e`` was asked for by name).
 
-A run or baseline measured on a busy host (:mod:`qerl_cli.bench.hostload`) is still gated, since a
-regression may be real either way, but the outcome says the comparison is not clean
-(:func:`gate_caveat`): a drop may be the host's, and a busy baseline hides one.
+A run or baseline measured on a busy host (:mod:`qerl_cli.bench.hostload`) or a throttled GPU
+(:mod:`qerl_cli.bench.gpuclocks`) is still gated, since a regression may be real either way, but the
+outcome says the comparison is not clean (:func:`gate_caveat`): a drop may be the host's or the GPU's,
+and a busy or throttled baseline hides one.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: flo
             "run with the baseline's --formats and --batch"
         )
     return RegressionOutcome(tolerance=tolerance, compared=compared, failures=failures, passed=not failures,
-                             baseline_host_busy=baseline.host_busy_reason)  # fmt: skip
+                             baseline_host_busy=baseline.host_busy_reason,
+                             baseline_gpu_throttled=baseline.gpu_throttled_reason)  # fmt: skip
 
 
 def _gated_rows(report: BenchResult, section: str) -> list[dict[str, Any]]:
@@ -142,17 +144,21 @@ def _gated_rows(report: BenchResult, section: str) -> list[dict[str, Any]]:
 
 
 def gate_caveat(report: BenchResult) -> str | None:
-    """Why the ``--baseline`` comparison is not clean (this run's or the baseline's host was busy), or
-    None: a clean comparison, or no gate. A warning, never a failure of the gate."""
-    if report.regression is None:
+    """Why the ``--baseline`` comparison is not clean (this run's or the baseline's host was busy or
+    GPU throttled), or None: a clean comparison, or no gate. A warning, never a failure of the gate."""
+    regression = report.regression
+    if regression is None:
         return None
-    reasons = {"this run's": report.host_busy_reason, "the baseline's": report.regression.baseline_host_busy}
-    busy = [f"{whose} host was busy ({why})" for whose, why in reasons.items() if why]
-    if not busy:
+    busy = {"this run's": report.host_busy_reason, "the baseline's": regression.baseline_host_busy}
+    throttled = {"this run's": report.gpu_throttled_reason,
+                 "the baseline's": regression.baseline_gpu_throttled}  # fmt: skip
+    found = [f"{whose} host was busy ({why})" for whose, why in busy.items() if why]
+    found += [f"{whose} GPU was throttled ({why})" for whose, why in throttled.items() if why]
+    if not found:
         return None
     return (
-        "the regression gate's comparison is not clean: " + "; ".join(busy) + ". A change may be the "
-        "host's, not qerl's; rerun on an idle host before trusting it."
+        "the regression gate's comparison is not clean: " + "; ".join(found) + ". A change may be the "
+        "host's or the GPU's, not qerl's; rerun on an idle host and an unthrottled GPU before trusting it."
     )
 
 

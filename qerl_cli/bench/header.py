@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from qerl_cli import files
-from qerl_cli.bench.hostload import NO_GPU, HostLoad, HostProbes, nvidia_smi_processes, start_host_load
+from qerl_cli.bench.gpuclocks import NvidiaSmiClocks
+from qerl_cli.bench.hostload import HostLoad, HostProbes, nvidia_smi_processes, start_host_load
 from qerl_cli.envinfo import gpu_driver, gpu_info, package_versions
 
 VERSIONED_PACKAGES = (
@@ -86,9 +87,13 @@ def measured_gpu_uuid() -> str | None:
 
 
 def start_run_host_load(gpu: bool) -> HostLoad:
-    """The host's load from now on, and on a GPU run the other processes on the measured GPU."""
-    processes = partial(nvidia_smi_processes, measured_gpu_uuid()) if gpu else lambda: NO_GPU
-    return start_host_load(HostProbes(gpu_processes=processes))
+    """The host's load from now on, and on a GPU run the other processes on the measured GPU and its
+    clocks."""
+    if not gpu:
+        return start_host_load(HostProbes())
+    uuid = measured_gpu_uuid()
+    probes = HostProbes(gpu_processes=partial(nvidia_smi_processes, uuid), gpu_clocks=NvidiaSmiClocks(uuid))
+    return start_host_load(probes)
 
 
 def report_header(schema: str, command: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ that calls a run busy.
 A busy host depresses rollout figures unevenly: vLLM's decode loop needs a CPU core at every step, so a
 host whose cores are taken by other work starves it, and another process on the same GPU takes its
 memory bandwidth and SMs. A report says so (``host_busy``, ``host_busy_reason``, ``host_load``) so that
-nobody compares its figures with an idle run's unawares.
+nobody compares its figures with an idle run's unawares. The measured GPU's clocks are read at the same
+points and kept in ``host_load.gpu_clocks``, with their own verdict (:mod:`qerl_cli.bench.gpuclocks`).
 
 The readings come through :class:`HostProbes` (callables), so tests pass fakes; the defaults read
 ``os.getloadavg``, ``os.cpu_count``, this process's CPU time and ``nvidia-smi``. This module imports no
@@ -25,6 +26,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from qerl_cli.bench.gpuclocks import (
+    NVIDIA_SMI_TIMEOUT_S,
+    GpuClocks,
+    GpuReading,
+    throttle_warning,
+    uuid_digits,
+)
+
 # The rule: a run is busy when the 1-minute load of *other* processes exceeds this fraction of the
 # host's CPUs at any sample, or another process uses the measured GPU. Half, because os.cpu_count()
 # counts logical CPUs and GPU servers commonly run two per physical core (SMT): above half every physical
@@ -33,10 +42,9 @@ from typing import Any
 BUSY_LOAD_FRACTION = 0.5
 # The kernel's 1-minute load average decays with this time constant (seconds).
 LOAD_WINDOW_S = 60.0
-# nvidia-smi answers within a second or so; a hung driver must not hang the benchmark.
-NVIDIA_SMI_TIMEOUT_S = 10.0
-# The GPU's processes are listed at most this often (the load, which costs nothing, at every sample):
-# `lora-tune` writes its report after every key, and nvidia-smi can take a second on a many-GPU host.
+# The GPU's processes are listed and its clocks read at most this often (the load, which costs nothing,
+# at every sample): `lora-tune` writes its report after every key, and nvidia-smi can take a second on a
+# many-GPU host.
 GPU_QUERY_INTERVAL_S = 10.0
 NO_GPU = "no GPU measured"
 
@@ -120,8 +128,9 @@ class GpuScan:
 
 @dataclass(frozen=True)
 class HostProbes:
-    """Where the readings come from. ``gpu_processes`` lists the measured GPU's other processes, or
-    says why they are unknown (no GPU, no nvidia-smi)."""
+    """Where the readings come from. ``gpu_processes`` lists the measured GPU's other processes and
+    ``gpu_clocks`` reads its clock state (:class:`~qerl_cli.bench.gpuclocks.NvidiaSmiClocks`), or each
+    says why that is unknown (no GPU, no nvidia-smi)."""
 
     loadavg: Callable[[], tuple[float, float, float]] = os.getloadavg
     cpu_count: Callable[[], int | None] = os.cpu_count
@@ -129,6 +138,7 @@ class HostProbes:
     process_age_s: Callable[[], float | None] = process_age_seconds
     clock: Callable[[], float] = time.monotonic
     gpu_processes: Callable[[], GpuScan | str] = lambda: NO_GPU
+    gpu_clocks: Callable[[], GpuReading | str] = lambda: NO_GPU
 
 
 def parent_pid(pid: int, proc: str = "/proc") -> int | None:
@@ -154,18 +164,13 @@ def owner(pid: int, me: int, parent_of: Callable[[int], int | None] = parent_pid
     return "other"
 
 
-def _uuid(text: str) -> str:
-    """A GPU UUID's hex digits: nvidia-smi writes ``GPU-`` before them, torch may not."""
-    return "".join(c for c in text.lower() if c in "0123456789abcdef")
-
-
 def parse_compute_apps(text: str, gpu_uuid: str) -> list[GpuProcess]:
     """The processes of ``nvidia-smi --query-compute-apps=pid,used_memory,gpu_uuid`` (CSV, no header, no
     units) on the GPU ``gpu_uuid``."""
     found = []
     for line in text.splitlines():
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit() and _uuid(parts[2]) == _uuid(gpu_uuid):
+        if len(parts) == 3 and parts[0].isdigit() and uuid_digits(parts[2]) == uuid_digits(gpu_uuid):
             found.append(GpuProcess(int(parts[0]), int(parts[1]) if parts[1].isdigit() else None))
     return found
 
@@ -210,12 +215,12 @@ def _merged(before: list[GpuProcess] | None, found: list[GpuProcess]) -> list[Gp
 
 class _Sampler:
     """The running state behind a :class:`HostLoad`: the probes, this process's CPU time at the last
-    sample and its 1-minute share, and whether the busy warning was printed."""
+    sample and its 1-minute share, and whether the busy and throttled warnings were printed."""
 
     def __init__(self, probes: HostProbes, warn: Callable[[str], None]) -> None:
         self.probes = probes
         self.warn = warn
-        self.warned = False
+        self.warned = self.throttle_warned = False
         self.started = self.last_clock = probes.clock()
         self.last_gpu_query: float | None = None
         self.last_cpu = probes.own_cpu_s()
@@ -249,8 +254,9 @@ def _decayed(average: float, rate: float, window: float) -> float:
 @dataclass
 class HostLoad:
     """``host_load`` of a report: the CPUs, the first, last and busiest load samples, the other
-    processes seen on the measured GPU, and the verdict (``busy_reason``, None when idle), which a
-    report writes at its top level as ``host_busy`` and ``host_busy_reason``.
+    processes seen on the measured GPU, its clock readings (``gpu_clocks``, with their own verdict), and
+    the verdict (``busy_reason``, None when idle), which a report writes at its top level as
+    ``host_busy`` and ``host_busy_reason``.
 
     A record read from a file does not sample; one from :func:`start_host_load` does, at :meth:`sample`.
     """
@@ -265,6 +271,7 @@ class HostLoad:
     gpu_note: str | None = None  # why the GPU's other processes are unknown
     gpu_unseen: list[GpuProcess] | None = None  # pids outside this PID namespace (GpuScan)
     busy_reason: str | None = None
+    gpu_clocks: GpuClocks | None = None  # None in the files of earlier versions
     sampler: _Sampler | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -272,8 +279,8 @@ class HostLoad:
         return self.busy_reason is not None
 
     def sample(self) -> None:
-        """Read the load and the GPU's processes now (a no-op for a record read from a file), renew the
-        verdict, and print the busy warning the first time the run is busy."""
+        """Read the load, the GPU's processes and its clocks now (a no-op for a record read from a file),
+        renew the verdicts, and print each warning the first time the run is busy or throttled."""
         if self.sampler is None:
             return
         probes = self.sampler.probes
@@ -294,11 +301,17 @@ class HostLoad:
         self.samples += 1
         if self.sampler.gpu_due():
             self._add_gpu_processes(probes.gpu_processes())
+            self.gpu_clocks = self.gpu_clocks or GpuClocks()
+            self.gpu_clocks.add(probes.gpu_clocks(), round(elapsed, 1))
         reasons = busy_reasons(self)
         self.busy_reason = "; ".join(reasons) if reasons else None
         if self.busy_reason and not self.sampler.warned:
             self.sampler.warned = True
             self.sampler.warn(busy_warning(self.busy_reason))
+        throttled = self.gpu_clocks.throttled_reason if self.gpu_clocks else None
+        if throttled and not self.sampler.throttle_warned:
+            self.sampler.throttle_warned = True
+            self.sampler.warn(throttle_warning(throttled))
 
     def _add_gpu_processes(self, found: GpuScan | str) -> None:
         if isinstance(found, str):  # unknown this time: keep what earlier samples saw
@@ -324,6 +337,8 @@ class HostLoad:
             out["gpu_unseen"] = [p.to_dict() for p in self.gpu_unseen]
         if self.gpu_note is not None:
             out["gpu_note"] = self.gpu_note
+        if self.gpu_clocks is not None:
+            out["gpu_clocks"] = self.gpu_clocks.to_dict()
         return out
 
     def verdict(self) -> dict[str, Any]:
@@ -335,7 +350,7 @@ class HostLoad:
         def one(key: str) -> LoadSample | None:
             return LoadSample.from_dict(data[key]) if data.get(key) else None
 
-        processes = data.get("gpu_processes")
+        processes, clocks = data.get("gpu_processes"), data.get("gpu_clocks")
         return cls(
             cpu_count=data.get("cpu_count"),
             busy_fraction=data.get("busy_fraction", BUSY_LOAD_FRACTION),
@@ -349,6 +364,7 @@ class HostLoad:
             if "gpu_unseen" in data
             else None,
             busy_reason=busy_reason,
+            gpu_clocks=GpuClocks.from_dict(clocks) if clocks is not None else None,
         )
 
 

@@ -17,6 +17,7 @@ from qerl_cli import files
 from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
 from qerl_cli.bench.gate import gate_caveat
+from qerl_cli.bench.gpuclocks import GpuClocks, throttle_warning
 from qerl_cli.bench.hostload import NO_GPU, HostLoad, busy_warning
 from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.result import BenchResult
@@ -217,6 +218,9 @@ def bench_table(report: BenchResult):  # -> rich.console.Group
     busy = busy_line(report)
     if busy:
         parts.append(Text(busy, style="bold yellow"))
+    clocks = gpu_clocks_line(report.host_load)
+    if clocks:
+        parts.append(Text(clocks[0], style="bold yellow" if clocks[1] else ""))
     for title, columns, rows in _tables(report):
         if not rows:
             continue
@@ -286,21 +290,69 @@ def host_load_line(host: HostLoad | None) -> str | None:
     return f"Host: {host.cpu_count} CPUs, {load}{gpu}."
 
 
+def _clock_range(values: list[int], unit: str) -> str:
+    low, high = min(values), max(values)
+    return f"{low} {unit}" if low == high else f"{low}-{high} {unit}"
+
+
+def clocks_summary(clocks: GpuClocks) -> str:
+    """``GPU clocks: SM 1980 MHz at start (max 1980), 345-1980 MHz across 6 readings (2 idle), 52-71 C,
+    no slowdown reason.`` for a run that was not throttled."""
+    readings = clocks.readings
+    first, count = readings[0], len(readings)
+    parts = [] if first.sm_mhz is None else [f"SM {first.sm_mhz} MHz at start"]
+    if parts and first.max_sm_mhz is not None:
+        parts[0] += f" (max {first.max_sm_mhz})"
+    idle = sum(r.idle for r in readings)
+    spread = f" across {count} reading{'s' if count > 1 else ''}" + (f" ({idle} idle)" if idle else "")
+    sm = [r.sm_mhz for r in readings if r.sm_mhz is not None]
+    parts.append((_clock_range(sm, "MHz") if sm else "SM clock unknown") + spread)
+    temperatures = [r.temperature_c for r in readings if r.temperature_c is not None]
+    if temperatures:
+        parts.append(_clock_range(temperatures, "C"))
+    if not any(r.reasons is not None for r in readings):
+        parts.append("slowdown reasons unknown")
+    else:  # not throttled: a slowdown reason, if any, came with the driver's gpu_idle
+        parts.append(
+            "slowdown reasons only while idle" if any(r.slowdowns for r in readings) else "no slowdown reason"
+        )
+    return f"GPU clocks: {', '.join(parts)}."
+
+
+def gpu_clocks_line(host: HostLoad | None) -> tuple[str, bool] | None:
+    """The measured GPU's clocks in one line, and whether it is the throttled warning; None for a CPU
+    run or a report from before the clocks were read."""
+    clocks = host.gpu_clocks if host else None
+    if clocks is None or (not clocks.readings and clocks.note in (None, NO_GPU)):
+        return None
+    if not clocks.readings:
+        return f"GPU clocks unknown ({clocks.note}).", False
+    reason = clocks.throttled_reason
+    if reason:
+        return f"Warning: {throttle_warning(reason)}.", True
+    return clocks_summary(clocks), False
+
+
 def to_markdown(report: BenchResult) -> str:
     gpu = report.gpu
     versions = report.versions
     busy, host = busy_line(report), host_load_line(report.host_load)
+    clocks = gpu_clocks_line(report.host_load)
+    # A throttled GPU's warning stands at the top beside a busy host's; a summary beside the Host line.
+    throttled, summary = (clocks[0], None) if clocks and clocks[1] else (None, clocks and clocks[0])
     lines = [
         f"## {_title(report)}",
         "",
         f"**{report.figures_label}**",
         "",
         *([f"**{busy}**", ""] if busy else []),
+        *([f"**{throttled}**", ""] if throttled else []),
         f"Machine: {machine_line(report.machine)}"
         + (f", GPU: {gpu['name']} x{gpu['count']}, CUDA {gpu['cuda']}" if gpu else ", no GPU")
         + (f", driver {gpu['driver']}" if gpu and gpu.get("driver") else ""),
         "",
         *([host, ""] if host else []),
+        *([summary, ""] if summary else []),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         "",
     ]

@@ -8,8 +8,10 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
   the figures can be trusted (CPU figures are only good for ratios between formats of the same run);
 * ``host_busy`` and ``host_busy_reason``: whether other work on the host or the GPU made the figures
   incomparable with an idle run's (:mod:`qerl_cli.bench.hostload`'s rule; absent in earlier files);
-* ``machine``, ``host_load`` (the load and the GPU's other processes, sampled at the start, after every
-  case and at the end; absent in earlier files), ``gpu`` (None on CPU), ``versions``, ``settings``;
+* ``machine``, ``host_load`` (the load, the GPU's other processes and its clocks, ``gpu_clocks``, with
+  whether it was throttled: :mod:`qerl_cli.bench.gpuclocks`; sampled at the start, after every case and
+  at the end; absent in earlier files, as is ``gpu_clocks`` in files from before it was read), ``gpu``
+  (None on CPU), ``versions``, ``settings``;
 * ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency;
 * ``memory``: one row per (format, backend, LoRA rank) with weight bytes, peaks, KV-cache budget and
   how they were measured;
@@ -18,7 +20,7 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
   no ``backend``: :func:`~qerl_cli.bench.e2e_backends.row_backend`) and the step time against BF16's
   (``None`` for the other benchmarks);
 * ``regression``: the outcome of ``--baseline`` (``None`` without it; ``baseline_host_busy`` when the
-  baseline's host was busy);
+  baseline's host was busy, ``baseline_gpu_throttled`` when its GPU was throttled);
 * ``errors``: the cases that produced no figures, with why;
 * ``complete: false`` while the run is still measuring (the file is rewritten after every case);
 * ``timings``: seconds of the whole measurement, of writing the random checkpoints, of each format
@@ -51,25 +53,29 @@ REPORT_NAME = "bench.json"
 @dataclass
 class RegressionOutcome:
     """``--baseline``: how many figures were compared and which regressed beyond the tolerance, and
-    whether the baseline's host was busy (its reason; the comparison is then not clean)."""
+    whether the baseline's host was busy or its GPU throttled (the reason; the comparison is then not
+    clean)."""
 
     tolerance: float
     compared: int
     failures: list[str]
     passed: bool
     baseline_host_busy: str | None = None
+    baseline_gpu_throttled: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {"tolerance": self.tolerance, "compared": self.compared, "failures": list(self.failures),
                "passed": self.passed}  # fmt: skip
         if self.baseline_host_busy is not None:
             out["baseline_host_busy"] = self.baseline_host_busy
+        if self.baseline_gpu_throttled is not None:
+            out["baseline_gpu_throttled"] = self.baseline_gpu_throttled
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RegressionOutcome:
         return cls(data["tolerance"], data["compared"], list(data["failures"]), data["passed"],
-                   data.get("baseline_host_busy"))  # fmt: skip
+                   data.get("baseline_host_busy"), data.get("baseline_gpu_throttled"))  # fmt: skip
 
 
 @dataclass
@@ -146,6 +152,12 @@ class BenchResult:
     def host_busy_reason(self) -> str | None:
         """What made the host busy during the run; None when it was idle or not recorded."""
         return self.host_load.busy_reason if self.host_load else None
+
+    @property
+    def gpu_throttled_reason(self) -> str | None:
+        """Which readings showed the measured GPU throttled; None when none did or none were taken."""
+        clocks = self.host_load.gpu_clocks if self.host_load else None
+        return clocks.throttled_reason if clocks else None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

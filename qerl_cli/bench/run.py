@@ -238,7 +238,8 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
         else:
             assert plan.e2e is not None  # bench_plan plans the pairs of an E2EConfig
             e2e_started = time.perf_counter()
-            report.e2e = run_e2e(cfg, plan.e2e.pairs, checkpoints, engine, out)
+            after_pair = report.host_load.sample if report.host_load else None
+            report.e2e = run_e2e(cfg, plan.e2e.pairs, checkpoints, engine, out, after_pair)
             timings.e2e_s = time.perf_counter() - e2e_started
     timings.total_s = time.perf_counter() - started
     report.timings = timings

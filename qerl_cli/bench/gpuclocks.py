@@ -1,0 +1,259 @@
+"""Was the measured GPU clocked down while a benchmark measured? Its SM clock, temperature, power and the
+driver's clock event ("throttle") reasons, read through ``nvidia-smi --query-gpu`` at the host load's
+sample points (:mod:`qerl_cli.bench.hostload` takes the readings and writes them in ``host_load``), and
+the rule that calls a run throttled.
+
+A GPU held below its clocks by a power cap or its temperature runs every case slower, more so as a long
+run heats it: a pair measured last in ``qerl bench e2e`` can read a third below the same pair measured
+alone. A report says so, so that nobody compares a throttled run's figures with an unthrottled one's.
+
+The readings are taken when a report is written, between cases, so many of them find the GPU idle: an
+idle GPU lowers its own clocks, which is not throttling, and the rule leaves such readings out of the
+clock comparison. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+# nvidia-smi answers within a second or so; a hung driver must not hang the benchmark.
+NVIDIA_SMI_TIMEOUT_S = 10.0
+# A busy reading's SM clock this far below the highest SM clock of the run is throttling even when the
+# driver names no reason: a working GPU with headroom stays near its boost clock (GPU Boost moves it by a
+# few percent with load and temperature), and a tenth is about what the figures of a run that slowed as it
+# went lost (10-15% below the same pairs' earlier figures). Idle readings are left out: an idle GPU lowers
+# its own clocks.
+CLOCK_DROP_FRACTION = 0.10
+# The bits of clocks_event_reasons.active (NVML's nvmlClocksEventReason* / nvmlClocksThrottleReason*).
+REASON_BITS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+# The reasons that hold a working GPU below its clocks. The others are not a slowdown of the work: idle,
+# clocks a user set, sync boost (a group of GPUs kept at one clock), the display clock.
+SLOWDOWN_REASONS = frozenset(
+    {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
+)
+# Drivers from R535 on name the field clocks_event_reasons and keep clocks_throttle_reasons as an alias;
+# older ones know only the latter. The newer name first: the alias may go.
+REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+QUERY_FIELDS = ("uuid", "clocks.sm", "clocks.max.sm", "temperature.gpu", "power.draw", "power.limit",
+                "utilization.gpu")  # fmt: skip
+# A throttled verdict names this many readings, then counts the rest.
+NAMED_READINGS = 3
+
+
+def uuid_digits(text: str) -> str:
+    """A GPU UUID's hex digits: nvidia-smi writes ``GPU-`` before them, torch may not."""
+    return "".join(c for c in text.lower() if c in "0123456789abcdef")
+
+
+def decode_reasons(mask: int) -> list[str]:
+    """The names of the bits set in a clock event reasons mask; a bit this version does not know is
+    kept as its hex value."""
+    names = [name for bit, name in REASON_BITS.items() if mask & bit]
+    unknown = mask & ~sum(REASON_BITS)
+    bit = 1
+    while unknown >= bit:
+        if unknown & bit:
+            names.append(hex(bit))
+        bit <<= 1
+    return names
+
+
+@dataclass
+class GpuReading:
+    """One reading of the measured GPU. Each figure is None where nvidia-smi does not give it ([N/A]);
+    ``reasons`` is None where the mask is unknown, else the decoded names (empty: none active)."""
+
+    elapsed_s: float  # since the run's first sample
+    sm_mhz: int | None
+    max_sm_mhz: int | None
+    temperature_c: int | None
+    power_w: float | None
+    power_limit_w: float | None
+    utilization_pct: int | None
+    reasons: list[str] | None
+
+    @property
+    def idle(self) -> bool:
+        """The driver says the GPU is idle, or no kernel ran over its last sampling period."""
+        return "gpu_idle" in (self.reasons or []) or self.utilization_pct == 0
+
+    @property
+    def busy(self) -> bool:
+        """Working, as far as is known: a reading with neither the mask nor the utilization is not."""
+        return not self.idle and (self.reasons is not None or self.utilization_pct is not None)
+
+    @property
+    def slowdowns(self) -> list[str]:
+        return [name for name in self.reasons or [] if name in SLOWDOWN_REASONS]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"elapsed_s": self.elapsed_s, "sm_mhz": self.sm_mhz, "max_sm_mhz": self.max_sm_mhz,
+                "temperature_c": self.temperature_c, "power_w": self.power_w,
+                "power_limit_w": self.power_limit_w, "utilization_pct": self.utilization_pct,
+                "reasons": self.reasons}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GpuReading:
+        reasons = data.get("reasons")
+        return cls(data["elapsed_s"], data.get("sm_mhz"), data.get("max_sm_mhz"), data.get("temperature_c"),
+                   data.get("power_w"), data.get("power_limit_w"), data.get("utilization_pct"),
+                   None if reasons is None else list(reasons))  # fmt: skip
+
+    def label(self) -> str:
+        """``SM 1410 MHz at 340 s``, with the temperature and power where known."""
+        sm = "SM clock unknown" if self.sm_mhz is None else f"SM {self.sm_mhz} MHz"
+        extra = [] if self.temperature_c is None else [f"{self.temperature_c} C"]
+        if self.power_w is not None:
+            limit = "" if self.power_limit_w is None else f"/{self.power_limit_w:.0f}"
+            extra.append(f"{self.power_w:.0f}{limit} W")
+        return f"{sm} at {self.elapsed_s:.0f} s" + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _number(text: str, kind: Callable[[str], Any]) -> Any:
+    """A CSV field as ``kind``; None for nvidia-smi's [N/A], [Not Supported] and the like."""
+    try:
+        return kind(text)
+    except ValueError:
+        return None
+
+
+def parse_gpu_query(text: str, gpu_uuid: str) -> GpuReading | None:
+    """The reading of the GPU ``gpu_uuid`` in the output of ``nvidia-smi --query-gpu=`` QUERY_FIELDS and
+    a reasons field (CSV, no header, no units), its ``elapsed_s`` 0; None where it is not listed."""
+    for line in text.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != len(QUERY_FIELDS) + 1 or uuid_digits(parts[0]) != uuid_digits(gpu_uuid):
+            continue
+        _, sm, max_sm, temperature, power, limit, utilization, mask = parts
+        code = _number(mask, lambda value: int(value, 16))
+        return GpuReading(
+            elapsed_s=0.0,
+            sm_mhz=_number(sm, int),
+            max_sm_mhz=_number(max_sm, int),
+            temperature_c=_number(temperature, int),
+            power_w=_number(power, float),
+            power_limit_w=_number(limit, float),
+            utilization_pct=_number(utilization, int),
+            reasons=None if code is None else decode_reasons(code),
+        )
+    return None
+
+
+class NvidiaSmiClocks:
+    """The probe: the measured GPU's reading through nvidia-smi, or why it is unknown. It keeps the
+    reasons field that answered, so a driver that knows only the older name costs one failed query."""
+
+    def __init__(
+        self,
+        gpu_uuid: str | None,
+        run: Callable[..., Any] = subprocess.run,
+        which: Callable[[str], str | None] = shutil.which,
+    ) -> None:
+        self.gpu_uuid, self.run, self.which = gpu_uuid, run, which
+        self.fields = list(REASON_FIELDS)
+
+    def __call__(self) -> GpuReading | str:
+        if self.gpu_uuid is None:
+            return "the measured GPU's UUID is unknown"
+        exe = self.which("nvidia-smi")
+        if exe is None:
+            return "nvidia-smi not found"
+        failure = ""
+        for name in list(self.fields):
+            query = [exe, f"--query-gpu={','.join((*QUERY_FIELDS, name))}", "--format=csv,noheader,nounits"]
+            try:
+                done = self.run(
+                    query, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:  # the other name would hang or fail alike
+                return f"nvidia-smi failed: {exc}"
+            if done.returncode == 0:
+                self.fields = [name, *(other for other in self.fields if other != name)]
+                reading = parse_gpu_query(done.stdout, self.gpu_uuid)
+                # Not the UUID: a report never names one physical board.
+                return reading if reading is not None else "nvidia-smi did not list the measured GPU"
+            failure = f"nvidia-smi exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}"
+        return failure
+
+
+def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_DROP_FRACTION) -> list[str]:
+    """The rule: each reading that shows throttling, labelled with why; empty when none does. A reading
+    counts when the driver names a slowdown reason while the GPU is not idle, or when the GPU was busy
+    and its SM clock was more than ``drop_fraction`` below the highest SM clock of the run."""
+    clocks = [r.sm_mhz for r in readings if r.sm_mhz is not None]
+    highest = max(clocks, default=None)
+    found = []
+    for reading in readings:
+        why = [] if "gpu_idle" in (reading.reasons or []) else reading.slowdowns
+        low = reading.busy and reading.sm_mhz is not None and highest is not None
+        if low and reading.sm_mhz < (1.0 - drop_fraction) * highest:
+            why = [*why, f"{1 - reading.sm_mhz / highest:.0%} below the run's highest {highest} MHz"]
+        if why:
+            found.append(f"{reading.label()}: {', '.join(why)}")
+    return found
+
+
+def throttle_warning(reason: str) -> str:
+    """The one console line of a throttled run."""
+    return f"GPU throttled: {reason}; these figures are not comparable with an unthrottled run's"
+
+
+@dataclass
+class GpuClocks:
+    """``host_load.gpu_clocks`` of a report: every reading of the measured GPU (at most one each
+    GPU_QUERY_INTERVAL_S, and only when a report is written, so tens to a few hundred in a run), why
+    there is none (``note``), and the verdict, which is derived from the readings."""
+
+    readings: list[GpuReading] = field(default_factory=list)
+    note: str | None = None  # why there are no readings (the last failure); None once one is read
+    drop_fraction: float = CLOCK_DROP_FRACTION
+
+    def add(self, found: GpuReading | str, elapsed_s: float) -> None:
+        """Keep a reading, taken ``elapsed_s`` after the run's first sample, or why there is none."""
+        if isinstance(found, str):  # unknown this time: what earlier samples read still stands
+            if not self.readings:
+                self.note = found
+            return
+        self.readings.append(replace(found, elapsed_s=elapsed_s))
+        self.note = None
+
+    @property
+    def throttled_reason(self) -> str | None:
+        """The readings that show throttling (the first NAMED_READINGS, then a count); None when none do."""
+        found = throttle_findings(self.readings, self.drop_fraction)
+        if not found:
+            return None
+        more = len(found) - NAMED_READINGS
+        return "; ".join(found[:NAMED_READINGS]) + (f"; and {more} more reading(s)" if more > 0 else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        reason = self.throttled_reason
+        out: dict[str, Any] = {
+            "throttled": reason is not None,
+            "throttled_reason": reason,
+            "drop_fraction": self.drop_fraction,
+            "readings": [r.to_dict() for r in self.readings],
+        }
+        if self.note is not None:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GpuClocks:
+        """The verdict keys are not read: the rule is applied to the readings again."""
+        readings = [GpuReading.from_dict(r) for r in data.get("readings") or []]
+        return cls(readings, data.get("note"), data.get("drop_fraction", CLOCK_DROP_FRACTION))
