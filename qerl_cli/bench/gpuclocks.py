@@ -3,9 +3,9 @@ driver's clock event ("throttle") reasons, read through ``nvidia-smi --query-gpu
 sample points (:mod:`qerl_cli.bench.hostload` takes the readings and writes them in ``host_load``), and
 the rule that calls a run throttled.
 
-A GPU held below its clocks by a power cap or its temperature runs every case slower, more so as a long
-run heats it: a pair measured last in ``qerl bench e2e`` can read a third below the same pair measured
-alone. A report says so, so that nobody compares a throttled run's figures with an unthrottled one's.
+A GPU held below its clocks by a power cap or its temperature runs every case slower, and a long run
+that heats it slows the cases measured late more than the early ones, which biases the ratios between
+them. A report says so, so that nobody compares a throttled run's figures with an unthrottled one's.
 
 The readings are taken when a report is written, between cases, so many of them find the GPU idle: an
 idle GPU lowers its own clocks, which is not throttling, and the rule leaves such readings out of the
@@ -24,9 +24,9 @@ from typing import Any
 NVIDIA_SMI_TIMEOUT_S = 10.0
 # A busy reading's SM clock this far below the highest SM clock of the run is throttling even when the
 # driver names no reason: a working GPU with headroom stays near its boost clock (GPU Boost moves it by a
-# few percent with load and temperature), and a tenth is about what the figures of a run that slowed as it
-# went lost (10-15% below the same pairs' earlier figures). Idle readings are left out: an idle GPU lowers
-# its own clocks.
+# few percent with load and temperature), so a tenth is well past that drift and about the size of the
+# differences between backends that a run is read for. Idle readings are left out: an idle GPU lowers its
+# own clocks.
 CLOCK_DROP_FRACTION = 0.10
 # The bits of clocks_event_reasons.active (NVML's nvmlClocksEventReason* / nvmlClocksThrottleReason*).
 REASON_BITS = {
