@@ -4,10 +4,12 @@ the GRPO step. The other subcommands: tests/test_bench_commands.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -342,9 +344,13 @@ def test_checkpoint_bytes_are_read_from_the_headers(tiny_folder):
     assert checkpoint_tensor_bytes(tiny_folder) == sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
+def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path, monkeypatch):
+    from qerl_cli.bench import e2e
     from qerl_cli.bench.e2e import run_e2e
     from qerl_cli.bench.e2e_backends import e2e_pairs
+    from qerl_cli.bench.gpuclocks import GpuReading
+    from qerl_cli.bench.gpusampler import SampledClocks
+    from qerl_cli.bench.hostload import HostProbes, start_host_load
     from qerl_cli.bench.settings import E2EConfig
 
     cfg = E2EConfig(
@@ -358,9 +364,18 @@ def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path):
     )
     after: list[int] = []  # the report's host load and GPU clocks are sampled after every pair
     pairs = e2e_pairs(cfg, "hf", ["bf16"]).pairs
-    (row,) = run_e2e(cfg, pairs, {"bf16": tiny_folder}, "hf", tmp_path, lambda: after.append(len(after)))
+    # The timed steps' sampler (a stand-in), started 11 s into the run: one busy reading 2 s later.
+    busy = GpuReading(2.0, 1755, 1980, 70, 600.0, 700.0, 99, [])
+    sampled = SimpleNamespace(record=lambda: SampledClocks(51.0, [busy]))
+    monkeypatch.setattr(e2e, "case_clock_sampler", lambda: contextlib.nullcontext(sampled))
+    host = start_host_load(HostProbes(clock=lambda: 40.0, gpu_clocks=lambda: "no reading"))
+    (row,) = run_e2e(cfg, pairs, {"bf16": tiny_folder}, "hf", tmp_path, lambda: after.append(len(after)),
+                     host)  # fmt: skip
     assert "error" not in row, row.get("error")
     assert after == [0]
+    # The row keeps the summary; its readings moved to the run's, at their time in the run.
+    assert row["gpu_clocks"]["sm_mhz_median"] == 1755.0 and "gpu_clock_readings" not in row
+    assert [(r.sm_mhz, r.elapsed_s) for r in host.gpu_clocks.readings] == [(1755, 13.0)]
     assert row["format"] == "bf16" and row["steps_timed"] == 3 and row["sequences_per_step"] == 4
     # The HF engine has no linear backends: one pair, auto, run on the trainer's own layers.
     assert (row["backend"], row["linear_backend"]) == ("auto", "trainer")

@@ -776,6 +776,22 @@ def test_staleness_without_any_adapter(tmp_path: Path, fake_vllm: types.ModuleTy
 # --------------------------------------------------------------------------------------------
 # qerl bench: one engine per format
 # --------------------------------------------------------------------------------------------
+class FakeClockSampler:
+    """Stands in for bench.header.case_clock_sampler: one busy reading, no thread."""
+
+    def __enter__(self) -> FakeClockSampler:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def record(self) -> Any:
+        from qerl_cli.bench.gpuclocks import GpuReading
+        from qerl_cli.bench.gpusampler import SampledClocks
+
+        return SampledClocks(3.0, [GpuReading(1.0, 1755, 1980, 70, 600.0, 700.0, 99, [])])
+
+
 def test_bench_serves_a_formats_with_and_without_lora_cases_from_one_engine(
     tmp_path: Path, fake_vllm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -798,10 +814,14 @@ def test_bench_serves_a_formats_with_and_without_lora_cases_from_one_engine(
         return [{"batch": b, "output_tokens_per_s": float(result.num_generated_tokens)} for b in batches]
 
     monkeypatch.setattr(engines, "measure_rollout", one_generate)
+    monkeypatch.setattr(engines, "case_clock_sampler", FakeClockSampler)
     case = engines.Case(engine="vllm", format="nvfp4", model_dir=str(model), lora_rank=16,
                         lora_dir=str(adapter), batches=[2], settings={"prompt_len": 2, "gen_len": 3},
                         lora_phases=[0, 16])  # fmt: skip
     result = engines.measure_case(case)
+    # Each batch's GPU clocks under load: a summary on its row, the readings for the parent's host load.
+    assert [r["gpu_clocks"]["sm_mhz_median"] for r in result["rollout"]] == [1755.0, 1755.0]
+    assert [len(c["readings"]) for c in result["gpu_clock_readings"]] == [1, 1]
     (llm,) = FakeLLM.instances  # one engine start for both cases
     assert llm.kwargs["enable_lora"] is True
     assert served == [None, 1]  # no adapter, then the random adapter through sync_adapter

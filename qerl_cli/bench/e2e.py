@@ -48,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench.e2e_backends import E2EPair
+from qerl_cli.bench.gpusampler import READINGS_KEY, keep_case_clocks, take_case_clocks
+from qerl_cli.bench.header import case_clock_sampler
+from qerl_cli.bench.hostload import HostLoad
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import E2EConfig, recipe_config
 from qerl_cli.config import (
@@ -217,14 +220,21 @@ def measure_pair(cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out
     trainer = trainer_mod.Trainer(train_config, reward_fn=RandomReward(cfg.seed))
     if trainer.policy.base_format != fmt:
         raise QerlError(f"{model_dir} loaded as {trainer.policy.base_format}, expected {fmt}")
-    records = []
+    records: list[dict[str, Any]] = []
     steps = cfg.warmup + cfg.repeats
     progress = Progress(f"bench e2e {pair.label}", steps)
-    for index in range(steps):
+
+    def step(index: int) -> None:
         label = f"step {index + 1}{' (warm-up)' if index < cfg.warmup else ''}"
         progress.start(label)
         records.append(trainer.train_step())
         progress.finish(label, f"{records[-1].get('time_step_s', 0.0):.2f} s")
+
+    for index in range(cfg.warmup):
+        step(index)
+    with case_clock_sampler() as sampler:  # the GPU's clocks under load, over the timed steps
+        for index in range(cfg.warmup, steps):
+            step(index)
     timed = records[cfg.warmup :]
 
     def median(key: str) -> float:
@@ -254,6 +264,10 @@ def measure_pair(cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out
     row["completion_tokens_per_step"] = median("rollout_tokens")
     peak = row["peak_allocated_gib"]
     row["peak_allocated_bytes"] = int(peak * GIB) if peak is not None else None
+    kept: list[dict[str, Any]] = []
+    keep_case_clocks(row, sampler.record(), kept)
+    if kept:  # the readings, for the parent's host load (run_e2e takes them out of the row)
+        row[READINGS_KEY] = kept
     return row
 
 
@@ -296,10 +310,12 @@ def run_e2e(
     engine: str,
     out: Path,
     after_pair: Callable[[], None] | None = None,
+    host: HostLoad | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (format, backend) pair, in the pairs' order (BF16 first: the reference of the ratios);
-    ``after_pair`` is called after each (the report's host load and GPU clocks are sampled there, so a
-    GPU that heats as the pairs follow one another shows it pair by pair)."""
+    the GPU clock readings each pair took under load go to ``host`` (the report's host load), then
+    ``after_pair`` is called (the host load and GPU clocks are sampled there, so a GPU that heats as the
+    pairs follow one another shows it pair by pair)."""
 
     rows = []
     per_format = Counter(pair.format for pair in pairs)
@@ -319,6 +335,7 @@ def run_e2e(
                 log.exception("e2e step for %s failed", pair.label)
                 rows.append(_failed(pair, f"{type(exc).__name__}: {exc}"))
             free_accelerator_memory()  # this pair's trainer (model, optimizer) before the next one loads
+        take_case_clocks(rows[-1], host)
         if after_pair is not None:
             after_pair()
     return rows

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from qerl_cli.bench.gpusampler import READINGS_KEY, keep_case_clocks
+from qerl_cli.bench.header import case_clock_sampler
 from qerl_cli.bench.memory import (
     MemoryProbe,
     checkpoint_tensor_bytes,
@@ -157,7 +159,9 @@ def _vllm_info(engine: Any, case: Case) -> dict[str, Any]:
 # One case, in this process
 # --------------------------------------------------------------------------------------------
 def measure_case(case: Case) -> dict[str, Any]:
-    """{"rollout": rows, "memory": [one row per LoRA phase]} for one case, measured in this process."""
+    """{"rollout": rows, "memory": [one row per LoRA phase], READINGS_KEY: the GPU's clock readings of
+    each batch (:mod:`qerl_cli.bench.gpusampler`; the caller takes them into the report's host load)}
+    for one case, measured in this process."""
     settings = RolloutSettings(**case.settings)
     in_process = case.engine == "hf" or vllm_in_process()
     model_config = read_model_config(case.model_dir)
@@ -165,20 +169,20 @@ def measure_case(case: Case) -> dict[str, Any]:
     probe.start()
     rollout_rows: list[dict[str, Any]] = []
     memory_rows: list[dict[str, Any]] = []
+    clock_readings: list[dict[str, Any]] = []
     with open_engine(case) as (engine, tokenizer, info):
         probe.sample()
         _complete_kv_info(info, case, settings, model_config)
         for phase, rank in enumerate(case.phases()):
             if phase and rank:  # the second phase of a shared vLLM engine (the first got it at start)
                 engine.sync_adapter(case.lora_dir)
-            rows = measure_rollout(
-                engine,
-                tokenizer,
-                case.batches,
-                settings,
-                on_sample=probe.sample,
-                vocab_size=model_config.get("vocab_size"),
-            )
+            rows = []
+            for batch in case.batches:  # each batch's clocks under load beside its figures
+                with case_clock_sampler() as sampler:
+                    (row,) = measure_rollout(engine, tokenizer, [batch], settings, on_sample=probe.sample,
+                                             vocab_size=model_config.get("vocab_size"))  # fmt: skip
+                keep_case_clocks(row, sampler.record(), clock_readings)
+                rows.append(row)
             shared = len(case.phases()) > 1
             backend = _backend_label(engine, case)
             labels = {"format": case.format, "backend": backend, "lora_rank": rank}
@@ -188,7 +192,7 @@ def measure_case(case: Case) -> dict[str, Any]:
                 "checkpoint_bytes": checkpoint_tensor_bytes(case.model_dir), **info, **probe.result(),
                 **({"engine_lora_enabled": True} if shared and not _merges(engine) else {}),
             })  # fmt: skip
-    return {"rollout": rollout_rows, "memory": memory_rows}
+    return {"rollout": rollout_rows, "memory": memory_rows, READINGS_KEY: clock_readings}
 
 
 def _merges(engine: Any) -> bool:

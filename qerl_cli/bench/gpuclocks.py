@@ -7,9 +7,10 @@ A GPU held below its clocks by a power cap or its temperature runs every case sl
 that heats it slows the cases measured late more than the early ones, which biases the ratios between
 them. A report says so, so that nobody compares a throttled run's figures with an unthrottled one's.
 
-The readings are taken when a report is written, between cases, so many of them find the GPU idle: an
-idle GPU lowers its own clocks, which is not throttling, and the rule leaves such readings out of the
-clock comparison. This module imports no torch.
+The host load's readings are taken when a report is written, between cases, so many of them find the GPU
+idle: an idle GPU lowers its own clocks, which is not throttling, and the rule leaves such readings out of
+the clock comparison. Each case also reads the clocks under load (:mod:`qerl_cli.bench.gpusampler`), and
+those readings join the run's. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -214,9 +215,10 @@ def throttle_warning(reason: str) -> str:
 
 @dataclass
 class GpuClocks:
-    """``host_load.gpu_clocks`` of a report: every reading of the measured GPU (at most one each
-    GPU_QUERY_INTERVAL_S, and only when a report is written, so tens to a few hundred in a run), why
-    there is none (``note``), and the verdict, which is derived from the readings."""
+    """``host_load.gpu_clocks`` of a report: every reading of the measured GPU, in the order taken (at
+    most one each GPU_QUERY_INTERVAL_S when a report is written, and one each SAMPLE_INTERVAL_S of
+    :mod:`qerl_cli.bench.gpusampler` while a case runs), why there is none (``note``), and the verdict,
+    which is derived from the readings."""
 
     readings: list[GpuReading] = field(default_factory=list)
     note: str | None = None  # why there are no readings (the last failure); None once one is read

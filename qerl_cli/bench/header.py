@@ -21,6 +21,7 @@ import torch
 
 from qerl_cli import files
 from qerl_cli.bench.gpuclocks import NvidiaSmiClocks
+from qerl_cli.bench.gpusampler import ClockSampler
 from qerl_cli.bench.hostload import HostLoad, HostProbes, nvidia_smi_processes, start_host_load
 from qerl_cli.envinfo import gpu_driver, gpu_info, package_versions
 
@@ -84,6 +85,13 @@ def measured_gpu_uuid() -> str | None:
         return None
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     return str(uuid) if uuid else None
+
+
+def case_clock_sampler() -> ClockSampler:
+    """A sampler of the measured GPU's clocks for the timed work of one case (in the process that runs
+    it); one that reads nothing without CUDA."""
+    probe = NvidiaSmiClocks(measured_gpu_uuid()) if torch.cuda.is_available() else None
+    return ClockSampler(probe)
 
 
 def start_run_host_load(gpu: bool) -> HostLoad:

@@ -7,7 +7,9 @@ A busy host depresses rollout figures unevenly: vLLM's decode loop needs a CPU c
 host whose cores are taken by other work starves it, and another process on the same GPU takes its
 memory bandwidth and SMs. A report says so (``host_busy``, ``host_busy_reason``, ``host_load``) so that
 nobody compares its figures with an idle run's unawares. The measured GPU's clocks are read at the same
-points and kept in ``host_load.gpu_clocks``, with their own verdict (:mod:`qerl_cli.bench.gpuclocks`).
+points and kept in ``host_load.gpu_clocks``, with their own verdict (:mod:`qerl_cli.bench.gpuclocks`),
+beside those each case read under load (:mod:`qerl_cli.bench.gpusampler`, added by
+:meth:`HostLoad.add_case_clocks`).
 
 The readings come through :class:`HostProbes` (callables), so tests pass fakes; the defaults read
 ``os.getloadavg``, ``os.cpu_count``, this process's CPU time and ``nvidia-smi``. This module imports no
@@ -312,6 +314,19 @@ class HostLoad:
         if throttled and not self.sampler.throttle_warned:
             self.sampler.throttle_warned = True
             self.sampler.warn(throttle_warning(throttled))
+
+    def add_case_clocks(self, started_clock_s: float, readings: list[GpuReading]) -> None:
+        """Readings a case took under load (:class:`~qerl_cli.bench.gpusampler.ClockSampler`), their
+        ``elapsed_s`` counted from ``started_clock_s`` on this record's clock, into ``gpu_clocks`` at their
+        place in the run; the verdict and its warning follow at the next :meth:`sample`. A record read
+        from a file has no clock and keeps none."""
+        if self.sampler is None:
+            return
+        shift = started_clock_s - self.sampler.started
+        clocks = self.gpu_clocks = self.gpu_clocks or GpuClocks()
+        for reading in readings:
+            clocks.add(reading, round(max(0.0, reading.elapsed_s + shift), 1))
+        clocks.readings.sort(key=lambda r: r.elapsed_s)
 
     def _add_gpu_processes(self, found: GpuScan | str) -> None:
         if isinstance(found, str):  # unknown this time: keep what earlier samples saw

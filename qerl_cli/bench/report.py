@@ -18,6 +18,7 @@ from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
 from qerl_cli.bench.gate import gate_caveat
 from qerl_cli.bench.gpuclocks import GpuClocks, throttle_warning
+from qerl_cli.bench.gpusampler import row_sm_mhz
 from qerl_cli.bench.hostload import NO_GPU, HostLoad, busy_warning
 from qerl_cli.bench.labels import e2e_label, format_label, lora_label
 from qerl_cli.bench.result import BenchResult
@@ -110,20 +111,35 @@ E2E_COLUMNS = ("format", "backend", "AQN s", "generation s", "reward s", "sleep 
                "wake s", "sync s", "other s", "step s", "step / BF16")  # fmt: skip
 
 
+# The column of a row's SM clock under load (the busy median of bench.gpusampler's readings).
+SM_CLOCK_COLUMN = "SM MHz"
+
+
 def _has_merged_reference(report: BenchResult) -> bool:
     return any(r.get("speedup_vs_bf16_merged") is not None for r in report.rollout)
 
 
+def _has_sm_clock(rows: list[dict[str, Any]]) -> bool:
+    """Whether any row has its case's SM clock under load (rows of earlier versions have none)."""
+    return any(row_sm_mhz(r) is not None for r in rows)
+
+
+def _sm_clock_cell(row: dict[str, Any], shown: bool) -> tuple[str, ...]:
+    return (_fmt(row_sm_mhz(row), ".0f"),) if shown else ()
+
+
 def rollout_columns(report: BenchResult) -> tuple[str, ...]:
-    """The rollout table's columns: with "vs BF16 merged" where the run measured BF16 merged."""
-    if not _has_merged_reference(report):
-        return ROLLOUT_COLUMNS
-    at = ROLLOUT_COLUMNS.index("vs BF16") + 1
-    return (*ROLLOUT_COLUMNS[:at], "vs BF16 merged", *ROLLOUT_COLUMNS[at:])
+    """The rollout table's columns: with "vs BF16 merged" where the run measured BF16 merged, and the SM
+    clock where a row has one."""
+    columns = ROLLOUT_COLUMNS
+    if _has_merged_reference(report):
+        at = ROLLOUT_COLUMNS.index("vs BF16") + 1
+        columns = (*ROLLOUT_COLUMNS[:at], "vs BF16 merged", *ROLLOUT_COLUMNS[at:])
+    return (*columns, SM_CLOCK_COLUMN) if _has_sm_clock(report.rollout) else columns
 
 
 def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
-    merged = _has_merged_reference(report)
+    merged, clock = _has_merged_reference(report), _has_sm_clock(report.rollout)
     return [
         (
             format_label(r),
@@ -134,6 +150,7 @@ def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
             *((_speedup(r.get("speedup_vs_bf16_merged")),) if merged else ()),
             _fmt(r["prefill_tokens_per_s"]),
             _fmt(r["decode_ms_per_token"], ".2f"),
+            *_sm_clock_cell(r, clock),
         )
         for r in report.rollout
     ]
@@ -162,7 +179,18 @@ def e2e_backend_cell(row: dict[str, Any]) -> str:
     return f"{ran} (auto)" if asked == "auto" and ran != "trainer" else str(ran)
 
 
+def _e2e_measured(report: BenchResult) -> list[dict[str, Any]]:
+    return [r for r in report.e2e or [] if "error" not in r]
+
+
+def e2e_columns(report: BenchResult) -> tuple[str, ...]:
+    """The e2e table's columns: with the SM clock where a row has one."""
+    return (*E2E_COLUMNS, SM_CLOCK_COLUMN) if _has_sm_clock(_e2e_measured(report)) else E2E_COLUMNS
+
+
 def e2e_rows(report: BenchResult) -> list[tuple[str, ...]]:
+    measured = _e2e_measured(report)
+    clock = _has_sm_clock(measured)
     return [
         (
             r["format"],
@@ -170,9 +198,9 @@ def e2e_rows(report: BenchResult) -> list[tuple[str, ...]]:
             *(_fmt(r.get(p), ".2f") for p in E2E_PHASES),
             _fmt(r.get("step_s"), ".2f"),
             _fmt(r.get("step_vs_bf16"), ".2f"),
+            *_sm_clock_cell(r, clock),
         )
-        for r in report.e2e or []
-        if "error" not in r
+        for r in measured
     ]
 
 
@@ -199,7 +227,7 @@ def _tables(report: BenchResult) -> list[tuple[str, tuple[str, ...], list[tuple[
         ("Rollout throughput", rollout_columns(report), rollout_rows(report)),
         ("Rollout against the GPU's roofline", ROOFLINE_COLUMNS, roofline_rows(report)),
         ("Memory", MEMORY_COLUMNS, memory_rows(report)),
-        ("End-to-end GRPO step (seconds)", E2E_COLUMNS, e2e_rows(report)),
+        ("End-to-end GRPO step (seconds)", e2e_columns(report), e2e_rows(report)),
     ]
 
 

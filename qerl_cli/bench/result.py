@@ -10,9 +10,12 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
   incomparable with an idle run's (:mod:`qerl_cli.bench.hostload`'s rule; absent in earlier files);
 * ``machine``, ``host_load`` (the load, the GPU's other processes and its clocks, ``gpu_clocks``, with
   whether it was throttled: :mod:`qerl_cli.bench.gpuclocks`; sampled at the start, after every case and
-  at the end; absent in earlier files, as is ``gpu_clocks`` in files from before it was read), ``gpu``
-  (None on CPU), ``versions``, ``settings``;
-* ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency;
+  at the end, with the readings each case took under load; absent in earlier files, as is ``gpu_clocks``
+  in files from before it was read), ``gpu`` (None on CPU), ``versions``, ``settings``;
+* ``rollout``: one row per (format, backend, LoRA rank, batch) with throughput and latency, and on a GPU
+  ``gpu_clocks``, the measured GPU's clocks while the row's generations ran
+  (:class:`~qerl_cli.bench.gpusampler.CaseClocks`; absent in earlier files), as on an ``e2e`` row (its
+  timed steps);
 * ``memory``: one row per (format, backend, LoRA rank) with weight bytes, peaks, KV-cache budget and
   how they were measured;
 * ``e2e``: one row per (format, linear backend) pair of ``qerl bench e2e`` with GRPO step seconds per

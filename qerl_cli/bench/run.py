@@ -22,6 +22,7 @@ from qerl_cli.bench.e2e import prompts_per_step, run_e2e
 from qerl_cli.bench.e2e_backends import E2EPlan
 from qerl_cli.bench.engines import Case, run_case
 from qerl_cli.bench.gate import check_regressions
+from qerl_cli.bench.gpusampler import take_case_clocks
 from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
 from qerl_cli.bench.plan import bench_plan
 from qerl_cli.bench.progress import Progress
@@ -171,6 +172,7 @@ def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path
                 ]
                 outcome = f"failed ({str(exc)[:200]})"
             else:
+                take_case_clocks(result, report.host_load)  # the case's clocks under load
                 report.rollout.extend(result["rollout"])
                 report.memory.extend(result["memory"])
             spent = time.perf_counter() - case_started
@@ -239,7 +241,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
             assert plan.e2e is not None  # bench_plan plans the pairs of an E2EConfig
             e2e_started = time.perf_counter()
             after_pair = report.host_load.sample if report.host_load else None
-            report.e2e = run_e2e(cfg, plan.e2e.pairs, checkpoints, engine, out, after_pair)
+            report.e2e = run_e2e(cfg, plan.e2e.pairs, checkpoints, engine, out, after_pair, report.host_load)
             timings.e2e_s = time.perf_counter() - e2e_started
     timings.total_s = time.perf_counter() - started
     report.timings = timings

@@ -1,0 +1,198 @@
+"""The measured GPU's clocks read while a case runs: :class:`ClockSampler`, a background thread that
+reads an :class:`~qerl_cli.bench.gpuclocks.NvidiaSmiClocks` probe every ``SAMPLE_INTERVAL_S`` around
+the timed work of one case (a rollout batch in :func:`qerl_cli.bench.engines.measure_case`, the timed
+steps of an e2e pair in :func:`qerl_cli.bench.e2e.measure_pair`, each in its child process where vLLM
+runs), the row's summary of what it read (:class:`CaseClocks`, a row's ``gpu_clocks``), and the hand-over
+of every reading to the report's ``host_load.gpu_clocks``, where the run's throttled rule reads them.
+
+The host load's own readings are taken between cases, when the GPU is mostly idle and its clocks say
+little about the clocks under load; these are taken under load. This module imports no torch: the
+caller builds the probe (:func:`qerl_cli.bench.header.case_clock_sampler`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from qerl_cli.bench.gpuclocks import NVIDIA_SMI_TIMEOUT_S, GpuReading
+from qerl_cli.bench.hostload import HostLoad
+
+# One reading is an nvidia-smi subprocess, run on a spare core while the GPU works: cheap next to a
+# case of many seconds, and often enough to see a clock fall within one case.
+SAMPLE_INTERVAL_S = 5.0
+# Stopping waits this long for a reading in flight (nvidia-smi's own timeout bounds it); a hung one
+# is left behind in its daemon thread, and what it reads after the stop is not kept.
+STOP_TIMEOUT_S = NVIDIA_SMI_TIMEOUT_S
+# A row's summary of its case's readings, and the readings themselves on their way to the parent (a
+# case's payload or an e2e row; the parent takes them out: take_case_clocks).
+ROW_KEY = "gpu_clocks"
+READINGS_KEY = "gpu_clock_readings"
+
+Probe = Callable[[], GpuReading | str]
+
+
+@dataclass
+class SampledClocks:
+    """What one :class:`ClockSampler` read: its start on its clock (``time.monotonic``, one clock for a
+    parent and its children), each reading with ``elapsed_s`` from that start, and the last failure."""
+
+    started_clock_s: float
+    readings: list[GpuReading] = field(default_factory=list)
+    note: str | None = None  # why the last reading failed; None when none did
+
+    def summary(self) -> CaseClocks:
+        """The row's summary, from the readings of a working GPU (an idle GPU lowers its own clocks)."""
+        busy = [r for r in self.readings if r.busy]
+
+        def known(values: list[Any]) -> list[Any]:
+            return [v for v in values if v is not None]
+
+        sm = known([r.sm_mhz for r in busy])
+        temperatures, powers = known([r.temperature_c for r in busy]), known([r.power_w for r in busy])
+        slowdowns = sorted({name for r in busy for name in r.slowdowns})
+        return CaseClocks(
+            readings=len(self.readings),
+            busy_readings=len(busy),
+            sm_mhz_median=float(statistics.median(sm)) if sm else None,
+            sm_mhz_min=min(sm, default=None),
+            temperature_c_max=max(temperatures, default=None),
+            power_w_max=max(powers, default=None),
+            slowdowns=slowdowns,
+            note=self.note,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"started_clock_s": self.started_clock_s, "readings": [r.to_dict() for r in self.readings],
+                "note": self.note}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SampledClocks:
+        readings = [GpuReading.from_dict(r) for r in data.get("readings") or []]
+        return cls(data["started_clock_s"], readings, data.get("note"))
+
+
+@dataclass
+class CaseClocks:
+    """A row's ``gpu_clocks``: how many readings its case took and how many found the GPU working, and
+    the working GPU's SM clock (median, lowest), hottest temperature, highest power and the slowdown
+    reasons the driver named; each None (empty) where no working reading gave it. ``note``: why a
+    reading failed."""
+
+    readings: int
+    busy_readings: int
+    sm_mhz_median: float | None
+    sm_mhz_min: int | None
+    temperature_c_max: int | None
+    power_w_max: float | None
+    slowdowns: list[str] = field(default_factory=list)
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "readings": self.readings, "busy_readings": self.busy_readings,
+            "sm_mhz_median": self.sm_mhz_median, "sm_mhz_min": self.sm_mhz_min,
+            "temperature_c_max": self.temperature_c_max, "power_w_max": self.power_w_max,
+            "slowdowns": list(self.slowdowns),
+        }  # fmt: skip
+        if self.note is not None:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CaseClocks:
+        return cls(data["readings"], data["busy_readings"], data.get("sm_mhz_median"), data.get("sm_mhz_min"),
+                   data.get("temperature_c_max"), data.get("power_w_max"), list(data.get("slowdowns") or []),
+                   data.get("note"))  # fmt: skip
+
+
+def row_sm_mhz(row: Mapping[str, Any]) -> float | None:
+    """A row's busy median SM clock; None for a row without one (no working reading, an earlier file)."""
+    found = row.get(ROW_KEY)
+    return CaseClocks.from_dict(found).sm_mhz_median if found else None
+
+
+class ClockSampler:
+    """Reads ``probe`` at once and then every ``interval_s`` in a daemon thread, from entering to
+    leaving the ``with`` block. It never raises into the case: a probe that fails or raises becomes
+    ``note``. With no probe (no GPU measured) it reads nothing and :meth:`record` is None."""
+
+    def __init__(
+        self,
+        probe: Probe | None,
+        interval_s: float = SAMPLE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.probe, self.interval_s, self.clock = probe, interval_s, clock
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._record: SampledClocks | None = None
+
+    def __enter__(self) -> ClockSampler:
+        if self.probe is None:
+            return self
+        self._record = SampledClocks(started_clock_s=self.clock())
+        self._thread = threading.Thread(target=self._run, name="qerl-gpu-clocks", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # no thread to be had: the case runs unsampled
+            self._record.note = f"no sampling thread: {exc}"
+            self._thread = None
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(STOP_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample(self) -> None:
+        """One reading (or why there is none), kept unless the sampler has stopped meanwhile."""
+        assert self.probe is not None and self._record is not None
+        try:
+            found = self.probe()
+        except Exception as exc:  # noqa: BLE001 - a broken probe must not end the case it watches
+            found = f"the clock probe raised {type(exc).__name__}: {exc}"
+        elapsed = round(self.clock() - self._record.started_clock_s, 1)
+        with self._lock:
+            if self._stop.is_set():
+                return
+            if isinstance(found, str):
+                self._record.note = found
+            else:
+                self._record.readings.append(replace(found, elapsed_s=elapsed))
+
+    def record(self) -> SampledClocks | None:
+        """A copy of what was read (None without a probe)."""
+        with self._lock:
+            if self._record is None:
+                return None
+            return replace(self._record, readings=list(self._record.readings))
+
+
+def keep_case_clocks(row: dict[str, Any], sampled: SampledClocks | None, kept: list[dict[str, Any]]) -> None:
+    """The row's ``gpu_clocks`` summary of ``sampled``, and its readings appended to ``kept`` (what
+    goes to the parent under READINGS_KEY); nothing without a record (no GPU measured)."""
+    if sampled is None:
+        return
+    row[ROW_KEY] = sampled.summary().to_dict()
+    kept.append(sampled.to_dict())
+
+
+def take_case_clocks(holder: dict[str, Any], host: HostLoad | None) -> None:
+    """Take READINGS_KEY out of a case's payload or an e2e row and add its readings to ``host``'s
+    ``gpu_clocks`` at their place in the run (none is kept without a sampling host)."""
+    for data in holder.pop(READINGS_KEY, None) or []:
+        if host is not None:
+            sampled = SampledClocks.from_dict(data)
+            host.add_case_clocks(sampled.started_clock_s, sampled.readings)
