@@ -122,11 +122,19 @@ def test_a_backend_list_times_each_meaningful_pair_once_in_a_fixed_order(
     assert ratios == {("bf16", "default"): 1.0, ("bf16", "merged"): 0.8, ("nvfp4", "marlin"): 1.25,
                       ("nvfp4", "fp8-merged"): 0.5, ("nvfp4", "merged"): 0.75}  # fmt: skip
     assert on_disk["e2e"][3]["speedup_vs_bf16"] == 2.0  # the same reference, as a speed-up
+    # Were generation free (half of each stand-in step): BF16 + vLLM-LoRA's 10 s step over the rest.
+    ceilings = {(r["format"], r["backend"]): r["rollout_ceiling_vs_bf16"] for r in on_disk["e2e"]}
+    assert ceilings[("bf16", "default")] == 2.0 and ceilings[("nvfp4", "fp8-merged")] == 4.0
 
     # The report: a backend column, the ratio column, the folded backends.
     markdown = (tmp_path / "bench.md").read_text()
     assert "| format | backend | AQN s |" in markdown and "| step s | step / BF16 |" in markdown
     assert "| nvfp4 | fp8-merged | - | 2.50 |" in markdown and "| 5.00 | 0.50 |" in markdown
+    assert (
+        "Were generation free (the ceiling of any rollout speed-up): bf16 / default 5.0 s (2.00x BF16 + "
+        "LoRA's step);" in markdown
+    )
+    assert "nvfp4 / fp8-merged 2.5 s (4.00x BF16 + LoRA's step)" in markdown
     assert (
         "Backends folded (each run once, under the name its format serves it): bf16 marlin -> default"
         in markdown

@@ -68,6 +68,12 @@ def add_speedups(report: BenchResult) -> None:
         row["speedup_vs_bf16"] = ref_step / step if ref_step and step else None
         # The step time against BF16 + vLLM-LoRA's (below 1: a shorter step).
         row["step_vs_bf16"] = step / ref_step if ref_step and step else None
+        # What the step would take were generation free, and BF16 + vLLM-LoRA's step over that: the
+        # most any rollout kernel or backend could buy this row, the update and syncs being what they are.
+        generation = row.get("generation_s")
+        rest = step - generation if step and generation is not None else None
+        row["step_without_generation_s"] = rest
+        row["rollout_ceiling_vs_bf16"] = ref_step / rest if ref_step and rest else None
 
 
 # The backends a BF16 base runs on its own BF16 GEMMs with the LoRA served beside them: vLLM's default
@@ -213,6 +219,17 @@ def folded_line(report: BenchResult) -> str | None:
     return f"Backends folded (each run once, under the name its format serves it): {pairs}."
 
 
+def rollout_ceiling_line(report: BenchResult) -> str | None:
+    """Each e2e row's step were generation free, against BF16 + vLLM-LoRA's step: the ceiling of any
+    rollout speed-up (None without e2e rows or without that reference)."""
+    rows = [r for r in report.e2e or [] if r.get("rollout_ceiling_vs_bf16") is not None]
+    if not rows:
+        return None
+    parts = [f"{e2e_label(r)} {r['step_without_generation_s']:.1f} s "
+             f"({r['rollout_ceiling_vs_bf16']:.2f}x BF16 + LoRA's step)" for r in rows]  # fmt: skip
+    return "Were generation free (the ceiling of any rollout speed-up): " + "; ".join(parts) + "."
+
+
 def failed_cases(report: BenchResult) -> list[str]:
     """Cases that produced no figures, each with why (e.g. a format vLLM cannot serve here)."""
     lines = [f"{e['format']} LoRA {lora_label(e['lora_rank'])}: {e['error']}" for e in report.errors]
@@ -258,9 +275,9 @@ def bench_table(report: BenchResult):  # -> rich.console.Group
         for row in rows:
             table.add_row(*row)
         parts.append(table)
-    folded = folded_line(report)
-    if folded:
-        parts.append(Text(folded))
+    for line in (folded_line(report), rollout_ceiling_line(report)):
+        if line:
+            parts.append(Text(line))
     failed = failed_cases(report)
     if failed:
         parts.append(Text("Cases without figures:", style="bold red"))
@@ -387,7 +404,7 @@ def to_markdown(report: BenchResult) -> str:
     for title, columns, rows in _tables(report):
         if rows:
             lines += [f"### {title}", "", *_markdown_table(columns, rows)]
-    for line in (folded_line(report), wall_clock_line(report)):
+    for line in (folded_line(report), rollout_ceiling_line(report), wall_clock_line(report)):
         if line:
             lines += [line, ""]
     failed = failed_cases(report)
