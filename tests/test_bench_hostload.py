@@ -343,3 +343,20 @@ def test_gating_from_or_against_a_busy_run_warns_but_does_not_fail() -> None:
     )  # the drop is still named
     assert "this run's host was busy" in gate_caveat(from_busy)
     assert f"Warning: {gate_caveat(from_busy)}" in to_markdown(from_busy)
+
+
+def test_bench_md_says_what_the_final_bench_json_says_though_the_load_moves(tmp_path: Path) -> None:
+    """The run's outputs are written as bench.json, bench.md, then bench.json again listing the files:
+    the second write takes no new sample, so the host line of bench.md is the final file's (a load that
+    moved between the writes made them differ, and the tests comparing them fail on a busy machine)."""
+    from qerl_cli.bench import run as bench_run_module
+    from qerl_cli.bench.result import new_report
+    from qerl_cli.bench.settings import BenchConfig
+
+    fake = FakeHost(loads=[1.0, 2.0, 3.0, 4.0, 5.0], clocks=[0, 0, 10, 20, 30, 40], cpu=[0] * 6)
+    report = new_report({"model": "tiny", "engine": "hf", "prompt_len": 4, "gen_len": 2, "repeats": 1})
+    report.host_load = fake.start()
+    bench_run_module._write_outputs(BenchConfig(), "hf", report, tmp_path, {})
+    on_disk = read_report(tmp_path)
+    assert (tmp_path / "bench.md").read_text() == to_markdown(on_disk)
+    assert on_disk.host_load is not None and on_disk.host_load.end.load_1m == 2.0  # one sample: the end

@@ -243,10 +243,12 @@ def new_report(settings: dict[str, Any], command: str | None = None) -> BenchRes
 # --------------------------------------------------------------------------------------------
 # Files
 # --------------------------------------------------------------------------------------------
-def write_json(report: BenchResult, out_dir: str | Path) -> Path:
+def write_json(report: BenchResult, out_dir: str | Path, *, sample: bool = True) -> Path:
     """``bench.json``; the host load is sampled first (each write follows a case; the last is the run's
-    end), in place, so a copy of the report made for a partial write samples the original's."""
-    if report.host_load is not None:
+    end), in place, so a copy of the report made for a partial write samples the original's. ``sample``
+    False: written again without a new sample (the same end, so bench.md, made from the report between
+    the two writes, keeps saying what bench.json says)."""
+    if sample and report.host_load is not None:
         report.host_load.sample()
     return files.write_json(Path(out_dir) / REPORT_NAME, report.to_dict())
 

@@ -204,7 +204,7 @@ def _write_outputs(
     if cfg.concurrency and engine == "vllm":  # the table is of vLLM's linear backends
         written.crossover = str(write_crossover(report, out, _measured_model(report, checkpoints)))
     report.files = written
-    write_json(report, out)  # again, now listing the files
+    write_json(report, out, sample=False)  # again, now listing the files
 
 
 def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
