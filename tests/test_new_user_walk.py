@@ -209,3 +209,19 @@ def test_a_model_folder_with_a_broken_config_is_a_usage_error(
                          str(tmp_path / "out"), "--dry-run")  # fmt: skip
     assert usage_error(rc, err), err
     assert "config.json is not valid JSON" in err
+
+
+def test_rescore_of_a_file_names_its_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl eval --rescore eval_results/results.json` said "no such folder" of a file that is there."""
+    results = tmp_path / "eval_results" / "results.json"
+    results.parent.mkdir()
+    results.write_text("{}")
+    rc, _, err = run_cli(capsys, "eval", "--rescore", str(results))
+    assert usage_error(rc, err), err
+    assert f"{results} is a file; give the output folder of an earlier `qerl eval` run" in err
+    assert f"({results.parent}?)" in err and "no such folder" not in err
+
+
+def test_compare_dry_run_help_and_every_dry_run_are_held_together() -> None:
+    """`qerl compare` had no --dry-run, the one stage without it."""
+    assert "qerl compare" in _dry_run_helps()

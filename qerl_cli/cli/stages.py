@@ -367,9 +367,9 @@ def compare(
         bool,
         typer.Option(
             "--dry-run",
-            help="Make the checks the ablation makes before any work (recipe, arms, seeds, output folder, "
-            "model, dataset, engines; exit 2 naming what fails), say which runs it would train and exit: "
-            "nothing is made or written.",
+            help="Count the runs to do, skip or resume, make the checks a run makes before any work "
+            "(recipe, arms, seeds, output folder, model, dataset, engines; exit 2 naming what fails) and "
+            "exit: nothing is made or written.",
         ),
     ] = False,
 ) -> None:
