@@ -225,3 +225,27 @@ def test_rescore_of_a_file_names_its_folder(capsys: pytest.CaptureFixture[str], 
 def test_compare_dry_run_help_and_every_dry_run_are_held_together() -> None:
     """`qerl compare` had no --dry-run, the one stage without it."""
     assert "qerl compare" in _dry_run_helps()
+
+
+def test_bench_quality_dry_run_checks_its_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl bench quality MODEL --dry-run` passed (exit 0) for a model that is not there."""
+    rc, _, err = run_cli(
+        capsys, "bench", "quality", str(tmp_path / "nope"), "-o", str(tmp_path / "q"), "--dry-run"
+    )
+    assert usage_error(rc, err) and f"BF16_MODEL {tmp_path / 'nope'}: no such folder" in err, err
+
+
+def test_tiny_model_onto_a_file_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl tiny-model README.md` was an internal error (FileExistsError), exit 1."""
+    in_the_way = tmp_path / "notes.md"
+    in_the_way.write_text("x")
+    rc, _, err = run_cli(capsys, "tiny-model", str(in_the_way))
+    assert usage_error(rc, err) and f"OUT {in_the_way} is a file, not a folder" in err, err
+    assert in_the_way.read_text() == "x"
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["demo", "-h"], ["bench", "-h"], ["bench", "e2e", "-h"]])
+def test_dash_h_is_help(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """`qerl demo -h` was "No such option: -h"."""
+    rc, out, _ = run_cli(capsys, *argv)
+    assert rc == 0 and "Usage: qerl" in out
