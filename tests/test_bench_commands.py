@@ -72,7 +72,10 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["concurrency", "--concurrency", "8,,32"], "--concurrency takes comma-separated positive integers"),
         (["rollout", "--baseline", missing], f"--baseline {missing}: not found"),
         (["concurrency", "--concurrency", "8,x"], "--concurrency takes comma-separated positive integers"),
-        (["concurrency", "--backends", "cuda"], "--backends has unknown ['cuda']"),
+        (
+            ["concurrency", "--backends", "cuda,bf16"],
+            "--backends has unknown backend(s) bf16, cuda; choose from",
+        ),
         (["e2e", "--recipe", str(tmp / "no.yaml")], "recipe file not found"),
         (["e2e", "--prompts-per-step", "-1"], "--prompts-per-step must be >= 0"),
         (["e2e", "--memory-cap", "0"], "--memory-cap must be > 0 GiB"),
