@@ -249,3 +249,15 @@ def test_dash_h_is_help(capsys: pytest.CaptureFixture[str], argv: list[str]) -> 
     """`qerl demo -h` was "No such option: -h"."""
     rc, out, _ = run_cli(capsys, *argv)
     assert rc == 0 and "Usage: qerl" in out
+
+
+@pytest.mark.parametrize(("recipe", "meant"), [("tny", "tiny"), ("recipes/gsm8k7b.yaml", "gsm8k_7b")])
+def test_a_misspelt_recipe_is_named(capsys: pytest.CaptureFixture[str], recipe: str, meant: str) -> None:
+    """`qerl train tny` listed every shipped recipe without saying which was meant."""
+    rc, _, err = run_cli(capsys, "train", recipe, "--dry-run")
+    assert usage_error(rc, err) and f"recipe file not found: {recipe}; did you mean {meant}?" in err, err
+
+
+def test_a_recipe_path_elsewhere_gets_no_guess(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, _, err = run_cli(capsys, "train", str(tmp_path / "tiny.yaml"), "--dry-run")
+    assert usage_error(rc, err) and "did you mean" not in err, err
