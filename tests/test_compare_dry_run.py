@@ -59,3 +59,11 @@ def test_a_refused_compare_leaves_no_output_folder(
     )
     assert usage_error(rc, err) and "unknown arm(s) nvfp5" in err
     assert not out.exists()  # a typo of an arm used to leave an empty runs folder behind
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--jobs", "0"), ("--seeds", "0")])
+def test_dry_run_checks_the_counts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, flag: str, value: str
+) -> None:
+    rc, _, err = run_cli(capsys, "compare", str(_recipe(tmp_path, tiny_model_dir)), flag, value, "--dry-run")
+    assert usage_error(rc, err) and f"{flag} must be >= 1, got 0" in err, err

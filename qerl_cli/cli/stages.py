@@ -382,8 +382,8 @@ def compare(
     if no_summary and report_only:
         raise QerlError("--no-summary (only run) and --report-only (only report) exclude each other")
     if dry_run:
-        checks = check_compare(recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), gpus=gpus,
-                               reference=reference, margin=margin)  # fmt: skip
+        checks = check_compare(recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
+                               gpus=gpus, reference=reference, margin=margin)  # fmt: skip
         print_checks(checks)
         return
     if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)

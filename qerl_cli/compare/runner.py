@@ -142,9 +142,9 @@ def run_compare(
     and ``margin`` (points) override ``compare.reference`` and ``compare.margin`` for the verdicts.
     ``report_only``: no training, no base made or evaluated: the report of the finished runs, with the
     bases their runs recorded and whatever base figures were kept beside them (runs made elsewhere)."""
-    if jobs < 1:
-        raise QerlError(f"--jobs must be >= 1, got {jobs}")
-    ablation, plan = _settle(recipe, arms, seeds, output, sets, only, gpus, reference, margin, summarize)
+    ablation, plan = _settle(
+        recipe, arms, seeds, output, sets, only, jobs, gpus, reference, margin, summarize
+    )
     if report_only:
         return _report_only(ablation, plan, threshold)
     if ablation.settings.heldout_engine != "hf":  # refused before any base is made or run trains
@@ -178,13 +178,13 @@ def run_compare(
 
 def check_compare(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
-    sets: list[str] | None = None, only: list[str] | None = None, gpus: str = "auto",
+    sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, gpus: str = "auto",
     reference: str | None = None, margin: float | None = None,
 ) -> list[Checked]:  # fmt: skip
     """What ``qerl compare --dry-run`` checks, as :func:`run_compare` does before any work (recipe, arms,
     seeds, ``--only``, reference, margin, held-out engine), and what a run needs that would otherwise fail
     only after a base was made (output folder, model, dataset, engines); nothing is made or written."""
-    ablation, plan = _settle(recipe, arms, seeds, output, sets, only, gpus, reference, margin, True)
+    ablation, plan = _settle(recipe, arms, seeds, output, sets, only, jobs, gpus, reference, margin, True)
     engines = _rollout_engines(ablation)
     if ablation.settings.heldout_engine != "hf":
         heldout.check_heldout_engine(ablation.settings, engines)
@@ -216,11 +216,14 @@ def check_compare(
 
 def _settle(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None, sets: list[str] | None,
-    only: list[str] | None, gpus: str, reference: str | None, margin: float | None, summarize: bool,
+    only: list[str] | None, jobs: int, gpus: str, reference: str | None, margin: float | None,
+    summarize: bool,
 ) -> tuple[_Ablation, list[tuple[str, int]]]:  # fmt: skip
     """The ablation and its (arm, seed) plan, with every flag checked; nothing written."""
     if seeds < 1:
         raise QerlError(f"--seeds must be >= 1, got {seeds}")
+    if jobs < 1:
+        raise QerlError(f"--jobs must be >= 1, got {jobs}")
     if gpus != "auto":
         visible_gpus(gpus)  # a malformed list stops here, before any base is made
     ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
