@@ -261,3 +261,18 @@ def test_a_misspelt_recipe_is_named(capsys: pytest.CaptureFixture[str], recipe: 
 def test_a_recipe_path_elsewhere_gets_no_guess(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc, _, err = run_cli(capsys, "train", str(tmp_path / "tiny.yaml"), "--dry-run")
     assert usage_error(rc, err) and "did you mean" not in err, err
+
+
+def test_resume_of_a_file_names_its_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`--resume runs/tiny/config.yaml` said "no complete checkpoint-N/ inside" of a file."""
+    config = tmp_path / "run" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text("{}")
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--resume", str(config), "--dry-run"
+    )
+    assert usage_error(rc, err) and f"--resume {config} is a file" in err and f"({config.parent}?)" in err, (
+        err
+    )
