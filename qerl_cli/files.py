@@ -139,6 +139,18 @@ def gzip_sibling(path: str | Path) -> Path:
     return path.with_name(path.name + GZIP_SUFFIX)
 
 
+def folder_given_for_file(
+    folder: str | Path, what: str, suffixes: tuple[str, ...], alternative: str
+) -> QerlError:
+    """The error for a folder given where a data file is expected (``--calib``, ``data.dataset``): it names
+    the folder and the files of the kinds asked for in it, the likely meant ones, and ``alternative``."""
+    folder = Path(folder)
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
+    inside = f" (it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''})" if files else ""
+    kinds = "/".join(suffixes)
+    return QerlError(f"{what} {folder} is a folder{inside}; give a {kinds} file in it, or {alternative}")
+
+
 def readable_text_file(path: str | Path) -> Path | None:
     """The file that holds ``path``'s text: ``path`` itself, else its gzip'd sibling ``path.gz``, else None.
 

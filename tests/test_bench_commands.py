@@ -72,7 +72,10 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["concurrency", "--concurrency", "8,,32"], "--concurrency takes comma-separated positive integers"),
         (["rollout", "--baseline", missing], f"--baseline {missing}: not found"),
         (["concurrency", "--concurrency", "8,x"], "--concurrency takes comma-separated positive integers"),
-        (["concurrency", "--backends", "cuda"], "--backends has unknown ['cuda']"),
+        (
+            ["concurrency", "--backends", "cuda,bf16"],
+            "--backends has unknown backend(s) bf16, cuda; choose from",
+        ),
         (["e2e", "--recipe", str(tmp / "no.yaml")], "recipe file not found"),
         (["e2e", "--prompts-per-step", "-1"], "--prompts-per-step must be >= 0"),
         (["e2e", "--memory-cap", "0"], "--memory-cap must be > 0 GiB"),
@@ -125,15 +128,23 @@ DRY_RUNS: list[tuple[list[str], dict[str, Any]]] = [
             "output": lambda o: o["save_steps"] == 4,  # the last step: a run to resume
         },
     ),
-    (["quality", "m", "--rows", "nf4-rtn,NVFP4-awq"], {"rows": ["nf4-rtn", "nvfp4-awq"], "model": "m"}),
+    # MODEL: the tiny model's folder (the dry run checks the BF16 model is there).
+    (
+        ["quality", "MODEL", "--rows", "nf4-rtn,NVFP4-awq"],
+        {"rows": ["nf4-rtn", "nvfp4-awq"], "model": "MODEL"},
+    ),
 ]
 
 
-def test_bad_input_imports_no_torch_and_dry_runs_exit_0(tmp_path: Path) -> None:
+def _with_model(items: list[Any], model: Path) -> list[Any]:
+    return [str(model) if item == "MODEL" else item for item in items]
+
+
+def test_bad_input_imports_no_torch_and_dry_runs_exit_0(tmp_path: Path, tiny_model_dir: Path) -> None:
     """One process: every bad input exits 2 with its message without importing torch (the checks are the
     cheap ones, made first), then every --dry-run exits 0 (those may ask torch for the GPU)."""
     bad_cases = [[*argv] for argv, _ in bad_inputs(tmp_path)]
-    cases = [bad_cases, [[*argv, "--dry-run"] for argv, _ in DRY_RUNS]]
+    cases = [bad_cases, [[*_with_model(argv, tiny_model_dir), "--dry-run"] for argv, _ in DRY_RUNS]]
     code = (
         "import json, sys\nfrom qerl_cli.cli import main\n"
         "bad, dry = json.loads(sys.argv[1])\n"
@@ -164,12 +175,13 @@ def test_bad_input_imports_no_torch_and_dry_runs_exit_0(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("argv", "expected"), DRY_RUNS)
 def test_dry_run_resolves_the_flags(
-    capsys: pytest.CaptureFixture[str], argv: list[str], expected: dict
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: dict, tiny_model_dir: Path
 ) -> None:
-    rc, out, err = run(capsys, "bench", *argv, "--dry-run")
+    rc, out, err = run(capsys, "bench", *_with_model(argv, tiny_model_dir), "--dry-run")
     assert rc == 0, err
     resolved = yaml.safe_load(out)
     for key, value in expected.items():
+        value = str(tiny_model_dir) if value == "MODEL" else value
         ok = value(resolved[key]) if callable(value) else resolved[key] == value
         assert ok, (key, resolved[key])
 

@@ -270,14 +270,17 @@ def test_the_dry_run_checks_the_model_folder_against_the_formats(capsys, tmp_pat
     assert rc == 2 and "no such folder" in err
 
 
-def test_quality_default_rows_skip_awq_without_llm_compressor_named_rows_need_it(monkeypatch, capsys) -> None:
+def test_quality_default_rows_skip_awq_without_llm_compressor_named_rows_need_it(
+    monkeypatch, capsys, tiny_model_dir
+) -> None:
     from qerl_cli.cli import bench_tools
 
+    m = str(tiny_model_dir)  # a model that is there: the dry run checks it
     monkeypatch.setattr(bench_tools, "package_available", lambda m: m != "llmcompressor")
     monkeypatch.setattr(preflight, "package_available", lambda m: m != "llmcompressor")
-    rc, out, err = run(capsys, "bench", "quality", "m", "--dry-run")
+    rc, out, err = run(capsys, "bench", "quality", m, "--dry-run")
     assert rc == 0 and yaml.safe_load(out)["rows"] == ["nvfp4-rtn", "mxfp4-rtn", "nf4-rtn"], err
-    rc, _, err = run(capsys, "bench", "quality", "m", "--rows", "nvfp4-awq,nf4-rtn", "--dry-run")
+    rc, _, err = run(capsys, "bench", "quality", m, "--rows", "nvfp4-awq,nf4-rtn", "--dry-run")
     assert rc == 2 and "--rows nvfp4-awq needs the llmcompressor package" in err and '".[quantize]"' in err
 
 

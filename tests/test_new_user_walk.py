@@ -209,3 +209,70 @@ def test_a_model_folder_with_a_broken_config_is_a_usage_error(
                          str(tmp_path / "out"), "--dry-run")  # fmt: skip
     assert usage_error(rc, err), err
     assert "config.json is not valid JSON" in err
+
+
+def test_rescore_of_a_file_names_its_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl eval --rescore eval_results/results.json` said "no such folder" of a file that is there."""
+    results = tmp_path / "eval_results" / "results.json"
+    results.parent.mkdir()
+    results.write_text("{}")
+    rc, _, err = run_cli(capsys, "eval", "--rescore", str(results))
+    assert usage_error(rc, err), err
+    assert f"{results} is a file; give the output folder of an earlier `qerl eval` run" in err
+    assert f"({results.parent}?)" in err and "no such folder" not in err
+
+
+def test_compare_dry_run_help_and_every_dry_run_are_held_together() -> None:
+    """`qerl compare` had no --dry-run, the one stage without it."""
+    assert "qerl compare" in _dry_run_helps()
+
+
+def test_bench_quality_dry_run_checks_its_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl bench quality MODEL --dry-run` passed (exit 0) for a model that is not there."""
+    rc, _, err = run_cli(
+        capsys, "bench", "quality", str(tmp_path / "nope"), "-o", str(tmp_path / "q"), "--dry-run"
+    )
+    assert usage_error(rc, err) and f"BF16_MODEL {tmp_path / 'nope'}: no such folder" in err, err
+
+
+def test_tiny_model_onto_a_file_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl tiny-model README.md` was an internal error (FileExistsError), exit 1."""
+    in_the_way = tmp_path / "notes.md"
+    in_the_way.write_text("x")
+    rc, _, err = run_cli(capsys, "tiny-model", str(in_the_way))
+    assert usage_error(rc, err) and f"OUT {in_the_way} is a file, not a folder" in err, err
+    assert in_the_way.read_text() == "x"
+
+
+@pytest.mark.parametrize("argv", [["-h"], ["demo", "-h"], ["bench", "-h"], ["bench", "e2e", "-h"]])
+def test_dash_h_is_help(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """`qerl demo -h` was "No such option: -h"."""
+    rc, out, _ = run_cli(capsys, *argv)
+    assert rc == 0 and "Usage: qerl" in out
+
+
+@pytest.mark.parametrize(("recipe", "meant"), [("tny", "tiny"), ("recipes/gsm8k7b.yaml", "gsm8k_7b")])
+def test_a_misspelt_recipe_is_named(capsys: pytest.CaptureFixture[str], recipe: str, meant: str) -> None:
+    """`qerl train tny` listed every shipped recipe without saying which was meant."""
+    rc, _, err = run_cli(capsys, "train", recipe, "--dry-run")
+    assert usage_error(rc, err) and f"recipe file not found: {recipe}; did you mean {meant}?" in err, err
+
+
+def test_a_recipe_path_elsewhere_gets_no_guess(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, _, err = run_cli(capsys, "train", str(tmp_path / "tiny.yaml"), "--dry-run")
+    assert usage_error(rc, err) and "did you mean" not in err, err
+
+
+def test_resume_of_a_file_names_its_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`--resume runs/tiny/config.yaml` said "no complete checkpoint-N/ inside" of a file."""
+    config = tmp_path / "run" / "config.yaml"
+    config.parent.mkdir()
+    config.write_text("{}")
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--resume", str(config), "--dry-run"
+    )
+    assert usage_error(rc, err) and f"--resume {config} is a file" in err and f"({config.parent}?)" in err, (
+        err
+    )

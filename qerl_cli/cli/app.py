@@ -84,6 +84,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
+    # -h as well, as most CLIs take it (every subcommand inherits it); --help first, the one messages name.
+    context_settings={"help_option_names": ["--help", "-h"]},
 )
 # Piped output (CI logs, `| tee`, a file) has no terminal width: rich would wrap and cut tables at 80
 # columns there. A log is read later, wide: so tables keep every cell whole unless COLUMNS says otherwise.

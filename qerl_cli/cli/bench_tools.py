@@ -416,8 +416,13 @@ def quality(
                   heldout_rows=heldout_rows, device=device, output=output)  # fmt: skip
     conf = load_settings(QualitySettings, values, config, set_)
     conf.rows = quality_rows(conf.rows)
+    from qerl_cli.modeling.source_checks import model_source_found
+
     check_tool(conf.output, conf.device, None)
+    # A stage's model (folder, .gguf, alias), not a bench --model shape: checked as a stage checks one.
+    found = model_source_found(conf.model, what="BF16_MODEL")
     if finish_config(conf, dry_run):
+        print_checks([Checked("BF16_MODEL", found)])
         return
     from qerl_cli.bench.quality import REPORT_NAME, run_quality
 

@@ -363,15 +363,29 @@ def compare(
         float | None, config_option(CompareSettings, "margin", "--margin", metavar="POINTS")
     ] = None,
     set_: CompareSet = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Count the runs to do, skip or resume, make the checks a run makes before any work "
+            "(recipe, arms, seeds, output folder, model, dataset, engines; exit 2 naming what fails) and "
+            "exit: nothing is made or written.",
+        ),
+    ] = False,
 ) -> None:
     """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
-    from qerl_cli.compare import compare_table, run_compare
+    from qerl_cli.compare import check_compare, compare_table, run_compare
     from qerl_cli.torch_utils import runs_on_cpu
 
     check_recipe_path(recipe)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if no_summary and report_only:
         raise QerlError("--no-summary (only run) and --report-only (only report) exclude each other")
+    if dry_run:
+        checks = check_compare(recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
+                               gpus=gpus, reference=reference, margin=margin)  # fmt: skip
+        print_checks(checks)
+        return
     if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)
         use_free_cpu_threads()
     result = run_compare(

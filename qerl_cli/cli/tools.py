@@ -15,7 +15,7 @@ from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
 from qerl_cli.cli.progress import quiet_library_bars, stage_log
 from qerl_cli.errors import QerlError
-from qerl_cli.files import write_json
+from qerl_cli.files import check_writable_folder, write_json
 
 # What a model folder may hold, for the --formats help: the config's names, which follow the registry.
 WEIGHT_FORMATS = [name for name in get_args(config.ModelFormat) if name != "auto"]
@@ -74,6 +74,7 @@ def tiny_model(
     """Write a tiny offline Qwen2 model (transformers and vLLM load it)."""
     from qerl_cli.modeling.tiny import write_tiny_model
 
+    check_writable_folder(out, "OUT", "give another folder")  # a file in the way, before the model is built
     # OUT given as a real model's folder would lose its config.json and weights without a word.
     held = sorted(p.name for p in (out.glob("*") if out.is_dir() else []) if p.name == "config.json"
                   or p.suffix == ".safetensors")  # fmt: skip

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from qerl_cli.lazy import lazy_attributes
 
-__all__ = ["CompareReport", "CompareResult", "compare_table", "run_compare"]
+__all__ = ["CompareReport", "CompareResult", "check_compare", "compare_table", "run_compare"]
 _HOMES = {
     "CompareReport": "qerl_cli.compare.results",
     "CompareResult": "qerl_cli.compare.results",
+    "check_compare": "qerl_cli.compare.runner",
     "compare_table": "qerl_cli.compare.summary",
     "run_compare": "qerl_cli.compare.runner",
 }

@@ -55,8 +55,9 @@ from qerl_cli.compare.summary import write_report
 from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
 from qerl_cli.config import TrainConfig, apply_overrides, from_dict
 from qerl_cli.envinfo import gpu_info
-from qerl_cli.errors import QerlError
-from qerl_cli.files import write_json
+from qerl_cli.errors import Checked, QerlError
+from qerl_cli.files import check_writable_folder, write_json
+from qerl_cli.rl import preflight
 from qerl_cli.rl import trainer as trainer_mod
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.tracking import read_metrics
@@ -141,22 +142,14 @@ def run_compare(
     and ``margin`` (points) override ``compare.reference`` and ``compare.margin`` for the verdicts.
     ``report_only``: no training, no base made or evaluated: the report of the finished runs, with the
     bases their runs recorded and whatever base figures were kept beside them (runs made elsewhere)."""
-    if seeds < 1:
-        raise QerlError(f"--seeds must be >= 1, got {seeds}")
-    if jobs < 1:
-        raise QerlError(f"--jobs must be >= 1, got {jobs}")
-    if gpus != "auto":
-        visible_gpus(gpus)  # a malformed list stops here, before any base is made
-    ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
-    if margin is not None:
-        ablation.settings.margin = check_margin(margin)
-    if summarize:  # a run's child (--no-summary) compares nothing: its single arm needs no reference
-        ablation.settings.reference = _reference(reference or ablation.settings.reference, ablation.arms)
-    plan = _plan(ablation, arms, only)
+    ablation, plan = _settle(
+        recipe, arms, seeds, output, sets, only, jobs, gpus, reference, margin, summarize
+    )
     if report_only:
         return _report_only(ablation, plan, threshold)
     if ablation.settings.heldout_engine != "hf":  # refused before any base is made or run trains
         heldout.check_heldout_engine(ablation.settings, _rollout_engines(ablation))
+    ablation.out.mkdir(parents=True, exist_ok=True)
     ablation.bases = prepare_bases(
         ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
     )
@@ -183,13 +176,71 @@ def run_compare(
     return result
 
 
+def check_compare(
+    recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
+    sets: list[str] | None = None, only: list[str] | None = None, jobs: int = 1, gpus: str = "auto",
+    reference: str | None = None, margin: float | None = None,
+) -> list[Checked]:  # fmt: skip
+    """What ``qerl compare --dry-run`` checks, as :func:`run_compare` does before any work (recipe, arms,
+    seeds, ``--only``, reference, margin, held-out engine), and what a run needs that would otherwise fail
+    only after a base was made (output folder, model, dataset, engines); nothing is made or written."""
+    ablation, plan = _settle(recipe, arms, seeds, output, sets, only, jobs, gpus, reference, margin, True)
+    engines = _rollout_engines(ablation)
+    if ablation.settings.heldout_engine != "hf":
+        heldout.check_heldout_engine(ablation.settings, engines)
+    out = ablation.out
+    todo = [(a, s) for a, s in plan if not ablation.finished(a, s)]
+    resumed = sum(run_dir(out, a, s).is_dir() and bool(list_checkpoints(run_dir(out, a, s))) for a, s in todo)
+    seeds_run = sorted({s for _, s in plan})
+    arm_names = ", ".join(dict.fromkeys(a for a, _ in plan))
+    checked = [Checked(
+        "runs", f"{len(plan)} ({arm_names} x seeds {seeds_run[0]}..{seeds_run[-1]}): "
+        f"{len(plan) - len(todo)} finished (skipped), {resumed} resume from a checkpoint, "
+        f"{len(todo) - resumed} new",
+    )]  # fmt: skip
+    if check_writable_folder(out, "--output", "choose another with -o DIR"):
+        checked.append(Checked("--output", f"{out}: writable"))
+    else:
+        checked.append(Checked("--output", f"{out}: a new folder (made when the ablation starts)"))
+    # Each arm on the recipe's model (or its own model.path): the 4-bit bases made from it come later.
+    probes = [ablation.config(arm, ablation.base_seed) for arm in ablation.arms]
+    for check in (preflight.model_source, preflight.dataset, preflight.engine):
+        checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
+    checked.append(Checked(
+        "bases", f"an arm's 4-bit base is made once from model.path under {out / 'bases'} "
+        f"(compare.base_method={ablation.settings.base_method})",
+    ))  # fmt: skip
+    checked.append(preflight.grader())
+    return checked
+
+
+def _settle(
+    recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None, sets: list[str] | None,
+    only: list[str] | None, jobs: int, gpus: str, reference: str | None, margin: float | None,
+    summarize: bool,
+) -> tuple[_Ablation, list[tuple[str, int]]]:  # fmt: skip
+    """The ablation and its (arm, seed) plan, with every flag checked; nothing written."""
+    if seeds < 1:
+        raise QerlError(f"--seeds must be >= 1, got {seeds}")
+    if jobs < 1:
+        raise QerlError(f"--jobs must be >= 1, got {jobs}")
+    if gpus != "auto":
+        visible_gpus(gpus)  # a malformed list stops here, before any base is made
+    ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
+    if margin is not None:
+        ablation.settings.margin = check_margin(margin)
+    if summarize:  # a run's child (--no-summary) compares nothing: its single arm needs no reference
+        ablation.settings.reference = _reference(reference or ablation.settings.reference, ablation.arms)
+    return ablation, _plan(ablation, arms, only)
+
+
 def _ablation(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None, all_sets: list[str]
 ) -> _Ablation:
     data, settings = load_recipe(recipe, all_sets)
     sets = train_sets(all_sets)
+    # Made by run_compare once checked (not here: --dry-run and a refused invocation write nothing).
     out = Path(output) if output else Path("runs") / f"compare-{Path(recipe).stem}"
-    out.mkdir(parents=True, exist_ok=True)
     base_seed = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), sets, None)).train.seed
     return _Ablation(
         recipe=str(recipe), data=data, settings=settings, all_sets=all_sets, sets=sets,

@@ -285,9 +285,13 @@ def resolve_recipe(path: str | Path) -> Path:
         shipped = SHIPPED_RECIPES / f"{path.stem}.yaml"
         if shipped.is_file():
             return shipped
+    names = shipped_recipes()
+    # A bare name or a recipes/ path meant a shipped recipe: a misspelt one (tny, gsm8k7b) is named.
+    close = difflib.get_close_matches(path.stem, names, n=1) if bare or path.parent.name == "recipes" else []
+    guess = f"did you mean {close[0]}? " if close else ""
     raise QerlError(
-        f"recipe file not found: {path}; the recipes shipped with qerl (qerl train NAME): "
-        f"{', '.join(shipped_recipes())}"
+        f"recipe file not found: {path}; {guess}the recipes shipped with qerl (qerl train NAME): "
+        f"{', '.join(names)}"
     )
 
 

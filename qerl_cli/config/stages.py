@@ -224,7 +224,8 @@ class BenchConfig:
         unknown = sorted(set(self.backends) - set(SWEPT_BACKENDS))
         if unknown:
             raise ConfigValueError(
-                _key(where, "backends"), f"has unknown {unknown}; choose from {', '.join(SWEPT_BACKENDS)}"
+                _key(where, "backends"),
+                f"has unknown backend(s) {', '.join(unknown)}; choose from {', '.join(SWEPT_BACKENDS)}",
             )
         if self.memory_cap_gib is not None and self.memory_cap_gib <= 0:
             raise ConfigValueError(

@@ -39,6 +39,7 @@ from typing import Any, Literal
 from qerl_cli.data.problem import Problem
 from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and callers reach it here
     _LOCAL_FILE_HINT,
+    LOCAL_SUFFIXES,
     _hub_failure,
     _hub_records,
     _HubLoadError,
@@ -50,6 +51,7 @@ from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and 
 )
 from qerl_cli.data.synthetic import make_problems
 from qerl_cli.errors import QerlError
+from qerl_cli.files import folder_given_for_file
 from qerl_cli.modeling import source_checks  # module: tests patch hub_reachable
 from qerl_cli.rewards.extract import extract_last_boxed
 
@@ -393,6 +395,8 @@ def check_reachable(dataset: str, what: str = "data.dataset") -> str:
         return f"the local file {dataset}"
     if dataset in REGISTRY:
         hub_ids = [src.hub_id for src in REGISTRY[dataset].sources]
+    elif Path(dataset).is_dir():  # else named an unknown dataset, or (with a "/") looked for on the Hub
+        raise folder_given_for_file(dataset, what, LOCAL_SUFFIXES, "a dataset name (gsm8k, synthetic-...)")
     elif "/" in dataset:
         hub_ids = [dataset]
     else:

@@ -86,6 +86,11 @@ def find_sample_files(directory: str | Path) -> dict[str, Path]:
     Where both are there (a gzip'd folder rescored in place), the plain file is the newer grading.
     """
     folder = Path(directory)
+    if folder.is_file():  # its results.json or a samples file, given for the folder that holds them
+        raise QerlError(
+            f"{folder} is a file; give the output folder of an earlier `qerl eval` run, the one that holds "
+            f"results.json and samples_<benchmark>.jsonl ({folder.parent}?)"
+        )
     if not folder.is_dir():
         raise QerlError(f"{folder}: no such folder; give the output folder of an earlier `qerl eval` run")
     found: dict[str, Path] = {}

@@ -20,7 +20,7 @@ import torch
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.errors import Checked, QerlError, install_hint
-from qerl_cli.files import check_writable_folder
+from qerl_cli.files import check_writable_folder, folder_given_for_file
 from qerl_cli.modeling import source_checks
 from qerl_cli.modeling.loading import read_config
 from qerl_cli.modeling.sources import gguf_source, model_name
@@ -132,6 +132,10 @@ def calibration_source(calib: str, split: str, samples: int) -> str:
         return f"{what} from {BUILTIN_NAME} (shipped with qerl, offline)"
     path = Path(calib).expanduser()
     if path.exists() or path.suffix.lower() in LOCAL_SUFFIXES:
+        if path.is_dir():
+            raise folder_given_for_file(
+                path, "--calib", tuple(LOCAL_SUFFIXES), f"--calib {BUILTIN_NAME} (shipped with qerl, offline)"
+            )
         if not path.is_file():
             raise QerlError(
                 f"--calib {calib}: no such file; give a .jsonl or .parquet file that exists, or --calib "

@@ -324,6 +324,11 @@ def find_last_checkpoint(path: str | Path) -> Path:
                 "(the folder of its checkpoint-N/ folders: runs/tiny for `qerl train tiny`), or --resume "
                 "auto for the recipe's own output.dir"
             )
+        if not path.is_dir():  # a run's file (its config.yaml, metrics.jsonl) given for its folder
+            raise QerlError(
+                f"--resume {path} is a file; give the output.dir of an earlier `qerl train` run, the folder "
+                f"of its checkpoint-N/ folders ({path.parent}?), or --resume auto for the recipe's own"
+            )
         raise QerlError(
             f"--resume {path}: no complete checkpoint-N/ inside; nothing to resume from "
             "(checkpoints are written every output.save_steps steps): start the run again without "
