@@ -306,6 +306,27 @@ def demo(
     run_demo(output, steps=steps, seed=seed, console=console)
 
 
+# compare's --gpus and --dry-run (its dry run prints the checks and the runs to do, not a config's YAML).
+CompareGpusOption = Annotated[
+    str,
+    typer.Option(
+        "--gpus",
+        metavar="auto|ID,...",
+        help="GPUs to spread the --jobs runs over, one GPU per run process (CUDA_VISIBLE_DEVICES ids); "
+        "auto: every GPU this process sees.",
+    ),
+]
+CompareDryRunOption = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Count the runs to do, skip or resume, make the checks a run makes before any work "
+        "(recipe, arms, seeds, output folder, model, dataset, engines; exit 2 naming what fails) and "
+        "exit: nothing is made or written.",
+    ),
+]
+
+
 def compare(
     recipe: Annotated[
         Path, typer.Argument(metavar="RECIPE", help="Recipe YAML; its optional compare: section adds arms.")
@@ -337,15 +358,7 @@ def compare(
         str | None,
         typer.Option("--only", metavar="ARM/SEED,...", help="Comma list of ARM/SEED runs to do (no others)."),
     ] = None,
-    gpus: Annotated[
-        str,
-        typer.Option(
-            "--gpus",
-            metavar="auto|ID,...",
-            help="GPUs to spread the --jobs runs over, one GPU per run process (CUDA_VISIBLE_DEVICES ids); "
-            "auto: every GPU this process sees.",
-        ),
-    ] = "auto",
+    gpus: CompareGpusOption = "auto",
     no_summary: Annotated[bool, typer.Option("--no-summary", help="Only run; write no table.")] = False,
     report_only: Annotated[
         bool,
@@ -363,15 +376,7 @@ def compare(
         float | None, config_option(CompareSettings, "margin", "--margin", metavar="POINTS")
     ] = None,
     set_: CompareSet = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option(
-            "--dry-run",
-            help="Count the runs to do, skip or resume, make the checks a run makes before any work "
-            "(recipe, arms, seeds, output folder, model, dataset, engines; exit 2 naming what fails) and "
-            "exit: nothing is made or written.",
-        ),
-    ] = False,
+    dry_run: CompareDryRunOption = False,
 ) -> None:
     """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
     from qerl_cli.compare import check_compare, compare_table, run_compare
