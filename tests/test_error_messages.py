@@ -62,3 +62,13 @@ def test_config_list_and_dict_errors_name_the_element(capsys, tmp_path: Path) ->
     recipe.write_text("model: {path: m}\nreward: {extra: {'a.b:c': lots}}\ndata: {levels: [3, high]}\n")
     rc, _, err = run(capsys, "train", str(recipe), "--dry-run")
     assert rc == 2 and "'a.b:c'" in err and "is not float" in err
+
+
+# -- an empty comma list where one means nothing: a usage error naming what to give ---------------
+def test_empty_benchmark_and_backend_lists_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "eval", "m", "--benchmarks", "", "--dry-run")
+    assert rc == 2 and "--benchmarks needs at least one benchmark (choose from gsm8k, math500" in err
+    rc, _, err = run(capsys, "eval", "m", "--set", "benchmarks=[]", "--dry-run")
+    assert rc == 2 and "benchmarks needs at least one benchmark" in err
+    rc, _, err = run(capsys, "bench", "concurrency", "--backends", ",", "--dry-run")
+    assert rc == 2 and "--backends needs at least one backend (choose from marlin, humming, fp8" in err
