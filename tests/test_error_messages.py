@@ -45,10 +45,30 @@ def test_bench_batch_names_the_bad_element(capsys: pytest.CaptureFixture[str]) -
     assert rc == 2 and "got '0'" in err
 
 
+def test_list_of_choices_names_the_item_and_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    # The item and the allowed values in words: no list repr, no "list['auto' | ...] | null".
+    choices = "one of auto, marlin, humming, fp8, fp8-merged, merged"
+    rc, _, err = run(capsys, "bench", "e2e", "--linear-backend", "marlinn", "--dry-run")
+    assert rc == 2 and f"--linear-backend has 'marlinn', which is not {choices}" in err
+    assert "[" not in err and "|" not in err
+    rc, _, err = run(capsys, "bench", "e2e", "--set", "linear_backend=fp8,marlinn", "--dry-run")
+    assert rc == 2 and f"'linear_backend' has 'marlinn' (item 2), which is not {choices}" in err
+
+
 def test_config_list_and_dict_errors_name_the_element(capsys, tmp_path: Path) -> None:
     rc, _, err = run(capsys, "bench", "rollout", "--set", "batch=[1, x]", "--dry-run")
-    assert rc == 2 and "item 2 ('x') is not int" in err
+    assert rc == 2 and "has 'x' (item 2), which is not an integer" in err
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: {path: m}\nreward: {extra: {'a.b:c': lots}}\ndata: {levels: [3, high]}\n")
     rc, _, err = run(capsys, "train", str(recipe), "--dry-run")
     assert rc == 2 and "'a.b:c'" in err and "is not float" in err
+
+
+# -- an empty comma list where one means nothing: a usage error naming what to give ---------------
+def test_empty_benchmark_and_backend_lists_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "eval", "m", "--benchmarks", "", "--dry-run")
+    assert rc == 2 and "--benchmarks needs at least one benchmark (choose from gsm8k, math500" in err
+    rc, _, err = run(capsys, "eval", "m", "--set", "benchmarks=[]", "--dry-run")
+    assert rc == 2 and "benchmarks needs at least one benchmark" in err
+    rc, _, err = run(capsys, "bench", "concurrency", "--backends", ",", "--dry-run")
+    assert rc == 2 and "--backends needs at least one backend (choose from marlin, humming, fp8" in err

@@ -120,3 +120,22 @@ def test_a_rescore_checks_its_samples_and_writes_back_there(
     assert f"--rescore: {saved}: samples of gsm8k" in err
     assert f"--output: {saved}: writable" in err
     assert [p.name for p in saved.iterdir()] == ["samples_gsm8k.jsonl"]
+
+
+@pytest.mark.parametrize("model", ["TINY", "someone/not-cached-model"])
+def test_local_inputs_are_checked_before_the_hub(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch, no_model_load,
+    model: str,
+) -> None:  # fmt: skip
+    # Offline, with neither the data set nor (second case) the model cached: the missing baseline is what
+    # the user hears of, not the Hub.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("qerl_cli.data.datasets._in_local_cache", lambda hub_id: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = str(tiny_model_dir) if model == "TINY" else model
+    rc, _, err = run(
+        capsys, "eval", model, "--engine", "hf", "--benchmarks", "math500", "--baseline", "nowhere.json",
+        "--dry-run",
+    )  # fmt: skip
+    assert rc == 2 and "nowhere.json not found: give the results.json of an earlier `qerl eval`" in err, err
+    assert "Hub" not in err

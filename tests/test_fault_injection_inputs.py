@@ -44,7 +44,7 @@ WRONG_TYPES = {
     "rollout": ("temperature", "hot", "expected float"),
     "algorithm": ("eps_low", [0.2], "expected float"),
     "aqn": ("enabled", "sometimes", "expected bool"),
-    "data": ("levels", [3, "hard"], "item 2 ('hard') is not int"),
+    "data": ("levels", [3, "hard"], "has 'hard' (item 2), which is not an integer"),
     "reward": ("extra", {"pkg.mod:fn": "lots"}, "is not float"),
     "train": ("max_steps", 1.5, "expected int"),
     "output": ("save_total_limit", "three", "expected int | null"),

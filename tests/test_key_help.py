@@ -51,3 +51,22 @@ def test_every_stages_key_help_is_free_of_them(config: type) -> None:
         if "None:" in doc.help or MEASURED.search(doc.help)
     ]
     assert found == []
+
+
+@pytest.mark.parametrize(
+    ("key", "zero"),
+    [
+        ("output.save_steps", "0: none during the run, so it cannot be resumed"),
+        ("train.warmup_steps", "0: none"),
+    ],
+)
+def test_a_steps_key_says_what_0_does(key: str, zero: str) -> None:
+    # 0 turns checkpoints (step_loop.run_steps) or warmup (setup.lr_lambda) off: the help must say so.
+    (doc,) = [d for d in key_docs(TrainConfig) if d.key == key]
+    assert zero in " ".join(doc.help.split())
+
+
+@pytest.mark.parametrize("setting", ["output.save_steps=-1", "train.warmup_steps=-2"])
+def test_a_negative_steps_key_is_refused(setting: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "tiny", "--set", setting, "--dry-run"]) == 2
+    assert f"{setting.partition('=')[0]} must be >= 0 (0: no" in capsys.readouterr().err

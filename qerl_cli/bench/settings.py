@@ -53,11 +53,6 @@ def check_choices(flag: str, given: str | None, alias: Any) -> list[str] | None:
     return chosen
 
 
-def _nonempty(where: str, name: str, values: list[str], example: str, what: str = "format") -> None:
-    if not values:
-        raise ConfigValueError(key(where, name), f"needs at least one {what} (e.g. {example})")
-
-
 @dataclass
 class KernelsSettings:
     # SHAPE (qwen2.5-7b, tiny, ...; random weights in each format) or a BF16 folder; null: qwen2.5-7b on
@@ -78,7 +73,7 @@ class KernelsSettings:
 
     def validate(self, where: str = "") -> None:
         self.formats = [f.lower() for f in self.formats]
-        _nonempty(where, "formats", self.formats, "nvfp4")
+        checks.nonempty(where, "formats", self.formats, "format", "e.g. nvfp4")
         positive_ints(where, batch=self.batch, seq_len=self.seq_len, iters=self.iters)
 
 
@@ -121,9 +116,9 @@ class UpdateSettings:
     def validate(self, where: str = "") -> None:
         self.formats = [f.lower() for f in self.formats]
         if self.fused is not None:
-            _nonempty(where, "fused", list(self.fused), "off,liger", what="kind")
-        _nonempty(where, "base_compute", list(self.base_compute), "bf16,fp8", what="kind")
-        _nonempty(where, "formats", self.formats, "bf16,nvfp4")
+            checks.nonempty(where, "fused", list(self.fused), "kind", "e.g. off,liger")
+        checks.nonempty(where, "base_compute", list(self.base_compute), "kind", "e.g. bf16,fp8")
+        checks.nonempty(where, "formats", self.formats, "format", "e.g. bf16,nvfp4")
         positive_ints(where, sequences=self.sequences, group=self.group, prompt_len=self.prompt_len,
                       gen_len=self.gen_len, lora_rank=self.lora_rank)  # fmt: skip
         if self.sequences % self.group:  # GRPO's groups: every prompt has `group` completions
@@ -166,7 +161,7 @@ class QualitySettings:
     def validate(self, where: str = "") -> None:
         if self.rows is not None:
             self.rows = [r.lower() for r in self.rows]
-            _nonempty(where, "rows", self.rows, "nvfp4-rtn", what="FORMAT-METHOD")
+            checks.nonempty(where, "rows", self.rows, "FORMAT-METHOD", "e.g. nvfp4-rtn")
         positive_ints(where, calib_samples=self.calib_samples, heldout_rows=self.heldout_rows)
         if self.seq_len < 2:
             raise ConfigValueError(key(where, "seq_len"), f"must be >= 2, got {self.seq_len}")
@@ -212,7 +207,7 @@ class E2EConfig(BenchConfig):
                 f"must be >= 0 (0: the largest batch), got {self.prompts_per_step}",
             )
         if self.linear_backend is not None:
-            _nonempty(where, "linear_backend", list(self.linear_backend), "marlin,fp8", what="backend")
+            checks.nonempty(where, "linear_backend", list(self.linear_backend), "backend", "e.g. marlin,fp8")
         if self.gpu_memory_utilization is not None:
             checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
 

@@ -32,6 +32,13 @@ def key(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 
 
+def nonempty(where: str, name: str, values: list[str], what: str, hint: str) -> None:
+    """A list setting that means nothing empty (``--benchmarks ""``, ``formats: []``): the message says
+    what to give, ``hint`` ("e.g. bf16,nvfp4" or "choose from ...")."""
+    if not values:
+        raise ConfigValueError(key(where, name), f"needs at least one {what} ({hint})")
+
+
 def fraction_or_auto(name: str, value: float | str) -> None:
     if value != "auto" and not 0 < float(value) < 1:
         raise ConfigValueError(name, f"must be in (0, 1) or auto, got {value}")

@@ -34,14 +34,26 @@ def _type_name(tp: Any) -> str:
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+def _in_words(tp: Any) -> str:
+    """``tp`` as a user reads it in an error about one list item: "one of auto, marlin", "an integer"."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+    return words.get(tp, _type_name(tp))
+
+
 class _Mismatch(Exception):
     """Raised internally when a value does not fit a type; turned into a QerlError with the key.
 
-    ``detail`` says which part of a list or mapping was wrong ("item 2 ('abc') is not int")."""
+    ``detail`` says which part of a mapping was wrong ("entry 'a': 'x' is not float"); ``problem``, set
+    for a wrong list item, is the whole complaint in words ("has 'abc' (item 2), which is not an
+    integer"): the item and what it may be say more than the list's repr and its type expression."""
 
-    def __init__(self, detail: str = "") -> None:
-        super().__init__(detail)
+    def __init__(self, detail: str = "", problem: str = "") -> None:
+        super().__init__(detail or problem)
         self.detail = detail
+        self.problem = problem
 
 
 def _coerce(value: Any, tp: Any) -> Any:
@@ -62,13 +74,14 @@ def _coerce(value: Any, tp: Any) -> Any:
             return value.lower()
         raise _Mismatch
     if origin in (typing.Union, types.UnionType):
-        details = []
+        misses = []
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg)
             except _Mismatch as exc:
-                details.append(exc.detail)
-        raise _Mismatch(next((d for d in details if d), ""))
+                misses.append(exc)
+        # The member that got furthest (a list's wrong item) says the most; a bare miss says nothing.
+        raise next((m for m in misses if m.detail or m.problem), _Mismatch())
     if tp is type(None):
         if value is None:
             return None
@@ -84,7 +97,8 @@ def _coerce(value: Any, tp: Any) -> Any:
             try:
                 items.append(_coerce(_scalar(v) if isinstance(v, str) else v, item))
             except _Mismatch:
-                raise _Mismatch(f"item {index} ({v!r}) is not {_type_name(item)}") from None
+                where = f" (item {index})" if len(value) > 1 else ""
+                raise _Mismatch(problem=f"has {v!r}{where}, which is not {_in_words(item)}") from None
         return items
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
@@ -188,7 +202,9 @@ def from_dict(
             kwargs[key] = _coerce(value, tp)
         except _Mismatch as exc:
             detail = f": {exc.detail}" if exc.detail else ""
-            problem = f"has value {value!r} ({type(value).__name__}); expected {_type_name(tp)}{detail}"
+            problem = exc.problem or (
+                f"has value {value!r} ({type(value).__name__}); expected {_type_name(tp)}{detail}"
+            )
             raise ConfigValueError(path, problem, label=f"config key '{path}'") from None
     return cls(**kwargs)
 

@@ -320,7 +320,7 @@ class TrainSection:
     micro_batch_size: int | Literal["auto"] = 8
     # Learning-rate schedule after warmup_steps.
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    # Steps of linear learning-rate warmup.
+    # Steps of linear learning-rate warmup; 0: none (the first step takes the full rate).
     warmup_steps: int = 0
     # AdamW weight decay.
     weight_decay: float = 0.0
@@ -379,6 +379,8 @@ class TrainSection:
             )
         if self.logprob_chunk_tokens != "auto" and self.logprob_chunk_tokens < 0:
             raise QerlError(f"{where}.logprob_chunk_tokens must be >= 0 (0: no chunking) or auto")
+        if self.warmup_steps < 0:
+            raise QerlError(f"{where}.warmup_steps must be >= 0 (0: no warmup), got {self.warmup_steps}")
         if self.max_nonfinite_steps < 0:
             raise QerlError(
                 f"{where}.max_nonfinite_steps must be >= 0, got {self.max_nonfinite_steps}: it is how many "
@@ -395,7 +397,8 @@ class TrainSection:
 class OutputSection:
     # Folder of the run: checkpoints, metrics.jsonl, config.yaml, the final adapter.
     dir: str = "runs/qerl"
-    # Write a checkpoint every N steps.
+    # Write a checkpoint (what --resume starts from) every N steps; 0: none during the run, so it cannot
+    # be resumed (the final adapter is still written at the end).
     save_steps: int = 50
     # Checkpoints kept (the oldest are deleted); null: all.
     save_total_limit: int | None = 3
@@ -411,6 +414,8 @@ class OutputSection:
     log_completions: int = 1
 
     def validate(self, where: str) -> None:
+        if self.save_steps < 0:
+            raise QerlError(f"{where}.save_steps must be >= 0 (0: no checkpoints), got {self.save_steps}")
         if self.log_completions < 0:
             raise QerlError(f"{where}.log_completions must be >= 0 (0: none), got {self.log_completions}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from qerl_cli.config.checks import ConfigValueError
+from qerl_cli.config.checks import ConfigValueError, nonempty
 from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.sections import (
@@ -142,6 +142,8 @@ class EvalConfig:
     generation_batch_size: int = 64
 
     def validate(self, where: str = "") -> None:
+        choices = f"choose from {', '.join(BENCHMARKS_ALL)}, a synthetic-* task or a --data-file NAME"
+        nonempty(where, "benchmarks", self.benchmarks, "benchmark", choices)
         unknown = [
             b
             for b in self.benchmarks
@@ -213,8 +215,8 @@ class BenchConfig:
     def validate(self, where: str = "") -> None:
         # Each key is named as the user wrote it: the CLI turns a key given by a flag into the flag.
         _positive(where, prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
-        if not self.formats:
-            raise ConfigValueError(_key(where, "formats"), "needs at least one format (e.g. bf16,nvfp4)")
+        nonempty(where, "formats", self.formats, "format", "e.g. bf16,nvfp4")
+        nonempty(where, "backends", self.backends, "backend", f"choose from {', '.join(SWEPT_BACKENDS)}")
         if not self.batch or any(b <= 0 for b in self.batch):
             raise ConfigValueError(_key(where, "batch"), f"needs positive integers, got {self.batch}")
         if any(c <= 0 for c in self.concurrency):

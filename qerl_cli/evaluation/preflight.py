@@ -47,19 +47,22 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
         return EvalPlan("none (re-grading)", [rescored(cfg), *baseline(cfg), output_folder(cfg)])
     checks = []
     engine = cfg.engine
-    if not engine_given:  # the model and adapter first: a typo must not wait for a dataset probe
+    if not engine_given:
         engine = resolve_engine(cfg.engine)
         checks.append(Checked("--engine", f"{cfg.engine} -> {engine}"))
+        if cfg.adapter:
+            checks.append(Checked("--adapter", f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder"))
+    # The local inputs before anything that may ask the Hub (a model id, a benchmark's data set): offline,
+    # a mistyped --baseline must not hide behind the Hub's error, nor a typo wait for a network probe.
+    checks += [*baseline(cfg), output_folder(cfg)]
+    if not engine_given:
         found = model_source_found(
             cfg.model, what="model", trust_remote_code=cfg.trust_remote_code, trust_hint=TRUST_HINT
         )
         checks.append(Checked("MODEL", found))
-        if cfg.adapter:
-            checks.append(Checked("--adapter", f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder"))
     checks += [
         Checked(f"benchmark {name}", benchmark(name, cfg.data_files.get(name))) for name in cfg.benchmarks
     ]
-    checks += [*baseline(cfg), output_folder(cfg)]
     return EvalPlan(engine, checks)
 
 
