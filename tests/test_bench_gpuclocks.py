@@ -141,6 +141,17 @@ def test_a_busy_clock_more_than_a_tenth_below_the_runs_highest_is_throttling() -
     assert "hw_power_brake_slowdown, 39% below" in both
 
 
+def test_the_power_cap_at_held_clocks_is_a_loaded_gpu_not_throttling() -> None:
+    """An H200 in an update sits at its power limit with sw_power_cap set while holding its clocks: not a
+    slowdown; the same bit with the clock more than a tenth below its maximum is one."""
+    assert throttle_findings([reading(1980), reading(1900, ["sw_power_cap"], elapsed_s=10)]) == []
+    assert throttle_findings([reading(1950, ["sw_power_cap"])]) == []  # one reading: its own maximum 1980
+    (found,) = throttle_findings([reading(1980), reading(1500, ["sw_power_cap"], elapsed_s=20)])
+    assert found.endswith("sw_power_cap, 24% below the run's highest 1980 MHz")
+    (alone,) = throttle_findings([reading(1500, ["sw_power_cap"])])  # no other reading: its maximum
+    assert alone.endswith("sw_power_cap, 24% below its maximum 1980 MHz")
+
+
 def test_an_idle_gpus_low_clock_is_not_throttling() -> None:
     idle_by_driver = reading(345, ["gpu_idle"], utilization=None)
     idle_by_utilization = reading(210, [], utilization=0)

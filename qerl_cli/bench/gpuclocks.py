@@ -46,6 +46,9 @@ REASON_BITS = {
 SLOWDOWN_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 )
+# The slowdown reasons that a GPU at its power limit shows while holding its clocks: a slowdown only
+# with a clock drop (throttle_findings).
+POWER_CAP_REASONS = frozenset({"sw_power_cap"})
 # Drivers from R535 on name the field clocks_event_reasons and keep clocks_throttle_reasons as an alias;
 # older ones know only the latter. The newer name first: the alias may go.
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
@@ -193,19 +196,30 @@ class NvidiaSmiClocks:
 
 def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_DROP_FRACTION) -> list[str]:
     """The rule: each reading that shows throttling, labelled with why; empty when none does. A reading
-    counts when the driver names a slowdown reason while the GPU is not idle, or when the GPU was busy
-    and its SM clock was more than ``drop_fraction`` below the highest SM clock of the run."""
-    clocks = [r.sm_mhz for r in readings if r.sm_mhz is not None]
-    highest = max(clocks, default=None)
+    the driver marks ``gpu_idle`` never counts. Otherwise it counts when the driver names a thermal or
+    hardware slowdown, or when the GPU was working (:attr:`GpuReading.busy`: a low clock of an idle GPU
+    is its own choice) and its SM clock is more than ``drop_fraction`` below the highest working clock
+    of the run (or its own maximum clock). The power cap counts only with such a drop: a GPU under a
+    heavy load runs at its power limit with the cap's bit set while it holds its clocks, which is the
+    normal state of an update or a rollout, not a slowdown."""
+    highest = max((r.sm_mhz for r in readings if r.busy and r.sm_mhz is not None), default=None)
     found = []
     for reading in readings:
-        why = [] if "gpu_idle" in (reading.reasons or []) else reading.slowdowns
-        low = reading.busy and reading.sm_mhz is not None and highest is not None
-        if low and reading.sm_mhz < (1.0 - drop_fraction) * highest:
-            why = [*why, f"{1 - reading.sm_mhz / highest:.0%} below the run's highest {highest} MHz"]
+        if "gpu_idle" in (reading.reasons or []):
+            continue
+        top = max((v for v in (highest, reading.max_sm_mhz) if v is not None), default=None)
+        low = (reading.busy and reading.sm_mhz is not None and top is not None
+               and reading.sm_mhz < (1.0 - drop_fraction) * top)  # fmt: skip
+        why = [name for name in reading.slowdowns if name not in POWER_CAP_REASONS or low]
+        if low:
+            why.append(f"{1 - reading.sm_mhz / top:.0%} below {_top_label(top, highest)}")
         if why:
             found.append(f"{reading.label()}: {', '.join(why)}")
     return found
+
+
+def _top_label(top: int, highest: int | None) -> str:
+    return f"the run's highest {top} MHz" if top == highest else f"its maximum {top} MHz"
 
 
 def throttle_warning(reason: str) -> str:
