@@ -21,7 +21,7 @@ def rows_by_label(path: Path) -> tuple[tuple[str, ...], dict[tuple[str, str, str
 def test_a_sweep_with_bf16_merged_shows_each_row_against_it() -> None:
     columns, rows = rows_by_label(RUN / "concurrency-tuned-configs.json")
     assert columns.index("vs BF16 merged") == columns.index("vs BF16") + 1
-    # The NVFP4 base's merged copy at 128 sequences: 10852 / 10492 tok/s of BF16 merged, with the LoRA.
+    # The NVFP4 base's merged copy at 128 sequences against BF16 merged, both with the LoRA.
     assert rows[("nvfp4 / merged", "r16", "128")]["vs BF16 merged"] == "1.03x"
     assert rows[("nvfp4", "r16", "128")]["vs BF16 merged"] == "0.78x"  # Marlin + LoRA
     assert rows[("nvfp4", "r16", "128")]["vs BF16"] == "0.93x"  # against BF16 + vLLM's LoRA
