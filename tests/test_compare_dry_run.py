@@ -33,7 +33,7 @@ def test_dry_run_checks_and_plans_without_writing(
         "--seeds", "2", "-o", str(out), "--set", "compare.base_method=rtn", "--dry-run",
     )  # fmt: skip
     assert rc == 0, err
-    assert "runs: 4 (bf16-lora, nvfp4-aqn x seeds 0..1): 0 finished (skipped), 0 resume" in err
+    assert "runs: 4 (bf16-lora, nvfp4-aqn x seeds 0, 1): 0 finished (skipped), 0 resume" in err
     assert f"--output: {out}: a new folder" in err
     assert f"model.path: {tiny_model_dir}" in err and "compare.base_method=rtn" in err
     assert not out.exists()  # a dry run writes nothing, not even the output folder
@@ -67,3 +67,27 @@ def test_dry_run_checks_the_counts(
 ) -> None:
     rc, _, err = run_cli(capsys, "compare", str(_recipe(tmp_path, tiny_model_dir)), flag, value, "--dry-run")
     assert usage_error(rc, err) and f"{flag} must be >= 1, got 0" in err, err
+
+
+@pytest.mark.parametrize("problem", ["output is a file", "unknown dataset"])
+def test_a_run_makes_the_dry_runs_checks_before_any_base_is_made(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    problem: str,
+) -> None:  # fmt: skip
+    """The run itself refuses what --dry-run would: an output path that is a file (it was an internal
+    FileExistsError) and a dataset that does not exist (it was found only after a base was made)."""
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a base was made or a run trained before the checks")
+
+    monkeypatch.setattr(runner, "prepare_bases", no_work)
+    monkeypatch.setattr(runner, "run_one", no_work)
+    recipe, out = _recipe(tmp_path, tiny_model_dir), tmp_path / "cmp"
+    args = ["--arms", "nvfp4-lora", "--set", "compare.base_method=rtn", "-o", str(out)]
+    if problem == "output is a file":
+        out.write_text("not a folder")
+    else:
+        args += ["--set", "data.dataset=nosuchdataset"]
+    rc, _, err = run_cli(capsys, "compare", str(recipe), *args)
+    assert usage_error(rc, err), err
+    assert ("is a file" in err) if problem == "output is a file" else ("nosuchdataset" in err)

@@ -38,7 +38,7 @@ from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import select_arms
 from qerl_cli.compare.base_identity import base_identity
 from qerl_cli.compare.bases import base_labels, prepare_bases, recorded_bases
-from qerl_cli.compare.gpu_share import planning_sets, shared_gpu_sets
+from qerl_cli.compare.gpu_share import SHARE_KEY, planning_sets, shared_gpu_sets
 from qerl_cli.compare.parallel import (
     CHILD_ENV,
     DEFAULT_START_INTERVAL_S,
@@ -149,6 +149,7 @@ def run_compare(
         return _report_only(ablation, plan, threshold)
     if ablation.settings.heldout_engine != "hf":  # refused before any base is made or run trains
         heldout.check_heldout_engine(ablation.settings, _rollout_engines(ablation))
+    _input_checks(ablation)  # --dry-run's checks of the inputs, before any base is made (each raises)
     ablation.out.mkdir(parents=True, exist_ok=True)
     ablation.bases = prepare_bases(
         ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
@@ -190,28 +191,48 @@ def check_compare(
         heldout.check_heldout_engine(ablation.settings, engines)
     out = ablation.out
     todo = [(a, s) for a, s in plan if not ablation.finished(a, s)]
-    resumed = sum(run_dir(out, a, s).is_dir() and bool(list_checkpoints(run_dir(out, a, s))) for a, s in todo)
-    seeds_run = sorted({s for _, s in plan})
+    resumed = sum(bool(list_checkpoints(run_dir(out, a, s))) for a, s in todo)
+    seeds_run = ", ".join(str(s) for s in sorted({s for _, s in plan}))
     arm_names = ", ".join(dict.fromkeys(a for a, _ in plan))
     checked = [Checked(
-        "runs", f"{len(plan)} ({arm_names} x seeds {seeds_run[0]}..{seeds_run[-1]}): "
+        "runs", f"{len(plan)} ({arm_names} x seeds {seeds_run}): "
         f"{len(plan) - len(todo)} finished (skipped), {resumed} resume from a checkpoint, "
         f"{len(todo) - resumed} new",
     )]  # fmt: skip
-    if check_writable_folder(out, "--output", "choose another with -o DIR"):
-        checked.append(Checked("--output", f"{out}: writable"))
-    else:
-        checked.append(Checked("--output", f"{out}: a new folder (made when the ablation starts)"))
-    # Each arm on the recipe's model (or its own model.path): the 4-bit bases made from it come later.
-    probes = [ablation.config(arm, ablation.base_seed) for arm in ablation.arms]
-    for check in (preflight.model_source, preflight.dataset, preflight.engine):
-        checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
+    checked += _input_checks(ablation)
+    # The engines each run checks again in its own process before it trains (a child may have a GPU).
+    probes = _probes(ablation)
+    checked.extend(dict.fromkeys(preflight.engine(conf) for conf in probes))
     checked.append(Checked(
         "bases", f"an arm's 4-bit base is made once from model.path under {out / 'bases'} "
         f"(compare.base_method={ablation.settings.base_method})",
     ))  # fmt: skip
     checked.append(preflight.grader())
     return checked
+
+
+def _input_checks(ablation: _Ablation) -> list[Checked]:
+    """The output folder, and each arm's model and dataset (on the recipe's model or the arm's own
+    model.path: the 4-bit bases made from it come later): checked by ``--dry-run`` and by a run before it
+    makes a base, so a wrong one is named before minutes of work."""
+    out = ablation.out
+    if check_writable_folder(out, "--output", "choose another with -o DIR"):
+        checked = [Checked("--output", f"{out}: writable")]
+    else:
+        checked = [Checked("--output", f"{out}: a new folder (made when the ablation starts)")]
+    probes = _probes(ablation)
+    for check in (preflight.model_source, preflight.dataset):
+        checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
+    return checked
+
+
+def _probes(ablation: _Ablation) -> list[TrainConfig]:
+    """Each arm's config at the first seed, to check its model, dataset and engine. vLLM's share is left
+    on auto: runs sharing a GPU get theirs from the parent (gpu_share.shared_gpu_sets, which checks a
+    given one), so the recipe's default would be refused here against a smaller train.gpu_fraction."""
+    sets = [*ablation.sets, f"{SHARE_KEY}=auto"]
+    return [arm_config(ablation.data, ablation.arms[arm], sets, ablation.base_seed, ablation.out, arm,
+                       ablation.bases) for arm in ablation.arms]  # fmt: skip
 
 
 def _settle(
