@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import platform
 from datetime import datetime, timezone
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +87,17 @@ def measured_gpu_uuid() -> str | None:
     return str(uuid) if uuid else None
 
 
+@cache
+def _case_clock_probe() -> NvidiaSmiClocks | None:
+    # One probe per process: it keeps the reasons field the driver answered to, so the batches of a case
+    # after the first do not each pay a failed query on an older driver.
+    return NvidiaSmiClocks(measured_gpu_uuid()) if torch.cuda.is_available() else None
+
+
 def case_clock_sampler() -> ClockSampler:
     """A sampler of the measured GPU's clocks for the timed work of one case (in the process that runs
     it); one that reads nothing without CUDA."""
-    probe = NvidiaSmiClocks(measured_gpu_uuid()) if torch.cuda.is_available() else None
-    return ClockSampler(probe)
+    return ClockSampler(_case_clock_probe())
 
 
 def start_run_host_load(gpu: bool) -> HostLoad:
