@@ -1,6 +1,6 @@
 """``qerl demo``: the whole QeRL pipeline on a tiny model, offline, on a CPU, in a few minutes.
 
-1. **Base model.** A tiny Qwen2 (0.6M parameters, built in code) gets a short supervised warm
+1. **Base model.** A tiny Qwen2 (about half a million parameters, built in code) gets a short supervised warm
    start on synthetic additions, standing in for pretraining: clean worked problems until it
    solves most of them, then worked problems of which many hold a small slip (off by 1 or 2), so
    the base model answers correctly only part of the time. (A random model never answers
