@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from qerl_cli.bench.settings import positive_ints
-from qerl_cli.config.checks import ConfigValueError, key
+from qerl_cli.config.checks import ConfigValueError, key, needs_items
 
 # Decode steps at RL concurrency (one token per sequence, up to 256 sequences) and prefill chunks (vLLM
 # splits a long batch of prompts into steps of at most max_num_batched_tokens tokens).
@@ -25,7 +25,9 @@ class LoraTuneSettings:
     # The LoRA rank, one of vLLM's (8, 16, 32, 64, ...).
     rank: int = 16
     # Token counts per kernel call: decode batches and prefill chunks.
-    rows: list[int] = field(default_factory=lambda: list(DEFAULT_ROWS))
+    rows: list[int] = field(
+        default_factory=lambda: list(DEFAULT_ROWS), metadata=needs_items("token count", "e.g. 8,256")
+    )
     # Also copy the config files into qerl_cli/rollout/lora_configs/ of this source tree.
     install: bool = False
     # auto or cuda[:N]: the GPU the configs are made on (and for).
@@ -35,7 +37,7 @@ class LoraTuneSettings:
 
     def validate(self, where: str = "") -> None:
         positive_ints(where, rank=self.rank)
-        if not self.rows or any(not isinstance(m, int) or m < 1 for m in self.rows):
+        if any(not isinstance(m, int) or m < 1 for m in self.rows):
             raise ConfigValueError(
                 key(where, "rows"), f"takes positive token counts (e.g. [8, 256]), got {self.rows}"
             )

@@ -30,7 +30,7 @@ from qerl_cli.bench.report import add_speedups, write_markdown
 from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
 from qerl_cli.bench.rollout import MIN_REPEATS, TEMPERATURE, TOP_P
 from qerl_cli.bench.settings import E2EConfig
-from qerl_cli.config import BenchConfig
+from qerl_cli.config import BenchConfig, validate
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def _case_priority(case: Any) -> int:
 def _check_settings(cfg: BenchConfig) -> int:
     """Refuse settings that cannot give a meaningful figure; returns the fewest timed repeats allowed."""
 
-    cfg.validate("bench")
+    validate(cfg, "bench.")  # the shared walk: its list settings, then the class's own checks
     # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
     min_repeats = 1 if cfg.concurrency or isinstance(cfg, E2EConfig) else MIN_REPEATS
     if cfg.repeats < min_repeats:

@@ -59,7 +59,9 @@ class KernelsSettings:
     # a GPU, else tiny.
     model: str | None = None
     # The 4-bit formats (and bf16) measured.
-    formats: list[str] = field(default_factory=lambda: ["nvfp4", "mxfp4", "nf4"])
+    formats: list[str] = field(
+        default_factory=lambda: ["nvfp4", "mxfp4", "nf4"], metadata=checks.needs_items("format", "e.g. nvfp4")
+    )
     # Sequences through the layer.
     batch: int = 8
     # Tokens per sequence.
@@ -73,7 +75,6 @@ class KernelsSettings:
 
     def validate(self, where: str = "") -> None:
         self.formats = [f.lower() for f in self.formats]
-        checks.nonempty(where, "formats", self.formats, "format", "e.g. nvfp4")
         positive_ints(where, batch=self.batch, seq_len=self.seq_len, iters=self.iters)
 
 
@@ -83,11 +84,17 @@ class UpdateSettings:
     # a GPU, else tiny.
     model: str | None = None
     # The base formats measured.
-    formats: list[str] = field(default_factory=lambda: ["bf16", "nvfp4"])
+    formats: list[str] = field(
+        default_factory=lambda: ["bf16", "nvfp4"], metadata=checks.needs_items("format", "e.g. bf16,nvfp4")
+    )
     # train.fused_kernels per case; null: off,liger with liger-kernel installed, else off.
-    fused: list[FusedKernels] | None = None
+    fused: list[FusedKernels] | None = field(
+        default=None, metadata=checks.needs_items("kind", "e.g. off,liger")
+    )
     # train.base_compute per case (the 4-bit base's GEMMs): bf16,fp8 measures both side by side.
-    base_compute: list[BaseCompute] = field(default_factory=lambda: ["bf16"])
+    base_compute: list[BaseCompute] = field(
+        default_factory=lambda: ["bf16"], metadata=checks.needs_items("kind", "e.g. bf16,fp8")
+    )
     # Rollouts in the batch.
     sequences: int = 32
     # Completions per prompt.
@@ -115,10 +122,6 @@ class UpdateSettings:
 
     def validate(self, where: str = "") -> None:
         self.formats = [f.lower() for f in self.formats]
-        if self.fused is not None:
-            checks.nonempty(where, "fused", list(self.fused), "kind", "e.g. off,liger")
-        checks.nonempty(where, "base_compute", list(self.base_compute), "kind", "e.g. bf16,fp8")
-        checks.nonempty(where, "formats", self.formats, "format", "e.g. bf16,nvfp4")
         positive_ints(where, sequences=self.sequences, group=self.group, prompt_len=self.prompt_len,
                       gen_len=self.gen_len, lora_rank=self.lora_rank)  # fmt: skip
         if self.sequences % self.group:  # GRPO's groups: every prompt has `group` completions
@@ -146,7 +149,9 @@ class QualitySettings:
     model: str = ""
     # The bases to make and measure, FORMAT-METHOD each; null: the default rows (the awq row only with
     # llm-compressor installed).
-    rows: list[str] | None = None
+    rows: list[str] | None = field(
+        default=None, metadata=checks.needs_items("FORMAT-METHOD", "e.g. nvfp4-rtn")
+    )
     # Calibration rows of qerl-text (awq, gptq).
     calib_samples: int = 48
     # Tokens per row.
@@ -161,7 +166,6 @@ class QualitySettings:
     def validate(self, where: str = "") -> None:
         if self.rows is not None:
             self.rows = [r.lower() for r in self.rows]
-            checks.nonempty(where, "rows", self.rows, "FORMAT-METHOD", "e.g. nvfp4-rtn")
         positive_ints(where, calib_samples=self.calib_samples, heldout_rows=self.heldout_rows)
         if self.seq_len < 2:
             raise ConfigValueError(key(where, "seq_len"), f"must be >= 2, got {self.seq_len}")
@@ -194,7 +198,9 @@ class E2EConfig(BenchConfig):
     # rollout.linear_backend of the timed steps: one, or a list timed side by side in this run (each
     # format on every backend that applies to it, once: bench/e2e_backends.py); null: the recipe's
     # when it sets one, else auto. The hf engine has none: only auto.
-    linear_backend: list[LinearBackend] | None = None
+    linear_backend: list[LinearBackend] | None = field(
+        default=None, metadata=checks.needs_items("backend", "e.g. marlin,fp8")
+    )
     # train.base_compute of the timed steps (the recipe's when it sets one, else auto).
     base_compute: BaseCompute | None = None
 
@@ -206,8 +212,6 @@ class E2EConfig(BenchConfig):
                 checks.key(where, "prompts_per_step"),
                 f"must be >= 0 (0: the largest batch), got {self.prompts_per_step}",
             )
-        if self.linear_backend is not None:
-            checks.nonempty(where, "linear_backend", list(self.linear_backend), "backend", "e.g. marlin,fp8")
         if self.gpu_memory_utilization is not None:
             checks.fraction_or_auto(checks.key(where, "gpu_memory_utilization"), self.gpu_memory_utilization)
 

@@ -8,7 +8,11 @@ recipe, the schedule built from it and the engines' noise refuse the same values
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from qerl_cli.errors import QerlError
 
@@ -32,11 +36,45 @@ def key(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 
 
-def nonempty(where: str, name: str, values: list[str], what: str, hint: str) -> None:
-    """A list setting that means nothing empty (``--benchmarks ""``, ``formats: []``): the message says
-    what to give, ``hint`` ("e.g. bf16,nvfp4" or "choose from ...")."""
-    if not values:
-        raise ConfigValueError(key(where, name), f"needs at least one {what} ({hint})")
+# -- List settings: what an empty one means -------------------------------------------------------
+# Every list setting of a config dataclass says in its field's metadata what [] means: nothing
+# (``needs_items``) or something (``empty_means``, e.g. data.levels: every level). ``loading.validate``
+# reads it for every section, before the section's own checks, so the refusal of a meaningless [] has
+# this one home, and a list setting that says neither is a programming error there, not a silent pass.
+_EMPTY = "qerl_empty_list"
+
+
+@dataclass(frozen=True)
+class NeedsItems:
+    """A list setting that means nothing empty (``--benchmarks ""``, ``formats: []``)."""
+
+    what: str  # one item, in words: "benchmark", "module"
+    hint: str  # what to give: "e.g. bf16,nvfp4" or "choose from ..."
+
+    def check(self, key: str, values: Sequence[Any]) -> None:
+        if not values:
+            raise ConfigValueError(key, f"needs at least one {self.what} ({self.hint})")
+
+
+def needs_items(what: str, hint: str) -> dict[str, Any]:
+    """Field metadata of a list setting that [] leaves meaningless: refused, naming ``what`` to give."""
+    return {_EMPTY: NeedsItems(what, hint)}
+
+
+def empty_means(meaning: str) -> dict[str, Any]:
+    """Field metadata of a list setting whose [] means something: ``meaning`` says what (its record)."""
+    return {_EMPTY: meaning}
+
+
+def empty_rule(owner: type, f: dataclasses.Field) -> NeedsItems | str:
+    """What [] means for list setting ``f`` of ``owner``: a ``NeedsItems`` or the meaning it has."""
+    rule = f.metadata.get(_EMPTY)
+    if rule is None:
+        raise TypeError(
+            f"{owner.__name__}.{f.name} is a list setting that does not say what [] means: give its field "
+            "metadata=needs_items(...) or metadata=empty_means(...) (qerl_cli.config.checks)"
+        )
+    return rule
 
 
 def fraction_or_auto(name: str, value: float | str) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from qerl_cli.config.checks import ConfigValueError
+from qerl_cli.config.checks import ConfigValueError, NeedsItems, empty_rule
 from qerl_cli.config.sections import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError
 
@@ -346,13 +346,32 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{where}; fix it there{quoted}"
 
 
+def _is_list(tp: Any) -> bool:
+    """A list setting, optional or not (``list[str]``, ``list[FusedKernels] | None``)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_list(arg) for arg in typing.get_args(tp))
+    return typing.get_origin(tp) is list
+
+
+def list_settings(cls: type) -> dict[str, NeedsItems | str]:
+    """The list settings of config dataclass ``cls`` (its own, not its sections'), each with what [] means
+    there (``checks.empty_rule``: a TypeError for one that does not say)."""
+    types_ = _field_types(cls)
+    return {f.name: empty_rule(cls, f) for f in dataclasses.fields(cls) if _is_list(types_[f.name])}
+
+
 def validate(config: Any, prefix: str = "") -> None:
     """Run ``validate(where)`` on the config and every nested section that defines one; ``where`` is the
-    section's recipe key ("train"), and "" for the config's root, whose keys are top-level recipe keys."""
+    section's recipe key ("train"), and "" for the config's root, whose keys are top-level recipe keys.
+    A list setting that means nothing empty is refused first, so the section's own checks see items."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             validate(value, f"{prefix}{f.name}.")
+    for name, rule in list_settings(type(config)).items():
+        values = getattr(config, name)
+        if isinstance(rule, NeedsItems) and values is not None:  # None: an optional list left unset
+            rule.check(f"{prefix}{name}", values)
     check = getattr(config, "validate", None)
     if check is not None:
         check(prefix.rstrip("."))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from qerl_cli.config.checks import aqn_sigmas as _aqn_sigmas
+from qerl_cli.config.checks import empty_means, needs_items
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.errors import QerlError
@@ -61,7 +62,10 @@ class LoraSection:
     # Dropout on the LoRA input, in [0, 1).
     dropout: float = 0.0
     # Linear layers that get an adapter, by module name (default: every attention and MLP projection).
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS_ALL))
+    target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_TARGETS_ALL),
+        metadata=needs_items("module", f"e.g. q_proj,v_proj; the default: {','.join(LORA_TARGETS_ALL)}"),
+    )
     # Train the RMSNorm weights too (the paper keeps them frozen; AQN perturbs the rollout copy).
     train_norms: bool = False
     # The adapter's start. "zeros": PEFT's (B = 0, so step 0 is the bare 4-bit base). "eora": B A starts
@@ -284,7 +288,7 @@ class DataSection:
     # Field holding the gold answer; null: the registered dataset's own field.
     answer_field: str | None = None
     # BigMath difficulty levels to keep (e.g. [3, 4, 5]); empty keeps all.
-    levels: list[int] = field(default_factory=list)
+    levels: list[int] = field(default_factory=list, metadata=empty_means("every level is kept"))
     # Use only the first N problems; null: all.
     max_samples: int | None = None
     template: str = "qerl"  # prompt template name, shared with eval

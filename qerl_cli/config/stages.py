@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from qerl_cli.config.checks import ConfigValueError, nonempty
+from qerl_cli.config.checks import ConfigValueError, empty_means, needs_items
 from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.sections import (
@@ -89,7 +89,12 @@ class EvalConfig:
     # LoRA adapter folder (PEFT format) on the model; null: the bare model.
     adapter: str | None = None
     # Benchmarks to score: gsm8k, math500, aime24, aime25, amc23, synthetic-*, or names of data_files.
-    benchmarks: list[str] = field(default_factory=lambda: list(BENCHMARKS_ALL))
+    benchmarks: list[str] = field(
+        default_factory=lambda: list(BENCHMARKS_ALL),
+        metadata=needs_items(
+            "benchmark", f"choose from {', '.join(BENCHMARKS_ALL)}, a synthetic-* task or a --data-file NAME"
+        ),
+    )
     # Samples per problem; 0 takes the benchmark's default (4 for gsm8k/math500, 16 for aime/amc).
     samples: int = 0
     # auto | vllm | hf; auto: vLLM where a GPU and vLLM are present, else the HF engine.
@@ -142,8 +147,6 @@ class EvalConfig:
     generation_batch_size: int = 64
 
     def validate(self, where: str = "") -> None:
-        choices = f"choose from {', '.join(BENCHMARKS_ALL)}, a synthetic-* task or a --data-file NAME"
-        nonempty(where, "benchmarks", self.benchmarks, "benchmark", choices)
         unknown = [
             b
             for b in self.benchmarks
@@ -172,9 +175,11 @@ class BenchConfig:
     # MXFP4 through the same Marlin FP4 kernels as NVFP4 (add it with --formats); RL lengths are --gen-len
     # 2048 or 4096; whole GRPO steps are `qerl bench e2e` (its settings:
     # qerl_cli.bench.settings.E2EConfig, these keys and the step's own).
-    formats: list[str] = field(default_factory=lambda: ["bf16", "nf4", "nvfp4"])
+    formats: list[str] = field(
+        default_factory=lambda: ["bf16", "nf4", "nvfp4"], metadata=needs_items("format", "e.g. bf16,nvfp4")
+    )
     # Batch sizes timed (sequences generated at once).
-    batch: list[int] = field(default_factory=lambda: [2, 8])
+    batch: list[int] = field(default_factory=lambda: [2, 8], metadata=needs_items("batch size", "e.g. 2,8"))
     # Prompt tokens per sequence.
     prompt_len: int = 256
     # Tokens generated per sequence.
@@ -205,9 +210,15 @@ class BenchConfig:
     # --concurrency: sequences generated at once (instead of --batch), each measured on every linear
     # backend of ``backends`` the format has (qerl_cli.rollout.backends); writes crossover.json, the
     # table rollout.linear_backend=auto reads, and each figure's fraction of the GPU's roofline.
-    concurrency: list[int] = field(default_factory=list)
+    concurrency: list[int] = field(
+        default_factory=list,
+        metadata=empty_means("bench rollout times batch; bench concurrency sweeps its default"),
+    )
     # --concurrency: the linear backends measured (marlin, humming, fp8, fp8-merged, merged).
-    backends: list[str] = field(default_factory=lambda: ["marlin", "humming", "fp8"])
+    backends: list[str] = field(
+        default_factory=lambda: ["marlin", "humming", "fp8"],
+        metadata=needs_items("backend", f"choose from {', '.join(SWEPT_BACKENDS)}"),
+    )
     # GiB of GPU memory the benchmark may use: a helper process holds the rest, so the engines and the
     # trainer see a smaller GPU (a smaller card's budget on a larger one). null: the whole GPU.
     memory_cap_gib: float | None = None
@@ -215,9 +226,7 @@ class BenchConfig:
     def validate(self, where: str = "") -> None:
         # Each key is named as the user wrote it: the CLI turns a key given by a flag into the flag.
         _positive(where, prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
-        nonempty(where, "formats", self.formats, "format", "e.g. bf16,nvfp4")
-        nonempty(where, "backends", self.backends, "backend", f"choose from {', '.join(SWEPT_BACKENDS)}")
-        if not self.batch or any(b <= 0 for b in self.batch):
+        if any(b <= 0 for b in self.batch):
             raise ConfigValueError(_key(where, "batch"), f"needs positive integers, got {self.batch}")
         if any(c <= 0 for c in self.concurrency):
             raise ConfigValueError(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.config import BENCHMARKS_ALL, EvalConfig
+from qerl_cli.config import BENCHMARKS_ALL, EvalConfig, validate
 from qerl_cli.data.benchmarks import benchmark_spec
 from qerl_cli.data.datasets import SYNTHETIC_PREFIX, check_reachable
 from qerl_cli.data.synthetic import make_problems
@@ -42,7 +42,7 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
     ``engine_given``: the caller holds an engine (tests, a stage that has the model loaded), so the
     model, the adapter (the engine syncs it) and the engine choice are its own."""
 
-    cfg.validate()
+    validate(cfg)  # the shared walk: its list settings, then EvalConfig's own checks
     if cfg.rescore:
         return EvalPlan("none (re-grading)", [rescored(cfg), *baseline(cfg), output_folder(cfg)])
     checks = []

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.config import QuantizeConfig
+from qerl_cli.config import validate as validate_config
 from qerl_cli.data.calib_text import BUILTIN_NAME
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder, folder_given_for_file
@@ -60,7 +61,7 @@ class QuantizePlan:
 def preflight(cfg: QuantizeConfig) -> QuantizePlan:
     """Every cheap check of ``qerl quantize``, the instant ones first; loads and writes nothing."""
 
-    cfg.validate()
+    validate_config(cfg)  # the shared walk: any list setting, then QuantizeConfig's own checks
     fmt = check_format(cfg.format)
     method = check_method(cfg.method)
     check_method_for_format(method, fmt)
