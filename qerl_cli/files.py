@@ -53,6 +53,10 @@ def honour_umask(path: str | Path) -> Path:
     return path
 
 
+# What to give instead of a file in an output folder's place (both output checks below say it).
+ANOTHER_OUTPUT = "another path or move the file"
+
+
 def ensure_output_dir(path: str | Path, what: str) -> Path:
     """Create the output folder ``path`` (``what`` names its setting) and prove it is writable.
 
@@ -62,7 +66,7 @@ def ensure_output_dir(path: str | Path, what: str) -> Path:
 
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise QerlError(f"{what} {path} is a file, not a folder: give another path or move the file")
+        raise file_given_for_folder(path, what, ANOTHER_OUTPUT)
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".qerl-write-probe-")
@@ -84,7 +88,7 @@ def check_writable_folder(path: str | Path, what: str, remedy: str) -> bool:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing == out and not out.is_dir():
-        raise QerlError(f"{what} {path} is a file, not a folder: give another path or move the file")
+        raise file_given_for_folder(path, what, ANOTHER_OUTPUT)
     if not existing.is_dir():
         raise QerlError(f"{what} {path} cannot be written: {existing} is a file, not a folder; {remedy}")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -149,6 +153,15 @@ def folder_given_for_file(
     inside = f" (it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''})" if files else ""
     kinds = "/".join(suffixes)
     return QerlError(f"{what} {folder} is a folder{inside}; give a {kinds} file in it, or {alternative}")
+
+
+def file_given_for_folder(path: str | Path, what: str, instead: str, kind: str = "folder") -> QerlError:
+    """The error for a file given where a folder is expected (an output folder, ``--resume``, ``--rescore``,
+    an adapter or a model folder), the counterpart of :func:`folder_given_for_file`: it names the file and
+    what to give ``instead`` ("the adapter folder (e.g. OUTPUT/adapter)"). ``what`` names the setting (""
+    where the caller has none to name), ``kind`` the folder expected ("model folder")."""
+    label = f"{what} {path}" if what else str(path)
+    return QerlError(f"{label} is a file, not a {kind}: give {instead}")
 
 
 def readable_text_file(path: str | Path) -> Path | None:

@@ -218,7 +218,7 @@ def test_rescore_of_a_file_names_its_folder(capsys: pytest.CaptureFixture[str], 
     results.write_text("{}")
     rc, _, err = run_cli(capsys, "eval", "--rescore", str(results))
     assert usage_error(rc, err), err
-    assert f"{results} is a file; give the output folder of an earlier `qerl eval` run" in err
+    assert f"{results} is a file, not a folder: give the output folder of an earlier `qerl eval` run" in err
     assert f"({results.parent}?)" in err and "no such folder" not in err
 
 

@@ -21,9 +21,10 @@ import torch
 from huggingface_hub import snapshot_download
 
 from qerl_cli import formats as format_registry
+from qerl_cli.bench.preflight import MODEL_CHOICES
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
-from qerl_cli.files import write_folder_once
+from qerl_cli.files import file_given_for_folder, write_folder_once
 from qerl_cli.modeling.random_checkpoint import SHAPES, write_random_checkpoint
 from qerl_cli.modeling.sources import (
     cache_root,  # noqa: F401 - re-exported for bench
@@ -111,10 +112,12 @@ def _local_folder(model: str) -> Path:
     path = Path(resolve_model_source(model)).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise QerlError(f"{path} has no config.json; give a model folder, a hub id or a shape name")
+            raise QerlError(f"{path} has no config.json; give {MODEL_CHOICES}")
         return path
+    if path.is_file():  # a .gguf file resolved to its converted folder above
+        raise file_given_for_folder(model, "--model", MODEL_CHOICES)
     if path.exists() or model.startswith((".", "/", "~")):
-        raise QerlError(f"--model {model}: no such folder; give a model folder, a hub id or a shape name")
+        raise QerlError(f"--model {model}: no such folder; give {MODEL_CHOICES}")
     try:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one user-facing message

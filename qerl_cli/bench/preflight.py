@@ -130,23 +130,28 @@ def check_output(path: str | Path, flag: str = "--output") -> None:
     files.check_writable_folder(path, flag, "give a folder you can write to")
 
 
+# What --model takes (bench's messages about it end with it).
+MODEL_CHOICES = "a model folder, a hub id or a shape name"
+
+
 def describe_model(model: str, formats: list[str] | None = None) -> str:
     """How the bench will get ``model`` (checked without reading its weights or downloading it); a
     local folder's checkpoint format must serve ``formats``."""
     from qerl_cli.bench.models import check_folder_formats, is_shape
+    from qerl_cli.modeling.sources import GGUF_SUFFIX
 
     if is_shape(model):
         return f"{model.lower()} (a random-weight shape, written once per format into the cache)"
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise QerlError(
-                f"--model {model} has no config.json; give a model folder, a hub id or a shape name"
-            )
+            raise QerlError(f"--model {model} has no config.json; give {MODEL_CHOICES}")
         own = check_folder_formats(model, path, formats) if formats else None
         return f"{path} (a local {own or 'model'} folder)"
+    if path.is_file() and path.suffix.lower() != GGUF_SUFFIX:  # a .gguf is converted at the start
+        raise files.file_given_for_folder(model, "--model", MODEL_CHOICES)
     if model.startswith((".", "/", "~")):
-        raise QerlError(f"--model {model}: no such folder; give a model folder, a hub id or a shape name")
+        raise QerlError(f"--model {model}: no such folder; give {MODEL_CHOICES}")
     return f"{model} (a hub id, downloaded at the start)"
 
 

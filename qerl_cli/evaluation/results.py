@@ -22,6 +22,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.files import (
     GZIP_SUFFIX,
     atomic_write_text,
+    file_given_for_folder,
     read_json_report,
     read_text_maybe_gzip,
     readable_text_file,
@@ -87,9 +88,11 @@ def find_sample_files(directory: str | Path) -> dict[str, Path]:
     """
     folder = Path(directory)
     if folder.is_file():  # its results.json or a samples file, given for the folder that holds them
-        raise QerlError(
-            f"{folder} is a file; give the output folder of an earlier `qerl eval` run, the one that holds "
-            f"results.json and samples_<benchmark>.jsonl ({folder.parent}?)"
+        raise file_given_for_folder(
+            folder,
+            "",
+            "the output folder of an earlier `qerl eval` run, the one that holds results.json and "
+            f"samples_<benchmark>.jsonl ({folder.parent}?)",
         )
     if not folder.is_dir():
         raise QerlError(f"{folder}: no such folder; give the output folder of an earlier `qerl eval` run")

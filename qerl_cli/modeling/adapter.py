@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask
+from qerl_cli.files import file_given_for_folder, honour_umask
 from qerl_cli.modeling.lora import attach_lora
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -45,7 +45,7 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
     if not folder.exists():
         raise QerlError(f"{what} {path}: no such folder; {WHERE_ADAPTERS_ARE}")
     if not folder.is_dir():
-        raise QerlError(f"{what} {path} is a file; give the adapter folder (e.g. OUTPUT/adapter)")
+        raise file_given_for_folder(path, what, "the adapter folder (e.g. OUTPUT/adapter)")
     if not (folder / ADAPTER_CONFIG).is_file():
         # A training run's folder given for its adapter: name the adapter inside it.
         inner = folder / "adapter"

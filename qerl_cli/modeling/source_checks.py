@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 from huggingface_hub import try_to_load_from_cache
 
 from qerl_cli.errors import QerlError
+from qerl_cli.files import file_given_for_folder
 from qerl_cli.modeling import sources
 from qerl_cli.modeling.sources import resolve_model_source
 
@@ -171,9 +172,12 @@ def model_source_found(
 
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
     if not path.is_dir():
-        raise QerlError(
-            f"{what} {path} is a file, not a model folder: give a model folder (config.json and "
-            "*.safetensors), a Hugging Face Hub id (owner/name), a .gguf file or a model alias (qerl models)"
+        raise file_given_for_folder(
+            path,
+            what,
+            "a model folder (config.json and *.safetensors), a Hugging Face Hub id (owner/name), a .gguf "
+            "file or a model alias (qerl models)",
+            kind="model folder",
         )
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -16,7 +16,7 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError
-from qerl_cli.files import TargetExistsError, staged_folder
+from qerl_cli.files import TargetExistsError, file_given_for_folder, staged_folder
 from qerl_cli.modeling.sources import resolve_model_source
 
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
@@ -118,7 +118,7 @@ def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
             "working folder: choose a new sub-folder as --output"
         )
     if output.exists() and not output.is_dir():
-        raise QerlError(f"output {output} exists and is a file: remove it or choose another --output")
+        raise file_given_for_folder(output, "output", "another --output, or remove the file")
     if output.exists() and not overwrite:
         raise QerlError(f"output folder {output} already exists: pass --overwrite to replace it")
     return output  # a parent folder not there yet is made, as train and eval make theirs

@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask, sha256_file, staged_folder
+from qerl_cli.files import file_given_for_folder, honour_umask, sha256_file, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -325,9 +325,11 @@ def find_last_checkpoint(path: str | Path) -> Path:
                 "auto for the recipe's own output.dir"
             )
         if not path.is_dir():  # a run's file (its config.yaml, metrics.jsonl) given for its folder
-            raise QerlError(
-                f"--resume {path} is a file; give the output.dir of an earlier `qerl train` run, the folder "
-                f"of its checkpoint-N/ folders ({path.parent}?), or --resume auto for the recipe's own"
+            raise file_given_for_folder(
+                path,
+                "--resume",
+                f"the output.dir of an earlier `qerl train` run, the folder of its checkpoint-N/ folders "
+                f"({path.parent}?), or --resume auto for the recipe's own",
             )
         raise QerlError(
             f"--resume {path}: no complete checkpoint-N/ inside; nothing to resume from "

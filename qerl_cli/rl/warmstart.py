@@ -32,7 +32,7 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.data.prompts import prompt_token_ids, render_prompt
 from qerl_cli.data.synthetic import make_problems, reference_completion
 from qerl_cli.errors import QerlError
-from qerl_cli.files import honour_umask, staged_folder
+from qerl_cli.files import file_given_for_folder, honour_umask, staged_folder
 from qerl_cli.formats import check_names
 from qerl_cli.formats.checkpoint import state_dict_groups, write_checkpoint
 from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
@@ -282,7 +282,7 @@ def build_tiny_base(
         raise QerlError("--formats is empty: give e.g. bf16,nvfp4")
     check_names(formats, dense=True, option="--formats")  # before the output folder is touched
     if out.exists() and not out.is_dir():
-        raise QerlError(f"{out} is a file; give a folder for the tiny base")
+        raise file_given_for_folder(out, "", "a folder for the tiny base")
     existing = sorted(p.name for p in out.glob("*") if p.is_dir()) if out.is_dir() else []
     if existing and not overwrite:
         raise QerlError(f"{out} already holds {', '.join(existing)}: pass --overwrite to rebuild it")
