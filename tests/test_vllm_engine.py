@@ -814,6 +814,7 @@ def test_bench_serves_a_formats_with_and_without_lora_cases_from_one_engine(
         return [{"batch": b, "output_tokens_per_s": float(result.num_generated_tokens)} for b in batches]
 
     monkeypatch.setattr(engines, "measure_rollout", one_generate)
+    monkeypatch.setattr(engines, "PromptMaker", lambda *args, **kwargs: None)  # one_generate makes its own
     monkeypatch.setattr(engines, "case_clock_sampler", FakeClockSampler)
     case = engines.Case(engine="vllm", format="nvfp4", model_dir=str(model), lora_rank=16,
                         lora_dir=str(adapter), batches=[2], settings={"prompt_len": 2, "gen_len": 3},

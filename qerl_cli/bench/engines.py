@@ -37,7 +37,7 @@ from qerl_cli.bench.memory import (
     read_model_config,
     vllm_kv_cache,
 )
-from qerl_cli.bench.rollout import RolloutSettings, measure_rollout
+from qerl_cli.bench.rollout import PromptMaker, RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import load_base_model
 from qerl_cli.modeling.lora import attach_lora
@@ -173,14 +173,15 @@ def measure_case(case: Case) -> dict[str, Any]:
     with open_engine(case) as (engine, tokenizer, info):
         probe.sample()
         _complete_kv_info(info, case, settings, model_config)
+        # One maker for every batch and LoRA phase: the prompts depend on the tokenizer and seeds only.
+        prompts = PromptMaker(tokenizer, seed=settings.seed, vocab_size=model_config.get("vocab_size"))
         for phase, rank in enumerate(case.phases()):
             if phase and rank:  # the second phase of a shared vLLM engine (the first got it at start)
                 engine.sync_adapter(case.lora_dir)
             rows = []
             for batch in case.batches:  # each batch's clocks under load beside its figures
                 with case_clock_sampler() as sampler:
-                    (row,) = measure_rollout(engine, tokenizer, [batch], settings, on_sample=probe.sample,
-                                             vocab_size=model_config.get("vocab_size"))  # fmt: skip
+                    (row,) = measure_rollout(engine, prompts, [batch], settings, on_sample=probe.sample)
                 keep_case_clocks(row, sampler.record(), clock_readings)
                 rows.append(row)
             shared = len(case.phases()) > 1

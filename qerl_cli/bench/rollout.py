@@ -194,14 +194,16 @@ def measure_batch(
 
 def measure_rollout(
     engine: RolloutEngine,
-    tokenizer: Any,
+    prompts: PromptMaker,
     batches: list[int],
     settings: RolloutSettings,
     *,
     on_sample: Callable[[], None] | None = None,
-    vocab_size: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Rollout rows for every batch size, on an engine already set to the adapter to measure."""
+    """Rollout rows for every batch size, on an engine already set to the adapter to measure.
+
+    ``prompts`` is the case's one maker: its pool depends on the tokenizer and the seed only (each
+    batch's prompts are seeded apart, in :func:`measure_batch`), and building it round-trips thousands
+    of tokens, so a caller measuring batch by batch makes it once."""
     settings.check()
-    maker = PromptMaker(tokenizer, seed=settings.seed, vocab_size=vocab_size)
-    return [measure_batch(engine, maker, b, settings, on_sample=on_sample) for b in batches]
+    return [measure_batch(engine, prompts, b, settings, on_sample=on_sample) for b in batches]
