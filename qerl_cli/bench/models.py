@@ -21,7 +21,6 @@ import torch
 from huggingface_hub import snapshot_download
 
 from qerl_cli import formats as format_registry
-from qerl_cli.bench.preflight import MODEL_CHOICES
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.files import file_given_for_folder, write_folder_once
@@ -36,6 +35,9 @@ from qerl_cli.rollout.vllm_setup import detect_checkpoint_format
 
 GPU_DEFAULT_MODEL = "qwen2.5-7b"
 CPU_DEFAULT_MODEL = "tiny"
+
+# What --model takes (bench's messages about it end with it, here and in bench.preflight).
+MODEL_CHOICES = "a model folder, a hub id or a shape name"
 
 
 def shape_names() -> list[str]:

@@ -130,14 +130,10 @@ def check_output(path: str | Path, flag: str = "--output") -> None:
     files.check_writable_folder(path, flag, "give a folder you can write to")
 
 
-# What --model takes (bench's messages about it end with it).
-MODEL_CHOICES = "a model folder, a hub id or a shape name"
-
-
 def describe_model(model: str, formats: list[str] | None = None) -> str:
     """How the bench will get ``model`` (checked without reading its weights or downloading it); a
     local folder's checkpoint format must serve ``formats``."""
-    from qerl_cli.bench.models import check_folder_formats, is_shape
+    from qerl_cli.bench.models import MODEL_CHOICES, check_folder_formats, is_shape
     from qerl_cli.modeling.sources import GGUF_SUFFIX
 
     if is_shape(model):
