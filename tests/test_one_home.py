@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import get_args
 
-from qerl_cli.config import sections
+from qerl_cli.config import choices
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "qerl_cli"
@@ -22,16 +22,16 @@ HOMES = {
     "fused_linears": "qerl_cli/modeling/model_shape.py",
     "gpu_file_prefix": "qerl_cli/rollout/lora_kernel_configs.py",
     "rollout_weight_format": "qerl_cli/rollout/backends.py",
-    "BaseCompute": "qerl_cli/config/sections.py",
-    "FusedKernels": "qerl_cli/config/sections.py",
-    "LinearBackend": "qerl_cli/config/sections.py",
+    "BaseCompute": "qerl_cli/config/choices.py",
+    "FusedKernels": "qerl_cli/config/choices.py",
+    "LinearBackend": "qerl_cli/config/choices.py",
 }
 # The config aliases whose values no module spells out again as a literal list (it checks membership
 # with ``get_args(alias)`` instead).
 ALIASES = {
-    "BaseCompute": sections.BaseCompute,
-    "FusedKernels": sections.FusedKernels,
-    "LinearBackend": sections.LinearBackend,
+    "BaseCompute": choices.BaseCompute,
+    "FusedKernels": choices.FusedKernels,
+    "LinearBackend": choices.LinearBackend,
 }
 
 
@@ -83,7 +83,7 @@ def test_the_check_sees_a_second_definition_and_a_copied_list() -> None:
     tree = ast.parse("GIB = 2**30\nclass S:\n    def lora_params(self): ...\nX = ('off', 'auto', 'liger')\n")
     assert {"GIB", "lora_params"} <= _definitions(tree)
     literal = next(n for n in ast.walk(tree) if isinstance(n, ast.Tuple))
-    assert {e.value for e in literal.elts} == set(get_args(sections.FusedKernels))
+    assert {e.value for e in literal.elts} == set(get_args(choices.FusedKernels))
 
 
 # A line of the package naming a GPU, a date or a model of a recorded run: such figures and their story

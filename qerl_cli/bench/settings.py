@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 
 from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config, read_yaml
 from qerl_cli.config.checks import ConfigValueError, key
-from qerl_cli.config.sections import BaseCompute, FusedKernels, LinearBackend
+from qerl_cli.config.choices import BaseCompute, FusedKernels, LinearBackend
 from qerl_cli.errors import QerlError
 
 # bench quality's rows when none are given (its AWQ row only where llm-compressor is installed).

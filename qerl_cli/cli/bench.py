@@ -38,7 +38,7 @@ from qerl_cli.cli.app import (
     use_free_cpu_threads,
 )
 from qerl_cli.config import BenchConfig, QuantFormat, load_config
-from qerl_cli.config.sections import BaseCompute, LinearBackend
+from qerl_cli.config.choices import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
 
 B = BenchConfig  # the --help defaults below are its own

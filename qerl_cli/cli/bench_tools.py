@@ -59,7 +59,7 @@ from qerl_cli.cli.gemm_options import (
 )
 from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import TrainConfig, load_config
-from qerl_cli.config.sections import BaseCompute, FusedKernels
+from qerl_cli.config.choices import BaseCompute, FusedKernels
 from qerl_cli.errors import Checked, QerlError
 
 S = TypeVar("S")

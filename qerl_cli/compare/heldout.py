@@ -17,7 +17,7 @@ from qerl_cli.compare.results import BaseHeldout, HeldoutScore
 from qerl_cli.compare.runs import arm_config
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, TrainConfig
-from qerl_cli.config.sections import LinearBackend
+from qerl_cli.config.choices import LinearBackend
 from qerl_cli.data.benchmarks import benchmark_spec, load_benchmark
 from qerl_cli.data.prompts import render_prompt
 from qerl_cli.errors import QerlError

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from qerl_cli.config.sections import EngineName
+from qerl_cli.config.choices import EngineName
 
 # The three settings the QeRL paper compares, and the dequantized control (compare.arms' docstring).
 BUILTIN_ARMS: dict[str, dict[str, Any]] = {

@@ -6,6 +6,15 @@ the value and the expected type. Values are converted to the field's type where 
 and unsurprising (``"2e-5"`` -> 2e-5 for a float field, since YAML 1.1 reads ``2e-5`` as a string).
 """
 
+from qerl_cli.config.choices import (
+    BENCHMARKS_ALL,
+    LORA_TARGETS_ALL,
+    RESOLVED_CONFIG_NAME,
+    EngineName,
+    ModelFormat,
+    QuantFormat,
+    QuantMethod,
+)
 from qerl_cli.config.loading import (
     SHIPPED_RECIPES,
     apply_overrides,
@@ -20,19 +29,12 @@ from qerl_cli.config.loading import (
     validate,
 )
 from qerl_cli.config.sections import (
-    BENCHMARKS_ALL,
-    LORA_TARGETS_ALL,
-    RESOLVED_CONFIG_NAME,
     AlgorithmSection,
     AQNSection,
     DataSection,
-    EngineName,
     LoraSection,
-    ModelFormat,
     ModelSection,
     OutputSection,
-    QuantFormat,
-    QuantMethod,
     RewardSection,
     RolloutSection,
     TrainConfig,

@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from qerl_cli.config.checks import ConfigValueError, NeedsItems, empty_rule
-from qerl_cli.config.sections import RESOLVED_CONFIG_NAME
+from qerl_cli.config.choices import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError
 
 # --------------------------------------------------------------------------------------------

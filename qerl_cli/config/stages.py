@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 from qerl_cli.config.checks import ConfigValueError, empty_means, needs_items
 from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
-from qerl_cli.config.sections import (
+from qerl_cli.config.choices import (
     BENCHMARKS_ALL,
     LORA_INIT_ALIASES,
     EngineName,

@@ -24,7 +24,7 @@ from typing import get_args
 import torch
 from torch import nn
 
-from qerl_cli.config.sections import BaseCompute
+from qerl_cli.config.choices import BaseCompute
 from qerl_cli.errors import QerlError
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 from qerl_cli.formats.fp8 import cuda_capability as device_capability  # tests stand an FP8 GPU in for it

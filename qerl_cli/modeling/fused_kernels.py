@@ -47,7 +47,7 @@ from typing import Any, get_args
 import torch.nn.functional
 from torch import nn
 
-from qerl_cli.config.sections import FusedKernels
+from qerl_cli.config.choices import FusedKernels
 from qerl_cli.errors import QerlError, install_hint
 
 log = logging.getLogger(__name__)

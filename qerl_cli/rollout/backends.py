@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_args
 
 from qerl_cli import formats
-from qerl_cli.config.sections import MERGED_LINEAR_BACKENDS, LinearBackend
+from qerl_cli.config.choices import MERGED_LINEAR_BACKENDS, LinearBackend
 from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
 
