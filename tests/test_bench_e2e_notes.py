@@ -124,6 +124,14 @@ def test_a_report_from_before_these_fields_renders_without_them(tmp_path: Path) 
     assert "| bf16 | default |" in markdown
     for absent in (ROLLOUT_BUSY_COLUMN, STEP_RATES_COLUMN, "Host-bound", "varied between timed steps"):
         assert absent not in markdown and absent not in terminal(read)
+    # A row from before the field whose steps kept their figures: its timed ones (the last steps_timed).
+    steps = [{"time_step_s": 40.0, "rollout_tokens_per_s": 3000.0}]  # the warm-up
+    steps += [{"time_step_s": 30.0, "rollout_tokens_per_s": rate} for rate in (8057.0, 5621.0)]
+    earlier = to_markdown(
+        bench([{**e2e_row("bf16", "default", None, None), "steps": steps, "steps_timed": 2}])
+    )
+    assert "| 30.00 | 1.00 | 8057 / 5621 |" in earlier and "bf16 / default 43% (8057 / 5621 tok/s)" in earlier
+    assert ROLLOUT_BUSY_COLUMN not in earlier and "Host-bound" not in earlier
     # Beside a row of this version, an old one shows dashes.
     mixed = to_markdown(bench([*(measured().e2e or []), e2e_row("nvfp4", "humming", None, None)]))
     assert "| nvfp4 | humming | - | - | - | - | - | - | - | - | - | 30.00 | 1.00 | - | - | - |" in mixed

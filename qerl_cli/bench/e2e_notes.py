@@ -46,6 +46,15 @@ def step_rate_fields(timed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {RATES_KEY: rates, SPREAD_KEY: rate_spread(rates)}
 
 
+def row_step_rates(row: Mapping[str, Any]) -> list[float]:
+    """A row's RATES_KEY; for a row from before it, the same from its ``steps`` (every step's figures,
+    the warm-up first, then its ``steps_timed`` timed ones); empty where neither has them."""
+    if RATES_KEY in row:
+        return [float(rate) for rate in row[RATES_KEY]]
+    timed = row.get("steps_timed") or 0
+    return step_rate_fields((row.get("steps") or [])[-timed:] if timed else [])[RATES_KEY]
+
+
 def rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
     """The row's median GPU utilization while generating; None without a reading then (an earlier file)."""
     clocks = row_phase_clocks(row, ROLLOUT)
@@ -53,14 +62,14 @@ def rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
 
 
 def _rates_cell(row: Mapping[str, Any]) -> str:
-    rates = row.get(RATES_KEY) or []
+    rates = row_step_rates(row)
     return " / ".join(f"{rate:.0f}" for rate in rates) if rates else "-"
 
 
 def caveat_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """The columns some row has a figure for (a report from before them has none, and shows neither)."""
     busy = any(rollout_busy_pct(r) is not None for r in rows)
-    rates = any(r.get(RATES_KEY) for r in rows)
+    rates = any(row_step_rates(r) for r in rows)
     return (*((ROLLOUT_BUSY_COLUMN,) if busy else ()), *((STEP_RATES_COLUMN,) if rates else ()))
 
 
@@ -100,10 +109,11 @@ def rollout_ceiling_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
 def step_spread_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """The rows whose rollout tokens/s varied between timed steps by more than STEP_SPREAD_FRACTION
     (none: None)."""
-    wide = [r for r in rows if (r.get(SPREAD_KEY) or 0.0) > STEP_SPREAD_FRACTION]
+    spreads = [(r, rate_spread(row_step_rates(r))) for r in rows]
+    wide = [(r, spread) for r, spread in spreads if spread is not None and spread > STEP_SPREAD_FRACTION]
     if not wide:
         return None
-    parts = "; ".join(f"{e2e_label(r)} {r[SPREAD_KEY]:.0%} ({_rates_cell(r)} tok/s)" for r in wide)
+    parts = "; ".join(f"{e2e_label(r)} {spread:.0%} ({_rates_cell(r)} tok/s)" for r, spread in wide)
     return (
         f"Rollout speed varied between timed steps by more than {STEP_SPREAD_FRACTION:.0%}: {parts}. "
         "Step ratios within that spread are not a verdict: more timed steps (--set repeats=N) or repeated "
