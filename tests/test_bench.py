@@ -389,6 +389,11 @@ def test_e2e_splits_a_grpo_step_into_phases(tiny_folder, tmp_path, monkeypatch):
     assert row["other_s"] < 0.5 * row["step_s"]  # the bookkeeping, not a phase left out
     timed = row["steps"][cfg.warmup :]
     assert row["step_s"] in [s["time_step_s"] for s in timed]
+    # Every timed step's rollout speed, beside the median step's parts.
+    from qerl_cli.bench.e2e_notes import RATES_KEY, SPREAD_KEY, rate_spread
+
+    rates = [s["rollout_tokens_per_s"] for s in timed]
+    assert row[RATES_KEY] == rates and len(rates) == 3 and row[SPREAD_KEY] == rate_spread(rates)
 
 
 def test_e2e_shape_flags_and_recipe_reach_the_trainer_and_a_failed_step_exits_1(

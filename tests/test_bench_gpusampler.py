@@ -1,6 +1,7 @@
 """The measured GPU's clocks read under load within a case: the sampler's thread (fake probes and clock, no
-real sleeping), a failing probe kept as a note, each row's summary, the readings merged into the run's with
-their times shifted (and the throttled verdict they can give), the "SM MHz" column, and old reports."""
+real sleeping), each reading's training phase, a failing probe kept as a note, each row's summary (and
+each phase's), the readings merged into the run's with their times shifted (and the throttled verdict
+they can give), the "SM MHz" column, and old reports."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from qerl_cli.bench.gpusampler import (
     ROW_KEY,
     CaseClocks,
     ClockSampler,
+    PhaseClocks,
     SampledClocks,
     keep_case_clocks,
     take_case_clocks,
@@ -25,11 +27,13 @@ from qerl_cli.bench.gpusampler import (
 from qerl_cli.bench.hostload import NO_GPU, HostLoad, HostProbes, start_host_load
 from qerl_cli.bench.report import SM_CLOCK_COLUMN, bench_table, e2e_columns, rollout_columns, to_markdown
 from qerl_cli.bench.result import SCHEMA, BenchResult, read_report, write_json
+from qerl_cli.rl.phase import OTHER, ROLLOUT, UPDATE, in_phase
 
 
 def reading(sm: int | None, reasons: list[str] | None = None, utilization: int | None = 95,
-            elapsed_s: float = 0.0, temperature: int = 60, power: float = 500.0) -> GpuReading:  # fmt: skip
-    return GpuReading(elapsed_s, sm, 1980, temperature, power, 700.0, utilization, list(reasons or []))
+            elapsed_s: float = 0.0, temperature: int = 60, power: float = 500.0,
+            phase: str | None = None) -> GpuReading:  # fmt: skip
+    return GpuReading(elapsed_s, sm, 1980, temperature, power, 700.0, utilization, list(reasons or []), phase)
 
 
 IDLE = reading(345, ["gpu_idle"], utilization=0, temperature=40, power=90.0)
@@ -88,6 +92,43 @@ def test_a_failing_or_raising_probe_becomes_the_note_and_never_reaches_the_case(
     assert broken.record().note == "the clock probe raised OSError: gone"
 
 
+def test_each_reading_carries_the_phase_the_process_was_in_when_it_was_taken() -> None:
+    now = [OTHER]  # the phase as the sampler sees it; a probe may move it while nvidia-smi runs
+    script: list[tuple[GpuReading, str | None]] = [
+        (reading(1000), None),  # the thread's own reading at the start (it then waits an hour)
+        (reading(1980, utilization=40), None),
+        (reading(1755, utilization=100), None),
+        (reading(1900, utilization=70), OTHER),  # the update ended during this reading
+        (reading(1870, utilization=50), ROLLOUT),  # and a rollout began during this one
+    ]
+    answers = iter(script)
+
+    def probe() -> GpuReading:
+        found, then = next(answers)
+        if then is not None:
+            now[0] = then
+        return found
+
+    with ClockSampler(probe, interval_s=3600.0, phase=lambda: now[0]) as sampler:
+        now[0] = ROLLOUT
+        sampler.sample()
+        now[0] = UPDATE
+        sampler.sample()
+        sampler.sample()
+        sampler.sample()
+        record = sampler.record()
+    assert record is not None
+    # The thread's first reading may land before or after the explicit ones: compare without the order.
+    tagged = {(r.sm_mhz, r.phase) for r in record.readings}
+    assert tagged == {(1000, OTHER), (1980, ROLLOUT), (1755, UPDATE), (1900, OTHER), (1870, OTHER)}
+    # By default the sampler reads the trainer's phase (qerl_cli.rl.phase), and keeps it in the JSON.
+    with ClockSampler(lambda: reading(1980), interval_s=3600.0) as default, in_phase(ROLLOUT):
+        default.sample()
+    kept = default.record()
+    assert kept is not None and ROLLOUT in [r.phase for r in kept.readings]
+    assert SampledClocks.from_dict(json.loads(json.dumps(kept.to_dict()))) == kept
+
+
 def test_without_a_probe_nothing_is_read_and_the_row_gets_no_key() -> None:
     with ClockSampler(None) as sampler:
         pass
@@ -119,6 +160,32 @@ def test_the_rows_summary_comes_from_the_working_gpus_readings_only() -> None:
     idle_only = SampledClocks(0.0, [IDLE]).summary()
     assert (idle_only.busy_readings, idle_only.sm_mhz_median, idle_only.slowdowns) == (0, None, [])
     assert "note" not in idle_only.to_dict()
+    assert summary.phases == {} and idle_only.phases == {}  # readings without a phase: none summarised
+
+
+def test_each_phase_is_summarised_from_its_own_readings_idle_ones_included() -> None:
+    sampled = SampledClocks(0.0, [
+        reading(1980, utilization=30, power=250.0, phase=ROLLOUT),
+        reading(1980, utilization=87, power=410.0, phase=ROLLOUT),
+        reading(1965, ["gpu_idle"], utilization=0, power=120.0, phase=ROLLOUT),  # the GPU waited on the host
+        reading(1650, ["sw_power_cap"], utilization=100, power=700.0, phase=UPDATE),
+        reading(1700, ["sw_power_cap"], utilization=100, power=699.0, phase=UPDATE),
+        reading(345, ["gpu_idle"], utilization=0, power=90.0, phase=OTHER),  # a sleep: not summarised
+    ])  # fmt: skip
+    summary = sampled.summary()
+    # (readings, median utilization %, SM MHz, power W) of each phase
+    assert summary.phases == {
+        ROLLOUT: PhaseClocks(3, 30.0, 1980.0, 250.0),
+        UPDATE: PhaseClocks(2, 100.0, 1675.0, 699.5),
+    }
+    # The busy median mixes the phases; the rollout's own shows the clock held while the GPU waited.
+    assert summary.sm_mhz_median == 1840.0
+    assert CaseClocks.from_dict(json.loads(json.dumps(summary.to_dict()))) == summary
+    # A phase whose readings lack a figure has None for it; a row from before the phases has none.
+    unknown = SampledClocks(0.0, [GpuReading(0.0, None, None, None, None, None, None, None, ROLLOUT)])
+    assert unknown.summary().phases[ROLLOUT] == PhaseClocks(1, None, None, None)
+    old = {k: v for k, v in summary.to_dict().items() if k != "phases"}
+    assert CaseClocks.from_dict(old).phases == {}
 
 
 # --------------------------------------------------------------------------------------------

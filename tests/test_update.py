@@ -165,3 +165,28 @@ def test_the_update_runs_the_plans_chunk_and_chunks_128_and_1024_agree(
     for key in ("loss", "grad_norm"):
         assert results[128][key] == pytest.approx(results[1024][key], rel=1e-5, abs=1e-7)
     assert results[128]["grad_norm"] > 0
+
+
+def test_the_optimizer_steps_run_in_the_update_phase_and_the_fixed_logprobs_outside_it(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The phase a GPU watcher tags its readings with (``rl.phase``) is ``update`` over the span timed as
+    ``time_update_s`` only: the no-grad logprob pass before it is ``time_logprobs_s``, and after it the
+    step is in no phase."""
+    from qerl_cli.rl import update as update_mod
+    from qerl_cli.rl.phase import OTHER, UPDATE, current_phase
+
+    seen: list[tuple[str, str]] = []
+
+    def watched(name: str, original):  # -> the original, noting the phase it was called in
+        def call(*args, **kwargs):
+            seen.append((name, current_phase()))
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("fixed_inputs", "accumulate_gradients", "clip_and_step"):
+        monkeypatch.setattr(update_mod, name, watched(name, getattr(update_mod, name)))
+    _update(tiny_model_dir)
+    assert seen == [("fixed_inputs", OTHER), ("accumulate_gradients", UPDATE), ("clip_and_step", UPDATE)]
+    assert current_phase() == OTHER

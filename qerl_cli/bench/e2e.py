@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.bench.e2e_backends import E2EPair
+from qerl_cli.bench.e2e_notes import step_rate_fields
 from qerl_cli.bench.gpusampler import READINGS_KEY, keep_case_clocks, take_case_clocks
 from qerl_cli.bench.header import case_clock_sampler
 from qerl_cli.bench.hostload import HostLoad
@@ -262,6 +263,9 @@ def measure_pair(cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out
         row[key.split("/")[1]] = max(values) if values else None
     row["steps"] = [{k: v for k, v in r.items() if k.startswith(STEP_FIELDS)} for r in records]
     row["completion_tokens_per_step"] = median("rollout_tokens")
+    # Every timed step's rollout speed beside the median step's: their spread says how far a ratio
+    # between rows can be trusted.
+    row.update(step_rate_fields(timed))
     peak = row["peak_allocated_gib"]
     row["peak_allocated_bytes"] = int(peak * GIB) if peak is not None else None
     kept: list[dict[str, Any]] = []

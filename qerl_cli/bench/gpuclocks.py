@@ -89,6 +89,9 @@ class GpuReading:
     power_limit_w: float | None
     utilization_pct: int | None
     reasons: list[str] | None
+    # The training phase the reading was taken in (``qerl_cli.rl.phase``), where a case's sampler knew
+    # it (bench.gpusampler); None for the host load's readings between cases.
+    phase: str | None = None
 
     @property
     def idle(self) -> bool:
@@ -105,17 +108,20 @@ class GpuReading:
         return [name for name in self.reasons or [] if name in SLOWDOWN_REASONS]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"elapsed_s": self.elapsed_s, "sm_mhz": self.sm_mhz, "max_sm_mhz": self.max_sm_mhz,
-                "temperature_c": self.temperature_c, "power_w": self.power_w,
-                "power_limit_w": self.power_limit_w, "utilization_pct": self.utilization_pct,
-                "reasons": self.reasons}  # fmt: skip
+        out = {"elapsed_s": self.elapsed_s, "sm_mhz": self.sm_mhz, "max_sm_mhz": self.max_sm_mhz,
+               "temperature_c": self.temperature_c, "power_w": self.power_w,
+               "power_limit_w": self.power_limit_w, "utilization_pct": self.utilization_pct,
+               "reasons": self.reasons}  # fmt: skip
+        if self.phase is not None:  # only a case's readings have one: the host's keep their old shape
+            out["phase"] = self.phase
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GpuReading:
         reasons = data.get("reasons")
         return cls(data["elapsed_s"], data.get("sm_mhz"), data.get("max_sm_mhz"), data.get("temperature_c"),
                    data.get("power_w"), data.get("power_limit_w"), data.get("utilization_pct"),
-                   None if reasons is None else list(reasons))  # fmt: skip
+                   None if reasons is None else list(reasons), data.get("phase"))  # fmt: skip
 
     def label(self) -> str:
         """``SM 1410 MHz at 340 s``, with the temperature and power where known."""

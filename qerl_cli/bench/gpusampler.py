@@ -2,7 +2,9 @@
 reads an :class:`~qerl_cli.bench.gpuclocks.NvidiaSmiClocks` probe every ``SAMPLE_INTERVAL_S`` around
 the timed work of one case (a rollout batch in :func:`qerl_cli.bench.engines.measure_case`, the timed
 steps of an e2e pair in :func:`qerl_cli.bench.e2e.measure_pair`, each in its child process where vLLM
-runs), the row's summary of what it read (:class:`CaseClocks`, a row's ``gpu_clocks``), and the hand-over
+runs), each reading tagged with the training phase it was taken in (``qerl_cli.rl.phase``: an e2e
+step's rollouts and update), the row's summary of what it read (:class:`CaseClocks`, a row's
+``gpu_clocks``, with each phase's own figures: :class:`PhaseClocks`), and the hand-over
 of every reading to the report's ``host_load.gpu_clocks``, where the run's throttled rule reads them.
 
 The host load's own readings are taken between cases, when the GPU is mostly idle and its clocks say
@@ -16,11 +18,12 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from qerl_cli.bench.gpuclocks import NVIDIA_SMI_TIMEOUT_S, GpuReading
 from qerl_cli.bench.hostload import HostLoad
+from qerl_cli.rl.phase import OTHER, ROLLOUT, UPDATE, Phase, current_phase
 
 # One reading is an nvidia-smi subprocess, run on a spare core while the GPU works: cheap next to a
 # case of many seconds, and often enough to see a clock fall within one case.
@@ -34,6 +37,10 @@ ROW_KEY = "gpu_clocks"
 READINGS_KEY = "gpu_clock_readings"
 
 Probe = Callable[[], GpuReading | str]
+# The training phases a row's summary describes on their own (qerl_cli.rl.phase): generation, where the
+# GPU may wait on the host, and the update, where it works at its power cap. ``other`` (the syncs, the
+# engine's sleep and wake, bookkeeping, and every reading of a case outside training) is not summarised.
+SUMMARISED_PHASES: tuple[Phase, ...] = (ROLLOUT, UPDATE)
 
 
 @dataclass
@@ -46,24 +53,27 @@ class SampledClocks:
     note: str | None = None  # why the last reading failed; None when none did
 
     def summary(self) -> CaseClocks:
-        """The row's summary, from the readings of a working GPU (an idle GPU lowers its own clocks)."""
+        """The row's summary, from the readings of a working GPU (an idle GPU lowers its own clocks), and
+        each summarised phase's from its own readings."""
         busy = [r for r in self.readings if r.busy]
-
-        def known(values: list[Any]) -> list[Any]:
-            return [v for v in values if v is not None]
-
-        sm = known([r.sm_mhz for r in busy])
-        temperatures, powers = known([r.temperature_c for r in busy]), known([r.power_w for r in busy])
+        sm = _known([r.sm_mhz for r in busy])
+        temperatures, powers = _known([r.temperature_c for r in busy]), _known([r.power_w for r in busy])
+        phases: dict[str, PhaseClocks] = {}
+        for phase in SUMMARISED_PHASES:
+            found = PhaseClocks.of([r for r in self.readings if r.phase == phase])
+            if found is not None:
+                phases[phase] = found
         slowdowns = sorted({name for r in busy for name in r.slowdowns})
         return CaseClocks(
             readings=len(self.readings),
             busy_readings=len(busy),
-            sm_mhz_median=float(statistics.median(sm)) if sm else None,
+            sm_mhz_median=_median(sm),
             sm_mhz_min=min(sm, default=None),
             temperature_c_max=max(temperatures, default=None),
             power_w_max=max(powers, default=None),
             slowdowns=slowdowns,
             note=self.note,
+            phases=phases,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,12 +86,50 @@ class SampledClocks:
         return cls(data["started_clock_s"], readings, data.get("note"))
 
 
+def _known(values: list[Any]) -> list[Any]:
+    return [v for v in values if v is not None]
+
+
+def _median(values: list[Any]) -> float | None:
+    known = _known(values)
+    return float(statistics.median(known)) if known else None
+
+
+@dataclass
+class PhaseClocks:
+    """The readings of one training phase (``qerl_cli.rl.phase``) within a case: how many, and the
+    median GPU utilization, SM clock and power over all of them. Idle readings count here: a GPU that sat
+    idle during a rollout was waiting on the host, which is what the utilization is read for."""
+
+    readings: int
+    utilization_pct_median: float | None
+    sm_mhz_median: float | None
+    power_w_median: float | None
+
+    @classmethod
+    def of(cls, readings: list[GpuReading]) -> PhaseClocks | None:
+        """The summary of ``readings`` (one phase's); None without any."""
+        if not readings:
+            return None
+        return cls(len(readings), _median([r.utilization_pct for r in readings]),
+                   _median([r.sm_mhz for r in readings]), _median([r.power_w for r in readings]))  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PhaseClocks:
+        return cls(data["readings"], data.get("utilization_pct_median"), data.get("sm_mhz_median"),
+                   data.get("power_w_median"))  # fmt: skip
+
+
 @dataclass
 class CaseClocks:
     """A row's ``gpu_clocks``: how many readings its case took and how many found the GPU working, and
     the working GPU's SM clock (median, lowest), hottest temperature, highest power and the slowdown
     reasons the driver named; each None (empty) where no working reading gave it. ``note``: why a
-    reading failed."""
+    reading failed. ``phases``: each summarised training phase's own figures, for the phases the case
+    had readings of (none for a case outside training, or a row from before readings had a phase)."""
 
     readings: int
     busy_readings: int
@@ -91,6 +139,7 @@ class CaseClocks:
     power_w_max: float | None
     slowdowns: list[str] = field(default_factory=list)
     note: str | None = None
+    phases: dict[str, PhaseClocks] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -98,6 +147,7 @@ class CaseClocks:
             "sm_mhz_median": self.sm_mhz_median, "sm_mhz_min": self.sm_mhz_min,
             "temperature_c_max": self.temperature_c_max, "power_w_max": self.power_w_max,
             "slowdowns": list(self.slowdowns),
+            "phases": {name: phase.to_dict() for name, phase in self.phases.items()},
         }  # fmt: skip
         if self.note is not None:
             out["note"] = self.note
@@ -105,9 +155,10 @@ class CaseClocks:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CaseClocks:
+        phases = {name: PhaseClocks.from_dict(p) for name, p in (data.get("phases") or {}).items()}
         return cls(data["readings"], data["busy_readings"], data.get("sm_mhz_median"), data.get("sm_mhz_min"),
                    data.get("temperature_c_max"), data.get("power_w_max"), list(data.get("slowdowns") or []),
-                   data.get("note"))  # fmt: skip
+                   data.get("note"), phases)  # fmt: skip
 
 
 def row_sm_mhz(row: Mapping[str, Any]) -> float | None:
@@ -116,18 +167,28 @@ def row_sm_mhz(row: Mapping[str, Any]) -> float | None:
     return CaseClocks.from_dict(found).sm_mhz_median if found else None
 
 
+def row_phase_clocks(row: Mapping[str, Any], phase: Phase) -> PhaseClocks | None:
+    """A row's figures of one training phase; None for a row without readings in it (a case outside
+    training, an earlier file)."""
+    found = row.get(ROW_KEY)
+    return CaseClocks.from_dict(found).phases.get(phase) if found else None
+
+
 class ClockSampler:
     """Reads ``probe`` at once and then every ``interval_s`` in a daemon thread, from entering to
-    leaving the ``with`` block. It never raises into the case: a probe that fails or raises becomes
-    ``note``. With no probe (no GPU measured) it reads nothing and :meth:`record` is None."""
+    leaving the ``with`` block, each reading tagged with the training phase ``phase`` says the process
+    is in (:func:`qerl_cli.rl.phase.current_phase`). It never raises into the case: a probe that fails
+    or raises becomes ``note``. With no probe (no GPU measured) it reads nothing and :meth:`record` is
+    None."""
 
     def __init__(
         self,
         probe: Probe | None,
         interval_s: float = SAMPLE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        phase: Callable[[], Phase] = current_phase,
     ) -> None:
-        self.probe, self.interval_s, self.clock = probe, interval_s, clock
+        self.probe, self.interval_s, self.clock, self.phase = probe, interval_s, clock, phase
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -159,10 +220,15 @@ class ClockSampler:
     def sample(self) -> None:
         """One reading (or why there is none), kept unless the sampler has stopped meanwhile."""
         assert self.probe is not None and self._record is not None
+        before = self.phase()
         try:
             found = self.probe()
         except Exception as exc:  # noqa: BLE001 - a broken probe must not end the case it watches
             found = f"the clock probe raised {type(exc).__name__}: {exc}"
+        after = self.phase()
+        # A phase that changed while nvidia-smi ran gives a reading of both (its utilization covers its
+        # last sampling period): it belongs to neither phase's figures.
+        phase = before if before == after else OTHER
         elapsed = round(self.clock() - self._record.started_clock_s, 1)
         with self._lock:
             if self._stop.is_set():
@@ -170,7 +236,7 @@ class ClockSampler:
             if isinstance(found, str):
                 self._record.note = found
             else:
-                self._record.readings.append(replace(found, elapsed_s=elapsed))
+                self._record.readings.append(replace(found, elapsed_s=elapsed, phase=phase))
 
     def record(self) -> SampledClocks | None:
         """A copy of what was read (None without a probe)."""

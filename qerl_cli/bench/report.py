@@ -16,6 +16,13 @@ from rich.text import Text
 from qerl_cli import files
 from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
+from qerl_cli.bench.e2e_notes import (
+    caveat_cells,
+    caveat_columns,
+    host_bound_line,
+    rollout_ceiling_line,
+    step_spread_line,
+)
 from qerl_cli.bench.gate import gate_caveat
 from qerl_cli.bench.gpuclocks import GpuClocks, throttle_warning
 from qerl_cli.bench.gpusampler import row_sm_mhz
@@ -190,13 +197,16 @@ def _e2e_measured(report: BenchResult) -> list[dict[str, Any]]:
 
 
 def e2e_columns(report: BenchResult) -> tuple[str, ...]:
-    """The e2e table's columns: with the SM clock where a row has one."""
-    return (*E2E_COLUMNS, SM_CLOCK_COLUMN) if _has_sm_clock(_e2e_measured(report)) else E2E_COLUMNS
+    """The e2e table's columns: with the SM clock, the rollouts' GPU busy share and each timed step's
+    rollout tokens/s where a row has them."""
+    measured = _e2e_measured(report)
+    clock = (SM_CLOCK_COLUMN,) if _has_sm_clock(measured) else ()
+    return (*E2E_COLUMNS, *clock, *caveat_columns(measured))
 
 
 def e2e_rows(report: BenchResult) -> list[tuple[str, ...]]:
     measured = _e2e_measured(report)
-    clock = _has_sm_clock(measured)
+    clock, caveats = _has_sm_clock(measured), caveat_columns(measured)
     return [
         (
             r["format"],
@@ -205,6 +215,7 @@ def e2e_rows(report: BenchResult) -> list[tuple[str, ...]]:
             _fmt(r.get("step_s"), ".2f"),
             _fmt(r.get("step_vs_bf16"), ".2f"),
             *_sm_clock_cell(r, clock),
+            *caveat_cells(r, caveats),
         )
         for r in measured
     ]
@@ -219,15 +230,13 @@ def folded_line(report: BenchResult) -> str | None:
     return f"Backends folded (each run once, under the name its format serves it): {pairs}."
 
 
-def rollout_ceiling_line(report: BenchResult) -> str | None:
-    """Each e2e row's step were generation free, against BF16 + vLLM-LoRA's step: the ceiling of any
-    rollout speed-up (None without e2e rows or without that reference)."""
-    rows = [r for r in report.e2e or [] if r.get("rollout_ceiling_vs_bf16") is not None]
-    if not rows:
-        return None
-    parts = [f"{e2e_label(r)} {r['step_without_generation_s']:.1f} s "
-             f"({r['rollout_ceiling_vs_bf16']:.2f}x BF16 + LoRA's step)" for r in rows]  # fmt: skip
-    return "Were generation free (the ceiling of any rollout speed-up): " + "; ".join(parts) + "."
+def notes(report: BenchResult) -> list[str]:
+    """The lines under the tables, in both renderings: the folded backends, then what the e2e rows'
+    figures can and cannot say (the rollout ceiling, host-bound rollouts, the steps' spread)."""
+    measured = _e2e_measured(report)
+    lines = (folded_line(report), rollout_ceiling_line(measured), host_bound_line(measured),
+             step_spread_line(measured))  # fmt: skip
+    return [line for line in lines if line]
 
 
 def failed_cases(report: BenchResult) -> list[str]:
@@ -275,9 +284,7 @@ def bench_table(report: BenchResult):  # -> rich.console.Group
         for row in rows:
             table.add_row(*row)
         parts.append(table)
-    for line in (folded_line(report), rollout_ceiling_line(report)):
-        if line:
-            parts.append(Text(line))
+    parts.extend(Text(line) for line in notes(report))
     failed = failed_cases(report)
     if failed:
         parts.append(Text("Cases without figures:", style="bold red"))
@@ -404,7 +411,7 @@ def to_markdown(report: BenchResult) -> str:
     for title, columns, rows in _tables(report):
         if rows:
             lines += [f"### {title}", "", *_markdown_table(columns, rows)]
-    for line in (folded_line(report), rollout_ceiling_line(report), wall_clock_line(report)):
+    for line in (*notes(report), wall_clock_line(report)):
         if line:
             lines += [line, ""]
     failed = failed_cases(report)

@@ -20,6 +20,7 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.data.prompts import get_template
 from qerl_cli.rl.advantages import group_reward_stats
 from qerl_cli.rl.distributed import Distributed
+from qerl_cli.rl.phase import ROLLOUT, in_phase
 from qerl_cli.rl.sampling import DynamicSampler, overlong_penalty
 from qerl_cli.rl.stream import PromptStream, derive_seed
 from qerl_cli.rollout.base import (
@@ -128,7 +129,8 @@ def rollout_round(
     """Generate and grade one round: ``num_generations`` completions for each of ``problems``."""
     n = cfg.rollout.num_generations
     t0 = time.perf_counter()
-    result = engine.generate([prompts[p.id] for p in problems], n, spec)
+    with in_phase(ROLLOUT):  # what a GPU watcher sees now is the rollout's work
+        result = engine.generate([prompts[p.id] for p in problems], n, spec)
     t1 = time.perf_counter()
     rollouts = Rollouts(group_size=n)
     for i, completion in result.flat():

@@ -25,6 +25,7 @@ from qerl_cli.rl.advantages import group_advantages
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.importance import LOGPROB_GAP
 from qerl_cli.rl.losses import NonFiniteGradientError, NonFiniteLossError, policy_loss
+from qerl_cli.rl.phase import UPDATE, in_phase
 from qerl_cli.rl.policy import Policy, TokenBatch, batched_logprobs, completion_logprobs, make_token_batch
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.sampling import truncation_mask
@@ -84,7 +85,11 @@ def update_policy(
     iteration_parts: list[list[tuple[float, dict[str, float]]]] = []
     grad_norms: list[float] = []
     try:
-        with matching_dropout(policy.model, separate_old_pass=cfg.algorithm.num_iterations > 1):
+        # What a GPU watcher sees now is the update's work (the span timed as time_update_s).
+        with (
+            in_phase(UPDATE),
+            matching_dropout(policy.model, separate_old_pass=cfg.algorithm.num_iterations > 1),
+        ):
             for _ in range(cfg.algorithm.num_iterations):
                 optimizer.zero_grad(set_to_none=True)
                 iteration_parts.append(

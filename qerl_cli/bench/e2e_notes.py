@@ -1,0 +1,121 @@
+"""The notes on the e2e table, what its rows' medians cannot say on their own: the most any rollout
+speed-up could buy each row, whether its rollouts kept the GPU busy (the median GPU utilization of the
+readings :mod:`qerl_cli.bench.gpusampler` took while the trainer generated), and how far its rollout
+speed moved between its timed steps. The row's per-step fields (:func:`step_rate_fields`, written by
+:func:`qerl_cli.bench.e2e.measure_pair`), and the columns and lines :mod:`qerl_cli.bench.report` shows.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from qerl_cli.bench.gpusampler import row_phase_clocks
+from qerl_cli.bench.labels import e2e_label
+from qerl_cli.rl.phase import ROLLOUT
+
+ROLLOUT_BUSY_COLUMN = "rollout GPU busy %"
+STEP_RATES_COLUMN = "rollout tok/s per step"
+# A row's rollout tokens/s of each timed step, in order, and their spread (highest over lowest, less 1).
+RATES_KEY = "rollout_tokens_per_s_steps"
+SPREAD_KEY = "rollout_tokens_per_s_spread"
+# Below this median utilization while generating, a row's rollouts left the GPU idle part of the time,
+# waiting on the host (scheduling, sampling, detokenising, the launches between kernels), so their
+# tokens/s measure the host as much as the kernels. A decode that keeps the GPU fed reads above 90%
+# (e.g. the update reads ~100% on an H200, where rollouts read 30-87%); 80 leaves room for the
+# coarseness of nvidia-smi's utilization without calling such a rollout host-bound.
+HOST_BOUND_BUSY_PCT = 80.0
+# A row whose timed steps' rollout tokens/s differ by more than this (highest over lowest, less 1) is
+# named below the table: the step ratios between rows are often a few tens of percent, and a spread of
+# this size within one row (e.g. 8057 then 5621 tok/s in one process) is of their order, so a ratio
+# inside it is not a verdict.
+STEP_SPREAD_FRACTION = 0.10
+
+
+def rate_spread(rates: Sequence[float]) -> float | None:
+    """Highest over lowest, less 1; None under two rates or with one of 0 (a step that generated nothing)."""
+    if len(rates) < 2 or min(rates) <= 0:
+        return None
+    return max(rates) / min(rates) - 1
+
+
+def step_rate_fields(timed: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A row's RATES_KEY and SPREAD_KEY, from its timed steps' records (``rollout_tokens_per_s``)."""
+    rates = [float(r["rollout_tokens_per_s"]) for r in timed if "rollout_tokens_per_s" in r]
+    return {RATES_KEY: rates, SPREAD_KEY: rate_spread(rates)}
+
+
+def row_step_rates(row: Mapping[str, Any]) -> list[float]:
+    """A row's RATES_KEY; for a row from before it, the same from its ``steps`` (every step's figures,
+    the warm-up first, then its ``steps_timed`` timed ones); empty where neither has them."""
+    if RATES_KEY in row:
+        return [float(rate) for rate in row[RATES_KEY]]
+    timed = row.get("steps_timed") or 0
+    return step_rate_fields((row.get("steps") or [])[-timed:] if timed else [])[RATES_KEY]
+
+
+def rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
+    """The row's median GPU utilization while generating; None without a reading then (an earlier file)."""
+    clocks = row_phase_clocks(row, ROLLOUT)
+    return clocks.utilization_pct_median if clocks else None
+
+
+def _rates_cell(row: Mapping[str, Any]) -> str:
+    rates = row_step_rates(row)
+    return " / ".join(f"{rate:.0f}" for rate in rates) if rates else "-"
+
+
+def caveat_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """The columns some row has a figure for (a report from before them has none, and shows neither)."""
+    busy = any(rollout_busy_pct(r) is not None for r in rows)
+    rates = any(row_step_rates(r) for r in rows)
+    return (*((ROLLOUT_BUSY_COLUMN,) if busy else ()), *((STEP_RATES_COLUMN,) if rates else ()))
+
+
+def caveat_cells(row: Mapping[str, Any], columns: tuple[str, ...]) -> tuple[str, ...]:
+    """The row's cells of ``columns`` (:func:`caveat_columns`), ``-`` where it has no figure."""
+    busy = rollout_busy_pct(row)
+    cells = {ROLLOUT_BUSY_COLUMN: "-" if busy is None else f"{busy:.0f}", STEP_RATES_COLUMN: _rates_cell(row)}
+    return tuple(cells[column] for column in columns)
+
+
+def host_bound_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The rows whose rollouts kept the GPU busy less than HOST_BOUND_BUSY_PCT, or None."""
+    low = [
+        (r, busy) for r in rows if (busy := rollout_busy_pct(r)) is not None and busy < HOST_BOUND_BUSY_PCT
+    ]
+    if not low:
+        return None
+    parts = "; ".join(f"{e2e_label(r)} {busy:.0f}%" for r, busy in low)
+    return (
+        f"Host-bound rollouts (median GPU busy below {HOST_BOUND_BUSY_PCT:.0f}% while generating): {parts}. "
+        "These rows' rollouts left the GPU idle part of the time, waiting on the host, so their rollout "
+        "speed is not the kernels' alone."
+    )
+
+
+def rollout_ceiling_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """Each e2e row's step were generation free, against BF16 + vLLM-LoRA's step: the ceiling of any
+    rollout speed-up (None without rows or without that reference: ``bench.report.add_speedups``)."""
+    rows = [r for r in rows if r.get("rollout_ceiling_vs_bf16") is not None]
+    if not rows:
+        return None
+    parts = [f"{e2e_label(r)} {r['step_without_generation_s']:.1f} s "
+             f"({r['rollout_ceiling_vs_bf16']:.2f}x BF16 + LoRA's step)" for r in rows]  # fmt: skip
+    return "Were generation free (the ceiling of any rollout speed-up): " + "; ".join(parts) + "."
+
+
+def step_spread_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """The rows whose rollout tokens/s varied between timed steps by more than STEP_SPREAD_FRACTION
+    (none: None)."""
+    spreads = [(r, rate_spread(row_step_rates(r))) for r in rows]
+    wide = [(r, spread) for r, spread in spreads if spread is not None and spread > STEP_SPREAD_FRACTION]
+    if not wide:
+        return None
+    parts = "; ".join(f"{e2e_label(r)} {spread:.0%} ({_rates_cell(r)} tok/s)" for r, spread in wide)
+    return (
+        f"Rollout speed varied between timed steps by more than {STEP_SPREAD_FRACTION:.0%}: {parts}. "
+        "Step ratios within that spread are not a verdict: more timed steps (--set repeats=N) or repeated "
+        "runs would be needed."
+    )
