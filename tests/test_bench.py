@@ -502,11 +502,14 @@ class _LengthRecorder:
 
     def __init__(self) -> None:
         self.lengths: list[int] = []
+        self.phases: list[str] = []  # the training phase each call ran in (qerl_cli.rl.phase)
 
     def generate(self, prompts, n, spec):
+        from qerl_cli.rl.phase import current_phase
         from qerl_cli.rollout.base import Completion, RolloutResult
 
         self.lengths.append(spec.max_new_tokens)
+        self.phases.append(current_phase())
         done = [
             [Completion([1] * spec.max_new_tokens, "", [0.0] * spec.max_new_tokens, "length")]
             for _ in prompts
@@ -523,6 +526,8 @@ def test_warm_up_is_short_and_every_timed_pass_is_full_length() -> None:
     row = measure_batch(engine, maker, 2, RolloutSettings(prompt_len=16, gen_len=2048, warmup=1, repeats=3))
     # warm-up (short, then a prefill), then three (full, prefill) pairs
     assert engine.lengths == [WARMUP_TOKENS, 1, 2048, 1, 2048, 1, 2048, 1]
+    # The timed full passes are a rollout to the GPU sampler, as training's generations are; the rest not.
+    assert engine.phases == ["other", "other", "rollout", "other", "rollout", "other", "rollout", "other"]
     assert len(row["generate_s"]) == 3 and row["output_tokens_per_s"] > 0
     engine = _LengthRecorder()
     measure_batch(engine, maker, 2, RolloutSettings(prompt_len=16, gen_len=8, warmup=1, repeats=3))

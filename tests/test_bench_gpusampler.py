@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from qerl_cli.bench.e2e_notes import ROLLOUT_BUSY_COLUMN
 from qerl_cli.bench.gpuclocks import GpuClocks, GpuReading
 from qerl_cli.bench.gpusampler import (
     READINGS_KEY,
@@ -271,6 +273,17 @@ def test_the_sm_clock_column_shows_each_rows_busy_median_or_a_dash() -> None:
     assert "| bf16 | default | - | - | - | - | - | - | - | - | - | 30.00 | 1.00 | - |" in markdown
     assert markdown.count(f"| {SM_CLOCK_COLUMN} |") == 2
     assert terminal(result).count(SM_CLOCK_COLUMN) == 2
+
+
+def test_a_rollout_rows_gpu_busy_share_while_generating_has_its_column() -> None:
+    generating = replace(HOT, phases={ROLLOUT: PhaseClocks(3, 52.0, 1980.0, 430.0)})
+    result = bench([rollout_row("bf16", generating), rollout_row("nvfp4", HOT)], [])
+    assert rollout_columns(result)[-2:] == (SM_CLOCK_COLUMN, ROLLOUT_BUSY_COLUMN)
+    markdown = to_markdown(result)
+    assert "| bf16 | none | 8 | 10500.0 | - | 1000.0 | 1.00 | 1755 | 52 |" in markdown
+    assert "| nvfp4 | none | 8 | 10500.0 | - | 1000.0 | 1.00 | 1755 | - |" in markdown
+    # Rows without a rollout-phase reading (earlier files, cases outside any phase): no column.
+    assert ROLLOUT_BUSY_COLUMN not in rollout_columns(bench([rollout_row("bf16", HOT)], []))
 
 
 def test_without_a_busy_reading_on_any_row_there_is_no_sm_clock_column() -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from qerl_cli import envinfo
 from qerl_cli.bench import header
-from qerl_cli.bench.report import machine_line, to_markdown
+from qerl_cli.bench.report import to_markdown
+from qerl_cli.bench.report_host import machine_line
 from qerl_cli.bench.result import new_report
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qerl_cli.bench.gpusampler import row_phase_clocks
+from qerl_cli.bench.gpusampler import row_rollout_busy_pct
 from qerl_cli.bench.labels import e2e_label
-from qerl_cli.rl.phase import ROLLOUT
 
 ROLLOUT_BUSY_COLUMN = "rollout GPU busy %"
 STEP_RATES_COLUMN = "rollout tok/s per step"
@@ -55,12 +54,6 @@ def row_step_rates(row: Mapping[str, Any]) -> list[float]:
     return step_rate_fields((row.get("steps") or [])[-timed:] if timed else [])[RATES_KEY]
 
 
-def rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
-    """The row's median GPU utilization while generating; None without a reading then (an earlier file)."""
-    clocks = row_phase_clocks(row, ROLLOUT)
-    return clocks.utilization_pct_median if clocks else None
-
-
 def _rates_cell(row: Mapping[str, Any]) -> str:
     rates = row_step_rates(row)
     return " / ".join(f"{rate:.0f}" for rate in rates) if rates else "-"
@@ -68,14 +61,14 @@ def _rates_cell(row: Mapping[str, Any]) -> str:
 
 def caveat_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """The columns some row has a figure for (a report from before them has none, and shows neither)."""
-    busy = any(rollout_busy_pct(r) is not None for r in rows)
+    busy = any(row_rollout_busy_pct(r) is not None for r in rows)
     rates = any(row_step_rates(r) for r in rows)
     return (*((ROLLOUT_BUSY_COLUMN,) if busy else ()), *((STEP_RATES_COLUMN,) if rates else ()))
 
 
 def caveat_cells(row: Mapping[str, Any], columns: tuple[str, ...]) -> tuple[str, ...]:
     """The row's cells of ``columns`` (:func:`caveat_columns`), ``-`` where it has no figure."""
-    busy = rollout_busy_pct(row)
+    busy = row_rollout_busy_pct(row)
     cells = {ROLLOUT_BUSY_COLUMN: "-" if busy is None else f"{busy:.0f}", STEP_RATES_COLUMN: _rates_cell(row)}
     return tuple(cells[column] for column in columns)
 
@@ -83,7 +76,9 @@ def caveat_cells(row: Mapping[str, Any], columns: tuple[str, ...]) -> tuple[str,
 def host_bound_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """The rows whose rollouts kept the GPU busy less than HOST_BOUND_BUSY_PCT, or None."""
     low = [
-        (r, busy) for r in rows if (busy := rollout_busy_pct(r)) is not None and busy < HOST_BOUND_BUSY_PCT
+        (r, busy)
+        for r in rows
+        if (busy := row_rollout_busy_pct(r)) is not None and busy < HOST_BOUND_BUSY_PCT
     ]
     if not low:
         return None

@@ -46,14 +46,26 @@ REASON_BITS = {
 SLOWDOWN_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 )
-# The slowdown reasons that a GPU at its power limit shows while holding its clocks: a slowdown only
-# with a clock drop (throttle_findings).
+# The reason a GPU at its power limit shows. At the GPU's own (default) limit it is the GPU's normal power
+# management under a heavy load, not throttling, even where it trades clock for power: an H200 in a 7B
+# update holds 700 of 700 W at 1530-1875 MHz, as every healthy H200 does on that work. Below the default
+# (someone lowered the limit) it is throttling with a clock drop (throttle_findings).
 POWER_CAP_REASONS = frozenset({"sw_power_cap"})
+# An enforced limit this far below the default is a lowered one; drivers round limits to a watt or so.
+LOWERED_LIMIT_FRACTION = 0.98
 # Drivers from R535 on name the field clocks_event_reasons and keep clocks_throttle_reasons as an alias;
 # older ones know only the latter. The newer name first: the alias may go.
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 QUERY_FIELDS = ("uuid", "clocks.sm", "clocks.max.sm", "temperature.gpu", "power.draw", "power.limit",
                 "utilization.gpu")  # fmt: skip
+# Asked too where the driver knows it (the rule tells a lowered power limit by it); a driver that does not
+# is asked without it, once, as for the reasons field's older name.
+DEFAULT_LIMIT_FIELD = "power.default_limit"
+# What nvidia-smi says of a field this driver does not know ('Field "X" is not a valid field to query.').
+UNKNOWN_FIELD = "is not a valid field to query"
+# The queries the probe tries, in order, each QUERY_FIELDS plus what the driver may or may not know.
+QUERIES = tuple((*QUERY_FIELDS, *extra, reasons) for extra in ((DEFAULT_LIMIT_FIELD,), ())
+                for reasons in REASON_FIELDS)  # fmt: skip
 # A throttled verdict names this many readings, then counts the rest.
 NAMED_READINGS = 3
 
@@ -92,6 +104,8 @@ class GpuReading:
     # The training phase the reading was taken in (``qerl_cli.rl.phase``), where a case's sampler knew
     # it (bench.gpusampler); None for the host load's readings between cases.
     phase: str | None = None
+    # The board's default power limit; None where unknown (readings from before it was asked).
+    power_default_limit_w: float | None = None
 
     @property
     def idle(self) -> bool:
@@ -104,6 +118,13 @@ class GpuReading:
         return not self.idle and (self.reasons is not None or self.utilization_pct is not None)
 
     @property
+    def limit_lowered(self) -> bool:
+        """The enforced power limit is below the board's default (someone capped it); False where unknown."""
+        if self.power_limit_w is None or self.power_default_limit_w is None:
+            return False
+        return self.power_limit_w < LOWERED_LIMIT_FRACTION * self.power_default_limit_w
+
+    @property
     def slowdowns(self) -> list[str]:
         return [name for name in self.reasons or [] if name in SLOWDOWN_REASONS]
 
@@ -114,6 +135,8 @@ class GpuReading:
                "reasons": self.reasons}  # fmt: skip
         if self.phase is not None:  # only a case's readings have one: the host's keep their old shape
             out["phase"] = self.phase
+        if self.power_default_limit_w is not None:
+            out["power_default_limit_w"] = self.power_default_limit_w
         return out
 
     @classmethod
@@ -121,7 +144,8 @@ class GpuReading:
         reasons = data.get("reasons")
         return cls(data["elapsed_s"], data.get("sm_mhz"), data.get("max_sm_mhz"), data.get("temperature_c"),
                    data.get("power_w"), data.get("power_limit_w"), data.get("utilization_pct"),
-                   None if reasons is None else list(reasons), data.get("phase"))  # fmt: skip
+                   None if reasons is None else list(reasons), data.get("phase"),
+                   data.get("power_default_limit_w"))  # fmt: skip
 
     def label(self) -> str:
         """``SM 1410 MHz at 340 s``, with the temperature and power where known."""
@@ -141,31 +165,33 @@ def _number(text: str, kind: Callable[[str], Any]) -> Any:
         return None
 
 
-def parse_gpu_query(text: str, gpu_uuid: str) -> GpuReading | None:
-    """The reading of the GPU ``gpu_uuid`` in the output of ``nvidia-smi --query-gpu=`` QUERY_FIELDS and
-    a reasons field (CSV, no header, no units), its ``elapsed_s`` 0; None where it is not listed."""
+def parse_gpu_query(text: str, gpu_uuid: str, fields: tuple[str, ...] = QUERIES[0]) -> GpuReading | None:
+    """The reading of the GPU ``gpu_uuid`` in the output of ``nvidia-smi --query-gpu=`` ``fields`` (one of
+    QUERIES; CSV, no header, no units), its ``elapsed_s`` 0; None where it is not listed."""
     for line in text.splitlines():
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) != len(QUERY_FIELDS) + 1 or uuid_digits(parts[0]) != uuid_digits(gpu_uuid):
+        if len(parts) != len(fields) or uuid_digits(parts[0]) != uuid_digits(gpu_uuid):
             continue
-        _, sm, max_sm, temperature, power, limit, utilization, mask = parts
-        code = _number(mask, lambda value: int(value, 16))
+        value = dict(zip(fields, parts, strict=True))
+        code = _number(value[fields[-1]], lambda text: int(text, 16))  # the reasons field comes last
         return GpuReading(
             elapsed_s=0.0,
-            sm_mhz=_number(sm, int),
-            max_sm_mhz=_number(max_sm, int),
-            temperature_c=_number(temperature, int),
-            power_w=_number(power, float),
-            power_limit_w=_number(limit, float),
-            utilization_pct=_number(utilization, int),
+            sm_mhz=_number(value["clocks.sm"], int),
+            max_sm_mhz=_number(value["clocks.max.sm"], int),
+            temperature_c=_number(value["temperature.gpu"], int),
+            power_w=_number(value["power.draw"], float),
+            power_limit_w=_number(value["power.limit"], float),
+            utilization_pct=_number(value["utilization.gpu"], int),
             reasons=None if code is None else decode_reasons(code),
+            power_default_limit_w=_number(value.get(DEFAULT_LIMIT_FIELD, ""), float),
         )
     return None
 
 
 class NvidiaSmiClocks:
-    """The probe: the measured GPU's reading through nvidia-smi, or why it is unknown. It keeps the
-    reasons field that answered, so a driver that knows only the older name costs one failed query."""
+    """The probe: the measured GPU's reading through nvidia-smi, or why it is unknown. It keeps the query
+    that answered, so a driver that knows only the reasons field's older name, or no default power limit,
+    costs its failed queries once."""
 
     def __init__(
         self,
@@ -174,7 +200,7 @@ class NvidiaSmiClocks:
         which: Callable[[str], str | None] = shutil.which,
     ) -> None:
         self.gpu_uuid, self.run, self.which = gpu_uuid, run, which
-        self.fields = list(REASON_FIELDS)
+        self.queries = list(QUERIES)
 
     def __call__(self) -> GpuReading | str:
         if self.gpu_uuid is None:
@@ -183,20 +209,22 @@ class NvidiaSmiClocks:
         if exe is None:
             return "nvidia-smi not found"
         failure = ""
-        for name in list(self.fields):
-            query = [exe, f"--query-gpu={','.join((*QUERY_FIELDS, name))}", "--format=csv,noheader,nounits"]
+        for fields in list(self.queries):
+            query = [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
             try:
                 done = self.run(
                     query, capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, check=False
                 )
-            except (OSError, subprocess.TimeoutExpired) as exc:  # the other name would hang or fail alike
+            except (OSError, subprocess.TimeoutExpired) as exc:  # the other queries would hang or fail alike
                 return f"nvidia-smi failed: {exc}"
             if done.returncode == 0:
-                self.fields = [name, *(other for other in self.fields if other != name)]
-                reading = parse_gpu_query(done.stdout, self.gpu_uuid)
+                self.queries = [fields, *(other for other in self.queries if other != fields)]
+                reading = parse_gpu_query(done.stdout, self.gpu_uuid, fields)
                 # Not the UUID: a report never names one physical board.
                 return reading if reading is not None else "nvidia-smi did not list the measured GPU"
             failure = f"nvidia-smi exited {done.returncode}: {(done.stderr or done.stdout).strip()[:200]}"
+            if UNKNOWN_FIELD not in failure:  # a broken driver: the other queries would fail alike
+                return failure
         return failure
 
 
@@ -205,9 +233,10 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
     the driver marks ``gpu_idle`` never counts. Otherwise it counts when the driver names a thermal or
     hardware slowdown, or when the GPU was working (:attr:`GpuReading.busy`: a low clock of an idle GPU
     is its own choice) and its SM clock is more than ``drop_fraction`` below the highest working clock
-    of the run (or its own maximum clock). The power cap counts only with such a drop: a GPU under a
-    heavy load runs at its power limit with the cap's bit set while it holds its clocks, which is the
-    normal state of an update or a rollout, not a slowdown."""
+    of the run (or its own maximum clock), unless the driver says the GPU is at its own power limit
+    (``sw_power_cap`` with the limit at the board's default): that is its normal power management under
+    a heavy load, the same on every healthy board of the kind (POWER_CAP_REASONS). At a lowered limit the
+    cap with such a drop is throttling."""
     highest = max((r.sm_mhz for r in readings if r.busy and r.sm_mhz is not None), default=None)
     found = []
     for reading in readings:
@@ -216,8 +245,13 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
         top = max((v for v in (highest, reading.max_sm_mhz) if v is not None), default=None)
         low = (reading.busy and reading.sm_mhz is not None and top is not None
                and reading.sm_mhz < (1.0 - drop_fraction) * top)  # fmt: skip
-        why = [name for name in reading.slowdowns if name not in POWER_CAP_REASONS or low]
-        if low:
+        hard = [name for name in reading.slowdowns if name not in POWER_CAP_REASONS]
+        capped = any(name in POWER_CAP_REASONS for name in reading.slowdowns)
+        why = list(hard)
+        if low and capped and reading.limit_lowered:
+            why.append(f"sw_power_cap at a lowered limit ({reading.power_limit_w:.0f} W of its default "
+                       f"{reading.power_default_limit_w:.0f} W)")  # fmt: skip
+        if low and (hard or not capped or reading.limit_lowered):
             why.append(f"{1 - reading.sm_mhz / top:.0%} below {_top_label(top, highest)}")
         if why:
             found.append(f"{reading.label()}: {', '.join(why)}")

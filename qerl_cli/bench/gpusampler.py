@@ -174,6 +174,13 @@ def row_phase_clocks(row: Mapping[str, Any], phase: Phase) -> PhaseClocks | None
     return CaseClocks.from_dict(found).phases.get(phase) if found else None
 
 
+def row_rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
+    """A row's median GPU utilization while generating (the rollout phase's readings: a trainer's
+    rollouts, a rollout batch's timed generations); None without a reading then (an earlier file)."""
+    clocks = row_phase_clocks(row, ROLLOUT)
+    return clocks.utilization_pct_median if clocks else None
+
+
 class ClockSampler:
     """Reads ``probe`` at once and then every ``interval_s`` in a daemon thread, from entering to
     leaving the ``with`` block, each reading tagged with the training phase ``phase`` says the process

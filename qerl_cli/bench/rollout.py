@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from qerl_cli.errors import QerlError
+from qerl_cli.rl.phase import ROLLOUT, in_phase
 from qerl_cli.rollout.base import RolloutEngine, RolloutResult, SamplingSpec
 
 TEMPERATURE = 0.6
@@ -149,8 +150,9 @@ def measure_batch(
     on_sample: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One (engine, batch) measurement: warm-up, then ``repeats`` timed full and prefill passes."""
-    # Unseeded sampling: a per-request seed makes vLLM sample each request with its own generator,
-    # a slowdown training does not pay. The prompts are what must be reproducible, and are.
+    # Unseeded sampling: the prompts are what must be reproducible, and are. (Training seeds every
+    # request, which makes vLLM draw each request's noise apart; on an H200 at 128 x 2048 that measured
+    # no slower than one generator: benchmarks/h200-2026-11-29-grpo-step-rerun.)
     full = SamplingSpec(settings.gen_len, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True)
     prefill = SamplingSpec(1, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True)
 
@@ -168,7 +170,8 @@ def measure_batch(
         _, result = _timed_generate(engine, fresh(1, rep), prefill)
     generate_s, prefill_s = [], []
     for rep in range(settings.repeats):
-        seconds, result = _timed_generate(engine, fresh(2, rep), full)
+        with in_phase(ROLLOUT):  # the GPU sampler tags these readings as a rollout's, as in training
+            seconds, result = _timed_generate(engine, fresh(2, rep), full)
         _check_lengths(result, settings.prompt_len, settings.gen_len)
         generate_s.append(seconds)
         seconds, result = _timed_generate(engine, fresh(3, rep), prefill)
