@@ -34,12 +34,13 @@ NVIDIA_SMI = "/usr/bin/nvidia-smi"
 
 
 def reading(sm: int | None, reasons: list[str] | tuple[()] | None = (), utilization: int | None = 90,
-            elapsed_s: float = 0.0, temperature: int | None = 60, limit: float = 700.0,
+            elapsed_s: float = 0.0, temperature: int | None = 60, enforced: float | None = 700.0,
             default_limit: float | None = 700.0) -> GpuReading:  # fmt: skip
-    """A reading of an H200 at 500 of its 700 W (its default limit); ``reasons`` None: the mask unknown."""
+    """A reading of an H200 at 500 of its 700 W, the limit in force its default unless ``enforced`` says
+    otherwise; ``reasons`` None: the mask unknown."""
     mask = None if reasons is None else list(reasons)
-    return GpuReading(elapsed_s, sm, 1980, temperature, 500.0, limit, utilization, mask,
-                      power_default_limit_w=default_limit)  # fmt: skip
+    return GpuReading(elapsed_s, sm, 1980, temperature, 500.0, 700.0, utilization, mask,
+                      power_default_limit_w=default_limit, power_enforced_limit_w=enforced)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,27 +59,29 @@ def test_the_reasons_mask_decodes_to_the_documented_names_and_keeps_unknown_bits
 
 def test_the_measured_gpus_line_is_parsed_with_its_hex_mask_and_na_fields() -> None:
     text = (
-        f"{OTHER_UUID}, 1410, 1980, 83, 699.10, 700.00, 100, 700.00, 0x0000000000000004\n"
-        f"{GPU_UUID}, 1755, 1980, 71, 612.45, 600.00, 98, 700.00, 0x0000000000000024\n"
+        f"{OTHER_UUID}, 1410, 1980, 83, 699.10, 700.00, 100, 700.00, 700.00, 0x0000000000000004\n"
+        f"{GPU_UUID}, 1755, 1980, 71, 612.45, 700.00, 98, 700.00, 600.00, 0x0000000000000024\n"
     )
+    capped = ["sw_power_cap", "sw_thermal_slowdown"]
     assert parse_gpu_query(text, GPU_UUID.removeprefix("GPU-")) == GpuReading(
         0.0,
         1755,
         1980,
         71,
         612.45,
-        600.0,
+        700.0,
         98,
-        ["sw_power_cap", "sw_thermal_slowdown"],
+        capped,
         power_default_limit_w=700.0,
+        power_enforced_limit_w=600.0,
     )
-    unsupported = f"{GPU_UUID}, 345, [N/A], [N/A], [Not Supported], [N/A], [N/A], [N/A], [N/A]\n"
+    unsupported = f"{GPU_UUID}, 345, [N/A], [N/A], [Not Supported], [N/A], [N/A], [N/A], [N/A], [N/A]\n"
     assert parse_gpu_query(unsupported, GPU_UUID) == GpuReading(0.0, 345, None, None, None, None, None, None)
     assert parse_gpu_query("not a line\n" + text.splitlines()[0], GPU_UUID) is None
-    # A driver asked without the default limit: the same reading, the default unknown.
-    without = f"{GPU_UUID}, 1755, 1980, 71, 612.45, 600.00, 98, 0x0000000000000024\n"
+    # A driver asked without the limit fields: the same reading, the limits unknown.
+    without = f"{GPU_UUID}, 1755, 1980, 71, 612.45, 700.00, 98, 0x0000000000000024\n"
     assert parse_gpu_query(without, GPU_UUID, QUERIES[2]) == GpuReading(
-        0.0, 1755, 1980, 71, 612.45, 600.0, 98, ["sw_power_cap", "sw_thermal_slowdown"]
+        0.0, 1755, 1980, 71, 612.45, 700.0, 98, capped
     )
 
 
@@ -100,13 +103,12 @@ def run_answering(*answers: tuple[int, str, str] | BaseException) -> tuple[Any, 
 
 
 def test_a_driver_without_the_newer_field_name_is_asked_with_the_older_once() -> None:
-    line = f"{GPU_UUID}, 1980, 1980, 45, 118.52, 700.00, 0, 700.00, 0x0000000000000001\n"
+    line = f"{GPU_UUID}, 1980, 1980, 45, 118.52, 700.00, 0, 700.00, 700.00, 0x0000000000000001\n"
     invalid = (2, 'Field "clocks_event_reasons.active" is not a valid field to query.', "")
     run, queries = run_answering(invalid, (0, line, ""), (0, line, ""))
     probe = NvidiaSmiClocks(GPU_UUID, run=run, which=lambda name: NVIDIA_SMI)
-    assert probe() == GpuReading(
-        0.0, 1980, 1980, 45, 118.52, 700.0, 0, ["gpu_idle"], power_default_limit_w=700.0
-    )
+    limits = {"power_default_limit_w": 700.0, "power_enforced_limit_w": 700.0}
+    assert probe() == GpuReading(0.0, 1980, 1980, 45, 118.52, 700.0, 0, ["gpu_idle"], **limits)
     assert probe().sm_mhz == 1980
     asked = [q[1].rsplit(",", 1)[1] for q in queries]
     # The name that answered is kept: the second reading asks with it first.
@@ -118,7 +120,7 @@ def test_a_driver_without_the_newer_field_name_is_asked_with_the_older_once() ->
     assert queries[0][1].startswith("--query-gpu=uuid,clocks.sm,clocks.max.sm,temperature.gpu,power.draw,")
 
 
-def test_a_driver_without_the_default_power_limit_is_asked_without_it_once() -> None:
+def test_a_driver_without_the_power_limit_fields_is_asked_without_them_once() -> None:
     line = f"{GPU_UUID}, 1980, 1980, 45, 118.52, 700.00, 0, 0x0000000000000001\n"
     invalid = (2, 'Field "power.default_limit" is not a valid field to query.', "")
     run, queries = run_answering(invalid, invalid, (0, line, ""), (0, line, ""))
@@ -144,7 +146,7 @@ def test_nvidia_smi_missing_failing_or_hanging_is_recorded_as_why_never_raised()
     probe = NvidiaSmiClocks(GPU_UUID, run=broken, which=lambda name: NVIDIA_SMI)
     assert probe() == "nvidia-smi exited 9: driver mismatch"
     assert len(queries) == 1  # a broken driver is not asked the other queries: they would fail alike
-    elsewhere, _ = run_answering((0, f"{OTHER_UUID}, 1980, 1980, 45, 100, 700, 0, 700, 0x1\n", ""))
+    elsewhere, _ = run_answering((0, f"{OTHER_UUID}, 1980, 1980, 45, 100, 700, 0, 700, 700, 0x1\n", ""))
     probe = NvidiaSmiClocks(GPU_UUID, run=elsewhere, which=lambda name: NVIDIA_SMI)
     assert probe() == "nvidia-smi did not list the measured GPU"  # and not its UUID
 
@@ -172,24 +174,32 @@ def test_a_busy_clock_more_than_a_tenth_below_the_runs_highest_is_throttling() -
     assert "hw_power_brake_slowdown, 39% below" in both
 
 
-def test_the_power_cap_at_the_boards_own_limit_is_a_loaded_gpu_not_throttling() -> None:
-    """An H200 in a 7B update holds its 700 W default limit with sw_power_cap set at 1530-1875 MHz, as every
-    healthy H200 does on that work: not throttling, with or without the clock drop. The same drop under a
-    lowered limit is throttling, and a drop the driver gives no reason for still is."""
+def test_the_power_cap_at_the_boards_default_limit_is_a_loaded_gpu_not_throttling() -> None:
+    """A board at its default power limit under dense GEMMs holds the limit with sw_power_cap set below its
+    boost clock: not throttling, with or without the drop. The same drop under a lower limit in force (a
+    user's, the host's, a datacenter's), or with either limit unknown, is throttling, as a drop the driver
+    gives no reason for is."""
     assert throttle_findings([reading(1980), reading(1900, ["sw_power_cap"], elapsed_s=10)]) == []
     assert throttle_findings([reading(1980), reading(1530, ["sw_power_cap"], elapsed_s=20)]) == []
-    # A reading without the default limit (an older driver or report): no lowered limit is known.
-    assert throttle_findings([reading(1980), reading(1530, ["sw_power_cap"], default_limit=None)]) == []
     (lowered,) = throttle_findings(
-        [reading(1980), reading(1500, ["sw_power_cap"], elapsed_s=20, limit=500.0)]
+        [reading(1980), reading(1500, ["sw_power_cap"], elapsed_s=20, enforced=500)]
     )
     assert lowered.endswith(
         "sw_power_cap at a lowered limit (500 W of its default 700 W), 24% below the run's highest 1980 MHz"
     )
-    (alone,) = throttle_findings([reading(1500, ["sw_power_cap"], limit=500.0)])  # its maximum, alone
+    (alone,) = throttle_findings([reading(1500, ["sw_power_cap"], enforced=500)])  # its maximum, alone
     assert alone.endswith("24% below its maximum 1980 MHz")
+    # Unknown limits (an older driver or report): the drop under the cap still counts, as it always did.
+    for unknown in (
+        reading(1530, ["sw_power_cap"], default_limit=None),
+        reading(1530, ["sw_power_cap"], enforced=None),
+    ):
+        (found,) = throttle_findings([reading(1980), unknown])
+        assert found.endswith(
+            "sw_power_cap, 23% below the run's highest 1980 MHz"
+        )
     # A lowered limit holding the clock is no slowdown; a thermal reason beside the cap still is one.
-    assert throttle_findings([reading(1980), reading(1900, ["sw_power_cap"], limit=500.0)]) == []
+    assert throttle_findings([reading(1980), reading(1900, ["sw_power_cap"], enforced=500)]) == []
     (thermal,) = throttle_findings([reading(1980), reading(1500, ["sw_power_cap", "sw_thermal_slowdown"])])
     assert thermal.endswith("sw_thermal_slowdown, 24% below the run's highest 1980 MHz")
 
@@ -274,6 +284,13 @@ def test_an_unthrottled_run_prints_one_clock_summary_line() -> None:
     assert clocks_line(GpuClocks(note="nvidia-smi not found")) == "GPU clocks unknown (nvidia-smi not found)."
     idle_cap = GpuClocks([reading(1980), reading(345, ["gpu_idle", "sw_power_cap"], utilization=0)])
     assert clocks_line(idle_cap).endswith("(1 idle), 60 C, slowdown reasons only while idle.")
+    # A board at its default power limit under load: not throttled, and the summary says where it sat.
+    update = GpuClocks([reading(1980), reading(1530, ["sw_power_cap"]), reading(1875, ["sw_power_cap"]),
+                        reading(345, ["gpu_idle", "sw_power_cap"], utilization=0)])  # fmt: skip
+    assert update.throttled_reason is None
+    assert clocks_line(update).endswith(
+        "(1 idle), 60 C, at its power limit in 2 working readings (SM 1530-1875 MHz)."
+    )
 
 
 def clocks_line(clocks: GpuClocks) -> str:
@@ -295,7 +312,7 @@ def test_a_throttled_run_prints_the_warning_at_the_top_naming_the_readings() -> 
 
 
 def test_the_clocks_round_trip_through_bench_json(tmp_path: Path) -> None:
-    capped = reading(1500, ["sw_power_cap"], elapsed_s=12.5, limit=500.0)
+    capped = reading(1500, ["sw_power_cap"], elapsed_s=12.5, enforced=500.0)
     clocks = GpuClocks([reading(1980, elapsed_s=0.0), capped,
                         GpuReading(20.0, 345, None, None, None, None, None, None)])  # fmt: skip
     assert GpuClocks.from_dict(json.loads(json.dumps(clocks.to_dict()))) == clocks

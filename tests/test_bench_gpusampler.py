@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from qerl_cli.bench.gpuclocks import GpuClocks, GpuReading
 from qerl_cli.bench.gpusampler import (
     READINGS_KEY,
     ROW_KEY,
+    UTILIZATION_WINDOW_S,
     CaseClocks,
     ClockSampler,
     PhaseClocks,
@@ -95,7 +97,8 @@ def test_a_failing_or_raising_probe_becomes_the_note_and_never_reaches_the_case(
 
 
 def test_each_reading_carries_the_phase_the_process_was_in_when_it_was_taken() -> None:
-    now = [OTHER]  # the phase as the sampler sees it; a probe may move it while nvidia-smi runs
+    now: list[Any] = [OTHER, float("-inf")]  # the phase as the sampler sees it, and when it last changed
+    first = threading.Event()
     script: list[tuple[GpuReading, str | None]] = [
         (reading(1000), None),  # the thread's own reading at the start (it then waits an hour)
         (reading(1980, utilization=40), None),
@@ -109,9 +112,11 @@ def test_each_reading_carries_the_phase_the_process_was_in_when_it_was_taken() -
         found, then = next(answers)
         if then is not None:
             now[0] = then
+        first.set()
         return found
 
-    with ClockSampler(probe, interval_s=3600.0, phase=lambda: now[0]) as sampler:
+    with ClockSampler(probe, interval_s=3600.0, phase=lambda: (now[0], now[1])) as sampler:
+        assert first.wait(timeout=30)  # the thread's reading first, so the script's order is the calls'
         now[0] = ROLLOUT
         sampler.sample()
         now[0] = UPDATE
@@ -120,15 +125,29 @@ def test_each_reading_carries_the_phase_the_process_was_in_when_it_was_taken() -
         sampler.sample()
         record = sampler.record()
     assert record is not None
-    # The thread's first reading may land before or after the explicit ones: compare without the order.
-    tagged = {(r.sm_mhz, r.phase) for r in record.readings}
-    assert tagged == {(1000, OTHER), (1980, ROLLOUT), (1755, UPDATE), (1900, OTHER), (1870, OTHER)}
+    tagged = [(r.sm_mhz, r.phase) for r in record.readings]
+    assert tagged == [(1000, OTHER), (1980, ROLLOUT), (1755, UPDATE), (1900, OTHER), (1870, OTHER)]
     # By default the sampler reads the trainer's phase (qerl_cli.rl.phase), and keeps it in the JSON.
     with ClockSampler(lambda: reading(1980), interval_s=3600.0) as default, in_phase(ROLLOUT):
+        default.clock = lambda: time.monotonic() + 10.0  # read well after the phase began
         default.sample()
     kept = default.record()
     assert kept is not None and ROLLOUT in [r.phase for r in kept.readings]
     assert SampledClocks.from_dict(json.loads(json.dumps(kept.to_dict()))) == kept
+
+
+def test_a_reading_taken_just_after_a_change_of_phase_is_neither_phases() -> None:
+    """nvidia-smi's utilization covers the driver's last sampling period: a reading taken within that of a
+    change measures the phase before it too."""
+    clock = [100.0]
+    changed = [99.5]
+    with ClockSampler(lambda: reading(1980), interval_s=3600.0, clock=lambda: clock[0],
+                      phase=lambda: (ROLLOUT, changed[0])) as sampler:  # fmt: skip
+        sampler.sample()  # 0.5 s after the rollout began: still the update's utilization in part
+        changed[0] = 100.0 - UTILIZATION_WINDOW_S - 0.1
+        sampler.sample()
+    record = sampler.record()
+    assert record is not None and [r.phase for r in record.readings][-2:] == [OTHER, ROLLOUT]
 
 
 def test_without_a_probe_nothing_is_read_and_the_row_gets_no_key() -> None:

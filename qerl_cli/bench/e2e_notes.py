@@ -21,14 +21,13 @@ RATES_KEY = "rollout_tokens_per_s_steps"
 SPREAD_KEY = "rollout_tokens_per_s_spread"
 # Below this median utilization while generating, a row's rollouts left the GPU idle part of the time,
 # waiting on the host (scheduling, sampling, detokenising, the launches between kernels), so their
-# tokens/s measure the host as much as the kernels. A decode that keeps the GPU fed reads above 90%
-# (e.g. the update reads ~100% on an H200, where rollouts read 30-87%); 80 leaves room for the
-# coarseness of nvidia-smi's utilization without calling such a rollout host-bound.
+# tokens/s measure the host as much as the kernels. Work that keeps the GPU fed (an update's GEMMs, a
+# decode whose kernels run back to back) reads above 90%; 80 leaves room for the coarseness of
+# nvidia-smi's utilization without calling such a rollout host-bound.
 HOST_BOUND_BUSY_PCT = 80.0
 # A row whose timed steps' rollout tokens/s differ by more than this (highest over lowest, less 1) is
 # named below the table: the step ratios between rows are often a few tens of percent, and a spread of
-# this size within one row (e.g. 8057 then 5621 tok/s in one process) is of their order, so a ratio
-# inside it is not a verdict.
+# this size within one row, in one process, is of their order, so a ratio inside it is not a verdict.
 STEP_SPREAD_FRACTION = 0.10
 
 
@@ -66,10 +65,15 @@ def caveat_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     return (*((ROLLOUT_BUSY_COLUMN,) if busy else ()), *((STEP_RATES_COLUMN,) if rates else ()))
 
 
+def busy_cell(row: Mapping[str, Any]) -> str:
+    """The row's ROLLOUT_BUSY_COLUMN cell (an e2e or a rollout row), ``-`` without a figure."""
+    busy = row_rollout_busy_pct(row)
+    return "-" if busy is None else f"{busy:.0f}"
+
+
 def caveat_cells(row: Mapping[str, Any], columns: tuple[str, ...]) -> tuple[str, ...]:
     """The row's cells of ``columns`` (:func:`caveat_columns`), ``-`` where it has no figure."""
-    busy = row_rollout_busy_pct(row)
-    cells = {ROLLOUT_BUSY_COLUMN: "-" if busy is None else f"{busy:.0f}", STEP_RATES_COLUMN: _rates_cell(row)}
+    cells = {ROLLOUT_BUSY_COLUMN: busy_cell(row), STEP_RATES_COLUMN: _rates_cell(row)}
     return tuple(cells[column] for column in columns)
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from qerl_cli.rl.phase import Phase
+
 # nvidia-smi answers within a second or so; a hung driver must not hang the benchmark.
 NVIDIA_SMI_TIMEOUT_S = 10.0
 # A busy reading's SM clock this far below the highest SM clock of the run is throttling even when the
@@ -46,26 +48,29 @@ REASON_BITS = {
 SLOWDOWN_REASONS = frozenset(
     {"sw_power_cap", "hw_slowdown", "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown"}
 )
-# The reason a GPU at its power limit shows. At the GPU's own (default) limit it is the GPU's normal power
-# management under a heavy load, not throttling, even where it trades clock for power: an H200 in a 7B
-# update holds 700 of 700 W at 1530-1875 MHz, as every healthy H200 does on that work. Below the default
-# (someone lowered the limit) it is throttling with a clock drop (throttle_findings).
+# The reason a GPU at its power limit shows. Where the limit in force is the board's default, it is the
+# board's normal power management under a heavy load, not throttling, even where it trades clock for power
+# (dense GEMMs at the limit run below the boost clock on every board of a kind). Where the limit in force
+# is lower (set by a user, or by a host or datacenter power cap) or either limit is unknown, the cap with
+# a clock drop is throttling (throttle_findings).
 POWER_CAP_REASONS = frozenset({"sw_power_cap"})
-# An enforced limit this far below the default is a lowered one; drivers round limits to a watt or so.
+# A limit in force this far below the default is a lowered one; drivers round limits to a watt or so.
 LOWERED_LIMIT_FRACTION = 0.98
 # Drivers from R535 on name the field clocks_event_reasons and keep clocks_throttle_reasons as an alias;
 # older ones know only the latter. The newer name first: the alias may go.
 REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
 QUERY_FIELDS = ("uuid", "clocks.sm", "clocks.max.sm", "temperature.gpu", "power.draw", "power.limit",
                 "utilization.gpu")  # fmt: skip
-# Asked too where the driver knows it (the rule tells a lowered power limit by it); a driver that does not
-# is asked without it, once, as for the reasons field's older name.
+# Asked too where the driver knows them: the board's default power limit and the limit in force (the lowest
+# of every limiter: a user's, the host's, a datacenter's), by which the rule tells a lowered limit; a driver
+# that does not is asked without them, once, as for the reasons field's older name.
 DEFAULT_LIMIT_FIELD = "power.default_limit"
+ENFORCED_LIMIT_FIELD = "enforced.power.limit"
 # What nvidia-smi says of a field this driver does not know ('Field "X" is not a valid field to query.').
 UNKNOWN_FIELD = "is not a valid field to query"
 # The queries the probe tries, in order, each QUERY_FIELDS plus what the driver may or may not know.
-QUERIES = tuple((*QUERY_FIELDS, *extra, reasons) for extra in ((DEFAULT_LIMIT_FIELD,), ())
-                for reasons in REASON_FIELDS)  # fmt: skip
+LIMIT_FIELDS = (DEFAULT_LIMIT_FIELD, ENFORCED_LIMIT_FIELD)
+QUERIES = tuple((*QUERY_FIELDS, *extra, reasons) for extra in (LIMIT_FIELDS, ()) for reasons in REASON_FIELDS)
 # A throttled verdict names this many readings, then counts the rest.
 NAMED_READINGS = 3
 
@@ -103,9 +108,11 @@ class GpuReading:
     reasons: list[str] | None
     # The training phase the reading was taken in (``qerl_cli.rl.phase``), where a case's sampler knew
     # it (bench.gpusampler); None for the host load's readings between cases.
-    phase: str | None = None
-    # The board's default power limit; None where unknown (readings from before it was asked).
+    phase: Phase | None = None
+    # The board's default power limit and the limit in force; None where unknown (readings from before
+    # they were asked, a driver without the fields).
     power_default_limit_w: float | None = None
+    power_enforced_limit_w: float | None = None
 
     @property
     def idle(self) -> bool:
@@ -118,11 +125,12 @@ class GpuReading:
         return not self.idle and (self.reasons is not None or self.utilization_pct is not None)
 
     @property
-    def limit_lowered(self) -> bool:
-        """The enforced power limit is below the board's default (someone capped it); False where unknown."""
-        if self.power_limit_w is None or self.power_default_limit_w is None:
+    def at_default_limit(self) -> bool:
+        """The power limit in force is the board's default, as far as is known: False where either is
+        unknown, or the limit in force is lower (a user's, a host's or a datacenter's cap)."""
+        if self.power_enforced_limit_w is None or self.power_default_limit_w is None:
             return False
-        return self.power_limit_w < LOWERED_LIMIT_FRACTION * self.power_default_limit_w
+        return self.power_enforced_limit_w >= LOWERED_LIMIT_FRACTION * self.power_default_limit_w
 
     @property
     def slowdowns(self) -> list[str]:
@@ -135,8 +143,9 @@ class GpuReading:
                "reasons": self.reasons}  # fmt: skip
         if self.phase is not None:  # only a case's readings have one: the host's keep their old shape
             out["phase"] = self.phase
-        if self.power_default_limit_w is not None:
-            out["power_default_limit_w"] = self.power_default_limit_w
+        for name in ("power_default_limit_w", "power_enforced_limit_w"):  # older readings keep their shape
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
@@ -145,7 +154,7 @@ class GpuReading:
         return cls(data["elapsed_s"], data.get("sm_mhz"), data.get("max_sm_mhz"), data.get("temperature_c"),
                    data.get("power_w"), data.get("power_limit_w"), data.get("utilization_pct"),
                    None if reasons is None else list(reasons), data.get("phase"),
-                   data.get("power_default_limit_w"))  # fmt: skip
+                   data.get("power_default_limit_w"), data.get("power_enforced_limit_w"))  # fmt: skip
 
     def label(self) -> str:
         """``SM 1410 MHz at 340 s``, with the temperature and power where known."""
@@ -184,6 +193,7 @@ def parse_gpu_query(text: str, gpu_uuid: str, fields: tuple[str, ...] = QUERIES[
             utilization_pct=_number(value["utilization.gpu"], int),
             reasons=None if code is None else decode_reasons(code),
             power_default_limit_w=_number(value.get(DEFAULT_LIMIT_FIELD, ""), float),
+            power_enforced_limit_w=_number(value.get(ENFORCED_LIMIT_FIELD, ""), float),
         )
     return None
 
@@ -233,10 +243,8 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
     the driver marks ``gpu_idle`` never counts. Otherwise it counts when the driver names a thermal or
     hardware slowdown, or when the GPU was working (:attr:`GpuReading.busy`: a low clock of an idle GPU
     is its own choice) and its SM clock is more than ``drop_fraction`` below the highest working clock
-    of the run (or its own maximum clock), unless the driver says the GPU is at its own power limit
-    (``sw_power_cap`` with the limit at the board's default): that is its normal power management under
-    a heavy load, the same on every healthy board of the kind (POWER_CAP_REASONS). At a lowered limit the
-    cap with such a drop is throttling."""
+    of the run (or its own maximum clock), unless the driver says the GPU is at its power limit and that
+    limit is the board's default (:attr:`GpuReading.at_default_limit`, POWER_CAP_REASONS)."""
     highest = max((r.sm_mhz for r in readings if r.busy and r.sm_mhz is not None), default=None)
     found = []
     for reading in readings:
@@ -248,14 +256,20 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
         hard = [name for name in reading.slowdowns if name not in POWER_CAP_REASONS]
         capped = any(name in POWER_CAP_REASONS for name in reading.slowdowns)
         why = list(hard)
-        if low and capped and reading.limit_lowered:
-            why.append(f"sw_power_cap at a lowered limit ({reading.power_limit_w:.0f} W of its default "
-                       f"{reading.power_default_limit_w:.0f} W)")  # fmt: skip
-        if low and (hard or not capped or reading.limit_lowered):
+        if low and capped and not reading.at_default_limit:
+            why.append(_cap_label(reading))
+        if low and (hard or not capped or not reading.at_default_limit):
             why.append(f"{1 - reading.sm_mhz / top:.0%} below {_top_label(top, highest)}")
         if why:
             found.append(f"{reading.label()}: {', '.join(why)}")
     return found
+
+
+def _cap_label(reading: GpuReading) -> str:
+    enforced, default = reading.power_enforced_limit_w, reading.power_default_limit_w
+    if enforced is None or default is None:  # as reports before the limits were read name it
+        return "sw_power_cap"
+    return f"sw_power_cap at a lowered limit ({enforced:.0f} W of its default {default:.0f} W)"
 
 
 def _top_label(top: int, highest: int | None) -> str:

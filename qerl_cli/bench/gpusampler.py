@@ -23,7 +23,7 @@ from typing import Any
 
 from qerl_cli.bench.gpuclocks import NVIDIA_SMI_TIMEOUT_S, GpuReading
 from qerl_cli.bench.hostload import HostLoad
-from qerl_cli.rl.phase import OTHER, ROLLOUT, UPDATE, Phase, current_phase
+from qerl_cli.rl.phase import OTHER, ROLLOUT, UPDATE, Phase, phase_state
 
 # One reading is an nvidia-smi subprocess, run on a spare core while the GPU works: cheap next to a
 # case of many seconds, and often enough to see a clock fall within one case.
@@ -181,19 +181,24 @@ def row_rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
     return clocks.utilization_pct_median if clocks else None
 
 
+# How far back a reading's utilization reaches: nvidia-smi reports it over the driver's last sampling
+# period, between 1/6 s and 1 s depending on the GPU.
+UTILIZATION_WINDOW_S = 1.0
+
+
 class ClockSampler:
     """Reads ``probe`` at once and then every ``interval_s`` in a daemon thread, from entering to
     leaving the ``with`` block, each reading tagged with the training phase ``phase`` says the process
-    is in (:func:`qerl_cli.rl.phase.current_phase`). It never raises into the case: a probe that fails
-    or raises becomes ``note``. With no probe (no GPU measured) it reads nothing and :meth:`record` is
-    None."""
+    is in (:func:`qerl_cli.rl.phase.phase_state`: the phase and when it last changed, on ``clock``). It
+    never raises into the case: a probe that fails or raises becomes ``note``. With no probe (no GPU
+    measured) it reads nothing and :meth:`record` is None."""
 
     def __init__(
         self,
         probe: Probe | None,
         interval_s: float = SAMPLE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
-        phase: Callable[[], Phase] = current_phase,
+        phase: Callable[[], tuple[Phase, float]] = phase_state,
     ) -> None:
         self.probe, self.interval_s, self.clock, self.phase = probe, interval_s, clock, phase
         self._stop = threading.Event()
@@ -227,16 +232,19 @@ class ClockSampler:
     def sample(self) -> None:
         """One reading (or why there is none), kept unless the sampler has stopped meanwhile."""
         assert self.probe is not None and self._record is not None
-        before = self.phase()
+        before, changed_at = self.phase()
+        asked_at = self.clock()
         try:
             found = self.probe()
         except Exception as exc:  # noqa: BLE001 - a broken probe must not end the case it watches
             found = f"the clock probe raised {type(exc).__name__}: {exc}"
-        after = self.phase()
-        # A phase that changed while nvidia-smi ran gives a reading of both (its utilization covers its
-        # last sampling period): it belongs to neither phase's figures.
-        phase = before if before == after else OTHER
-        elapsed = round(self.clock() - self._record.started_clock_s, 1)
+        after, _ = self.phase()
+        # A reading covers a window before it is read (the utilization, the driver's last sampling
+        # period): one whose phase changed within that window or while nvidia-smi ran is of both phases,
+        # and belongs to neither phase's figures.
+        straddles = before != after or asked_at - changed_at < UTILIZATION_WINDOW_S
+        phase = OTHER if straddles else before
+        elapsed = round(asked_at - self._record.started_clock_s, 1)
         with self._lock:
             if self._stop.is_set():
                 return

@@ -18,6 +18,7 @@ from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
 from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
 from qerl_cli.bench.e2e_notes import (
     ROLLOUT_BUSY_COLUMN,
+    busy_cell,
     caveat_cells,
     caveat_columns,
     host_bound_line,
@@ -147,7 +148,7 @@ def _has_busy(rows: list[dict[str, Any]]) -> bool:
 
 
 def _busy_cell(row: dict[str, Any], shown: bool) -> tuple[str, ...]:
-    return (_fmt(row_rollout_busy_pct(row), ".0f"),) if shown else ()
+    return (busy_cell(row),) if shown else ()
 
 
 def rollout_columns(report: BenchResult) -> tuple[str, ...]:

@@ -65,9 +65,18 @@ def clocks_summary(clocks: GpuClocks) -> str:
     temperatures = [r.temperature_c for r in readings if r.temperature_c is not None]
     if temperatures:
         parts.append(_clock_range(temperatures, "C"))
+    # Not throttled: a working reading's slowdown reason can only be the power cap at the default limit, or
+    # the cap while the clock held; any other came with the driver's gpu_idle.
+    capped = [r for r in readings if r.busy and r.slowdowns]
+    capped_sm = [r.sm_mhz for r in capped if r.sm_mhz is not None]
     if not any(r.reasons is not None for r in readings):
         parts.append("slowdown reasons unknown")
-    else:  # not throttled: a slowdown reason, if any, came with the driver's gpu_idle
+    elif capped:
+        where = f" (SM {_clock_range(capped_sm, 'MHz')})" if capped_sm else ""
+        parts.append(
+            f"at its power limit in {len(capped)} working reading{'s' if len(capped) > 1 else ''}{where}"
+        )
+    else:
         parts.append(
             "slowdown reasons only while idle" if any(r.slowdowns for r in readings) else "no slowdown reason"
         )

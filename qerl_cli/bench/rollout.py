@@ -150,9 +150,9 @@ def measure_batch(
     on_sample: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """One (engine, batch) measurement: warm-up, then ``repeats`` timed full and prefill passes."""
-    # Unseeded sampling: the prompts are what must be reproducible, and are. (Training seeds every
-    # request, which makes vLLM draw each request's noise apart; on an H200 at 128 x 2048 that measured
-    # no slower than one generator: benchmarks/h200-2026-11-29-grpo-step-rerun.)
+    # Unseeded sampling: a figure needs reproducible prompts (they are), not reproducible samples. Training
+    # seeds every request, for reproducible rollouts; timed side by side, that did not slow vLLM's
+    # sampling (benchmarks/h200-2026-11-29-grpo-step-rerun), so these figures stand for training's.
     full = SamplingSpec(settings.gen_len, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True)
     prefill = SamplingSpec(1, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True)
 
