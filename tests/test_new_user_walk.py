@@ -276,3 +276,24 @@ def test_resume_of_a_file_names_its_folder(
     assert usage_error(rc, err) and f"--resume {config} is a file" in err and f"({config.parent}?)" in err, (
         err
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("qwen2.5-7", "did you mean the shape qwen2.5-7b?"),
+        ("qerl-test/not-cached-model", "HF_HUB_OFFLINE=1 is set, and it is not in the local cache"),
+    ],
+)
+def test_a_bench_model_that_is_no_shape_nor_reachable_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    model: str,
+    expected: str,
+) -> None:
+    """`qerl bench --model qwen2.5-7 --dry-run` (a shape mistyped) passed as "a hub id, downloaded at the
+    start"; the run then failed on the Hub's own error, after the host checks and the plan."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = run_cli(capsys, "bench", "rollout", "--model", model, "-o", str(tmp_path / "b"), "--dry-run")
+    assert usage_error(rc, err) and f"--model {model}" in err and expected in err, err
