@@ -297,3 +297,20 @@ def test_a_bench_model_that_is_no_shape_nor_reachable_fails_the_dry_run(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     rc, _, err = run_cli(capsys, "bench", "rollout", "--model", model, "-o", str(tmp_path / "b"), "--dry-run")
     assert usage_error(rc, err) and f"--model {model}" in err and expected in err, err
+
+
+@pytest.mark.parametrize("baseline", ["OUT/results.json", "OUT", "OUT/"])
+def test_an_eval_baseline_its_run_would_replace_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, baseline: str
+) -> None:
+    """`qerl eval MODEL --baseline eval_results/results.json` without --output wrote the new results over
+    the baseline's, the one file of the earlier run, without a word."""
+    out = tmp_path / "eval_results"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"benchmarks": {}}))
+    given = baseline.replace("OUT", str(out))
+    rc, _, err = run_cli(capsys, "eval", str(tiny_model_dir), "--benchmarks", "synthetic-addition",
+                         "--baseline", given, "-o", str(out), "--dry-run")  # fmt: skip
+    assert usage_error(rc, err), err
+    assert f"--baseline {given}: this run writes its results.json into {out}, over the baseline" in err
+    assert json.loads((out / "results.json").read_text()) == {"benchmarks": {}}
