@@ -314,3 +314,21 @@ def test_an_eval_baseline_its_run_would_replace_is_refused(
     assert usage_error(rc, err), err
     assert f"--baseline {given}: this run writes its results.json into {out}, over the baseline" in err
     assert json.loads((out / "results.json").read_text()) == {"benchmarks": {}}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--set", "repeats=1"],
+            "repeats (--set repeats=N) must be at least 3 so the median means something",
+        ),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0 (0 skips the LoRA cases), got -1"),
+    ],
+)
+def test_a_bench_setting_the_run_refuses_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    """`qerl bench --set repeats=1 --dry-run` passed (exit 0); the run then refused it, after its plan."""
+    rc, _, err = run_cli(capsys, "bench", *argv, "-o", str(tmp_path / "b"), "--dry-run")
+    assert usage_error(rc, err) and expected in err, err
