@@ -332,3 +332,20 @@ def test_a_bench_setting_the_run_refuses_fails_the_dry_run(
     """`qerl bench --set repeats=1 --dry-run` passed (exit 0); the run then refused it, after its plan."""
     rc, _, err = run_cli(capsys, "bench", *argv, "-o", str(tmp_path / "b"), "--dry-run")
     assert usage_error(rc, err) and expected in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--benchmarks", "synthetic-addition", "--data-file", "gsm8k=x.jsonl"], "gsm8k"),
+        (["--data-file", "math=x.jsonl"], "math"),  # math500 meant: the default benchmarks' own
+    ],
+)
+def test_an_eval_data_file_of_a_benchmark_not_evaluated_is_named(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, argv: list[str], named: str
+) -> None:
+    """`qerl eval MODEL --benchmarks synthetic-addition --data-file gsm8k=x.jsonl` ignored the file (not
+    even there) without a word; with the default benchmarks, a misnamed one was refused as gsm8k offline."""
+    rc, _, err = run_cli(capsys, "eval", str(tiny_model_dir), *argv, "--dry-run")
+    assert usage_error(rc, err), err
+    assert f"--data-file names {named}, not among the benchmarks evaluated" in err and "--benchmarks" in err
