@@ -349,3 +349,12 @@ def test_an_eval_data_file_of_a_benchmark_not_evaluated_is_named(
     rc, _, err = run_cli(capsys, "eval", str(tiny_model_dir), *argv, "--dry-run")
     assert usage_error(rc, err), err
     assert f"--data-file names {named}, not among the benchmarks evaluated" in err and "--benchmarks" in err
+
+
+@pytest.mark.parametrize(("asked", "meant"), [("aqn.targt", "aqn.target"), ("rolout", "rollout")])
+def test_a_misspelt_keys_lookup_is_named(capsys: pytest.CaptureFixture[str], asked: str, meant: str) -> None:
+    """`qerl train --keys aqn.targt` listed the sections without the key meant; `--set` names it."""
+    rc, _, err = run_cli(capsys, "train", "--keys", asked)
+    assert usage_error(rc, err) and f"--keys {asked}: no such section or key; did you mean {meant}?" in err, (
+        err
+    )
