@@ -381,3 +381,13 @@ def test_a_model_alias_half_remembered_is_named(
     monkeypatch.chdir(tmp_path)
     rc, _, err = run_cli(capsys, "quantize", model, "-f", "nvfp4", "--method", "rtn", "--dry-run")
     assert usage_error(rc, err) and expected in err, err
+
+
+def test_a_key_left_empty_is_called_empty(capsys: pytest.CaptureFixture[str]) -> None:
+    """`qerl train tiny --set model.path=` said "has value None (NoneType); expected str": Python's words
+    for the empty value the user typed."""
+    rc, _, err = run_cli(capsys, "train", "tiny", "--set", "model.path=", "--dry-run")
+    assert usage_error(rc, err) and "NoneType" not in err, err
+    assert (
+        "config key 'model.path' has no value (null, as `KEY:` or `--set KEY=` with nothing after it" in err
+    )

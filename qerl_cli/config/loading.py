@@ -202,9 +202,12 @@ def from_dict(
             kwargs[key] = _coerce(value, tp)
         except _Mismatch as exc:
             detail = f": {exc.detail}" if exc.detail else ""
-            problem = exc.problem or (
-                f"has value {value!r} ({type(value).__name__}); expected {_type_name(tp)}{detail}"
+            given = (
+                "has no value (null, as `KEY:` or `--set KEY=` with nothing after it gives)"
+                if value is None
+                else f"has value {value!r} ({type(value).__name__})"
             )
+            problem = exc.problem or f"{given}; expected {_type_name(tp)}{detail}"
             raise ConfigValueError(path, problem, label=f"config key '{path}'") from None
     return cls(**kwargs)
 
