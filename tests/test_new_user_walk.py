@@ -391,3 +391,15 @@ def test_a_key_left_empty_is_called_empty(capsys: pytest.CaptureFixture[str]) ->
     assert (
         "config key 'model.path' has no value (null, as `KEY:` or `--set KEY=` with nothing after it" in err
     )
+
+
+def test_one_generation_a_prompt_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    """`qerl train tiny --set rollout.num_generations=1 --dry-run` passed; the run then stopped on
+    "group_size (generations per prompt) must be at least 2", a name no recipe has."""
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}",
+        "--set", "rollout.num_generations=1", "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err) and "rollout.num_generations must be at least 2" in err, err
