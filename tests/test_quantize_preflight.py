@@ -140,3 +140,17 @@ def test_a_gguf_file_is_found_not_converted(
     assert f"MODEL: {gguf}: the GGUF file {gguf}, converted to a BF16 folder at the start, once" in err
     assert f"--output: {workdir / 'Tiny-Model-NF4'}: a new folder" in err
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("calib", ["qerl-txt", "qerl_text"])
+def test_a_misspelt_shipped_calibration_set_is_named(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, calib: str
+) -> None:
+    """`--calib qerl-txt` was taken for a Hub dataset: refused offline as one, and online streamed from the
+    Hub until it failed there."""
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "-f", "nvfp4", "--method", "gptq",
+                     "--calib", calib, "-o", str(tmp_path / "out"), "--dry-run")  # fmt: skip
+    assert (
+        rc == 2
+        and f"--calib {calib}: no such file, and not the shipped set: did you mean --calib qerl-text?" in err
+    )

@@ -84,3 +84,19 @@ def test_an_error_keeps_a_long_path_whole_at_any_width(
     recipe.write_bytes(b"\x89\xff\xfe\x00binary")
     assert main(["train", str(recipe)]) == 2
     assert str(recipe) in capsys.readouterr().err  # raw: no line break inside the path
+
+
+def test_quality_output_that_is_a_folder_or_another_file_is_refused_before_work(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`qerl quality ... -o results/` measured every base, then failed to write (internal error, exit 1);
+    `-o MODEL/config.json` replaced the model's config with the report."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    rc, err = run(capsys, "quality", str(tiny_model_dir), f"a={tiny_model_dir}", "-o", str(folder))
+    assert rc == 2 and f"--output {folder} is a folder, not a file" in err and "quality.json" in err
+    other = tmp_path / "config.json"
+    other.write_text('{"model_type": "qwen2"}')
+    rc, err = run(capsys, "quality", str(tiny_model_dir), f"a={tiny_model_dir}", "-o", str(other))
+    assert rc == 2 and f"--output {other} exists and is not the report of an earlier `qerl quality`" in err
+    assert other.read_text() == '{"model_type": "qwen2"}'

@@ -23,10 +23,10 @@ from qerl_cli.bench.concurrency import backends_for
 from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
-from qerl_cli.bench.rollout import WARMUP_TOKENS
+from qerl_cli.bench.rollout import MIN_REPEATS, WARMUP_TOKENS
 from qerl_cli.bench.settings import E2EConfig
-from qerl_cli.config import BenchConfig
-from qerl_cli.errors import install_hint
+from qerl_cli.config import BenchConfig, validate
+from qerl_cli.errors import QerlError, install_hint
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
 # given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
@@ -128,6 +128,21 @@ def _estimate(
     return sum(n * CPU_STEP_S.get(fmt, CPU_STEP_S["nf4"]) * scale for fmt, n in steps.items())
 
 
+def check_settings(cfg: BenchConfig) -> int:
+    """Refuse settings that cannot give a meaningful figure; returns the fewest timed repeats allowed."""
+
+    validate(cfg, "bench.")  # the shared walk: its list settings, then the class's own checks
+    # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
+    min_repeats = 1 if cfg.concurrency or isinstance(cfg, E2EConfig) else MIN_REPEATS
+    if cfg.repeats < min_repeats:
+        allowed = "" if min_repeats == 1 else " (`qerl bench concurrency` and `e2e` allow 1)"
+        raise QerlError(f"repeats (--set repeats=N) must be at least {min_repeats} so the median means "
+                        f"something{allowed}")  # fmt: skip
+    if cfg.lora_rank < 0:
+        raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
+    return min_repeats
+
+
 def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool = True) -> BenchPlan:
     """Resolve and check ``cfg`` (engine, packages, model, output) and count its work; with ``given``
     (the keys the user set: the CLI), the CPU's lengths fill the others on the transformers engine.
@@ -136,6 +151,7 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     format or linear backend whose package is missing, an e2e linear backend asked of the HF engine
     (which has none), an output folder that cannot be written, a negative ``--tolerance``."""
 
+    check_settings(cfg)
     preflight.check_tolerance(cfg.tolerance)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)
     notes = apply_cpu_lengths(cfg, engine, given) if given is not None else []

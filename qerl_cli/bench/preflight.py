@@ -11,6 +11,7 @@ Importing this module imports no torch: the GPU probe (:func:`gpu_available`) im
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,7 +149,21 @@ def describe_model(model: str, formats: list[str] | None = None) -> str:
         raise files.file_given_for_folder(model, "--model", MODEL_CHOICES)
     if model.startswith((".", "/", "~")):
         raise QerlError(f"--model {model}: no such folder; give {MODEL_CHOICES}")
-    return f"{model} (a hub id, downloaded at the start)"
+    return f"{model} ({_hub_id_or_alias(model)})"
+
+
+def _hub_id_or_alias(model: str) -> str:
+    """A --model that is no folder and no shape: a hub id in the cache or on a reachable Hub, or an alias
+    on this machine (a GGUF file), else refused now, naming the shape meant (``qwen2.5-7``)."""
+    from qerl_cli.bench.models import shape_names
+    from qerl_cli.modeling.source_checks import looks_like_hub_id, model_source_found
+
+    hint = ""
+    if not looks_like_hub_id(model):
+        close = difflib.get_close_matches(model.lower(), shape_names(), n=1)
+        guess = f"did you mean the shape {close[0]}? " if close else ""
+        hint = f"{guess}the shapes: {', '.join(shape_names())}"
+    return model_source_found(model, what="--model", hint=hint).partition(": ")[2]
 
 
 def summary(items: dict[str, Any]) -> list[str]:

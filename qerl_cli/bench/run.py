@@ -24,13 +24,13 @@ from qerl_cli.bench.engines import Case, run_case
 from qerl_cli.bench.gate import check_regressions
 from qerl_cli.bench.gpusampler import take_case_clocks
 from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
-from qerl_cli.bench.plan import bench_plan
+from qerl_cli.bench.plan import bench_plan, check_settings
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.report import add_speedups, write_markdown
 from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
-from qerl_cli.bench.rollout import MIN_REPEATS, TEMPERATURE, TOP_P
+from qerl_cli.bench.rollout import TEMPERATURE, TOP_P
 from qerl_cli.bench.settings import E2EConfig
-from qerl_cli.config import BenchConfig, validate
+from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
@@ -118,21 +118,6 @@ def _case_priority(case: Any) -> int:
     return 2 if case.format == "bf16" else 1
 
 
-def _check_settings(cfg: BenchConfig) -> int:
-    """Refuse settings that cannot give a meaningful figure; returns the fewest timed repeats allowed."""
-
-    validate(cfg, "bench.")  # the shared walk: its list settings, then the class's own checks
-    # A sweep and whole GRPO steps are long enough for one timed run each; a rollout case is not.
-    min_repeats = 1 if cfg.concurrency or isinstance(cfg, E2EConfig) else MIN_REPEATS
-    if cfg.repeats < min_repeats:
-        allowed = "" if min_repeats == 1 else " (`qerl bench concurrency` and `e2e` allow 1)"
-        raise QerlError(f"repeats (--set repeats=N) must be at least {min_repeats} so the median means "
-                        f"something{allowed}")  # fmt: skip
-    if cfg.lora_rank < 0:
-        raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
-    return min_repeats
-
-
 def _measure_rollouts(cfg: BenchConfig, engine: str, checkpoints: dict[str, Path], report: BenchResult,
                       timings: BenchTimings, settings: dict[str, Any], out: Path,
                       started: float) -> None:  # fmt: skip
@@ -217,7 +202,7 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     exits 1 when there are any). Mistakes (unknown format, bad baseline) raise ``QerlError``.
     """
 
-    min_repeats = _check_settings(cfg)
+    min_repeats = check_settings(cfg)
     baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
     # Every package, the engine, the output folder: checked before the first checkpoint is written.
     plan = bench_plan(cfg)

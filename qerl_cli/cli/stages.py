@@ -6,6 +6,7 @@ without the optional extras (vLLM, llm-compressor).
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import os
@@ -200,7 +201,11 @@ def print_keys(config: type, prefix: str) -> None:
     docs = [d for d in key_docs(config) if not prefix or d.key == prefix or d.key.startswith(f"{prefix}.")]
     if not docs:
         known = ", ".join(sections(config))
-        raise QerlError(f"--keys {prefix}: no such section or key; the sections: {known}")
+        close = difflib.get_close_matches(
+            prefix, [*sections(config), *(d.key for d in key_docs(config))], n=1
+        )
+        guess = f"did you mean {close[0]}? " if close else ""
+        raise QerlError(f"--keys {prefix}: no such section or key; {guess}the sections: {known}")
     for doc in docs:
         console.print(  # never wrapped: the key is what a user copies into --set
             f"[bold]{escape(doc.key)}[/bold]: {escape(doc.type)} = {escape(doc.default)}",

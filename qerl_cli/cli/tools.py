@@ -15,7 +15,7 @@ from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
 from qerl_cli.cli.progress import quiet_library_bars, stage_log
 from qerl_cli.errors import QerlError
-from qerl_cli.files import check_writable_folder, write_json
+from qerl_cli.files import check_writable_file, check_writable_folder, write_json
 
 # What a model folder may hold, for the --formats help: the config's names, which follow the registry.
 WEIGHT_FORMATS = [name for name in get_args(config.ModelFormat) if name != "auto"]
@@ -126,12 +126,32 @@ def quality(
         raise QerlError("--rows must be > 0 and --seq-len >= 2")
     parsed = [parse_candidate(text) for text in candidates]
     _check_quality_paths(reference, parsed)
+    if output is not None:
+        _check_quality_output(output)
     use_free_cpu_threads()
     report = measure_quality(reference, parsed, device=device, rows=rows, seq_len=seq_len)
     console.print(quality_table(report))
     if output is not None:
         write_json(output, report.to_dict())
         console.print(f"wrote {escape(str(output))}")
+
+
+def _check_quality_output(output: Path) -> None:
+    """``-o FILE`` can take the report, before any model loads: not a folder, and not a file of another
+    kind (a model's config.json), which the report would replace; an earlier report there is replaced."""
+    if not check_writable_file(
+        output, "--output", f"give a file for the JSON report, e.g. {output / 'quality.json'}"
+    ):
+        return
+    try:
+        data = json.loads(output.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if not (isinstance(data, dict) and {"reference", "rows"} <= data.keys()):
+        raise QerlError(
+            f"--output {output} exists and is not the report of an earlier `qerl quality`, which the report "
+            "would replace: give another FILE"
+        )
 
 
 def _check_quality_paths(reference: str, candidates: list[Any]) -> None:

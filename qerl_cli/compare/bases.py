@@ -63,11 +63,7 @@ def prepare_bases(
                 log.warning("arm %s: base.method is unused: the recipe's model %s is %s already", arm, source,
                             own)  # fmt: skip
         elif own != "bf16":
-            raise QerlError(
-                f"arm {arm} needs a {choice.format} base but the recipe's model {source} is {own}; point "
-                "model.path at the BF16 model (its 4-bit counterparts are made here), or give the arm its "
-                "own model.path"
-            )
+            raise _not_from(arm, choice.format, source, own)
         else:
             init = _lora_init_of(arms, choice, method)
             base = _quantized_base(folder, out, choice, probe.train.device, init, probe.lora.rank)
@@ -81,6 +77,30 @@ def prepare_bases(
         else:
             bases[arm] = base
     return bases
+
+
+def check_base_formats(
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], method: str = DEFAULT_BASE_METHOD
+) -> None:
+    """What :func:`prepare_bases` refuses, before any work and without loading or converting anything: an
+    arm asking for a format the recipe's model folder is not, while that model is not BF16 (4-bit bases
+    are made from a BF16 one). A hub id, a GGUF file or an alias is BF16 once converted: nothing to check."""
+    source = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None)).model.path
+    folder = Path(source).expanduser()
+    if not (folder / "config.json").is_file():
+        return
+    own = detect_format(read_config(folder))
+    for arm, overrides in arms.items():
+        choice = base_choice(overrides, method, where=f"arm {arm}")
+        if "model.path" not in overrides and choice.format not in ("auto", own) and own != "bf16":
+            raise _not_from(arm, choice.format, source, own)
+
+
+def _not_from(arm: str, fmt: str, source: str, own: str) -> QerlError:
+    return QerlError(
+        f"arm {arm} needs a {fmt} base but the recipe's model {source} is {own}; point model.path at the "
+        "BF16 model (its 4-bit counterparts are made here), or give the arm its own model.path"
+    )
 
 
 def recorded_bases(out: Path, finished: list[tuple[str, int]]) -> dict[str, str]:

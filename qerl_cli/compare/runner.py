@@ -37,7 +37,7 @@ from typing import Any
 from qerl_cli.compare import heldout
 from qerl_cli.compare.arms import select_arms
 from qerl_cli.compare.base_identity import base_identity
-from qerl_cli.compare.bases import base_labels, prepare_bases, recorded_bases
+from qerl_cli.compare.bases import base_labels, check_base_formats, prepare_bases, recorded_bases
 from qerl_cli.compare.gpu_share import SHARE_KEY, planning_sets, shared_gpu_sets
 from qerl_cli.compare.parallel import (
     CHILD_ENV,
@@ -223,6 +223,7 @@ def _input_checks(ablation: _Ablation) -> list[Checked]:
     probes = _probes(ablation)
     for check in (preflight.model_source, preflight.dataset):
         checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
+    check_base_formats(ablation.data, ablation.arms, ablation.sets, ablation.settings.base_method)
     return checked
 
 

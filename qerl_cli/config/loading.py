@@ -14,6 +14,7 @@ import yaml
 
 from qerl_cli.config.checks import ConfigValueError, NeedsItems, empty_rule
 from qerl_cli.config.choices import RESOLVED_CONFIG_NAME
+from qerl_cli.config.sections import TrainConfig
 from qerl_cli.errors import QerlError
 
 # --------------------------------------------------------------------------------------------
@@ -177,6 +178,18 @@ def _unknown_key(root: type, root_prefix: str, path: str) -> QerlError:
     return QerlError(f"unknown config key '{path}'; {hint}")
 
 
+def _refuse_recipe_sections(data: dict[str, Any], types_: dict[str, Any], prefix: str) -> None:
+    """A training recipe as another command's settings: its section named as one, not as a close key."""
+    train = _field_types(TrainConfig)
+    recipe = [k for k in data if k not in types_ and dataclasses.is_dataclass(train.get(k))]
+    if recipe:
+        raise QerlError(
+            f"unknown config key '{prefix}{recipe[0]}': a section of a training recipe (qerl train, qerl "
+            "compare), not a setting of this command: its --dry-run prints those (`... --dry-run > "
+            "settings.yaml` writes a --config file)"
+        )
+
+
 def from_dict(
     cls: type[C], data: dict[str, Any], *, prefix: str = "", _root: tuple[type, str] | None = None
 ) -> C:
@@ -189,6 +202,8 @@ def from_dict(
         where = prefix.rstrip(".") or "the recipe"
         raise QerlError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
     types_ = _field_types(cls)
+    if _root is None and cls is not TrainConfig:
+        _refuse_recipe_sections(data, types_, prefix)
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
@@ -202,9 +217,12 @@ def from_dict(
             kwargs[key] = _coerce(value, tp)
         except _Mismatch as exc:
             detail = f": {exc.detail}" if exc.detail else ""
-            problem = exc.problem or (
-                f"has value {value!r} ({type(value).__name__}); expected {_type_name(tp)}{detail}"
+            given = (
+                "has no value (null, as `KEY:` or `--set KEY=` with nothing after it gives)"
+                if value is None
+                else f"has value {value!r} ({type(value).__name__})"
             )
+            problem = exc.problem or f"{given}; expected {_type_name(tp)}{detail}"
             raise ConfigValueError(path, problem, label=f"config key '{path}'") from None
     return cls(**kwargs)
 

@@ -137,6 +137,9 @@ class RolloutSection:
             tensor_parallel_size=self.tensor_parallel_size,
             logprob_gap_warn=self.logprob_gap_warn,
         )
+        if self.num_generations < 2:  # a group of one has no spread of rewards: every advantage is 0
+            raise QerlError(f"{where}.num_generations must be at least 2 (GRPO learns from the spread of "
+                            f"rewards within a prompt's group), got {self.num_generations}")  # fmt: skip
         if self.linear_backend in ("humming", "fp8", *MERGED_LINEAR_BACKENDS) and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "

@@ -158,6 +158,13 @@ class EvalConfig:
                 f"has unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHMARKS_ALL)} "
                 "(lower case), a synthetic-* task, or give a file with --data-file NAME=PATH",
             )
+        unused = [name for name in self.data_files if name not in self.benchmarks]
+        if unused and not self.rescore:  # a rescore's benchmarks are those saved (the default: all)
+            raise ConfigValueError(
+                _key(where, "data_files"),
+                f"names {', '.join(unused)}, not among the benchmarks evaluated "
+                f"({', '.join(self.benchmarks)}): add it to --benchmarks, or leave its file out",
+            )
         if not self.rescore and not self.model:
             raise QerlError(
                 "no model given: pass a hub id, a local folder, a .gguf file or a model alias (qerl models), "

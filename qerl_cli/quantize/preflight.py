@@ -10,6 +10,7 @@ checks, in order. Nothing is loaded, converted or written here.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -147,6 +148,10 @@ def calibration_source(calib: str, split: str, samples: int) -> str:
                 f"--calib {calib}: a calibration file is .jsonl or .parquet (got '{path.suffix}')"
             )
         return f"{what} from the file {calib}"
+    if "/" not in calib and difflib.get_close_matches(calib.lower(), [BUILTIN_NAME], n=1, cutoff=0.75):
+        raise QerlError(
+            f"--calib {calib}: no such file, and not the shipped set: did you mean --calib {BUILTIN_NAME}?"
+        )
     offline = source_checks.hub_offline_by_env() or os.environ.get("HF_DATASETS_OFFLINE", "").lower() in (
         "1",
         "true",
