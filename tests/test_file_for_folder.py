@@ -37,3 +37,12 @@ def test_bench_model_that_is_a_file(
     assert usage_error(rc, err), err
     assert f"--model {weights} is a file, not a folder: give a model folder, a hub id or a shape name" in err
     assert "no such folder" not in err
+
+
+def test_bench_model_that_is_a_gguf_file_is_planned_as_one(tmp_path: Path) -> None:
+    """A .gguf file is a model the run converts at the start: the plan says so (it was "no such folder")."""
+    from qerl_cli.bench.preflight import describe_model
+
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_text("")
+    assert describe_model(str(gguf)) == f"{gguf} (a GGUF file, converted to a model folder at the start)"

@@ -145,7 +145,9 @@ def describe_model(model: str, formats: list[str] | None = None) -> str:
             raise QerlError(f"--model {model} has no config.json; give {MODEL_CHOICES}")
         own = check_folder_formats(model, path, formats) if formats else None
         return f"{path} (a local {own or 'model'} folder)"
-    if path.is_file() and path.suffix.lower() != GGUF_SUFFIX:  # a .gguf is converted at the start
+    if path.is_file():
+        if path.suffix.lower() == GGUF_SUFFIX:  # resolve_model_source converts it at the start
+            return f"{path} (a GGUF file, converted to a model folder at the start)"
         raise files.file_given_for_folder(model, "--model", MODEL_CHOICES)
     if model.startswith((".", "/", "~")):
         raise QerlError(f"--model {model}: no such folder; give {MODEL_CHOICES}")
