@@ -195,9 +195,7 @@ def test_the_power_cap_at_the_boards_default_limit_is_a_loaded_gpu_not_throttlin
         reading(1530, ["sw_power_cap"], enforced=None),
     ):
         (found,) = throttle_findings([reading(1980), unknown])
-        assert found.endswith(
-            "sw_power_cap, 23% below the run's highest 1980 MHz"
-        )
+        assert found.endswith("sw_power_cap, 23% below the run's highest 1980 MHz")
     # A lowered limit holding the clock is no slowdown; a thermal reason beside the cap still is one.
     assert throttle_findings([reading(1980), reading(1900, ["sw_power_cap"], enforced=500)]) == []
     (thermal,) = throttle_findings([reading(1980), reading(1500, ["sw_power_cap", "sw_thermal_slowdown"])])
