@@ -218,7 +218,8 @@ def test_auto_resolves_by_device_and_base() -> None:
 
 @pytest.mark.parametrize(
     ("quantized", "capability", "needle"),
-    [(True, None, "on the CPU, without FP8 tensor cores"), (True, (8, 0), "capability 8.0"),
+    [(True, None, "on the CPU, and FP8 base compute needs a CUDA GPU"), (True, (8, 0), "capability 8.0"),
+     (False, None, "on the CPU"),
      (False, (9, 0), "no 4-bit layer of this model has the 33,554,432 weights")],
 )  # fmt: skip
 def test_fp8_asked_where_it_cannot_run_is_an_error(quantized: bool, capability, needle: str) -> None:

@@ -56,23 +56,37 @@ def resolve_base_compute(
         )
     if quantized is None:
         return "bf16", "train.base_compute=fp8: the base is BF16, which computes in BF16"
-    where = (
-        "the CPU" if capability is None else f"a GPU of compute capability {capability[0]}.{capability[1]}"
-    )
+    where = check_fp8_device(capability)  # first: on the CPU no model runs FP8 GEMMs
     problem = None
     if not quantized:
         problem = (f"no 4-bit layer of this model has the {FP8_MIN_WEIGHTS:,} weights where FP8 GEMMs "
                    "beat BF16 (the largest layers of a 7B and up do)")  # fmt: skip
-    elif capability is None or capability < FP8_MIN_CAPABILITY:
-        need = ".".join(map(str, FP8_MIN_CAPABILITY))
-        problem = f"training runs on {where}, without FP8 tensor cores (compute capability >= {need})"
     elif bad_dims:
         problem = f"a base layer has {bad_dims} (FP8 GEMMs need multiples of 16)"
     if problem is not None:
-        raise QerlError(
-            f"train.base_compute=fp8 cannot run: {problem}. Set train.base_compute to auto or bf16"
-        )
+        raise _cannot_run(problem)
     return "fp8", f"train.base_compute=fp8: a 4-bit base on {where} with FP8 tensor cores"
+
+
+def check_fp8_device(capability: tuple[int, int] | None) -> str:
+    """Where training runs (``capability``: its GPU's, None: the CPU), said for a message, when it has
+    FP8 tensor cores; else the QerlError that names the GPUs FP8 base compute needs. ``qerl train``'s
+    checks ask it before the model loads (``rl.preflight.base_compute``)."""
+    need = ".".join(map(str, FP8_MIN_CAPABILITY))
+    gpus = (
+        f"a CUDA GPU with FP8 tensor cores (compute capability >= {need}: Ada, Hopper or later, e.g. "
+        "L4, L40S, H100)"
+    )
+    if capability is None:
+        raise _cannot_run(f"training runs on the CPU, and FP8 base compute needs {gpus}")
+    where = f"a GPU of compute capability {capability[0]}.{capability[1]}"
+    if capability < FP8_MIN_CAPABILITY:
+        raise _cannot_run(f"training runs on {where}, without FP8 tensor cores: it needs {gpus}")
+    return where
+
+
+def _cannot_run(problem: str) -> QerlError:
+    return QerlError(f"train.base_compute=fp8 cannot run: {problem}. Set train.base_compute to auto or bf16")
 
 
 def apply_base_compute(model: nn.Module, choice: str, device: torch.device) -> str:
