@@ -60,6 +60,14 @@ def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def check_liger(mode: str) -> None:
+    """``train.fused_kernels=liger`` without liger-kernel installed is a QerlError with the install
+    command; asked by ``qerl train``'s checks before the model loads (``rl.preflight.fused_kernels``)."""
+    if mode == "liger" and not liger_installed():
+        raise QerlError("train.fused_kernels=liger needs liger-kernel, which is not installed: "
+                        f"{INSTALL_HINT} (or set train.fused_kernels=auto)")  # fmt: skip
+
+
 def _supported_types() -> set[str]:
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
@@ -273,9 +281,7 @@ def apply_fused_kernels(model: nn.Module, mode: str, *, on_gpu: bool) -> Applied
         raise QerlError(f"train.fused_kernels={mode!r} is unknown; choose one of {', '.join(sorted(kinds))}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not liger_installed():
-        if mode == "liger":
-            raise QerlError("train.fused_kernels=liger needs liger-kernel, which is not installed: "
-                            f"{INSTALL_HINT} (or set train.fused_kernels=auto)")  # fmt: skip
+        check_liger(mode)
         return off
     if model_type not in _supported_types():
         if mode == "liger":
