@@ -3,6 +3,7 @@ package, GPU), and `qerl train --dry-run` runs exactly these checks, saying what
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,6 @@ def test_the_missing_model_hint_fits_the_recipe() -> None:
 
 def test_the_cpu_estimate_is_said_from_the_configuration(tmp_path: Path) -> None:
     """SmolLM2-135M's shape, the shipped recipe's work: an estimate, labelled as one, in minutes a step."""
-    import json
 
     from qerl_cli.config import TrainConfig, load_config
     from qerl_cli.rl.preflight import cpu_estimate
@@ -169,3 +169,59 @@ def test_the_cpu_estimate_is_said_from_the_configuration(tmp_path: Path) -> None
     assert (
         cpu_estimate(load_config(TrainConfig, "smollm2_wordproblems", ["model.path=org/hub-model"])) is None
     )
+
+
+def test_a_lora_init_folder_missing_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
+) -> None:
+    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
+    for extra in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, "train", str(path), "--set", "lora.init=eora", *extra)
+        assert rc == 2, err
+        assert f"starts the adapter from {tiny_model_dir / 'lora_init'}, which does not exist" in err
+        assert "--lora-init eora" in err and "lora.init=zeros" in err and "Traceback" not in err
+
+
+def test_liger_missing_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, hide_packages
+) -> None:
+    hide_packages("liger_kernel")
+    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
+    for extra in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, "train", str(path), "--set", "train.fused_kernels=liger", *extra)
+        assert rc == 2, err
+        assert "train.fused_kernels=liger needs liger-kernel, which is not installed" in err
+        assert 'pip install -e ".[liger]"' in err and "Traceback" not in err
+
+
+def test_fp8_base_compute_without_a_gpu_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch, no_training
+) -> None:
+    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
+    sets = ["--set", "train.base_compute=fp8"]
+    # A BF16 base computes in BF16 whatever the setting: nothing to refuse.
+    rc, _, err = run(capsys, "train", str(path), *sets, "--dry-run")
+    assert rc == 0 and "train.base_compute: fp8: the base is BF16" in err
+    monkeypatch.setattr("qerl_cli.rl.preflight.declared_format", lambda cfg: "nvfp4")  # a 4-bit base
+    for extra in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, "train", str(path), *sets, *extra)
+        assert rc == 2, err
+        assert "train.base_compute=fp8 cannot run: training runs on the CPU" in err
+        assert "needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9" in err
+        assert "Set train.base_compute to auto or bf16" in err and "Traceback" not in err
+
+
+def test_the_declared_format_comes_from_the_setting_or_the_folder(tmp_path: Path) -> None:
+    from qerl_cli.config import TrainConfig
+    from qerl_cli.rl.preflight import declared_format
+
+    cfg = TrainConfig()
+    cfg.model.path, cfg.model.format = str(tmp_path), "nf4"
+    assert declared_format(cfg) == "nf4"
+    cfg.model.format = "auto"
+    assert declared_format(cfg) is None  # no config.json: known only when the model loads
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    assert declared_format(cfg) == "bf16"
+    nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": nvfp4}))
+    assert declared_format(cfg) == "nvfp4"

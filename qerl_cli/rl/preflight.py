@@ -19,9 +19,14 @@ from qerl_cli.config import TrainConfig
 from qerl_cli.data.datasets import check_reachable
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
+from qerl_cli.formats.fp8 import cuda_capability
+from qerl_cli.modeling.base_compute import check_fp8_device
+from qerl_cli.modeling.error_init import LoraInitInfo, init_folder, read_info
+from qerl_cli.modeling.fused_kernels import check_liger
+from qerl_cli.modeling.loading import detect_format
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
-from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.modeling.sources import gguf_source, resolve_model_source
 from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl.checkpoint import find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, run_entries
@@ -37,6 +42,8 @@ def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[
     device = resolve_device(cfg.train.device, "train.device")  # a GPU where the config names one
     checked.append(Checked("train.device", f"{cfg.train.device} -> {device}"))
     checked.append(model_source(cfg))
+    # Settings that would fail only once the model has loaded: said only when asked for.
+    checked.extend(c for c in (lora_init(cfg), fused_kernels(cfg), base_compute(cfg, device)) if c)
     checked.append(dataset(cfg))
     checked.append(engine(cfg))
     checked.append(grader())
@@ -72,6 +79,82 @@ def model_source(cfg: TrainConfig) -> Checked:
         hint=missing_model_hint(path, cfg.model.format),
     )
     return Checked("model.path", found)
+
+
+def declared_format(cfg: TrainConfig) -> str | None:
+    """The base's format (bf16, nvfp4, ...) as model.format or the folder's config.json says it; None
+    where it cannot be known before the model loads (a Hub id, a config qerl cannot read). A GGUF file
+    loads as a BF16 model."""
+    if cfg.model.format != "auto":
+        return cfg.model.format
+    if gguf_source(cfg.model.path) is not None:
+        return "bf16"
+    try:
+        return detect_format(json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text()))
+    except (OSError, ValueError, QerlError):
+        return None
+
+
+def find_lora_init(cfg: TrainConfig, model_dir: str | Path, base_format: str) -> tuple[Path, LoraInitInfo]:
+    """``model_dir/lora_init/`` and its record, for ``lora.init`` eora / svd: a QerlError naming the
+    folder and the `qerl quantize --lora-init` command that writes it where it is missing or holds
+    another method's start. Asked before the model loads and again by ``rl.policy.load_lora_init``."""
+    method = cfg.lora.init
+    folder = init_folder(model_dir)
+    fmt = base_format if base_format != "bf16" else "nvfp4"
+    command = (
+        f"qerl quantize BF16_MODEL --format {fmt} --method {'rtn' if fmt == 'nf4' else 'gptq'} "
+        f"--lora-init {method} --lora-init-rank {cfg.lora.rank} --output {cfg.model.path} --overwrite"
+    )
+    if not folder.is_dir():
+        raise QerlError(
+            f"lora.init={method} starts the adapter from {folder}, which does not exist. Write it with "
+            f"`{command}` (BF16_MODEL: the model {cfg.model.path} was quantized from), or set lora.init=zeros"
+        )
+    info = read_info(folder)
+    if info.method != method:
+        raise QerlError(
+            f"{folder} holds a {info.method} LoRA init, not {method}: set lora.init={info.method}, or "
+            f"write a {method} one with `{command}`"
+        )
+    return folder, info
+
+
+def lora_init(cfg: TrainConfig) -> Checked | None:
+    """``lora.init`` eora / svd: the start `qerl quantize --lora-init` wrote beside the base is there.
+    A GGUF base is converted when it loads, so its folder is looked in then."""
+    if cfg.lora.init == "zeros":
+        return None
+    if gguf_source(cfg.model.path) is not None:
+        return Checked("lora.init", f"{cfg.lora.init}: looked for beside the GGUF model once it is converted")
+    folder, info = find_lora_init(cfg, cfg.model.path, declared_format(cfg) or "nvfp4")
+    return Checked("lora.init", f"{folder}: a {info.method} start of rank {info.rank}")
+
+
+def fused_kernels(cfg: TrainConfig) -> Checked | None:
+    """``train.fused_kernels=liger``: liger-kernel is installed (found without importing it)."""
+    if cfg.train.fused_kernels != "liger":
+        return None
+    check_liger("liger")
+    return Checked(
+        "train.fused_kernels", "liger: liger-kernel installed (the model's family is checked when it loads)"
+    )
+
+
+def base_compute(cfg: TrainConfig, device: torch.device) -> Checked | None:
+    """``train.base_compute=fp8`` on a 4-bit base: training runs on a GPU with FP8 tensor cores. The
+    layer sizes it needs are checked when the model loads; a BF16 base computes in BF16 anyway."""
+    if cfg.train.base_compute != "fp8":
+        return None
+    fmt = declared_format(cfg)
+    if fmt is None:
+        return Checked(
+            "train.base_compute", "fp8: checked when the model loads (its format is not known before)"
+        )
+    if fmt == "bf16":
+        return Checked("train.base_compute", "fp8: the base is BF16, which computes in BF16")
+    where = check_fp8_device(cuda_capability(device))
+    return Checked("train.base_compute", f"fp8: a {fmt} base on {where}, which has FP8 tensor cores")
 
 
 def dataset(cfg: TrainConfig) -> Checked:
