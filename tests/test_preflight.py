@@ -182,20 +182,6 @@ def test_a_lora_init_folder_missing_is_refused_before_any_model_loads(
         assert "--lora-init eora" in err and "lora.init=zeros" in err and "Traceback" not in err
 
 
-def test_a_model_format_the_folder_does_not_hold_is_refused_before_any_model_loads(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
-) -> None:
-    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
-    for extra in ([], ["--dry-run"]):
-        rc, _, err = run(capsys, "train", str(path), "--set", "model.format=nvfp4", *extra)
-        assert rc == 2, err
-        mismatch = f"model.format=nvfp4 but {tiny_model_dir} holds a bf16 checkpoint; set model.format=auto"
-        assert mismatch in err
-        assert "Traceback" not in err
-    rc, _, err = run(capsys, "train", str(path), "--set", "model.format=bf16", "--dry-run")
-    assert rc == 0, err
-
-
 def test_liger_missing_is_refused_before_any_model_loads(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, hide_packages
 ) -> None:

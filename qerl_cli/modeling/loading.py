@@ -175,17 +175,8 @@ def load_base_model(
     )
     model, found = load_policy_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if fmt not in ("auto", found):
-        raise format_mismatch(fmt, path, found)
+        raise QerlError(f"model.format={fmt} but {path} holds a {found} checkpoint; set model.format=auto")
     return model, found
-
-
-def format_mismatch(fmt: str, path: str | Path, found: str) -> QerlError:
-    """model.format names another format than the checkpoint holds (asked before loading, after it, and
-    by the vLLM engine)."""
-    return QerlError(
-        f"model.format={fmt} but {path} holds a {found} checkpoint; set model.format=auto or point "
-        "model.path at the right folder"
-    )
 
 
 def load_tokenizer(path: str, *, revision: str | None = None, trust_remote_code: bool = False) -> Any:

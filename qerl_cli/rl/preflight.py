@@ -23,7 +23,7 @@ from qerl_cli.formats.fp8 import cuda_capability
 from qerl_cli.modeling.base_compute import check_fp8_device
 from qerl_cli.modeling.error_init import LoraInitInfo, init_folder, read_info
 from qerl_cli.modeling.fused_kernels import check_liger
-from qerl_cli.modeling.loading import detect_format, format_mismatch
+from qerl_cli.modeling.loading import detect_format
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
 from qerl_cli.modeling.sources import gguf_source, resolve_model_source
@@ -78,21 +78,7 @@ def model_source(cfg: TrainConfig) -> Checked:
         trust_remote_code=cfg.model.trust_remote_code,
         hint=missing_model_hint(path, cfg.model.format),
     )
-    check_declared_format(cfg)
     return Checked("model.path", found)
-
-
-def check_declared_format(cfg: TrainConfig) -> None:
-    """A model.format other than auto matches what the folder's config.json holds (a mismatch was found
-    only once the weights had loaded). A Hub id or a GGUF file is checked when it loads."""
-    if cfg.model.format == "auto" or gguf_source(cfg.model.path) is not None:
-        return
-    try:
-        held = detect_format(json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text()))
-    except (OSError, ValueError, QerlError):
-        return  # not a local folder qerl can read: the load says what is wrong with it
-    if held != cfg.model.format:
-        raise format_mismatch(cfg.model.format, cfg.model.path, held)
 
 
 def declared_format(cfg: TrainConfig) -> str | None:
