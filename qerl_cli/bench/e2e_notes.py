@@ -21,8 +21,8 @@ RATES_KEY = "rollout_tokens_per_s_steps"
 SPREAD_KEY = "rollout_tokens_per_s_spread"
 # Below this median utilization while generating, a row's rollouts left the GPU idle part of the time,
 # waiting on the host (scheduling, sampling, detokenising, the launches between kernels), so their
-# tokens/s measure the host as much as the kernels. Work that keeps the GPU fed (an update's GEMMs, a
-# decode whose kernels run back to back) reads above 90%; 80 leaves room for the coarseness of
+# tokens/s measure the host as much as the kernels. Work that keeps the GPU fed reads close to 100% (an
+# update's GEMMs did, benchmarks/h200-2026-11-29-grpo-step-rerun); 80 leaves room for the coarseness of
 # nvidia-smi's utilization without calling such a rollout host-bound.
 HOST_BOUND_BUSY_PCT = 80.0
 # A row whose timed steps' rollout tokens/s differ by more than this (highest over lowest, less 1) is

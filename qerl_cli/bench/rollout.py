@@ -151,8 +151,8 @@ def measure_batch(
 ) -> dict[str, Any]:
     """One (engine, batch) measurement: warm-up, then ``repeats`` timed full and prefill passes."""
     # Unseeded sampling: a figure needs reproducible prompts (they are), not reproducible samples. Training
-    # seeds every request, for reproducible rollouts; timed side by side, that did not slow vLLM's
-    # sampling (benchmarks/h200-2026-11-29-grpo-step-rerun), so these figures stand for training's.
+    # seeds every request, for reproducible rollouts; timed side by side (one pair), that was not slower
+    # (benchmarks/h200-2026-11-29-grpo-step-rerun), so these figures stand for training's as far as seeds go.
     full = SamplingSpec(settings.gen_len, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True)
     prefill = SamplingSpec(1, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True)
 
