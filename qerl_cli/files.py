@@ -224,6 +224,28 @@ def read_json_report(path: str | Path, file_name: str, what: str) -> dict[str, A
     return data
 
 
+def check_input_not_replaced(
+    given: str | Path, flag: str, file_name: str, out_dir: str | Path, what: str = "the baseline"
+) -> None:
+    """Refuse a report to compare against (``flag``: ``--baseline``; ``what`` names it) that this run's
+    ``out_dir/file_name`` would be written over: the run would compare with it, then lose it. ``given`` may
+    name the file or
+    its folder, read as :func:`read_json_report` reads it. Paths are compared resolved (a relative path, a
+    symlinked folder) and as the entry the write replaces (a link in ``out_dir`` to the file), so no
+    spelling of the same file slips through."""
+
+    source = Path(given).expanduser()
+    if source.is_dir():
+        source = source / file_name
+    target = Path(out_dir).expanduser() / file_name
+    same_entry = source.parent.resolve() / source.name == target.parent.resolve() / target.name
+    if same_entry or source.resolve() == target.resolve():
+        raise QerlError(
+            f"{flag} {given}: this run writes its {file_name} into {out_dir}, over {what}; write this run "
+            f"elsewhere with --output DIR (-o), or copy {what} out of {out_dir} first"
+        )
+
+
 COMPLETE_MARKER = ".qerl-complete"  # written last: a folder without it is a crashed write
 
 

@@ -23,10 +23,12 @@ from qerl_cli.bench.concurrency import backends_for
 from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
+from qerl_cli.bench.result import REPORT_NAME
 from qerl_cli.bench.rollout import MIN_REPEATS, WARMUP_TOKENS
 from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig, validate
 from qerl_cli.errors import QerlError, install_hint
+from qerl_cli.files import check_input_not_replaced
 
 # Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
 # given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
@@ -149,10 +151,13 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
 
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
     format or linear backend whose package is missing, an e2e linear backend asked of the HF engine
-    (which has none), an output folder that cannot be written, a negative ``--tolerance``."""
+    (which has none), an output folder that cannot be written or holds the ``--baseline`` its report
+    would replace, a negative ``--tolerance``."""
 
     check_settings(cfg)
     preflight.check_tolerance(cfg.tolerance)
+    if cfg.baseline:  # a baseline in the output folder would be gated against, then written over
+        check_input_not_replaced(cfg.baseline, "--baseline", REPORT_NAME, cfg.output)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)
     notes = apply_cpu_lengths(cfg, engine, given) if given is not None else []
     model = cfg.model or default_model(engine)

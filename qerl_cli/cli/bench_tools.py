@@ -61,6 +61,7 @@ from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import TrainConfig, load_config
 from qerl_cli.config.choices import BaseCompute, FusedKernels
 from qerl_cli.errors import Checked, QerlError
+from qerl_cli.files import check_input_not_replaced
 
 S = TypeVar("S")
 OutputOption = Annotated[
@@ -340,10 +341,11 @@ def scaling(
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, sets)
     from qerl_cli.bench.models import is_shape
-    from qerl_cli.bench.scaling import model_folder, read_reference, scaled_config
+    from qerl_cli.bench.scaling import REPORT_NAME, model_folder, read_reference, scaled_config
 
     if reference:  # read as the run reads it first: a folder or another report fails the dry run too
         read_reference(reference)
+        check_input_not_replaced(reference, "--reference", REPORT_NAME, output, "the reference run")
     if model:
         conf.model.path = str(model_folder(model, model_format, write=not dry_run, synthetic=synthetic))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -357,7 +359,7 @@ def scaling(
         print_checks(scaling_checks(conf, shape))
         return
     scaling_checks(conf, shape)  # seconds, before a model loads for minutes
-    from qerl_cli.bench.scaling import REPORT_NAME, run_scaling, scaling_table
+    from qerl_cli.bench.scaling import run_scaling, scaling_table
     from qerl_cli.torch_utils import runs_on_cpu
 
     if runs_on_cpu(conf.train.device):

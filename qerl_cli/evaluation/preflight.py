@@ -21,7 +21,7 @@ from qerl_cli.data.datasets import SYNTHETIC_PREFIX, check_reachable
 from qerl_cli.data.synthetic import make_problems
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.evaluation.results import RESULTS_NAME, find_sample_files, read_results
-from qerl_cli.files import check_writable_folder
+from qerl_cli.files import check_input_not_replaced, check_writable_folder
 from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
 from qerl_cli.modeling.source_checks import model_source_found
 
@@ -101,13 +101,7 @@ def baseline(cfg: EvalConfig) -> list[Checked]:
     if not cfg.baseline:
         return []
     base = read_results(cfg.baseline)
-    given = Path(cfg.baseline)
-    out = output_dir(cfg)
-    if (given / RESULTS_NAME if given.is_dir() else given).resolve() == (out / RESULTS_NAME).resolve():
-        raise QerlError(
-            f"--baseline {cfg.baseline}: this run writes its {RESULTS_NAME} into {out}, over the baseline; "
-            "write this run elsewhere with --output DIR"
-        )
+    check_input_not_replaced(cfg.baseline, "--baseline", RESULTS_NAME, output_dir(cfg))
     names = ", ".join(base.benchmarks) or "none"
     return [Checked("--baseline", f"{cfg.baseline}: a results file (benchmarks: {names})")]
 
