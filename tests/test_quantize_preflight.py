@@ -80,6 +80,48 @@ def test_a_bad_setting_exits_2_naming_it_before_any_model_loads(
     assert list(workdir.iterdir()) == []
 
 
+RANK_UNUSED = "sizes the error-compensating LoRA start, but --lora-init is zeros, which writes no start"
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--lora-init-rank", "8"], "--lora-init-rank 8"),
+        (["--lora-init", "zeros", "--lora-init-rank", "8"], "--lora-init-rank 8"),
+        (["--set", "lora_init_rank=8"], "lora_init_rank 8"),
+        (["--config", "rank.yaml"], "lora_init_rank 32"),
+    ],
+)
+def test_a_lora_init_rank_without_a_lora_init_start_is_refused(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path, no_model_load, args, named
+) -> None:
+    """`qerl quantize MODEL --lora-init-rank 8` wrote no start (--lora-init stays zeros) and said nothing
+    of the rank it dropped."""
+    settings = workdir.parent / "rank.yaml"
+    settings.write_text("lora_init_rank: 32\n")
+    args = [str(settings) if a == "rank.yaml" else a for a in args]
+    for dry in ([], ["--dry-run"]):
+        rc, out, err = run(capsys, "quantize", str(tiny_model_dir), "--method", "rtn", *args, *dry)
+        assert rc == 2 and f"{named} {RANK_UNUSED}" in err and out == "", err
+        assert "add --lora-init eora or --lora-init svd (with --method gptq or rtn), or drop" in err
+    assert list(workdir.iterdir()) == []
+
+
+def test_the_rank_left_at_its_default_or_with_a_start_is_no_mistake(
+    capsys: pytest.CaptureFixture[str], workdir: Path, tiny_model_dir: Path
+) -> None:
+    """A dry run's YAML holds the default rank beside lora_init zeros: given back with --config, it runs."""
+    rc, out, err = run(capsys, "quantize", str(tiny_model_dir), "--method", "rtn", "--dry-run")
+    assert rc == 0, err
+    saved = workdir.parent / "saved.yaml"
+    saved.write_text(out)
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "--config", str(saved), "--dry-run")
+    assert rc == 0, err
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "--method", "rtn", "--lora-init", "svd",
+                     "--lora-init-rank", "8", "--calib", "qerl-text", "--dry-run")  # fmt: skip
+    assert rc == 0 and "then the svd LoRA start (rank 8)" in err, err
+
+
 def test_a_missing_model_exits_2_naming_how_to_give_one(
     capsys: pytest.CaptureFixture[str], workdir: Path, no_model_load
 ) -> None:

@@ -5,17 +5,16 @@ into the flag that set it).
 
 They live here, apart from the benchmarks that run them, because those modules import torch and the
 settings are read and checked before it is (``bench.json``'s three use ``config.BenchConfig`` and
-:class:`E2EConfig`, here too, with the keys given and a recipe's step shape). Values with a choice are
+:class:`E2EConfig`, here too, with a recipe's step shape). Values with a choice are
 typed with the config's aliases (``BaseCompute``, ``FusedKernels``), their one home.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args
 
-from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config, read_yaml
+from qerl_cli.config import BenchConfig, QuantFormat, QuantMethod, TrainConfig, checks, load_config
 from qerl_cli.config.checks import ConfigValueError, key
 from qerl_cli.config.choices import BaseCompute, FusedKernels, LinearBackend
 from qerl_cli.errors import QerlError
@@ -169,15 +168,6 @@ class QualitySettings:
         positive_ints(where, calib_samples=self.calib_samples, heldout_rows=self.heldout_rows)
         if self.seq_len < 2:
             raise ConfigValueError(key(where, "seq_len"), f"must be >= 2, got {self.seq_len}")
-
-
-def given_keys(values: dict[str, Any], sets: list[str] | None, config: Path | None) -> set[str]:
-    """The config keys the user set: flags given, ``--set`` keys, and the keys of a ``--config`` file."""
-    keys = {key for key, value in values.items() if value is not None}
-    keys |= {item.partition("=")[0].strip() for item in sets or []}
-    if config is not None:  # read as load_config reads it: a file that is no YAML mapping is a QerlError
-        keys |= set(read_yaml(config))
-    return keys
 
 
 @dataclass

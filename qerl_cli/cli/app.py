@@ -20,7 +20,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import __version__
-from qerl_cli.config import dump_yaml
+from qerl_cli.config import dump_yaml, read_yaml
 from qerl_cli.config.keydocs import field_help
 from qerl_cli.errors import QerlError
 
@@ -169,8 +169,7 @@ ConfigOption = Annotated[
 def config_default(cls: type, name: str) -> str:
     """A config field's default, for ``--help`` (``show_default=``): the flag itself defaults to None,
     "not given", so that a recipe (``--config``) can set the key; absent both, this value applies."""
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    value = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    value = _default(next(f for f in dataclasses.fields(cls) if f.name == name))
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
@@ -223,6 +222,25 @@ def given_flags(values: dict[str, Any], sets: list[str] | None, **names: str) ->
         for key, value in values.items()
         if value is not None and key not in overridden
     }
+
+
+def given_keys(
+    values: dict[str, Any], sets: list[str] | None, config: Path | None, cls: type | None = None
+) -> set[str]:
+    """The config keys the user set: flags given (``values``, None: not given), ``--set`` keys, and the
+    keys of a ``--config`` file. With ``cls``, a file's key at ``cls``'s default is left out: a
+    ``--dry-run``'s YAML, saved and given back, holds every key, and must run as it did."""
+    keys = {key for key, value in values.items() if value is not None}
+    keys |= {item.partition("=")[0].strip() for item in sets or []}
+    if config is not None:  # read as load_config reads it: a file that is no YAML mapping is a QerlError
+        defaults = {} if cls is None else {f.name: _default(f) for f in dataclasses.fields(cls)}
+        missing = object()
+        keys |= {key for key, value in read_yaml(config).items() if defaults.get(key, missing) != value}
+    return keys
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
 def qerl_version() -> str:

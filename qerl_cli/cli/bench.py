@@ -20,7 +20,7 @@ from typing import Annotated, Any, get_args
 import typer
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.settings import E2EConfig, given_keys, recipe_shape
+from qerl_cli.bench.settings import E2EConfig, recipe_shape
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -32,6 +32,7 @@ from qerl_cli.cli.app import (
     csv,
     finish_config,
     given_flags,
+    given_keys,
     positive_ints,
     print_plan,
     set_option,

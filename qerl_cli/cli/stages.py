@@ -32,6 +32,7 @@ from qerl_cli.cli.app import (
     finish_config,
     flag_values,
     given_flags,
+    given_keys,
     pairs,
     set_option,
     set_stop_hint,
@@ -89,7 +90,10 @@ def quantize(
     """Quantize a model to NVFP4 / MXFP4 (compressed-tensors; AWQ, GPTQ or RTN) or NF4 (bitsandbytes)."""
     values = flag_values(locals())
     check_recipe_path(config, "--config")
-    conf = load_config(QuantizeConfig, config, set_, flags=given_flags(values, set_, model="MODEL"), **values)
+    flags = given_flags(values, set_, model="MODEL")
+    conf = load_config(QuantizeConfig, config, set_, flags=flags, **values)
+    rank_set = "lora_init_rank" in given_keys(values, set_, config, QuantizeConfig)
+    conf.check_rank_used(flags.get("lora_init_rank", "lora_init_rank") if rank_set else None)
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         from qerl_cli.quantize.preflight import preflight as quantize_preflight
 

@@ -58,7 +58,7 @@ class QuantizeConfig:
     # moments (EoRA), svd the plain weight-space SVD (not with awq); zeros, as lora.init, writes nothing
     # ("none", its old spelling, is still accepted).
     lora_init: Literal[LoraInit, "none"] = "zeros"
-    # Rank of the lora_init start.
+    # Rank of the lora_init start (eora or svd; refused beside zeros, which writes none).
     lora_init_rank: int = 16
     # Seed of the calibration samples' choice.
     seed: int = 42
@@ -81,10 +81,22 @@ class QuantizeConfig:
             lora_init_rank=self.lora_init_rank,
         )
 
+    def check_rank_used(self, rank_given: str | None) -> None:
+        """``lora_init_rank`` sizes the ``lora_init`` start; with ``zeros`` none is written, so a rank the
+        user set (``rank_given``: the flag or key that set it; None: left at its default, no choice of
+        theirs) would be ignored in silence."""
+        if rank_given is not None and self.lora_init == "zeros":
+            raise QerlError(
+                f"{rank_given} {self.lora_init_rank} sizes the error-compensating LoRA start, but "
+                "--lora-init is zeros, which writes no start, so the rank would be ignored: add "
+                f"--lora-init eora or --lora-init svd (with --method gptq or rtn), or drop {rank_given}"
+            )
+
 
 @dataclass
 class EvalConfig:
-    # A hub id, a local folder (BF16 or qerl 4-bit), a .gguf file or a model alias (qerl models).
+    # A hub id, a local folder (BF16 or qerl 4-bit), a .gguf file or a model alias (qerl models). Left out
+    # with rescore, which loads none (given, it must be the model the saved answers came from).
     model: str = ""
     # LoRA adapter folder (PEFT format) on the model; null: the bare model.
     adapter: str | None = None
