@@ -86,3 +86,53 @@ def test_unreachable_hub_still_loads_a_cached_dataset(
     assert datasets.load_hub_records("someone/cached-set", None, "train") == rows
     with pytest.raises(QerlError, match="cannot be reached"):  # not cached: still fails at once
         datasets.load_hub_records("someone/not-cached", None, "train")
+
+
+# -- a training run's folder given for a model ----------------------------------------------------
+def _run_folder(tmp_path: Path) -> Path:
+    """What `qerl train` leaves in output.dir, as far as the checks look: the config, the metrics, the
+    final adapter (recording its base) and a checkpoint."""
+    run_dir = tmp_path / "earlier" / "run"
+    for adapter in (run_dir / "adapter", run_dir / "checkpoint-2" / "adapter"):
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_config.json").write_text('{"r": 4, "base_model_name_or_path": "runs/tiny-base"}')
+        (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "config.yaml").write_text("model:\n  path: runs/tiny-base\n")
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    ("argv", "what"),
+    [
+        (["train", "tiny", "--set", "model.path=RUN", "--dry-run"], "model.path"),
+        (["eval", "RUN", "--benchmarks", "synthetic-addition", "--dry-run"], "model"),
+        (["eval", "RUN", "--benchmarks", "synthetic-addition", "--engine", "hf"], "model"),
+    ],
+)
+def test_a_run_folder_given_for_the_model_names_its_adapter(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], what: str
+) -> None:
+    """A recipe's model.path (or eval's MODEL) pointing at a `qerl train` run's folder was answered with
+    "has no config.json; give a Hugging Face model folder", which said nothing of the trained adapter."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = _run_folder(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    rc, _, err = run(capsys, *[a.replace("RUN", str(run_dir)) for a in argv])
+    assert rc == 2 and "error:" in err, err
+    assert f"{what} {run_dir} is a `qerl train` run's folder (its output.dir), not a model" in err
+    assert f"{what} takes the base model it was trained on (runs/tiny-base)" in err
+    assert f"`qerl eval runs/tiny-base --adapter {run_dir / 'adapter'}`" in err
+    assert f"`qerl train RECIPE --resume {run_dir}`" in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_an_adapter_folder_given_for_the_model_is_named(capsys, tmp_path: Path) -> None:
+    adapter = _run_folder(tmp_path) / "adapter"
+    rc, _, err = run(capsys, "eval", str(adapter), "--benchmarks", "synthetic-addition", "--dry-run")
+    assert rc == 2 and f"model {adapter} is a PEFT adapter folder, not a model" in err, err
+    assert f"`qerl eval runs/tiny-base --adapter {adapter}`" in err and "--resume" not in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = run(capsys, "eval", str(empty), "--benchmarks", "synthetic-addition", "--dry-run")
+    assert rc == 2 and f"model {empty} has no config.json; give a Hugging Face model folder" in err, err

@@ -48,8 +48,8 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
         raise file_given_for_folder(path, what, "the adapter folder (e.g. OUTPUT/adapter)")
     if not (folder / ADAPTER_CONFIG).is_file():
         # A training run's folder given for its adapter: name the adapter inside it.
-        inner = folder / "adapter"
-        hint = f"; it holds a run's adapter: {what} {inner}" if (inner / ADAPTER_CONFIG).is_file() else ""
+        inner = run_adapter(folder)
+        hint = f"; it holds a run's adapter: {what} {inner}" if inner is not None else ""
         raise QerlError(f"{what} {path} is not a PEFT adapter folder (no {ADAPTER_CONFIG}){hint}")
     if not (folder / ADAPTER_WEIGHTS).is_file():
         pickle = (folder / PICKLE_WEIGHTS).is_file()
@@ -58,6 +58,20 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
             + (f" (only a pickle {PICKLE_WEIGHTS}, which qerl does not load)" if pickle else "")
         )
     return folder
+
+
+def run_adapter(folder: str | Path) -> Path | None:
+    """The trained adapter a `qerl train` run's folder holds (``OUTPUT/adapter``), None where it has none."""
+    inner = Path(folder) / "adapter"
+    return inner if (inner / ADAPTER_CONFIG).is_file() else None
+
+
+def base_model(folder: str | Path) -> str | None:
+    """The base model an adapter folder records (PEFT's ``base_model_name_or_path``), None if none."""
+    try:
+        return json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or None
+    except (OSError, ValueError, AttributeError):  # unreadable: the adapter's own checks say so later
+        return None
 
 
 def check_servable(folder: str | Path, *, enable_lora: bool, max_lora_rank: int) -> None:

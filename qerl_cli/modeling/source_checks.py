@@ -31,7 +31,7 @@ from huggingface_hub import try_to_load_from_cache
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import file_given_for_folder
-from qerl_cli.modeling import sources
+from qerl_cli.modeling import adapter, sources
 from qerl_cli.modeling.sources import resolve_model_source
 
 ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
@@ -180,6 +180,26 @@ def model_source_found(
     return f"{text}: a Hugging Face Hub id, the Hub reachable (downloaded at the start)"
 
 
+def _no_model_config(path: Path, what: str) -> QerlError:
+    """A folder without config.json. A `qerl train` run's folder (or its adapter) given for a model is
+    common, and its bare "no config.json" said nothing of what the folder is or how to use it: name it,
+    with the adapter and the base it was trained on, and the commands that take them."""
+    if (path / adapter.ADAPTER_CONFIG).is_file():
+        trained, kind, resume = path, "a PEFT adapter folder", ""
+    else:
+        trained = adapter.run_adapter(path)
+        kind = "a `qerl train` run's folder (its output.dir)"
+        resume = f"; to train on, continue the run: `qerl train RECIPE --resume {path}`"
+    if trained is None:
+        return QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")
+    base = adapter.base_model(trained)
+    on = f"the base model it was trained on ({base})" if base else "the base model it was trained on"
+    return QerlError(
+        f"{what} {path} is {kind}, not a model (no config.json): {what} takes {on}. To evaluate the trained "
+        f"adapter: `qerl eval {base or 'BASE'} --adapter {trained}`{resume}"
+    )
+
+
 def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hint: str) -> None:
     if not path.is_dir():
         raise file_given_for_folder(
@@ -191,7 +211,7 @@ def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hi
         )
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")
+        raise _no_model_config(path, what)
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
