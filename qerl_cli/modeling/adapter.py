@@ -60,10 +60,15 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
     return folder
 
 
+def is_adapter_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a PEFT adapter's config (the weights are :func:`check_folder`'s to judge)."""
+    return (Path(folder) / ADAPTER_CONFIG).is_file()
+
+
 def run_adapter(folder: str | Path) -> Path | None:
     """The trained adapter a `qerl train` run's folder holds (``OUTPUT/adapter``), None where it has none."""
     inner = Path(folder) / "adapter"
-    return inner if (inner / ADAPTER_CONFIG).is_file() else None
+    return inner if is_adapter_folder(inner) else None
 
 
 def base_model(folder: str | Path) -> str | None:

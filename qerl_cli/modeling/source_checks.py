@@ -184,7 +184,7 @@ def _no_model_config(path: Path, what: str) -> QerlError:
     """A folder without config.json. A `qerl train` run's folder (or its adapter) given for a model is
     common, and its bare "no config.json" said nothing of what the folder is or how to use it: name it,
     with the adapter and the base it was trained on, and the commands that take them."""
-    if (path / adapter.ADAPTER_CONFIG).is_file():
+    if adapter.is_adapter_folder(path):
         trained, kind, resume = path, "a PEFT adapter folder", ""
     else:
         trained = adapter.run_adapter(path)
