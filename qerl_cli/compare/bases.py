@@ -45,7 +45,8 @@ def prepare_bases(
     for its format (or ``auto``), else its 4-bit counterpart (quantized once with the arm's
     ``base.method`` or ``method``), or that base's dense BF16 copy for a ``base.dequantized`` arm."""
 
-    probe = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None))
+    # The recipe's model as it is (model.format auto): the arms' model.format name the bases made from it.
+    probe = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), [*sets, "model.format=auto"], None))
     source = probe.model.path
     if not source:
         raise QerlError("the recipe has no model.path: set it or pass --set model.path=...")

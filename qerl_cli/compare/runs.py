@@ -37,15 +37,23 @@ def arm_config(
     """recipe < --set < arm overrides < this run's seed, output dir and base path.
 
     ``bases`` is :func:`~qerl_cli.compare.bases.prepare_bases`'s {arm: folder}; an arm's own model.path
-    wins. A ``base.dequantized`` arm trains its dense copy as the BF16 model it is."""
+    wins. The config's model.format is the format of the folder its model.path names, so that it passes
+    the checks a `qerl train` of it would (``rl.preflight``, which refuses a mismatch): a
+    ``base.dequantized`` arm trains its dense copy as the BF16 model it is, and before the bases are made
+    (``arm`` not in ``bases``) an arm whose model.format names a base compare makes is checked on the
+    recipe's model, which its format does not describe: auto, what that folder holds."""
     merged = apply_overrides(
         copy.deepcopy(data), [*sets, *as_set_strings(config_overrides(arm_overrides))], TrainConfig
     )
     merged = apply_overrides(merged, [f"train.seed={seed}", f"output.dir={run_dir(out, arm, seed)}"], None)
-    if arm in bases and "model.path" not in arm_overrides:
-        merged["model"]["path"] = bases[arm]
-        if arm_overrides.get("base.dequantized"):
-            merged["model"]["format"] = "bf16"
+    if "model.path" not in arm_overrides:
+        model = merged.setdefault("model", {})
+        if arm in bases:
+            model["path"] = bases[arm]
+            if arm_overrides.get("base.dequantized"):
+                model["format"] = "bf16"
+        elif "model.format" in arm_overrides:
+            model["format"] = "auto"
     conf = from_dict(TrainConfig, merged)
     validate(conf)
     return conf

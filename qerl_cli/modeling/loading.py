@@ -97,6 +97,39 @@ def detect_format(config: dict) -> str:
     )
 
 
+def folder_format(path: str | Path) -> str | None:
+    """The format (bf16, nvfp4, mxfp4, nf4) the config.json of the local model folder ``path`` says it
+    holds; None where that cannot be read: no such folder or config.json (a Hub id, a .gguf file, an
+    alias, a folder not made yet), a config that is not JSON, or a quantization qerl does not load.
+    Those are not refused here: the source checks or the load say what is wrong with them."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+        return detect_format(config) if isinstance(config, dict) else None
+    except (OSError, ValueError, QerlError, AttributeError):
+        return None
+
+
+def check_declared_format(declared: str, path: str | Path, held: str | None = None) -> str | None:
+    """Refuse a ``model.format`` (``declared``; auto accepts any) that is not the format the folder
+    ``path`` holds: ``held`` where the caller has detected it already, else :func:`folder_format`.
+    Returns the format held (None: not known, nothing refused). The one home of this check and its
+    message: `qerl train`'s checks before work ask it, and the loader and the vLLM engine again, so a
+    mismatch reads the same whether it is found in a second or after the weights have loaded."""
+    held = folder_format(path) if held is None else held
+    if declared == "auto" or held is None or held == declared:
+        return held
+    source = "has no quantization_config" if held == "bf16" else f"has a {held} quantization_config"
+    if declared == "bf16":
+        other = "the BF16 model it was quantized from"
+    else:
+        origin = path if held == "bf16" else "BF16_MODEL"
+        other = f"a {declared} checkpoint (`qerl quantize {origin} --format {declared} -o DIR` writes one)"
+    raise QerlError(
+        f"model.format={declared} but {path} holds a {held} checkpoint (its config.json {source}): set "
+        f"model.format={held} (or auto) to use what the folder holds, or point model.path at {other}"
+    )
+
+
 def format_for(name: str, config: dict) -> QuantFormat:
     if name == "nf4":
         return NF4Format(
@@ -174,8 +207,7 @@ def load_base_model(
         hint=MISSING_MODEL_HINT,
     )
     model, found = load_policy_model(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-    if fmt not in ("auto", found):
-        raise QerlError(f"model.format={fmt} but {path} holds a {found} checkpoint; set model.format=auto")
+    check_declared_format(fmt, path, found)  # `qerl train` asked before loading; other callers did not
     return model, found
 
 

@@ -23,7 +23,7 @@ from qerl_cli.formats.fp8 import cuda_capability
 from qerl_cli.modeling.base_compute import check_fp8_device
 from qerl_cli.modeling.error_init import LoraInitInfo, init_folder, read_info
 from qerl_cli.modeling.fused_kernels import check_liger
-from qerl_cli.modeling.loading import detect_format
+from qerl_cli.modeling.loading import check_declared_format, folder_format
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
 from qerl_cli.modeling.sources import gguf_source, resolve_model_source
@@ -71,6 +71,9 @@ def resume_checkpoint(resume: str | Path) -> Checked:
 
 
 def model_source(cfg: TrainConfig) -> Checked:
+    """``model.path`` is there (a folder, Hub id, GGUF file or alias) and, where its config.json can be
+    read, holds the format ``model.format`` names: a mismatch was otherwise found once the weights had
+    loaded (and, for vLLM, after its start-up)."""
     path = cfg.model.path
     found = model_source_found(
         path,
@@ -78,7 +81,8 @@ def model_source(cfg: TrainConfig) -> Checked:
         trust_remote_code=cfg.model.trust_remote_code,
         hint=missing_model_hint(path, cfg.model.format),
     )
-    return Checked("model.path", found)
+    held = check_declared_format(cfg.model.format, path)
+    return Checked("model.path", found if held is None else f"{found}; its config.json says {held}")
 
 
 def declared_format(cfg: TrainConfig) -> str | None:
@@ -89,10 +93,7 @@ def declared_format(cfg: TrainConfig) -> str | None:
         return cfg.model.format
     if gguf_source(cfg.model.path) is not None:
         return "bf16"
-    try:
-        return detect_format(json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text()))
-    except (OSError, ValueError, QerlError):
-        return None
+    return folder_format(cfg.model.path)
 
 
 def find_lora_init(cfg: TrainConfig, model_dir: str | Path, base_format: str) -> tuple[Path, LoraInitInfo]:

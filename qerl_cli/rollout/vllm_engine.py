@@ -37,6 +37,7 @@ import torch
 
 from qerl_cli.config.checks import noise_sigma
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.loading import check_declared_format
 from qerl_cli.modeling.prompt_tokens import encode_prompts
 from qerl_cli.rollout.backends import BackendChoice
 from qerl_cli.rollout.base import (
@@ -119,12 +120,9 @@ class VLLMEngine:
         # The linear backend the factory chose (qerl_cli.rollout.backends; also logged), which the bench's
         # rows name and the staleness check's allowance for merged weights reads.
         self.backend_choice = backend_choice
+        # Before vLLM starts (minutes), with the detection and message `qerl train` checks with first.
+        check_declared_format(model_format, self.model_path)
         self.format = detect_checkpoint_format(self.model_path)
-        if model_format not in ("auto", self.format.name) and self.format.name != "other":
-            raise QerlError(
-                f"model.format={model_format} but {self.model_path} holds a {self.format.name} checkpoint; "
-                "set model.format=auto or point model.path at the right folder"
-            )
         check_gpu_supports(self.format)
         self.vllm = _import_vllm()  # the vLLM names (LLM, SamplingParams, LoRARequest)
         self.enable_sleep_mode = enable_sleep_mode
