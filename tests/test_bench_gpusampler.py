@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from qerl_cli.bench.e2e_notes import ROLLOUT_BUSY_COLUMN
@@ -26,6 +27,7 @@ from qerl_cli.bench.gpusampler import (
     PhaseClocks,
     SampledClocks,
     keep_case_clocks,
+    row_rollout_busy_pct,
     take_case_clocks,
 )
 from qerl_cli.bench.hostload import NO_GPU, HostLoad, HostProbes, start_host_load
@@ -194,10 +196,10 @@ def test_each_phase_is_summarised_from_its_own_readings_idle_ones_included() -> 
         reading(345, ["gpu_idle"], utilization=0, power=90.0, phase=OTHER),  # a sleep: not summarised
     ])  # fmt: skip
     summary = sampled.summary()
-    # (readings, median utilization %, SM MHz, power W) of each phase
+    # (readings, median utilization %, SM MHz, power W, mean utilization %) of each phase
     assert summary.phases == {
-        ROLLOUT: PhaseClocks(3, 30.0, 1980.0, 250.0),
-        UPDATE: PhaseClocks(2, 100.0, 1675.0, 699.5),
+        ROLLOUT: PhaseClocks(3, 30.0, 1980.0, 250.0, 39.0),
+        UPDATE: PhaseClocks(2, 100.0, 1675.0, 699.5, 100.0),
     }
     # The busy median mixes the phases; the rollout's own shows the clock held while the GPU waited.
     assert summary.sm_mhz_median == 1840.0
@@ -207,6 +209,28 @@ def test_each_phase_is_summarised_from_its_own_readings_idle_ones_included() -> 
     assert unknown.summary().phases[ROLLOUT] == PhaseClocks(1, None, None, None)
     old = {k: v for k, v in summary.to_dict().items() if k != "phases"}
     assert CaseClocks.from_dict(old).phases == {}
+
+
+def test_the_busy_share_is_the_mean_so_an_idle_stretch_shows() -> None:
+    """Measured on an H200 with vLLM's engine core in its own process: the GPU ran flat out, then sat
+    idle while the front end caught up; the median (98%) hid the idle third, the mean does not."""
+    utilizations = [98, 100, 100, 0, 0, 0, 93, 99, 98, 100, 0]
+    sampled = SampledClocks(0.0, [reading(1845, utilization=u, phase=ROLLOUT) for u in utilizations])
+    rollout = sampled.summary().phases[ROLLOUT]
+    assert rollout.utilization_pct_median == 98.0
+    assert rollout.busy_pct == pytest.approx(sum(utilizations) / len(utilizations))  # 62.5
+    row = {"gpu_clocks": sampled.summary().to_dict()}
+    assert row_rollout_busy_pct(row) == pytest.approx(62.5, abs=0.1)
+    # A phase summary written before the mean was recorded reads back key for key, and its busy share
+    # is its median.
+    before = {
+        "readings": 11,
+        "utilization_pct_median": 98.0,
+        "sm_mhz_median": 1845.0,
+        "power_w_median": 690.0,
+    }
+    assert PhaseClocks.from_dict(before).to_dict() == before
+    assert PhaseClocks.from_dict(before).busy_pct == 98.0
 
 
 # --------------------------------------------------------------------------------------------

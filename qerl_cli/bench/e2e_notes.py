@@ -1,5 +1,5 @@
 """The notes on the e2e table, what its rows' medians cannot say on their own: the most any rollout
-speed-up could buy each row, whether its rollouts kept the GPU busy (the median GPU utilization of the
+speed-up could buy each row, whether its rollouts kept the GPU busy (the mean GPU utilization of the
 readings :mod:`qerl_cli.bench.gpusampler` took while the trainer generated), and how far its rollout
 speed moved between its timed steps. The row's per-step fields (:func:`step_rate_fields`, written by
 :func:`qerl_cli.bench.e2e.measure_pair`), and the columns and lines :mod:`qerl_cli.bench.report` shows.
@@ -88,7 +88,7 @@ def host_bound_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
         return None
     parts = "; ".join(f"{e2e_label(r)} {busy:.0f}%" for r, busy in low)
     return (
-        f"Host-bound rollouts (median GPU busy below {HOST_BOUND_BUSY_PCT:.0f}% while generating): {parts}. "
+        f"Host-bound rollouts (GPU busy below {HOST_BOUND_BUSY_PCT:.0f}% while generating): {parts}. "
         "These rows' rollouts left the GPU idle part of the time, waiting on the host, so their rollout "
         "speed is not the kernels' alone."
     )

@@ -95,32 +95,55 @@ def _median(values: list[Any]) -> float | None:
     return float(statistics.median(known)) if known else None
 
 
+def _mean(values: list[Any]) -> float | None:
+    known = _known(values)
+    return float(statistics.fmean(known)) if known else None
+
+
 @dataclass
 class PhaseClocks:
-    """The readings of one training phase (``qerl_cli.rl.phase``) within a case: how many, and the
-    median GPU utilization, SM clock and power over all of them. Idle readings count here: a GPU that sat
-    idle during a rollout was waiting on the host, which is what the utilization is read for."""
+    """The readings of one training phase (``qerl_cli.rl.phase``) within a case: how many, the median
+    GPU utilization, SM clock and power over all of them, and the mean utilization: the readings are
+    evenly spaced, so the mean is the share of the phase's time a kernel ran, where the median hides an
+    idle stretch shorter than half the phase (an H200 rollout with vLLM's engine core in its own process
+    read 98% median and 63% mean: busy, then idle while the front end caught up). Idle readings count:
+    a GPU that sat idle during a rollout was waiting on the host, which is what the utilization is read
+    for. ``utilization_pct_mean`` is None in files written before it was recorded."""
 
     readings: int
     utilization_pct_median: float | None
     sm_mhz_median: float | None
     power_w_median: float | None
+    utilization_pct_mean: float | None = None
 
     @classmethod
     def of(cls, readings: list[GpuReading]) -> PhaseClocks | None:
         """The summary of ``readings`` (one phase's); None without any."""
         if not readings:
             return None
-        return cls(len(readings), _median([r.utilization_pct for r in readings]),
-                   _median([r.sm_mhz for r in readings]), _median([r.power_w for r in readings]))  # fmt: skip
+        utilization = [r.utilization_pct for r in readings]
+        return cls(len(readings), _median(utilization), _median([r.sm_mhz for r in readings]),
+                   _median([r.power_w for r in readings]), _mean(utilization))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.utilization_pct_mean is None:  # a file from before the mean: read back key for key
+            del out["utilization_pct_mean"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PhaseClocks:
         return cls(data["readings"], data.get("utilization_pct_median"), data.get("sm_mhz_median"),
-                   data.get("power_w_median"))  # fmt: skip
+                   data.get("power_w_median"), data.get("utilization_pct_mean"))  # fmt: skip
+
+    @property
+    def busy_pct(self) -> float | None:
+        """The share of the phase's time the GPU ran a kernel: the mean where recorded, else the median."""
+        return (
+            self.utilization_pct_mean
+            if self.utilization_pct_mean is not None
+            else self.utilization_pct_median
+        )
 
 
 @dataclass
@@ -175,10 +198,11 @@ def row_phase_clocks(row: Mapping[str, Any], phase: Phase) -> PhaseClocks | None
 
 
 def row_rollout_busy_pct(row: Mapping[str, Any]) -> float | None:
-    """A row's median GPU utilization while generating (the rollout phase's readings: a trainer's
-    rollouts, a rollout batch's timed generations); None without a reading then (an earlier file)."""
+    """A row's GPU busy share while generating (:attr:`PhaseClocks.busy_pct` of the rollout phase's
+    readings: a trainer's rollouts, a rollout batch's timed generations); None without a reading then
+    (an earlier file)."""
     clocks = row_phase_clocks(row, ROLLOUT)
-    return clocks.utilization_pct_median if clocks else None
+    return clocks.busy_pct if clocks else None
 
 
 # How far back a reading's utilization reaches: nvidia-smi reports it over the driver's last sampling
