@@ -242,7 +242,9 @@ def test_the_gemma_recipe_sweeps_calibrated_targets(tmp_path: Path) -> None:
     recipe = REPO / "recipes" / "gemma3_270m_wordproblems.yaml"
     data, settings = runs_mod.load_recipe(recipe)
     for arm, target in (("nvfp4-aqn-t1pct", 0.01), ("nvfp4-aqn-t3pct", 0.03), ("nvfp4-aqn-t10pct", 0.10)):
-        conf = runs_mod.arm_config(data, settings.arms[arm], [], 0, tmp_path, arm, {})
+        # With its base made (before, the arm is checked on the recipe's model: format auto).
+        bases = {arm: str(tmp_path / "base")}
+        conf = runs_mod.arm_config(data, settings.arms[arm], [], 0, tmp_path, arm, bases)
         assert conf.model.format == "nvfp4" and conf.aqn.enabled
         assert conf.aqn.calibrate == "tokens" and conf.aqn.target == pytest.approx(target)
         assert conf.aqn.calibration_prompts == 64  # completions of ~24 tokens: 8 prompts measure coarsely
