@@ -31,6 +31,22 @@ def test_the_markdown_names_cores_memory_gpu_and_driver(monkeypatch: pytest.Monk
     assert "Machine: 16 CPUs, 128 GiB RAM, GPU: NVIDIA H100 80GB HBM3 x2, CUDA 12.8, driver 570.86.15" in text
     # A report written before the memory was recorded still reads.
     assert machine_line({"cpu_count": 16}) == "16 CPUs"
+    report.machine["cpu_model"] = "AMD EPYC 9654 96-Core Processor"
+    assert "Machine: 16 CPUs (AMD EPYC 9654 96-Core Processor), 128 GiB RAM, GPU: NVIDIA H100" in to_markdown(
+        report
+    )
+
+
+def test_the_cpu_model_is_the_kernels_model_name(tmp_path) -> None:
+    """A host-bound rollout runs at one core's speed: the report names the CPU."""
+    cpuinfo = tmp_path / "cpuinfo"
+    epyc = "AMD EPYC 9654 96-Core Processor"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {epyc}\n")
+    assert header.cpu_model(str(cpuinfo)) == epyc
+    cpuinfo.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # e.g. an Arm kernel: no model name
+    assert header.cpu_model(str(cpuinfo)) is None
+    assert header.cpu_model(str(tmp_path / "absent")) is None
+    assert "cpu_model" in header.machine_info()
 
 
 def test_the_driver_is_read_from_the_kernel_module_without_nvml(tmp_path, monkeypatch) -> None:

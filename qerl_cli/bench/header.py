@@ -46,12 +46,31 @@ def versions() -> dict[str, str | None]:
     return {**package_versions(VERSIONED_PACKAGES), "python": platform.python_version()}
 
 
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_model(cpuinfo: str = CPUINFO) -> str | None:
+    """The CPU's model name as the kernel reports it ("AMD EPYC 9654 96-Core Processor"); None where
+    there is no /proc/cpuinfo or no model name in it. A vLLM rollout whose engine thread is host-bound
+    runs at that one core's speed, so two runs' figures compare only with their CPUs named."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
 def machine_info() -> dict[str, Any]:
-    """What the figures depend on: the OS, the CPU and its cores, the memory. Not the machine's name,
+    """What the figures depend on: the OS, the CPU's model and cores, the memory. Not the machine's name,
     which says nothing to a reader elsewhere (the GPU, its count and driver are in :func:`gpu_summary`)."""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
     }
     try:

@@ -13,9 +13,12 @@ from qerl_cli.bench.result import BenchResult
 
 
 def machine_line(machine: dict[str, Any]) -> str:
-    """The cores and memory, "16 CPUs, 128 GiB RAM" (a report from before ram_bytes has only the cores)."""
+    """The cores, the CPU's model and the memory, "16 CPUs (AMD EPYC 9654 96-Core Processor), 128 GiB RAM"
+    (a report from before cpu_model or ram_bytes has only what it recorded)."""
     ram = machine.get("ram_bytes")
-    return f"{machine['cpu_count']} CPUs" + (f", {ram / 2**30:.0f} GiB RAM" if ram else "")
+    model = machine.get("cpu_model")
+    return (f"{machine['cpu_count']} CPUs" + (f" ({model})" if model else "")
+            + (f", {ram / 2**30:.0f} GiB RAM" if ram else ""))  # fmt: skip
 
 
 def busy_line(report: BenchResult) -> str | None:
