@@ -229,10 +229,9 @@ def check_input_not_replaced(
 ) -> None:
     """Refuse a report to compare against (``flag``: ``--baseline``; ``what`` names it) that this run's
     ``out_dir/file_name`` would be written over: the run would compare with it, then lose it. ``given`` may
-    name the file or
-    its folder, read as :func:`read_json_report` reads it. Paths are compared resolved (a relative path, a
-    symlinked folder) and as the entry the write replaces (a link in ``out_dir`` to the file), so no
-    spelling of the same file slips through."""
+    name the file or its folder, read as :func:`read_json_report` reads it. Paths are compared resolved (a
+    relative path, a symlinked folder) and as the entry the write replaces (a link in ``out_dir`` to the
+    file), so no spelling of the same file slips through."""
 
     source = Path(given).expanduser()
     if source.is_dir():
