@@ -22,6 +22,7 @@ HOMES = {
     "fused_linears": "qerl_cli/modeling/model_shape.py",
     "gpu_file_prefix": "qerl_cli/rollout/lora_kernel_configs.py",
     "rollout_weight_format": "qerl_cli/rollout/backends.py",
+    "completion_texts": "qerl_cli/rollout/base.py",  # every engine's completion text
     "BaseCompute": "qerl_cli/config/choices.py",
     "FusedKernels": "qerl_cli/config/choices.py",
     "LinearBackend": "qerl_cli/config/choices.py",

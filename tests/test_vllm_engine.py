@@ -110,7 +110,12 @@ class FakeSamplingParams:
         defaults.update(
             ignore_eos=False, max_tokens=16, logprobs=None, prompt_logprobs=None, flat_logprobs=False
         )
+        defaults.update(detokenize=True)
         defaults.update(kwargs)
+        if defaults["stop"] and not defaults["detokenize"]:  # vLLM's own check, word for word
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
         self.__dict__.update(defaults)
 
 
@@ -151,6 +156,9 @@ class ByteTokenizer:
         texts = [text] if isinstance(text, str) else text
         ids = [list(t.encode()) for t in texts]
         return {"input_ids": ids[0] if isinstance(text, str) else ids}
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [bytes(ids).decode(errors="replace") for ids in sequences]
 
 
 class FakeLLM:
@@ -229,7 +237,7 @@ class FakeLLM:
                 prompt_logprobs = [None] + [{t: Logprob(logprob=-1.0 - 0.01 * t + offset)} for t in ids[1:]]
             completions = []
             for j in range(sp.n):
-                tokens = [100 + i, 110 + j, 120 + j]
+                tokens = list(self.opts.completion_ids or [100 + i, 110 + j, 120 + j])
                 values = [-0.1 * (k + 1) - 0.01 * j for k in range(len(tokens))]
                 logprobs = (
                     FakeFlatLogprobs(tokens, values)
@@ -240,9 +248,10 @@ class FakeLLM:
                     ]
                 )
                 reason = self.opts.finish_reason or ("length" if j % 2 else "stop")
+                text = f"c{i}{j}" if sp.detokenize else ""  # without its detokenizer vLLM leaves it empty
                 completions.append(
                     CompletionOutput(
-                        index=j, text=f"c{i}{j}", token_ids=tokens, logprobs=logprobs, finish_reason=reason
+                        index=j, text=text, token_ids=tokens, logprobs=logprobs, finish_reason=reason
                     )
                 )
             completions.reverse()  # vLLM does not promise index order; the engine sorts
@@ -265,6 +274,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
         finish_reason=None,
         tokenizer=ByteTokenizer(),
         numerics_shift=0.0,  # what other rollout weights (an FP8 copy) add to every logprob
+        completion_ids=None,  # every completion's token ids (default: [100 + i, 110 + j, 120 + j])
     )
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")

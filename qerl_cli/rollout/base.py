@@ -61,6 +61,17 @@ class Completion:
     finish_reason: FinishReason
 
 
+def completion_texts(tokenizer: Any, token_id_lists: Sequence[Sequence[int]]) -> list[str]:
+    """The text of each completion's token ids, special tokens (EOS) skipped: what rewards grade.
+
+    Every engine's ``Completion.text`` comes from here (the vLLM engine's, when vLLM did not detokenize),
+    so the engines give the same text for the same tokens by construction.
+    """
+    if not token_id_lists:
+        return []
+    return list(tokenizer.batch_decode([list(ids) for ids in token_id_lists], skip_special_tokens=True))
+
+
 @dataclass
 class RolloutResult:
     """``completions[i][j]`` is the j-th of n samples for ``prompts[i]``."""

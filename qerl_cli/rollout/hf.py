@@ -43,8 +43,10 @@ from qerl_cli.rollout.base import (
     SECONDS,
     TOKENS_PER_S,
     Completion,
+    FinishReason,
     RolloutResult,
     SamplingSpec,
+    completion_texts,
 )
 
 # The 4-bit base is frozen during a generate call, so its layers are dequantized once per call rather
@@ -339,17 +341,24 @@ class HFEngine:
             )
         logprobs = recorder.finish(sequences)
         generated = sequences[:, width:].cpu()
-        return [self._completion(generated[row], logprobs[row], spec) for row in range(len(prompts))]
+        cut = [self._cut_at_eos(generated[row].tolist(), spec) for row in range(len(prompts))]
+        texts = completion_texts(self.tokenizer, [ids for ids, _ in cut])
+        return [
+            self._completion(ids, finish, text, logprobs[row], spec)
+            for row, ((ids, finish), text) in enumerate(zip(cut, texts, strict=True))
+        ]
 
-    def _completion(self, tokens: torch.Tensor, logprobs: torch.Tensor, spec: SamplingSpec) -> Completion:
-        ids = tokens.tolist()
-        finish = "length"
+    def _cut_at_eos(self, ids: list[int], spec: SamplingSpec) -> tuple[list[int], FinishReason]:
+        """The completion's ids up to its first EOS, kept (it is learned), and why it ended."""
         if not spec.ignore_eos:
             for pos, token in enumerate(ids):
-                if token in self.eos_ids:  # the EOS token is part of the completion (it is learned)
-                    ids, finish = ids[: pos + 1], "stop"
-                    break
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                if token in self.eos_ids:
+                    return ids[: pos + 1], "stop"
+        return ids, "length"
+
+    def _completion(
+        self, ids: list[int], finish: FinishReason, text: str, logprobs: torch.Tensor, spec: SamplingSpec
+    ) -> Completion:
         if finish == "length" and spec.stop and any(s in text for s in spec.stop):
             finish = "stop"
         return Completion(

@@ -56,7 +56,12 @@ from qerl_cli.rollout.base import (
     SamplingSpec,
 )
 from qerl_cli.rollout.vllm_lora import AdapterSync
-from qerl_cli.rollout.vllm_outputs import prompt_token_logprobs, sampled_token_logprobs, to_result
+from qerl_cli.rollout.vllm_outputs import (
+    prompt_token_logprobs,
+    sampled_token_logprobs,
+    to_result,
+    vllm_detokenizes,
+)
 from qerl_cli.rollout.vllm_setup import (
     MIN_CAPABILITY,
     VLLM_LORA_RANKS,
@@ -248,6 +253,7 @@ class VLLMEngine:
             "ignore_eos": sampling.ignore_eos,
             "stop": list(sampling.stop) or None,
             "logprobs": 0,  # the sampled token's logprob only
+            "detokenize": vllm_detokenizes(sampling),
         }
         if self._flat_logprobs:
             try:
@@ -272,7 +278,8 @@ class VLLMEngine:
         # Token ids, not text: vLLM adds the tokenizer's special tokens to a text prompt, which
         # doubles BOS after a chat template that writes it. The ids are the HF engine's and the
         # trainer's (qerl_cli.modeling.prompt_tokens).
-        inputs = [{"prompt_token_ids": ids} for ids in encode_prompts(prompts, self.llm.get_tokenizer())]
+        tokenizer = self.llm.get_tokenizer()
+        inputs = [{"prompt_token_ids": ids} for ids in encode_prompts(prompts, tokenizer)]
         started = time.perf_counter()
         try:
             outputs = self.llm.generate(inputs, params, lora_request=self.adapters.lora, use_tqdm=False)
@@ -283,7 +290,8 @@ class VLLMEngine:
                 "max_completion_length) or filter the data"
             ) from exc
         seconds = time.perf_counter() - started
-        result = to_result(outputs, n)
+        # Without vLLM's detokenizer the texts are decoded here, in one batch after generation.
+        result = to_result(outputs, n, tokenizer=None if vllm_detokenizes(sampling) else tokenizer)
         tokens = result.num_generated_tokens
         result.stats.update(
             {
