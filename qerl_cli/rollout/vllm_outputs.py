@@ -166,7 +166,7 @@ def vllm_detokenizes(sampling: SamplingSpec) -> bool:
 
     Otherwise it is off: it takes one DecodeStream step per token per request on the engine's loop, and
     with the engine core in qerl's process that loop also feeds the GPU (vLLM 0.26, H200, 7B, 128 x 2048
-    tokens: 35% of the main thread in a rollout, 45% in a GRPO step, the GPU busy 44-56% of the time).
+    tokens: 38% of the engine loop in a rollout, 48% in a GRPO step, the GPU busy about half the time).
     EOS, ``max_tokens`` and stop token ids need no text; the rewards' text is decoded once afterwards.
     """
     return bool(sampling.stop)
