@@ -14,8 +14,8 @@ import pytest
 from qerl_cli.bench import header, scaling
 from qerl_cli.bench.hostload import HostLoad, HostProbes, start_host_load
 from qerl_cli.config import TrainConfig
+from qerl_cli.modeling.run_layout import METRICS_FILE
 from qerl_cli.rl.result import TrainResult
-from qerl_cli.rl.tracking import METRICS_FILE
 
 STEPS = 3
 

@@ -162,3 +162,28 @@ def test_compare_refuses_an_arm_that_would_train_the_recipes_mismatch(
     assert usage_error(rc, err), err
     assert f"model.format=nvfp4 but {tiny_model_dir} holds a bf16 checkpoint" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("held", ["bf16", "nvfp4"])
+def test_the_bench_refuses_a_mismatch_with_trains_message_before_loading(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+    held: str,
+) -> None:  # fmt: skip
+    """A bench case (which names its format: never auto) on a folder holding another format was refused
+    with its own "holds a X checkpoint, not Y" after the weights had loaded; now with `qerl train`'s
+    message (check_declared_format), before they load."""
+    import qerl_cli.modeling.loading as loading
+    from qerl_cli.bench.engines import Case, _hf_model
+
+    def must_not_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights loaded before the format was checked")
+
+    monkeypatch.setattr(loading, "load_policy_model", must_not_load)
+    folder = tiny_model_dir if held == "bf16" else _as_nvfp4(tmp_path, tiny_model_dir)
+    declared = "mxfp4" if held == "nvfp4" else "nvfp4"
+    with pytest.raises(QerlError) as bench:
+        _hf_model(Case(engine="hf", format=declared, model_dir=str(folder), device="cpu"))
+    rc, err = _train(capsys, _recipe(tmp_path, folder, declared), "--dry-run")
+    assert usage_error(rc, err), err
+    assert f"error: {' '.join(str(bench.value).split())}" in err
+    assert f"model.format={declared} but {folder} holds a {held} checkpoint" in str(bench.value)

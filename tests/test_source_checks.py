@@ -136,3 +136,81 @@ def test_an_adapter_folder_given_for_the_model_is_named(capsys, tmp_path: Path) 
     empty.mkdir()
     rc, _, err = run(capsys, "eval", str(empty), "--benchmarks", "synthetic-addition", "--dry-run")
     assert rc == 2 and f"model {empty} has no config.json; give a Hugging Face model folder" in err, err
+
+
+def _interrupted_run(tmp_path: Path, checkpoints: tuple[int, ...] = (2, 10)) -> Path:
+    """What a `qerl train` run stopped before its final adapter leaves: the config, the metrics and its
+    checkpoints, each with its adapter (none, with ``checkpoints`` empty: stopped before the first)."""
+    run_dir = tmp_path / "earlier" / "run"
+    run_dir.mkdir(parents=True)
+    for step in checkpoints:
+        adapter = run_dir / f"checkpoint-{step}" / "adapter"
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_config.json").write_text('{"r": 4, "base_model_name_or_path": "runs/tiny-base"}')
+        (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "config.yaml").write_text("model:\n  path: runs/tiny-base\n")
+    return run_dir
+
+
+RUN_GIVEN = [
+    (["train", "tiny", "--set", "model.path=RUN", "--dry-run"], "model.path"),
+    (["eval", "RUN", "--benchmarks", "synthetic-addition", "--dry-run"], "model"),
+    (["bench", "--model", "RUN", "--engine", "hf", "--formats", "bf16", "--dry-run"], "--model"),
+]
+
+
+@pytest.mark.parametrize(("argv", "what"), RUN_GIVEN)
+def test_an_interrupted_run_given_for_the_model_names_its_newest_checkpoint(
+    capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], what: str
+) -> None:
+    """A run stopped before its final adapter (checkpoint-N folders only) was not recognised: the user
+    heard "has no config.json", nothing of the adapters it holds or of --resume."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = _interrupted_run(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    rc, _, err = run(capsys, *[a.replace("RUN", str(run_dir)) for a in argv])
+    assert rc == 2 and "error:" in err, err
+    assert f"{what} {run_dir} is a `qerl train` run's folder (its output.dir), not a model" in err
+    assert f"{what} takes the base model it was trained on (runs/tiny-base)" in err
+    newest = "To evaluate the adapter of its newest checkpoint (the run stopped before its final adapter)"
+    assert newest in err
+    assert f"`qerl eval runs/tiny-base --adapter {run_dir / 'checkpoint-10' / 'adapter'}`" in err
+    assert f"`qerl train RECIPE --resume {run_dir}`" in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_named(capsys, tmp_path: Path) -> None:
+    run_dir = _interrupted_run(tmp_path, checkpoints=())
+    rc, _, err = run(capsys, "eval", str(run_dir), "--benchmarks", "synthetic-addition", "--dry-run")
+    assert rc == 2 and f"model {run_dir} is a `qerl train` run's folder (its output.dir), not a model" in err
+    assert "takes the base model it trains (its config.yaml's model.path)" in err
+    assert "stopped before its first checkpoint, so it holds no adapter to evaluate or resume from" in err
+    rc, _, err = run(capsys, "eval", "tiny-base", "--adapter", str(run_dir), "--dry-run")
+    assert rc == 2 and "it holds a run's adapter" not in err, err
+    rc, _, err = run(capsys, "eval", "tiny-base", "--adapter", str(_interrupted_run(tmp_path / "b")))
+    assert rc == 2 and "it holds a run's adapter: --adapter " in err, err
+    assert str(tmp_path / "b" / "earlier" / "run" / "checkpoint-10" / "adapter") in err
+
+
+def test_the_bench_names_a_run_or_adapter_folder_as_the_stages_do(capsys, tmp_path: Path) -> None:
+    """`qerl bench --model RUN` said "has no config.json; give a model folder, a hub id or a shape name"
+    where `qerl eval` and `qerl train` name the run and its adapter: the same check now, and its message."""
+    from qerl_cli.bench.models import prepare_checkpoints
+
+    run_dir = _run_folder(tmp_path)
+    for folder in (run_dir, run_dir / "adapter"):
+        args = ["--model", str(folder), "--engine", "hf", "--formats", "bf16", "--dry-run"]
+        rc, _, bench_err = run(capsys, "bench", *args)
+        assert rc == 2 and f"--model {folder} is " in bench_err, bench_err
+        assert "not a model (no config.json)" in bench_err
+        rc, _, eval_err = run(capsys, "eval", str(folder), "--benchmarks", "synthetic-addition", "--dry-run")
+        assert bench_err.partition(f"{folder} is ")[2] == eval_err.partition(f"{folder} is ")[2].replace(
+            "model takes", "--model takes"
+        )
+        with pytest.raises(QerlError, match="not a model \\(no config.json\\)"):  # a run past the checks
+            prepare_checkpoints(str(folder), ["bf16"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = run(capsys, "bench", "--model", str(empty), "--engine", "hf", "--dry-run")
+    assert rc == 2 and f"--model {empty} has no config.json; give a model folder, a hub id or a shape" in err

@@ -39,7 +39,7 @@ from qerl_cli.bench.memory import (
 )
 from qerl_cli.bench.rollout import PromptMaker, RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.loading import load_base_model
+from qerl_cli.modeling.loading import check_declared_format, load_base_model
 from qerl_cli.modeling.lora import attach_lora
 from qerl_cli.rollout import factory
 from qerl_cli.rollout.vllm_setup import vllm_in_process
@@ -125,9 +125,10 @@ def _hf_model(case: Case) -> Any:
     qerl's own LoRA wrapper is used because PEFT alone does not know QuantLinear layers.
     """
 
-    model, found = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device(case.device))
-    if found != case.format:
-        raise QerlError(f"{case.model_dir} holds a {found} checkpoint, not {case.format}")
+    # The case names its format (never auto), so a folder holding another is refused, with `qerl train`'s
+    # message (check_declared_format, its one home), before the weights load rather than after.
+    check_declared_format(case.format, case.model_dir)
+    model, _ = load_base_model(case.model_dir, case.format, torch.bfloat16, resolve_device(case.device))
     if case.lora_rank:
         model = attach_lora(model, r=case.lora_rank, alpha=2 * case.lora_rank)
     return model.eval()

@@ -25,6 +25,7 @@ from qerl_cli.config import QuantizeConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.files import file_given_for_folder, write_folder_once
 from qerl_cli.modeling.random_checkpoint import SHAPES, write_random_checkpoint
+from qerl_cli.modeling.source_checks import check_model_config
 from qerl_cli.modeling.sources import (
     cache_root,  # noqa: F401 - re-exported for bench
     resolve_model_source,
@@ -113,8 +114,7 @@ def shape_checkpoint(shape: str, fmt: str, seed: int = 0) -> Path:
 def _local_folder(model: str) -> Path:
     path = Path(resolve_model_source(model)).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise QerlError(f"{path} has no config.json; give {MODEL_CHOICES}")
+        check_model_config(path, "--model", MODEL_CHOICES)  # a run's or adapter's folder is named so
         return path
     if path.is_file():  # a .gguf file resolved to its converted folder above
         raise file_given_for_folder(model, "--model", MODEL_CHOICES)

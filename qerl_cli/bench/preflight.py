@@ -135,14 +135,14 @@ def describe_model(model: str, formats: list[str] | None = None) -> str:
     """How the bench will get ``model`` (checked without reading its weights or downloading it); a
     local folder's checkpoint format must serve ``formats``."""
     from qerl_cli.bench.models import MODEL_CHOICES, check_folder_formats, is_shape
+    from qerl_cli.modeling.source_checks import check_model_config
     from qerl_cli.modeling.sources import GGUF_SUFFIX
 
     if is_shape(model):
         return f"{model.lower()} (a random-weight shape, written once per format into the cache)"
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise QerlError(f"--model {model} has no config.json; give {MODEL_CHOICES}")
+        check_model_config(path, "--model", MODEL_CHOICES)  # a run's or adapter's folder is named so
         own = check_folder_formats(model, path, formats) if formats else None
         return f"{path} (a local {own or 'model'} folder)"
     if path.is_file():

@@ -46,8 +46,9 @@ from qerl_cli.bench.progress import Progress
 from qerl_cli.config import DataSection, TrainConfig
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder
+from qerl_cli.modeling.run_layout import METRICS_FILE
 from qerl_cli.rl.stream import derive_seed
-from qerl_cli.rl.tracking import METRICS_FILE, read_metrics, step_other_s
+from qerl_cli.rl.tracking import read_metrics, step_other_s
 from qerl_cli.rl.trainer import train
 
 SCHEMA = "qerl-bench-scaling/1"

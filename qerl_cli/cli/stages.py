@@ -275,6 +275,7 @@ def eval_(
     flags = given_flags(values, set_, model="MODEL", data_files="--data-file")
     check_recipe_path(config, "--config")
     conf = load_config(EvalConfig, config, set_, flags=flags, **values)
+    conf.check_rescore_unused({key: flags.get(key, key) for key in given_keys(values, set_, config, E)})
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         from qerl_cli.evaluation.preflight import preflight as eval_preflight
 
@@ -284,11 +285,10 @@ def eval_(
     from qerl_cli.evaluation.preflight import resolve_engine
     from qerl_cli.torch_utils import runs_on_cpu
 
-    if not conf.rescore:
+    if not conf.rescore:  # a rescore has no engine (check_rescore_unused refused one given)
         conf.engine = resolve_engine(conf.engine)  # auto decided here: the thread choice depends on it
-    if conf.engine == "hf" and runs_on_cpu(conf.device):
-        use_free_cpu_threads()
-        if not conf.rescore:
+        if conf.engine == "hf" and runs_on_cpu(conf.device):
+            use_free_cpu_threads()
             say_estimate(eval_cpu_estimate(conf))
     results = run_eval(conf)
     console.print(eval_table(results))

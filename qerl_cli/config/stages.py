@@ -93,6 +93,19 @@ class QuantizeConfig:
             )
 
 
+# The eval keys that only generating reads: --rescore re-grades saved answers and generates nothing, so
+# each is refused beside it where the user set it (EvalConfig.check_rescore_unused). The others serve a
+# rescore too: rescore, output and baseline; benchmarks (which saved samples are re-graded) and
+# data_files (a file's NAME makes --benchmarks NAME a known one); the grader's timeout and workers;
+# template (the stop strings, for samples saved without their prompt record). model has its own check
+# (evaluation.preflight.rescore_model): the model the answers came from may stay.
+GENERATION_ONLY = (
+    "adapter", "samples", "engine", "temperature", "top_p", "max_new_tokens", "max_problems", "seed",
+    "system_prompt", "gpu_memory_utilization", "kv_cache_from_share", "linear_backend", "vllm_kwargs",
+    "trust_remote_code", "device", "dtype", "generation_batch_size",
+)  # fmt: skip
+
+
 @dataclass
 class EvalConfig:
     # A hub id, a local folder (BF16 or qerl 4-bit), a .gguf file or a model alias (qerl models). Left out
@@ -181,6 +194,19 @@ class EvalConfig:
             raise QerlError(
                 "no model given: pass a hub id, a local folder, a .gguf file or a model alias (qerl models), "
                 "or --rescore DIR"
+            )
+
+    def check_rescore_unused(self, given: dict[str, str]) -> None:
+        """With ``rescore``, refuse the generation settings the user set (``given``: {key: the flag or key
+        that set it}): they were ignored in silence, so a rescore read as one at, say, another temperature
+        or with an adapter re-graded the saved answers of whatever generated them."""
+        unused = [given[name] for name in GENERATION_ONLY if name in given]
+        if self.rescore and unused:
+            what, it = ("these settings", "them") if len(unused) > 1 else ("this setting", "it")
+            raise QerlError(
+                f"{', '.join(unused)}: --rescore re-grades the answers saved in {self.rescore} and generates "
+                f"nothing, so {what} of generating would be ignored: drop {it} "
+                f"(`qerl eval --rescore {self.rescore}`), or leave --rescore out to generate with {it}"
             )
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.files import file_given_for_folder, honour_umask
 from qerl_cli.modeling.lora import attach_lora
+from qerl_cli.modeling.run_layout import ADAPTER_DIR, checkpoint_folders
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -48,7 +49,7 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
         raise file_given_for_folder(path, what, "the adapter folder (e.g. OUTPUT/adapter)")
     if not (folder / ADAPTER_CONFIG).is_file():
         # A training run's folder given for its adapter: name the adapter inside it.
-        inner = run_adapter(folder)
+        inner = run_adapter(folder) or checkpoint_adapter(folder)
         hint = f"; it holds a run's adapter: {what} {inner}" if inner is not None else ""
         raise QerlError(f"{what} {path} is not a PEFT adapter folder (no {ADAPTER_CONFIG}){hint}")
     if not (folder / ADAPTER_WEIGHTS).is_file():
@@ -67,8 +68,17 @@ def is_adapter_folder(folder: str | Path) -> bool:
 
 def run_adapter(folder: str | Path) -> Path | None:
     """The trained adapter a `qerl train` run's folder holds (``OUTPUT/adapter``), None where it has none."""
-    inner = Path(folder) / "adapter"
+    inner = Path(folder) / ADAPTER_DIR
     return inner if is_adapter_folder(inner) else None
+
+
+def checkpoint_adapter(folder: str | Path) -> Path | None:
+    """The adapter of the newest checkpoint in a `qerl train` run's folder (``OUTPUT/checkpoint-N/adapter``),
+    None where none holds one: what a run stopped before its final adapter has trained."""
+    for _, checkpoint in reversed(checkpoint_folders(folder)):
+        if is_adapter_folder(checkpoint / ADAPTER_DIR):
+            return checkpoint / ADAPTER_DIR
+    return None
 
 
 def base_model(folder: str | Path) -> str | None:

@@ -29,9 +29,10 @@ from urllib.parse import urlparse
 
 from huggingface_hub import try_to_load_from_cache
 
+from qerl_cli.config import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError
 from qerl_cli.files import file_given_for_folder
-from qerl_cli.modeling import adapter, sources
+from qerl_cli.modeling import adapter, run_layout, sources
 from qerl_cli.modeling.sources import resolve_model_source
 
 ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
@@ -180,23 +181,48 @@ def model_source_found(
     return f"{text}: a Hugging Face Hub id, the Hub reachable (downloaded at the start)"
 
 
-def _no_model_config(path: Path, what: str) -> QerlError:
+# What a model argument takes, as the "no config.json" message ends: a stage's own list where it takes
+# more (the bench's shape names).
+MODEL_FOLDER = "a Hugging Face model folder"
+
+
+def check_model_config(path: Path, what: str, choices: str = MODEL_FOLDER) -> None:
+    """A local folder given for a model has a config.json; else the error naming what the folder is
+    (:func:`no_model_config`). The bench's ``--model`` checks asks this too."""
+    if not (path / "config.json").is_file():
+        raise no_model_config(path, what, choices)
+
+
+def no_model_config(path: Path, what: str, choices: str = MODEL_FOLDER) -> QerlError:
     """A folder without config.json. A `qerl train` run's folder (or its adapter) given for a model is
     common, and its bare "no config.json" said nothing of what the folder is or how to use it: name it,
-    with the adapter and the base it was trained on, and the commands that take them."""
+    with the adapter and the base it was trained on, and the commands that take them. A run stopped
+    before its final adapter is one too (its layout: :mod:`qerl_cli.modeling.run_layout`): its newest
+    checkpoint's adapter is what it has trained."""
     if adapter.is_adapter_folder(path):
-        trained, kind, resume = path, "a PEFT adapter folder", ""
-    else:
-        trained = adapter.run_adapter(path)
-        kind = "a `qerl train` run's folder (its output.dir)"
-        resume = f"; to train on, continue the run: `qerl train RECIPE --resume {path}`"
-    if trained is None:
-        return QerlError(f"{what} {path} has no config.json; give a Hugging Face model folder")
+        return _trained_folder(path, what, path, "a PEFT adapter folder", "the trained adapter", "")
+    if not run_layout.is_run_folder(path):
+        return QerlError(f"{what} {path} has no config.json; give {choices}")
+    kind = "a `qerl train` run's folder (its output.dir)"
+    resume = f"; to train on, continue the run: `qerl train RECIPE --resume {path}`"
+    if (final := adapter.run_adapter(path)) is not None:
+        return _trained_folder(path, what, final, kind, "the trained adapter", resume)
+    if (newest := adapter.checkpoint_adapter(path)) is not None:
+        which = "the adapter of its newest checkpoint (the run stopped before its final adapter)"
+        return _trained_folder(path, what, newest, kind, which, resume)
+    return QerlError(
+        f"{what} {path} is {kind}, not a model (no config.json): {what} takes the base model it trains "
+        f"(its {RESOLVED_CONFIG_NAME}'s model.path). The run stopped before its first checkpoint, so it "
+        "holds no adapter to evaluate or resume from"
+    )
+
+
+def _trained_folder(path: Path, what: str, trained: Path, kind: str, which: str, resume: str) -> QerlError:
     base = adapter.base_model(trained)
     on = f"the base model it was trained on ({base})" if base else "the base model it was trained on"
     return QerlError(
-        f"{what} {path} is {kind}, not a model (no config.json): {what} takes {on}. To evaluate the trained "
-        f"adapter: `qerl eval {base or 'BASE'} --adapter {trained}`{resume}"
+        f"{what} {path} is {kind}, not a model (no config.json): {what} takes {on}. To evaluate {which}: "
+        f"`qerl eval {base or 'BASE'} --adapter {trained}`{resume}"
     )
 
 
@@ -209,9 +235,8 @@ def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hi
             "file or a model alias (qerl models)",
             kind="model folder",
         )
+    check_model_config(path, what)
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise _no_model_config(path, what)
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:

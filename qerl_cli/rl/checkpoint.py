@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,13 +39,12 @@ from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import file_given_for_folder, honour_umask, sha256_file, staged_folder
+from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, checkpoint_folders
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
-ADAPTER_DIR = "adapter"
 FORMAT_VERSION = 1
 
 
@@ -274,15 +272,7 @@ def _write_checkpoint_files(
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Checkpoint folders in ``run_dir`` with a state file, oldest first (not yet verified: see
     :func:`checkpoint_problem`)."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        return []
-    found = []
-    for child in run.iterdir():
-        match = CHECKPOINT_RE.match(child.name)
-        if match and child.is_dir() and (child / STATE_FILE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
+    return [(step, path) for step, path in checkpoint_folders(run_dir) if (path / STATE_FILE).is_file()]
 
 
 def prune_checkpoints(run_dir: Path, save_total_limit: int | None) -> None:

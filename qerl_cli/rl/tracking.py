@@ -26,12 +26,12 @@ from rich.progress import (
 )
 
 from qerl_cli.errors import QerlError
+from qerl_cli.modeling.run_layout import METRICS_FILE
 from qerl_cli.rollout.base import NOISE_SIGMA
 from qerl_cli.torch_utils import duration
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 PLOT_FILE = "training_curves.png"
 # The AQN sigma a step's rollouts were sampled with is logged under the engines' name, NOISE_SIGMA. Runs

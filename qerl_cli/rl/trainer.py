@@ -40,6 +40,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
 from qerl_cli.modeling.adapter import load_weights
 from qerl_cli.modeling.prompt_tokens import encode_prompt
+from qerl_cli.modeling.run_layout import ADAPTER_DIR, METRICS_FILE
 from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import rollouts as rl_rollouts
@@ -56,10 +57,10 @@ from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
 from qerl_cli.rl.result import TrainResult
 from qerl_cli.rl.rollouts import Rollouts
-from qerl_cli.rl.run_folder import ADAPTER_DIR, run_folder
+from qerl_cli.rl.run_folder import run_folder
 from qerl_cli.rl.step_loop import StepCallback
 from qerl_cli.rl.stream import PromptStream, derive_seed, load_training_problems, render_prompts
-from qerl_cli.rl.tracking import METRICS_FILE, plot_training_curves, read_metrics
+from qerl_cli.rl.tracking import plot_training_curves, read_metrics
 from qerl_cli.rl.update import update_policy
 from qerl_cli.rollout.base import NOISE_SIGMA, PERTURBED_NORMS, RolloutEngine
 from qerl_cli.stats import mean, present

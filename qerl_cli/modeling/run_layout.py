@@ -1,0 +1,45 @@
+"""The folder a `qerl train` run writes (its ``output.dir``): the names of its entries, and how to tell
+one from a model folder.
+
+``OUTPUT/adapter/`` is the final adapter, ``OUTPUT/checkpoint-N/`` a checkpoint (with its own
+``adapter/``, :mod:`qerl_cli.rl.checkpoint`), ``OUTPUT/metrics.jsonl`` the step records
+(:mod:`qerl_cli.rl.tracking`) and ``OUTPUT/config.yaml`` the run's resolved config
+(``config.RESOLVED_CONFIG_NAME``). The names live here, below ``rl`` which writes them and imports them
+from here, so that the model-source checks (:mod:`qerl_cli.modeling.source_checks`) recognise a run's
+folder given for a model by the very names the trainer writes, finished or interrupted.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from qerl_cli.config import RESOLVED_CONFIG_NAME
+
+ADAPTER_DIR = "adapter"
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+METRICS_FILE = "metrics.jsonl"
+
+
+def checkpoint_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``checkpoint-N`` folder in ``run_dir``, oldest first; whether one is
+    complete is the checkpoint's own question (``rl.checkpoint.list_checkpoints`` and its manifest)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        return []
+    found = []
+    for child in run.iterdir():
+        match = CHECKPOINT_RE.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def is_run_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` looks like a `qerl train` run's: its final adapter, a checkpoint, or the
+    records and config snapshot every run writes at its start (a run stopped before its first
+    checkpoint has only those)."""
+    path = Path(folder)
+    if (path / ADAPTER_DIR).is_dir() or checkpoint_folders(path):
+        return True
+    return (path / METRICS_FILE).is_file() and (path / RESOLVED_CONFIG_NAME).is_file()
