@@ -117,14 +117,21 @@ def test_a_run_folder_given_for_the_model_names_its_adapter(
     "has no config.json; give a Hugging Face model folder", which said nothing of the trained adapter."""
     monkeypatch.chdir(tmp_path)
     run_dir = _run_folder(tmp_path)
+    err = _refused_as_run_folder(capsys, tmp_path, argv, run_dir, what)
+    assert f"`qerl eval runs/tiny-base --adapter {run_dir / 'adapter'}`" in err
+
+
+def _refused_as_run_folder(capsys, tmp_path: Path, argv: list[str], run_dir: Path, what: str) -> str:
+    """Run ``argv`` with RUN standing for ``run_dir``: exit 2 naming it as a run folder, with the base
+    it was trained on and the --resume advice, nothing under ``tmp_path`` changed; the error text."""
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     rc, _, err = run(capsys, *[a.replace("RUN", str(run_dir)) for a in argv])
     assert rc == 2 and "error:" in err, err
     assert f"{what} {run_dir} is a `qerl train` run's folder (its output.dir), not a model" in err
     assert f"{what} takes the base model it was trained on (runs/tiny-base)" in err
-    assert f"`qerl eval runs/tiny-base --adapter {run_dir / 'adapter'}`" in err
     assert f"`qerl train RECIPE --resume {run_dir}`" in err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    return err
 
 
 def test_an_adapter_folder_given_for_the_model_is_named(capsys, tmp_path: Path) -> None:
@@ -168,16 +175,10 @@ def test_an_interrupted_run_given_for_the_model_names_its_newest_checkpoint(
     heard "has no config.json", nothing of the adapters it holds or of --resume."""
     monkeypatch.chdir(tmp_path)
     run_dir = _interrupted_run(tmp_path)
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    rc, _, err = run(capsys, *[a.replace("RUN", str(run_dir)) for a in argv])
-    assert rc == 2 and "error:" in err, err
-    assert f"{what} {run_dir} is a `qerl train` run's folder (its output.dir), not a model" in err
-    assert f"{what} takes the base model it was trained on (runs/tiny-base)" in err
+    err = _refused_as_run_folder(capsys, tmp_path, argv, run_dir, what)
     newest = "To evaluate the adapter of its newest checkpoint (the run stopped before its final adapter)"
     assert newest in err
     assert f"`qerl eval runs/tiny-base --adapter {run_dir / 'checkpoint-10' / 'adapter'}`" in err
-    assert f"`qerl train RECIPE --resume {run_dir}`" in err
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_named(capsys, tmp_path: Path) -> None:
