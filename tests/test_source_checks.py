@@ -92,14 +92,15 @@ def test_unreachable_hub_still_loads_a_cached_dataset(
 def _run_folder(tmp_path: Path) -> Path:
     """What `qerl train` leaves in output.dir, as far as the checks look: the config, the metrics, the
     final adapter (recording its base) and a checkpoint."""
-    run_dir = tmp_path / "earlier" / "run"
-    for adapter in (run_dir / "adapter", run_dir / "checkpoint-2" / "adapter"):
-        adapter.mkdir(parents=True)
-        (adapter / "adapter_config.json").write_text('{"r": 4, "base_model_name_or_path": "runs/tiny-base"}')
-        (adapter / "adapter_model.safetensors").write_bytes(b"")
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    (run_dir / "config.yaml").write_text("model:\n  path: runs/tiny-base\n")
+    run_dir = _interrupted_run(tmp_path, (2,))
+    _adapter_in(run_dir / "adapter")
     return run_dir
+
+
+def _adapter_in(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 4, "base_model_name_or_path": "runs/tiny-base"}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")
 
 
 @pytest.mark.parametrize(
@@ -151,10 +152,7 @@ def _interrupted_run(tmp_path: Path, checkpoints: tuple[int, ...] = (2, 10)) -> 
     run_dir = tmp_path / "earlier" / "run"
     run_dir.mkdir(parents=True)
     for step in checkpoints:
-        adapter = run_dir / f"checkpoint-{step}" / "adapter"
-        adapter.mkdir(parents=True)
-        (adapter / "adapter_config.json").write_text('{"r": 4, "base_model_name_or_path": "runs/tiny-base"}')
-        (adapter / "adapter_model.safetensors").write_bytes(b"")
+        _adapter_in(run_dir / f"checkpoint-{step}" / "adapter")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     (run_dir / "config.yaml").write_text("model:\n  path: runs/tiny-base\n")
     return run_dir
