@@ -1,5 +1,5 @@
 """A completion's text: vLLM's per-token detokenizer runs only for stop strings, and otherwise the text
-is one batched decode of the token ids after generation, the very function the HF engine decodes with.
+is decoded from the token ids after generation, by the very function the HF engine decodes with.
 
 vLLM is the recording stand-in of tests/test_vllm_engine.py, which leaves a completion's text empty when
 asked for ``detokenize=False`` as real vLLM does (and refuses stop strings without it). The decoding runs
@@ -45,7 +45,7 @@ def _last_params(n_prompts: int) -> list:
     return call[3]
 
 
-def test_without_stop_strings_vllm_does_not_detokenize_and_the_text_is_one_batch_decode(
+def test_without_stop_strings_vllm_does_not_detokenize_and_the_text_is_decoded_from_the_ids(
     tmp_path: Path,
     fake_vllm: types.ModuleType,  # noqa: F811
 ) -> None:
@@ -59,7 +59,7 @@ def test_without_stop_strings_vllm_does_not_detokenize_and_the_text_is_one_batch
     # Re-enabling vLLM's per-token detokenizer without stop strings fails here (and below, where the
     # stand-in's text would then be vLLM's, not the decode of the ids).
     assert all(p.detokenize is False for p in _last_params(2))
-    expected = tokenizer.batch_decode([ids], skip_special_tokens=True)[0]
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
     assert expected == "The answer is <answer>5 €</answer>"  # EOS skipped, the multi-byte sign whole
     for _, completion in result.flat():
         assert completion.token_ids == ids and completion.token_ids[-1] == tokenizer.eos_token_id
@@ -86,10 +86,11 @@ def test_to_result_decodes_only_when_vllm_did_not() -> None:
         def __init__(self) -> None:
             self.calls = 0
 
-        def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+            # vLLM's tokenizer interface promises decode, not batch_decode (a mistral tokenizer has none)
             self.calls += 1
             assert skip_special_tokens
-            return [f"decoded {seq}" for seq in sequences]
+            return f"decoded {ids}"
 
     def outputs(text: str) -> list[RequestOutput]:
         completions = [
@@ -108,7 +109,7 @@ def test_to_result_decodes_only_when_vllm_did_not() -> None:
     assert [c.text for c in kept.completions[0]] == ["vllm's", "vllm's"]
     tokenizer = CountingTokenizer()
     decoded = to_result(outputs("") * 3, 2, tokenizer=tokenizer)
-    assert tokenizer.calls == 1  # one batch for every completion of every prompt
+    assert tokenizer.calls == 6  # every completion of every prompt, once
     assert [c.text for c in decoded.completions[0]] == ["decoded [5]", "decoded [6]"]  # in index order
 
 
@@ -130,9 +131,6 @@ def test_hf_and_vllm_engines_give_the_same_text_for_the_same_tokens(
         fake_vllm.options.completion_ids = completion.token_ids  # vLLM samples what HF did
         vllm_text = engine.generate(["Hi"], n=1, sampling=NO_STOP).completions[0][0].text
         assert vllm_text == completion.text == completion_texts(tokenizer, [completion.token_ids])[0]
-    # and the batch is row by row what the HF engine used to decode, one row at a time
-    rows = [c.token_ids for _, c in hf.flat()] + [_answer_ids(tokenizer), []]
-    assert completion_texts(tokenizer, rows) == [tokenizer.decode(r, skip_special_tokens=True) for r in rows]
 
 
 def test_the_detokenizer_runs_exactly_where_stop_strings_need_it(

@@ -199,6 +199,7 @@ def test_the_model_the_rescored_answers_came_from_may_be_given(
         (["--max-new-tokens", "64", "--max-problems", "3"], "--max-new-tokens, --max-problems"),
         (["--set", "temperature=1.0"], "temperature"),
         (["--set", "vllm_kwargs={enforce_eager: true}", "--set", "device=cpu"], "vllm_kwargs, device"),
+        (["--set", "vllm_kwargs.enforce_eager=true"], "vllm_kwargs"),  # a dotted key: the key it sets in
         (["--config", "CONFIG"], "top_p"),
     ],
 )

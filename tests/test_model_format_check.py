@@ -126,10 +126,10 @@ def test_the_load_and_the_vllm_engine_refuse_with_the_same_message(
 def test_every_compare_arm_config_passes_the_checks_of_qerl_train(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """b328fce refused 18 comparisons: before its base was made, an arm's config held the arm's
-    model.format (nvfp4) beside the recipe's BF16 model.path. Every arm's config, before and after the
-    bases are made, now passes what `qerl train` of it checks, on a recipe whose model.format names
-    another format than its BF16 model (no arm trains it: each names its own)."""
+    """A first version of the early check refused 18 comparisons: before its base was made, an arm's
+    config held the arm's model.format (nvfp4) beside the recipe's BF16 model.path. Every arm's config,
+    before and after the bases are made, now passes what `qerl train` of it checks, on a recipe whose
+    model.format names another format than its BF16 model (no arm trains it: each names its own)."""
     data = {"model": {"path": str(tiny_model_dir), "format": "nvfp4"}}
     own = _as_nvfp4(tmp_path, tiny_model_dir)
     arms = {**BUILTIN_ARMS, "own": {"model.path": str(own), "model.format": "nvfp4"}}

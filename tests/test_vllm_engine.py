@@ -157,8 +157,8 @@ class ByteTokenizer:
         ids = [list(t.encode()) for t in texts]
         return {"input_ids": ids[0] if isinstance(text, str) else ids}
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
-        return [bytes(ids).decode(errors="replace") for ids in sequences]
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(ids).decode(errors="replace")
 
 
 class FakeLLM:

@@ -105,8 +105,8 @@ class PhaseClocks:
     """The readings of one training phase (``qerl_cli.rl.phase``) within a case: how many, the median
     GPU utilization, SM clock and power over all of them, and the mean utilization: the readings are
     evenly spaced, so the mean is the share of the phase's time a kernel ran, where the median hides an
-    idle stretch shorter than half the phase (an H200 rollout with vLLM's engine core in its own process
-    read 98% median and 63% mean: busy, then idle while the front end caught up). Idle readings count:
+    idle stretch shorter than half the phase (a rollout with vLLM's engine core in its own process read
+    98% median and 62.5% mean: busy, then idle while the front end caught up). Idle readings count:
     a GPU that sat idle during a rollout was waiting on the host, which is what the utilization is read
     for. ``utilization_pct_mean`` is None in files written before it was recorded."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from functools import cache, partial
 from pathlib import Path
@@ -64,6 +65,22 @@ def cpu_model(cpuinfo: str = CPUINFO) -> str | None:
     return None
 
 
+# vLLM's environment variables that change what a bench measures, recorded where set (absent: vLLM's and
+# qerl's defaults, e.g. the engine core in the bench's process): the same command in another environment
+# measured 6.8k tok/s with the engine core in the process and 8.8k with it in its own (a 7B rollout at 128
+# sequences), and nothing else in the report told the two apart.
+ENGINE_ENVIRONMENT = (
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_FLASHINFER_SAMPLER",
+    "VLLM_ATTENTION_BACKEND",
+)
+
+
+def engine_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The :data:`ENGINE_ENVIRONMENT` variables set in ``environ``, with their values."""
+    return {name: environ[name] for name in ENGINE_ENVIRONMENT if name in environ}
+
+
 def machine_info() -> dict[str, Any]:
     """What the figures depend on: the OS, the CPU's model and cores, the memory. Not the machine's name,
     which says nothing to a reader elsewhere (the GPU, its count and driver are in :func:`gpu_summary`)."""
@@ -72,6 +89,7 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "engine_environment": engine_environment(),
     }
     try:
         info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

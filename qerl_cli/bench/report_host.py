@@ -13,12 +13,17 @@ from qerl_cli.bench.result import BenchResult
 
 
 def machine_line(machine: dict[str, Any]) -> str:
-    """The cores, the CPU's model and the memory, "16 CPUs (AMD EPYC 9654 96-Core Processor), 128 GiB RAM"
-    (a report from before cpu_model or ram_bytes has only what it recorded)."""
+    """The cores, the CPU's model, the memory and the vLLM variables set, "16 CPUs (AMD EPYC 9654 96-Core
+    Processor), 128 GiB RAM, environment VLLM_ENABLE_V1_MULTIPROCESSING=1" (a report from before any of
+    these has only what it recorded)."""
     ram = machine.get("ram_bytes")
     model = machine.get("cpu_model")
+    environment = " ".join(
+        f"{name}={value}" for name, value in (machine.get("engine_environment") or {}).items()
+    )
     return (f"{machine['cpu_count']} CPUs" + (f" ({model})" if model else "")
-            + (f", {ram / 2**30:.0f} GiB RAM" if ram else ""))  # fmt: skip
+            + (f", {ram / 2**30:.0f} GiB RAM" if ram else "")
+            + (f", environment {environment}" if environment else ""))  # fmt: skip
 
 
 def busy_line(report: BenchResult) -> str | None:

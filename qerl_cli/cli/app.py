@@ -227,11 +227,12 @@ def given_flags(values: dict[str, Any], sets: list[str] | None, **names: str) ->
 def given_keys(
     values: dict[str, Any], sets: list[str] | None, config: Path | None, cls: type | None = None
 ) -> set[str]:
-    """The config keys the user set: flags given (``values``, None: not given), ``--set`` keys, and the
-    keys of a ``--config`` file. With ``cls``, a file's key at ``cls``'s default is left out: a
-    ``--dry-run``'s YAML, saved and given back, holds every key, and must run as it did."""
+    """The config keys the user set: flags given (``values``, None: not given), ``--set`` keys (a dotted
+    one, ``vllm_kwargs.enforce_eager``, as the key it sets inside: ``vllm_kwargs``), and the keys of a
+    ``--config`` file. With ``cls``, a file's key at ``cls``'s default is left out: a ``--dry-run``'s
+    YAML, saved and given back, holds every key, and must run as it did."""
     keys = {key for key, value in values.items() if value is not None}
-    keys |= {item.partition("=")[0].strip() for item in sets or []}
+    keys |= {item.partition("=")[0].strip().split(".")[0] for item in sets or []}
     if config is not None:  # read as load_config reads it: a file that is no YAML mapping is a QerlError
         defaults = {} if cls is None else {f.name: _default(f) for f in dataclasses.fields(cls)}
         missing = object()

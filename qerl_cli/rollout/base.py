@@ -62,14 +62,16 @@ class Completion:
 
 
 def completion_texts(tokenizer: Any, token_id_lists: Sequence[Sequence[int]]) -> list[str]:
-    """The text of each completion's token ids, special tokens (EOS) skipped: what rewards grade.
+    """The text of each completion's token ids, decoded alone (without the prompt), special tokens (EOS)
+    skipped, with the tokenizer's own clean-up setting: what rewards grade.
 
-    Every engine's ``Completion.text`` comes from here (the vLLM engine's, when vLLM did not detokenize),
-    so the engines give the same text for the same tokens by construction.
+    The HF engine's ``Completion.text`` comes from here, and the vLLM engine's where vLLM did not
+    detokenize (no stop strings), so those texts are the same for the same tokens. (vLLM's own text, kept
+    with stop strings, is decoded incrementally after the prompt and without clean-up: it can differ in a
+    leading space or a space before punctuation.) ``decode`` one by one, not ``batch_decode``: vLLM's
+    tokenizer interface promises only ``decode``, and transformers' ``batch_decode`` loops anyway.
     """
-    if not token_id_lists:
-        return []
-    return list(tokenizer.batch_decode([list(ids) for ids in token_id_lists], skip_special_tokens=True))
+    return [tokenizer.decode(list(ids), skip_special_tokens=True) for ids in token_id_lists]
 
 
 @dataclass

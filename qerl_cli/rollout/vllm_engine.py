@@ -289,9 +289,10 @@ class VLLMEngine:
                 "rollout.max_prompt_length (the engine's max_model_len is max_prompt_length + "
                 "max_completion_length) or filter the data"
             ) from exc
-        seconds = time.perf_counter() - started
-        # Without vLLM's detokenizer the texts are decoded here, in one batch after generation.
+        # Without vLLM's detokenizer the texts are decoded here, after generation; timed with it, as
+        # vLLM's detokenizer was.
         result = to_result(outputs, n, tokenizer=None if vllm_detokenizes(sampling) else tokenizer)
+        seconds = time.perf_counter() - started
         tokens = result.num_generated_tokens
         result.stats.update(
             {

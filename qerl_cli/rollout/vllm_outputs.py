@@ -165,8 +165,8 @@ def vllm_detokenizes(sampling: SamplingSpec) -> bool:
     in the text it detokenizes (it refuses stop strings with ``detokenize=False``).
 
     Otherwise it is off: it takes one DecodeStream step per token per request on the engine's loop, and
-    with the engine core in qerl's process that loop also feeds the GPU (vLLM 0.26, H200, 7B, 128 x 2048
-    tokens: 38% of the engine loop in a rollout, 48% in a GRPO step, the GPU busy about half the time).
+    with the engine core in qerl's process that loop also feeds the GPU (vLLM 0.26, 7B, 128 x 2048 tokens:
+    38% of the engine loop in a rollout, 48% in a GRPO step, the GPU busy about half the time).
     EOS, ``max_tokens`` and stop token ids need no text; the rewards' text is decoded once afterwards.
     """
     return bool(sampling.stop)
@@ -176,7 +176,7 @@ def to_result(outputs: Sequence[Any], n: int, tokenizer: Any = None) -> RolloutR
     """Group vLLM RequestOutputs (n completions each, sorted by index) into a RolloutResult.
 
     ``tokenizer``: given when vLLM ran without its detokenizer (``detokenize=False``: its texts are
-    empty), and then every completion's text is decoded here in one batch, as the HF engine decodes
+    empty), and then every completion's text is decoded here, as the HF engine decodes
     (:func:`~qerl_cli.rollout.base.completion_texts`). Without it vLLM's own texts are kept.
     """
     prompt_ids: list[list[int]] = []
