@@ -403,3 +403,23 @@ def test_one_generation_a_prompt_fails_the_dry_run(
         "--set", "rollout.num_generations=1", "--dry-run",
     )  # fmt: skip
     assert usage_error(rc, err) and "rollout.num_generations must be at least 2" in err, err
+
+
+def test_the_bench_says_where_its_report_went(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`qerl bench --batch 2,8` (the README's CI form) ended on its tables and "Wall clock": nothing said
+    the report, its Markdown and charts were in bench_results/; `qerl bench kernels` says "wrote ..."."""
+    import qerl_cli.bench as bench_mod
+    from qerl_cli.bench.result import BenchFiles, read_report
+
+    report = read_report(
+        Path(__file__).parents[1] / "benchmarks/h100-2026-11-24/sweep-fp8-humming/bench.json"
+    )
+    out_dir = tmp_path / "bench_results"
+    report.files = BenchFiles(
+        str(out_dir / "bench.json"), str(out_dir / "bench.md"), [str(out_dir / "m.png")]
+    )
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: report)
+    rc, out, _ = run_cli(capsys, "bench", "--batch", "2,8", "-o", str(out_dir))
+    assert rc == 0 and f"wrote {out_dir / 'bench.json'} (and bench.md, m.png beside it)\n" in out  # unwrapped
