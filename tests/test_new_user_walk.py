@@ -423,3 +423,23 @@ def test_the_bench_says_where_its_report_went(
     monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: report)
     rc, out, _ = run_cli(capsys, "bench", "--batch", "2,8", "-o", str(out_dir))
     assert rc == 0 and f"wrote {out_dir / 'bench.json'} (and bench.md, m.png beside it)\n" in out  # unwrapped
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["train", "tiny", "--output", "runs/mine"], "--set output.dir=VALUE"),
+        (["train", "tiny", "-o", "runs/mine"], "--set output.dir=VALUE"),
+        (["train", "tiny", "--format", "nvfp4"], "--set model.format=VALUE"),
+        (["train", "tiny", "--max-steps=5"], "--set train.max_steps=VALUE"),
+        (["compare", "tiny", "--engine", "hf"], "--set rollout.engine=VALUE"),
+    ],
+)
+def test_a_flag_that_is_a_recipe_key_is_named_as_one(
+    capsys: pytest.CaptureFixture[str], argv: list[str], meant: str
+) -> None:
+    """`qerl train tiny --output runs/mine` (the -o of bench and quantize) said "No such option" alone."""
+    rc, _, err = run_cli(capsys, *argv)
+    assert usage_error(rc, err) and f"takes it as a recipe key: {meant}" in err, err
+    rc, _, err = run_cli(capsys, "quantize", "m", "--max-steps", "5")  # no recipe there: no such hint
+    assert usage_error(rc, err) and "recipe key" not in err, err
