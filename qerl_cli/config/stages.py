@@ -170,6 +170,11 @@ class EvalConfig:
                 f"has unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHMARKS_ALL)} "
                 "(lower case), a synthetic-* task, or give a file with --data-file NAME=PATH",
             )
+        twice = sorted({b for b in self.benchmarks if self.benchmarks.count(b) > 1})
+        if twice:  # else evaluated twice (the time of both), its first results replaced by the second's
+            raise ConfigValueError(
+                _key(where, "benchmarks"), f"names {', '.join(twice)} twice: give each benchmark once"
+            )
         unused = [name for name in self.data_files if name not in self.benchmarks]
         if unused and not self.rescore:  # a rescore's benchmarks are those saved (the default: all)
             raise ConfigValueError(

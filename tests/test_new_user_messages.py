@@ -1,0 +1,72 @@
+"""A sixth walk of the README as a new user, on what the commands say: where a report went, a recipe key
+given as another command's flag, a list item named twice. Each stumble held by the test that would have
+caught it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cli_runner import run_cli, usage_error
+
+
+def test_the_bench_says_where_its_report_went(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`qerl bench --batch 2,8` (the README's CI form) ended on its tables and "Wall clock": nothing said
+    the report, its Markdown and charts were in bench_results/; `qerl bench kernels` says "wrote ..."."""
+    import qerl_cli.bench as bench_mod
+    from qerl_cli.bench.result import BenchFiles, read_report
+
+    report = read_report(
+        Path(__file__).parents[1] / "benchmarks/h100-2026-11-24/sweep-fp8-humming/bench.json"
+    )
+    out_dir = tmp_path / "bench_results"
+    report.files = BenchFiles(
+        str(out_dir / "bench.json"), str(out_dir / "bench.md"), [str(out_dir / "m.png")]
+    )
+    monkeypatch.setattr(bench_mod, "run_bench", lambda conf, command=None: report)
+    rc, out, _ = run_cli(capsys, "bench", "--batch", "2,8", "-o", str(out_dir))
+    assert rc == 0 and f"wrote {out_dir / 'bench.json'} (and bench.md, m.png beside it)\n" in out  # unwrapped
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["train", "tiny", "--output", "runs/mine"], "--set output.dir=VALUE"),
+        (["train", "tiny", "-o", "runs/mine"], "--set output.dir=VALUE"),
+        (["train", "tiny", "--format", "nvfp4"], "--set model.format=VALUE"),
+        (["train", "tiny", "--max-steps=5"], "--set train.max_steps=VALUE"),
+        (["compare", "tiny", "--engine", "hf"], "--set rollout.engine=VALUE"),
+    ],
+)
+def test_a_flag_that_is_a_recipe_key_is_named_as_one(
+    capsys: pytest.CaptureFixture[str], argv: list[str], meant: str
+) -> None:
+    """`qerl train tiny --output runs/mine` (the -o of bench and quantize) said "No such option" alone."""
+    rc, _, err = run_cli(capsys, *argv)
+    assert usage_error(rc, err) and f"takes it as a recipe key: {meant}" in err, err
+    rc, _, err = run_cli(capsys, "quantize", "m", "--max-steps", "5")  # no recipe there: no such hint
+    assert usage_error(rc, err) and "recipe key" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["eval", "M", "--benchmarks", "synthetic-addition,synthetic-addition"],
+            "--benchmarks names synthetic-",
+        ),
+        (
+            ["compare", "tiny", "--arms", "nvfp4-aqn,nvfp4-aqn"],
+            "--arms names nvfp4-aqn twice: give each arm once",
+        ),
+    ],
+)
+def test_a_list_item_named_twice_is_refused_in_words(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """`qerl eval M --benchmarks X,X` evaluated X twice (the second run's figures replacing the first's);
+    `qerl compare --arms a,a` said "names an arm twice: ['a', 'a']", a Python list."""
+    rc, _, err = run_cli(capsys, *argv, "--dry-run")
+    assert usage_error(rc, err) and said in err and "['" not in err, err
