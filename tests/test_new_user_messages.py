@@ -61,12 +61,16 @@ def test_a_flag_that_is_a_recipe_key_is_named_as_one(
             ["compare", "tiny", "--arms", "nvfp4-aqn,nvfp4-aqn"],
             "--arms names nvfp4-aqn twice: give each arm once",
         ),
+        (["bench", "--batch", "2,8,2"], "--batch names 2 twice: give each size once"),
+        (["bench", "concurrency", "--concurrency", "8,8"], "--concurrency names 8 twice"),
+        (["bench", "--set", "batch=[2, -1]"], "batch needs positive integers, got -1"),
     ],
 )
 def test_a_list_item_named_twice_is_refused_in_words(
     capsys: pytest.CaptureFixture[str], argv: list[str], said: str
 ) -> None:
     """`qerl eval M --benchmarks X,X` evaluated X twice (the second run's figures replacing the first's);
-    `qerl compare --arms a,a` said "names an arm twice: ['a', 'a']", a Python list."""
+    `qerl compare --arms a,a` said "names an arm twice: ['a', 'a']", a Python list; `qerl bench --batch 2,2`
+    measured batch 2 twice."""
     rc, _, err = run_cli(capsys, *argv, "--dry-run")
     assert usage_error(rc, err) and said in err and "['" not in err, err
