@@ -74,3 +74,17 @@ def test_a_list_item_named_twice_is_refused_in_words(
     measured batch 2 twice."""
     rc, _, err = run_cli(capsys, *argv, "--dry-run")
     assert usage_error(rc, err) and said in err and "['" not in err, err
+
+
+def test_the_bench_quiets_library_bars_in_a_log(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`qerl bench --batch 2,8` in a CI log had transformers' "Loading weights: 0%|...|" bars between its
+    [bench] lines: train, eval and quantize quiet them outside a terminal; the bench did not."""
+    import os
+
+    for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.setenv(name, "")  # restored (unset) after the test, as the bench sets them
+        monkeypatch.delenv(name)
+    rc, _, err = run_cli(capsys, "bench", "--batch", "2,8", "-o", str(tmp_path / "b"), "--dry-run")
+    assert rc == 0 and os.environ.get("TQDM_DISABLE") == "1", err
