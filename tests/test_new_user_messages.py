@@ -88,3 +88,21 @@ def test_the_bench_quiets_library_bars_in_a_log(
         monkeypatch.delenv(name)
     rc, _, err = run_cli(capsys, "bench", "--batch", "2,8", "-o", str(tmp_path / "b"), "--dry-run")
     assert rc == 0 and os.environ.get("TQDM_DISABLE") == "1", err
+
+
+def test_an_eval_offline_with_one_data_file_says_to_leave_the_others_out(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """docs/eval.md's `qerl eval ./model --engine hf --data-file gsm8k=FILE --samples 4`, offline: every
+    benchmark is evaluated by default, so it stopped on math500 from the Hub, naming only --data-file."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("qerl_cli.data.datasets._in_local_cache", lambda hub_id: False)
+    data = tmp_path / "gsm8k_test.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    argv = ["eval", str(tiny_model_dir), "--engine", "hf", "--data-file", f"gsm8k={data}", "--dry-run"]
+    rc, _, err = run_cli(capsys, *argv, "-o", str(tmp_path / "out"))
+    assert usage_error(rc, err) and "; or leave math500 out of --benchmarks" in err, err
+    rc, _, err = run_cli(
+        capsys, *argv, "-o", str(tmp_path / "out"), "--benchmarks", "gsm8k"
+    )  # the docs' form
+    assert rc == 0, err

@@ -430,5 +430,7 @@ def check_reachable(
         raise QerlError(
             f"{what} {dataset} comes from the Hugging Face Hub ({', '.join(hub_ids)}), {why}, and it is "
             f"not in the local cache. {_LOCAL_FILE_HINT}"
+            # eval's default is every benchmark: one file given, the rest still come from the Hub
+            + (f"; or leave {dataset} out of --benchmarks" if what == "benchmark" else "")
         )
     return f"{hub_ids[0]}, on the Hugging Face Hub (reachable; downloaded at the start)"
