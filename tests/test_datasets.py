@@ -82,7 +82,7 @@ def test_other_file_types(tmp_path: Path, suffix: str) -> None:
 
 def test_missing_fields_name_the_fields_the_file_has(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "odd.jsonl", [{"text": "1+1?", "label": "2"}])
-    with pytest.raises(QerlError, match=r"\['label', 'text'\]"):
+    with pytest.raises(QerlError, match="its fields are 'label', 'text'"):  # in words, not a Python list
         load_problems(str(path))
     with pytest.raises(QerlError, match="no question field 'query'"):
         load_problems(str(path), prompt_field="query", answer_field="label")
@@ -185,3 +185,30 @@ def test_synthetic_names_are_delegated() -> None:
 def test_synthetic_benchmarks_use_the_held_out_split() -> None:
     problems = load_benchmark("synthetic-addition", max_problems=4)
     assert len(problems) == 4 and all(p.id.startswith("addition-test-") for p in problems)
+
+
+def test_an_eval_data_file_with_other_fields_says_rename_not_a_key_eval_lacks(tmp_path: Path) -> None:
+    """`qerl eval M --benchmarks gsm8k --data-file gsm8k=mine.jsonl` (rows {"q", "a"}) said "--set
+    data.prompt_field=...", which qerl eval refuses (a recipe key): it names the fields to rename to."""
+    data = write_jsonl(tmp_path / "mine.jsonl", [{"q": "1+1", "a": "2"}])
+    with pytest.raises(QerlError) as err:
+        load_benchmark("gsm8k", data_file=str(data))
+    assert "has none of the question fields 'question'; its fields are 'a', 'q'" in str(err.value)
+    assert "--data-file gsm8k=PATH with gsm8k's field names" in str(err.value)
+    assert "data.prompt_field" not in str(err.value)
+    with pytest.raises(QerlError, match="gsm8k's field names"):  # the checks before work say the same
+        ds.check_reachable(str(data), like="gsm8k")
+    assert ds.check_reachable(str(write_jsonl(tmp_path / "ok.jsonl", GSM8K_ROWS)), like="gsm8k")
+
+
+def test_the_fields_check_reads_a_file_s_first_record(tmp_path: Path) -> None:
+    """A .jsonl's first non-blank line; a .json's list, also under a key; a first row that is no record."""
+    from qerl_cli.data.records import first_record_fields
+
+    (tmp_path / "a.jsonl").write_text('\n{"question": "q", "answer": "a"}\n[1]\n')
+    (tmp_path / "b.json").write_text(json.dumps({"rows": [{"problem": "p", "solution": "s"}]}))
+    (tmp_path / "c.jsonl").write_text("[1, 2]\n")
+    assert first_record_fields(tmp_path / "a.jsonl") == ["question", "answer"]
+    assert first_record_fields(tmp_path / "b.json") == ["problem", "solution"]
+    with pytest.raises(QerlError, match="its fields are none. Name the field"):
+        ds.check_reachable(str(tmp_path / "c.jsonl"), fields=(None, None))

@@ -89,6 +89,30 @@ def test_a_missing_local_dataset_file_is_named(
     assert rc == 2 and f"data.dataset {tmp_path / 'no.jsonl'}: no such file" in err
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_a_dataset_file_with_other_columns_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, suffix: str
+) -> None:
+    """`qerl train R --set data.dataset=mine.jsonl --dry-run` passed a file whose rows are {"q", "a"}; the
+    run then stopped after loading the model. The dry run names the fields and the keys that name them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / f"mine{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist([{"q": "1+1", "a": "2"}]), data)
+    else:
+        data.write_text({".jsonl": '{"q": "1+1", "a": "2"}\n', ".csv": "q,a\n1+1,2\n"}[suffix])
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", f"data.dataset={data}", "--dry-run"]
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and "has none of the question fields 'problem', 'question'" in err, err
+    assert "its fields are 'a', 'q'" in err and "--set data.prompt_field=FIELD" in err
+    rc, _, err = run(capsys, *argv, "--set", "data.prompt_field=q")
+    assert rc == 2 and "--set data.answer_field=FIELD" in err, err
+    rc, _, err = run(capsys, *argv, "--set", "data.prompt_field=q", "--set", "data.answer_field=a")
+    assert rc == 0, err
+
+
 def test_vllm_missing_is_said_before_any_model_loads(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, hide_packages
 ) -> None:

@@ -308,6 +308,7 @@ def test_missing_local_model_and_unreachable_hub(tmp_path, calib_file, monkeypat
 def test_existing_output_needs_overwrite(tmp_path, tiny_model_dir, calib_file) -> None:
     out = tmp_path / "out"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # an earlier output: what --overwrite replaces
     (out / "keep.txt").write_text("mine")
     with pytest.raises(QerlError, match="already exists.*--overwrite"):
         run_quantize(_config(tiny_model_dir, out, calib_file, format="nf4", method="rtn"))

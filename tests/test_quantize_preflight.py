@@ -153,6 +153,14 @@ def test_the_output_folder_is_checked(
         capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken", "--overwrite",
         "--dry-run",
     )  # fmt: skip
+    # `-o runs --overwrite` (runs/ meant as the parent): the folder holds other work, not a model
+    assert rc == 2 and "output taken holds keep.txt, not a model (no config.json)" in err, err
+    assert "give a new sub-folder as --output" in err
+    (workdir / "taken" / "config.json").write_text("{}")  # an earlier output: replaced
+    rc, _, err = run(
+        capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken", "--overwrite",
+        "--dry-run",
+    )  # fmt: skip
     assert (
         rc == 0
         and "--output: taken: exists, replaced by --overwrite once the new checkpoint is complete" in err

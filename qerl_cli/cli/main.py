@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -19,6 +20,7 @@ import typer
 from rich.markup import escape
 
 from qerl_cli.cli.app import app, console, err_console, record_argv, set_stop_hint, stop_hint
+from qerl_cli.cli.option_hints import recipe_key_hint
 from qerl_cli.errors import QerlError
 
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
@@ -100,8 +102,13 @@ def _show_click_error(exc: Any) -> int:
         if ctx.command.get_help_option(ctx) is not None:
             hint = f"Try '{ctx.command_path} {ctx.help_option_names[0]}' for help."
             err_console.print(hint, markup=False, highlight=False)
-    message = escape(exc.format_message())
-    err_console.print(f"[bold red]error:[/bold red] [red]{message}[/red]", soft_wrap=True)
+    message = exc.format_message()
+    if type(exc).__name__ == "NoSuchOption" and ctx is not None:  # a recipe key given as a flag
+        named = re.search(r"No such option: (\S+)", message)  # click leaves option_name unset for -o
+        option = getattr(exc, "option_name", None) or (named.group(1) if named else "")
+        hint = recipe_key_hint(ctx.command_path, option)
+        message += f"; {hint}" if hint else ""
+    err_console.print(f"[bold red]error:[/bold red] [red]{escape(message)}[/red]", soft_wrap=True)
     return exc.exit_code
 
 

@@ -4,6 +4,7 @@ lines, the environment and the model aliases. (Each stage renders its own result
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
@@ -12,7 +13,7 @@ from rich.table import Table
 from qerl_cli.cli.app import console, err_console
 
 if TYPE_CHECKING:  # the stages are imported inside the commands: `qerl --help` stays fast
-    from qerl_cli.bench.result import BenchResult
+    from qerl_cli.bench.result import BenchFiles, BenchResult
     from qerl_cli.rl.result import TrainResult
 
 
@@ -43,6 +44,8 @@ def print_bench(report: BenchResult) -> bool:
 
     console.print(bench_table(report))
     console.print(wall_clock_line(report))
+    if report.files is not None:  # where the report went, as `qerl bench kernels` / `update` say it
+        console.print(escape(_written(report.files)), highlight=False, soft_wrap=True)  # a path stays whole
     failed = failed_cases(report)
     for line in failed:  # a case without figures (vLLM cannot serve a format, OOM at wake-up, ...)
         err_console.print(f"[red]failed[/red]: {escape(line)}")
@@ -51,6 +54,12 @@ def print_bench(report: BenchResult) -> bool:
         for line in failures:
             err_console.print(f"[red]regression[/red]: {escape(line)}")
     return bool(failures or failed)
+
+
+def _written(written: BenchFiles) -> str:
+    """``wrote bench_results/bench.json (and bench.md, throughput.png, ...)``: the others sit beside it."""
+    others = [Path(name).name for name in (written.markdown, *written.charts, written.crossover) if name]
+    return f"wrote {written.json}" + (f" (and {', '.join(others)} beside it)" if others else "")
 
 
 def env_table(info: dict[str, Any]) -> Table:

@@ -167,8 +167,9 @@ def select_arms(settings: CompareSettings, names: list[str]) -> dict[str, dict[s
             f"unknown arm(s) {', '.join(unknown)}: built in are {', '.join(BUILTIN_ARMS)}; a recipe adds its "
             "own under compare.arms"
         )
-    if len(set(names)) != len(names):
-        raise QerlError(f"--arms names an arm twice: {names}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # named in words, not as a Python list
+        raise QerlError(f"--arms names {', '.join(twice)} twice: give each arm once")
     return {n: settings.arms[n] for n in names}
 
 

@@ -183,6 +183,11 @@ class EvalConfig:
                 f"has unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHMARKS_ALL)} "
                 "(lower case), a synthetic-* task, or give a file with --data-file NAME=PATH",
             )
+        twice = sorted({b for b in self.benchmarks if self.benchmarks.count(b) > 1})
+        if twice:  # else evaluated twice (the time of both), its first results replaced by the second's
+            raise ConfigValueError(
+                _key(where, "benchmarks"), f"names {', '.join(twice)} twice: give each benchmark once"
+            )
         unused = [name for name in self.data_files if name not in self.benchmarks]
         if unused and not self.rescore:  # a rescore's benchmarks are those saved (the default: all)
             raise ConfigValueError(
@@ -271,12 +276,14 @@ class BenchConfig:
     def validate(self, where: str = "") -> None:
         # Each key is named as the user wrote it: the CLI turns a key given by a flag into the flag.
         _positive(where, prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
-        if any(b <= 0 for b in self.batch):
-            raise ConfigValueError(_key(where, "batch"), f"needs positive integers, got {self.batch}")
-        if any(c <= 0 for c in self.concurrency):
-            raise ConfigValueError(
-                _key(where, "concurrency"), f"needs positive integers, got {self.concurrency}"
-            )
+        for name, sizes in (("batch", self.batch), ("concurrency", self.concurrency)):
+            bad = [str(size) for size in sizes if size <= 0]
+            if bad:
+                raise ConfigValueError(_key(where, name), f"needs positive integers, got {', '.join(bad)}")
+            twice = sorted({size for size in sizes if sizes.count(size) > 1})
+            if twice:  # else measured twice, the time of both, for one row of figures
+                sizes_twice = ", ".join(str(size) for size in twice)
+                raise ConfigValueError(_key(where, name), f"names {sizes_twice} twice: give each size once")
         unknown = sorted(set(self.backends) - set(SWEPT_BACKENDS))
         if unknown:
             raise ConfigValueError(

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from qerl_cli.data.fields import pick_field
 from qerl_cli.data.problem import Problem
 from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and callers reach it here
     _LOCAL_FILE_HINT,
@@ -46,6 +47,7 @@ from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and 
     _in_local_cache,
     _is_local,
     _offline,
+    first_record_fields,
     load_hub_records,
     read_records,
 )
@@ -215,20 +217,21 @@ def solve_rate_level(rate: float | None) -> int | None:
     return 5
 
 
-def _pick(
-    record_fields: Sequence[str], wanted: str | None, candidates: Sequence[str], what: str, where: str
-) -> str:
-    if wanted is not None:
-        if wanted not in record_fields:
-            raise QerlError(f"{where} has no {what} field '{wanted}'; its fields are {sorted(record_fields)}")
-        return wanted
-    for name in candidates:
-        if name in record_fields:
-            return name
-    raise QerlError(
-        f"{where} has none of the {what} fields {list(candidates)}; its fields are {sorted(record_fields)}. "
-        f"Name the field (--set data.{'prompt' if what == 'question' else 'answer'}_field=...)"
-    )
+def _candidate_fields(spec: DatasetSpec | None) -> tuple[Sequence[str], Sequence[str]]:
+    """The question and answer fields looked for: the dataset's own, else the common names."""
+    return (spec.question_fields, spec.answer_fields) if spec else (QUESTION_FIELDS, ANSWER_FIELDS)
+
+
+def check_file_fields(
+    path: str, prompt_field: str | None = None, answer_field: str | None = None, like: str | None = None
+) -> None:
+    """A local file's first record has the question and answer fields its reading will look for: a
+    file with other columns fails the checks before work, not after the model has loaded."""
+    spec = get_spec(like) if like else None
+    fields = first_record_fields(path)
+    questions, answers = _candidate_fields(spec)
+    pick_field(fields, prompt_field, questions, "question", path, like)
+    pick_field(fields, answer_field, answers, "answer", path, like)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,15 +245,16 @@ def records_to_problems(
     spec: DatasetSpec | None = None,
     prompt_field: str | None = None,
     answer_field: str | None = None,
+    like: str | None = None,
 ) -> list[Problem]:
-    """Problems with stable ids (the dataset's id field, else the row index)."""
+    """Problems with stable ids (the dataset's id field, else the row index). ``like``: the benchmark
+    whose field names a ``qerl eval --data-file`` follows (only named in a missing field's message)."""
     if not records:
         raise QerlError(f"{source} has no rows")
     fields = list(records[0].keys())
-    q_field = _pick(
-        fields, prompt_field, spec.question_fields if spec else QUESTION_FIELDS, "question", source
-    )
-    a_field = _pick(fields, answer_field, spec.answer_fields if spec else ANSWER_FIELDS, "answer", source)
+    questions, answers = _candidate_fields(spec)
+    q_field = pick_field(fields, prompt_field, questions, "question", source, like)
+    a_field = pick_field(fields, answer_field, answers, "answer", source, like)
     id_candidates = spec.id_fields if spec else ID_FIELDS
     id_field = next((f for f in id_candidates if f in fields), None)
     if id_field is not None and len({str(r.get(id_field)) for r in records}) != len(records):
@@ -363,6 +367,7 @@ def load_problems(
             spec=spec,
             prompt_field=prompt_field,
             answer_field=answer_field,
+            like=like,
         )
         problems = _filter_levels(problems, levels, str(dataset))
     elif dataset in REGISTRY:
@@ -383,15 +388,25 @@ def load_problems(
     return problems[:max_samples] if max_samples else problems
 
 
-def check_reachable(dataset: str, what: str = "data.dataset") -> str:
+def check_reachable(
+    dataset: str,
+    what: str = "data.dataset",
+    *,
+    fields: tuple[str | None, str | None] | None = None,
+    like: str | None = None,
+) -> str:
     """Where ``dataset``'s problems would come from, checked without loading them (a QerlError at once
     when they cannot come): a synthetic task, a local file that exists, or a Hub dataset that is in the
-    local cache or on a reachable Hub. Before minutes of model loading, not after."""
+    local cache or on a reachable Hub. Before minutes of model loading, not after. A local file's first
+    record is checked for its fields where the caller says how it is read: ``fields`` (a recipe's
+    ``data.prompt_field`` / ``answer_field``) or ``like`` (eval's ``--data-file NAME=PATH``)."""
     if dataset.startswith(SYNTHETIC_PREFIX):
         return "a synthetic task, generated here"
     if _is_local(dataset):
         if not Path(dataset).is_file():
             raise QerlError(f"{what} {dataset}: no such file (.jsonl/.json/.parquet/.csv, or a dataset name)")
+        if fields is not None or like is not None:
+            check_file_fields(dataset, *(fields or (None, None)), like=like)
         return f"the local file {dataset}"
     if dataset in REGISTRY:
         hub_ids = [src.hub_id for src in REGISTRY[dataset].sources]
@@ -415,5 +430,7 @@ def check_reachable(dataset: str, what: str = "data.dataset") -> str:
         raise QerlError(
             f"{what} {dataset} comes from the Hugging Face Hub ({', '.join(hub_ids)}), {why}, and it is "
             f"not in the local cache. {_LOCAL_FILE_HINT}"
+            # eval's default is every benchmark: one file given, the rest still come from the Hub
+            + (f"; or leave {dataset} out of --benchmarks" if what == "benchmark" else "")
         )
     return f"{hub_ids[0]}, on the Hugging Face Hub (reachable; downloaded at the start)"

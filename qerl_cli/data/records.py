@@ -53,6 +53,28 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     raise QerlError(f"unsupported data file type '{suffix}' ({path}); use one of {', '.join(LOCAL_SUFFIXES)}")
 
 
+def first_record_fields(path: str | Path) -> list[str]:
+    """The field names of a local file's first record, read without loading the whole file where its
+    format allows (a check before work: a large .jsonl or .parquet costs its first line or its schema)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                line = next((line for line in f if line.strip()), None)
+            record = json.loads(line) if line is not None else None
+            return list(record) if isinstance(record, dict) else []
+        if suffix == ".parquet":
+            return list(pq.read_schema(path).names)
+        if suffix == ".csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                return list(csv.DictReader(f).fieldnames or [])
+    except (ValueError, OSError) as exc:  # JSONDecodeError, UnicodeDecodeError, pyarrow's ArrowInvalid
+        raise QerlError(f"cannot read {path}: {exc}") from None
+    records = read_records(path)  # .json: one document, read whole
+    return list(records[0]) if records and isinstance(records[0], dict) else []
+
+
 def _offline() -> bool:
     return any(
         os.environ.get(k, "").lower() in ("1", "true", "yes")

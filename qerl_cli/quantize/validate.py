@@ -121,7 +121,26 @@ def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
         raise file_given_for_folder(output, "output", "another --output, or remove the file")
     if output.exists() and not overwrite:
         raise QerlError(f"output folder {output} already exists: pass --overwrite to replace it")
+    if output.exists():
+        _check_replaceable(output)
     return output  # a parent folder not there yet is made, as train and eval make theirs
+
+
+# What marks a folder as a model (an earlier output of this command, or another model): what --overwrite
+# may replace. Anything else is someone's other work: `-o runs --overwrite` would have deleted every run.
+_MODEL_MARKERS = ("config.json", "qerl_quant.json")
+
+
+def _check_replaceable(output: Path) -> None:
+    """--overwrite replaces a model folder (or an empty one), never a folder of other files."""
+    entries = sorted(entry.name + "/" * entry.is_dir() for entry in output.iterdir())
+    if not entries or any((output / marker).is_file() for marker in _MODEL_MARKERS):
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise QerlError(
+        f"output {output} holds {shown}, not a model (no config.json): --overwrite replaces an earlier "
+        "output, and would delete all of it; give a new sub-folder as --output (or remove it yourself)"
+    )
 
 
 def incompatible_layers(model: torch.nn.Module, block_size: int) -> list[str]:

@@ -159,7 +159,9 @@ def base_compute(cfg: TrainConfig, device: torch.device) -> Checked | None:
 
 
 def dataset(cfg: TrainConfig) -> Checked:
-    return Checked("data.dataset", check_reachable(cfg.data.dataset))
+    """The problems can come, and a local file's rows have the fields the recipe reads them by."""
+    fields = (cfg.data.prompt_field, cfg.data.answer_field)
+    return Checked("data.dataset", check_reachable(cfg.data.dataset, fields=fields))
 
 
 def engine(cfg: TrainConfig) -> Checked:
