@@ -62,6 +62,10 @@ def test_dry_run_lists_the_checks_and_writes_nothing(
             "--data-file gsm8k: missing.jsonl: no such",
         ),
         (["--benchmarks", "math500"], "benchmark math500 comes from the Hugging Face Hub"),
+        (  # a file of other fields: read before the model loads, not after
+            ["--benchmarks", "gsm8k", "--data-file", "gsm8k=other-fields.jsonl"],
+            "--data-file gsm8k=PATH with gsm8k's field names",
+        ),
         (
             ["--baseline", "nowhere.json"],
             "nowhere.json not found: give the results.json of an earlier `qerl eval`",
@@ -76,6 +80,7 @@ def test_a_bad_input_exits_2_naming_it_before_any_model_loads(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("qerl_cli.data.datasets._in_local_cache", lambda hub_id: False)  # an empty cache
     (tmp_path / "a-file").write_text("x")
+    (tmp_path / "other-fields.jsonl").write_text('{"q": "1+1", "a": "2"}\n')
     before = sorted(tmp_path.iterdir())
     for dry in ([], ["--dry-run"]):
         argv = [

@@ -86,8 +86,14 @@ def benchmark(name: str, data_file: str | None) -> str:
     """Where a benchmark's problems come from, reachable now: its ``--data-file``, a synthetic task's
     held-out split, or the Hub set (in the local cache, or on a reachable Hub)."""
 
-    if data_file:
-        return check_reachable(data_file, what=f"--data-file {name}:")
+    if data_file:  # its first record read now: a file of other fields must not wait for the model
+        spec = benchmark_spec(name)
+        return check_reachable(
+            data_file,
+            what=f"--data-file {name}:",
+            like=spec.name if spec else None,
+            fields=None if spec else (None, None),
+        )
     if name.startswith(SYNTHETIC_PREFIX):
         make_problems(name, split="test", n=0)  # an unknown task is refused, naming the tasks
         return "a synthetic task's held-out split, generated here"
