@@ -57,6 +57,10 @@ def test_train_and_eval_estimates_on_a_tiny_model(
     overrides = [f"model.path={tiny_model_dir}", *one_step, "rollout.max_completion_length=8"]
     line = cpu_estimate(load_config(TrainConfig, "tiny", overrides))
     assert line is not None and "under 1s a step at most, under 1s for 1 step (" in line and size in line
+    # A resumed run trains only the steps its checkpoint has not: at step 30 of 40, 10 (it said 40).
+    resumed = load_config(TrainConfig, "tiny", [*overrides, "train.max_steps=40"])
+    assert "for 10 steps (resumed after step 30) (" in (cpu_estimate(resumed, done=30) or "")
+    assert "for 0 steps (resumed after step 40) (" in (cpu_estimate(resumed, done=40) or "")
     line = eval_cpu_estimate(EvalConfig(model=str(tiny_model_dir), max_new_tokens=8, max_problems=1))
     assert line is not None and size in line and "under 1s per 100 completions" in line
     assert "~0s" not in line and "0M parameters" not in line

@@ -173,6 +173,7 @@ def train(
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         print_checks(preflight(conf, resume=resume_dir, overwrite=overwrite))
         return
+    from qerl_cli.rl.checkpoint import resumed_step
     from qerl_cli.rl.run_folder import stop_hint
     from qerl_cli.rl.trainer import train as run_train
     from qerl_cli.torch_utils import runs_on_cpu
@@ -182,7 +183,7 @@ def train(
         use_free_cpu_threads()
     preflight(conf, resume=resume_dir, overwrite=overwrite)  # seconds, before a model loads for minutes
     if on_cpu and int(os.environ.get("RANK", "0")) == 0:
-        say_estimate(cpu_estimate(conf))
+        say_estimate(cpu_estimate(conf, done=0 if resume_dir is None else resumed_step(resume_dir)))
     set_stop_hint(lambda: stop_hint(conf.output.dir, conf.output.save_steps))
     result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary

@@ -290,6 +290,12 @@ def newest_good_checkpoint(run_dir: str | Path, *, skip: Path | None = None) -> 
     return None
 
 
+def resumed_step(path: str | Path) -> int:
+    """The steps behind the checkpoint ``--resume path`` continues from (:func:`find_last_checkpoint`'s)."""
+    match = CHECKPOINT_RE.match(find_last_checkpoint(path).name)
+    return int(match.group(1)) if match else 0
+
+
 def find_last_checkpoint(path: str | Path) -> Path:
     """``path`` itself when it is a checkpoint that verifies, else the newest ``checkpoint-N`` inside
     it that verifies; the damaged ones passed over are logged with the reason."""

@@ -200,9 +200,10 @@ def model_parameters(path: str) -> tuple[int, bool] | None:
         return None
 
 
-def cpu_estimate(cfg: TrainConfig) -> str | None:
+def cpu_estimate(cfg: TrainConfig, done: int = 0) -> str | None:
     """What a CPU run of ``cfg`` should take, from its configuration (steps x prompts x generations x
-    tokens on the model's parameters; ``torch_utils.cpu_seconds``), labelled as an estimate."""
+    tokens on the model's parameters; ``torch_utils.cpu_seconds``), labelled as an estimate. ``done``: the
+    steps a resumed run has behind it (its checkpoint's), which it does not train again."""
 
     sized = model_parameters(cfg.model.path)
     if sized is None:
@@ -220,7 +221,8 @@ def cpu_estimate(cfg: TrainConfig) -> str | None:
     )
 
     steps, prompts, generations = cfg.train.max_steps, cfg.train.prompts_per_step, cfg.rollout.num_generations
-    run = f"{steps} step{'s' * (steps != 1)}"
+    steps = max(steps - done, 0)
+    run = f"{steps} step{'s' * (steps != 1)}" + (f" (resumed after step {done})" if done else "")
     return (
         f"estimate on this CPU ({torch.get_num_threads()} threads): {estimated_duration(step)} a step at "
         f"most, {estimated_duration(step * steps)} for {run} ({prompts} prompts x {generations} completions "
