@@ -329,6 +329,21 @@ def test_a_rollout_rows_gpu_busy_share_while_generating_has_its_column() -> None
     assert ROLLOUT_BUSY_COLUMN not in rollout_columns(bench([rollout_row("bf16", HOT)], []))
 
 
+def test_a_host_bound_rollout_row_is_named_under_the_tables() -> None:
+    """A 7B rollout at 128 sequences kept the GPU busy about half the time (vLLM's detokenizer held the
+    engine's thread): its tok/s and share of the roofline were the host's limit, not the kernels'."""
+    waiting = replace(HOT, phases={ROLLOUT: PhaseClocks(15, 56.0, 1980.0, 415.0, 51.7)})
+    busy = replace(HOT, phases={ROLLOUT: PhaseClocks(11, 98.0, 1845.0, 690.0, 96.0)})
+    rows = [
+        rollout_row("bf16", waiting),
+        {**rollout_row("nvfp4", busy), "backend": "merged", "lora_rank": 16},
+    ]
+    line = ("Host-bound rollouts in the rollout table (GPU busy below 80% while generating): "
+            "bf16, LoRA none, 8 seqs 52%.")  # fmt: skip
+    assert line in to_markdown(bench(rows, [])) and line in terminal(bench(rows, []))
+    assert "Host-bound" not in to_markdown(bench(rows[1:], []))
+
+
 def test_without_a_busy_reading_on_any_row_there_is_no_sm_clock_column() -> None:
     result = bench([rollout_row("bf16", IDLE_ONLY), rollout_row("nvfp4", None)], [e2e_row("bf16", None)])
     assert SM_CLOCK_COLUMN not in rollout_columns(result) + e2e_columns(result)

@@ -1,4 +1,5 @@
-"""The notes on the e2e table, what its rows' medians cannot say on their own: the most any rollout
+"""The notes on the e2e table (and the host-bound line of the rollout table too), what its rows' medians
+cannot say on their own: the most any rollout
 speed-up could buy each row, whether its rollouts kept the GPU busy (the mean GPU utilization of the
 readings :mod:`qerl_cli.bench.gpusampler` took while the trainer generated), and how far its rollout
 speed moved between its timed steps. The row's per-step fields (:func:`step_rate_fields`, written by
@@ -8,7 +9,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from qerl_cli.bench.gpusampler import row_rollout_busy_pct
@@ -77,8 +78,12 @@ def caveat_cells(row: Mapping[str, Any], columns: tuple[str, ...]) -> tuple[str,
     return tuple(cells[column] for column in columns)
 
 
-def host_bound_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
-    """The rows whose rollouts kept the GPU busy less than HOST_BOUND_BUSY_PCT, or None."""
+def host_bound_line(
+    rows: Sequence[Mapping[str, Any]], label: Callable[[Any], str] = e2e_label, table: str = ""
+) -> str | None:
+    """The rows (of the e2e table, or of the rollout table, named with ``table``) whose rollouts kept the
+    GPU busy less than HOST_BOUND_BUSY_PCT, or None. A rollout row's tok/s and its share of the roofline
+    are then the host's limit as much as the kernels': what a kernel comparison must not read past."""
     low = [
         (r, busy)
         for r in rows
@@ -86,9 +91,9 @@ def host_bound_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
     ]
     if not low:
         return None
-    parts = "; ".join(f"{e2e_label(r)} {busy:.0f}%" for r, busy in low)
+    parts = "; ".join(f"{label(r)} {busy:.0f}%" for r, busy in low)
     return (
-        f"Host-bound rollouts (GPU busy below {HOST_BOUND_BUSY_PCT:.0f}% while generating): {parts}. "
+        f"Host-bound rollouts{table} (GPU busy below {HOST_BOUND_BUSY_PCT:.0f}% while generating): {parts}. "
         "These rows' rollouts left the GPU idle part of the time, waiting on the host, so their rollout "
         "speed is not the kernels' alone."
     )

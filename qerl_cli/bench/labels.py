@@ -21,3 +21,8 @@ def e2e_label(row: dict[str, Any]) -> str:
     one of the HF engine, and of a run that names none): ``nvfp4 / fp8``. Unique within a run."""
     backend = row.get("backend")
     return row["format"] + ("" if backend in (None, "auto") else f" / {backend}")
+
+
+def rollout_label(row: dict[str, Any]) -> str:
+    """A rollout row: its format (and backend), LoRA and sequences, ``nvfp4 / merged, LoRA r16, 128 seqs``."""
+    return f"{format_label(row)}, LoRA {lora_label(row['lora_rank'])}, {row['batch']} seqs"

@@ -27,7 +27,7 @@ from qerl_cli.bench.e2e_notes import (
 )
 from qerl_cli.bench.gate import gate_caveat
 from qerl_cli.bench.gpusampler import row_rollout_busy_pct, row_sm_mhz
-from qerl_cli.bench.labels import e2e_label, format_label, lora_label
+from qerl_cli.bench.labels import e2e_label, format_label, lora_label, rollout_label
 from qerl_cli.bench.report_host import busy_line, gpu_clocks_line, host_load_line, machine_line
 from qerl_cli.bench.result import BenchResult
 from qerl_cli.rollout.backends import DENSE_MERGED
@@ -247,10 +247,12 @@ def folded_line(report: BenchResult) -> str | None:
 
 
 def notes(report: BenchResult) -> list[str]:
-    """The lines under the tables, in both renderings: the folded backends, then what the e2e rows'
-    figures can and cannot say (the rollout ceiling, host-bound rollouts, the steps' spread)."""
+    """The lines under the tables, in both renderings: the rollout rows whose GPU waited on the host, the
+    folded backends, then what the e2e rows' figures can and cannot say (the rollout ceiling, host-bound
+    rollouts, the steps' spread)."""
     measured = _e2e_measured(report)
-    lines = (folded_line(report), rollout_ceiling_line(measured), host_bound_line(measured),
+    rollout_rows = host_bound_line(report.rollout, rollout_label, " in the rollout table")
+    lines = (rollout_rows, folded_line(report), rollout_ceiling_line(measured), host_bound_line(measured),
              step_spread_line(measured))  # fmt: skip
     return [line for line in lines if line]
 
