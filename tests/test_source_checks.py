@@ -144,6 +144,9 @@ def test_an_adapter_folder_given_for_the_model_is_named(capsys, tmp_path: Path) 
     empty.mkdir()
     rc, _, err = run(capsys, "eval", str(empty), "--benchmarks", "synthetic-addition", "--dry-run")
     assert rc == 2 and f"model {empty} has no config.json; give a Hugging Face model folder" in err, err
+    (empty / "adapter").mkdir()  # an empty adapter/ makes no run folder
+    rc, _, err = run(capsys, "eval", str(empty), "--benchmarks", "synthetic-addition", "--dry-run")
+    assert rc == 2 and f"model {empty} has no config.json; give a Hugging Face model folder" in err, err
 
 
 def _interrupted_run(tmp_path: Path, checkpoints: tuple[int, ...] = (2, 10)) -> Path:

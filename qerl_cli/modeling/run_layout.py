@@ -36,10 +36,11 @@ def checkpoint_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def is_run_folder(folder: str | Path) -> bool:
-    """Whether ``folder`` looks like a `qerl train` run's: its final adapter, a checkpoint, or the
-    records and config snapshot every run writes at its start (a run stopped before its first
-    checkpoint has only those)."""
+    """Whether ``folder`` looks like a `qerl train` run's by its layout: a checkpoint, or the records and
+    config snapshot every run writes at its start (a run stopped before its first checkpoint has only
+    those). A final adapter is :func:`qerl_cli.modeling.adapter.run_adapter`'s to find (it reads the
+    adapter's files; an empty ``adapter/`` is no run's)."""
     path = Path(folder)
-    if (path / ADAPTER_DIR).is_dir() or checkpoint_folders(path):
+    if checkpoint_folders(path):
         return True
     return (path / METRICS_FILE).is_file() and (path / RESOLVED_CONFIG_NAME).is_file()

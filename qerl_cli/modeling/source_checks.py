@@ -201,11 +201,12 @@ def no_model_config(path: Path, what: str, choices: str = MODEL_FOLDER) -> QerlE
     checkpoint's adapter is what it has trained."""
     if adapter.is_adapter_folder(path):
         return _trained_folder(path, what, path, "a PEFT adapter folder", "the trained adapter", "")
-    if not run_layout.is_run_folder(path):
+    # A final adapter (its config read by adapter.py, so an empty adapter/ is none), or the run's layout.
+    if adapter.run_adapter(path) is None and not run_layout.is_run_folder(path):
         return QerlError(f"{what} {path} has no config.json; give {choices}")
     kind = "a `qerl train` run's folder (its output.dir)"
     resume = (f"; to train on, continue the run: `qerl train RECIPE --resume {path}` (a finished run with "
-              "train.steps raised)")  # fmt: skip
+              "train.max_steps raised)")  # fmt: skip
     if (final := adapter.run_adapter(path)) is not None:
         return _trained_folder(path, what, final, kind, "the trained adapter", resume)
     if (newest := adapter.checkpoint_adapter(path)) is not None:
