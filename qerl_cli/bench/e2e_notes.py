@@ -84,19 +84,31 @@ def host_bound_line(
     """The rows (of the e2e table, or of the rollout table, named with ``table``) whose rollouts kept the
     GPU busy less than HOST_BOUND_BUSY_PCT, or None. A rollout row's tok/s and its share of the roofline
     are then the host's limit as much as the kernels': what a kernel comparison must not read past."""
-    low = [
-        (r, busy)
-        for r in rows
-        if (busy := row_rollout_busy_pct(r)) is not None and busy < HOST_BOUND_BUSY_PCT
-    ]
-    if not low:
+    parts = _flagged(
+        rows,
+        row_rollout_busy_pct,
+        lambda busy: busy < HOST_BOUND_BUSY_PCT,
+        lambda r, busy: f"{label(r)} {busy:.0f}%",
+    )
+    if parts is None:
         return None
-    parts = "; ".join(f"{label(r)} {busy:.0f}%" for r, busy in low)
     return (
         f"Host-bound rollouts{table} (GPU busy below {HOST_BOUND_BUSY_PCT:.0f}% while generating): {parts}. "
         "These rows' rollouts left the GPU idle part of the time, waiting on the host, so their rollout "
         "speed is not the kernels' alone."
     )
+
+
+def _flagged(
+    rows: Sequence[Mapping[str, Any]],
+    figure: Callable[[Any], float | None],
+    flag: Callable[[float], bool],
+    describe: Callable[[Any, float], str],
+) -> str | None:
+    """The rows with a ``figure`` that ``flag`` picks, each described with it and joined by "; "; None
+    where no row is picked (a row without the figure is not)."""
+    found = [describe(r, value) for r in rows if (value := figure(r)) is not None and flag(value)]
+    return "; ".join(found) if found else None
 
 
 def rollout_ceiling_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
@@ -113,11 +125,14 @@ def rollout_ceiling_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
 def step_spread_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """The rows whose rollout tokens/s varied between timed steps by more than STEP_SPREAD_FRACTION
     (none: None)."""
-    spreads = [(r, rate_spread(row_step_rates(r))) for r in rows]
-    wide = [(r, spread) for r, spread in spreads if spread is not None and spread > STEP_SPREAD_FRACTION]
-    if not wide:
+    parts = _flagged(
+        rows,
+        lambda r: rate_spread(row_step_rates(r)),
+        lambda spread: spread > STEP_SPREAD_FRACTION,
+        lambda r, spread: f"{e2e_label(r)} {spread:.0%} ({_rates_cell(r)} tok/s)",
+    )
+    if parts is None:
         return None
-    parts = "; ".join(f"{e2e_label(r)} {spread:.0%} ({_rates_cell(r)} tok/s)" for r, spread in wide)
     return (
         f"Rollout speed varied between timed steps by more than {STEP_SPREAD_FRACTION:.0%}: {parts}. "
         "Step ratios within that spread are not a verdict: more timed steps (--set repeats=N) or repeated "
