@@ -505,11 +505,11 @@ class _LengthRecorder:
         self.phases: list[str] = []  # the training phase each call ran in (qerl_cli.rl.phase)
 
     def generate(self, prompts, n, spec):
-        from qerl_cli.rl.phase import current_phase
+        from qerl_cli.rl.phase import phase_state
         from qerl_cli.rollout.base import Completion, RolloutResult
 
         self.lengths.append(spec.max_new_tokens)
-        self.phases.append(current_phase())
+        self.phases.append(phase_state()[0])
         done = [
             [Completion([1] * spec.max_new_tokens, "", [0.0] * spec.max_new_tokens, "length")]
             for _ in prompts

@@ -174,13 +174,13 @@ def test_the_optimizer_steps_run_in_the_update_phase_and_the_fixed_logprobs_outs
     ``time_update_s`` only: the no-grad logprob pass before it is ``time_logprobs_s``, and after it the
     step is in no phase."""
     from qerl_cli.rl import update as update_mod
-    from qerl_cli.rl.phase import OTHER, UPDATE, current_phase
+    from qerl_cli.rl.phase import OTHER, UPDATE, phase_state
 
     seen: list[tuple[str, str]] = []
 
     def watched(name: str, original):  # -> the original, noting the phase it was called in
         def call(*args, **kwargs):
-            seen.append((name, current_phase()))
+            seen.append((name, phase_state()[0]))
             return original(*args, **kwargs)
 
         return call
@@ -189,4 +189,4 @@ def test_the_optimizer_steps_run_in_the_update_phase_and_the_fixed_logprobs_outs
         monkeypatch.setattr(update_mod, name, watched(name, getattr(update_mod, name)))
     _update(tiny_model_dir)
     assert seen == [("fixed_inputs", OTHER), ("accumulate_gradients", UPDATE), ("clip_and_step", UPDATE)]
-    assert current_phase() == OTHER
+    assert phase_state()[0] == OTHER

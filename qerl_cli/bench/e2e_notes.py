@@ -20,11 +20,11 @@ STEP_RATES_COLUMN = "rollout tok/s per step"
 # A row's rollout tokens/s of each timed step, in order, and their spread (highest over lowest, less 1).
 RATES_KEY = "rollout_tokens_per_s_steps"
 SPREAD_KEY = "rollout_tokens_per_s_spread"
-# Below this median utilization while generating, a row's rollouts left the GPU idle part of the time,
-# waiting on the host (scheduling, sampling, detokenising, the launches between kernels), so their
-# tokens/s measure the host as much as the kernels. Work that keeps the GPU fed reads close to 100% (an
-# update's GEMMs did, benchmarks/h200-2026-11-29-grpo-step-rerun); 80 leaves room for the coarseness of
-# nvidia-smi's utilization without calling such a rollout host-bound.
+# Below this busy share while generating (the readings' mean: gpusampler.PhaseClocks.busy_pct), a row's
+# rollouts left the GPU idle part of the time, waiting on the host (scheduling, sampling, detokenising,
+# the launches between kernels), so their tokens/s measure the host as much as the kernels. Work that
+# keeps the GPU fed reads close to 100% (an update's GEMMs did, benchmarks/h200-2026-11-29-grpo-step-rerun);
+# 80 leaves room for the coarseness of nvidia-smi's utilization without calling such a rollout host-bound.
 HOST_BOUND_BUSY_PCT = 80.0
 # A row whose timed steps' rollout tokens/s differ by more than this (highest over lowest, less 1) is
 # named below the table: the step ratios between rows are often a few tens of percent, and a spread of
@@ -111,6 +111,12 @@ def _flagged(
     return "; ".join(found) if found else None
 
 
+def _spread(row: Mapping[str, Any]) -> float | None:
+    """The row's stored spread; a row from before it was stored, from its steps' rates."""
+    stored = row.get(SPREAD_KEY)
+    return stored if stored is not None else rate_spread(row_step_rates(row))
+
+
 def rollout_ceiling_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """Each e2e row's step were generation free, against BF16 + vLLM-LoRA's step: the ceiling of any
     rollout speed-up (None without rows or without that reference: ``bench.report.add_speedups``)."""
@@ -127,7 +133,7 @@ def step_spread_line(rows: Sequence[Mapping[str, Any]]) -> str | None:
     (none: None)."""
     parts = _flagged(
         rows,
-        lambda r: rate_spread(row_step_rates(r)),
+        _spread,
         lambda spread: spread > STEP_SPREAD_FRACTION,
         lambda r, spread: f"{e2e_label(r)} {spread:.0%} ({_rates_cell(r)} tok/s)",
     )

@@ -32,11 +32,6 @@ _current: Phase = OTHER
 _changed_at: float = float("-inf")
 
 
-def current_phase() -> Phase:
-    """The phase this process is in now (``other`` outside every marked span)."""
-    return _current
-
-
 def phase_state() -> tuple[Phase, float]:
     """The phase now and when it last changed (``time.monotonic``; minus infinity before any change)."""
     return _current, _changed_at

@@ -136,7 +136,7 @@ def fused_kernels(cfg: TrainConfig) -> Checked | None:
     """``train.fused_kernels=liger``: liger-kernel is installed (found without importing it)."""
     if cfg.train.fused_kernels != "liger":
         return None
-    check_liger("liger")
+    check_liger(cfg.train.fused_kernels)
     return Checked(
         "train.fused_kernels", "liger: liger-kernel installed (the model's family is checked when it loads)"
     )
