@@ -57,15 +57,13 @@ def prepare_bases(
     for arm, overrides in arms.items():
         if "model.path" in overrides:
             continue
-        choice = base_choice(overrides, method, where=f"arm {arm}")
+        choice = _arm_base(arm, overrides, method, source, own)
         if choice.format in ("auto", own):
             base, made_with = folder, None  # the recipe's own model
             if "base.method" in overrides and own != "bf16":
                 log.warning("arm %s: base.method is unused: the recipe's model %s is %s already", arm, source,
                             own)  # fmt: skip
-        elif own != "bf16":
-            raise _not_from(arm, choice.format, source, own)
-        else:
+        else:  # made from the BF16 recipe model (_arm_base refused it from a 4-bit one)
             init = _lora_init_of(arms, choice, method)
             base = _quantized_base(folder, out, choice, probe.train.device, init, probe.lora.rank)
             made_with = choice.method
@@ -92,16 +90,24 @@ def check_base_formats(
         return
     own = detect_format(read_config(folder))
     for arm, overrides in arms.items():
-        choice = base_choice(overrides, method, where=f"arm {arm}")
-        if "model.path" not in overrides and choice.format not in ("auto", own) and own != "bf16":
-            raise _not_from(arm, choice.format, source, own)
+        if "model.path" in overrides:
+            base_choice(overrides, method, where=f"arm {arm}")  # its base settings are still read
+        else:
+            _arm_base(arm, overrides, method, source, own)
 
 
-def _not_from(arm: str, fmt: str, source: str, own: str) -> QerlError:
-    return QerlError(
-        f"arm {arm} needs a {fmt} base but the recipe's model {source} is {own}; point model.path at the "
-        "BF16 model (its 4-bit counterparts are made here), or give the arm its own model.path"
-    )
+def _arm_base(arm: str, overrides: dict[str, Any], method: str, source: str, own: str) -> BaseChoice:
+    """The base an arm without its own model.path asks for, refused where it cannot be had: a format the
+    recipe's model (``own``) is not, while that model is not BF16 (4-bit bases are made from a BF16 one).
+    The one rule :func:`prepare_bases` and :func:`check_base_formats` (the dry run's) both apply."""
+    choice = base_choice(overrides, method, where=f"arm {arm}")
+    if choice.format not in ("auto", own) and own != "bf16":
+        raise QerlError(
+            f"arm {arm} needs a {choice.format} base but the recipe's model {source} is {own}; point "
+            "model.path at the BF16 model (its 4-bit counterparts are made here), or give the arm its own "
+            "model.path"
+        )
+    return choice
 
 
 def recorded_bases(out: Path, finished: list[tuple[str, int]]) -> dict[str, str]:
