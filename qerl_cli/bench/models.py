@@ -65,8 +65,9 @@ def normalize_formats(formats: list[str]) -> list[str]:
     return seen
 
 
-def folder_format(folder: Path) -> str:
-    """bf16 / nvfp4 / mxfp4 / nf4 from a checkpoint's ``quantization_config``."""
+def benchable_format(folder: Path) -> str:
+    """bf16 / nvfp4 / mxfp4 / nf4 from a checkpoint's ``quantization_config``; a quantization the bench
+    does not time is refused (unlike ``modeling.loading.folder_format``, which answers None for it)."""
 
     found = detect_checkpoint_format(folder).name
     if found == "other":
@@ -143,7 +144,7 @@ def _rtn_checkpoint(source: Path, fmt: str) -> Path:
 def check_folder_formats(model: str, folder: Path, formats: list[str]) -> str:
     """The format of the checkpoint in ``folder``; a 4-bit one serves its own format only (a BF16 one
     is quantized to the others)."""
-    own = folder_format(folder)
+    own = benchable_format(folder)
     others = [f for f in formats if f != own]
     if own != "bf16" and others:
         raise QerlError(
