@@ -61,9 +61,13 @@ def _rates_cell(row: Mapping[str, Any]) -> str:
 
 def caveat_columns(rows: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """The columns some row has a figure for (a report from before them has none, and shows neither)."""
-    busy = any(row_rollout_busy_pct(r) is not None for r in rows)
     rates = any(row_step_rates(r) for r in rows)
-    return (*((ROLLOUT_BUSY_COLUMN,) if busy else ()), *((STEP_RATES_COLUMN,) if rates else ()))
+    return (*((ROLLOUT_BUSY_COLUMN,) if has_busy(rows) else ()), *((STEP_RATES_COLUMN,) if rates else ()))
+
+
+def has_busy(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any row has a GPU busy share while generating (rows of earlier versions have none)."""
+    return any(row_rollout_busy_pct(r) is not None for r in rows)
 
 
 def busy_cell(row: Mapping[str, Any]) -> str:

@@ -21,12 +21,13 @@ from qerl_cli.bench.e2e_notes import (
     busy_cell,
     caveat_cells,
     caveat_columns,
+    has_busy,
     host_bound_line,
     rollout_ceiling_line,
     step_spread_line,
 )
 from qerl_cli.bench.gate import gate_caveat
-from qerl_cli.bench.gpusampler import row_rollout_busy_pct, row_sm_mhz
+from qerl_cli.bench.gpusampler import row_sm_mhz
 from qerl_cli.bench.labels import e2e_label, format_label, lora_label, rollout_label
 from qerl_cli.bench.report_host import busy_line, gpu_clocks_line, host_load_line, machine_line
 from qerl_cli.bench.result import BenchResult
@@ -142,11 +143,6 @@ def _sm_clock_cell(row: dict[str, Any], shown: bool) -> tuple[str, ...]:
     return (_fmt(row_sm_mhz(row), ".0f"),) if shown else ()
 
 
-def _has_busy(rows: list[dict[str, Any]]) -> bool:
-    """Whether any rollout row has readings of its timed generations (rows of earlier versions have none)."""
-    return any(row_rollout_busy_pct(r) is not None for r in rows)
-
-
 def _busy_cell(row: dict[str, Any], shown: bool) -> tuple[str, ...]:
     return (busy_cell(row),) if shown else ()
 
@@ -158,7 +154,7 @@ def rollout_columns(report: BenchResult) -> tuple[str, ...]:
     if _has_merged_reference(report):
         at = ROLLOUT_COLUMNS.index("vs BF16") + 1
         columns = (*ROLLOUT_COLUMNS[:at], "vs BF16 merged", *ROLLOUT_COLUMNS[at:])
-    clock, busy = _has_sm_clock(report.rollout), _has_busy(report.rollout)
+    clock, busy = _has_sm_clock(report.rollout), has_busy(report.rollout)
     return (*columns, *((SM_CLOCK_COLUMN,) if clock else ()), *((ROLLOUT_BUSY_COLUMN,) if busy else ()))
 
 
@@ -166,7 +162,7 @@ def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
     merged, clock, busy = (
         _has_merged_reference(report),
         _has_sm_clock(report.rollout),
-        _has_busy(report.rollout),
+        has_busy(report.rollout),
     )
     return [
         (
