@@ -157,3 +157,30 @@ def read_info(folder: str | Path) -> LoraInitInfo:
         return LoraInitInfo.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as exc:
         raise QerlError(f"{path} is not a valid LoRA init record ({exc}); write it again") from None
+
+
+def find_lora_init(
+    method: str, rank: int, model_path: str, model_dir: str | Path, base_format: str
+) -> tuple[Path, LoraInitInfo]:
+    """``model_dir/lora_init/`` and its record, for ``lora.init`` ``method`` (eora / svd) on the recipe's
+    ``model_path``: a QerlError naming the folder and the `qerl quantize --lora-init` command that writes
+    it where it is missing or holds another method's start. Asked by `qerl train`'s checks before the
+    model loads and again when the adapter is made (``rl.policy.load_lora_init``)."""
+    folder = init_folder(model_dir)
+    fmt = base_format if base_format != "bf16" else "nvfp4"
+    command = (
+        f"qerl quantize BF16_MODEL --format {fmt} --method {'rtn' if fmt == 'nf4' else 'gptq'} "
+        f"--lora-init {method} --lora-init-rank {rank} --output {model_path} --overwrite"
+    )
+    if not folder.is_dir():
+        raise QerlError(
+            f"lora.init={method} starts the adapter from {folder}, which does not exist. Write it with "
+            f"`{command}` (BF16_MODEL: the model {model_path} was quantized from), or set lora.init=zeros"
+        )
+    info = read_info(folder)
+    if info.method != method:
+        raise QerlError(
+            f"{folder} holds a {info.method} LoRA init, not {method}: set lora.init={info.method}, or "
+            f"write a {method} one with `{command}`"
+        )
+    return folder, info

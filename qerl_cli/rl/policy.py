@@ -36,12 +36,12 @@ from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling import lora as qerl_lora
 from qerl_cli.modeling.adapter import save_peft_model
 from qerl_cli.modeling.base_compute import apply_base_compute
+from qerl_cli.modeling.error_init import find_lora_init
 from qerl_cli.modeling.fused_kernels import AppliedKernels, apply_fused_kernels
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
 from qerl_cli.modeling.lora import load_factors, snapshot, swapped_in
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.rl.logprobs import LinearLogprob, chunked_token_logprobs, head_and_decoder
-from qerl_cli.rl.preflight import find_lora_init
 from qerl_cli.torch_utils import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,9 @@ def load_lora_init(model: nn.Module, cfg: TrainConfig, base_format: str) -> dict
     method = cfg.lora.init
     if method == "zeros":
         return None
-    folder, info = find_lora_init(cfg, resolve_model_source(cfg.model.path), base_format)
+    folder, info = find_lora_init(
+        cfg.lora.init, cfg.lora.rank, cfg.model.path, resolve_model_source(cfg.model.path), base_format
+    )
     adapter_folder.check_folder(folder, "LoRA init")
     config = adapter_folder.read_config(folder, "LoRA init")
     loaded = load_factors(

@@ -21,7 +21,7 @@ from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
 from qerl_cli.formats.fp8 import cuda_capability
 from qerl_cli.modeling.base_compute import check_fp8_device
-from qerl_cli.modeling.error_init import LoraInitInfo, init_folder, read_info
+from qerl_cli.modeling.error_init import find_lora_init
 from qerl_cli.modeling.fused_kernels import check_liger
 from qerl_cli.modeling.loading import check_declared_format, folder_format
 from qerl_cli.modeling.model_shape import ModelShape
@@ -96,31 +96,6 @@ def declared_format(cfg: TrainConfig) -> str | None:
     return folder_format(cfg.model.path)
 
 
-def find_lora_init(cfg: TrainConfig, model_dir: str | Path, base_format: str) -> tuple[Path, LoraInitInfo]:
-    """``model_dir/lora_init/`` and its record, for ``lora.init`` eora / svd: a QerlError naming the
-    folder and the `qerl quantize --lora-init` command that writes it where it is missing or holds
-    another method's start. Asked before the model loads and again by ``rl.policy.load_lora_init``."""
-    method = cfg.lora.init
-    folder = init_folder(model_dir)
-    fmt = base_format if base_format != "bf16" else "nvfp4"
-    command = (
-        f"qerl quantize BF16_MODEL --format {fmt} --method {'rtn' if fmt == 'nf4' else 'gptq'} "
-        f"--lora-init {method} --lora-init-rank {cfg.lora.rank} --output {cfg.model.path} --overwrite"
-    )
-    if not folder.is_dir():
-        raise QerlError(
-            f"lora.init={method} starts the adapter from {folder}, which does not exist. Write it with "
-            f"`{command}` (BF16_MODEL: the model {cfg.model.path} was quantized from), or set lora.init=zeros"
-        )
-    info = read_info(folder)
-    if info.method != method:
-        raise QerlError(
-            f"{folder} holds a {info.method} LoRA init, not {method}: set lora.init={info.method}, or "
-            f"write a {method} one with `{command}`"
-        )
-    return folder, info
-
-
 def lora_init(cfg: TrainConfig) -> Checked | None:
     """``lora.init`` eora / svd: the start `qerl quantize --lora-init` wrote beside the base is there.
     A GGUF base is converted when it loads, so its folder is looked in then."""
@@ -128,7 +103,8 @@ def lora_init(cfg: TrainConfig) -> Checked | None:
         return None
     if gguf_source(cfg.model.path) is not None:
         return Checked("lora.init", f"{cfg.lora.init}: looked for beside the GGUF model once it is converted")
-    folder, info = find_lora_init(cfg, cfg.model.path, declared_format(cfg) or "nvfp4")
+    folder, info = find_lora_init(cfg.lora.init, cfg.lora.rank, cfg.model.path, cfg.model.path,
+                                  declared_format(cfg) or "nvfp4")  # fmt: skip
     return Checked("lora.init", f"{folder}: a {info.method} start of rank {info.rank}")
 
 
