@@ -174,6 +174,23 @@ def test_a_busy_clock_more_than_a_tenth_below_the_runs_highest_is_throttling() -
     assert "hw_power_brake_slowdown, 39% below" in both
 
 
+def test_a_reasonless_drop_on_a_partly_busy_gpu_is_boost_not_throttling() -> None:
+    """The readings an H200 gave between power-capped decodes (default 700 W limit): 1605-1740 MHz at
+    56-73% utilization with no reason set. GPU Boost lowers the clock of a GPU between work; the same drop
+    at full utilization, or with a slowdown reason, is throttling as before."""
+    partly = [
+        reading(1635, [], utilization=63, elapsed_s=127),
+        reading(1605, [], utilization=73, elapsed_s=697),
+    ]
+    assert throttle_findings([reading(1980), *partly]) == []
+    (full,) = throttle_findings([reading(1980), reading(1635, [], utilization=100, elapsed_s=127)])
+    assert full.endswith("17% below the run's highest 1980 MHz")
+    (unknown,) = throttle_findings([reading(1980), reading(1635, [], utilization=None, elapsed_s=127)])
+    assert "17% below" in unknown  # a utilization not read: judged as before
+    (hard,) = throttle_findings([reading(1980), reading(1635, ["hw_slowdown"], utilization=63)])
+    assert hard.endswith("hw_slowdown, 17% below the run's highest 1980 MHz")
+
+
 def test_the_power_cap_at_the_boards_default_limit_is_a_loaded_gpu_not_throttling() -> None:
     """A board at its default power limit under dense GEMMs holds the limit with sw_power_cap set below its
     boost clock: not throttling, with or without the drop. The same drop under a lower limit in force (a

@@ -73,6 +73,12 @@ LIMIT_FIELDS = (DEFAULT_LIMIT_FIELD, ENFORCED_LIMIT_FIELD)
 QUERIES = tuple((*QUERY_FIELDS, *extra, reasons) for extra in (LIMIT_FIELDS, ()) for reasons in REASON_FIELDS)
 # A throttled verdict names this many readings, then counts the rest.
 NAMED_READINGS = 3
+# A clock drop the driver names no reason for counts only at this utilization or above. A GPU that ran
+# kernels for part of nvidia-smi's sampling period is between work (a case's prefill and decode, a
+# generation's tail, the next engine's load), and GPU Boost lowers the clock for that load by itself; on an
+# H200 at its default 700 W, right around power-capped decode, such readings came at 1605-1740 MHz with
+# 56-73% utilization and no reason set (benchmarks/h200-2026-11-29-detokenizer-off).
+FULLY_BUSY_PCT = 90
 
 
 def uuid_digits(text: str) -> str:
@@ -123,6 +129,11 @@ class GpuReading:
     def busy(self) -> bool:
         """Working, as far as is known: a reading with neither the mask nor the utilization is not."""
         return not self.idle and (self.reasons is not None or self.utilization_pct is not None)
+
+    @property
+    def fully_busy(self) -> bool:
+        """Working through the whole sampling period, as far as is known (an unknown utilization counts)."""
+        return self.busy and (self.utilization_pct is None or self.utilization_pct >= FULLY_BUSY_PCT)
 
     @property
     def at_default_limit(self) -> bool:
@@ -244,7 +255,8 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
     hardware slowdown, or when the GPU was working (:attr:`GpuReading.busy`: a low clock of an idle GPU
     is its own choice) and its SM clock is more than ``drop_fraction`` below the highest working clock
     of the run (or its own maximum clock), unless the driver says the GPU is at its power limit and that
-    limit is the board's default (:attr:`GpuReading.at_default_limit`, POWER_CAP_REASONS)."""
+    limit is the board's default (:attr:`GpuReading.at_default_limit`, POWER_CAP_REASONS). A drop the
+    driver gives no reason for counts only on a GPU busy the whole sampling period (FULLY_BUSY_PCT)."""
     highest = max((r.sm_mhz for r in readings if r.busy and r.sm_mhz is not None), default=None)
     found = []
     for reading in readings:
@@ -258,7 +270,10 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
         why = list(hard)
         if low and capped and not reading.at_default_limit:
             why.append(_cap_label(reading))
-        if low and (hard or not capped or not reading.at_default_limit):
+        unexplained = not hard and not capped
+        if low and (
+            hard or (capped and not reading.at_default_limit) or (unexplained and reading.fully_busy)
+        ):
             why.append(f"{1 - reading.sm_mhz / top:.0%} below {_top_label(top, highest)}")
         if why:
             found.append(f"{reading.label()}: {', '.join(why)}")
