@@ -72,10 +72,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip GPU tests without CUDA and vLLM tests without vLLM, saying why."""
+    """Skip GPU tests without CUDA and vLLM tests without vLLM, saying why; put the files holding `slow`
+    tests first.
+
+    xdist (``--dist loadfile --no-loadscope-reorder``, pyproject.toml) hands whole files to the workers in
+    this order. The slow files hold the minutes-long tests (tests/test_demo.py alone is about a third of
+    the suite's CPU time): started first, the other worker meanwhile takes the many short files, and
+    both finish together. Handed out last (xdist's own order puts files with few tests last, as these
+    are), one worker would run one of them alone at the end."""
     import importlib.util
 
     import torch
+
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's own order is kept
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
     no_vllm = pytest.mark.skip(reason="needs vLLM (the vllm extra, on a GPU machine)")

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from safetensors import SafetensorError
@@ -249,23 +248,26 @@ def _start(tmp_path: Path, tiny_model_dir: Path, patch: str) -> tuple[subprocess
     return proc, out
 
 
-def _uninterrupted_then_start(tmp_path: Path, model: Path, fault: str) -> tuple[FakeReward, Any, Path]:
-    """The batches of an uninterrupted run (what a resume must reproduce), then the run to interrupt,
-    started and waiting at its fault point."""
-    straight = FakeReward()
-    train(tiny_cfg(model, tmp_path / "straight"), progress=False, reward_fn=straight)
-    return (straight, *_start(tmp_path, model, fault))
+@pytest.fixture(scope="module")
+def straight_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[FakeReward, Path]:
+    """An uninterrupted run of the config the faulted runs below use: its batches (what a resume must
+    reproduce) and its folder (metrics.jsonl). Made once for both; neither writes to it."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    reward = FakeReward()
+    train(tiny_cfg(tiny_model_dir, out), progress=False, reward_fn=reward)
+    return reward, out
 
 
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_then_resume_at_the_cli(
-    capsys, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    capsys, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straight_run
 ) -> None:
     """`qerl train` SIGKILLed while writing checkpoint-4, then `qerl train --resume`: the same next
     batches, and every step's metrics equal those of the uninterrupted run."""
     import qerl_cli.rewards
 
-    straight, proc, out = _uninterrupted_then_start(tmp_path, tiny_model_dir, SLOW_MANIFEST)
+    straight, straight_dir = straight_run
+    proc, out = _start(tmp_path, tiny_model_dir, SLOW_MANIFEST)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -277,7 +279,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_at_the_cli(
     assert rc == 0, err
     assert resumed.batches == straight.batches[2:]  # resumed at step 3, with identical next batches
     assert not (out / ".checkpoint-4.tmp").exists() and ckpt.checkpoint_problem(out / "checkpoint-4") is None
-    a = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    a = [json.loads(x) for x in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in b] == [1, 2, 3, 4]  # steps 3 and 4 of the killed run were redone once
     for ra, rb in zip(a, b, strict=True):
@@ -286,8 +288,11 @@ def test_sigkill_during_a_checkpoint_write_then_resume_at_the_cli(
 
 
 @pytest.mark.slow
-def test_sigint_during_a_rollout_exits_cleanly_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    straight, proc, out = _uninterrupted_then_start(tmp_path, tiny_model_dir, SLOW_ROLLOUT)
+def test_sigint_during_a_rollout_exits_cleanly_and_resumes(
+    tiny_model_dir: Path, tmp_path: Path, straight_run
+) -> None:
+    straight, _ = straight_run
+    proc, out = _start(tmp_path, tiny_model_dir, SLOW_ROLLOUT)
     os.kill(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err

@@ -291,63 +291,81 @@ def test_kernel_agrees_with_marlin(m) -> None:
 
 
 # Run in a child process: this one may have Triton in interpreter mode (tests/conftest.py), where the
-# kernels are not compilable JIT functions. Prints the sm_90 PTX of the GEMM kernel for one config.
+# kernels are not compilable JIT functions. Prints the sm_90 PTX of the GEMM kernel for each config given
+# (a JSON list of [bm, bn, bk, warps, stages, split, lora]) as a JSON list: one child for every config, as
+# its imports (torch, Triton) take longer than the compiles.
 COMPILE_FOR_HOPPER = """
+import json
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qerl_cli.kernels import _triton_nvfp4_gemm as kernels
 
-bm, bn, bk, warps, stages, split, lora = (int(v) for v in sys.argv[1:])
-signature = dict.fromkeys(("x_ptr", "bias_ptr", "lora_b_ptr", "y_ptr"), "*bf16")
-signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "table_ptr": "*fp32", "out_scale_ptr": "*fp32",
-              "xa_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
-signature |= dict.fromkeys(("M", "N", "K", "KH", "stride_xm", "stride_ym"), "i32")
-constants = dict(BM=bm, BN=bn, BJ=bk // 2, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora), RANK=16,
-                 R_PAD=16, XA_SPLITS=4 if lora else 1, EVEN=True, F32_DOT=False)  # EVEN: the models' shapes
-signature |= dict.fromkeys(constants, "constexpr")
-order = list(kernels.nvfp4_gemm_kernel.arg_names)
-# Pointers and sizes 16-aligned, as the launcher specializes them for real shapes.
-aligned = [n for n in order if n.endswith("_ptr") or n in ("N", "K", "KH", "stride_xm", "stride_ym")]
-source = ASTSource(kernels.nvfp4_gemm_kernel, {n: signature[n] for n in order},
-                   constexprs={(order.index(n),): v for n, v in constants.items()},
-                   attrs={(order.index(n),): [["tt.divisibility", 16]] for n in aligned})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
-sys.stdout.write(compiled.asm["ptx"])
+def compile_ptx(bm, bn, bk, warps, stages, split, lora):
+    signature = dict.fromkeys(("x_ptr", "bias_ptr", "lora_b_ptr", "y_ptr"), "*bf16")
+    signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "table_ptr": "*fp32", "out_scale_ptr": "*fp32",
+                  "xa_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
+    signature |= dict.fromkeys(("M", "N", "K", "KH", "stride_xm", "stride_ym"), "i32")
+    constants = dict(BM=bm, BN=bn, BJ=bk // 2, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora),
+                     RANK=16, R_PAD=16, XA_SPLITS=4 if lora else 1, EVEN=True,
+                     F32_DOT=False)  # EVEN: the models' shapes
+    signature |= dict.fromkeys(constants, "constexpr")
+    order = list(kernels.nvfp4_gemm_kernel.arg_names)
+    # Pointers and sizes 16-aligned, as the launcher specializes them for real shapes.
+    aligned = [n for n in order if n.endswith("_ptr") or n in ("N", "K", "KH", "stride_xm", "stride_ym")]
+    source = ASTSource(kernels.nvfp4_gemm_kernel, {n: signature[n] for n in order},
+                       constexprs={(order.index(n),): v for n, v in constants.items()},
+                       attrs={(order.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    return compiled.asm["ptx"]
+
+
+sys.stdout.write(json.dumps([compile_ptx(*config) for config in json.loads(sys.argv[1])]))
 """
+
+
+HOPPER_VARIANTS = ((1, 0), (2, 1))  # (split K, LoRA and bias): plain, and with LoRA and split K
+
+
+def _hopper_args(config, split: int, lora: int) -> tuple[int, ...]:
+    return (config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages, split, lora)
+
+
+@pytest.fixture(scope="module")
+def hopper_ptx() -> dict[tuple[int, ...], str]:
+    """The sm_90 PTX of every bucket's config in both variants, compiled by one child process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    configs = [_hopper_args(config, *variant) for _, config in BUCKETS for variant in HOPPER_VARIANTS]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, json.dumps(configs)], env=env,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return dict(zip(configs, json.loads(out), strict=True))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bucket", [bound for bound, _ in BUCKETS])
-def test_bucket_configs_compile_to_hopper_mma(bucket, tmp_path) -> None:
+def test_bucket_configs_compile_to_hopper_mma(bucket, tmp_path, hopper_ptx) -> None:
     """Every bucket's config, plain and with LoRA and split K, compiles for sm_90 to warpgroup MMAs
     (the dequantized weight as their register operand) fed by asynchronous copies: what makes it a
     Hopper kernel rather than an mma.sync one. Needs no GPU, only Triton's compiler."""
     import os
     import re
     import subprocess
-    import sys
     from pathlib import Path
 
     import triton
 
     config = dict(BUCKETS)[bucket]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    for split, lora in ((1, 0), (2, 1)):
-        args = [
-            config.block_m,
-            config.block_n,
-            config.block_k,
-            config.num_warps,
-            config.num_stages,
-            split,
-            lora,
-        ]
-        ptx = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER, *map(str, args)], env=env,
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    for split, lora in HOPPER_VARIANTS:
+        ptx = hopper_ptx[_hopper_args(config, split, lora)]
         mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx)
         assert mmas, "no BF16 wgmma with a register A operand"
         assert "fma.rn.bf16x2" in ptx, "the decode's packed BF16 multiply is missing"
