@@ -20,6 +20,16 @@ def _save(plt: Any, fig: Any, ax: Any, ylabel: str, title: str, path: Path) -> P
     return path
 
 
+def throughput_series(rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """The throughput chart's bars: ``{"nvfp4 / merged LoRA r16": {batch: tok/s}}``, one series per format,
+    linear backend and LoRA rank (a sweep measures one format on several backends), LoRA-less first."""
+    keys = sorted({(r["lora_rank"], format_label(r)) for r in rows})
+    series: dict[str, dict[int, float]] = {f"{label} LoRA {lora_label(rank)}": {} for rank, label in keys}
+    for r in rows:
+        series[f"{format_label(r)} LoRA {lora_label(r['lora_rank'])}"][r["batch"]] = r["output_tokens_per_s"]
+    return series
+
+
 def write_charts(report: BenchResult, out_dir: str | Path) -> list[Path]:
     """PNG charts (throughput per batch, memory, e2e phases); none when matplotlib is missing."""
     try:
@@ -34,23 +44,20 @@ def write_charts(report: BenchResult, out_dir: str | Path) -> list[Path]:
     suffix = " (CPU figures)" if report.device == "cpu" else ""
 
     if report.rollout:
-        rows = report.rollout
-        series = sorted({(r["format"], r["lora_rank"]) for r in rows}, key=lambda s: (s[1], s[0]))
-        batches = sorted({r["batch"] for r in rows})
-        by_key = {(r["format"], r["lora_rank"], r["batch"]): r["output_tokens_per_s"] for r in rows}
+        series = throughput_series(report.rollout)
+        batches = sorted({r["batch"] for r in report.rollout})
         fig, ax = plt.subplots(figsize=(8, 4.5))
         width = 0.8 / len(series)
-        for i, (fmt, rank) in enumerate(series):
+        for i, (label, by_batch) in enumerate(series.items()):
             xs = [b_i + i * width for b_i in range(len(batches))]
-            heights = [by_key.get((fmt, rank, b), 0.0) for b in batches]
-            ax.bar(xs, heights, width, label=f"{fmt} LoRA {lora_label(rank)}")
+            ax.bar(xs, [by_batch.get(b, 0.0) for b in batches], width, label=label)
         ax.set_xticks([b_i + 0.4 - width / 2 for b_i in range(len(batches))], [f"batch {b}" for b in batches])
         title = "Rollout throughput" + suffix
         written.append(_save(plt, fig, ax, "output tokens/s", title, out / "throughput.png"))
 
     if report.memory:
         rows = report.memory
-        labels = [f"{r['format']}\n{lora_label(r['lora_rank'])}" for r in rows]
+        labels = [f"{format_label(r)}\n{lora_label(r['lora_rank'])}" for r in rows]
         fig, ax = plt.subplots(figsize=(8, 4.5))
         xs = range(len(rows))
         bars = ((-0.2, "weight_bytes", "weights"), (0.2, "peak_allocated_bytes", "peak allocated"))

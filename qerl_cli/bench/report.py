@@ -184,7 +184,7 @@ def rollout_rows(report: BenchResult) -> list[tuple[str, ...]]:
 def memory_rows(report: BenchResult) -> list[tuple[str, ...]]:
     return [
         (
-            r["format"],
+            format_label(r),  # a sweep holds one format on several backends (the merged copy's weights)
             lora_label(r["lora_rank"]),
             _bytes(r.get("weight_bytes")),
             _bytes(r.get("peak_allocated_bytes")),
