@@ -71,6 +71,10 @@ def test_dry_run_lists_the_checks_and_writes_nothing(
             "nowhere.json not found: give the results.json of an earlier `qerl eval`",
         ),
         (["-o", "a-file"], "--output a-file is a file, not a folder: give another path or move the file"),
+        (  # found only once the model had loaded
+            ["--set", "template=plian"],
+            "template=plian is not a prompt template (did you mean plain?): choose one of qerl, boxed, plain",
+        ),
     ],
 )
 def test_a_bad_input_exits_2_naming_it_before_any_model_loads(

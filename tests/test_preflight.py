@@ -249,3 +249,17 @@ def test_the_declared_format_comes_from_the_setting_or_the_folder(tmp_path: Path
     nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": nvfp4}))
     assert declared_format(cfg) == "nvfp4"
+
+
+def test_a_misspelt_template_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
+) -> None:
+    """`data.template=plian` passed --dry-run and was refused only once the model had loaded."""
+    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, "train", str(path), "--set", "data.template=plian", *dry_run)
+        assert rc == 2 and "data.template=plian is not a prompt template (did you mean plain?)" in err, err
+        assert "choose one of qerl, boxed, plain, qerl-fewshot" in err and "estimate" not in err
+    rc, _, err = run(capsys, "train", str(path), "--set", "data.template=plain", "--dry-run")
+    assert rc == 0 and "data.template: plain: question only" in err, err
+    assert not (tmp_path / "runs").exists()

@@ -18,6 +18,7 @@ import torch
 from qerl_cli.config import BENCHMARKS_ALL, EvalConfig, validate
 from qerl_cli.data.benchmarks import benchmark_spec
 from qerl_cli.data.datasets import SYNTHETIC_PREFIX, check_reachable
+from qerl_cli.data.prompts import template_found
 from qerl_cli.data.synthetic import make_problems
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.evaluation.results import RESULTS_NAME, find_sample_files, read_results
@@ -43,9 +44,10 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
     model, the adapter (the engine syncs it) and the engine choice are its own."""
 
     validate(cfg)  # the shared walk: its list settings, then EvalConfig's own checks
+    template = Checked("template", template_found(cfg.template, "template"))
     if cfg.rescore:
-        return EvalPlan("none (re-grading)", [rescored(cfg), *baseline(cfg), output_folder(cfg)])
-    checks = []
+        return EvalPlan("none (re-grading)", [rescored(cfg), template, *baseline(cfg), output_folder(cfg)])
+    checks = [template]
     engine = cfg.engine
     if not engine_given:
         engine = resolve_engine(cfg.engine)

@@ -17,6 +17,7 @@ import torch
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.datasets import check_reachable
+from qerl_cli.data.prompts import template_found
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
 from qerl_cli.formats.fp8 import cuda_capability
@@ -44,6 +45,7 @@ def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[
     checked.append(model_source(cfg))
     # Settings that would fail only once the model has loaded: said only when asked for.
     checked.extend(c for c in (lora_init(cfg), fused_kernels(cfg), base_compute(cfg, device)) if c)
+    checked.append(Checked("data.template", template_found(cfg.data.template, "data.template")))
     checked.append(dataset(cfg))
     checked.append(engine(cfg))
     checked.append(grader())
