@@ -246,3 +246,36 @@ def test_the_settings_a_rescore_reads_are_kept(capsys: pytest.CaptureFixture[str
     config.write_text(out)
     rc, _, err = run(capsys, "eval", "--config", str(config), "--dry-run")
     assert rc == 0, err
+
+
+def test_an_adapter_trained_with_another_template_is_warned_of(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, tmp_path: Path,
+    tiny_model_dir: Path, no_model_load,
+) -> None:  # fmt: skip
+    """`qerl eval BASE --adapter RUN/adapter` prompted with the default template whatever the run trained
+    with: a tiny run trained on `plain` scored 0% (every answer "no answer"), with no word of why."""
+    run_dir = tmp_path / "run"
+    for adapter in (run_dir / "adapter", run_dir / "checkpoint-2" / "adapter"):
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 4}))
+        (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (run_dir / "prompt.json").write_text(json.dumps({"name": "plain", "template_hash": "x"}))
+    for adapter in (run_dir / "adapter", run_dir / "checkpoint-2" / "adapter"):
+        argv = ["eval", str(tiny_model_dir), "--adapter", str(adapter), "--engine", "hf",
+                "--benchmarks", "synthetic-addition", "--dry-run"]  # fmt: skip
+        caplog.clear()
+        rc, _, err = run(capsys, *argv)
+        assert rc == 0, err
+        assert "the adapter was trained with plain (--set template=plain evaluates it as trained)" in err
+        warned = " ".join(caplog.text.split())
+        record = run_dir / "prompt.json"
+        assert f"the adapter {adapter} was trained with the prompt template plain ({record})" in warned
+        assert "this evaluation prompts with qerl" in warned and "--set template=plain" in warned
+        caplog.clear()
+        rc, _, err = run(capsys, *argv, "--set", "template=plain")
+        assert rc == 0 and "as the adapter was trained" in err and not caplog.text
+    # An adapter from elsewhere (no run's record beside it) is evaluated as asked, without a word.
+    (run_dir / "prompt.json").unlink()
+    caplog.clear()
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0 and "trained with" not in err and not caplog.text

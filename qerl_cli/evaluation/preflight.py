@@ -10,6 +10,7 @@ the engine it settled on and the checks, in order. Nothing is loaded or written 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,11 @@ from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.evaluation.results import RESULTS_NAME, find_sample_files, read_results
 from qerl_cli.files import check_input_not_replaced, check_writable_folder
 from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+from qerl_cli.modeling.run_layout import trained_template
 from qerl_cli.modeling.source_checks import model_source_found
 
 TRUST_HINT = "--set trust_remote_code=true"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
     model, the adapter (the engine syncs it) and the engine choice are its own."""
 
     validate(cfg)  # the shared walk: its list settings, then EvalConfig's own checks
-    template = Checked("template", template_found(cfg.template, "template"))
+    template = Checked("template", template_found(cfg.template, "template") + adapter_template(cfg))
     if cfg.rescore:
         return EvalPlan("none (re-grading)", [rescored(cfg), template, *baseline(cfg), output_folder(cfg)])
     checks = [template]
@@ -66,6 +69,24 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
         Checked(f"benchmark {name}", benchmark(name, cfg.data_files.get(name))) for name in cfg.benchmarks
     ]
     return EvalPlan(engine, checks)
+
+
+def adapter_template(cfg: EvalConfig) -> str:
+    """Whether ``--adapter`` was trained with the template this evaluation prompts with: the text its check
+    adds, with a warning where it was not (a model asked in another form than it learned may answer in
+    none the grader reads: a tiny model trained on ``plain`` scored 0% under ``qerl``, silently)."""
+    trained = trained_template(cfg.adapter) if cfg.adapter and not cfg.rescore else None
+    if trained is None:
+        return ""
+    name, record = trained
+    if name == cfg.template:
+        return ", as the adapter was trained"
+    log.warning(
+        "the adapter %s was trained with the prompt template %s (%s) and this evaluation prompts with %s: "
+        "its answers may not come in the form it learned; evaluate it as trained with --set template=%s",
+        cfg.adapter, name, record, cfg.template, name,
+    )  # fmt: skip
+    return f"; the adapter was trained with {name} (--set template={name} evaluates it as trained)"
 
 
 def resolve_engine(name: str) -> str:

@@ -20,11 +20,10 @@ from pathlib import Path
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, METRICS_FILE
+from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, METRICS_FILE, PROMPTS_FILE
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.tracking import COMPLETIONS_FILE, PLOT_FILE
 
-PROMPTS_FILE = "prompt.json"
 # What `qerl compare` writes beside a run's own files (its per-run result and held-out evaluation):
 # named here by their file names, as this layer cannot import compare's constants.
 COMPARE_RESULT, COMPARE_HELDOUT = "result.json", "heldout"
