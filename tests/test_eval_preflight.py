@@ -279,3 +279,31 @@ def test_an_adapter_trained_with_another_template_is_warned_of(
     caplog.clear()
     rc, _, err = run(capsys, *argv)
     assert rc == 0 and "trained with" not in err and not caplog.text
+
+
+def test_an_output_folder_of_another_evaluation_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, adapter: Path, no_model_load
+) -> None:
+    """`qerl eval BASE` then `qerl eval BASE --adapter A` (both into the default eval_results/) replaced the
+    base's results.json and left its samples files of other benchmarks beside the new ones, where a
+    rescore graded them as the adapter's."""
+    out = tmp_path / "eval_results"
+    out.mkdir()
+    record = {"model": str(tiny_model_dir), "adapter": None, "engine": "hf", "benchmarks": {}}
+    (out / "results.json").write_text(json.dumps(record))
+    (out / "samples_synthetic-addition.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    base = ["eval", str(tiny_model_dir), "--engine", "hf", "--benchmarks", "synthetic-addition"]
+    base += ["-o", str(out)]
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, *base, "--adapter", str(adapter), *dry_run)
+        assert rc == 2 and f"--output {out} holds the results of another evaluation ({tiny_model_dir})" in err
+        assert "nothing was changed" in err and f"--baseline {out / 'results.json'}" in err
+    (out / "results.json").write_text(json.dumps({**record, "adapter": str(adapter)}))
+    rc, _, err = run(capsys, *base, "--dry-run")  # the bare model over the adapter's evaluation
+    assert rc == 2 and f"({tiny_model_dir} + adapter {adapter})" in err, err
+    before["results.json"] = (out / "results.json").read_bytes()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # The same evaluation again (the model spelt otherwise) replaces it, as before.
+    rc, _, err = run(capsys, *base, "--adapter", f"{adapter}/", "--dry-run")
+    assert rc == 0 and "writable (results.json and the samples files replaced there)" in err, err

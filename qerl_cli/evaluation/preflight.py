@@ -40,11 +40,13 @@ class EvalPlan:
     checks: list[Checked]
 
 
-def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
+def preflight(cfg: EvalConfig, *, engine_given: bool = False, guard_output: bool = False) -> EvalPlan:
     """Every cheap check of ``qerl eval``, the instant ones first; loads and writes nothing.
 
     ``engine_given``: the caller holds an engine (tests, a stage that has the model loaded), so the
-    model, the adapter (the engine syncs it) and the engine choice are its own."""
+    model, the adapter (the engine syncs it) and the engine choice are its own. ``guard_output`` (the
+    command, whose default output folder every evaluation shares; stages that compose evaluations keep
+    their own folders): an output folder holding another evaluation is refused."""
 
     validate(cfg)  # the shared walk: its list settings, then EvalConfig's own checks
     template = Checked("template", template_found(cfg.template, "template") + adapter_template(cfg))
@@ -59,7 +61,7 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
             checks.append(Checked("--adapter", f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder"))
     # The local inputs before anything that may ask the Hub (a model id, a benchmark's data set): offline,
     # a mistyped --baseline must not hide behind the Hub's error, nor a typo wait for a network probe.
-    checks += [*baseline(cfg), output_folder(cfg)]
+    checks += [*baseline(cfg), output_folder(cfg, guard=guard_output)]
     if not engine_given:
         found = model_source_found(
             cfg.model, what="model", trust_remote_code=cfg.trust_remote_code, trust_hint=TRUST_HINT
@@ -194,8 +196,38 @@ def output_dir(cfg: EvalConfig) -> Path:
     return Path(cfg.output)
 
 
-def output_folder(cfg: EvalConfig) -> Checked:
+def output_folder(cfg: EvalConfig, *, guard: bool = False) -> Checked:
+    """The output folder can be written; with ``guard``, it holds no other model's or adapter's
+    evaluation (:func:`check_not_another_evaluation`)."""
     out = output_dir(cfg)
     if check_writable_folder(out, "--output", "choose another with --output DIR"):
+        if guard:
+            check_not_another_evaluation(cfg, out)
         return Checked("--output", f"{out}: writable (results.json and the samples files replaced there)")
     return Checked("--output", f"{out}: a new folder (made when the run starts)")
+
+
+def check_not_another_evaluation(cfg: EvalConfig, out: Path) -> None:
+    """An output folder holding the results of another model's (or another adapter's) evaluation is
+    refused: its results.json would be replaced, and its samples files of benchmarks not run again left
+    beside the new ones, where a rescore grades them as this model's. Re-running the same evaluation
+    replaces it."""
+    if not (out / RESULTS_NAME).is_file() or not cfg.model:
+        return
+    try:
+        old = read_results(out)
+    except QerlError:
+        return  # not a results file qerl reads: replaced, as before
+    if old.model is None:  # rebuilt by a rescore from samples alone: no model recorded to tell
+        return
+    same_adapter = (old.adapter is None) == (cfg.adapter is None) and (
+        cfg.adapter is None or _same_model(cfg.adapter, str(old.adapter))
+    )
+    if _same_model(cfg.model, old.model) and same_adapter:
+        return
+    other = old.model + (f" + adapter {old.adapter}" if old.adapter else "")
+    raise QerlError(
+        f"--output {out} holds the results of another evaluation ({other}); nothing was changed. Give "
+        f"this one another folder with -o DIR (and --baseline {out / RESULTS_NAME} to compare the two), or "
+        f"remove {out} to replace it"
+    )
