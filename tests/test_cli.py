@@ -407,7 +407,10 @@ def test_help_shows_the_config_defaults(capsys: pytest.CaptureFixture[str], monk
     monkeypatch.setenv("COLUMNS", "200")
     rc, out, _ = run(capsys, "bench", "rollout", "--help")
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("│ --")}
-    assert rc == 0 and "[default: (256)]" in lines["--prompt-len"] and "[default: (2,8)]" in lines["--batch"]
+    assert rc == 0 and "[default: (2,8)]" in lines["--batch"]
+    # On the CPU the default model runs shorter lengths (the plan's CPU_LENGTHS): the help said 256 only.
+    for flag, gpu, cpu in (("--prompt-len", 256, 64), ("--gen-len", 512, 32)):
+        assert f"[default: ({gpu}; {cpu} on the HF engine's default model, the tiny shape)]" in lines[flag]
 
 
 def test_a_flag_overridden_by_set_is_named_as_the_set_key(capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,6 +71,10 @@ def test_dry_run_lists_the_checks_and_writes_nothing(
             "nowhere.json not found: give the results.json of an earlier `qerl eval`",
         ),
         (["-o", "a-file"], "--output a-file is a file, not a folder: give another path or move the file"),
+        (  # found only once the model had loaded
+            ["--set", "template=plian"],
+            "template=plian is not a prompt template (did you mean plain?): choose one of qerl, boxed, plain",
+        ),
     ],
 )
 def test_a_bad_input_exits_2_naming_it_before_any_model_loads(
@@ -242,3 +246,64 @@ def test_the_settings_a_rescore_reads_are_kept(capsys: pytest.CaptureFixture[str
     config.write_text(out)
     rc, _, err = run(capsys, "eval", "--config", str(config), "--dry-run")
     assert rc == 0, err
+
+
+def test_an_adapter_trained_with_another_template_is_warned_of(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, tmp_path: Path,
+    tiny_model_dir: Path, no_model_load,
+) -> None:  # fmt: skip
+    """`qerl eval BASE --adapter RUN/adapter` prompted with the default template whatever the run trained
+    with: a tiny run trained on `plain` scored 0% (every answer "no answer"), with no word of why."""
+    run_dir = tmp_path / "run"
+    for adapter in (run_dir / "adapter", run_dir / "checkpoint-2" / "adapter"):
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_config.json").write_text(json.dumps({"r": 4}))
+        (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (run_dir / "prompt.json").write_text(json.dumps({"name": "plain", "template_hash": "x"}))
+    for adapter in (run_dir / "adapter", run_dir / "checkpoint-2" / "adapter"):
+        argv = ["eval", str(tiny_model_dir), "--adapter", str(adapter), "--engine", "hf",
+                "--benchmarks", "synthetic-addition", "--dry-run"]  # fmt: skip
+        caplog.clear()
+        rc, _, err = run(capsys, *argv)
+        assert rc == 0, err
+        assert "the adapter was trained with plain (--set template=plain evaluates it as trained)" in err
+        warned = " ".join(caplog.text.split())
+        record = run_dir / "prompt.json"
+        assert f"the adapter {adapter} was trained with the prompt template plain ({record})" in warned
+        assert "this evaluation prompts with qerl" in warned and "--set template=plain" in warned
+        caplog.clear()
+        rc, _, err = run(capsys, *argv, "--set", "template=plain")
+        assert rc == 0 and "as the adapter was trained" in err and not caplog.text
+    # An adapter from elsewhere (no run's record beside it) is evaluated as asked, without a word.
+    (run_dir / "prompt.json").unlink()
+    caplog.clear()
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0 and "trained with" not in err and not caplog.text
+
+
+def test_an_output_folder_of_another_evaluation_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, adapter: Path, no_model_load
+) -> None:
+    """`qerl eval BASE` then `qerl eval BASE --adapter A` (both into the default eval_results/) replaced the
+    base's results.json and left its samples files of other benchmarks beside the new ones, where a
+    rescore graded them as the adapter's."""
+    out = tmp_path / "eval_results"
+    out.mkdir()
+    record = {"model": str(tiny_model_dir), "adapter": None, "engine": "hf", "benchmarks": {}}
+    (out / "results.json").write_text(json.dumps(record))
+    (out / "samples_synthetic-addition.jsonl").write_text("{}\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    base = ["eval", str(tiny_model_dir), "--engine", "hf", "--benchmarks", "synthetic-addition"]
+    base += ["-o", str(out)]
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, *base, "--adapter", str(adapter), *dry_run)
+        assert rc == 2 and f"--output {out} holds the results of another evaluation ({tiny_model_dir})" in err
+        assert "nothing was changed" in err and f"--baseline {out / 'results.json'}" in err
+    (out / "results.json").write_text(json.dumps({**record, "adapter": str(adapter)}))
+    rc, _, err = run(capsys, *base, "--dry-run")  # the bare model over the adapter's evaluation
+    assert rc == 2 and f"({tiny_model_dir} + adapter {adapter})" in err, err
+    before["results.json"] = (out / "results.json").read_bytes()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # The same evaluation again (the model spelt otherwise) replaces it, as before.
+    rc, _, err = run(capsys, *base, "--adapter", f"{adapter}/", "--dry-run")
+    assert rc == 0 and "writable (results.json and the samples files replaced there)" in err, err

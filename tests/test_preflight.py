@@ -249,3 +249,41 @@ def test_the_declared_format_comes_from_the_setting_or_the_folder(tmp_path: Path
     nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": nvfp4}))
     assert declared_format(cfg) == "nvfp4"
+
+
+def test_a_misspelt_template_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
+) -> None:
+    """`data.template=plian` passed --dry-run and was refused only once the model had loaded."""
+    path = recipe(tmp_path, tiny_model_dir, "data:\n  dataset: synthetic-addition")
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, "train", str(path), "--set", "data.template=plian", *dry_run)
+        assert rc == 2 and "data.template=plian is not a prompt template (did you mean plain?)" in err, err
+        assert "choose one of qerl, boxed, plain, qerl-fewshot" in err and "estimate" not in err
+    rc, _, err = run(capsys, "train", str(path), "--set", "data.template=plain", "--dry-run")
+    assert rc == 0 and "data.template: plain: question only" in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", ".json"])
+def test_a_dataset_file_without_records_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, suffix: str
+) -> None:
+    """An empty .jsonl was told to name its question field (its "fields are none"); a .csv header without
+    rows passed --dry-run and was refused ("has no rows") only once the model had loaded."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / f"empty{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist([], schema=pa.schema([("question", pa.string())])), data)
+    else:
+        data.write_text({".jsonl": "\n", ".csv": "question,answer\n", ".json": "[]"}[suffix])
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", f"data.dataset={data}"]
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, *argv, *dry_run)
+        assert rc == 2 and f"{data} holds no records (no problems to read)" in err, err
+        assert "prompt_field" not in err
+    rc, _, err = run(capsys, "eval", str(tiny_model_dir), "--engine", "hf", "--benchmarks", "gsm8k",
+                     "--data-file", f"gsm8k={data}", "--dry-run")  # fmt: skip
+    assert rc == 2 and f"{data} holds no records" in err, err

@@ -141,7 +141,6 @@ def test_the_output_folder_is_checked(
     (workdir / "taken" / "keep.txt").write_text("mine")
     (workdir / "a-file").write_text("x")
     for args, message in (
-        (["-o", "taken"], "output folder taken already exists: pass --overwrite to replace it"),
         (["-o", "a-file/out"], "--output a-file/out cannot be written: a-file is a file, not a folder"),
         (["-o", str(tiny_model_dir)], "is the input model folder: choose another --output"),
     ):
@@ -149,14 +148,19 @@ def test_the_output_folder_is_checked(
             capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", *args, "--dry-run"
         )
         assert rc == 2 and message in err, err
-    rc, _, err = run(
-        capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken", "--overwrite",
-        "--dry-run",
-    )  # fmt: skip
-    # `-o runs --overwrite` (runs/ meant as the parent): the folder holds other work, not a model
-    assert rc == 2 and "output taken holds keep.txt, not a model (no config.json)" in err, err
-    assert "give a new sub-folder as --output" in err
+    # `-o runs` (runs/ meant as the parent): the folder holds other work, not a model, so --overwrite is
+    # refused too and no remedy (it said "pass --overwrite to replace it", which was then refused)
+    for overwrite in ([], ["--overwrite"]):
+        rc, _, err = run(
+            capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken",
+            *overwrite, "--dry-run",
+        )  # fmt: skip
+        assert rc == 2 and "output taken holds keep.txt, not a model (no config.json)" in err, err
+        assert "give a new sub-folder as --output" in err and "pass --overwrite" not in err
     (workdir / "taken" / "config.json").write_text("{}")  # an earlier output: replaced
+    rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken",
+                     "--dry-run")  # fmt: skip
+    assert rc == 2 and "output folder taken already exists: pass --overwrite to replace it" in err, err
     rc, _, err = run(
         capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken", "--overwrite",
         "--dry-run",

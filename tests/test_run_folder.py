@@ -1,17 +1,18 @@
 """A training run's folder is never overwritten silently: a fresh `qerl train` into a folder holding a
 run refuses (exit 2, naming --resume auto, --overwrite and a fresh folder) and leaves every file of the
-old run byte-identical; --overwrite clears the old run's files first; --resume still continues; a
-failed start leaves no empty folder behind."""
+old run byte-identical; --overwrite clears the old run's files first; --resume still continues, in the
+run's own folder only; a failed start leaves no empty folder behind."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from test_trainer import FakeReward, tiny_cfg
 
 from qerl_cli.cli import main
-from qerl_cli.config import dump_yaml
+from qerl_cli.config import TrainConfig, dump_yaml, load_config
 from qerl_cli.errors import QerlError
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl.run_folder import check_fresh_start, clear_run, missing_folders, remove_if_empty
@@ -119,3 +120,42 @@ def test_only_empty_created_folders_are_removed(tmp_path: Path) -> None:
     (tmp_path / "a" / "keep").write_text("x")
     remove_if_empty(created)
     assert not (tmp_path / "a" / "b").exists() and (tmp_path / "a" / "keep").is_file()
+
+
+def test_resuming_another_folders_run_is_refused_and_touches_nothing(
+    finished_run: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `qerl train RECIPE --resume OTHER` wrote OTHER's continuation into the recipe's output.dir: the
+    # finished run there lost its metrics after the resumed step, its last checkpoint and its adapter.
+    out, recipe = finished_run
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    before = snapshot(out)
+    for resume in (other, other / "checkpoint-1"):
+        for dry_run in ([], ["--dry-run"]):
+            assert main(["train", str(recipe), "--resume", str(resume), *dry_run]) == 2
+            err = " ".join(capsys.readouterr().err.split())
+            assert f"continues the run in {other}, but output.dir is {out}" in err
+            assert "over the training run it holds" in err and "nothing was changed" in err
+            assert f"qerl train {other / 'config.yaml'} --resume auto" in err
+            assert f"--set output.dir={other}" in err
+    assert snapshot(out) == before
+    with pytest.raises(QerlError, match="continues the run in"):  # the library refuses it too
+        train(load_config(TrainConfig, recipe, []), resume=str(other), progress=False, reward_fn=FakeReward())
+    assert snapshot(out) == before
+
+
+def test_a_checkpoint_past_max_steps_is_refused_before_anything_loads(
+    finished_run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It passed --dry-run and failed after the model had loaded, without saying what to do.
+    out, recipe = finished_run
+    before = snapshot(out)
+    for dry_run in ([], ["--dry-run"]):
+        argv = ["train", str(recipe), "--resume", "auto", "--set", "train.max_steps=1", *dry_run]
+        assert main(argv) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "is at step 2, beyond train.max_steps=1" in err
+        assert "raise train.max_steps above 2" in err and f"earlier checkpoint-N of {out} (N <= 1)" in err
+        assert "estimate" not in err  # refused before the run's start
+    assert snapshot(out) == before

@@ -130,7 +130,7 @@ def _refused_as_run_folder(capsys, tmp_path: Path, argv: list[str], run_dir: Pat
     assert rc == 2 and "error:" in err, err
     assert f"{what} {run_dir} is a `qerl train` run's folder (its output.dir), not a model" in err
     assert f"{what} takes the base model it was trained on (runs/tiny-base)" in err
-    assert f"`qerl train RECIPE --resume {run_dir}`" in err
+    assert f"`qerl train {run_dir / 'config.yaml'} --resume auto`" in err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     return err
 

@@ -25,15 +25,11 @@ from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
 from qerl_cli.bench.result import REPORT_NAME
 from qerl_cli.bench.rollout import MIN_REPEATS, WARMUP_TOKENS
-from qerl_cli.bench.settings import E2EConfig
+from qerl_cli.bench.settings import CPU_LENGTHS, E2EConfig
 from qerl_cli.config import BenchConfig, validate
 from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.files import check_input_not_replaced
 
-# Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
-# given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
-# of an hour); with these the default bench took 86 s on a 2-core machine shared with other work.
-CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)

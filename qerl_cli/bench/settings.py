@@ -22,6 +22,11 @@ from qerl_cli.errors import QerlError
 # bench quality's rows when none are given (its AWQ row only where llm-compressor is installed).
 DEFAULT_QUALITY_ROWS = ["nvfp4-rtn", "nvfp4-awq", "mxfp4-rtn", "nf4-rtn"]
 CHECKPOINTING = {"auto": "auto", "on": True, "off": False}
+# Prompt and completion tokens of the default bench on the CPU (the tiny model, the HF engine), unless
+# given: the GPU's 256 + 512 are ten times the decode steps (a run of them printed nothing for a quarter
+# of an hour); with these the default bench took 86 s on a 2-core machine shared with other work. Applied
+# by bench/plan.apply_cpu_lengths; here, torch-free, for the flags' --help to say.
+CPU_LENGTHS = {"prompt_len": 64, "gen_len": 32}
 
 
 def auto_last(alias: Any) -> list[str]:

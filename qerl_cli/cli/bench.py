@@ -20,7 +20,7 @@ from typing import Annotated, Any, get_args
 import typer
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.settings import E2EConfig, recipe_shape
+from qerl_cli.bench.settings import CPU_LENGTHS, E2EConfig, recipe_shape
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
     ConfigOption,
@@ -124,12 +124,23 @@ FormatsOption = Annotated[
         B, "formats", "--formats", metavar="FMT,...", help=f"Comma list of {','.join(bench_formats())}."
     ),
 ]
+
+
+def length_default(key: str) -> str:
+    """A length flag's default as the plan applies it: the config's, the CPU's on the default model."""
+    return f"{getattr(B, key)}; {CPU_LENGTHS[key]} on the HF engine's default model, the tiny shape"
+
+
 PromptLenOption = Annotated[
-    int | None, config_option(B, "prompt_len", "--prompt-len", metavar="TOKENS", help="Prompt length.")
-]
+    int | None,
+    config_option(B, "prompt_len", "--prompt-len", metavar="TOKENS", help="Prompt length.",
+                  show_default=length_default("prompt_len")),
+]  # fmt: skip
 GenLenOption = Annotated[
-    int | None, config_option(B, "gen_len", "--gen-len", metavar="TOKENS", help="Tokens generated.")
-]
+    int | None,
+    config_option(B, "gen_len", "--gen-len", metavar="TOKENS", help="Tokens generated.",
+                  show_default=length_default("gen_len")),
+]  # fmt: skip
 LoraRankOption = Annotated[
     int | None,
     config_option(B, "lora_rank", "--lora-rank", metavar="RANK", help="LoRA rank (0: no LoRA cases)."),

@@ -280,7 +280,7 @@ def eval_(
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         from qerl_cli.evaluation.preflight import preflight as eval_preflight
 
-        print_checks(eval_preflight(conf).checks)
+        print_checks(eval_preflight(conf, guard_output=True).checks)
         return
     from qerl_cli.evaluation import eval_table, run_eval
     from qerl_cli.evaluation.preflight import resolve_engine
@@ -291,7 +291,7 @@ def eval_(
         if conf.engine == "hf" and runs_on_cpu(conf.device):
             use_free_cpu_threads()
             say_estimate(eval_cpu_estimate(conf))
-    results = run_eval(conf)
+    results = run_eval(conf, guard_output=True)  # the default output folder is every evaluation's
     console.print(eval_table(results))
 
 

@@ -49,6 +49,7 @@ from qerl_cli.data.records import (  # noqa: F401 - load_hub_records: tests and 
     _offline,
     first_record_fields,
     load_hub_records,
+    no_records,
     read_records,
 )
 from qerl_cli.data.synthetic import make_problems
@@ -250,7 +251,7 @@ def records_to_problems(
     """Problems with stable ids (the dataset's id field, else the row index). ``like``: the benchmark
     whose field names a ``qerl eval --data-file`` follows (only named in a missing field's message)."""
     if not records:
-        raise QerlError(f"{source} has no rows")
+        raise no_records(source)
     fields = list(records[0].keys())
     questions, answers = _candidate_fields(spec)
     q_field = pick_field(fields, prompt_field, questions, "question", source, like)

@@ -28,6 +28,7 @@ end of the user message, so it is never silently dropped.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -104,11 +105,24 @@ TEMPLATES: dict[str, PromptTemplate] = {
 }
 
 
-def get_template(name: str) -> PromptTemplate:
+def get_template(name: str, key: str = "template") -> PromptTemplate:
+    """The template ``name``; an unknown one is refused naming ``key`` (the setting that gave it), the
+    name meant where one is close, and the templates."""
     try:
         return TEMPLATES[name]
     except KeyError:
-        raise QerlError(f"unknown prompt template '{name}': choose one of {', '.join(TEMPLATES)}") from None
+        close = difflib.get_close_matches(str(name), TEMPLATES, n=1)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        raise QerlError(
+            f"{key}={name} is not a prompt template{meant}: choose one of {', '.join(TEMPLATES)}"
+        ) from None
+
+
+def template_found(name: str, key: str) -> str:
+    """What the checks before a run say of the template setting ``key``, refused now when unknown (the
+    run would find it only once the model had loaded)."""
+    template = get_template(name, key)
+    return f"{name}: {template.source} (answers as {template.answer_format})"
 
 
 def build_messages(question: str, template: str = "qerl", system_prompt: str | None = None) -> list[dict]:

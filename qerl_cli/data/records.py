@@ -53,26 +53,43 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     raise QerlError(f"unsupported data file type '{suffix}' ({path}); use one of {', '.join(LOCAL_SUFFIXES)}")
 
 
+def no_records(source: str | Path) -> QerlError:
+    """A dataset with no problems in it: an empty file, a header without rows, an empty list."""
+    return QerlError(
+        f"{source} holds no records (no problems to read): give a file with one record a problem"
+    )
+
+
 def first_record_fields(path: str | Path) -> list[str]:
     """The field names of a local file's first record, read without loading the whole file where its
-    format allows (a check before work: a large .jsonl or .parquet costs its first line or its schema)."""
+    format allows (a check before work: a large .jsonl or .parquet costs its first line or its schema);
+    a file with no record is refused (:func:`no_records`), as reading it would be once the model loaded."""
     path = Path(path)
     suffix = path.suffix.lower()
     try:
         if suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 line = next((line for line in f if line.strip()), None)
-            record = json.loads(line) if line is not None else None
+            if line is None:
+                raise no_records(path)
+            record = json.loads(line)
             return list(record) if isinstance(record, dict) else []
         if suffix == ".parquet":
+            if pq.read_metadata(path).num_rows == 0:
+                raise no_records(path)
             return list(pq.read_schema(path).names)
         if suffix == ".csv":
             with path.open(newline="", encoding="utf-8") as f:
-                return list(csv.DictReader(f).fieldnames or [])
+                reader = csv.DictReader(f)
+                if next(reader, None) is None:  # reads the header, then the first row
+                    raise no_records(path)
+                return list(reader.fieldnames or [])
     except (ValueError, OSError) as exc:  # JSONDecodeError, UnicodeDecodeError, pyarrow's ArrowInvalid
         raise QerlError(f"cannot read {path}: {exc}") from None
     records = read_records(path)  # .json: one document, read whole
-    return list(records[0]) if records and isinstance(records[0], dict) else []
+    if not records:
+        raise no_records(path)
+    return list(records[0]) if isinstance(records[0], dict) else []
 
 
 def _offline() -> bool:

@@ -10,6 +10,7 @@ the engine it settled on and the checks, in order. Nothing is loaded or written 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,14 +19,17 @@ import torch
 from qerl_cli.config import BENCHMARKS_ALL, EvalConfig, validate
 from qerl_cli.data.benchmarks import benchmark_spec
 from qerl_cli.data.datasets import SYNTHETIC_PREFIX, check_reachable
+from qerl_cli.data.prompts import template_found
 from qerl_cli.data.synthetic import make_problems
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.evaluation.results import RESULTS_NAME, find_sample_files, read_results
 from qerl_cli.files import check_input_not_replaced, check_writable_folder
 from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+from qerl_cli.modeling.run_layout import trained_template
 from qerl_cli.modeling.source_checks import model_source_found
 
 TRUST_HINT = "--set trust_remote_code=true"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,16 +40,19 @@ class EvalPlan:
     checks: list[Checked]
 
 
-def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
+def preflight(cfg: EvalConfig, *, engine_given: bool = False, guard_output: bool = False) -> EvalPlan:
     """Every cheap check of ``qerl eval``, the instant ones first; loads and writes nothing.
 
     ``engine_given``: the caller holds an engine (tests, a stage that has the model loaded), so the
-    model, the adapter (the engine syncs it) and the engine choice are its own."""
+    model, the adapter (the engine syncs it) and the engine choice are its own. ``guard_output`` (the
+    command, whose default output folder every evaluation shares; stages that compose evaluations keep
+    their own folders): an output folder holding another evaluation is refused."""
 
     validate(cfg)  # the shared walk: its list settings, then EvalConfig's own checks
+    template = Checked("template", template_found(cfg.template, "template") + adapter_template(cfg))
     if cfg.rescore:
-        return EvalPlan("none (re-grading)", [rescored(cfg), *baseline(cfg), output_folder(cfg)])
-    checks = []
+        return EvalPlan("none (re-grading)", [rescored(cfg), template, *baseline(cfg), output_folder(cfg)])
+    checks = [template]
     engine = cfg.engine
     if not engine_given:
         engine = resolve_engine(cfg.engine)
@@ -54,7 +61,7 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
             checks.append(Checked("--adapter", f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder"))
     # The local inputs before anything that may ask the Hub (a model id, a benchmark's data set): offline,
     # a mistyped --baseline must not hide behind the Hub's error, nor a typo wait for a network probe.
-    checks += [*baseline(cfg), output_folder(cfg)]
+    checks += [*baseline(cfg), output_folder(cfg, guard=guard_output)]
     if not engine_given:
         found = model_source_found(
             cfg.model, what="model", trust_remote_code=cfg.trust_remote_code, trust_hint=TRUST_HINT
@@ -64,6 +71,24 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False) -> EvalPlan:
         Checked(f"benchmark {name}", benchmark(name, cfg.data_files.get(name))) for name in cfg.benchmarks
     ]
     return EvalPlan(engine, checks)
+
+
+def adapter_template(cfg: EvalConfig) -> str:
+    """Whether ``--adapter`` was trained with the template this evaluation prompts with: the text its check
+    adds, with a warning where it was not (a model asked in another form than it learned may answer in
+    none the grader reads: a tiny model trained on ``plain`` scored 0% under ``qerl``, silently)."""
+    trained = trained_template(cfg.adapter) if cfg.adapter and not cfg.rescore else None
+    if trained is None:
+        return ""
+    name, record = trained
+    if name == cfg.template:
+        return ", as the adapter was trained"
+    log.warning(
+        "the adapter %s was trained with the prompt template %s (%s) and this evaluation prompts with %s: "
+        "its answers may not come in the form it learned; evaluate it as trained with --set template=%s",
+        cfg.adapter, name, record, cfg.template, name,
+    )  # fmt: skip
+    return f"; the adapter was trained with {name} (--set template={name} evaluates it as trained)"
 
 
 def resolve_engine(name: str) -> str:
@@ -171,8 +196,38 @@ def output_dir(cfg: EvalConfig) -> Path:
     return Path(cfg.output)
 
 
-def output_folder(cfg: EvalConfig) -> Checked:
+def output_folder(cfg: EvalConfig, *, guard: bool = False) -> Checked:
+    """The output folder can be written; with ``guard``, it holds no other model's or adapter's
+    evaluation (:func:`check_not_another_evaluation`)."""
     out = output_dir(cfg)
     if check_writable_folder(out, "--output", "choose another with --output DIR"):
+        if guard:
+            check_not_another_evaluation(cfg, out)
         return Checked("--output", f"{out}: writable (results.json and the samples files replaced there)")
     return Checked("--output", f"{out}: a new folder (made when the run starts)")
+
+
+def check_not_another_evaluation(cfg: EvalConfig, out: Path) -> None:
+    """An output folder holding the results of another model's (or another adapter's) evaluation is
+    refused: its results.json would be replaced, and its samples files of benchmarks not run again left
+    beside the new ones, where a rescore grades them as this model's. Re-running the same evaluation
+    replaces it."""
+    if not (out / RESULTS_NAME).is_file() or not cfg.model:
+        return
+    try:
+        old = read_results(out)
+    except QerlError:
+        return  # not a results file qerl reads: replaced, as before
+    if old.model is None:  # rebuilt by a rescore from samples alone: no model recorded to tell
+        return
+    same_adapter = (old.adapter is None) == (cfg.adapter is None) and (
+        cfg.adapter is None or _same_model(cfg.adapter, str(old.adapter))
+    )
+    if _same_model(cfg.model, old.model) and same_adapter:
+        return
+    other = old.model + (f" + adapter {old.adapter}" if old.adapter else "")
+    raise QerlError(
+        f"--output {out} holds the results of another evaluation ({other}); nothing was changed. Give "
+        f"this one another folder with -o DIR (and --baseline {out / RESULTS_NAME} to compare the two), or "
+        f"remove {out} to replace it"
+    )

@@ -252,6 +252,8 @@ def run_eval(
     engine: RolloutEngine | None = None,
     tokenizer: Any = None,
     log: Log | None = None,
+    *,
+    guard_output: bool = False,
 ) -> EvalResult:
     """Evaluate ``cfg.model`` (+ ``cfg.adapter``) on ``cfg.benchmarks``; returns the results.
 
@@ -259,10 +261,11 @@ def run_eval(
     caller that holds a model already); ``cfg.adapter`` is then applied with ``engine.sync_adapter``.
     ``tokenizer``: the one whose chat template renders prompts (default: the engine's, else the
     model's). ``cfg.rescore`` re-grades a previous run's samples instead of generating.
+    ``guard_output`` (``qerl eval``): refuse an output folder holding another model's evaluation.
     """
     log = log or _default_log()
     # Model, adapter, benchmarks' data, baseline, output folder: checked before minutes of loading.
-    plan = preflight(cfg, engine_given=engine is not None)
+    plan = preflight(cfg, engine_given=engine is not None, guard_output=guard_output)
     if cfg.rescore:
         return rescore(cfg, log)
     if engine is None:

@@ -4,13 +4,16 @@ one from a model folder.
 ``OUTPUT/adapter/`` is the final adapter, ``OUTPUT/checkpoint-N/`` a checkpoint (with its own
 ``adapter/``, :mod:`qerl_cli.rl.checkpoint`), ``OUTPUT/metrics.jsonl`` the step records
 (:mod:`qerl_cli.rl.tracking`) and ``OUTPUT/config.yaml`` the run's resolved config
-(``config.RESOLVED_CONFIG_NAME``). The names live here, below ``rl`` which writes them and imports them
-from here, so that the model-source checks (:mod:`qerl_cli.modeling.source_checks`) recognise a run's
-folder given for a model by the very names the trainer writes, finished or interrupted.
+(``config.RESOLVED_CONFIG_NAME``), ``OUTPUT/prompt.json`` the prompt template it trained with. The
+names live here, below ``rl`` which writes them and imports them from here, so that the model-source
+checks (:mod:`qerl_cli.modeling.source_checks`) recognise a run's folder given for a model by the very
+names the trainer writes, finished or interrupted, and an evaluation of a run's adapter finds the
+template it was trained with.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from qerl_cli.config import RESOLVED_CONFIG_NAME
 ADAPTER_DIR = "adapter"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 METRICS_FILE = "metrics.jsonl"
+PROMPTS_FILE = "prompt.json"
 
 
 def checkpoint_folders(run_dir: str | Path) -> list[tuple[int, Path]]:
@@ -44,3 +48,17 @@ def is_run_folder(folder: str | Path) -> bool:
     if checkpoint_folders(path):
         return True
     return (path / METRICS_FILE).is_file() and (path / RESOLVED_CONFIG_NAME).is_file()
+
+
+def trained_template(adapter_dir: str | Path) -> tuple[str, Path] | None:
+    """The prompt template the run that wrote ``adapter_dir`` trained with, and the record saying so:
+    the run's ``prompt.json`` beside its final ``adapter/`` or above its ``checkpoint-N/adapter/``.
+    None for an adapter from elsewhere, or a record that cannot be read."""
+    adapter = Path(adapter_dir)
+    run = adapter.parent.parent if CHECKPOINT_RE.match(adapter.parent.name) else adapter.parent
+    record = run / PROMPTS_FILE
+    try:
+        name = json.loads(record.read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (name, record) if isinstance(name, str) else None

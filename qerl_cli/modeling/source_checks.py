@@ -205,8 +205,8 @@ def no_model_config(path: Path, what: str, choices: str = MODEL_FOLDER) -> QerlE
     if adapter.run_adapter(path) is None and not run_layout.is_run_folder(path):
         return QerlError(f"{what} {path} has no config.json; give {choices}")
     kind = "a `qerl train` run's folder (its output.dir)"
-    resume = (f"; to train on, continue the run: `qerl train RECIPE --resume {path}` (a finished run with "
-              "train.max_steps raised)")  # fmt: skip
+    resume = (f"; to train on, continue the run: `qerl train {path / RESOLVED_CONFIG_NAME} --resume auto` (a "
+              "finished run with --set train.max_steps raised)")  # fmt: skip
     if (final := adapter.run_adapter(path)) is not None:
         return _trained_folder(path, what, final, kind, "the trained adapter", resume)
     if (newest := adapter.checkpoint_adapter(path)) is not None:

@@ -119,10 +119,13 @@ def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
         )
     if output.exists() and not output.is_dir():
         raise file_given_for_folder(output, "output", "another --output, or remove the file")
-    if output.exists() and not overwrite:
-        raise QerlError(f"output folder {output} already exists: pass --overwrite to replace it")
     if output.exists():
-        _check_replaceable(output)
+        _check_replaceable(output)  # first: --overwrite is no remedy for a folder of other work
+        if not overwrite:
+            raise QerlError(
+                f"output folder {output} already exists: pass --overwrite to replace it, or give another "
+                "--output"
+            )
     return output  # a parent folder not there yet is made, as train and eval make theirs
 
 
@@ -138,8 +141,8 @@ def _check_replaceable(output: Path) -> None:
         return
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     raise QerlError(
-        f"output {output} holds {shown}, not a model (no config.json): --overwrite replaces an earlier "
-        "output, and would delete all of it; give a new sub-folder as --output (or remove it yourself)"
+        f"output {output} holds {shown}, not a model (no config.json): give a new sub-folder as --output "
+        "(--overwrite replaces only an earlier output, a model folder, never a folder of other files)"
     )
 
 

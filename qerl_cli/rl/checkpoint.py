@@ -292,8 +292,23 @@ def newest_good_checkpoint(run_dir: str | Path, *, skip: Path | None = None) -> 
 
 def resumed_step(path: str | Path) -> int:
     """The steps behind the checkpoint ``--resume path`` continues from (:func:`find_last_checkpoint`'s)."""
-    match = CHECKPOINT_RE.match(find_last_checkpoint(path).name)
+    return checkpoint_step(find_last_checkpoint(path))
+
+
+def checkpoint_step(found: Path) -> int:
+    """The steps behind the checkpoint folder ``found`` (``checkpoint-N``: N)."""
+    match = CHECKPOINT_RE.match(found.name)
     return int(match.group(1)) if match else 0
+
+
+def check_within_max_steps(found: Path, step: int, max_steps: int) -> None:
+    """A checkpoint past ``train.max_steps`` has nothing left to train: refused, naming both remedies."""
+    if step > max_steps:
+        raise QerlError(
+            f"--resume {found} is at step {step}, beyond train.max_steps={max_steps}: to train on from it, "
+            f"raise train.max_steps above {step} (--set train.max_steps=N); or give --resume an earlier "
+            f"checkpoint-N of {found.parent} (N <= {max_steps})"
+        )
 
 
 def find_last_checkpoint(path: str | Path) -> Path:

@@ -17,6 +17,7 @@ import torch
 
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.datasets import check_reachable
+from qerl_cli.data.prompts import template_found
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_writable_folder
 from qerl_cli.formats.fp8 import cuda_capability
@@ -28,8 +29,8 @@ from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
 from qerl_cli.modeling.sources import gguf_source, resolve_model_source
 from qerl_cli.rewards.grading import require_math_verify
-from qerl_cli.rl.checkpoint import find_last_checkpoint
-from qerl_cli.rl.run_folder import check_fresh_start, run_entries
+from qerl_cli.rl.checkpoint import check_within_max_steps, checkpoint_step, find_last_checkpoint
+from qerl_cli.rl.run_folder import check_fresh_start, check_resume_target, run_entries
 from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count, resolve_device
 
 
@@ -38,12 +39,13 @@ def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[
 
     checked = [output_folder(cfg.output.dir, resume=resume, overwrite=overwrite)]
     if resume is not None:
-        checked.append(resume_checkpoint(resume))
+        checked.append(resume_checkpoint(resume, cfg))
     device = resolve_device(cfg.train.device, "train.device")  # a GPU where the config names one
     checked.append(Checked("train.device", f"{cfg.train.device} -> {device}"))
     checked.append(model_source(cfg))
     # Settings that would fail only once the model has loaded: said only when asked for.
     checked.extend(c for c in (lora_init(cfg), fused_kernels(cfg), base_compute(cfg, device)) if c)
+    checked.append(Checked("data.template", template_found(cfg.data.template, "data.template")))
     checked.append(dataset(cfg))
     checked.append(engine(cfg))
     checked.append(grader())
@@ -64,10 +66,14 @@ def output_folder(out_dir: str | Path, *, resume: str | None, overwrite: bool) -
     return Checked("output.dir", f"{out}: writable, holds no run")
 
 
-def resume_checkpoint(resume: str | Path) -> Checked:
-    """The checkpoint ``--resume`` continues from, found and verified now: a folder that is not there, or
-    holds no complete checkpoint, would otherwise be found only once the model has loaded."""
-    return Checked("--resume", f"{find_last_checkpoint(resume)}: verifies")
+def resume_checkpoint(resume: str | Path, cfg: TrainConfig) -> Checked:
+    """The checkpoint ``--resume`` continues from, found and verified now: a folder that is not there,
+    holds no complete checkpoint, is another run's than ``output.dir``'s or is past ``train.max_steps``
+    would otherwise be found only once the model has loaded."""
+    found = find_last_checkpoint(resume)
+    check_resume_target(resume, cfg.output.dir)
+    check_within_max_steps(found, checkpoint_step(found), cfg.train.max_steps)
+    return Checked("--resume", f"{found}: verifies")
 
 
 def model_source(cfg: TrainConfig) -> Checked:

@@ -5,7 +5,8 @@ behind when a run fails before writing anything.
 A run that starts in a folder holding another run's files would truncate its ``metrics.jsonl`` and
 ``completions.jsonl`` and leave its checkpoints and adapter beside the new run's, where ``--resume``
 and readers would take them for the new run's own. So a fresh run (no ``--resume``) starts only in a
-folder without them; ``overwrite=True`` removes them first.
+folder without them; ``overwrite=True`` removes them first. ``--resume`` continues a run in its own
+folder only: a checkpoint of another folder would write over ``output.dir`` the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from pathlib import Path
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, METRICS_FILE
+from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, METRICS_FILE, PROMPTS_FILE
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.tracking import COMPLETIONS_FILE, PLOT_FILE
 
-PROMPTS_FILE = "prompt.json"
 # What `qerl compare` writes beside a run's own files (its per-run result and held-out evaluation):
 # named here by their file names, as this layer cannot import compare's constants.
 COMPARE_RESULT, COMPARE_HELDOUT = "result.json", "heldout"
@@ -49,6 +49,32 @@ def check_resume_or_overwrite(resume: str | Path | None, overwrite: bool) -> Non
         raise QerlError(
             "--resume continues the run in its folder and --overwrite deletes it: give one of them"
         )
+
+
+def resumed_run(resume: str | Path) -> Path:
+    """The run folder ``--resume`` names: a ``checkpoint-N`` folder's parent, else the folder itself."""
+    path = Path(resume)
+    return path.parent if CHECKPOINT_RE.match(path.name) else path
+
+
+def check_resume_target(resume: str | Path, out_dir: str | Path) -> None:
+    """``--resume`` continues a run in its own folder: a checkpoint of another folder than ``output.dir``
+    is refused, as the run would write its metrics, checkpoints and adapter into ``output.dir``, cutting
+    the metrics of a run held there back to the resumed step and replacing its adapter."""
+    run, out = resumed_run(resume), Path(out_dir)
+    if not list_checkpoints(run) or run.expanduser().resolve() == out.expanduser().resolve():
+        return  # nothing to resume there is checkpoint.find_last_checkpoint's to say
+    held = " (over the training run it holds)" if run_entries(out) else ""
+    recipe = run / RESOLVED_CONFIG_NAME
+    again = (
+        f"`qerl train {recipe} --resume auto` (the run's own recorded settings) or add --set output.dir={run}"
+        if recipe.is_file()
+        else f"add --set output.dir={run} (with that run's other settings)"
+    )
+    raise QerlError(
+        f"--resume {resume} continues the run in {run}, but output.dir is {out}: the run would write "
+        f"there{held}; nothing was changed. To continue {run}, {again}"
+    )
 
 
 def run_entries(out_dir: str | Path) -> list[Path]:
@@ -140,6 +166,8 @@ def run_folder(out_dir: str | Path, *, resume: str | Path | None, overwrite: boo
     another run unless ``overwrite``, which clears it (rank 0 alone, under torchrun: every rank refuses
     alike); a run that fails before writing anything leaves no empty folder behind."""
     check_resume_or_overwrite(resume, overwrite)
+    if resume is not None:
+        check_resume_target(resume, out_dir)
     out = Path(out_dir)
     created = missing_folders(out)
     if resume is None:

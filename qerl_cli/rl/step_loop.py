@@ -15,6 +15,7 @@ from qerl_cli.config import RESOLVED_CONFIG_NAME, TrainConfig, save_resolved_con
 from qerl_cli.data.problem import Problem
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import quantized_with
+from qerl_cli.modeling.run_layout import PROMPTS_FILE
 from qerl_cli.rl import checkpoint as ckpt
 from qerl_cli.rl import setup
 from qerl_cli.rl.aqn_calibration import raw_sigma_warning
@@ -22,7 +23,6 @@ from qerl_cli.rl.aqn_schedule import AQNSchedule
 from qerl_cli.rl.distributed import Distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.policy import Policy
-from qerl_cli.rl.run_folder import PROMPTS_FILE
 from qerl_cli.rl.signal import StartSignal
 from qerl_cli.rl.tracking import MetricsLogger, progress_bar
 

@@ -36,7 +36,6 @@ import torch
 from qerl_cli import rewards as reward_functions
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.prompts import reward_settings
-from qerl_cli.errors import QerlError
 from qerl_cli.files import ensure_output_dir
 from qerl_cli.modeling.adapter import load_weights
 from qerl_cli.modeling.prompt_tokens import encode_prompt
@@ -190,10 +189,7 @@ class Trainer:
             scheduler=self.scheduler,
             load_adapter=self._load_adapter,
         )
-        if state.step > self.cfg.train.max_steps:
-            raise QerlError(
-                f"{found} is at step {state.step}, beyond train.max_steps={self.cfg.train.max_steps}"
-            )
+        ckpt.check_within_max_steps(found, state.step, self.cfg.train.max_steps)
         self.step = state.step
         self.stream.position = state.data_position
         if self.schedule is not None and state.aqn:
