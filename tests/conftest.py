@@ -76,10 +76,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests first.
 
     xdist (``--dist loadfile --no-loadscope-reorder``, pyproject.toml) hands whole files to the workers in
-    this order. The slow files hold the minutes-long tests (tests/test_demo.py alone is about a third of
-    the suite's CPU time): started first, the other worker meanwhile takes the many short files, and
-    both finish together. Handed out last (xdist's own order puts files with few tests last, as these
-    are), one worker would run one of them alone at the end."""
+    this order. The files with slow tests hold the minutes-long ones (tests/test_demo.py alone is about a
+    third of the suite's CPU time): handed out first, they are spread over the workers while the many short
+    files fill in after them, so the workers finish close together. Handed out last (xdist's own order puts
+    files with few tests last, as these are), one worker would run one of them alone at the end."""
     import importlib.util
 
     import torch

@@ -14,6 +14,7 @@ from rich.console import Console
 from qerl_cli.bench.gate import check_regressions, gate_caveat
 from qerl_cli.bench.gpuclocks import (
     CLOCK_DROP_FRACTION,
+    FULLY_BUSY_PCT,
     QUERIES,
     GpuClocks,
     GpuReading,
@@ -176,8 +177,8 @@ def test_a_busy_clock_more_than_a_tenth_below_the_runs_highest_is_throttling() -
 
 def test_a_reasonless_drop_on_a_partly_busy_gpu_is_boost_not_throttling() -> None:
     """The readings an H200 gave between power-capped decodes (default 700 W limit): 1605-1740 MHz at
-    56-73% utilization with no reason set. GPU Boost lowers the clock of a GPU between work; the same drop
-    at full utilization, or with a slowdown reason, is throttling as before."""
+    63-73% utilization with an empty reasons mask. GPU Boost lowers the clock of a GPU between work; the
+    same drop at full utilization, with a slowdown reason or with the mask unknown is throttling."""
     partly = [
         reading(1635, [], utilization=63, elapsed_s=127),
         reading(1605, [], utilization=73, elapsed_s=697),
@@ -187,6 +188,12 @@ def test_a_reasonless_drop_on_a_partly_busy_gpu_is_boost_not_throttling() -> Non
     assert full.endswith("17% below the run's highest 1980 MHz")
     (unknown,) = throttle_findings([reading(1980), reading(1635, [], utilization=None, elapsed_s=127)])
     assert "17% below" in unknown  # a utilization not read: judged as before
+    # The mask not read: no telling a throttle from Boost, so the drop counts at any utilization.
+    (no_mask,) = throttle_findings([reading(1980), reading(1400, None, utilization=70)])
+    assert no_mask.endswith("29% below the run's highest 1980 MHz")
+    # The edge: busy the whole period from FULLY_BUSY_PCT on.
+    assert throttle_findings([reading(1980), reading(1635, [], utilization=FULLY_BUSY_PCT - 1)]) == []
+    assert throttle_findings([reading(1980), reading(1635, [], utilization=FULLY_BUSY_PCT)]) != []
     (hard,) = throttle_findings([reading(1980), reading(1635, ["hw_slowdown"], utilization=63)])
     assert hard.endswith("hw_slowdown, 17% below the run's highest 1980 MHz")
 

@@ -26,10 +26,10 @@ from qerl_cli.rl.phase import Phase
 # nvidia-smi answers within a second or so; a hung driver must not hang the benchmark.
 NVIDIA_SMI_TIMEOUT_S = 10.0
 # A busy reading's SM clock this far below the highest SM clock of the run is throttling even when the
-# driver names no reason: a working GPU with headroom stays near its boost clock (GPU Boost moves it by a
-# few percent with load and temperature), so a tenth is well past that drift and about the size of the
-# differences between backends that a run is read for. Idle readings are left out: an idle GPU lowers its
-# own clocks.
+# driver names no reason, on a GPU busy the whole sampling period (FULLY_BUSY_PCT): a working GPU with
+# headroom stays near its boost clock (GPU Boost moves it by a few percent with load and temperature), so a
+# tenth is well past that drift and about the size of the differences between backends that a run is read
+# for. Idle readings are left out: an idle GPU lowers its own clocks.
 CLOCK_DROP_FRACTION = 0.10
 # The bits of clocks_event_reasons.active (NVML's nvmlClocksEventReason* / nvmlClocksThrottleReason*).
 REASON_BITS = {
@@ -77,7 +77,9 @@ NAMED_READINGS = 3
 # kernels for part of nvidia-smi's sampling period is between work (a case's prefill and decode, a
 # generation's tail, the next engine's load), and GPU Boost lowers the clock for that load by itself; on an
 # H200 at its default 700 W, right around power-capped decode, such readings came at 1605-1740 MHz with
-# 56-73% utilization and no reason set (benchmarks/h200-2026-11-29-detokenizer-off).
+# 63-73% utilization and an empty reasons mask (benchmarks/h200-2026-11-29-detokenizer-off). Where the mask
+# is unknown the drop counts as before: a throttle would go unseen. (Higher than the 80% below which a
+# rollout is called host-bound, bench/e2e_notes.py: a drop is judged per reading, a phase by its mean.)
 FULLY_BUSY_PCT = 90
 
 
@@ -255,8 +257,8 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
     hardware slowdown, or when the GPU was working (:attr:`GpuReading.busy`: a low clock of an idle GPU
     is its own choice) and its SM clock is more than ``drop_fraction`` below the highest working clock
     of the run (or its own maximum clock), unless the driver says the GPU is at its power limit and that
-    limit is the board's default (:attr:`GpuReading.at_default_limit`, POWER_CAP_REASONS). A drop the
-    driver gives no reason for counts only on a GPU busy the whole sampling period (FULLY_BUSY_PCT)."""
+    limit is the board's default (:attr:`GpuReading.at_default_limit`, POWER_CAP_REASONS). A drop with
+    the reasons mask read and empty counts only on a GPU busy the whole sampling period (FULLY_BUSY_PCT)."""
     highest = max((r.sm_mhz for r in readings if r.busy and r.sm_mhz is not None), default=None)
     found = []
     for reading in readings:
@@ -270,9 +272,12 @@ def throttle_findings(readings: list[GpuReading], drop_fraction: float = CLOCK_D
         why = list(hard)
         if low and capped and not reading.at_default_limit:
             why.append(_cap_label(reading))
-        unexplained = not hard and not capped
+        unexplained = reading.reasons is not None and not hard and not capped  # the mask read, and empty
         if low and (
-            hard or (capped and not reading.at_default_limit) or (unexplained and reading.fully_busy)
+            hard
+            or (capped and not reading.at_default_limit)
+            or (unexplained and reading.fully_busy)
+            or reading.reasons is None
         ):
             why.append(f"{1 - reading.sm_mhz / top:.0%} below {_top_label(top, highest)}")
         if why:
