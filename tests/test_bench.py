@@ -22,7 +22,7 @@ from qerl_cli.bench.memory import checkpoint_tensor_bytes
 from qerl_cli.bench.report import to_markdown, write_markdown
 from qerl_cli.bench.result import SCHEMA, BenchResult, read_report
 from qerl_cli.bench.rollout import PromptMaker
-from qerl_cli.config import BenchConfig
+from qerl_cli.config import BenchConfig, TrainConfig, load_config
 from qerl_cli.errors import QerlError
 
 FORMATS = ["bf16", "nvfp4"]
@@ -83,7 +83,10 @@ def test_tiny_shape_end_to_end_writes_every_figure(bench_run):
     assert on_disk["versions"]["torch"] and on_disk["versions"]["transformers"]
     settings = on_disk["settings"]
     assert settings["model"] == "tiny" and settings["engine"] == "hf"
-    assert (settings["temperature"], settings["top_p"], settings["ignore_eos"]) == (0.6, 0.95, True)
+    # Sampled as the shipped recipes' rollouts are (no nucleus: vLLM's top-p sampler is not a rollout's cost).
+    recipe = load_config(TrainConfig, "gsm8k_7b").rollout
+    assert (settings["temperature"], settings["top_p"]) == (recipe.temperature, recipe.top_p) == (1.0, 1.0)
+    assert settings["ignore_eos"] is True
 
     keys = {(r["format"], r["lora_rank"], r["batch"]) for r in on_disk["rollout"]}
     assert keys == {(f, r, b) for f in FORMATS for r in (0, RANK) for b in BATCHES}

@@ -24,12 +24,17 @@ from typing import Any
 
 import torch
 
+from qerl_cli.config import RolloutSection
 from qerl_cli.errors import QerlError
 from qerl_cli.rl.phase import ROLLOUT, in_phase
 from qerl_cli.rollout.base import RolloutEngine, RolloutResult, SamplingSpec
 
-TEMPERATURE = 0.6
-TOP_P = 0.95
+# The bench samples as a GRPO rollout does (the rollout section's defaults, which every shipped recipe
+# keeps): at top_p < 1 vLLM runs its top-k/top-p sampler over the whole vocabulary every decode step and
+# returns logprobs renormalised over the nucleus, neither of which such a rollout does. (Reports before
+# 2026-11-29 sampled at temperature 0.6, top_p 0.95; each report's settings say which.)
+TEMPERATURE = RolloutSection.temperature
+TOP_P = RolloutSection.top_p
 MIN_REPEATS = 3
 # Warm-up generations are this long (at most): they only have to reach every code path once (CUDA
 # graphs and KV blocks are set up when the engine starts), and a full-length warm-up per case cost a
