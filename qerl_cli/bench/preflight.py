@@ -11,14 +11,13 @@ Importing this module imports no torch: the GPU probe (:func:`gpu_available`) im
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.errors import QerlError, install_hint
+from qerl_cli.errors import QerlError, closest, install_hint
 
 VLLM_EXTRA = install_hint("vllm")
 
@@ -162,8 +161,8 @@ def _hub_id_or_alias(model: str) -> str:
 
     hint = ""
     if not looks_like_hub_id(model):
-        close = difflib.get_close_matches(model.lower(), shape_names(), n=1)
-        guess = f"did you mean the shape {close[0]}? " if close else ""
+        close = closest(model, shape_names())
+        guess = f"did you mean the shape {close}? " if close else ""
         hint = f"{guess}the shapes: {', '.join(shape_names())}"
     return model_source_found(model, what="--model", hint=hint).partition(": ")[2]
 

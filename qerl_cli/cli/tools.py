@@ -13,7 +13,7 @@ from rich.markup import escape
 from qerl_cli import config
 from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
-from qerl_cli.cli.progress import quiet_library_bars, stage_log
+from qerl_cli.cli.progress import stage_log
 from qerl_cli.errors import QerlError
 from qerl_cli.files import check_writable_file, check_writable_folder, write_json
 
@@ -50,7 +50,6 @@ def tiny_base(
     others, so beside other CPU-bound work it takes fewer threads and longer (docs/tools.md gives the
     times measured, idle and beside other work). QERL_NUM_THREADS=N sets the thread count.
     """
-    quiet_library_bars()
     from qerl_cli.rl.warmstart import build_tiny_base
 
     use_free_cpu_threads()
