@@ -148,3 +148,31 @@ def test_calibration_settings_where_they_are_read_pass(
     rc, _, err = run_cli(capsys, "quantize", str(tiny), *argv, "-o", str(tiny.parent / "q"), "--dry-run")
     assert "rounds to nearest" not in err
     assert rc == 0 or "llm-compressor" in err or "bitsandbytes" in err, err
+
+
+# -- qerl quality -------------------------------------------------------------------------------------
+@pytest.fixture
+def nf4_base(tiny: Path) -> Path:
+    from qerl_cli.config import QuantizeConfig
+    from qerl_cli.quantize import run_quantize
+
+    out = tiny.parent / "tiny-nf4"
+    run_quantize(QuantizeConfig(model=str(tiny), format="nf4", method="rtn", output=str(out), device="cpu"))
+    return out
+
+
+def test_quality_refuses_a_4bit_reference(capsys: pytest.CaptureFixture[str], nf4_base: Path) -> None:
+    """`qerl quality BASE OTHER` (the BF16 model left out) measured against the 4-bit base and labelled it
+    "BF16 (reference)"."""
+    rc, _, err = run_cli(capsys, "quality", str(nf4_base), str(nf4_base), "--rows", "2", "--seq-len", "8")
+    assert usage_error(rc, err)
+    assert f"BF16_MODEL {nf4_base} is a 4-bit base (nf4)" in err and "qerl_quant.json" in err
+
+
+def test_quality_refuses_one_label_twice(capsys: pytest.CaptureFixture[str], tiny: Path) -> None:
+    """Two candidates labelled alike made two rows no one could tell apart (and so in the JSON)."""
+    rc, _, err = run_cli(
+        capsys, "quality", str(tiny), f"a={tiny}", f"a={tiny}", "--rows", "2", "--seq-len", "8"
+    )
+    assert usage_error(rc, err)
+    assert "the label a names two candidates" in err
