@@ -176,3 +176,36 @@ def test_quality_refuses_one_label_twice(capsys: pytest.CaptureFixture[str], tin
     )
     assert usage_error(rc, err)
     assert "the label a names two candidates" in err
+
+
+# -- qerl compare --------------------------------------------------------------------------------------
+def test_compare_names_the_arm_a_typo_meant_among_the_recipe_s_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An unknown arm listed the built-in arms only, not the recipe's own (compare.arms), and no guess."""
+    rc, _, err = run_cli(
+        capsys, "compare", "gemma3_270m_wordproblems", "--arms", "bf16-lora,nvfp4-fp8merge", "--dry-run"
+    )
+    assert usage_error(rc, err)
+    assert "nvfp4-fp8merge (did you mean nvfp4-fp8merged?)" in err
+    assert "nvfp4-aqn-t10pct-awq" in err  # one of the recipe's own arms, named among the choices
+
+
+# -- qerl env ------------------------------------------------------------------------------------------
+def test_env_lists_every_package_an_extra_adds() -> None:
+    """The README sends a user to `qerl env` for what is installed; gguf, liger-kernel and humming-kernels
+    (extras the README lists) were not in it."""
+    import re
+
+    from qerl_cli.envinfo import PACKAGES
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    added = {
+        re.split(r"[<>=\[; ]", spec)[0].lower()
+        for name, specs in extras.items()
+        if name != "dev"
+        for spec in specs
+    }
+    assert added <= {p.lower() for p in PACKAGES}
