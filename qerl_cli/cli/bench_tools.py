@@ -20,8 +20,8 @@ from qerl_cli.bench.preflight import (
     Requirement,
     check_output,
     check_requirements,
+    check_tool,
     describe_model,
-    gpu_available,
     package_available,
     resolve_engine,
 )
@@ -106,35 +106,6 @@ def default_fused() -> str:
     has none, and its default must run there). Asked of the package index, not of
     ``modeling.fused_kernels``, whose import would bring torch before the arguments are checked."""
     return "off,liger" if package_available("liger_kernel") else "off"
-
-
-def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> list[Checked]:
-    """What a benchmark with its own report can check before any work (--dry-run included): the output
-    folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model (None: none
-    of its own). Returns what
-    each found, for ``--dry-run`` to list as every stage's dry run does."""
-    check_output(output)
-    if gpu_only and device.startswith("cpu"):
-        raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")
-    if (device.startswith("cuda") or gpu_only) and not gpu_available():
-        what = gpu_only or f"--device {device}"
-        raise QerlError(f"{what} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)")
-    checks = [
-        Checked("--output", f"{output}: a folder that can be written"),
-        Checked("--device", _device_found(device)),
-    ]
-    if model is not None:
-        checks.append(Checked("--model", describe_model(model)))
-    return checks
-
-
-def _device_found(device: str) -> str:
-    """What ``--device`` comes to here (a GPU was checked to be visible where it asks for one)."""
-    if device.startswith("cuda"):
-        return f"{device}, a GPU visible"
-    if device == "auto":
-        return f"auto -> {'cuda' if gpu_available() else 'cpu'}"
-    return device
 
 
 def _done(path: Path, errors: bool) -> None:
