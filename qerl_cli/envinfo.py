@@ -17,7 +17,7 @@ import torch
 
 from qerl_cli import __version__
 
-# What `qerl env` reports, in report order (distribution names).
+# What `qerl env` reports, in report order (distribution names): the core and every package an extra adds.
 PACKAGES = (
     "torch",
     "transformers",
@@ -26,6 +26,9 @@ PACKAGES = (
     "llmcompressor",
     "compressed-tensors",
     "bitsandbytes",
+    "gguf",
+    "liger-kernel",
+    "humming-kernels",
     "math-verify",
     "datasets",
     "triton",

@@ -1,12 +1,16 @@
 """The one exception type for mistakes a user can fix, what a check that passed found, and the
 command that installs a missing optional package.
 
+Every "did you mean" of qerl asks :func:`closest` for the name meant.
+
 The CLI prints a ``QerlError`` as a short red message and exits 2; anything else is a bug and
 exits 1 (with a traceback under ``--debug``). The checks each stage makes before any work (``train``,
 ``quantize``, ``eval``; ``--dry-run`` lists them) raise a ``QerlError`` when they fail and return a
 :class:`Checked` when they pass.
 """
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # qerl's optional-dependency groups (pyproject's [project.optional-dependencies]; a test holds the two
@@ -24,6 +28,14 @@ class Checked:
 
     what: str
     found: str
+
+
+def closest(word: object, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice a mistyped ``word`` most likely meant (difflib's ratio at least ``cutoff``, case
+    ignored: ``GSM8`` means ``gsm8k``), or None: the one close-match rule of every "did you mean"."""
+    folded = {choice.lower(): choice for choice in choices}
+    found = difflib.get_close_matches(str(word).lower(), list(folded), n=1, cutoff=cutoff)
+    return folded[found[0]] if found else None
 
 
 def install_hint(*extras: str) -> str:

@@ -202,7 +202,9 @@ def use_free_cpu_threads(env: Mapping[str, str] | None = None) -> ThreadChoice:
     if _chosen is None:
         _chosen = choose_cpu_threads(read_cpu_load(), os.environ if env is None else env)
         torch.set_num_threads(_chosen.threads)
-        _LOG.info("%s", _chosen.reason)
+        # debug: the command says it where it matters (cli.app.use_free_cpu_threads: a lowered count), once;
+        # at info it came twice under a command that logs at info (qerl compare)
+        _LOG.debug("%s", _chosen.reason)
     return _chosen
 
 

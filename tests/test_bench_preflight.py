@@ -108,10 +108,7 @@ def test_an_output_that_cannot_be_written_is_refused(capsys, tmp_path: Path) -> 
 
 
 def test_gpu_only_settings_are_refused_on_the_cpu(monkeypatch, capsys) -> None:
-    monkeypatch.setattr(preflight, "gpu_available", lambda: False)
-    from qerl_cli.cli import bench_tools
-
-    monkeypatch.setattr(bench_tools, "gpu_available", lambda: False)
+    monkeypatch.setattr(preflight, "gpu_available", lambda: False)  # check_tool's too: it lives there
     rc, _, err = run(capsys, "bench", "kernels", "--device", "cuda", "--dry-run")
     assert rc == 2 and "--device cuda needs a GPU" in err
     rc, _, err = run(capsys, "bench", "--engine", "vllm", "--dry-run")

@@ -11,14 +11,13 @@ Importing this module imports no torch: the GPU probe (:func:`gpu_available`) im
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qerl_cli import files
-from qerl_cli.errors import QerlError, install_hint
+from qerl_cli.errors import Checked, QerlError, closest, install_hint
 
 VLLM_EXTRA = install_hint("vllm")
 
@@ -131,6 +130,35 @@ def check_output(path: str | Path, flag: str = "--output") -> None:
     files.check_writable_folder(path, flag, "give a folder you can write to")
 
 
+def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> list[Checked]:
+    """What a benchmark with its own report can check before any work (--dry-run included): the output
+    folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model (None: none
+    of its own). Returns what
+    each found, for ``--dry-run`` to list as every stage's dry run does."""
+    check_output(output)
+    if gpu_only and device.startswith("cpu"):
+        raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")
+    if (device.startswith("cuda") or gpu_only) and not gpu_available():
+        what = gpu_only or f"--device {device}"
+        raise QerlError(f"{what} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)")
+    checks = [
+        Checked("--output", f"{output}: a folder that can be written"),
+        Checked("--device", _device_found(device)),
+    ]
+    if model is not None:
+        checks.append(Checked("--model", describe_model(model)))
+    return checks
+
+
+def _device_found(device: str) -> str:
+    """What ``--device`` comes to here (a GPU was checked to be visible where it asks for one)."""
+    if device.startswith("cuda"):
+        return f"{device}, a GPU visible"
+    if device == "auto":
+        return f"auto -> {'cuda' if gpu_available() else 'cpu'}"
+    return device
+
+
 def describe_model(model: str, formats: list[str] | None = None) -> str:
     """How the bench will get ``model`` (checked without reading its weights or downloading it); a
     local folder's checkpoint format must serve ``formats``."""
@@ -162,8 +190,8 @@ def _hub_id_or_alias(model: str) -> str:
 
     hint = ""
     if not looks_like_hub_id(model):
-        close = difflib.get_close_matches(model.lower(), shape_names(), n=1)
-        guess = f"did you mean the shape {close[0]}? " if close else ""
+        close = closest(model, shape_names())
+        guess = f"did you mean the shape {close}? " if close else ""
         hint = f"{guess}the shapes: {', '.join(shape_names())}"
     return model_source_found(model, what="--model", hint=hint).partition(": ")[2]
 

@@ -38,7 +38,6 @@ from qerl_cli.cli.app import (
     set_option,
     use_free_cpu_threads,
 )
-from qerl_cli.cli.progress import quiet_library_bars
 from qerl_cli.config import BenchConfig, QuantFormat, load_config
 from qerl_cli.config.choices import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
@@ -202,7 +201,6 @@ def run_bench_command(
     for key, value in (defaults or {}).items():
         if not getattr(conf, key):
             setattr(conf, key, list(value))
-    quiet_library_bars()  # before the plan imports them: a CI log (the README's form) gets no tqdm bars
     from qerl_cli.bench.plan import bench_plan
     from qerl_cli.bench.result import read_report
 

@@ -20,8 +20,8 @@ from qerl_cli.bench.preflight import (
     Requirement,
     check_output,
     check_requirements,
+    check_tool,
     describe_model,
-    gpu_available,
     package_available,
     resolve_engine,
 )
@@ -108,19 +108,6 @@ def default_fused() -> str:
     return "off,liger" if package_available("liger_kernel") else "off"
 
 
-def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> None:
-    """What a benchmark with its own report can check before any work (--dry-run included): the output
-    folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model."""
-    check_output(output)
-    if gpu_only and device.startswith("cpu"):
-        raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")
-    if (device.startswith("cuda") or gpu_only) and not gpu_available():
-        what = gpu_only or f"--device {device}"
-        raise QerlError(f"{what} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)")
-    if model:
-        describe_model(model)
-
-
 def _done(path: Path, errors: bool) -> None:
     console.print(f"wrote {escape(str(path))}")
     if errors:  # a section or case without figures: its error is in the report
@@ -189,9 +176,10 @@ def kernels(
     values = dict(model=model, formats=csv(formats), batch=batch, seq_len=seq_len, iters=iters, device=device,
                   output=output)  # fmt: skip
     conf = load_settings(KernelsSettings, values, config, set_)
-    check_tool(conf.output, conf.device, conf.model)
+    checks = check_tool(conf.output, conf.device, default_model(conf.model, conf.device))
     gemm = gemm_settings(gemm_shapes, gemm_rows, gemm_backends, gemm_tune)
     if finish_config(conf, dry_run):
+        print_checks(checks)
         print_plan(gemm_plan(gemm, conf.formats, conf.device))  # flags, not config keys: the plan's
         return
     from qerl_cli.bench.kernels import REPORT_NAME, kernels_table, run_kernels
@@ -237,8 +225,10 @@ def update(
     )  # fmt: skip
     conf = load_settings(UpdateSettings, values, config, set_)
     conf.fused = update_fused(conf.fused)
-    check_tool(conf.output, conf.device, conf.model, gpu_only="--profile" if conf.profile else None)
+    gpu_only = "--profile" if conf.profile else None
+    checks = check_tool(conf.output, conf.device, default_model(conf.model, conf.device), gpu_only=gpu_only)
     if finish_config(conf, dry_run):
+        print_checks(checks)
         return
     from qerl_cli.bench.update import REPORT_NAME, run_update, update_table
 
@@ -420,11 +410,11 @@ def quality(
     conf.rows = quality_rows(conf.rows)
     from qerl_cli.modeling.source_checks import model_source_found
 
-    check_tool(conf.output, conf.device, None)
+    checks = check_tool(conf.output, conf.device, None)
     # A stage's model (folder, .gguf, alias), not a bench --model shape: checked as a stage checks one.
     found = model_source_found(conf.model, what="BF16_MODEL")
     if finish_config(conf, dry_run):
-        print_checks([Checked("BF16_MODEL", found)])
+        print_checks([Checked("BF16_MODEL", found), *checks])
         return
     from qerl_cli.bench.quality import REPORT_NAME, run_quality
 

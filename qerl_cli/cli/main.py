@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from qerl_cli.cli.app import app, console, err_console, record_argv, set_stop_hint, stop_hint
 from qerl_cli.cli.option_hints import recipe_key_hint
+from qerl_cli.cli.progress import quiet_library_bars
 from qerl_cli.errors import QerlError
 
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
@@ -29,6 +30,7 @@ _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: user errors exit 2 in red, unexpected errors exit 1."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_library_bars()  # every command, before any imports the libraries: a log gets no tqdm bars
     # peft imports bitsandbytes when it is installed; on AVX512-BF16 CPUs bitsandbytes then warns that
     # an optional hub kernel is missing, which reads like a failure in every qerl run. qerl's CPU path
     # never calls bitsandbytes' kernels (NF4 is dequantized by qerl's own code), so that one is muted.

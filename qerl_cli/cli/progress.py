@@ -20,7 +20,7 @@ def stage_log(line: str) -> None:
 def quiet_library_bars() -> None:
     """Outside a terminal (a log, a pipe) the progress bars of transformers, huggingface_hub and
     llm-compressor are carriage-return noise beside the stage lines, which say what runs. tqdm reads its
-    setting when it is imported: call this before the stage imports them."""
+    setting when it is imported: ``cli.main`` calls this once, for every command, before any imports them."""
     if not sys.stderr.isatty():
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -6,7 +6,6 @@ without the optional extras (vLLM, llm-compressor).
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import os
@@ -38,11 +37,11 @@ from qerl_cli.cli.app import (
     set_stop_hint,
     use_free_cpu_threads,
 )
-from qerl_cli.cli.progress import eval_cpu_estimate, quiet_library_bars, say_estimate, stage_log
+from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
 from qerl_cli.config.keydocs import field_help, key_docs, sections
-from qerl_cli.errors import Checked, QerlError
+from qerl_cli.errors import Checked, QerlError, closest
 
 # Each stage's --set example is a key of its own config (quantize and eval configs are flat; bench's
 # commands are in cli/bench.py).
@@ -92,14 +91,14 @@ def quantize(
     check_recipe_path(config, "--config")
     flags = given_flags(values, set_, model="MODEL")
     conf = load_config(QuantizeConfig, config, set_, flags=flags, **values)
-    rank_set = "lora_init_rank" in given_keys(values, set_, config, QuantizeConfig)
-    conf.check_rank_used(flags.get("lora_init_rank", "lora_init_rank") if rank_set else None)
+    conf.check_settings_used(
+        {key: flags.get(key, key) for key in given_keys(values, set_, config, QuantizeConfig)}
+    )
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         from qerl_cli.quantize.preflight import preflight as quantize_preflight
 
         print_checks(quantize_preflight(conf).checks)
         return
-    quiet_library_bars()
     from qerl_cli.quantize import quantize_table, run_quantize
     from qerl_cli.torch_utils import runs_on_cpu
 
@@ -206,10 +205,8 @@ def print_keys(config: type, prefix: str) -> None:
     docs = [d for d in key_docs(config) if not prefix or d.key == prefix or d.key.startswith(f"{prefix}.")]
     if not docs:
         known = ", ".join(sections(config))
-        close = difflib.get_close_matches(
-            prefix, [*sections(config), *(d.key for d in key_docs(config))], n=1
-        )
-        guess = f"did you mean {close[0]}? " if close else ""
+        close = closest(prefix, [*sections(config), *(d.key for d in key_docs(config))])
+        guess = f"did you mean {close}? " if close else ""
         raise QerlError(f"--keys {prefix}: no such section or key; {guess}the sections: {known}")
     for doc in docs:
         console.print(  # never wrapped: the key is what a user copies into --set
@@ -307,7 +304,6 @@ def demo(
     ] = 0,
 ) -> None:
     """Offline CPU demo: tiny model -> NVFP4 -> GRPO + AQN -> eval before/after, in minutes."""
-    quiet_library_bars()
     from qerl_cli.demo import run_demo
 
     if steps < 1:
@@ -401,7 +397,8 @@ def compare(
                                gpus=gpus, reference=reference, margin=margin)  # fmt: skip
         print_checks(checks)
         return
-    if jobs == 1 and runs_on_cpu("auto"):  # runs train in this process (--jobs N: each child chooses)
+    # Training in this process (--jobs N: each child chooses; --report-only trains nothing).
+    if jobs == 1 and not report_only and runs_on_cpu("auto"):
         use_free_cpu_threads()
     result = run_compare(
         recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,

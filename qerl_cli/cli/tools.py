@@ -13,7 +13,7 @@ from rich.markup import escape
 from qerl_cli import config
 from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
-from qerl_cli.cli.progress import quiet_library_bars, stage_log
+from qerl_cli.cli.progress import stage_log
 from qerl_cli.errors import QerlError
 from qerl_cli.files import check_writable_file, check_writable_folder, write_json
 
@@ -50,7 +50,6 @@ def tiny_base(
     others, so beside other CPU-bound work it takes fewer threads and longer (docs/tools.md gives the
     times measured, idle and beside other work). QERL_NUM_THREADS=N sets the thread count.
     """
-    quiet_library_bars()
     from qerl_cli.rl.warmstart import build_tiny_base
 
     use_free_cpu_threads()
@@ -158,9 +157,24 @@ def _check_quality_paths(reference: str, candidates: list[Any]) -> None:
     """Every model and adapter named, before any model loads: a missing folder is named as one (not
     a failed Hub lookup of a path-shaped "repo id")."""
     from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
+    from qerl_cli.modeling.loading import folder_format
     from qerl_cli.modeling.source_checks import check_model_source
 
     check_model_source(reference, what="BF16_MODEL")
+    held = folder_format(reference)
+    if held not in (None, "bf16"):  # the BF16 model left out: the first base taken for it
+        raise QerlError(
+            f"BF16_MODEL {reference} is a 4-bit base ({held}): each base is measured against the BF16 model "
+            'it was made from, given first (a base qerl quantize wrote names it as "model" in its '
+            "qerl_quant.json)"
+        )
+    labels = [candidate.label for candidate in candidates]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise QerlError(
+            f"the label {', '.join(twice)} names two candidates, whose rows could not be told apart: give "
+            "each its own, LABEL=PATH"
+        )
     for candidate in candidates:
         check_model_source(candidate.path, what=f"candidate {candidate.label}")
         if candidate.adapter:

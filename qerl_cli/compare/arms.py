@@ -49,7 +49,7 @@ from qerl_cli import formats
 from qerl_cli.compare.settings import BUILTIN_ARMS, CompareSettings
 from qerl_cli.compare.verdict import check_margin
 from qerl_cli.config import from_dict
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, closest
 
 BASE_METHODS = ("gptq", "awq", "rtn")
 # Arm keys that are compare's own (how the arm's base is made), never passed to `qerl train`.
@@ -163,10 +163,11 @@ def select_arms(settings: CompareSettings, names: list[str]) -> dict[str, dict[s
         raise QerlError("--arms is empty: name at least one arm, e.g. bf16-lora,nvfp4-aqn")
     unknown = [n for n in names if n not in settings.arms]
     if unknown:
-        raise QerlError(
-            f"unknown arm(s) {', '.join(unknown)}: built in are {', '.join(BUILTIN_ARMS)}; a recipe adds its "
-            "own under compare.arms"
-        )
+        meant = {n: closest(n, settings.arms) for n in unknown}
+        named = [f"{n} (did you mean {meant[n]}?)" if meant[n] else n for n in unknown]
+        own = [a for a in settings.arms if a not in BUILTIN_ARMS]
+        mine = f"; this recipe adds {', '.join(own)}" if own else "; a recipe adds its own under compare.arms"
+        raise QerlError(f"unknown arm(s) {', '.join(named)}: built in are {', '.join(BUILTIN_ARMS)}{mine}")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # named in words, not as a Python list
         raise QerlError(f"--arms names {', '.join(twice)} twice: give each arm once")

@@ -13,6 +13,7 @@ from typing import Literal
 # equal). The config's checks and the CLI's help read them from here.
 QuantFormat = Literal["nvfp4", "mxfp4", "nf4"]
 QuantMethod = Literal["gptq", "awq", "rtn"]  # how `qerl quantize` rounds
+CALIBRATED_METHODS = ("gptq", "awq")  # the methods that read calibration samples (rtn reads none)
 ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
 # rollout.linear_backend's values (qerl_cli.rollout.backends chooses and checks them).

@@ -4,7 +4,6 @@ conversion), and writing the resolved config back."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
 from pathlib import Path
@@ -15,7 +14,7 @@ import yaml
 from qerl_cli.config.checks import ConfigValueError, NeedsItems, empty_rule
 from qerl_cli.config.choices import RESOLVED_CONFIG_NAME
 from qerl_cli.config.sections import TrainConfig
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, closest
 
 # --------------------------------------------------------------------------------------------
 # Machinery: dict -> dataclass with strict checking, overrides, dumping
@@ -162,9 +161,9 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 def _unknown_key(root: type, root_prefix: str, path: str) -> QerlError:
     keys = _all_keys(root, root_prefix)
-    close = difflib.get_close_matches(path, keys, n=1, cutoff=0.6)
+    close = closest(path, keys)
     if close:
-        return QerlError(f"unknown config key '{path}'; did you mean {close[0]}?")
+        return QerlError(f"unknown config key '{path}'; did you mean {close}?")
     # Nothing close (a model's config.json given as the recipe, a key of another stage): the keys that
     # belong there when they are few (a recipe's sections), else where they are all listed.
     parent = path.rpartition(".")[0]
@@ -321,8 +320,8 @@ def resolve_recipe(path: str | Path) -> Path:
             return shipped
     names = shipped_recipes()
     # A bare name or a recipes/ path meant a shipped recipe: a misspelt one (tny, gsm8k7b) is named.
-    close = difflib.get_close_matches(path.stem, names, n=1) if bare or path.parent.name == "recipes" else []
-    guess = f"did you mean {close[0]}? " if close else ""
+    close = closest(path.stem, names) if bare or path.parent.name == "recipes" else None
+    guess = f"did you mean {close}? " if close else ""
     raise QerlError(
         f"recipe file not found: {path}; {guess}the recipes shipped with qerl (qerl train NAME): "
         f"{', '.join(names)}"

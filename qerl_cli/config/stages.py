@@ -10,6 +10,7 @@ from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.choices import (
     BENCHMARKS_ALL,
+    CALIBRATED_METHODS,
     LORA_INIT_ALIASES,
     EngineName,
     LinearBackend,
@@ -17,7 +18,7 @@ from qerl_cli.config.choices import (
     QuantFormat,
     QuantMethod,
 )
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, closest
 
 # The linear backends a concurrency sweep measures: rollout.linear_backend's values but auto.
 SWEPT_BACKENDS = tuple(b for b in get_args(LinearBackend) if b != "auto")
@@ -81,15 +82,38 @@ class QuantizeConfig:
             lora_init_rank=self.lora_init_rank,
         )
 
-    def check_rank_used(self, rank_given: str | None) -> None:
-        """``lora_init_rank`` sizes the ``lora_init`` start; with ``zeros`` none is written, so a rank the
-        user set (``rank_given``: the flag or key that set it; None: left at its default, no choice of
-        theirs) would be ignored in silence."""
-        if rank_given is not None and self.lora_init == "zeros":
+    @property
+    def calibrates(self) -> bool:
+        """Whether calibration samples are taken: a calibrated method, or a ``lora_init`` start (weighted by
+        the calibration activations, even for rtn)."""
+        return self.method in CALIBRATED_METHODS or self.lora_init != "zeros"
+
+    def check_settings_used(self, given: dict[str, str]) -> None:
+        """A setting the user gave (``given``: each key set, by the flag or key that set it; one left at its
+        default is no choice of theirs) that this job would ignore in silence is refused, naming what reads
+        it: ``lora_init_rank`` beside ``zeros``, the calibration settings beside rtn without a start."""
+        if "lora_init_rank" in given and self.lora_init == "zeros":
+            flag = given["lora_init_rank"]
             raise QerlError(
-                f"{rank_given} {self.lora_init_rank} sizes the error-compensating LoRA start, but "
+                f"{flag} {self.lora_init_rank} sizes the error-compensating LoRA start, but "
                 "--lora-init is zeros, which writes no start, so the rank would be ignored: add "
-                f"--lora-init eora or --lora-init svd (with --method gptq or rtn), or drop {rank_given}"
+                f"--lora-init eora or --lora-init svd (with --method gptq or rtn), or drop {flag}"
+            )
+        if self.calibrates:
+            return
+        # each calibration key, and whether --eval-ppl reads it too (its held-out rows come from --calib)
+        readers = dict(
+            calib=True, calib_split=True, calib_field=True, seq_len=True, seed=True, num_samples=False
+        )
+        unused = [key for key, ppl in readers.items() if key in given and not (ppl and self.eval_ppl)]
+        if unused:
+            flags = ", ".join(given[key] for key in unused)
+            ppl = " (--calib and its split, field and --seq-len also give --eval-ppl its held-out rows)"
+            raise QerlError(
+                f"{flags}: --method {self.method} rounds to nearest and reads no calibration samples, so "
+                f"{'it' if len(unused) == 1 else 'they'} would be ignored; calibration samples are read by "
+                f"--method {' or '.join(CALIBRATED_METHODS)} and by a --lora-init eora|svd start{ppl}: drop "
+                f"{flags}, or choose one of those"
             )
 
 
@@ -171,6 +195,12 @@ class EvalConfig:
     # HF engine: sequences per generate call.
     generation_batch_size: int = 64
 
+    def __post_init__(self) -> None:
+        # The docs write the benchmarks as names (GSM8K, MATH500): a built-in one in any case is that one,
+        # unless a --data-file gives that very name.
+        builtin = [b for b in self.benchmarks if b not in self.data_files and b.lower() in BENCHMARKS_ALL]
+        self.benchmarks = [b.lower() if b in builtin else b for b in self.benchmarks]
+
     def validate(self, where: str = "") -> None:
         unknown = [
             b
@@ -178,10 +208,12 @@ class EvalConfig:
             if b not in BENCHMARKS_ALL and b not in self.data_files and not b.startswith("synthetic-")
         ]
         if unknown:
+            meant = {b: closest(b, BENCHMARKS_ALL) for b in unknown}
+            named = [f"{b} (did you mean {meant[b]}?)" if meant[b] else b for b in unknown]
             raise ConfigValueError(
                 _key(where, "benchmarks"),
-                f"has unknown benchmark(s) {', '.join(unknown)}: choose from {', '.join(BENCHMARKS_ALL)} "
-                "(lower case), a synthetic-* task, or give a file with --data-file NAME=PATH",
+                f"has unknown benchmark(s) {', '.join(named)}: choose from "
+                f"{', '.join(BENCHMARKS_ALL)}, a synthetic-* task, or give a file with --data-file NAME=PATH",
             )
         twice = sorted({b for b in self.benchmarks if self.benchmarks.count(b) > 1})
         if twice:  # else evaluated twice (the time of both), its first results replaced by the second's

@@ -28,14 +28,13 @@ end of the user message, so it is never silently dropped.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, closest
 from qerl_cli.modeling.prompt_tokens import encode_prompt, has_chat_template
 
 if TYPE_CHECKING:
@@ -111,8 +110,8 @@ def get_template(name: str, key: str = "template") -> PromptTemplate:
     try:
         return TEMPLATES[name]
     except KeyError:
-        close = difflib.get_close_matches(str(name), TEMPLATES, n=1)
-        meant = f" (did you mean {close[0]}?)" if close else ""
+        close = closest(name, TEMPLATES)
+        meant = f" (did you mean {close}?)" if close else ""
         raise QerlError(
             f"{key}={name} is not a prompt template{meant}: choose one of {', '.join(TEMPLATES)}"
         ) from None

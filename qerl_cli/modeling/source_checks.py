@@ -19,7 +19,6 @@ path and what to do:
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -30,7 +29,7 @@ from urllib.parse import urlparse
 from huggingface_hub import try_to_load_from_cache
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, closest
 from qerl_cli.files import file_given_for_folder
 from qerl_cli.modeling import adapter, run_layout, sources
 from qerl_cli.modeling.sources import resolve_model_source
@@ -119,7 +118,7 @@ def _alias_meant(text: str) -> str | None:
     """The alias a name not found half-remembers: its start (``smollm2``) or a close spelling."""
     aliases, name = list(sources.ALIASES), text.lower()
     starts = [a for a in aliases if len(name) >= 4 and a.startswith(name)]
-    return next(iter(starts or difflib.get_close_matches(name, aliases, n=1)), None)
+    return starts[0] if starts else closest(name, aliases)
 
 
 def check_model_source(

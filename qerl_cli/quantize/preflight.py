@@ -10,7 +10,6 @@ checks, in order. Nothing is loaded, converted or written here.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.config import validate as validate_config
 from qerl_cli.data.calib_text import BUILTIN_NAME
-from qerl_cli.errors import Checked, QerlError, install_hint
+from qerl_cli.errors import Checked, QerlError, closest, install_hint
 from qerl_cli.files import check_writable_folder, folder_given_for_file
 from qerl_cli.modeling import source_checks
 from qerl_cli.modeling.loading import read_config
@@ -29,7 +28,6 @@ from qerl_cli.modeling.sources import gguf_source, model_name
 from qerl_cli.quantize import pipeline
 from qerl_cli.quantize.calibration import LOCAL_SUFFIXES
 from qerl_cli.quantize.validate import (
-    CALIBRATED_METHODS,
     ModelSource,
     check_format,
     check_method,
@@ -78,7 +76,7 @@ def preflight(cfg: QuantizeConfig) -> QuantizePlan:
     checks.append(Checked("MODEL", found))
     output, said = output_folder(cfg, source, fmt)
     checks.append(Checked("--output", said))
-    calibrate = method in CALIBRATED_METHODS or cfg.lora_init != "zeros"
+    calibrate = cfg.calibrates
     calibration = None
     if calibrate or cfg.eval_ppl:
         calibration = calibration_source(cfg.calib, cfg.calib_split, cfg.num_samples if calibrate else 0)
@@ -148,7 +146,7 @@ def calibration_source(calib: str, split: str, samples: int) -> str:
                 f"--calib {calib}: a calibration file is .jsonl or .parquet (got '{path.suffix}')"
             )
         return f"{what} from the file {calib}"
-    if "/" not in calib and difflib.get_close_matches(calib.lower(), [BUILTIN_NAME], n=1, cutoff=0.75):
+    if "/" not in calib and closest(calib, [BUILTIN_NAME], cutoff=0.75):
         raise QerlError(
             f"--calib {calib}: no such file, and not the shipped set: did you mean --calib {BUILTIN_NAME}?"
         )

@@ -19,6 +19,7 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.config import QuantizeConfig
+from qerl_cli.config.choices import CALIBRATED_METHODS
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.error_init import LoraInitInfo
@@ -37,7 +38,6 @@ from qerl_cli.quantize.report import (
     WeightError,
 )
 from qerl_cli.quantize.validate import (
-    CALIBRATED_METHODS,
     check_layers,
     quantized_linear_names,
     staged_output,

@@ -22,7 +22,6 @@ from qerl_cli.modeling.sources import resolve_model_source
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
 # smoothing scales, then round to nearest; rtn: round to nearest, no calibration.
 SUPPORTED_METHODS = ("gptq", "awq", "rtn")
-CALIBRATED_METHODS = ("gptq", "awq")
 # Layers never quantized: the output head is kept in BF16, as in the paper and llm-compressor's examples.
 ALWAYS_IGNORED = ("lm_head",)
 
