@@ -75,10 +75,10 @@ QUERIES = tuple((*QUERY_FIELDS, *extra, reasons) for extra in (LIMIT_FIELDS, ())
 NAMED_READINGS = 3
 # A clock drop the driver names no reason for counts only at this utilization or above. A GPU that ran
 # kernels for part of nvidia-smi's sampling period is between work (a case's prefill and decode, a
-# generation's tail, the next engine's load), and GPU Boost lowers the clock for that load by itself; on an
-# H200 at its default 700 W, right around power-capped decode, such readings came at 1605-1740 MHz with
-# 63-73% utilization and an empty reasons mask (benchmarks/h200-2026-11-29-detokenizer-off). Where the mask
-# is unknown the drop counts as before: a throttle would go unseen. (Higher than the 80% below which a
+# generation's tail, the next engine's load), and GPU Boost lowers the clock for that load by itself: at
+# its default power limit, around power-capped decodes, a GPU read 1605-1740 MHz at 63-73% utilization
+# with an empty reasons mask (the run: benchmarks/h200-2026-11-29-detokenizer-off). Where the mask is
+# unknown the drop counts as before: a throttle would go unseen. (Higher than the 80% below which a
 # rollout is called host-bound, bench/e2e_notes.py: a drop is judged per reading, a phase by its mean.)
 FULLY_BUSY_PCT = 90
 

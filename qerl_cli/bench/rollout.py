@@ -31,8 +31,8 @@ from qerl_cli.rollout.base import RolloutEngine, RolloutResult, SamplingSpec
 
 # The bench samples as a GRPO rollout does (the rollout section's defaults, which every shipped recipe
 # keeps): at top_p < 1 vLLM runs its top-k/top-p sampler over the whole vocabulary every decode step and
-# returns logprobs renormalised over the nucleus, neither of which such a rollout does. (Reports before
-# 2026-11-29 sampled at temperature 0.6, top_p 0.95; each report's settings say which.)
+# returns logprobs renormalised over the nucleus, neither of which such a rollout does. (Earlier reports
+# sampled at temperature 0.6, top_p 0.95; each report's settings say which.)
 TEMPERATURE = RolloutSection.temperature
 TOP_P = RolloutSection.top_p
 MIN_REPEATS = 3
