@@ -1,5 +1,6 @@
-"""The README and docs/: the README stays short, every relative link resolves, and every `qerl` command
-(and --option) the pages show is one the CLI has."""
+"""The README and docs/: the README stays short, every relative link resolves, every `qerl` command
+(and --option) the pages show is one the CLI has, and every recipe key they name (`rollout.engine`, a
+YAML example) is one the config has."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 # `qerl CMD` as a word of its own (also `.venv/bin/qerl CMD`), and `-m qerl_cli CMD` (python, torchrun).
 QERL_CALL = re.compile(r"(?:^|(?<=[\s/(`&;|]))(?:qerl|-m\s+qerl_cli)\s+([a-z][\w-]*)((?:[^\n;|&#`]*))")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+# A dotted recipe key as the pages write it (`aqn.target`, `--set train.max_steps=5`), not part of a module
+# path (`qerl_cli.rollout.backends`) or a file (`compare.md`, `compare.json`).
+RECIPE_KEY = re.compile(r"(?<![\w./$-])([a-z]+)\.([a-z_][a-z0-9_]*)\b(?![\w(/-])")
+FILE_SUFFIXES = {"md", "json", "jsonl", "png", "py", "yaml", "yml", "txt", "csv", "parquet", "safetensors"}
+YAML_BLOCK = re.compile(r"^```ya?ml\n(.*?)^```", flags=re.M | re.S)
 
 
 def _split_code(text: str) -> tuple[list[str], list[str]]:
@@ -144,6 +150,52 @@ def unknown_commands(text: str, root: Any) -> list[str]:
     return problems
 
 
+def _recipe_keys() -> set[str]:
+    """Every dotted key a recipe may hold: the sections' keys and the `compare:` section's."""
+    from qerl_cli.compare.settings import CompareSettings
+    from qerl_cli.config import TrainConfig
+    from qerl_cli.config.keydocs import key_docs
+
+    compare = {f"compare.{doc.key}" for doc in key_docs(CompareSettings)}
+    return {doc.key for doc in key_docs(TrainConfig)} | compare
+
+
+def unknown_recipe_keys(text: str) -> list[str]:
+    """Every `section.key` in the page's code whose section is a recipe's and whose key the config lacks."""
+    keys = _recipe_keys()
+    sections = {key.split(".")[0] for key in keys}
+    _, code = _split_code(text)
+    return [
+        match.group(0)
+        for line in code
+        for match in RECIPE_KEY.finditer(line)
+        if match.group(1) in sections and match.group(2) not in FILE_SUFFIXES and match.group(0) not in keys
+    ]
+
+
+def bad_yaml_recipes(text: str) -> list[str]:
+    """The error of every ```yaml block of the page that is a recipe (or its `compare:` section) and does
+    not load as one."""
+    import yaml
+
+    from qerl_cli.compare.arms import read_settings
+    from qerl_cli.config import TrainConfig, from_dict
+    from qerl_cli.errors import QerlError
+
+    sections = {key.split(".")[0] for key in _recipe_keys()}
+    errors = []
+    for block in YAML_BLOCK.findall(text):
+        data = yaml.safe_load(block)
+        if not isinstance(data, dict) or not set(data) <= sections:
+            continue
+        try:
+            from_dict(TrainConfig, {k: v for k, v in data.items() if k != "compare"})
+            read_settings(data.get("compare"))
+        except QerlError as err:
+            errors.append(str(err))
+    return errors
+
+
 def test_readme_is_at_most_200_lines() -> None:
     lines = len(README.read_text().splitlines())
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines; move reference text into docs/"
@@ -165,6 +217,12 @@ def test_every_relative_link_resolves(page: Path) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_qerl_command_shown_exists(page: Path) -> None:
     assert unknown_commands(page.read_text(), _cli()) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_recipe_key_named_exists(page: Path) -> None:
+    assert unknown_recipe_keys(page.read_text()) == []
+    assert bad_yaml_recipes(page.read_text()) == []
 
 
 def test_every_docs_page_is_in_the_index() -> None:
@@ -193,3 +251,12 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path, monkeypatch: pytest.
         "qerl eval: no option --no-such-flag",
         "qerl bogus: no such command",
     ]
+    keys = (
+        "Set `rollout.engine`, `--set aqn.targt=0.03`, `compare.heldout_samples`; see `compare.md`,\n"
+        "`qerl_cli.rollout.backends` and `compare.json`.\n\n"
+        "```yaml\nrollout: {engine: vllm}\ncompare:\n  margin: 5\n```\n\n"
+        "```yaml\nlora: {rank: 16, alfa: 16}\n```\n\n```yaml\ncompare: {heldout_sample: 4}\n```\n"
+    )
+    assert unknown_recipe_keys(keys) == ["aqn.targt"]
+    errors = bad_yaml_recipes(keys)
+    assert len(errors) == 2 and "'lora.alfa'" in errors[0] and "'compare.heldout_sample'" in errors[1], errors
