@@ -35,6 +35,20 @@ def test_a_folder_as_a_recipe_is_called_a_folder(capsys: pytest.CaptureFixture[s
     assert "give a recipe YAML file in it, or a shipped recipe's name" in err
 
 
+def test_a_folder_named_as_a_shipped_recipe_does_not_hide_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl tiny-model tiny` then `qerl train tiny` in that folder: the user named the shipped recipe
+    (a recipe is a file), and was told that RECIPE tiny is a folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    for command in (["train", "tiny"], ["compare", "tiny"], ["train", "recipes/tiny.yaml"]):
+        main([*command, "--dry-run"])
+        out, err = capsys.readouterr()
+        assert "is a folder" not in err, (command, err)
+        assert "runs/tiny-base" in out + err, (command, err)  # the shipped recipe's model.path: it was read
+
+
 def test_quality_of_missing_folders_names_them(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

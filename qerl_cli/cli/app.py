@@ -20,7 +20,7 @@ from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import __version__
-from qerl_cli.config import dump_yaml, read_yaml
+from qerl_cli.config import dump_yaml, read_yaml, shipped_recipe_named
 from qerl_cli.config.keydocs import field_help
 from qerl_cli.errors import QerlError
 
@@ -331,6 +331,8 @@ def check_recipe_path(path: Path | str | None, what: str = "RECIPE") -> None:
         return
     path = Path(path)
     settings = what == "--config"
+    if not settings and not path.is_file() and shipped_recipe_named(path) is not None:
+        return  # a shipped recipe's name, though a folder of that name is here (`qerl tiny-model tiny`)
     if settings and not path.exists():
         raise QerlError(
             f"--config {path}: no such file; give a YAML file of this command's settings (the command "

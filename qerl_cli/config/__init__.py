@@ -24,6 +24,7 @@ from qerl_cli.config.loading import (
     read_yaml,
     resolve_recipe,
     save_resolved_config,
+    shipped_recipe_named,
     shipped_recipes,
     to_dict,
     validate,
@@ -47,6 +48,6 @@ __all__ = [
     "AlgorithmSection", "BenchConfig", "DataSection", "EngineName", "EvalConfig", "LoraSection",
     "ModelFormat", "ModelSection", "OutputSection", "QuantFormat", "QuantMethod", "QuantizeConfig",
     "RewardSection", "RolloutSection", "TrainConfig", "TrainSection", "apply_overrides", "dump_yaml",
-    "from_dict", "load_config", "read_yaml", "resolve_recipe", "save_resolved_config", "shipped_recipes",
-    "to_dict", "validate",
+    "from_dict", "load_config", "read_yaml", "resolve_recipe", "save_resolved_config", "shipped_recipe_named",
+    "shipped_recipes", "to_dict", "validate",
 ]  # fmt: skip

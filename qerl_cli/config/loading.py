@@ -306,6 +306,18 @@ def shipped_recipes() -> list[str]:
     return sorted(p.stem for p in SHIPPED_RECIPES.glob("*.yaml"))
 
 
+def shipped_recipe_named(path: str | Path) -> Path | None:
+    """The shipped recipe a bare name (``tiny``, ``gsm8k_7b.yaml``) or a ``recipes/NAME.yaml`` path names,
+    else None. A folder of that name in the working directory does not hide it: a recipe is a file."""
+    path = Path(path)
+    bare = len(path.parts) == 1
+    if (bare or path.parent.name == "recipes") and path.suffix in ("", ".yaml", ".yml"):
+        shipped = SHIPPED_RECIPES / f"{path.stem}.yaml"
+        if shipped.is_file():
+            return shipped
+    return None
+
+
 def resolve_recipe(path: str | Path) -> Path:
     """``path`` when it is a file; else the shipped recipe it names: a bare name (``gsm8k_7b``,
     ``gsm8k_7b.yaml``) or a ``recipes/NAME.yaml`` path (the repository's layout, so the README's
@@ -313,11 +325,10 @@ def resolve_recipe(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file():
         return path
+    shipped = shipped_recipe_named(path)
+    if shipped is not None:
+        return shipped
     bare = len(path.parts) == 1
-    if (bare or path.parent.name == "recipes") and path.suffix in ("", ".yaml", ".yml"):
-        shipped = SHIPPED_RECIPES / f"{path.stem}.yaml"
-        if shipped.is_file():
-            return shipped
     names = shipped_recipes()
     # A bare name or a recipes/ path meant a shipped recipe: a misspelt one (tny, gsm8k7b) is named.
     close = closest(path.stem, names) if bare or path.parent.name == "recipes" else None

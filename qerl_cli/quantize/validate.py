@@ -11,17 +11,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from qerl_cli import formats
+from qerl_cli.config.choices import QuantMethod
 from qerl_cli.errors import QerlError
 from qerl_cli.files import TargetExistsError, file_given_for_folder, staged_folder
 from qerl_cli.modeling.sources import resolve_model_source
 
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
-# smoothing scales, then round to nearest; rtn: round to nearest, no calibration.
-SUPPORTED_METHODS = ("gptq", "awq", "rtn")
+# smoothing scales, then round to nearest; rtn: round to nearest, no calibration. The config's alias is
+# their one list.
+SUPPORTED_METHODS = get_args(QuantMethod)
 # Layers never quantized: the output head is kept in BF16, as in the paper and llm-compressor's examples.
 ALWAYS_IGNORED = ("lm_head",)
 
