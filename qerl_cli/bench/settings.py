@@ -201,7 +201,7 @@ class E2EConfig(BenchConfig):
 
     def validate(self, where: str = "") -> None:
         super().validate(where)
-        checks.positive(where, generations=self.generations)
+        checks.group_size(checks.key(where, "generations"), self.generations)
         if self.prompts_per_step < 0:
             raise checks.ConfigValueError(
                 checks.key(where, "prompts_per_step"),

@@ -88,6 +88,17 @@ def positive(where: str, **values: float) -> None:
             raise ConfigValueError(key(where, name), f"must be > 0, got {value}")
 
 
+def group_size(name: str, value: int) -> None:
+    """Completions per prompt (``rollout.num_generations``, ``qerl bench e2e``'s ``generations``): a
+    group of one has no spread of rewards, so every advantage is 0."""
+    if value < 2:
+        raise ConfigValueError(
+            name,
+            "must be at least 2 (GRPO learns from the spread of rewards within a prompt's group), "
+            f"got {value}",
+        )
+
+
 # -- AQN's sigmas ---------------------------------------------------------------------------------
 # One rule, used by the recipe's aqn section, by the schedule built from it (as configured, calibrated
 # or restored from a checkpoint) and by every engine's norm noise.

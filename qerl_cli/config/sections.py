@@ -8,6 +8,8 @@ from typing import Any, Literal, get_args
 from qerl_cli.config.checks import aqn_sigmas as _aqn_sigmas
 from qerl_cli.config.checks import empty_means, needs_items
 from qerl_cli.config.checks import fraction_or_auto as _fraction_or_auto
+from qerl_cli.config.checks import group_size as _group_size
+from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.choices import (
     LORA_TARGETS_ALL,
@@ -137,9 +139,7 @@ class RolloutSection:
             tensor_parallel_size=self.tensor_parallel_size,
             logprob_gap_warn=self.logprob_gap_warn,
         )
-        if self.num_generations < 2:  # a group of one has no spread of rewards: every advantage is 0
-            raise QerlError(f"{where}.num_generations must be at least 2 (GRPO learns from the spread of "
-                            f"rewards within a prompt's group), got {self.num_generations}")  # fmt: skip
+        _group_size(_key(where, "num_generations"), self.num_generations)
         if self.linear_backend in ("humming", "fp8", *MERGED_LINEAR_BACKENDS) and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "

@@ -308,6 +308,10 @@ class BenchConfig:
     def validate(self, where: str = "") -> None:
         # Each key is named as the user wrote it: the CLI turns a key given by a flag into the flag.
         _positive(where, prompt_len=self.prompt_len, gen_len=self.gen_len, repeats=self.repeats)
+        if self.warmup < 0:  # else fewer steps than repeats run, or none (an error far from the cause)
+            raise ConfigValueError(
+                _key(where, "warmup"), f"must be >= 0 (0: no untimed run), got {self.warmup}"
+            )
         for name, sizes in (("batch", self.batch), ("concurrency", self.concurrency)):
             bad = [str(size) for size in sizes if size <= 0]
             if bad:
