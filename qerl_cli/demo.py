@@ -155,7 +155,7 @@ def _print_outcome(console: Any, before: dict, after: dict, result: Any, seconds
         "held-out accuracy, greedy", f"{before['greedy_accuracy']:.1%}", f"{after['greedy_accuracy']:.1%}"
     )
     table.add_row(
-        "training reward (first / last 10 steps)",
+        f"training reward (first / last {result.reward_window_label})",
         f"{result.reward_first10:.3f}",
         f"{result.reward_last10:.3f}",
     )

@@ -24,8 +24,8 @@ def train_summary(result: TrainResult) -> Table:
     rows = [
         ("steps", result.steps),
         ("resumed from", result.resumed_from or "-"),
-        ("mean reward, first 10 steps", result.reward_first10),
-        ("mean reward, last 10 steps", result.reward_last10),
+        (f"mean reward, first {result.reward_window_label}", result.reward_first10),
+        (f"mean reward, last {result.reward_window_label}", result.reward_last10),
         ("adapter", result.adapter),
         ("outputs", result.output_dir),
         ("plot", result.plot or "-"),

@@ -54,7 +54,7 @@ from qerl_cli.rl.device_memory import PeakTracker, release_cached_memory
 from qerl_cli.rl.distributed import Distributed, init_distributed
 from qerl_cli.rl.losses import NonFiniteLossError
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
-from qerl_cli.rl.result import TrainResult
+from qerl_cli.rl.result import TrainResult, reward_window
 from qerl_cli.rl.rollouts import Rollouts
 from qerl_cli.rl.run_folder import run_folder
 from qerl_cli.rl.step_loop import StepCallback
@@ -408,14 +408,16 @@ def _train(
         dist.close()
     # A skipped step's batch may have had NaN rewards (read_metrics gives them back as floats): left out.
     rewards = present(r.get("reward_mean") for r in records)
+    window = reward_window(len(rewards))
     return TrainResult(
         output_dir=str(out_dir),
         adapter=str(adapter_dir),
         steps=trainer.step,
         world_size=dist.world_size,
         resumed_from=str(resumed_from) if resumed_from else None,
-        reward_first10=mean(rewards[:10]),
-        reward_last10=mean(rewards[-10:]),
+        reward_first10=mean(rewards[:window]),
+        reward_last10=mean(rewards[-window:]),
+        reward_window=window,
         plot=str(plot) if plot else None,
         linear_backend=linear_backend,
         final=records[-1] if records else {},
