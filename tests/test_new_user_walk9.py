@@ -4,11 +4,16 @@ that would have caught it."""
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import pytest
 from cli_runner import run_cli, usage_error
+from test_compare import TINY_SETS, _recipe
+from test_compare_verdict import _fake_runs
+
+from qerl_cli.compare import runner
 
 
 # -- qerl bench e2e ---------------------------------------------------------------------------------------
@@ -56,3 +61,49 @@ def test_reward_window(steps: int, window: int) -> None:
     from qerl_cli.rl.result import reward_window
 
     assert reward_window(steps) == window
+
+
+# -- qerl compare: what a report leaves out ------------------------------------------------------------------
+def test_a_report_names_the_runs_it_leaves_out(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl compare --arms a,b,c --seeds 3 --report-only` over a folder with seeds 0-1 of a and b reported
+    2 seeds each and no c, with no word that a third of the ablation was missing (the same after a run that
+    failed or was stopped): compare.md, compare.json and the log now name the runs left out."""
+    figures = {"bf16-lora": [0.30, 0.34, 0.32], "nvfp4-lora": [0.20, 0.26, 0.23]}
+    _fake_runs(monkeypatch, figures)
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    runner.run_compare(recipe, list(figures), 2, out, sets=TINY_SETS)
+    assert not json.loads((out / "compare.json").read_text())["warnings"]  # nothing missing: nothing said
+    for arm, path in (("bf16-lora", "/elsewhere/bf16-model"), ("nvfp4-lora", "/elsewhere/cmp/bases/nvfp4")):
+        for result in out.glob(f"{arm}/seed-*/result.json"):  # the bases the runs recorded
+            result.write_text(json.dumps({**json.loads(result.read_text()), "model": path}))
+    report = runner.run_compare(
+        recipe, [*figures, "nvfp4-aqn"], 3, out, sets=TINY_SETS, report_only=True
+    ).report
+    (missing,) = [w for w in report.warnings if "left out of this report" in w]
+    assert "bf16-lora seed 2; nvfp4-lora seed 2; nvfp4-aqn (no seed: the arm is left out)" in missing, missing
+    assert missing.startswith("5 runs of this ablation have no result"), missing
+    assert missing in json.loads((out / "compare.json").read_text())["warnings"]
+    assert missing in (out / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "disk-full"])
+def test_a_stopped_compare_says_how_to_resume(
+    stop: str, capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Ctrl-C in `qerl compare` printed "interrupted" alone (a full disk: "free space or choose another
+    output folder"), though running the same command again resumes and loses nothing."""
+
+    def halt(*args, **kwargs):
+        if stop == "ctrl-c":
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, "No space left on device", "cmp/bf16-lora/seed-0/metrics.jsonl")
+
+    monkeypatch.setattr(runner, "run_one", halt)
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    argv = ["compare", str(recipe), "--arms", "bf16-lora", "--seeds", "1", "-o", str(tmp_path / "cmp")]
+    rc, _, err = run_cli(capsys, *argv, *(arg for s in TINY_SETS for arg in ("--set", s)))
+    assert rc == (130 if stop == "ctrl-c" else 2), err
+    assert "run the same command again to resume" in err and "--resume" not in err, err

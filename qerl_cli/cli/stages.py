@@ -385,7 +385,7 @@ def compare(
     dry_run: CompareDryRunOption = False,
 ) -> None:
     """The ablation: one recipe per arm and seed, then a table and reward/entropy curves. Resumes."""
-    from qerl_cli.compare import check_compare, compare_table, run_compare
+    from qerl_cli.compare import STOP_HINT, check_compare, compare_table, run_compare
     from qerl_cli.torch_utils import runs_on_cpu
 
     check_recipe_path(recipe)
@@ -400,6 +400,8 @@ def compare(
     # Training in this process (--jobs N: each child chooses; --report-only trains nothing).
     if jobs == 1 and not report_only and runs_on_cpu("auto"):
         use_free_cpu_threads()
+    if not report_only:
+        set_stop_hint(lambda: STOP_HINT)
     result = run_compare(
         recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
         summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(), gpus=gpus,

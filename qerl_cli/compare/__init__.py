@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from qerl_cli.lazy import lazy_attributes
 
-__all__ = ["CompareReport", "CompareResult", "check_compare", "compare_table", "run_compare"]
+__all__ = ["STOP_HINT", "CompareReport", "CompareResult", "check_compare", "compare_table", "run_compare"]
 _HOMES = {
+    "STOP_HINT": "qerl_cli.compare.runs",
     "CompareReport": "qerl_cli.compare.results",
     "CompareResult": "qerl_cli.compare.results",
     "check_compare": "qerl_cli.compare.runner",

@@ -49,7 +49,7 @@ from qerl_cli.compare.parallel import (
     visible_gpus,
 )
 from qerl_cli.compare.results import CompareReport, CompareResult, RunResult
-from qerl_cli.compare.runs import RESULT_NAME, arm_config, load_recipe, run_dir, train_sets
+from qerl_cli.compare.runs import RESULT_NAME, STOP_HINT, arm_config, load_recipe, run_dir, train_sets
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.compare.summary import write_report
 from qerl_cli.compare.verdict import DEFAULT_REFERENCE, check_margin, verdict_line
@@ -163,7 +163,9 @@ def run_compare(
     result = CompareResult(output=str(ablation.out), runs=len(plan), ran=len(todo))
     if not summarize or not finished:
         if failures:
-            raise QerlError(f"{len(failures)} of {len(plan)} runs failed: " + "; ".join(failures))
+            raise QerlError(
+                f"{len(failures)} of {len(plan)} runs failed: {'; '.join(failures)}. Once fixed, {STOP_HINT}"
+            )
         return result
     result.report, base_failures = _summarize(ablation, finished, skipped=len(plan) - len(todo),
                                               threshold=threshold)  # fmt: skip
@@ -378,20 +380,24 @@ def _report_only(ablation: _Ablation, plan: list[tuple[str, int]], threshold: fl
             "ARM/seed-S/result.json): give -o the folder the runs are in, or run without --report-only"
         )
     ablation.bases = recorded_bases(ablation.out, finished)
+    asked = list(ablation.arms)  # an arm without a finished run is left out of the report, and named
     arms = {a for a, _ in finished}
     ablation.arms = {a: o for a, o in ablation.arms.items() if a in arms}
     if ablation.settings.reference not in ablation.arms:
         ablation.settings.reference = None
-    report, _ = _summarize(ablation, finished, skipped=len(finished), threshold=threshold, evaluate=False)
+    report, _ = _summarize(
+        ablation, finished, skipped=len(finished), threshold=threshold, evaluate=False, asked=asked
+    )
     return CompareResult(output=str(ablation.out), runs=len(plan), ran=0, report=report)
 
 
 def _summarize(
     ablation: _Ablation, finished: list[tuple[str, int]], *, skipped: int, threshold: float | None,
-    evaluate: bool = True,
+    evaluate: bool = True, asked: list[str] | None = None,
 ) -> tuple[CompareReport, list[str]]:  # fmt: skip
     """Evaluate the arms' bases (once each; with ``evaluate`` off only the figures kept before), then
-    write the report of the finished runs; returns it and the bases that could not be evaluated."""
+    write the report of the finished runs, naming the runs of the ``asked`` arms (default: the ablation's)
+    it lacks; returns it and the bases that could not be evaluated."""
 
     a = ablation
     _warn_of_other_bases(a.data, a.arms, a.sets, a.out, a.bases, finished)
@@ -401,8 +407,9 @@ def _summarize(
     paths = {arm: a.config(arm, a.base_seed).model.path for arm in a.arms}
     labels = base_labels(paths, a.arms, a.bases, a.out, a.settings.base_method)
     seeds = list(range(a.base_seed, a.base_seed + a.seeds))
+    missing = [(arm, seed) for arm in asked or a.arms for seed in seeds if not a.finished(arm, seed)]
     report = write_report(a.out, a.arms, seeds, a.settings, threshold, skipped=skipped, recipe=a.recipe,
-                          base_heldout=start, base_labels=labels)  # fmt: skip
+                          base_heldout=start, base_labels=labels, missing=missing)  # fmt: skip
     for verdict in report.verdicts:
         log.info("%s", verdict_line(verdict))
     for warning in report.warnings:

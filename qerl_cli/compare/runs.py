@@ -11,6 +11,11 @@ from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import TrainConfig, apply_overrides, from_dict, read_yaml, validate
 
 RESULT_NAME = "result.json"
+# What a user whose comparison stopped (Ctrl-C, a full disk) is told: how it goes on.
+STOP_HINT = (
+    "run the same command again to resume: finished runs (ARM/seed-S/result.json) are skipped and a stopped "
+    "one continues from its last checkpoint"
+)
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:

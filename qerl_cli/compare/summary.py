@@ -154,6 +154,23 @@ def arm_rows(
     return rows, threshold
 
 
+def missing_warnings(missing: list[tuple[str, int]], seeds: list[int]) -> list[str]:
+    """The runs of the ablation (``seeds`` an arm) the report leaves out for want of a result (not run
+    yet, interrupted, failed), by arm and seed; an arm with none is named as left out."""
+    if not missing:
+        return []
+    by_arm: dict[str, list[int]] = {}
+    for arm, seed in missing:
+        by_arm.setdefault(arm, []).append(seed)
+    parts = [f"{arm} (no seed: the arm is left out)" if len(s) >= len(seeds)
+             else f"{arm} seed{'s' if len(s) > 1 else ''} {', '.join(str(x) for x in sorted(s))}"
+             for arm, s in by_arm.items()]  # fmt: skip
+    runs = f"{len(missing)} run{'s' if len(missing) > 1 else ''}"
+    left_out = "; ".join(parts)
+    return [f"{runs} of this ablation have no result (ARM/seed-S/result.json) and are left out of this "
+            f"report: {left_out}"]  # fmt: skip
+
+
 def signal_warnings(rows: list[ArmRow]) -> list[str]:
     """One line per arm whose first steps had a reward spread in under MIN_SIGNAL_FRACTION of groups, or
     (a 4-bit arm) in under RELATIVE_SIGNAL of what the BF16 arm's had: the base lost the skill GRPO
@@ -276,8 +293,9 @@ def compare_table(report: CompareReport):  # -> rich.table.Table
 def write_report(
     out: Path, arms: dict[str, Any], seeds: list[int], settings: CompareSettings, threshold: float | None,
     skipped: int = 0, recipe: str = "", base_heldout: dict[str, BaseHeldout | None] | None = None,
-    base_labels: dict[str, str] | None = None,
+    base_labels: dict[str, str] | None = None, missing: list[tuple[str, int]] | None = None,
 ) -> CompareReport:  # fmt: skip
+    """``missing``: the (arm, seed) runs of the ablation without a result, named in a warning."""
     results = load_results(out, list(arms), seeds)
     rows, used = arm_rows(
         results, threshold if threshold is not None else settings.threshold, base_heldout, base_labels
@@ -296,7 +314,11 @@ def write_report(
         threshold=used,
         arms=rows,
         base_method=settings.base_method,
-        warnings=[*signal_warnings(rows), *verdict_warnings(verdicts)],
+        warnings=[
+            *missing_warnings(missing or [], seeds),
+            *signal_warnings(rows),
+            *verdict_warnings(verdicts),
+        ],
         overrides={arm: arms[arm] for arm in results},
         skipped_finished_runs=skipped,
         # Runs written before result.json recorded its device say so rather than guess.
