@@ -107,3 +107,19 @@ def test_a_stopped_compare_says_how_to_resume(
     rc, _, err = run_cli(capsys, *argv, *(arg for s in TINY_SETS for arg in ("--set", s)))
     assert rc == (130 if stop == "ctrl-c" else 2), err
     assert "run the same command again to resume" in err and "--resume" not in err, err
+
+
+# -- qerl tiny-base run again --------------------------------------------------------------------------------
+def test_tiny_base_says_how_to_add_a_format(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl tiny-base --formats nf4` beside a built base said "pass --overwrite to rebuild it"; doing so
+    removed bf16/ and nvfp4/ (the tiny recipe's model), leaving only nf4/. The refusal names what to give."""
+    out = tmp_path / "tiny-base"
+    for fmt in ("bf16", "nvfp4"):
+        (out / fmt).mkdir(parents=True)
+        (out / fmt / "config.json").write_text("{}")
+    rc, _, err = run_cli(capsys, "tiny-base", str(out), "--formats", "nf4")
+    assert usage_error(rc, err), err
+    assert f"qerl tiny-base {out} --formats bf16,nvfp4,nf4 --overwrite" in err, err
+    assert "removes the others" in err and sorted(p.name for p in out.iterdir()) == ["bf16", "nvfp4"]
+    rc, _, err = run_cli(capsys, "tiny-base", str(out), "--formats", "nvfp4")  # nothing new asked for
+    assert usage_error(rc, err) and "it is built; to rebuild it, add --overwrite" in err, err

@@ -42,7 +42,10 @@ def tiny_base(
     seed: Annotated[
         int, typer.Option("--seed", metavar="SEED", help="Seed of the model and the warm start.")
     ] = 0,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rebuild an existing base.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Rebuild an existing base with --formats only (the others go)."),
+    ] = False,
 ) -> None:
     """Build the warm-started tiny base that recipes/tiny.yaml trains, on the CPU.
 

@@ -285,7 +285,7 @@ def build_tiny_base(
         raise file_given_for_folder(out, "", "a folder for the tiny base")
     existing = sorted(p.name for p in out.glob("*") if p.is_dir()) if out.is_dir() else []
     if existing and not overwrite:
-        raise QerlError(f"{out} already holds {', '.join(existing)}: pass --overwrite to rebuild it")
+        raise QerlError(_existing_base_message(out, existing, formats))
     # Built beside the target and moved in once complete: a failed or interrupted rebuild leaves the
     # old base as it was. Each format folder replaces its namesake; the rest of the folder stays.
     with staged_folder(out, existing="merge") as staging:
@@ -296,3 +296,18 @@ def build_tiny_base(
     for name in set(existing) - {Path(f).name for f in built.values()}:
         shutil.rmtree(out / name)  # formats of the old base that this one does not have
     return {fmt: out / Path(folder).name for fmt, folder in built.items()}
+
+
+def _existing_base_message(out: Path, existing: list[str], formats: tuple[str, ...]) -> str:
+    """Why ``qerl tiny-base`` refuses ``out``, and what to give: --overwrite rebuilds the whole base and keeps
+    only the formats asked for, so adding a format means asking for the old ones too."""
+    held = ", ".join(existing)
+    new = [fmt for fmt in formats if fmt not in existing]
+    if not new:
+        return f"{out} already holds {held}: it is built; to rebuild it, add --overwrite"
+    every = ",".join(dict.fromkeys([*existing, *formats]))
+    return (
+        f"{out} already holds {held}, not {', '.join(new)}; nothing was changed. --overwrite rebuilds the "
+        f"whole base with the --formats given and removes the others, so to add {', '.join(new)} run "
+        f"qerl tiny-base {out} --formats {every} --overwrite"
+    )
