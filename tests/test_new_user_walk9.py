@@ -123,3 +123,26 @@ def test_tiny_base_says_how_to_add_a_format(capsys: pytest.CaptureFixture[str], 
     assert "removes the others" in err and sorted(p.name for p in out.iterdir()) == ["bf16", "nvfp4"]
     rc, _, err = run_cli(capsys, "tiny-base", str(out), "--formats", "nvfp4")  # nothing new asked for
     assert usage_error(rc, err) and "it is built; to rebuild it, add --overwrite" in err, err
+
+
+# -- a run folder after a failure ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("reward.extra={nosuch.module:fn: 1.0}", "reward.extra: cannot import module 'nosuch.module'"),
+        ("reward.extra={os:getcwdd: 1.0}", "reward.extra: module 'os' has no attribute 'getcwdd'"),
+        ("reward.grader_timeout_s=0", "reward.grader_timeout_s must be > 0"),
+        ("reward.grader_workers=0", "reward.grader_workers must be > 0"),
+    ],
+)
+def test_a_bad_reward_setting_fails_the_dry_run(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, setting: str, said: str
+) -> None:
+    """Each passed `qerl train --dry-run` and stopped the run once its model had loaded (the grader pool's
+    "grader timeout must be > 0 seconds", the reward function's import)."""
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}",
+        "--set", f"output.dir={tmp_path / 'r'}", "--set", setting, "--dry-run",
+    )  # fmt: skip
+    assert usage_error(rc, err) and said in err, err
+    assert not (tmp_path / "r").exists()

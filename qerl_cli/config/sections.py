@@ -301,6 +301,10 @@ class RewardSection:
     # Grader worker processes.
     grader_workers: int = 2
 
+    def validate(self, where: str) -> None:
+        # Refused here, not by the grader pool once the model has loaded.
+        _positive(where, grader_timeout_s=self.grader_timeout_s, grader_workers=self.grader_workers)
+
 
 @dataclass
 class TrainSection:
