@@ -146,3 +146,42 @@ def test_a_bad_reward_setting_fails_the_dry_run(
     )  # fmt: skip
     assert usage_error(rc, err) and said in err, err
     assert not (tmp_path / "r").exists()
+
+
+def test_resume_after_a_cut_metrics_line(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A full disk cut the last line of metrics.jsonl / completions.jsonl short; the `--resume auto` the
+    error named then stopped on "internal error: JSONDecodeError". The cut line is no record: dropped."""
+    out = tmp_path / "run"
+    sets = [*SHORT_RUN, "train.max_steps=3", "output.save_steps=2", f"model.path={tiny_model_dir}",
+            f"output.dir={out}"]  # fmt: skip
+    flags = [arg for s in sets for arg in ("--set", s)]
+    assert run_cli(capsys, "train", "tiny", *flags)[0] == 0
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        with (out / name).open("a") as fh:
+            fh.write('{"step": 4, "reward_me')  # a write the disk ran out during
+    rc, _, err = run_cli(capsys, "train", "tiny", *flags, "--set", "train.max_steps=4", "--resume", "auto")
+    assert rc == 0, err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    for line in (out / "completions.jsonl").read_text().splitlines():
+        json.loads(line)
+
+
+def test_a_damaged_metrics_line_is_named(tmp_path: Path) -> None:
+    from qerl_cli.errors import QerlError
+    from qerl_cli.rl.tracking import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "reward\n{"step": 3}\n')
+    with pytest.raises(QerlError, match=r"metrics.jsonl line 2 is not a JSON record"):
+        read_metrics(path)
+
+
+def test_the_stop_hint_without_checkpoints_reads(tmp_path: Path) -> None:
+    """It read "no checkpoint in DIR (one is written never (output.save_steps=0))"."""
+    from qerl_cli.rl.run_folder import stop_hint
+
+    assert f"no checkpoint in {tmp_path} (output.save_steps=0 writes none)" in stop_hint(tmp_path, 0)
+    assert f"no checkpoint in {tmp_path} (one is written every 5 steps)" in stop_hint(tmp_path, 5)

@@ -120,10 +120,12 @@ def stop_hint(out_dir: str | Path, save_steps: int) -> str:
     checkpoint, or, before the first one, start over (``--resume auto`` would find nothing)."""
     if list_checkpoints(out_dir):
         return "qerl train continues from its last checkpoint with --resume auto"
-    every = f"every {save_steps} steps" if save_steps > 0 else "never (output.save_steps=0)"
+    every = (
+        f"one is written every {save_steps} steps" if save_steps > 0 else "output.save_steps=0 writes none"
+    )
     return (
-        f"nothing was saved yet: no checkpoint in {out_dir} (one is written {every}); re-run the same "
-        "command, with --overwrite if the run got as far as writing metrics"
+        f"nothing was saved yet: no checkpoint in {out_dir} ({every}); re-run the same command, with "
+        "--overwrite if the run got as far as writing metrics"
     )
 
 

@@ -76,7 +76,21 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # the last write, cut short (a full disk, a kill): not a record yet
+                break
+            raise QerlError(
+                f"{path} line {number} is not a JSON record ({exc.msg}): the file was changed by hand or "
+                "damaged; mend or remove that line"
+            ) from None
     return [{k: NONFINITE_TEXT.get(v, v) if isinstance(v, str) else v for k, v in r.items()} for r in records]
 
 
