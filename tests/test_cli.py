@@ -263,7 +263,7 @@ def test_bad_flag_values_name_the_flag(capsys: pytest.CaptureFixture[str], tmp_p
     rc, _, err = run(capsys, "bench", "rollout", "--prompt-len", "0", "--dry-run")
     assert rc == 2 and "error: --prompt-len must be > 0, got 0" in err and "BenchConfig" not in err
     rc, _, err = run(capsys, "bench", "e2e", "--generations", "0", "--dry-run")
-    assert rc == 2 and "--generations must be > 0" in err
+    assert rc == 2 and "--generations must be at least 2" in err
     rc, _, err = run(capsys, "bench", "rollout", "--set", "prompt_len=0", "--dry-run")  # a recipe key
     assert rc == 2 and "error: prompt_len must be > 0" in err
     recipe = tmp_path / "bench.yaml"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,25 @@ def test_the_stop_hint_without_checkpoints_reads(tmp_path: Path) -> None:
 
     assert f"no checkpoint in {tmp_path} (output.save_steps=0 writes none)" in stop_hint(tmp_path, 0)
     assert f"no checkpoint in {tmp_path} (one is written every 5 steps)" in stop_hint(tmp_path, 5)
+
+
+def test_a_copied_run_s_config_does_not_train_into_the_original(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`qerl train COPY/config.yaml --resume auto` (the remedy qerl names for a run's own settings) of a run
+    folder copied elsewhere resumed the original folder named by its output.dir, rewriting that run's
+    metrics, adapter and config, and left the copy as it was."""
+    out, copy = tmp_path / "run", tmp_path / "copy"
+    sets = [*SHORT_RUN, "train.max_steps=2", "output.save_steps=1", f"model.path={tiny_model_dir}",
+            f"output.dir={out}"]  # fmt: skip
+    assert run_cli(capsys, "train", "tiny", *(arg for s in sets for arg in ("--set", s)))[0] == 0
+    shutil.copytree(out, copy)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    rc, _, err = run_cli(capsys, "train", str(copy / "config.yaml"), "--resume", "auto")
+    assert usage_error(rc, err) and f"add --set output.dir={copy}" in err, err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    # Given, output.dir is the user's: a new run with a finished run's settings trains where it says.
+    rc, _, err = run_cli(
+        capsys, "train", str(copy / "config.yaml"), "--set", f"output.dir={tmp_path / 'new'}"
+    )
+    assert rc == 0, err

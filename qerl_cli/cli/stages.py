@@ -158,9 +158,11 @@ def train(
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, set_)
     from qerl_cli.rl.preflight import cpu_estimate, preflight
-    from qerl_cli.rl.run_folder import check_resume_or_overwrite
+    from qerl_cli.rl.run_folder import check_config_home, check_resume_or_overwrite
 
     check_resume_or_overwrite(resume, overwrite)
+    if not any(item.startswith("output.dir=") for item in set_ or []):  # a --set output.dir is meant
+        check_config_home(recipe, conf.output.dir)
     resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
     if resume == "auto" and not Path(conf.output.dir).expanduser().exists():
         # Named as the flag the user typed: "--resume runs/tiny: no such directory" read as a typo of theirs.

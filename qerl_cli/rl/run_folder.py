@@ -77,6 +77,24 @@ def check_resume_target(resume: str | Path, out_dir: str | Path) -> None:
     )
 
 
+def check_config_home(recipe: str | Path, out_dir: str | Path) -> None:
+    """A run's own ``config.yaml`` given as the recipe, beside that run's files, whose ``output.dir`` (from
+    the file) names another folder: the run folder was copied or moved, and training from it would write
+    into ``output.dir`` (resuming or cutting back the run there), not beside the config. Refused, naming
+    both."""
+    path = Path(recipe)
+    home = path.parent
+    if path.name != RESOLVED_CONFIG_NAME or not run_entries(home):
+        return
+    if home.expanduser().resolve() == Path(out_dir).expanduser().resolve():
+        return
+    raise QerlError(
+        f"{path} is the config of the run in {home}, but its output.dir is {out_dir} (the folder was copied "
+        f"or moved): this command would train into {out_dir}. To continue the run in {home}, add --set "
+        f"output.dir={home}; to train into {out_dir}, give its own config.yaml"
+    )
+
+
 def run_entries(out_dir: str | Path) -> list[Path]:
     """The entries of ``out_dir`` that hold a run's results: non-empty metrics or completions, an
     adapter, a compare result, checkpoint folders. Empty when the folder is new or holds none."""
