@@ -8,6 +8,7 @@ import errno
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cli_runner import run_cli, usage_error
@@ -208,3 +209,41 @@ def test_a_copied_run_s_config_does_not_train_into_the_original(
         capsys, "train", str(copy / "config.yaml"), "--set", f"output.dir={tmp_path / 'new'}"
     )
     assert rc == 0, err
+
+
+@pytest.mark.parametrize(
+    ("step", "streak", "held", "good"),
+    [(4, 4, "from step 1 on (newest checkpoint-4)", None),
+     (4, 5, "every checkpoint (newest checkpoint-4)", None),  # steps 1-5 skipped: no weights of this run
+     (8, 2, "from step 7 on (newest checkpoint-8)", 6), (6, 3, "from step 4 on (newest checkpoint-6)", 2),
+     (6, 1, None, 6)],  # one NaN step alone may be its batch's: the checkpoint before it is named
+)  # fmt: skip
+def test_a_diverged_run_does_not_call_its_diverged_checkpoints_good(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    step: int,
+    streak: int,
+    held: str | None,
+    good: int | None,
+) -> None:
+    """At learning rate 1e6 on the tiny base the first update made every later gradient NaN; the skipped
+    steps take no update, so checkpoint-4 held the weights that diverged. The error called it "the last good
+    checkpoint", and resuming from it (at any learning rate) diverged again at once."""
+    from qerl_cli.rl import checkpoint, step_loop
+
+    for n in range(2, step + 1, 2):  # save_steps=2
+        (tmp_path / f"checkpoint-{n}").mkdir()
+        (tmp_path / f"checkpoint-{n}" / checkpoint.STATE_FILE).write_text("")
+    monkeypatch.setattr(checkpoint, "checkpoint_problem", lambda path: None)
+    trainer = SimpleNamespace(step=step, nonfinite_streak=streak, out_dir=tmp_path)
+    said = step_loop.diverged_message(trainer, "the gradient norm is nan")
+    assert said.startswith(f"training diverged at step {step + 1}: the gradient norm is nan"), said
+    if held:
+        held = held.replace("checkpoint-", f"{tmp_path}/checkpoint-")
+        assert (held if held.startswith("every") else f"the checkpoints {held}") + " hold" in said, said
+    else:
+        assert "hold the weights" not in said, said
+    if good:
+        assert f"the last good checkpoint is {tmp_path / f'checkpoint-{good}'}." in said, said
+    else:
+        assert "no checkpoint comes before them: start over (--overwrite)" in said, said

@@ -96,7 +96,12 @@ def test_more_nonfinite_steps_in_a_row_than_allowed_end_the_run(
     message = str(caught.value)
     assert message.startswith("training diverged at step 3: the gradient norm is nan")
     assert "(3 steps in a row, train.max_nonfinite_steps=2)" in message
-    assert "the last good checkpoint is" in message and "Lower train.learning_rate" in message
+    # Steps 1-3 skipped: checkpoints 1 and 2 hold the untrained weights that gave them; none is earlier.
+    assert (
+        f"every checkpoint (newest {out / 'checkpoint-2'}) hold" in message
+        and "no checkpoint comes before them" in message
+    )
+    assert "Lower train.learning_rate" in message
     assert [r["nonfinite_grad"] for r in _records(out)] == [1.0, 1.0]
 
 

@@ -282,9 +282,14 @@ def prune_checkpoints(run_dir: Path, save_total_limit: int | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def newest_good_checkpoint(run_dir: str | Path, *, skip: Path | None = None) -> Path | None:
-    """The newest checkpoint in ``run_dir`` whose manifest verifies (``skip`` excluded), or None."""
-    for _, candidate in reversed(list_checkpoints(run_dir)):
+def newest_good_checkpoint(
+    run_dir: str | Path, *, skip: Path | None = None, before: int | None = None
+) -> Path | None:
+    """The newest checkpoint in ``run_dir`` whose manifest verifies (``skip`` excluded; with ``before``,
+    only those of earlier steps), or None."""
+    for step, candidate in reversed(list_checkpoints(run_dir)):
+        if before is not None and step >= before:
+            continue
         if candidate != skip and checkpoint_problem(candidate) is None:
             return candidate
     return None

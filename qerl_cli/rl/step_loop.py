@@ -96,16 +96,7 @@ def run_steps(
                 try:
                     record = trainer.train_step()
                 except NonFiniteLossError as exc:
-                    good = ckpt.newest_good_checkpoint(out_dir)
-                    streak = trainer.nonfinite_streak
-                    in_a_row = f" ({streak} steps in a row, train.max_nonfinite_steps={streak - 1})"
-                    raise QerlError(
-                        f"training diverged at step {trainer.step + 1}: {exc}"
-                        + (in_a_row if streak > 1 else "")
-                        + ". Nothing was saved for this step; "
-                        + (f"the last good checkpoint is {good}. " if good else "")
-                        + "Lower train.learning_rate or train.max_grad_norm, or check the data."
-                    ) from exc
+                    raise QerlError(diverged_message(trainer, str(exc))) from exc
                 if cfg.output.save_steps > 0 and trainer.step % cfg.output.save_steps == 0:
                     t0 = time.perf_counter()
                     trainer.save()
@@ -122,6 +113,32 @@ def run_steps(
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def diverged_message(trainer: SteppingTrainer, why: str) -> str:
+    """What a run stopped by non-finite steps says: which checkpoint to go back to. The skipped steps took
+    no update, so after several in a row (other batches, the same weights) a checkpoint written at or after
+    the step before the first of them holds the weights that diverged: only an earlier one is named good."""
+    streak = trainer.nonfinite_streak
+    step = trainer.step + 1
+    in_a_row = f" ({streak} steps in a row, train.max_nonfinite_steps={streak - 1})" if streak > 1 else ""
+    newest = ckpt.newest_good_checkpoint(trainer.out_dir)
+    first = step - streak + 1  # the first non-finite step of this run of them
+    good = ckpt.newest_good_checkpoint(trainer.out_dir, before=first - 1) if streak > 1 else newest
+    held = ""
+    if newest is not None and newest != good:
+        since = "every checkpoint" if first <= 1 else f"the checkpoints from step {first - 1} on"
+        held = (
+            f"{since} (newest {newest}) hold the weights that gave these "
+            f"{streak} steps (a skipped step takes no update), so resumed they would diverge again; "
+        )
+    before = f"the last good checkpoint is {good}. " if good else ""
+    if held and good is None:
+        before = "no checkpoint comes before them: start over (--overwrite). "
+    return (
+        f"training diverged at step {step}: {why}{in_a_row}. Nothing was saved for this step; {held}{before}"
+        "Lower train.learning_rate or train.max_grad_norm, or check the data."
+    )
 
 
 def start_signal(trainer: SteppingTrainer) -> StartSignal:
