@@ -16,6 +16,7 @@ from test_compare import TINY_SETS, _recipe
 from test_compare_verdict import _fake_runs
 
 from qerl_cli.compare import runner
+from qerl_cli.errors import QerlError
 
 
 # -- qerl bench e2e ---------------------------------------------------------------------------------------
@@ -172,7 +173,6 @@ def test_resume_after_a_cut_metrics_line(
 
 
 def test_a_damaged_metrics_line_is_named(tmp_path: Path) -> None:
-    from qerl_cli.errors import QerlError
     from qerl_cli.rl.tracking import read_metrics
 
     path = tmp_path / "metrics.jsonl"
@@ -247,3 +247,53 @@ def test_a_diverged_run_does_not_call_its_diverged_checkpoints_good(
         assert f"the last good checkpoint is {tmp_path / f'checkpoint-{good}'}." in said, said
     else:
         assert "no checkpoint comes before them: start over (--overwrite)" in said, said
+
+
+# -- qerl bench --baseline that cannot gate ----------------------------------------------------------------
+def _bench_cfg(tmp_path: Path, baseline: Path | None, **changes: object):
+    from qerl_cli.config import BenchConfig
+
+    values = {"model": "tiny", "formats": ["bf16"], "batch": [1], "prompt_len": 8, "gen_len": 3,
+              "lora_rank": 0, "engine": "hf", "output": str(tmp_path / "out"),
+              "baseline": baseline and str(baseline), **changes}  # fmt: skip
+    return BenchConfig(**values)
+
+
+@pytest.fixture
+def bf16_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    from qerl_cli.bench import run_bench
+
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
+    made = _bench_cfg(tmp_path, None, output=str(tmp_path / "baseline"))
+    run_bench(made)
+    return tmp_path / "baseline" / "bench.json"
+
+
+def test_a_baseline_that_cannot_gate_is_refused_before_any_measurement(
+    tmp_path: Path, bf16_baseline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl bench e2e --formats nf4 --baseline` of a bf16,nvfp4 run measured every step, then stopped on
+    "the baseline shares no measurement with this run" (or on other settings) and wrote no bench.json: the
+    whole run lost. Other settings and no format in common are refused before anything is measured."""
+    from qerl_cli.bench import models, run_bench
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("measured with a baseline that cannot gate it")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(models, "prepare_checkpoints", no_work)
+        with pytest.raises(QerlError, match="the baseline measured bf16 and this run measures nf4: nothing"):
+            run_bench(_bench_cfg(tmp_path, bf16_baseline, formats=["nf4"]))
+        with pytest.raises(QerlError, match="the baseline was measured with other settings"):
+            run_bench(_bench_cfg(tmp_path, bf16_baseline, gen_len=4))
+    assert not (tmp_path / "out").exists()
+    # What only the figures tell (no row in common) is found after the run, whose figures are kept.
+    from qerl_cli.bench import run as bench_run_mod
+
+    def shares_nothing(*args, **kwargs):
+        raise QerlError("the baseline shares no measurement with this run")
+
+    monkeypatch.setattr(bench_run_mod, "check_regressions", shares_nothing)
+    with pytest.raises(QerlError, match=r"shares no measurement.*this run's figures are in .*bench.json"):
+        run_bench(_bench_cfg(tmp_path, bf16_baseline))
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["rollout"]

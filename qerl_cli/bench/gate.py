@@ -86,15 +86,10 @@ def _lost_cases(report: BenchResult, baseline: BenchResult) -> list[str]:
     return lost
 
 
-def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: float) -> RegressionOutcome:
-    """Compare a fresh report with a baseline; returns the ``regression`` section of the report.
-
-    Throughput may not drop, and memory and step time may not rise, by more than ``tolerance``
-    (a fraction). Raises ``QerlError`` when the two runs are not comparable at all, because a gate
-    that silently compares nothing would always pass.
-    """
-    if tolerance < 0:
-        raise QerlError(f"--tolerance must be >= 0 (a fraction, 0.1 = 10%), got {tolerance}")
+def check_comparable(report: BenchResult, baseline: BenchResult) -> None:
+    """Raise ``QerlError`` when ``baseline`` cannot gate ``report``: other settings or device, or no format
+    in common. It reads the report's settings alone, so :func:`~qerl_cli.bench.run.run_bench` asks before
+    it measures anything (a wrong baseline was found only after the whole run)."""
     mismatched = [
         f"{name}: {baseline.settings.get(name)!r} vs {report.settings.get(name)!r}"
         for name in COMPARABLE_SETTINGS
@@ -109,6 +104,25 @@ def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: flo
             + ". Rerun the baseline with the same --model/--engine/--prompt-len/--gen-len (and e2e shape) "
             "on the same kind of machine and qerl version."
         )
+    formats = set(report.settings.get("formats") or [])
+    measured = {r.get("format") for r in [*baseline.rollout, *baseline.memory, *(baseline.e2e or [])]}
+    if formats and measured and not formats & measured:
+        raise QerlError(
+            f"the baseline measured {', '.join(sorted(str(f) for f in measured))} and this run measures "
+            f"{', '.join(sorted(formats))}: nothing to compare; run with the baseline's --formats"
+        )
+
+
+def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: float) -> RegressionOutcome:
+    """Compare a fresh report with a baseline; returns the ``regression`` section of the report.
+
+    Throughput may not drop, and memory and step time may not rise, by more than ``tolerance``
+    (a fraction). Raises ``QerlError`` when the two runs are not comparable at all, because a gate
+    that silently compares nothing would always pass.
+    """
+    if tolerance < 0:
+        raise QerlError(f"--tolerance must be >= 0 (a fraction, 0.1 = 10%), got {tolerance}")
+    check_comparable(report, baseline)
     failures: list[str] = []
     compared = 0
     for section, key_fields, gated in (

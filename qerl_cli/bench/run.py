@@ -21,7 +21,7 @@ from qerl_cli.bench.concurrency import add_roofline, backends_for, measured_mode
 from qerl_cli.bench.e2e import prompts_per_step, run_e2e
 from qerl_cli.bench.e2e_backends import E2EPlan
 from qerl_cli.bench.engines import Case, run_case
-from qerl_cli.bench.gate import check_regressions
+from qerl_cli.bench.gate import check_comparable, check_regressions
 from qerl_cli.bench.gpusampler import take_case_clocks
 from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
 from qerl_cli.bench.plan import bench_plan, check_settings
@@ -207,11 +207,12 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     # Every package, the engine, the output folder: checked before the first checkpoint is written.
     plan = bench_plan(cfg)
     engine, model, formats = plan.engine, plan.model, plan.formats
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-
     started = time.perf_counter()
     report = new_report(_settings(cfg, model, engine, formats, plan.e2e), command)
+    if baseline is not None:  # before any checkpoint or measurement: a baseline that cannot gate costs none
+        check_comparable(report, baseline)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
     Progress("bench", 0, started=started).say(f"preparing the {', '.join(formats)} checkpoints of {model}")
     checkpoints = models.prepare_checkpoints(model, formats, cfg.seed)
     # Where the time goes, for a CI budget: writing random checkpoints (once per machine), each format
@@ -233,6 +234,10 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     add_speedups(report)
     add_roofline(report, {fmt: model_config(folder) for fmt, folder in checkpoints.items()})
     if baseline is not None:
-        report.regression = check_regressions(report, baseline, cfg.tolerance)
+        try:
+            report.regression = check_regressions(report, baseline, cfg.tolerance)
+        except QerlError as exc:  # the figures measured are kept, whatever the gate makes of them
+            _write_outputs(cfg, engine, report, out, checkpoints)
+            raise QerlError(f"{exc} (this run's figures are in {out / 'bench.json'})") from None
     _write_outputs(cfg, engine, report, out, checkpoints)
     return report
