@@ -89,6 +89,8 @@ def test_a_report_names_the_runs_it_leaves_out(
     assert missing.startswith("5 runs of this ablation have no result"), missing
     assert missing in json.loads((out / "compare.json").read_text())["warnings"]
     assert missing in (out / "compare.md").read_text()
+    one = runner.run_compare(recipe, ["bf16-lora"], 3, out, sets=TINY_SETS, report_only=True).report.warnings
+    assert "1 run of this ablation has no result (ARM/seed-S/result.json) and is left out" in one[0], one
 
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "disk-full"])

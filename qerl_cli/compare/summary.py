@@ -165,9 +165,10 @@ def missing_warnings(missing: list[tuple[str, int]], seeds: list[int]) -> list[s
     parts = [f"{arm} (no seed: the arm is left out)" if len(s) >= len(seeds)
              else f"{arm} seed{'s' if len(s) > 1 else ''} {', '.join(str(x) for x in sorted(s))}"
              for arm, s in by_arm.items()]  # fmt: skip
-    runs = f"{len(missing)} run{'s' if len(missing) > 1 else ''}"
+    several = len(missing) > 1
+    runs = f"{len(missing)} runs of this ablation have" if several else "1 run of this ablation has"
     left_out = "; ".join(parts)
-    return [f"{runs} of this ablation have no result (ARM/seed-S/result.json) and are left out of this "
+    return [f"{runs} no result (ARM/seed-S/result.json) and {'are' if several else 'is'} left out of this "
             f"report: {left_out}"]  # fmt: skip
 
 
