@@ -299,3 +299,16 @@ def test_a_baseline_that_cannot_gate_is_refused_before_any_measurement(
     with pytest.raises(QerlError, match=r"shares no measurement.*this run's figures are in .*bench.json"):
         run_bench(_bench_cfg(tmp_path, bf16_baseline))
     assert json.loads((tmp_path / "out" / "bench.json").read_text())["rollout"]
+
+
+def test_compare_checks_the_extra_rewards_before_any_base(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A misspelt reward.extra passed `qerl compare --dry-run`, and each run failed once its model loaded."""
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    argv = ["compare", str(recipe), "--arms", "bf16-lora", "--seeds", "1", "-o", str(tmp_path / "cmp")]
+    sets = [*TINY_SETS, "reward.extra={os:getcwdd: 1.0}"]
+    for dry in (["--dry-run"], []):
+        rc, _, err = run_cli(capsys, *argv, *(arg for s in sets for arg in ("--set", s)), *dry)
+        assert usage_error(rc, err) and "reward.extra: module 'os' has no attribute 'getcwdd'" in err, err
+    assert not (tmp_path / "cmp").exists()

@@ -225,6 +225,7 @@ def _input_checks(ablation: _Ablation) -> list[Checked]:
     probes = _probes(ablation)
     for check in (preflight.model_source, preflight.dataset):
         checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
+    checked.extend(dict.fromkeys(preflight.extra_rewards(conf) for conf in probes if conf.reward.extra))
     check_base_formats(ablation.data, ablation.arms, ablation.sets, ablation.settings.base_method)
     return checked
 
