@@ -158,19 +158,8 @@ def train(
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, set_)
     from qerl_cli.rl.preflight import cpu_estimate, preflight
-    from qerl_cli.rl.run_folder import check_config_home, check_resume_or_overwrite
 
-    check_resume_or_overwrite(resume, overwrite)
-    if not any(item.startswith("output.dir=") for item in set_ or []):  # a --set output.dir is meant
-        check_config_home(recipe, conf.output.dir)
-    resume_dir = None if resume is None else (conf.output.dir if resume == "auto" else resume)
-    if resume == "auto" and not Path(conf.output.dir).expanduser().exists():
-        # Named as the flag the user typed: "--resume runs/tiny: no such directory" read as a typo of theirs.
-        raise QerlError(
-            f"--resume auto: the recipe's output.dir {conf.output.dir} does not exist, so there is no run to "
-            "resume: start the run without --resume (or give --resume DIR, the output.dir of an earlier run)"
-        )
-
+    resume_dir = _resume_dir(recipe, conf, resume, overwrite, set_)
     if finish_config(conf, dry_run):  # the YAML, then the checks a run makes before loading anything
         print_checks(preflight(conf, resume=resume_dir, overwrite=overwrite))
         return
@@ -189,6 +178,26 @@ def train(
     result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
+
+
+def _resume_dir(
+    recipe: Path, conf: TrainConfig, resume: str | None, overwrite: bool, set_: list[str] | None
+) -> str | None:
+    """The run folder ``--resume`` continues (None: a new run), after the checks of the flag itself: not
+    beside --overwrite, a run's copied config.yaml not training into the original's folder, and ``auto``
+    naming a folder that exists."""
+    from qerl_cli.rl.run_folder import check_config_home, check_resume_or_overwrite
+
+    check_resume_or_overwrite(resume, overwrite)
+    if not any(item.startswith("output.dir=") for item in set_ or []):  # a --set output.dir is meant
+        check_config_home(recipe, conf.output.dir)
+    if resume == "auto" and not Path(conf.output.dir).expanduser().exists():
+        # Named as the flag the user typed: "--resume runs/tiny: no such directory" read as a typo of theirs.
+        raise QerlError(
+            f"--resume auto: the recipe's output.dir {conf.output.dir} does not exist, so there is no run to "
+            "resume: start the run without --resume (or give --resume DIR, the output.dir of an earlier run)"
+        )
+    return None if resume is None else (conf.output.dir if resume == "auto" else resume)
 
 
 def print_checks(checks: list[Checked]) -> None:
