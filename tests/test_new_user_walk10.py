@@ -27,3 +27,26 @@ def test_bench_rollout_dry_runs_list_their_checks(
     assert "--device: cpu" in err and "--engine: auto -> hf" in err and "--model: tiny" in err
     assert "--formats:" in err
     assert not out_dir.exists()
+
+
+# -- the memory plan's log line ---------------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", id="colocated")])
+def test_the_memory_plan_names_vllm_only_where_it_runs(caplog: pytest.LogCaptureFixture, engine: str) -> None:
+    """`qerl train` on the transformers engine logged "vLLM share 0.300" (and an auto
+    gpu_memory_utilization), where no vLLM runs."""
+    from types import SimpleNamespace
+
+    from qerl_cli.config import TrainConfig
+    from qerl_cli.modeling.tiny import build_tiny_config
+    from qerl_cli.rl.memory import plan_for_run
+
+    cfg = TrainConfig()
+    cfg.rollout.engine, cfg.rollout.gpu_memory_utilization = engine, "auto"
+    model = SimpleNamespace(config=build_tiny_config())
+    with caplog.at_level("INFO", logger="qerl_cli.rl.memory"):
+        plan_for_run(cfg, model, "nvfp4")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan")]
+    if engine == "vllm":
+        assert "vLLM share" in line and "gpu_memory_utilization" in line, line
+    else:
+        assert "vLLM" not in line and "gpu_memory_utilization" not in line, line
