@@ -50,3 +50,25 @@ def test_the_memory_plan_names_vllm_only_where_it_runs(caplog: pytest.LogCapture
         assert "vLLM share" in line and "gpu_memory_utilization" in line, line
     else:
         assert "vLLM" not in line and "gpu_memory_utilization" not in line, line
+
+
+# -- the e2e rows' backend label ----------------------------------------------------------------------------
+def test_an_e2e_rows_backend_reads_the_same_in_the_table_and_the_gate() -> None:
+    """On the transformers engine an e2e row read `trainer` in the bench table and `backend=auto` in the
+    gate's message about the same row."""
+    import copy
+
+    from qerl_cli.bench.gate import check_regressions
+    from qerl_cli.bench.report import e2e_rows
+    from qerl_cli.bench.result import BenchResult
+
+    def report(step_s: float) -> BenchResult:
+        row = {"format": "nvfp4", "backend": "auto", "linear_backend": "trainer", "step_s": step_s}
+        return BenchResult(schema="qerl-bench/1", created="", device="cpu", figures_label="", machine={},
+                           gpu=None, versions={}, settings={"model": "tiny"}, e2e=[row])  # fmt: skip
+
+    now, baseline = report(10.0), report(5.0)
+    (table_row,) = e2e_rows(now)
+    assert table_row[:2] == ("nvfp4", "trainer")
+    (failure,) = check_regressions(now, copy.deepcopy(baseline), tolerance=0.1).failures
+    assert failure.startswith("e2e format=nvfp4 backend=trainer: step_s rose"), failure
