@@ -72,3 +72,41 @@ def test_an_e2e_rows_backend_reads_the_same_in_the_table_and_the_gate() -> None:
     assert table_row[:2] == ("nvfp4", "trainer")
     (failure,) = check_regressions(now, copy.deepcopy(baseline), tolerance=0.1).failures
     assert failure.startswith("e2e format=nvfp4 backend=trainer: step_s rose"), failure
+
+
+# -- qerl demo -o a training run's folder ------------------------------------------------------------
+def _training_run(folder: Path) -> Path:
+    (folder / "adapter").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    (folder / "config.yaml").write_text("model: {}\n")
+    return folder
+
+
+def test_demo_refuses_a_training_runs_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qerl demo -o runs/mine` (a `qerl train` run's folder) mixed the demo's base/, train/ and eval_*
+    into that run's files without a word."""
+    from cli_runner import usage_error
+
+    run = _training_run(tmp_path / "mine")
+    before = sorted(p.name for p in run.iterdir())
+    rc, _, err = run_cli(capsys, "demo", "-o", str(run), "--steps", "1")
+    assert usage_error(rc, err), err
+    assert f"--output {run} already holds a training run (adapter/, metrics.jsonl)" in err, err
+    assert "nothing was changed" in err and "a fresh folder" in err, err
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_demo_refuses_a_folder_of_other_files_but_takes_its_own(tmp_path: Path) -> None:
+    from qerl_cli.demo import check_demo_folder
+    from qerl_cli.errors import QerlError
+
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("x")
+    with pytest.raises(QerlError, match=r"holds todo.txt, which is not the demo's"):
+        check_demo_folder(other)
+    earlier = tmp_path / "demo"
+    for name in ("base", "eval_before", "train", "eval_after"):
+        (earlier / name).mkdir(parents=True)
+    check_demo_folder(earlier)  # an earlier demo's output: the demo runs again over it
+    check_demo_folder(tmp_path / "new")  # not there yet
