@@ -23,13 +23,42 @@ from rich.markup import escape
 from rich.table import Table
 
 from qerl_cli.config import EvalConfig, TrainConfig, load_config
+from qerl_cli.errors import QerlError
 from qerl_cli.evaluation import run_eval
 from qerl_cli.files import ensure_output_dir
 from qerl_cli.rl import warmstart
+from qerl_cli.rl.run_folder import run_entries
 from qerl_cli.rl.trainer import train
 
 DEMO_TASK = "synthetic-addition"
 EVAL_SAMPLES = 4  # temperature-1 samples per held-out problem
+# What the demo writes into its folder; a folder holding only these (or nothing) is an earlier demo's.
+DEMO_ENTRIES = ("base", "eval_before", "train", "eval_after")
+
+
+def check_demo_folder(out_dir: str | Path) -> None:
+    """Refuse an output folder that holds something other than an earlier demo's output (a ``qerl train``
+    run's folder above all, whose files the demo's base/, train/ and eval_* would be mixed into), before
+    anything is written. A new or empty folder, or an earlier demo's, is fine: the demo runs over it."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return  # not there yet, or a file: ensure_output_dir names that
+    foreign = sorted(
+        p.name for p in out.iterdir() if p.name not in DEMO_ENTRIES and not p.name.startswith(".")
+    )
+    if not foreign:
+        return
+    run = run_entries(out)  # the run-folder check `qerl train` makes, so a run is named as train names it
+    what = (
+        "a training run (" + ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in run)) + ")"
+        if run
+        else f"{', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, which is not the demo's"
+    )
+    raise QerlError(
+        f"--output {out} already holds {what}; nothing was changed. The demo writes "
+        f"{', '.join(e + '/' for e in DEMO_ENTRIES)} into its folder and would mix them into these: give it "
+        "a fresh folder (-o runs/demo, the default) or an earlier demo's own"
+    )
 
 
 def demo_train_config(model_path: str | Path, out_dir: str | Path, *, steps: int, seed: int) -> TrainConfig:
@@ -171,7 +200,8 @@ def run_demo(
 ) -> dict:
     """Run the demo into ``out_dir``; returns the figures it prints."""
     console = console or Console()
-    # A folder that cannot be written fails now, not after the minutes of warm start and training.
+    # A folder that cannot be written, or holds another run, fails now, not after minutes of work.
+    check_demo_folder(out_dir)
     out = ensure_output_dir(out_dir, "--output")
     start = time.perf_counter()
     # A heading line, not a rule: a rule spans the console's width, which is wide when piped.

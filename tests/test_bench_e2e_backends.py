@@ -19,8 +19,9 @@ import pytest
 import yaml
 
 from qerl_cli.bench import preflight
-from qerl_cli.bench.e2e_backends import E2EPair, e2e_pairs, row_backend
+from qerl_cli.bench.e2e_backends import E2EPair, e2e_pairs
 from qerl_cli.bench.gate import check_regressions
+from qerl_cli.bench.labels import row_backend
 from qerl_cli.bench.report import e2e_reference, e2e_rows, to_markdown
 from qerl_cli.bench.result import BenchResult, read_report
 from qerl_cli.bench.settings import E2EConfig

@@ -416,3 +416,25 @@ def test_report_only_and_no_summary_exclude_each_other(
 
     assert main(["compare", str(_recipe(tmp_path, tiny_model_dir)), "--report-only", "--no-summary"]) == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ref_score", [0.30, 0.20])
+def test_arms_whose_seeds_all_scored_alike_get_no_zero_width_interval(ref_score: float) -> None:
+    """Two seeds an arm, each arm's seeds scoring alike: Welch's interval has zero width, which says the
+    seeds did not scatter, not that the difference is known. No verdict is read from it."""
+    results = {
+        "bf16-lora": [_run("bf16-lora", s, ref_score) for s in range(2)],
+        "nvfp4-lora": [_run("nvfp4-lora", s, 0.30) for s in range(2)],
+    }
+    (verdict,) = arm_verdicts(results, "bf16-lora", 5.0)
+    assert verdict.verdict == "unresolved" and verdict.low is None and verdict.high is None
+    difference = 100 * (0.30 - ref_score)
+    assert verdict.difference == pytest.approx(difference)
+    assert verdict_cell(verdict) == "unresolved at 2 seeds (no scatter)"
+    assert interval_cell(verdict) == f"{difference:+.1f} [no interval]"
+    line = verdict_line(verdict)
+    assert "[+0.0, +0.0]" not in line and "not worse" not in line and "better" not in line
+    assert "unresolved at 2 vs 2 seeds: every seed of both arms scored the same" in line
+    assert "run more seeds" in line
+    section = "\n".join(verdict_section([verdict], "bf16-lora", 5.0))
+    assert "Seeds to plan for" not in section  # no scatter to size a count on

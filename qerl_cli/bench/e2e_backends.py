@@ -80,15 +80,6 @@ class E2EPlan:
         return {"e2e_backends": list(self.backends), "e2e_folded": [f.to_dict() for f in self.folded]}
 
 
-def row_backend(row: dict[str, Any]) -> str:
-    """An e2e row's ``backend``; for a report from before it was recorded, the backend that run asked
-    for as its format serves it (one backend a run then, ``auto`` unless given)."""
-    backend = row.get("backend")
-    if backend:
-        return str(backend)
-    return served_backend(str(row.get("linear_backend_requested") or AUTO), row["format"])
-
-
 def requested_backends(cfg: E2EConfig) -> list[str]:
     """The backends asked for: ``linear_backend``'s, else the recipe's one, else ``auto``."""
     if cfg.linear_backend:

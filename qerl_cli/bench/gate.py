@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from qerl_cli.bench.e2e_backends import row_backend
-from qerl_cli.bench.labels import e2e_label, lora_label
+from qerl_cli.bench.labels import e2e_backend_label, e2e_label, lora_label, row_backend
 from qerl_cli.bench.result import BenchResult, RegressionOutcome
 from qerl_cli.errors import QerlError
 
@@ -31,6 +30,13 @@ COMPARABLE_SETTINGS = ("model", "engine", "prompt_len", "gen_len", "one_engine_p
 
 def _key(row: dict[str, Any], *fields: str) -> tuple:
     return tuple(row.get(f) for f in fields)
+
+
+def _where(section: str, row: dict[str, Any], key_fields: tuple[str, ...]) -> str:
+    """A gated row as the gate's messages name it: its key fields, an e2e row's backend as the bench table
+    shows it (``trainer`` on the HF engine, not the ``auto`` it asked for)."""
+    shown = {**row, "backend": e2e_backend_label(row)} if section == "e2e" else row
+    return f"{section} " + " ".join(f"{f}={shown.get(f)}" for f in key_fields)
 
 
 def _compare(
@@ -47,7 +53,7 @@ def _compare(
         old = old_by_key.get(_key(row, *key_fields))
         if old is None:
             continue
-        where = f"{section} " + " ".join(f"{f}={row.get(f)}" for f in key_fields)
+        where = _where(section, row, key_fields)
         for metric, direction in gated.items():
             new_value, old_value = row.get(metric), old.get(metric)
             numbers = isinstance(new_value, int | float) and isinstance(old_value, int | float)

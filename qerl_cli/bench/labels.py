@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qerl_cli.rollout.backends import served_backend
+
 
 def lora_label(rank: int) -> str:
     return f"r{rank}" if rank else "none"
@@ -21,6 +23,25 @@ def e2e_label(row: dict[str, Any]) -> str:
     one of the HF engine, and of a run that names none): ``nvfp4 / fp8``. Unique within a run."""
     backend = row.get("backend")
     return row["format"] + ("" if backend in (None, "auto") else f" / {backend}")
+
+
+def row_backend(row: dict[str, Any]) -> str:
+    """An e2e row's ``backend``, the one it asked for (what the gate matches rows by); for a report from
+    before it was recorded, the backend that run asked for as its format serves it (one backend a run
+    then, ``auto`` unless given)."""
+    backend = row.get("backend")
+    if backend:
+        return str(backend)
+    return served_backend(str(row.get("linear_backend_requested") or "auto"), row["format"])
+
+
+def e2e_backend_label(row: dict[str, Any]) -> str:
+    """An e2e row's backend as the table and the gate's messages name it: what the engine ran, with
+    ``(auto)`` where auto chose it (``trainer``: the HF engine's own layers), else the one asked for."""
+    ran, asked = row.get("linear_backend"), row_backend(row)
+    if ran is None:
+        return asked
+    return f"{ran} (auto)" if asked == "auto" and ran != "trainer" else str(ran)
 
 
 def rollout_label(row: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ from qerl_cli.bench.result import REPORT_NAME
 from qerl_cli.bench.rollout import MIN_REPEATS, WARMUP_TOKENS
 from qerl_cli.bench.settings import CPU_LENGTHS, E2EConfig
 from qerl_cli.config import BenchConfig, validate
-from qerl_cli.errors import QerlError, install_hint
+from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.files import check_input_not_replaced
 
 # Rough costs behind the estimate (see the module docstring).
@@ -54,6 +54,7 @@ class BenchPlan:
     e2e: E2EPlan | None = None  # e2e: the pairs timed, and the backends folded
     estimate_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    checks: list[Checked] = field(default_factory=list)  # what was checked and found, for --dry-run
 
     def lines(self) -> list[str]:
         """The plan as the run's first lines (and --dry-run's)."""
@@ -160,19 +161,21 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     formats = normalize_formats(cfg.formats)
     requirements = preflight.format_requirements(engine, formats)
     e2e = e2e_pairs(cfg, engine, formats) if isinstance(cfg, E2EConfig) else None
+    backends, backend_needs = (e2e.backends if e2e else cfg.backends if cfg.concurrency else []), []
     if e2e is not None:  # whole GRPO steps, no rollout cases; a backend asked for by name must run
-        requirements += preflight.backend_requirements(engine, formats, e2e.backends)
+        backend_needs = preflight.backend_requirements(engine, formats, e2e.backends)
     elif cfg.concurrency:
         backend_needs = preflight.backend_requirements(engine, formats, cfg.backends)
         if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
             # The default sweep measures what is installed; a backend asked for by name must run.
-            cfg.backends = [b for b in cfg.backends if b != "humming"]
+            cfg.backends = backends = [b for b in cfg.backends if b != "humming"]
             notes.append(f"backends: humming left out (not installed: {install_hint('humming')})")
-        else:
-            requirements += backend_needs
-    preflight.check_requirements(requirements)
+            backend_needs = []
+    preflight.check_requirements([*requirements, *backend_needs])
     preflight.check_output(cfg.output)
-    plan = BenchPlan(engine, model, preflight.describe_model(model, formats), formats, notes=notes)
+    found = preflight.describe_model(model, formats)
+    plan = BenchPlan(engine, model, found, formats, notes=notes)
+    plan.checks = _checks(cfg, engine, found, (formats, requirements), (backends, backend_needs))
     if e2e is None:
         plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
         plan.estimate_s = _estimate(cfg, engine, model, plan.cases, steps)
@@ -182,3 +185,23 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
         plan.notes += e2e.notes()
         plan.estimate_s = None  # a GRPO step's time depends on the trainer's whole setup
     return plan
+
+
+def _checks(
+    cfg: BenchConfig, engine: str, model_found: str, *needs: tuple[list[str], list[preflight.Requirement]]
+) -> list[Checked]:
+    """What :func:`bench_plan` checked and found, listed by ``--dry-run`` as every stage's dry run lists
+    its checks: ``needs`` are the formats and the backends with the packages each needs."""
+    (formats, format_needs), (backends, backend_needs) = needs
+    checks = [
+        Checked("--output", f"{cfg.output}: a folder that can be written"),
+        Checked("--device", preflight.device_found(cfg.device)),
+        Checked("--engine", preflight.engine_found(cfg.engine, engine, cfg.device)),
+        Checked("--model", model_found),
+        Checked("--formats", preflight.requirements_found(formats, format_needs)),
+    ]
+    if backends and engine == "vllm":
+        checks.append(Checked("--backends", preflight.requirements_found(backends, backend_needs)))
+    if cfg.baseline:
+        checks.append(Checked("--baseline", f"{cfg.baseline}: a bench.json, not the one this run writes"))
+    return checks

@@ -86,6 +86,24 @@ def resolve_engine(engine: str, device: str = "auto") -> str:
     return "vllm"
 
 
+def engine_found(asked: str, engine: str, device: str) -> str:
+    """What ``--engine`` came to (:func:`resolve_engine` has checked it) and why, for a dry run's list."""
+    if engine == "vllm":
+        why = "vLLM installed, a GPU visible"
+    elif asked == "hf":
+        why = "the transformers engine, as asked"
+    else:
+        why = "--device cpu" if device.startswith("cpu") else "no GPU visible"
+    return f"{asked} -> {engine} ({why})" if asked != engine else f"{engine} ({why})"
+
+
+def requirements_found(names: list[str], requirements: list[Requirement]) -> str:
+    """The packages ``names`` (formats or backends) need, found installed by :func:`check_requirements`."""
+    packages = sorted({r.module for r in requirements})
+    needs = f"{', '.join(packages)} installed" if packages else "no optional package needed"
+    return f"{', '.join(names)}: {needs}"
+
+
 def format_requirements(engine: str, formats: list[str]) -> list[Requirement]:
     """The packages the formats need on ``engine``: vLLM serves NF4 through bitsandbytes (the format
     registry's ``vllm_quantization``); qerl's own layers (the transformers engine, the trainer) need
@@ -143,14 +161,14 @@ def check_tool(output: str, device: str, model: str | None, gpu_only: str | None
         raise QerlError(f"{what} needs a GPU (CUDA) and none is visible; use --device cpu (or leave it out)")
     checks = [
         Checked("--output", f"{output}: a folder that can be written"),
-        Checked("--device", _device_found(device)),
+        Checked("--device", device_found(device)),
     ]
     if model is not None:
         checks.append(Checked("--model", describe_model(model)))
     return checks
 
 
-def _device_found(device: str) -> str:
+def device_found(device: str) -> str:
     """What ``--device`` comes to here (a GPU was checked to be visible where it asks for one)."""
     if device.startswith("cuda"):
         return f"{device}, a GPU visible"

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from qerl_cli import files
 from qerl_cli.bench.concurrency import ROOFLINE_COLUMNS, roofline_rows
-from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend, row_backend
+from qerl_cli.bench.e2e_backends import REFERENCE_FORMAT, FoldedBackend
 from qerl_cli.bench.e2e_notes import (
     ROLLOUT_BUSY_COLUMN,
     busy_cell,
@@ -28,7 +28,14 @@ from qerl_cli.bench.e2e_notes import (
 )
 from qerl_cli.bench.gate import gate_caveat
 from qerl_cli.bench.gpusampler import row_sm_mhz
-from qerl_cli.bench.labels import e2e_label, format_label, lora_label, rollout_label
+from qerl_cli.bench.labels import (
+    e2e_backend_label,
+    e2e_label,
+    format_label,
+    lora_label,
+    rollout_label,
+    row_backend,
+)
 from qerl_cli.bench.report_host import busy_line, gpu_clocks_line, host_load_line, machine_line
 from qerl_cli.bench.result import BenchResult
 from qerl_cli.rollout.backends import DENSE_MERGED
@@ -196,14 +203,6 @@ def memory_rows(report: BenchResult) -> list[tuple[str, ...]]:
     ]
 
 
-def e2e_backend_cell(row: dict[str, Any]) -> str:
-    """What the engine ran, with ``(auto)`` where auto chose it (``trainer``: the HF engine's layers)."""
-    ran, asked = row.get("linear_backend"), row_backend(row)
-    if ran is None:
-        return asked
-    return f"{ran} (auto)" if asked == "auto" and ran != "trainer" else str(ran)
-
-
 def _e2e_measured(report: BenchResult) -> list[dict[str, Any]]:
     return [r for r in report.e2e or [] if "error" not in r]
 
@@ -222,7 +221,7 @@ def e2e_rows(report: BenchResult) -> list[tuple[str, ...]]:
     return [
         (
             r["format"],
-            e2e_backend_cell(r),
+            e2e_backend_label(r),
             *(_fmt(r.get(p), ".2f") for p in E2E_PHASES),
             _fmt(r.get("step_s"), ".2f"),
             _fmt(r.get("step_vs_bf16"), ".2f"),

@@ -20,7 +20,7 @@ Layout of ``bench.json`` (``SCHEMA``), in the order of the file:
   how they were measured;
 * ``e2e``: one row per (format, linear backend) pair of ``qerl bench e2e`` with GRPO step seconds per
   phase, its ``format`` and ``backend`` (the name the pair ran under; rows of earlier versions have
-  no ``backend``: :func:`~qerl_cli.bench.e2e_backends.row_backend`) and the step time against BF16's
+  no ``backend``: :func:`~qerl_cli.bench.labels.row_backend`) and the step time against BF16's
   (``None`` for the other benchmarks);
 * ``regression``: the outcome of ``--baseline`` (``None`` without it; ``baseline_host_busy`` when the
   baseline's host was busy, ``baseline_gpu_throttled`` when its GPU was throttled);

@@ -38,6 +38,7 @@ from qerl_cli.cli.app import (
     set_option,
     use_free_cpu_threads,
 )
+from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import BenchConfig, QuantFormat, load_config
 from qerl_cli.config.choices import BaseCompute, LinearBackend
 from qerl_cli.errors import QerlError
@@ -209,6 +210,7 @@ def run_bench_command(
     # The engine, packages, model and output checked, and the CPU's lengths filled in, before any work.
     plan = bench_plan(conf, given=given, backends_given="backends" in given)
     if finish_config(conf, dry_run):
+        print_checks(plan.checks)
         print_plan(plan.lines())
         return
     print("\n".join(plan.lines()), file=sys.stderr, flush=True)  # plain lines: a CI log wraps none

@@ -73,12 +73,12 @@ def plot_curves(
 
 def _plot_intervals(ax, verdicts: list[ArmVerdict], styles: dict[str, tuple[str, str]]) -> None:
     """One row per arm: the difference from the reference (points) and its 95% interval, with 0 and
-    -margin drawn; an arm without an interval (under 2 seeds) is named without one."""
+    -margin drawn; an arm without an interval (under 2 seeds, or no scatter) is named with its verdict."""
     margin, reference = verdicts[0].margin, verdicts[0].reference
     for row, v in enumerate(verdicts):
         colour = styles.get(v.arm, ("C0", "-"))[0]
         if v.difference is None or v.low is None or v.high is None:
-            ax.text(0, row, "needs ≥2 seeds", ha="center", va="center", fontsize="small")
+            ax.text(v.difference or 0, row, verdict_cell(v), ha="center", va="center", fontsize="small")
             continue
         ax.errorbar([v.difference], [row], xerr=[[v.difference - v.low], [v.high - v.difference]], fmt="o",
                     color=colour, capsize=4)  # fmt: skip

@@ -201,7 +201,7 @@ class ArmVerdict:
     seeds: list[int]  # the arm's seeds compared
     reference_seeds: list[int]
     difference: float | None = None  # mean(arm) - mean(reference)
-    low: float | None = None  # its 95% interval (Welch)
+    low: float | None = None  # its 95% interval (Welch); None also when no arm's seeds scattered
     high: float | None = None
     df: float | None = None  # Welch-Satterthwaite
     p_value: float | None = None  # two-sided permutation test

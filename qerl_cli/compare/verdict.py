@@ -27,7 +27,11 @@ For every arm but the reference, from the per-seed held-out pass@1 of both (in p
   and the observed-difference count after it where that is larger; once it is no wider than ±M (the
   seeds run have reached the ±M count), only the latter, with the end (-M or 0) the interval still holds.
 
-An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds.
+An arm or a reference of fewer than 2 seeds gets no interval: its verdict says it needs 2 seeds. Arms
+whose seeds each scored alike (no scatter in either, as two seeds of a small held-out set often do) get
+none either: Welch's interval is then zero wide, which says only that the seeds did not vary, not that
+the difference is known, so the verdict is ``unresolved`` at the seeds run, with that reason and no
+interval or seed count (:func:`no_scatter`).
 Runs of an arm and its reference made on different GPUs (or CPUs) get a note in the verdict and a
 warning; runs from several ``qerl compare`` invocations on the same machine kind are noted only, and so
 are runs whose held-out evaluations ran on different engines (``compare.heldout_engine``).
@@ -119,10 +123,18 @@ def _count(seeds: int | None) -> str:
     return f"≈{seeds}" if seeds else f">{_SEED_LIMIT}"
 
 
+def no_scatter(v: ArmVerdict) -> bool:
+    """Whether an unresolved verdict is one of arms whose seeds all scored alike: a difference, and no
+    interval (a zero-wide one would claim the difference known)."""
+    return v.verdict == "unresolved" and v.difference is not None and v.low is None
+
+
 def verdict_cell(v: ArmVerdict) -> str:
     """The table's verdict cell."""
     if v.verdict != "unresolved":
         return v.verdict
+    if no_scatter(v):
+        return f"unresolved at {_seed_counts(v)} seeds (no scatter)"
     at = f"at a {v.difference:+.1f} difference"
     if within_margin(v):
         return f"unresolved ({_count(v.seeds_to_resolve)} seeds/arm {at})"
@@ -131,8 +143,16 @@ def verdict_cell(v: ArmVerdict) -> str:
     return f"unresolved ({needed} seeds/arm for ±{v.margin:g}{later})"
 
 
+def _seed_counts(v: ArmVerdict) -> str:
+    """The seeds of a verdict: "3", or "3 vs 2" where the arm's and the reference's differ."""
+    n, ref = len(v.seeds), len(v.reference_seeds)
+    return f"{n}" if n == ref else f"{n} vs {ref}"
+
+
 def interval_cell(v: ArmVerdict) -> str:
     """The table's difference cell: "+1.2 [-8.3, +10.7]"."""
+    if no_scatter(v):
+        return f"{v.difference:+.1f} [no interval]"
     if v.difference is None or v.low is None or v.high is None:
         return "-"
     return f"{v.difference:+.1f} [{v.low:+.1f}, {v.high:+.1f}]"
@@ -145,6 +165,13 @@ def verdict_line(v: ArmVerdict) -> str:
         text = (
             f"{head}: no verdict, {len(v.seeds)} seed(s) against {len(v.reference_seeds)}; an "
             "interval needs ≥2 seeds in both arms (run the same command with --seeds 2 or more)"
+        )
+    elif no_scatter(v):
+        text = (
+            f"{head}: {v.difference:+.1f} points, unresolved at {len(v.seeds)} vs {len(v.reference_seeds)} "
+            "seeds: every seed of both arms scored the same, so Welch's interval would be zero wide, "
+            "which shows the seeds did not vary, not that the difference is known; run more seeds (and, "
+            "where pass@1 moves in coarse steps, more held-out problems), then compare again"
         )
     else:
         text = (
@@ -225,6 +252,9 @@ def _verdict(
         interval.difference, interval.low, interval.high, interval.df,
     )  # fmt: skip
     verdict.p_value, verdict.p_exact, verdict.p_relabelings = test.p_value, test.exact, test.relabelings
+    if interval.se == 0:  # no scatter in either arm: a zero-wide interval is no verdict (no_scatter)
+        verdict.verdict, verdict.low, verdict.high, verdict.df = "unresolved", None, None, None
+        return verdict
     verdict.verdict = decide(interval.low, interval.high, margin)
     if verdict.verdict == "unresolved":
         sd_a, sd_b = sd(a) or 0.0, sd(b) or 0.0
@@ -315,7 +345,8 @@ def verdict_section(verdicts: list[ArmVerdict], reference: str | None, margin: f
         f"with the seeds per arm at which an interval at this scatter is no wider than ±{m} points. An "
         f"interval about a difference d between -{m} and 0 resolves the verdict only when narrower than "
         f"±max({m} + d, -d): where that takes more seeds than ±{m}, their count at the observed d is given "
-        "too.",
+        "too. Arms whose seeds all scored alike get no interval (a zero-wide one would claim the "
+        "difference known): unresolved at the seeds run.",
         "",
         *(f"- {verdict_line(v)}" for v in verdicts),
         *planning_lines(verdicts),

@@ -421,19 +421,29 @@ def plan_for_run(
     )  # fmt: skip
     if train.gradient_checkpointing == "auto" and plan.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    auto = [name for name, value in (("micro_batch_size", train.micro_batch_size),
-            ("gradient_checkpointing", train.gradient_checkpointing),
-            ("logprob_chunk_tokens", train.logprob_chunk_tokens),
-            ("gpu_memory_utilization", rollout.gpu_memory_utilization)) if value == "auto"]  # fmt: skip
-    log.info(
-        "memory plan%s%s: micro-batch %d, gradient checkpointing %s, logprob chunk %d tokens, "
-        "vLLM share %.3f; %s",
-        f" (auto: {', '.join(auto)})" if auto else "",
-        f" within train.gpu_fraction={fraction} of the GPU" if fraction < 1 else "",
-        plan.micro_batch_size,
-        "on" if plan.gradient_checkpointing else "off",
-        plan.logprob_chunk,
-        plan.gpu_memory_utilization,
-        ", ".join(f"{k.split('/')[-1]} {v:.1f}" for k, v in plan.figures.items() if k != CHUNK_FIGURE),
-    )
+    log.info("%s", plan_line(cfg, plan))
     return plan
+
+
+def plan_line(cfg: Any, plan: MemoryPlan) -> str:
+    """The log's line of a run's memory plan: the settings chosen (which were ``auto``), and the figures.
+    vLLM's share (and ``rollout.gpu_memory_utilization``) only where a vLLM engine runs beside the trainer:
+    the transformers engine has none."""
+    rollout, train = cfg.rollout, cfg.train
+    colocated = rollout.engine == "vllm"
+    settings = [("micro_batch_size", train.micro_batch_size),
+                ("gradient_checkpointing", train.gradient_checkpointing),
+                ("logprob_chunk_tokens", train.logprob_chunk_tokens)]  # fmt: skip
+    if colocated:
+        settings.append(("gpu_memory_utilization", rollout.gpu_memory_utilization))
+    auto = [name for name, value in settings if value == "auto"]
+    share = f", vLLM share {plan.gpu_memory_utilization:.3f}" if colocated else ""
+    head = "memory plan" + (f" (auto: {', '.join(auto)})" if auto else "")
+    if train.gpu_fraction < 1:
+        head += f" within train.gpu_fraction={train.gpu_fraction} of the GPU"
+    figures = ", ".join(f"{k.split('/')[-1]} {v:.1f}" for k, v in plan.figures.items() if k != CHUNK_FIGURE)
+    checkpointing = "on" if plan.gradient_checkpointing else "off"
+    return (
+        f"{head}: micro-batch {plan.micro_batch_size}, gradient checkpointing {checkpointing}, "
+        f"logprob chunk {plan.logprob_chunk} tokens{share}; {figures}"
+    )
