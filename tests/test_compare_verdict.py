@@ -20,6 +20,7 @@ from qerl_cli.compare.verdict import (
     arm_verdicts,
     decide,
     interval_cell,
+    no_scatter,
     verdict_cell,
     verdict_line,
     verdict_section,
@@ -373,7 +374,9 @@ def test_the_documented_tiny_example_runs_as_written(
     report = CompareReport.from_dict(json.loads((tmp_path / "runs" / "cmp" / "compare.json").read_text()))
     assert [row.seeds for row in report.arms] == [2, 2]
     (verdict,) = report.verdicts
-    assert (verdict.arm, verdict.reference) == ("nvfp4-aqn", "bf16-lora") and verdict.low is not None
+    assert (verdict.arm, verdict.reference) == ("nvfp4-aqn", "bf16-lora") and verdict.difference is not None
+    # The stand-in tiny model's seeds may all score alike: then no interval, and the verdict says so.
+    assert verdict.low is not None or (verdict.verdict == "unresolved" and no_scatter(verdict)), verdict
 
 
 def test_report_only_reports_runs_made_elsewhere_without_making_or_evaluating_a_base(
