@@ -147,7 +147,7 @@ def test_calibration_settings_where_they_are_read_pass(
 ) -> None:
     rc, _, err = run_cli(capsys, "quantize", str(tiny), *argv, "-o", str(tiny.parent / "q"), "--dry-run")
     assert "rounds to nearest" not in err
-    assert rc == 0 or "llm-compressor" in err or "bitsandbytes" in err, err
+    assert rc == 0, err  # the dev extra installs llm-compressor, which gptq needs
 
 
 # -- qerl quality -------------------------------------------------------------------------------------
