@@ -151,8 +151,7 @@ def check_output(path: str | Path, flag: str = "--output") -> None:
 def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> list[Checked]:
     """What a benchmark with its own report can check before any work (--dry-run included): the output
     folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model (None: none
-    of its own). Returns what
-    each found, for ``--dry-run`` to list as every stage's dry run does."""
+    of its own). Returns what each found, for ``--dry-run`` to list as every stage's dry run does."""
     check_output(output)
     if gpu_only and device.startswith("cpu"):
         raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")

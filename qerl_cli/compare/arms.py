@@ -41,17 +41,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
 from qerl_cli import formats
 from qerl_cli.compare.settings import BUILTIN_ARMS, CompareSettings
 from qerl_cli.compare.verdict import check_margin
-from qerl_cli.config import from_dict
+from qerl_cli.config import QuantMethod, from_dict
 from qerl_cli.errors import QerlError, closest
 
-BASE_METHODS = ("gptq", "awq", "rtn")
+BASE_METHODS = get_args(QuantMethod)  # the methods `qerl quantize` makes a base with
 # Arm keys that are compare's own (how the arm's base is made), never passed to `qerl train`.
 BASE_KEYS = ("base.method", "base.dequantized")
 QUANTIZED_FORMATS = tuple(formats.names())  # what an arm's 4-bit base may be
