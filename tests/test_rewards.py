@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
+from pathlib import Path
 
 import pytest
+from cli_runner import run_cli, usage_error
 
 from qerl_cli.config import RewardSection
 from qerl_cli.data.problem import Problem
@@ -35,6 +38,36 @@ def exploding_grade(completion: str, gold: str) -> bool:
 
 def length_bonus(completion: str, problem: Problem) -> float:
     return len(completion) / 100
+
+
+# reward.extra functions the reward cannot call as fn(completion, problem), and some it can.
+def one_argument_bonus(completion: str) -> float:
+    return len(completion) / 100
+
+
+def keyword_problem_bonus(completion: str, *, problem: Problem) -> float:
+    return 0.0
+
+
+async def async_bonus(completion: str, problem: Problem) -> float:
+    return 0.0
+
+
+def scaled_bonus(completion: str, problem: Problem, scale: float = 2.0) -> float:
+    return scale * len(completion) / 100
+
+
+def any_bonus(*args: object, **kwargs: object) -> float:
+    return 0.0
+
+
+class Scorer:
+    def __call__(self, completion: str, problem: Problem) -> float:
+        return 1.0
+
+
+SCORER = Scorer()
+HALF_BONUS = functools.partial(scaled_bonus, scale=0.5)
 
 
 # -- extraction -------------------------------------------------------------------------------
@@ -257,3 +290,58 @@ def test_a_python_without_math_verify_is_refused_before_any_model_loads(
     out = tmp_path / "run"
     rc = main(["train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set", f"output.dir={out}"])
     assert rc == 2 and "math-verify" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("one_argument_bonus", "has the signature (completion), which cannot take (completion, problem): "
+         "too many positional arguments"),
+        ("keyword_problem_bonus", "has the signature (completion, *, problem), which cannot take "
+         "(completion, problem): too many positional arguments"),
+        ("async_bonus", "is an async or generator function"),
+    ],
+)  # fmt: skip
+def test_an_extra_reward_of_the_wrong_signature_is_refused_when_built(name: str, said: str) -> None:
+    with pytest.raises(QerlError) as caught:
+        build_reward_fn(RewardSection(extra={f"{__name__}:{name}": 1.0}))
+    message = str(caught.value)
+    assert message.startswith(f"'{__name__}:{name}' {said}"), message
+    assert "once per completion as fn(completion: str, problem) -> float" in message
+    assert f"`def {name}(completion: str, problem) -> float`" in message
+
+
+@pytest.mark.parametrize("name", ["length_bonus", "scaled_bonus", "any_bonus", "SCORER", "HALF_BONUS"])
+def test_extra_rewards_that_take_completion_and_problem_are_accepted(name: str) -> None:
+    reward_fn = build_reward_fn(RewardSection(extra={f"{__name__}:{name}": 1.0}), grader=Grader(workers=1))
+    with reward_fn:
+        assert len(reward_fn.extras) == 1
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_wrong_extra_reward_signature_is_refused_before_any_model_loads(
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    dry_run: bool,
+) -> None:
+    """A reward.extra function taking only the completion passed `qerl train --dry-run`; the run failed at
+    step 1, once the model had loaded and the first rollout was generated."""
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the check")
+
+    monkeypatch.setattr("qerl_cli.rl.trainer.build_policy", no_model)
+    out = tmp_path / "run"
+    rc, _, err = run_cli(
+        capsys, "train", "tiny", "--set", f"model.path={tiny_model_dir}", "--set", f"output.dir={out}",
+        "--set", f"reward.extra={{{__name__}:one_argument_bonus: 1.0}}", *(["--dry-run"] if dry_run else []),
+    )  # fmt: skip
+    assert usage_error(rc, err), err
+    assert (
+        f"reward.extra: '{__name__}:one_argument_bonus' has the signature (completion), which cannot take "
+        "(completion, problem): too many positional arguments" in err
+    ), err
+    assert "`def one_argument_bonus(completion: str, problem) -> float`" in err, err
+    assert not out.exists()

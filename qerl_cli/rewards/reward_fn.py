@@ -5,6 +5,8 @@
 ``reward = correctness_weight * correct + format_weight * format + sum(weight * fn(completion, problem))``
 where each extra ``fn`` is named by import path in ``reward.extra`` (``{"pkg.mod:fn": 0.5}``).
 Extra functions run in the trainer process: they are the user's own code, trusted to be quick.
+:func:`resolve_extra_reward` imports one and checks that it can be called so; ``qerl train``'s checks
+before the model loads (``rl.preflight``) run it too, so that a wrong signature is not first met at step 1.
 
 ``format`` (and the ``format_rate`` metric) checks the answer shape the run's prompt asks for
 (:func:`qerl_cli.data.prompts.expected_answer_format`): the QeRL tags for the ``qerl`` template,
@@ -14,6 +16,7 @@ template's stop strings first, which one engine keeps at the end of the text and
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -40,6 +43,49 @@ class Problem(Protocol):
 
 
 ExtraRewardFn = Callable[[str, Problem], float]
+# How the reward calls a reward.extra function, once per completion: what an error about one names.
+EXTRA_SIGNATURE = "fn(completion: str, problem) -> float"
+
+
+def resolve_extra_reward(path: str) -> ExtraRewardFn:
+    """The ``reward.extra`` function ``path`` names (``"pkg.mod:fn"``), imported and checked to accept
+    the call the reward makes, ``fn(completion, problem)``. A QerlError says what is wrong: without this,
+    a wrong signature surfaced as a TypeError at the first step, after the model load and a rollout."""
+    fn = resolve_callable(path)
+    why = _call_problem(fn)
+    if why is not None:
+        name = path.rpartition(":")[2].rpartition(".")[2]
+        raise QerlError(
+            f"'{path}' {why}; the reward calls each reward.extra function once per completion as "
+            f"{EXTRA_SIGNATURE}: define it as `def {name}(completion: str, problem) -> float` (completion: "
+            "the generated text; problem: the dataset's problem, with .id, .question and .answer, the "
+            "gold answer)"
+        )
+    return fn
+
+
+def _call_problem(fn: Callable[..., object]) -> str | None:
+    """Why ``fn(completion, problem)`` cannot give a number, as far as its signature tells; None when it can
+    (or when it has no signature to read: a C function, checked by its first call as before)."""
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        return "is an async or generator function, whose call returns a coroutine or generator, not a number"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        # Placeholders: binding checks the arguments' count and kinds (positional, keyword-only)
+        # without calling the user's code.
+        signature.bind("completion", "problem")
+    except TypeError as exc:
+        # Shown without annotations: they do not decide the call, and under `from __future__ import
+        # annotations` they print as quoted strings.
+        bare = signature.replace(
+            parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+            return_annotation=signature.empty,
+        )
+        return f"has the signature {bare}, which cannot take (completion, problem): {exc}"
+    return None
 
 
 class RewardFunction:
@@ -57,7 +103,7 @@ class RewardFunction:
         self.answer_format = answer_format
         self.stop = stop
         self.extras: list[tuple[str, ExtraRewardFn, float]] = [
-            (path, resolve_callable(path), float(weight)) for path, weight in cfg.extra.items()
+            (path, resolve_extra_reward(path), float(weight)) for path, weight in cfg.extra.items()
         ]
         # A grader passed in is shared: its owner closes it, not this reward.
         self._owns_grader = grader is None

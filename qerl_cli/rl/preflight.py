@@ -29,7 +29,7 @@ from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.source_checks import missing_model_hint, model_source_found
 from qerl_cli.modeling.sources import gguf_source, resolve_model_source
 from qerl_cli.rewards.grading import require_math_verify
-from qerl_cli.rewards.pool import resolve_callable
+from qerl_cli.rewards.reward_fn import EXTRA_SIGNATURE, resolve_extra_reward
 from qerl_cli.rl.checkpoint import check_within_max_steps, checkpoint_step, find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, check_resume_target, run_entries
 from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count, resolve_device
@@ -174,14 +174,17 @@ def grader() -> Checked:
 
 
 def extra_rewards(cfg: TrainConfig) -> Checked:
-    """Each ``reward.extra`` function imports and is callable, as the run's reward function will find it
-    once the model has loaded (a typo there cost the load)."""
+    """Each ``reward.extra`` function imports and takes the reward's call, ``fn(completion, problem)``, as
+    the run's reward function will need once the model has loaded (a typo there cost the load; a wrong
+    signature, the load and the first rollout)."""
     for path in cfg.reward.extra:
         try:
-            resolve_callable(path)
+            resolve_extra_reward(path)
         except QerlError as exc:
             raise QerlError(f"reward.extra: {exc}") from None
-    return Checked("reward.extra", f"{', '.join(cfg.reward.extra)}: importable")
+    return Checked(
+        "reward.extra", f"{', '.join(cfg.reward.extra)}: importable, callable as {EXTRA_SIGNATURE}"
+    )
 
 
 def model_parameters(path: str) -> tuple[int, bool] | None:
