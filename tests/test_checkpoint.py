@@ -170,3 +170,31 @@ def test_mismatched_parameters_refuse_to_load(tmp_path: Path) -> None:
             scheduler=scheduler,
             load_adapter=_load_adapter_into(model),
         )
+
+
+def test_the_nonfinite_streak_round_trips_and_defaults_for_older_checkpoints(tmp_path: Path) -> None:
+    """The count of non-finite steps in a row is kept, so that a resumed run counts on from it; a
+    checkpoint written before the field existed resumes from 0 instead of failing."""
+    model, optimizer, scheduler = _model_and_optimizer()
+    state = ckpt.TrainingState(step=2, data_position=14, nonfinite_streak=2)
+    saved = ckpt.save_checkpoint(
+        tmp_path, state, save_adapter=_save_adapter_of(model), optimizer=optimizer, param_names=NAMES,
+        scheduler=scheduler,
+    )  # fmt: skip
+
+    def loaded() -> ckpt.TrainingState:
+        fresh, fresh_opt, fresh_sched = _model_and_optimizer(seed=1)
+        return ckpt.load_checkpoint(
+            saved, optimizer=fresh_opt, param_names=NAMES, scheduler=fresh_sched,
+            load_adapter=_load_adapter_into(fresh),
+        )  # fmt: skip
+
+    assert json.loads((saved / ckpt.STATE_FILE).read_text())["nonfinite_streak"] == 2
+    assert loaded().nonfinite_streak == 2
+    # An older checkpoint: its state file without the field (and a manifest that matches it).
+    meta = json.loads((saved / ckpt.STATE_FILE).read_text())
+    del meta["nonfinite_streak"]
+    (saved / ckpt.STATE_FILE).write_text(json.dumps(meta))
+    ckpt.write_manifest(saved)
+    assert ckpt.checkpoint_problem(saved) is None
+    assert loaded().nonfinite_streak == 0

@@ -140,6 +140,24 @@ def test_zero_stops_at_the_first_nonfinite_gradient(
     assert [r["step"] for r in _records(out)] == [1]
 
 
+def test_a_resumed_run_counts_on_from_the_checkpoints_streak(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run stopped for divergence and resumed got a fresh train.max_nonfinite_steps allowance: the
+    streak restarted from 0. It is kept in the checkpoint, so the resumed run stops where the
+    uninterrupted one would have."""
+    from qerl_cli.rl.trainer import train
+
+    Poison(monkeypatch, {2, 3, 4})  # calls 2 and 3: the first run's steps 2 and 3; 4: the resumed step 3
+    out = tmp_path / "run"
+    cfg = tiny_cfg(tiny_model_dir, out, "train.max_nonfinite_steps=1", "output.save_steps=1")
+    with pytest.raises(QerlError, match=r"diverged at step 3: .*\(2 steps in a row"):
+        train(cfg, progress=False, reward_fn=FakeReward())
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["nonfinite_streak"] == 1
+    with pytest.raises(QerlError, match=r"diverged at step 3: .*\(2 steps in a row"):
+        train(cfg, resume=str(out), progress=False, reward_fn=FakeReward())
+
+
 class NanRewardAt(FakeReward):
     """NaN rewards (so a NaN loss, caught before backward) on the given 1-based steps."""
 

@@ -9,8 +9,8 @@
   with a different LoRA layout fails clearly instead of loading mismatched moments;
 - ``scheduler.json``: the learning-rate scheduler's state (its lambdas are rebuilt from the config);
 - ``rng.safetensors`` + ``trainer_state.json``: torch CPU/CUDA generator states, Python's and
-  NumPy's generator states, the step, the data position, the AQN schedule state and the metrics
-  needed to continue.
+  NumPy's generator states, the step, the data position, the AQN schedule state, the count of
+  non-finite steps in a row (``train.max_nonfinite_steps``) and the metrics needed to continue.
 
 - ``manifest.json``, written last: the size and SHA-256 of every other file.
 
@@ -56,6 +56,9 @@ class TrainingState:
     data_position: int  # prompts consumed from the data stream
     aqn: dict[str, Any] | None = None
     extra: dict[str, Any] | None = None
+    # Steps in a row skipped for a NaN/inf loss or gradient norm: a resumed run counts on from it
+    # (restarted at 0, it gave each resume of a diverging run a fresh train.max_nonfinite_steps allowance).
+    nonfinite_streak: int = 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,6 +262,7 @@ def _write_checkpoint_files(
             "data_position": state.data_position,
             "aqn": state.aqn,
             "extra": state.extra or {},
+            "nonfinite_streak": state.nonfinite_streak,
             "rng": rng_meta,
             # A checkpoint that says it has a manifest but lacks one was altered; one that does not
             # say so was written before manifests (qerl 0.1.0) and is resumed unverified.
@@ -430,5 +434,10 @@ def _load_checkpoint(
     if restore_rng_states:
         restore_rng(load_file(str(ckpt / "rng.safetensors")), meta["rng"])
     return TrainingState(
-        step=meta["step"], data_position=meta["data_position"], aqn=meta.get("aqn"), extra=meta.get("extra")
+        step=meta["step"],
+        data_position=meta["data_position"],
+        aqn=meta.get("aqn"),
+        extra=meta.get("extra"),
+        # A checkpoint written before the streak was kept: 0, what every resume assumed then.
+        nonfinite_streak=int(meta.get("nonfinite_streak", 0)),
     )

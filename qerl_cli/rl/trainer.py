@@ -192,6 +192,8 @@ class Trainer:
         ckpt.check_within_max_steps(found, state.step, self.cfg.train.max_steps)
         self.step = state.step
         self.stream.position = state.data_position
+        # The divergence guard counts on across the resume, as if the run had not stopped.
+        self.nonfinite_streak = state.nonfinite_streak
         if self.schedule is not None and state.aqn:
             self.schedule.load_state_dict(state.aqn)
         self._seed_rank_stream()  # the checkpoint holds rank 0's RNG states
@@ -213,6 +215,7 @@ class Trainer:
             step=self.step,
             data_position=self.stream.position,
             aqn=self.schedule.state_dict() if self.schedule else None,
+            nonfinite_streak=self.nonfinite_streak,
         )
         return ckpt.save_checkpoint(
             self.out_dir,
