@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from qerl_cli.config.loading import _field_types, _type_name
+from qerl_cli.config.coercion import type_name
+from qerl_cli.config.loading import _field_types
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def key_docs(cls: type, prefix: str = "") -> list[KeyDoc]:
         if dataclasses.is_dataclass(tp):
             docs.extend(key_docs(tp, f"{prefix}{f.name}."))
             continue
-        docs.append(KeyDoc(f"{prefix}{f.name}", _type_name(tp), _yaml(_default(f)), helps.get(f.name, "")))
+        docs.append(KeyDoc(f"{prefix}{f.name}", type_name(tp), _yaml(_default(f)), helps.get(f.name, "")))
     return docs
 
 
