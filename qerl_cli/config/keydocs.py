@@ -1,8 +1,9 @@
 """Each config key's documentation, read from the comment above its field (or after it on its line).
 
-The comments in ``sections.py`` and ``stages.py`` are the one place a key is documented: this module reads
-them from the source with ``tokenize`` and ``ast``, and ``qerl train --keys`` prints them with each key's
-dotted name, type and default. ``tests/test_config.py`` holds every field to having one.
+The comments in ``sections.py``, ``rl_sections.py`` and ``stages.py`` are the one place a key is
+documented: this module reads them from the source with ``tokenize`` and ``ast``, and ``qerl train --keys``
+prints them with each key's dotted name, type and default. ``tests/test_config.py`` holds every field to
+having one.
 """
 
 from __future__ import annotations
