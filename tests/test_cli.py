@@ -472,7 +472,7 @@ OPTIONS = {
     "env": {"--json"},
     "models": {"--json"},
     "tiny-base": {"--formats", "--seed", "--overwrite"},
-    "tiny-model": {"--seed", "--overwrite"},
+    "tiny-model": {"--output", "-o", "--seed", "--overwrite"},
     "quality": {"--rows", "--seq-len", "--device", "--output", "-o"},
 }  # fmt: skip
 # Each stage with --dry-run, typed out with its options, and the keys they set in the resolved config.
@@ -509,6 +509,7 @@ PARSES = [
     (["demo", "--steps", "2", "--seed", "3", "-o", "d"], {"steps": 2, "seed": 3, "output": "d"}),
     (["tiny-base", "--seed", "1", "--formats", "bf16"], {"seed": 1, "formats": "bf16"}),
     (["tiny-model", "out", "--seed", "3"], {"seed": 3}),
+    (["tiny-model", "-o", "out", "--overwrite"], {"output": Path("out"), "out": None, "overwrite": True}),
     (["quality", "ref", "c", "--rows", "4", "--seq-len", "8", "--device", "cpu"],
      {"rows": 4, "seq_len": 8, "device": "cpu"}),
 ]  # fmt: skip

@@ -36,6 +36,7 @@ ROOTS: dict[type, list[str]] = {
 # The modules config dataclasses live in: each of their dataclasses is a root or a root's section.
 CONFIG_MODULES = [
     "qerl_cli.config.sections",
+    "qerl_cli.config.rl_sections",
     "qerl_cli.config.stages",
     "qerl_cli.bench.settings",
     "qerl_cli.bench.lora_tune_settings",

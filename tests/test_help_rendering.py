@@ -37,7 +37,7 @@ def test_reflow_keeps_paragraphs_and_verbatim_blocks() -> None:
     [
         (["quality"], "Usage: qerl quality [OPTIONS] BF16_MODEL [LABEL=]PATH[+ADAPTER]..."),
         (["quantize"], "Usage: qerl quantize [OPTIONS] MODEL"),
-        (["tiny-model"], "Usage: qerl tiny-model [OPTIONS] OUT"),
+        (["tiny-model"], "Usage: qerl tiny-model [OPTIONS] [OUT]"),  # OUT or -o DIR
         (["compare"], "Usage: qerl compare [OPTIONS] RECIPE"),
     ],
 )

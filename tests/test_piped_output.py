@@ -100,6 +100,46 @@ def test_a_piped_table_keeps_a_long_cell_whole(
     assert long_cell in capsys.readouterr().out  # on one line, not cut or wrapped at 80 columns
 
 
+def test_piped_models_fits_a_readable_width(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl models | cat` printed a table about 400 columns wide: piped, its prose now wraps at
+    PIPED_WIDTH (COLUMNS, when set, is the width), and each alias stays whole on its line."""
+    from qerl_cli.cli import main
+    from qerl_cli.modeling.sources import known_models
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= PIPED_WIDTH == 100
+    for row in known_models():
+        assert f"│ {row['alias']} " in out, row["alias"]
+    monkeypatch.setenv("COLUMNS", "120")
+    assert main(["models"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 120
+
+
+def test_a_piped_table_of_prose_wraps_at_the_piped_width(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any table of the CLI's consoles (stdout and stderr), not only `qerl models`: words wrap at
+    PIPED_WIDTH, none is cut, and a column that folds long words does not widen the table."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    prose = " ".join(f"word{i}" for i in range(80))
+    for stderr in (False, True):
+        table = Table(title="t")
+        table.add_column("what")
+        table.add_column("value")
+        table.add_column("command", overflow="fold")
+        table.add_row("prose", prose, "pip download " + "x" * 150)
+        output_console(stderr=stderr).print(table)
+        captured = capsys.readouterr()
+        out = captured.err if stderr else captured.out
+        assert max(len(line) for line in out.splitlines()) == PIPED_WIDTH
+        words = " ".join(line.split("│")[2] for line in out.splitlines()[4:-1])
+        assert words.split() == prose.split()  # every word whole, in order
+
+
 @pytest.mark.parametrize(
     ("argv", "stage"),
     [

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console, ConsoleDimensions
+from rich.console import Console, ConsoleDimensions, ConsoleOptions, Group
 from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Column, Table
 from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import __version__
@@ -87,29 +89,84 @@ app = typer.Typer(
     # -h as well, as most CLIs take it (every subcommand inherits it); --help first, the one messages name.
     context_settings={"help_option_names": ["--help", "-h"]},
 )
-# Piped output (CI logs, `| tee`, a file) has no terminal width: rich would wrap and cut tables at 80
-# columns there. A log is read later, wide: so tables keep every cell whole unless COLUMNS says otherwise.
-PIPED_WIDTH = 1000
+# Piped output (CI logs, `| tee`, a file) has no terminal width: rich would cut tables at 80 columns
+# there, and a width of 1000 made tables of prose (`qerl models`) hundreds of columns wide. So a piped
+# table wraps its prose at PIPED_WIDTH, yet is made as wide as its longest unbreakable cell needs (a path,
+# a command), which would otherwise be cut with an ellipsis. COLUMNS, when set, is the width as given.
+PIPED_WIDTH = 100
 
 
 class _CliConsole(Console):
-    """rich's console, :data:`PIPED_WIDTH` wide when its stream is not a terminal and COLUMNS is unset
-    (both read at each print: a test, or a caller, may change either after the console was made)."""
+    """rich's console, at least :data:`PIPED_WIDTH` wide when its stream is not a terminal and COLUMNS is
+    unset, wider for one print where a table's unbreakable cells need it (the stream and COLUMNS are both
+    read at each print: a test, or a caller, may change either after the console was made)."""
+
+    # The width the renderables of the print under way need, piped; None between prints.
+    _needed: int | None = None
 
     @property
     def size(self) -> ConsoleDimensions:
         size = super().size
-        if self.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit():
+        if not self._piped():
             return size
-        return ConsoleDimensions(PIPED_WIDTH, size.height)
+        return ConsoleDimensions(max(PIPED_WIDTH, self._needed or 0), size.height)
 
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
+    def _piped(self) -> bool:
+        return not self.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit()
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        if not self._piped() or self._needed is not None:  # a terminal, COLUMNS, or a nested print
+            super().print(*objects, **kwargs)
+            return
+        self._needed = _unbreakable_width(self, objects)
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self._needed = None
+
+
+def _unbreakable_width(console: Console, objects: tuple[Any, ...]) -> int:
+    """The width the tables among ``objects`` (and other rich renderables) need to cut no cell: rich's
+    minimum measure, less what a column that folds its long words (``overflow="fold"``) can fold. Strings
+    are left out: rich folds a long word of text, never cuts it, and a message that must keep a path on
+    one line prints it with ``soft_wrap``."""
+    # Measured without a ceiling: Measurement.get clamps the minimum to the options' width.
+    options = console.options.update_width(_MEASURE_CEILING)
+    return max(
+        (_least_width(console, options, obj) for obj in objects if not isinstance(obj, str)), default=0
+    )
+
+
+def _least_width(console: Console, options: ConsoleOptions, renderable: Any) -> int:
+    if isinstance(renderable, Group):  # a report of several tables (`qerl bench kernels`)
+        return max((_least_width(console, options, part) for part in renderable.renderables), default=0)
+    least = Measurement.get(console, options, renderable).minimum
+    if isinstance(renderable, Table):
+        least -= sum(_foldable(console, options, column) for column in renderable.columns)
+    return least
+
+
+def _foldable(console: Console, options: ConsoleOptions, column: Column) -> int:
+    """How much narrower than its longest word a column may be: one that folds long words (prose, a
+    command shown for reading) may shrink to its header; any other column would cut them."""
+    if column.no_wrap or column.overflow != "fold":
+        return 0
+    longest = max((Measurement.get(console, options, cell).minimum for cell in column.cells), default=0)
+    header = Measurement.get(console, options, column.header).minimum
+    return max(0, longest - max(header, column.min_width or 0))
+
+
+# Wider than any table qerl prints; the measure's bound, not a width anything is printed at.
+_MEASURE_CEILING = 100_000
+
 
 def output_console(stderr: bool = False) -> Console:
-    """A console of the CLI: the terminal's width on a terminal; piped, COLUMNS or :data:`PIPED_WIDTH`."""
+    """A console of the CLI: the terminal's width on a terminal; piped, COLUMNS or :data:`PIPED_WIDTH` (wider
+    for a table whose unbreakable cells need more)."""
     return _CliConsole(stderr=stderr)
 
 

@@ -19,7 +19,6 @@ from rich.markup import escape
 
 from qerl_cli.cli import render
 from qerl_cli.cli.app import (
-    PIPED_WIDTH,
     ConfigOption,
     DryRunOption,
     at_least_one,
@@ -230,8 +229,8 @@ def print_keys(config: type, prefix: str) -> None:
 
 
 def _wrap_width() -> int:
-    """The key help's line width: the terminal's (or COLUMNS); piped without COLUMNS, a readable 100."""
-    return 100 if console.width >= PIPED_WIDTH else max(40, console.width)
+    """The key help's line width: the terminal's (or COLUMNS); piped without COLUMNS, PIPED_WIDTH."""
+    return max(40, console.width)
 
 
 def eval_(

@@ -15,7 +15,7 @@ from qerl_cli.cli import render
 from qerl_cli.cli.app import console, csv, use_free_cpu_threads
 from qerl_cli.cli.progress import stage_log
 from qerl_cli.errors import QerlError
-from qerl_cli.files import check_writable_file, check_writable_folder, write_json
+from qerl_cli.files import check_writable_file, write_json
 
 # What a model folder may hold, for the --formats help: the config's names, which follow the registry.
 WEIGHT_FORMATS = [name for name in get_args(config.ModelFormat) if name != "auto"]
@@ -65,7 +65,15 @@ def tiny_base(
 
 
 def tiny_model(
-    out: Annotated[Path, typer.Argument(metavar="OUT", help="Folder to write the model to.")],
+    out: Annotated[
+        Path | None, typer.Argument(metavar="OUT", help="Folder to write the model to (or -o DIR).")
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", metavar="DIR", help="Folder to write the model to, as OUT.", show_default=False
+        ),
+    ] = None,
     seed: Annotated[
         int, typer.Option("--seed", metavar="SEED", help="Weights are a deterministic function of the seed.")
     ] = 0,
@@ -74,18 +82,16 @@ def tiny_model(
     ] = False,
 ) -> None:
     """Write a tiny offline Qwen2 model (transformers and vLLM load it)."""
-    from qerl_cli.modeling.tiny import write_tiny_model
+    from qerl_cli.modeling.tiny import check_output_folder, write_tiny_model
 
-    check_writable_folder(out, "OUT", "give another folder")  # a file in the way, before the model is built
-    # OUT given as a real model's folder would lose its config.json and weights without a word.
-    held = sorted(p.name for p in (out.glob("*") if out.is_dir() else []) if p.name == "config.json"
-                  or p.suffix == ".safetensors")  # fmt: skip
-    if held and not overwrite:
-        raise QerlError(
-            f"OUT {out} already holds a model ({', '.join(held)}); nothing was written. Choose another "
-            "folder, or add --overwrite to replace its model files"
-        )
-    path = write_tiny_model(out, seed=seed)
+    # -o is where every other command writing files takes its folder; OUT stays for the commands of old.
+    if out is not None and output is not None:
+        raise QerlError(f"OUT {out} and --output {output}: give the folder once, as -o DIR")
+    if out is None and output is None:
+        raise QerlError("give the folder to write the tiny model to: qerl tiny-model -o DIR")
+    folder, what = (output, "--output") if output is not None else (out, "OUT")
+    check_output_folder(folder, what, overwrite)  # before the model is built
+    path = write_tiny_model(folder, seed=seed)
     console.print(f"wrote tiny Qwen2 model to [bold]{escape(str(path))}[/bold]")
 
 

@@ -29,17 +29,14 @@ from qerl_cli.config.loading import (
     to_dict,
     validate,
 )
+from qerl_cli.config.rl_sections import AlgorithmSection, AQNSection, RolloutSection, TrainSection
 from qerl_cli.config.sections import (
-    AlgorithmSection,
-    AQNSection,
     DataSection,
     LoraSection,
     ModelSection,
     OutputSection,
     RewardSection,
-    RolloutSection,
     TrainConfig,
-    TrainSection,
 )
 from qerl_cli.config.stages import BenchConfig, EvalConfig, QuantizeConfig
 

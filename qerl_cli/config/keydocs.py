@@ -1,8 +1,9 @@
 """Each config key's documentation, read from the comment above its field (or after it on its line).
 
-The comments in ``sections.py`` and ``stages.py`` are the one place a key is documented: this module reads
-them from the source with ``tokenize`` and ``ast``, and ``qerl train --keys`` prints them with each key's
-dotted name, type and default. ``tests/test_config.py`` holds every field to having one.
+The comments in ``sections.py``, ``rl_sections.py`` and ``stages.py`` are the one place a key is
+documented: this module reads them from the source with ``tokenize`` and ``ast``, and ``qerl train --keys``
+prints them with each key's dotted name, type and default. ``tests/test_config.py`` holds every field to
+having one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from qerl_cli.config.loading import _field_types, _type_name
+from qerl_cli.config.coercion import type_name
+from qerl_cli.config.loading import _field_types
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def key_docs(cls: type, prefix: str = "") -> list[KeyDoc]:
         if dataclasses.is_dataclass(tp):
             docs.extend(key_docs(tp, f"{prefix}{f.name}."))
             continue
-        docs.append(KeyDoc(f"{prefix}{f.name}", _type_name(tp), _yaml(_default(f)), helps.get(f.name, "")))
+        docs.append(KeyDoc(f"{prefix}{f.name}", type_name(tp), _yaml(_default(f)), helps.get(f.name, "")))
     return docs
 
 

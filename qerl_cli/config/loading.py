@@ -7,142 +7,17 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
 from qerl_cli.config.checks import ConfigValueError, NeedsItems, empty_rule
 from qerl_cli.config.choices import RESOLVED_CONFIG_NAME
+from qerl_cli.config.coercion import Mismatch, coerce, did_you_mean, scalar, type_name
 from qerl_cli.config.sections import TrainConfig
 from qerl_cli.errors import QerlError, closest
 
-# --------------------------------------------------------------------------------------------
-# Machinery: dict -> dataclass with strict checking, overrides, dumping
-# --------------------------------------------------------------------------------------------
 C = TypeVar("C")
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is not None:
-        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
-        return f"{origin.__name__}[{args}]"
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-def _in_words(tp: Any) -> str:
-    """``tp`` as a user reads it in an error about one list item: "one of auto, marlin", "an integer"."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
-    words = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
-    return words.get(tp, _type_name(tp))
-
-
-class _Mismatch(Exception):
-    """Raised internally when a value does not fit a type; turned into a QerlError with the key.
-
-    ``detail`` says which part of a mapping was wrong ("entry 'a': 'x' is not float"); ``problem``, set
-    for a wrong list item, is the whole complaint in words ("has 'abc' (item 2), which is not an
-    integer"): the item and what it may be say more than the list's repr and its type expression."""
-
-    def __init__(self, detail: str = "", problem: str = "") -> None:
-        super().__init__(detail or problem)
-        self.detail = detail
-        self.problem = problem
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        # YAML 1.1 reads a bare off / on (``--set train.fused_kernels=off``) as false / true: where a
-        # choice is spelled so, that is what was meant.
-        if isinstance(value, bool) and ("on" if value else "off") in choices:
-            return "on" if value else "off"
-        if value in choices:
-            return value
-        # The docs write the formats and methods as names (NVFP4, AWQ): every choice is lower case, so
-        # a user's NVFP4 can mean nothing but nvfp4 (bench --formats took it already).
-        if isinstance(value, str) and value.lower() in choices:
-            return value.lower()
-        raise _Mismatch
-    if origin in (typing.Union, types.UnionType):
-        misses = []
-        for arg in typing.get_args(tp):
-            try:
-                return _coerce(value, arg)
-            except _Mismatch as exc:
-                misses.append(exc)
-        # The member that got furthest (a list's wrong item) says the most; a bare miss says nothing.
-        raise next((m for m in misses if m.detail or m.problem), _Mismatch())
-    if tp is type(None):
-        if value is None:
-            return None
-        raise _Mismatch
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, str):  # --set train.batch=2,8 and CLI lists
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list | tuple):
-            raise _Mismatch
-        items = []
-        for index, v in enumerate(value, 1):
-            try:
-                items.append(_coerce(_scalar(v) if isinstance(v, str) else v, item))
-            except _Mismatch:
-                where = f" (item {index})" if len(value) > 1 else ""
-                raise _Mismatch(problem=f"has {v!r}{where}, which is not {_in_words(item)}") from None
-        return items
-    if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise _Mismatch
-        entries = {}
-        for k, v in value.items():
-            try:
-                entries[_coerce(k, key_tp)] = _coerce(v, val_tp)
-            except _Mismatch:
-                raise _Mismatch(f"entry {k!r}: {v!r} is not {_type_name(val_tp)}") from None
-        return entries
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:  # YAML 1.1 reads 1e-5 (no dot) as a string
-                return float(value)
-            except ValueError:
-                raise _Mismatch from None
-        raise _Mismatch
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return str(value)  # e.g. a numeric revision or dataset split name
-        raise _Mismatch
-    raise TypeError(f"unsupported config type {tp!r}")
-
-
-def _scalar(text: str) -> Any:
-    """Parse one ``--set`` value the way YAML would (``true``, ``3``, ``[1, 2]``, ``null``)."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -213,15 +88,15 @@ def from_dict(
             kwargs[key] = from_dict(tp, value if value is not None else {}, prefix=f"{path}.", _root=root)
             continue
         try:
-            kwargs[key] = _coerce(value, tp)
-        except _Mismatch as exc:
+            kwargs[key] = coerce(value, tp)
+        except Mismatch as exc:
             detail = f": {exc.detail}" if exc.detail else ""
             given = (
                 "has no value (null, as `KEY:` or `--set KEY=` with nothing after it gives)"
                 if value is None
                 else f"has value {value!r} ({type(value).__name__})"
             )
-            problem = exc.problem or f"{given}; expected {_type_name(tp)}{detail}"
+            problem = exc.problem or f"{given}; expected {type_name(tp)}{detail}{did_you_mean(value, tp)}"
             raise ConfigValueError(path, problem, label=f"config key '{path}'") from None
     return cls(**kwargs)
 
@@ -244,7 +119,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], root: type) -> d
             if not isinstance(child, dict):
                 raise QerlError(f"--set {key}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
             node = child
-        node[parts[-1]] = _scalar(raw)
+        node[parts[-1]] = scalar(raw)
     return data
 
 

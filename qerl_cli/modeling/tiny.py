@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from qerl_cli.files import honour_umask
+from qerl_cli.errors import QerlError
+from qerl_cli.files import check_writable_folder, honour_umask
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2's pre-tokenizer split: the tokenizer below has Qwen2's exact structure (byte-level BPE), so
@@ -168,3 +169,25 @@ def save_model_folder(model, tokenizer, out_dir: str | Path) -> Path:
 def write_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
     """Write a tiny Qwen2 model folder that transformers and vLLM load; returns the folder."""
     return save_model_folder(build_tiny_model(seed, spec), build_tokenizer(), out_dir)
+
+
+def check_output_folder(out: str | Path, what: str, overwrite: bool) -> None:
+    """Refuse, before the model is built, an output folder ``out`` (named ``what``: ``--output``, ``OUT``)
+    the tiny model must not be written into: a file in the way, a folder holding a model (config.json
+    or .safetensors: a real model would lose them without a word) unless ``overwrite``, and a folder of
+    other files even then, as ``qerl quantize -o`` refuses one (the model's files would be mixed in)."""
+    out = Path(out)
+    check_writable_folder(out, what, "give another folder")
+    entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()) if out.is_dir() else []
+    held = [name for name in entries if name == "config.json" or name.endswith(".safetensors")]
+    if held and not overwrite:
+        raise QerlError(
+            f"{what} {out} already holds a model ({', '.join(held)}); nothing was written. Choose another "
+            "folder, or add --overwrite to replace its model files"
+        )
+    if entries and not held:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise QerlError(
+            f"{what} {out} holds {shown}, not a model; nothing was written. Give a new or empty folder "
+            "(--overwrite replaces only a model's files, never a folder of other files)"
+        )
