@@ -122,6 +122,10 @@ class _CliConsole(Console):
         if not self._piped() or self._needed is not None:  # a terminal, COLUMNS, or a nested print
             super().print(*objects, **kwargs)
             return
+        if objects and all(isinstance(obj, str) for obj in objects):
+            # A message, not a table: a log keeps each of its lines whole (a path cut in two breaks a
+            # grep, a copy and paste), as it did at any width; only tables wrap at PIPED_WIDTH.
+            kwargs.setdefault("soft_wrap", True)
         self._needed = _unbreakable_width(self, objects)
         try:
             super().print(*objects, **kwargs)
@@ -132,8 +136,7 @@ class _CliConsole(Console):
 def _unbreakable_width(console: Console, objects: tuple[Any, ...]) -> int:
     """The width the tables among ``objects`` (and other rich renderables) need to cut no cell: rich's
     minimum measure, less what a column that folds its long words (``overflow="fold"``) can fold. Strings
-    are left out: rich folds a long word of text, never cuts it, and a message that must keep a path on
-    one line prints it with ``soft_wrap``."""
+    are left out: a piped message prints with ``soft_wrap`` (:meth:`_CliConsole.print`), never wrapped."""
     # Measured without a ceiling: Measurement.get clamps the minimum to the options' width.
     options = console.options.update_width(_MEASURE_CEILING)
     return max(

@@ -90,4 +90,6 @@ def print_models(rows: list[dict[str, str]]) -> None:
         table.add_row(row["alias"], row["description"], row["get_it"], row["status"])
     console.print(table)
     for row in rows:
-        console.print(f"[dim]{row['alias']} is looked for in: {row['looks_in']}[/dim]")
+        # One folder a line: a log keeps each path whole and the list stays readable at any width.
+        folders = "".join(f"\n  {escape(folder)}" for folder in row["looks_in"].split(", "))
+        console.print(f"[dim]{row['alias']} is looked for in:{folders}[/dim]")
