@@ -133,3 +133,84 @@ def test_a_mismatched_adapter_is_refused(tmp_path: Path) -> None:
         adapter.load_weights(other, folder)
     with pytest.raises(QerlError, match="no LoRA adapter to load weights into"):
         adapter.load_weights(torch.nn.Linear(2, 2), folder)
+
+
+def _quantized_peft(base_id: str):
+    """A tiny Qwen2 with NVFP4 QuantLinear layers and LoRA on all seven linears, recording ``base_id``
+    as its base (a hub id or a folder, as a training run records it)."""
+    from qerl_cli.modeling.lora import attach_lora
+    from qerl_cli.modeling.quant_linear import QuantLinear
+    from qerl_cli.modeling.tiny import build_tiny_model
+
+    model = build_tiny_model(seed=0)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(parent, name, QuantLinear.from_linear(child, "nvfp4"))
+    model.name_or_path = base_id  # what from_pretrained records, and PEFT copies into its config
+    peft_model = attach_lora(model, r=4, alpha=8)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    return peft_model
+
+
+@pytest.mark.parametrize("base_id", ["example-org/not-a-local-folder", "local"])
+def test_a_save_reads_nothing_of_the_base(
+    base_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vLLM sync saves the adapter every step: the save must not look the base model up (PEFT's
+    embedding check reads its config, from the Hub for a hub id) nor dequantize its packed weights."""
+    import peft.utils.save_and_load as peft_save
+
+    from qerl_cli.modeling import quant_linear
+
+    if base_id == "local":
+        base_id = str(tmp_path / "base")
+        (tmp_path / "base").mkdir()
+        (tmp_path / "base" / "config.json").write_text("{}")
+    peft_model = _quantized_peft(base_id)
+    assert peft_model.peft_config["default"].base_model_name_or_path == base_id
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the adapter save looked at the base model")
+
+    monkeypatch.setattr(peft_save, "check_file_exists_on_hf_hub", refused)
+    monkeypatch.setattr(type(peft_model.config), "from_pretrained", classmethod(refused))
+    monkeypatch.setattr(quant_linear, "kernel_dequantize", refused)
+    fmt = type(peft_model.get_base_model().model.layers[0].mlp.down_proj.base_layer.fmt)
+    monkeypatch.setattr(fmt, "dequantize", refused)
+    monkeypatch.setattr(fmt, "dequantize_buffers", refused)
+
+    folder = adapter.save_peft_model(peft_model, tmp_path / "a")
+    names = adapter.weight_names(folder)
+    assert len(names) == 2 * 7 * 2 and all(".lora_A." in k or ".lora_B." in k for k in names)
+
+
+def test_the_save_writes_what_peft_writes_by_default(tmp_path: Path) -> None:
+    """Telling PEFT there are no embedding layers to save changes nothing in the files it writes."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text(_quantized_peft("x").config.to_json_string())
+    peft_model = _quantized_peft(str(tmp_path / "base"))
+    ours = adapter.save_peft_model(peft_model, tmp_path / "ours")
+    # PEFT's own default, save_embedding_layers="auto":
+    peft_model.save_pretrained(str(tmp_path / "peft"), safe_serialization=True)
+    for name in (adapter.ADAPTER_CONFIG, adapter.ADAPTER_WEIGHTS):
+        assert (ours / name).read_bytes() == (tmp_path / "peft" / name).read_bytes()
+
+
+def test_an_adapter_on_embeddings_keeps_peft_s_own_choice() -> None:
+    from qerl_cli.modeling.lora import attach_lora
+
+    base = torch.nn.Sequential()
+    base.add_module("q_proj", torch.nn.Linear(8, 8))
+    base.add_module("lm_head", torch.nn.Linear(8, 8))
+    on_linear = attach_lora(base, r=4, alpha=8, target_modules=["q_proj"], task_type=None)
+    assert adapter._embedding_layers_setting(on_linear) is False
+    base = torch.nn.Sequential()
+    base.add_module("q_proj", torch.nn.Linear(8, 8))
+    base.add_module("lm_head", torch.nn.Linear(8, 8))
+    on_head = attach_lora(base, r=4, alpha=8, target_modules=["q_proj", "lm_head"], task_type=None)
+    assert adapter._embedding_layers_setting(on_head) == "auto"

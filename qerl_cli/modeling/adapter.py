@@ -225,10 +225,31 @@ def attach_to_base(model: nn.Module, folder: str | Path) -> Any:
 # Writing
 # --------------------------------------------------------------------------------------------
 def save_peft_model(peft_model: Any, folder: str | Path) -> Path:
-    """Write a PEFT model's active adapter (config + safetensors) with the user's file modes."""
+    """Write a PEFT model's active adapter (config + safetensors) with the user's file modes.
+
+    PEFT's default ``save_embedding_layers="auto"`` looks the base model up on every save (its folder's
+    ``config.json`` read again, or for a hub id a request to the Hub and the config fetched) to see
+    whether the vocabulary was resized. qerl never resizes it, so unless the adapter targets an embedding
+    layer the answer is always "no embeddings": it is given, and a save (once per step in the vLLM sync)
+    reads nothing of the base and the same files are written.
+    """
     out = Path(folder)
-    peft_model.save_pretrained(str(out), safe_serialization=True)
+    peft_model.save_pretrained(
+        str(out), safe_serialization=True, save_embedding_layers=_embedding_layers_setting(peft_model)
+    )
     return honour_umask(out)  # safetensors writes 0600 files
+
+
+def _embedding_layers_setting(peft_model: Any) -> bool | str:
+    """False where no adapter of ``peft_model`` targets an embedding layer by name; PEFT's "auto" (its own
+    decision) otherwise, and for a regex ``target_modules``, which only PEFT's module walk resolves."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
+    for config in getattr(peft_model, "peft_config", {}).values():
+        targets = getattr(config, "target_modules", None)
+        if isinstance(targets, str) or any(name in (targets or ()) for name in EMBEDDING_LAYER_NAMES):
+            return "auto"
+    return False
 
 
 def write_tensors(
