@@ -345,3 +345,31 @@ def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Pa
         if target.exists() and not is_complete_folder(target):
             shutil.rmtree(target)  # the leftover of a crash before this marker existed
     return target
+
+
+# What marks a folder as a model (an earlier output, another model): what --overwrite may replace. Anything
+# else is someone's other work: `-o runs --overwrite` would have deleted every run.
+MODEL_MARKERS = ("config.json", "qerl_quant.json")
+
+
+def model_files(folder: Path) -> list[str]:
+    """The files in ``folder`` that make it a model (its markers, its .safetensors): empty when none."""
+    return sorted(
+        entry.name
+        for entry in folder.iterdir()
+        if entry.is_file() and (entry.name in MODEL_MARKERS or entry.name.endswith(".safetensors"))
+    )
+
+
+def check_not_other_work(folder: Path, what: str, remedy: str = "give a new or empty folder") -> None:
+    """Refuse an output ``folder`` (named ``what``; ``remedy`` says what to give instead) that holds files but
+    no model: a command writing a model there would mix its files in, and --overwrite replaces only a
+    model's files, never other work."""
+    entries = sorted(entry.name + "/" * entry.is_dir() for entry in folder.iterdir())
+    if not entries or model_files(folder):
+        return
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    raise QerlError(
+        f"{what} {folder} holds {shown}, not a model (no config.json); nothing was written: {remedy} "
+        "(--overwrite replaces only an earlier output, a model folder, never a folder of other files)"
+    )

@@ -111,12 +111,42 @@ def test_piped_models_fits_a_readable_width(
     monkeypatch.delenv("COLUMNS", raising=False)
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert max(len(line) for line in out.splitlines()) <= PIPED_WIDTH == 100
+    # The table's lines (the folders below it are messages, as long as the paths of this machine).
+    assert max(len(line) for line in _table_lines(out)) <= PIPED_WIDTH == 100
     for row in known_models():
         assert f"│ {row['alias']} " in out, row["alias"]
+        for folder in row["looks_in"]:  # one a line, whole
+            assert f"\n  {folder}\n" in out, folder
     monkeypatch.setenv("COLUMNS", "120")
     assert main(["models"]) == 0
-    assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= 120
+    assert max(len(line) for line in _table_lines(capsys.readouterr().out)) <= 120
+
+
+def _table_lines(out: str) -> list[str]:
+    lines = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert lines, out
+    return lines
+
+
+def test_a_piped_message_is_never_wrapped_and_any_value_prints(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Piped at PIPED_WIDTH, a message longer than it stays on one line (a path cut in two broke a grep),
+    and a value that is no rich renderable (a number, a path, None) prints as rich prints it, where the
+    table measure raised NotRenderableError on it."""
+    from qerl_cli.cli.app import output_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = output_console()
+    path = "/" + "/".join(f"folder-{i}" for i in range(20))
+    console.print(f"wrote the model to {path}")
+    for value in (3, Path(path), None, {"a": 1}):
+        console.print(value)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"wrote the model to {path}", "3", path, "None", "{'a': 1}"]
+    monkeypatch.setenv("COLUMNS", "80")  # a width given for tables: messages still keep their lines
+    console.print(f"wrote the model to {path}")
+    assert capsys.readouterr().out == f"wrote the model to {path}\n"
 
 
 def test_a_piped_table_of_prose_wraps_at_the_piped_width(

@@ -18,6 +18,7 @@ import typer
 from rich.console import Console, ConsoleDimensions, ConsoleOptions, Group
 from rich.markup import escape
 from rich.measure import Measurement
+from rich.protocol import is_renderable, rich_cast
 from rich.table import Column, Table
 from typer.core import TyperCommand, TyperGroup
 
@@ -119,18 +120,23 @@ class _CliConsole(Console):
         return not self.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit()
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
+        if not self.is_terminal and objects and all(_is_message(obj) for obj in objects):
+            # A message, not a table, into a log (COLUMNS set or not): each of its lines stays whole (a
+            # path cut in two breaks a grep, a copy and paste); only tables wrap at the width.
+            kwargs.setdefault("soft_wrap", True)
         if not self._piped() or self._needed is not None:  # a terminal, COLUMNS, or a nested print
             super().print(*objects, **kwargs)
             return
-        if objects and all(isinstance(obj, str) for obj in objects):
-            # A message, not a table: a log keeps each of its lines whole (a path cut in two breaks a
-            # grep, a copy and paste), as it did at any width; only tables wrap at PIPED_WIDTH.
-            kwargs.setdefault("soft_wrap", True)
         self._needed = _unbreakable_width(self, objects)
         try:
             super().print(*objects, **kwargs)
         finally:
             self._needed = None
+
+
+def _is_message(obj: Any) -> bool:
+    """A string, or a value rich prints as its ``str`` (a number, a path): text, not a table."""
+    return isinstance(obj, str) or not is_renderable(rich_cast(obj))
 
 
 def _unbreakable_width(console: Console, objects: tuple[Any, ...]) -> int:
@@ -139,9 +145,7 @@ def _unbreakable_width(console: Console, objects: tuple[Any, ...]) -> int:
     are left out: a piped message prints with ``soft_wrap`` (:meth:`_CliConsole.print`), never wrapped."""
     # Measured without a ceiling: Measurement.get clamps the minimum to the options' width.
     options = console.options.update_width(_MEASURE_CEILING)
-    return max(
-        (_least_width(console, options, obj) for obj in objects if not isinstance(obj, str)), default=0
-    )
+    return max((_least_width(console, options, obj) for obj in objects if not _is_message(obj)), default=0)
 
 
 def _least_width(console: Console, options: ConsoleOptions, renderable: Any) -> int:

@@ -80,7 +80,7 @@ def env_table(info: dict[str, Any]) -> Table:
     return table
 
 
-def print_models(rows: list[dict[str, str]]) -> None:
+def print_models(rows: list[dict[str, Any]]) -> None:
     table = Table(title="qerl models (every command taking a model accepts an alias, a .gguf or a folder)")
     # The alias is what a user copies: never wrapped; the other columns give way (fold long tokens).
     table.add_column("alias", no_wrap=True, min_width=max((len(row["alias"]) for row in rows), default=5))
@@ -91,5 +91,5 @@ def print_models(rows: list[dict[str, str]]) -> None:
     console.print(table)
     for row in rows:
         # One folder a line: a log keeps each path whole and the list stays readable at any width.
-        folders = "".join(f"\n  {escape(folder)}" for folder in row["looks_in"].split(", "))
+        folders = "".join(f"\n  {escape(folder)}" for folder in row["looks_in"])
         console.print(f"[dim]{row['alias']} is looked for in:{folders}[/dim]")

@@ -52,18 +52,7 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is Any:
         return value
     if origin is Literal:
-        choices = typing.get_args(tp)
-        # YAML 1.1 reads a bare off / on (``--set train.fused_kernels=off``) as false / true: where a
-        # choice is spelled so, that is what was meant.
-        if isinstance(value, bool) and ("on" if value else "off") in choices:
-            return "on" if value else "off"
-        if value in choices:
-            return value
-        # The docs write the formats and methods as names (NVFP4, AWQ): every choice is lower case, so
-        # a user's NVFP4 can mean nothing but nvfp4 (bench --formats took it already).
-        if isinstance(value, str) and value.lower() in choices:
-            return value.lower()
-        raise Mismatch
+        return _coerce_literal(value, typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         misses = []
         for arg in typing.get_args(tp):
@@ -104,6 +93,24 @@ def coerce(value: Any, tp: Any) -> Any:
                 detail = f"entry {k!r}: {v!r} is not {type_name(val_tp)}{did_you_mean(v, val_tp)}"
                 raise Mismatch(detail) from None
         return entries
+    return _coerce_scalar(value, tp)
+
+
+def _coerce_literal(value: Any, choices: tuple[Any, ...]) -> Any:
+    # YAML 1.1 reads a bare off / on (``--set train.fused_kernels=off``) as false / true: where a
+    # choice is spelled so, that is what was meant.
+    if isinstance(value, bool) and ("on" if value else "off") in choices:
+        return "on" if value else "off"
+    if value in choices:
+        return value
+    # The docs write the formats and methods as names (NVFP4, AWQ): every choice is lower case, so
+    # a user's NVFP4 can mean nothing but nvfp4 (bench --formats took it already).
+    if isinstance(value, str) and value.lower() in choices:
+        return value.lower()
+    raise Mismatch
+
+
+def _coerce_scalar(value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -26,6 +26,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -385,8 +386,9 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2))
 
 
-def known_models() -> list[dict[str, str]]:
-    """Rows for ``qerl models``: alias, where its file comes from, whether it is present now."""
+def known_models() -> list[dict[str, Any]]:
+    """Rows for ``qerl models``: alias, where its file comes from, whether it is present now, and the
+    folders it is looked for in (``looks_in``, a list of paths)."""
     rows = []
     for alias in ALIASES.values():
         whole = _whole_file(alias)
@@ -403,7 +405,7 @@ def known_models() -> list[dict[str, str]]:
                 "alias": alias.name,
                 "description": alias.description,
                 "get_it": alias.get_it(),
-                "looks_in": ", ".join(str(d) for d in alias.search_dirs()),
+                "looks_in": [str(d) for d in alias.search_dirs()],
                 "status": status,
             }
         )

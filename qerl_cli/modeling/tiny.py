@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import check_writable_folder, honour_umask
+from qerl_cli.files import check_not_other_work, check_writable_folder, honour_umask, model_files
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2's pre-tokenizer split: the tokenizer below has Qwen2's exact structure (byte-level BPE), so
@@ -178,16 +178,12 @@ def check_output_folder(out: str | Path, what: str, overwrite: bool) -> None:
     other files even then, as ``qerl quantize -o`` refuses one (the model's files would be mixed in)."""
     out = Path(out)
     check_writable_folder(out, what, "give another folder")
-    entries = sorted(p.name + "/" * p.is_dir() for p in out.iterdir()) if out.is_dir() else []
-    held = [name for name in entries if name == "config.json" or name.endswith(".safetensors")]
+    if not out.is_dir():
+        return
+    held = model_files(out)
     if held and not overwrite:
         raise QerlError(
             f"{what} {out} already holds a model ({', '.join(held)}); nothing was written. Choose another "
             "folder, or add --overwrite to replace its model files"
         )
-    if entries and not held:
-        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-        raise QerlError(
-            f"{what} {out} holds {shown}, not a model; nothing was written. Give a new or empty folder "
-            "(--overwrite replaces only a model's files, never a folder of other files)"
-        )
+    check_not_other_work(out, what)

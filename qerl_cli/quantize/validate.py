@@ -18,7 +18,7 @@ import torch
 from qerl_cli import formats
 from qerl_cli.config.choices import QuantMethod
 from qerl_cli.errors import QerlError
-from qerl_cli.files import TargetExistsError, file_given_for_folder, staged_folder
+from qerl_cli.files import TargetExistsError, check_not_other_work, file_given_for_folder, staged_folder
 from qerl_cli.modeling.sources import resolve_model_source
 
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
@@ -122,30 +122,14 @@ def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
     if output.exists() and not output.is_dir():
         raise file_given_for_folder(output, "output", "another --output, or remove the file")
     if output.exists():
-        _check_replaceable(output)  # first: --overwrite is no remedy for a folder of other work
+        # First: --overwrite is no remedy for a folder of other work.
+        check_not_other_work(output, "output", "give a new sub-folder as --output")
         if not overwrite:
             raise QerlError(
                 f"output folder {output} already exists: pass --overwrite to replace it, or give another "
                 "--output"
             )
     return output  # a parent folder not there yet is made, as train and eval make theirs
-
-
-# What marks a folder as a model (an earlier output of this command, or another model): what --overwrite
-# may replace. Anything else is someone's other work: `-o runs --overwrite` would have deleted every run.
-_MODEL_MARKERS = ("config.json", "qerl_quant.json")
-
-
-def _check_replaceable(output: Path) -> None:
-    """--overwrite replaces a model folder (or an empty one), never a folder of other files."""
-    entries = sorted(entry.name + "/" * entry.is_dir() for entry in output.iterdir())
-    if not entries or any((output / marker).is_file() for marker in _MODEL_MARKERS):
-        return
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    raise QerlError(
-        f"output {output} holds {shown}, not a model (no config.json): give a new sub-folder as --output "
-        "(--overwrite replaces only an earlier output, a model folder, never a folder of other files)"
-    )
 
 
 def incompatible_layers(model: torch.nn.Module, block_size: int) -> list[str]:
