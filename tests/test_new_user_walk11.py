@@ -1,0 +1,62 @@
+"""A new user's walk, round 11: what carries from one command to the next (quantize -> train -> eval ->
+compare), each stumble held by the test that would have caught it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_runner import run_cli, usage_error
+from test_compare import TINY_SETS, _recipe, _score
+
+from qerl_cli.compare import heldout as heldout_mod
+from qerl_cli.compare import runner
+from qerl_cli.compare.results import RunResult
+from qerl_cli.config import save_resolved_config
+from qerl_cli.errors import QerlError
+
+
+# -- qerl compare again into the same folder with other settings --------------------------------------------
+def _fake_trained_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """run_one without training, keeping what `qerl train` keeps of a run: its config.yaml and result.json."""
+    ran = []
+
+    def fake_run(conf, settings, arm, progress, invocation=None, *, compare_dir):
+        ran.append((arm, conf.train.seed))
+        save_resolved_config(conf, conf.output.dir)
+        result = RunResult(arm, conf.train.seed, [0.0, 0.0], [1.0, 0.9], _score(0.3, 0.05), gpus=0,
+                           zero_std_group_fraction=[1.0, 1.0])  # fmt: skip
+        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result.to_dict()))
+        return result
+
+    monkeypatch.setattr(runner, "run_one", fake_run)
+    monkeypatch.setattr(heldout_mod, "base_entropy", lambda *a: {"exact_entropy": 1.5})
+    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
+    return ran
+
+
+def test_compare_refuses_finished_runs_of_other_settings(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl compare RECIPE -o DIR --set train.learning_rate=...` again into the folder of an earlier
+    comparison skipped every run as "finished before" and wrote a report of the earlier learning rate's
+    runs as this one's, exit 0. Now it is refused before any work, naming the runs and the settings that
+    differ; the same settings (more seeds) still add to the folder."""
+    ran = _fake_trained_runs(monkeypatch)
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    arms = ["bf16-lora", "nvfp4-aqn"]
+    runner.run_compare(recipe, arms, 1, out, sets=TINY_SETS)
+    report = (out / "compare.json").read_text()
+    changed = [*TINY_SETS, "train.learning_rate=0.1"]
+    argv = ["compare", str(recipe), "--arms", ",".join(arms), "--seeds", "2", "-o", str(out)]
+    rc, _, err = run_cli(capsys, *argv, *(f"--set={s}" for s in changed), "--dry-run")
+    assert usage_error(rc, err), err
+    assert "bf16-lora/seed-0, nvfp4-aqn/seed-0" in err and "train.learning_rate: 0.01 -> 0.1" in err
+    assert "-o DIR" in err
+    with pytest.raises(QerlError, match="trained with other settings"):
+        runner.run_compare(recipe, arms, 2, out, sets=changed)
+    assert (out / "compare.json").read_text() == report and len(ran) == 2  # nothing trained or rewritten
+    runner.run_compare(recipe, arms, 2, out, sets=TINY_SETS)  # the same settings: seed 1 added
+    assert sorted(ran) == [("bf16-lora", 0), ("bf16-lora", 1), ("nvfp4-aqn", 0), ("nvfp4-aqn", 1)]
+
