@@ -60,3 +60,17 @@ def test_compare_refuses_finished_runs_of_other_settings(
     runner.run_compare(recipe, arms, 2, out, sets=TINY_SETS)  # the same settings: seed 1 added
     assert sorted(ran) == [("bf16-lora", 0), ("bf16-lora", 1), ("nvfp4-aqn", 0), ("nvfp4-aqn", 1)]
 
+
+# -- qerl compare's report: the remedy for too little signal ------------------------------------------------
+def test_compare_s_signal_remedy_doubles_the_arms_own_samples(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ablation at rollout.num_generations=4 whose arms started without reward spread was told
+    "rollout.num_generations: 16 instead of 8", a value it never ran, where `qerl train` of the same run
+    says "8 instead of this run's 4". The report now reads each arm's runs' own value."""
+    _fake_trained_runs(monkeypatch)
+    out, recipe = tmp_path / "cmp", _recipe(tmp_path, tiny_model_dir)
+    runner.run_compare(recipe, ["bf16-lora", "nvfp4-aqn"], 1, out, sets=TINY_SETS)
+    warnings = [w for w in json.loads((out / "compare.json").read_text())["warnings"] if "little signal" in w]
+    assert len(warnings) == 2
+    assert all("rollout.num_generations: 8 instead of this run's 4" in w for w in warnings), warnings
