@@ -74,3 +74,22 @@ def test_compare_s_signal_remedy_doubles_the_arms_own_samples(
     warnings = [w for w in json.loads((out / "compare.json").read_text())["warnings"] if "little signal" in w]
     assert len(warnings) == 2
     assert all("rollout.num_generations: 8 instead of this run's 4" in w for w in warnings), warnings
+
+
+# -- a mistyped option --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "said", "not_said"),
+    [
+        (["bench", "kernels", "--baseline", "b.json"], "No such option: --baseline", "--seq-len"),
+        (["train", "tiny", "--resum", "auto"], "No such option: --resum (did you mean --resume?)", "--keys"),
+        (["eval", "--samplez", "3"], "No such option: --samplez (did you mean --samples?)", "Possible"),
+    ],
+)
+def test_a_mistyped_option_gets_the_one_close_match_rule(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str, not_said: str
+) -> None:
+    """`qerl bench kernels --baseline b.json` (a flag of `bench rollout`) was answered "Possible options:
+    --seq-len", and `qerl train tiny --resum auto` "--keys, --resume": click's own close matches, which
+    count the shared "--". Options now get the "did you mean" of every other name (errors.closest)."""
+    rc, _, err = run_cli(capsys, *argv)
+    assert usage_error(rc, err) and said in err and not_said not in err, err
