@@ -93,3 +93,28 @@ def test_a_mistyped_option_gets_the_one_close_match_rule(
     count the shared "--". Options now get the "did you mean" of every other name (errors.closest)."""
     rc, _, err = run_cli(capsys, *argv)
     assert usage_error(rc, err) and said in err and not_said not in err, err
+
+
+# -- qerl compare --dry-run: what each arm trains on -------------------------------------------------------
+def test_compare_dry_run_says_which_arms_get_a_base_made(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`qerl compare tiny --arms nvfp4-lora,nvfp4-aqn --set model.path=<an NVFP4 base> --dry-run` said "an
+    arm's 4-bit base is made once from model.path under DIR/bases (compare.base_method=awq)", where both
+    arms train on the recipe's own 4-bit model and nothing is made. It now says what each arm trains on."""
+    from qerl_cli.quantize.native import write_rtn_checkpoint
+
+    nvfp4 = write_rtn_checkpoint(tiny_model_dir, tmp_path / "nvfp4", "nvfp4")
+    recipe, out = _recipe(tmp_path, tiny_model_dir), tmp_path / "cmp"
+    argv = ["compare", str(recipe), "--seeds", "1", "-o", str(out), "--dry-run"]
+    sets = [f"--set={s}" for s in TINY_SETS]
+    rc, _, err = run_cli(capsys, *argv, "--arms", "nvfp4-lora,nvfp4-aqn", *sets, f"--set=model.path={nvfp4}")
+    assert rc == 0, err
+    assert "bases: nvfp4-lora: the recipe's model; nvfp4-aqn: the recipe's model" in err
+    assert "made once" not in err
+    rc, _, err = run_cli(capsys, *argv, "--arms", "bf16-lora,nvfp4-aqn", *sets)
+    assert rc == 0, err
+    assert (
+        f"bases: bf16-lora: the recipe's model; nvfp4-aqn: nvfp4 RTN, made once from model.path (under "
+        f"{out / 'bases'}; compare.base_method=rtn)" in err
+    )

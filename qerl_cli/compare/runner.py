@@ -213,10 +213,6 @@ def check_compare(
     # The engines each run checks again in its own process before it trains (a child may have a GPU).
     probes = _probes(ablation)
     checked.extend(dict.fromkeys(preflight.engine(conf) for conf in probes))
-    checked.append(Checked(
-        "bases", f"an arm's 4-bit base is made once from model.path under {out / 'bases'} "
-        f"(compare.base_method={ablation.settings.base_method})",
-    ))  # fmt: skip
     checked.append(preflight.grader())
     return checked
 
@@ -234,7 +230,11 @@ def _input_checks(ablation: _Ablation) -> list[Checked]:
     for check in (preflight.model_source, preflight.dataset):
         checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
     checked.extend(dict.fromkeys(preflight.extra_rewards(conf) for conf in probes if conf.reward.extra))
-    check_base_formats(ablation.data, ablation.arms, ablation.sets, ablation.settings.base_method)
+    method = ablation.settings.base_method
+    trains_on = check_base_formats(ablation.data, ablation.arms, ablation.sets, method)
+    where = "; ".join(f"{arm}: {base}" for arm, base in trains_on.items())
+    made = f" (under {out / 'bases'}; compare.base_method={method})" if "made once" in where else ""
+    checked.append(Checked("bases", where + made))
     return checked
 
 
