@@ -118,3 +118,35 @@ def test_compare_dry_run_says_which_arms_get_a_base_made(
         f"bases: bf16-lora: the recipe's model; nvfp4-aqn: nvfp4 RTN, made once from model.path (under "
         f"{out / 'bases'}; compare.base_method=rtn)" in err
     )
+
+
+# -- qerl eval of an adapter on another base than it trained on ---------------------------------------------
+def test_eval_names_an_adapter_trained_on_another_base(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """quantize -> train on the 4-bit base -> `qerl eval BF16_MODEL --adapter RUN/adapter` scored the adapter
+    on a base it never learned on, without a word, though its adapter_config.json names the base. The
+    dry run's --adapter line and a warning now say so, naming the command that evaluates it as trained."""
+    import torch
+
+    from qerl_cli.modeling.adapter import write_tensors
+
+    other = tmp_path / "other-base"
+    other.mkdir()
+    adapter = write_tensors(
+        tmp_path / "adapter", {"w": torch.zeros(1)}, rank=4, alpha=8, target_modules=["q_proj"],
+        base_model=str(other),
+    )  # fmt: skip
+    argv = ["eval", str(tiny_model_dir), "--adapter", str(adapter), "--benchmarks", "synthetic-addition"]
+    argv += ["-o", str(tmp_path / "ev"), "--dry-run"]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    warned = " ".join(caplog.text.split())
+    assert f"adapter {adapter} was trained on {other} and this evaluation loads {tiny_model_dir}" in warned
+    assert f"qerl eval {other} --adapter {adapter}" in warned
+    assert f"--adapter: {adapter}: a PEFT adapter folder; trained on {other}, not on MODEL" in err
+    write_tensors(adapter, {"w": torch.zeros(1)}, rank=4, alpha=8, target_modules=["q_proj"],
+                  base_model=str(tiny_model_dir))  # fmt: skip
+    caplog.clear()
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 0 and "was trained on" not in caplog.text and f"trained on {tiny_model_dir}" in err, err
