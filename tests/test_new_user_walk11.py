@@ -150,3 +150,30 @@ def test_eval_names_an_adapter_trained_on_another_base(
     caplog.clear()
     rc, _, err = run_cli(capsys, *argv)
     assert rc == 0 and "was trained on" not in caplog.text and f"trained on {tiny_model_dir}" in err, err
+
+
+# -- qerl tiny-model --overwrite over a 4-bit base -----------------------------------------------------------
+def test_tiny_model_over_a_base_leaves_no_record_of_the_old_weights(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`qerl tiny-model -o BASE --overwrite` over a base `qerl quantize --lora-init svd` wrote replaced the
+    weights but left qerl_quant.json, recipe.yaml and lora_init/: the new BF16 model read as that 4-bit base
+    (compare's base column) and `lora.init: svd` trained from a start made for other weights. They go now;
+    a file of the user's beside the model stays."""
+    import shutil
+
+    from qerl_cli.modeling.loading import folder_format
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    for name in ("qerl_quant.json", "recipe.yaml", "lora_init/adapter_config.json", "notes.txt"):
+        (base / name).parent.mkdir(exist_ok=True)
+        (base / name).write_text("{}")
+    rc, _, err = run_cli(capsys, "tiny-model", "-o", str(base), "--overwrite", "--seed", "3")
+    assert rc == 0, err
+    left = sorted(p.name for p in base.iterdir())
+    assert not {"qerl_quant.json", "recipe.yaml", "lora_init"} & set(left) and "notes.txt" in left, left
+    assert folder_format(str(base)) == "bf16"
+    rc, _, err = run_cli(capsys, "train", "tiny", f"--set=model.path={base}", "--set=lora.init=svd",
+                         "--dry-run")  # fmt: skip
+    assert usage_error(rc, err) and "lora_init" in err, err
