@@ -177,3 +177,26 @@ def test_tiny_model_over_a_base_leaves_no_record_of_the_old_weights(
     rc, _, err = run_cli(capsys, "train", "tiny", f"--set=model.path={base}", "--set=lora.init=svd",
                          "--dry-run")  # fmt: skip
     assert usage_error(rc, err) and "lora_init" in err, err
+
+
+# -- qerl train into the model's own folder ----------------------------------------------------------------
+@pytest.mark.parametrize("inside", ["", "run"])
+def test_train_refuses_an_output_in_the_model_folder(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, inside: str
+) -> None:
+    """`qerl train tiny --set model.path=BASE --set output.dir=BASE` trained into the base's own folder,
+    mixing adapter/, checkpoints and metrics into the model's files (`qerl quantize` refuses its input's
+    folder for its output). It is now refused before any work, naming another output.dir."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    before = sorted(p.name for p in base.iterdir())
+    out = base / inside if inside else base
+    sets = [f"--set={s}" for s in TINY_SETS if not s.startswith("compare.")]
+    sets += [f"--set=model.path={base}", f"--set=output.dir={out}"]
+    for extra in (["--dry-run"], []):
+        rc, _, err = run_cli(capsys, "train", "tiny", *sets, *extra)
+        assert usage_error(rc, err) and "--set output.dir=DIR" in err, err
+        assert f"output.dir {out} is {'inside ' if inside else ''}the folder of model.path {base}" in err
+    assert sorted(p.name for p in base.iterdir()) == before
