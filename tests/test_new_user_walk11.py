@@ -200,3 +200,29 @@ def test_train_refuses_an_output_in_the_model_folder(
         assert usage_error(rc, err) and "--set output.dir=DIR" in err, err
         assert f"output.dir {out} is {'inside ' if inside else ''}the folder of model.path {base}" in err
     assert sorted(p.name for p in base.iterdir()) == before
+
+
+# -- qerl eval --set of a generating setting out of range ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("top_p=1.5", "top_p must be in (0, 1] (1: off), got 1.5"),
+        ("top_p=0", "top_p must be in (0, 1]"),
+        ("temperature=-1", "temperature must be >= 0 (0: greedy), got -1.0"),
+        ("max_new_tokens=0", "max_new_tokens must be > 0, got 0"),
+        ("generation_batch_size=0", "generation_batch_size must be > 0"),
+        ("grader_workers=0", "grader_workers must be > 0"),
+        ("gpu_memory_utilization=2", "gpu_memory_utilization must be in (0, 1]"),
+    ],
+)
+def test_eval_dry_run_refuses_a_generating_setting_out_of_range(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, setting: str, said: str
+) -> None:
+    """`qerl eval MODEL --set top_p=1.5` (its key doc: "in (0, 1]") ran and reported T=0.6 top-p=1.5;
+    `--set temperature=-1`, `max_new_tokens=0`, `generation_batch_size=0` or `grader_workers=0` passed
+    --dry-run and were refused only once the model had loaded. The config's check refuses each now."""
+    out = tmp_path / "ev"
+    argv = ["eval", str(tiny_model_dir), "--benchmarks", "synthetic-addition", "-o", str(out)]
+    rc, _, err = run_cli(capsys, *argv, "--set", setting, "--dry-run")
+    assert usage_error(rc, err) and said in err, err
+    assert not out.exists()
