@@ -226,3 +226,17 @@ def test_eval_dry_run_refuses_a_generating_setting_out_of_range(
     rc, _, err = run_cli(capsys, *argv, "--set", setting, "--dry-run")
     assert usage_error(rc, err) and said in err, err
     assert not out.exists()
+
+
+# -- qerl bench rollout --gen-len 1 ------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["rollout", "concurrency"])
+def test_bench_dry_run_refuses_one_generated_token(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    """`qerl bench rollout --gen-len 1 --dry-run` passed, and the run refused it only once the first case
+    had started ("decode latency needs a token after the first"). The settings' check refuses it now."""
+    out = tmp_path / "bench"
+    argv = ["bench", command, "--device", "cpu", "--gen-len", "1", "-o", str(out), "--dry-run"]
+    rc, _, err = run_cli(capsys, *argv)
+    assert usage_error(rc, err) and "--gen-len must be at least 2" in err and "got 1" in err, err
+    assert not out.exists()
