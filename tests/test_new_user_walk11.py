@@ -240,3 +240,27 @@ def test_bench_dry_run_refuses_one_generated_token(
     rc, _, err = run_cli(capsys, *argv)
     assert usage_error(rc, err) and "--gen-len must be at least 2" in err and "got 1" in err, err
     assert not out.exists()
+
+
+# -- qerl train: recipe values that did nothing, or the opposite of what they say ----------------------------
+@pytest.mark.parametrize(
+    ("setting", "said"),
+    [
+        ("train.max_grad_norm=-1", "train.max_grad_norm must be > 0, got -1.0"),
+        ("train.max_grad_norm=0", "train.max_grad_norm must be > 0, got 0.0"),
+        ("algorithm.beta=-0.1", "algorithm.beta must be >= 0 (0: no KL term), got -0.1"),
+        ("algorithm.overlong_cache_length=-1", "algorithm.overlong_cache_length must be >= 0"),
+        ("output.save_total_limit=0", "output.save_total_limit must be >= 1 (null: all checkpoints kept"),
+    ],
+)
+def test_train_refuses_a_value_that_does_other_than_it_says(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, setting: str, said: str
+) -> None:
+    """`--set train.max_grad_norm=-1` clipped every gradient to a negative norm, flipping the update
+    (0: zeroing it); `algorithm.beta=-0.1` rewarded drifting from the reference; `output.save_total_limit=0`
+    ("checkpoints kept") kept every checkpoint. Each ran without a word; each is refused now."""
+    out = tmp_path / "run"
+    sets = [f"--set=model.path={tiny_model_dir}", f"--set=output.dir={out}", f"--set={setting}"]
+    rc, _, err = run_cli(capsys, "train", "tiny", *sets, "--dry-run")
+    assert usage_error(rc, err) and said in err, err
+    assert not out.exists()
