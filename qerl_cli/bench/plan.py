@@ -24,7 +24,7 @@ from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
 from qerl_cli.bench.result import REPORT_NAME
-from qerl_cli.bench.rollout import MIN_REPEATS, WARMUP_TOKENS
+from qerl_cli.bench.rollout import GEN_LEN_RULE, MIN_GEN_LEN, MIN_REPEATS, WARMUP_TOKENS
 from qerl_cli.bench.settings import CPU_LENGTHS, E2EConfig
 from qerl_cli.config import BenchConfig, validate
 from qerl_cli.errors import Checked, QerlError, install_hint
@@ -139,6 +139,8 @@ def check_settings(cfg: BenchConfig) -> int:
                         f"something{allowed}")  # fmt: skip
     if cfg.lora_rank < 0:
         raise QerlError(f"--lora-rank must be >= 0 (0 skips the LoRA cases), got {cfg.lora_rank}")
+    if cfg.gen_len < MIN_GEN_LEN and not isinstance(cfg, E2EConfig):  # rollout cases time the decode
+        raise QerlError(f"{GEN_LEN_RULE}, got {cfg.gen_len}")
     return min_repeats
 
 

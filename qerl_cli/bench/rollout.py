@@ -36,6 +36,9 @@ from qerl_cli.rollout.base import RolloutEngine, RolloutResult, SamplingSpec
 TEMPERATURE = RolloutSection.temperature
 TOP_P = RolloutSection.top_p
 MIN_REPEATS = 3
+# Tokens generated at least: a rollout case's decode latency needs a token after the first.
+MIN_GEN_LEN = 2
+GEN_LEN_RULE = f"--gen-len must be at least {MIN_GEN_LEN}: decode latency needs a token after the first"
 # Warm-up generations are this long (at most): they only have to reach every code path once (CUDA
 # graphs and KV blocks are set up when the engine starts), and a full-length warm-up per case cost a
 # quarter of the default bench's generation time.
@@ -59,8 +62,8 @@ class RolloutSettings:
             raise QerlError(f"--repeats must be at least {self.min_repeats} so the median means something")
         if self.warmup < 0:
             raise QerlError(f"warmup must be >= 0, got {self.warmup}")
-        if self.gen_len < 2:
-            raise QerlError("--gen-len must be at least 2: decode latency needs a token after the first")
+        if self.gen_len < MIN_GEN_LEN:
+            raise QerlError(GEN_LEN_RULE)
 
 
 # --------------------------------------------------------------------------------------------

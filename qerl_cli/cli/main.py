@@ -22,7 +22,7 @@ from rich.markup import escape
 from qerl_cli.cli.app import app, console, err_console, record_argv, set_stop_hint, stop_hint
 from qerl_cli.cli.option_hints import recipe_key_hint
 from qerl_cli.cli.progress import quiet_library_bars
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, closest
 
 _USER_OS_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
 
@@ -108,10 +108,21 @@ def _show_click_error(exc: Any) -> int:
     if type(exc).__name__ == "NoSuchOption" and ctx is not None:  # a recipe key given as a flag
         named = re.search(r"No such option: (\S+)", message)  # click leaves option_name unset for -o
         option = getattr(exc, "option_name", None) or (named.group(1) if named else "")
+        message = exc.message + _option_meant(ctx.command, option)
         hint = recipe_key_hint(ctx.command_path, option)
         message += f"; {hint}" if hint else ""
     err_console.print(f"[bold red]error:[/bold red] [red]{escape(message)}[/red]", soft_wrap=True)
     return exc.exit_code
+
+
+def _option_meant(command: Any, option: str) -> str:
+    """The "did you mean --NAME?" of a mistyped long option, by the one close-match rule
+    (:func:`~qerl_cli.errors.closest`, on the names without their dashes) rather than click's own list,
+    whose shared "--" made `--baseline` suggest `--seq-len`."""
+    names = [name[2:] for param in command.params for name in (*param.opts, *param.secondary_opts)
+             if name.startswith("--")]  # fmt: skip
+    meant = closest(option.lstrip("-").partition("=")[0], names) if option.startswith("--") else None
+    return f" (did you mean --{meant}?)" if meant else ""
 
 
 def _internal_error(exc: BaseException, debug: bool) -> int:

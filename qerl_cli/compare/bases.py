@@ -80,20 +80,26 @@ def prepare_bases(
 
 def check_base_formats(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], method: str = DEFAULT_BASE_METHOD
-) -> None:
+) -> dict[str, str]:
     """What :func:`prepare_bases` refuses, before any work and without loading or converting anything: an
     arm asking for a format the recipe's model folder is not, while that model is not BF16 (4-bit bases
-    are made from a BF16 one). A hub id, a GGUF file or an alias is BF16 once converted: nothing to check."""
+    are made from a BF16 one). A hub id, a GGUF file or an alias is BF16 once converted. Returns what each
+    arm will train on, in words (``--dry-run`` says it)."""
     source = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None)).model.path
     folder = Path(source).expanduser()
-    if not (folder / "config.json").is_file():
-        return
-    own = detect_format(read_config(folder))
+    own = detect_format(read_config(folder)) if (folder / "config.json").is_file() else "bf16"
+    plan = {}
     for arm, overrides in arms.items():
         if "model.path" in overrides:
             base_choice(overrides, method, where=f"arm {arm}")  # its base settings are still read
-        else:
-            _arm_base(arm, overrides, method, source, own)
+            plan[arm] = f"its own model.path {overrides['model.path']}"
+            continue
+        choice = _arm_base(arm, overrides, method, source, own)
+        made = choice.format not in ("auto", own)
+        plan[arm] = f"{choice.label()}, made once from model.path" if made else "the recipe's model"
+        if choice.dequantized:
+            plan[arm] = f"a dense BF16 copy of {plan[arm]}"
+    return plan
 
 
 def _arm_base(arm: str, overrides: dict[str, Any], method: str, source: str, own: str) -> BaseChoice:

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.compare.runs import arm_config, train_sets
+from qerl_cli.compare.runs import SHARE_KEY, arm_config, train_sets
 from qerl_cli.config import TrainConfig, apply_overrides, from_dict
 from qerl_cli.errors import QerlError
 
@@ -16,7 +16,6 @@ log = logging.getLogger(__name__)
 # Of the GPU's memory, what vLLM runs sharing it divide among themselves (the rest: CUDA contexts,
 # fragmentation, what a run holds beyond its plan).
 SHARED_GPU_FRACTION = 0.92
-SHARE_KEY = "rollout.gpu_memory_utilization"  # vLLM's share of the whole GPU
 
 
 def _thousandths(fraction: float, parts: int) -> float:

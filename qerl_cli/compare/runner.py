@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.compare import heldout
+from qerl_cli.compare import runs as run_folders
 from qerl_cli.compare.arms import select_arms
 from qerl_cli.compare.base_identity import base_identity
 from qerl_cli.compare.bases import base_labels, check_base_formats, prepare_bases, recorded_bases
@@ -130,6 +131,11 @@ class _Ablation:
     def finished(self, arm: str, seed: int) -> bool:
         return (run_dir(self.out, arm, seed) / RESULT_NAME).is_file()
 
+    def check_finished(self, plan: list[tuple[str, int]]) -> None:
+        """The finished runs of ``plan`` were trained with the settings this invocation gives them."""
+        finished = {(a, s): self.config(a, s) for a, s in plan if self.finished(a, s)}
+        run_folders.check_finished_settings(self.out, finished)
+
 
 def run_compare(
     recipe: str | Path, arms: list[str], seeds: int, output: str | Path | None = None, *,
@@ -150,6 +156,7 @@ def run_compare(
     if ablation.settings.heldout_engine != "hf":  # refused before any base is made or run trains
         heldout.check_heldout_engine(ablation.settings, _rollout_engines(ablation))
     _input_checks(ablation)  # --dry-run's checks of the inputs, before any base is made (each raises)
+    ablation.check_finished(plan)
     ablation.out.mkdir(parents=True, exist_ok=True)
     ablation.bases = prepare_bases(
         ablation.data, ablation.arms, ablation.sets, ablation.out, ablation.settings.base_method
@@ -192,6 +199,7 @@ def check_compare(
     if ablation.settings.heldout_engine != "hf":
         heldout.check_heldout_engine(ablation.settings, engines)
     out = ablation.out
+    ablation.check_finished(plan)
     todo = [(a, s) for a, s in plan if not ablation.finished(a, s)]
     resumed = sum(bool(list_checkpoints(run_dir(out, a, s))) for a, s in todo)
     seeds_run = ", ".join(str(s) for s in sorted({s for _, s in plan}))
@@ -205,10 +213,6 @@ def check_compare(
     # The engines each run checks again in its own process before it trains (a child may have a GPU).
     probes = _probes(ablation)
     checked.extend(dict.fromkeys(preflight.engine(conf) for conf in probes))
-    checked.append(Checked(
-        "bases", f"an arm's 4-bit base is made once from model.path under {out / 'bases'} "
-        f"(compare.base_method={ablation.settings.base_method})",
-    ))  # fmt: skip
     checked.append(preflight.grader())
     return checked
 
@@ -226,7 +230,11 @@ def _input_checks(ablation: _Ablation) -> list[Checked]:
     for check in (preflight.model_source, preflight.dataset):
         checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
     checked.extend(dict.fromkeys(preflight.extra_rewards(conf) for conf in probes if conf.reward.extra))
-    check_base_formats(ablation.data, ablation.arms, ablation.sets, ablation.settings.base_method)
+    method = ablation.settings.base_method
+    trains_on = check_base_formats(ablation.data, ablation.arms, ablation.sets, method)
+    where = "; ".join(f"{arm}: {base}" for arm, base in trains_on.items())
+    made = f" (under {out / 'bases'}; compare.base_method={method})" if "made once" in where else ""
+    checked.append(Checked("bases", where + made))
     return checked
 
 

@@ -8,7 +8,16 @@ from typing import Any
 
 from qerl_cli.compare.arms import as_set_strings, config_overrides, read_settings
 from qerl_cli.compare.settings import CompareSettings
-from qerl_cli.config import TrainConfig, apply_overrides, from_dict, read_yaml, validate
+from qerl_cli.config import (
+    RESOLVED_CONFIG_NAME,
+    TrainConfig,
+    apply_overrides,
+    changed_keys,
+    from_dict,
+    read_yaml,
+    validate,
+)
+from qerl_cli.errors import QerlError
 
 RESULT_NAME = "result.json"
 # What a user whose comparison stopped (Ctrl-C, a full disk) is told: how it goes on.
@@ -18,8 +27,38 @@ STOP_HINT = (
 )
 
 
+SHARE_KEY = "rollout.gpu_memory_utilization"  # vLLM's share of the whole GPU (compare.gpu_share)
+# What a finished run's config.yaml may hold otherwise than this invocation's config of it: where it
+# wrote (output), its base (compare's own, made under DIR/bases or recorded by base_identity, with the
+# format read from it) and the GPU share compare gives runs that share a GPU (gpu_share).
+NOT_SETTINGS = (
+    "output", "model.path", "model.format", "train.gpu_fraction", SHARE_KEY, "rollout.enable_sleep_mode",
+)  # fmt: skip
+
+
 def run_dir(out: Path, arm: str, seed: int) -> Path:
     return out / arm / f"seed-{seed}"
+
+
+def check_finished_settings(out: Path, finished: dict[tuple[str, int], TrainConfig]) -> None:
+    """Refuse finished runs (skipped, never trained again) whose saved config differs from the one this
+    invocation gives them: the comparison would report runs of other settings as this one's."""
+    changed: dict[str, list[str]] = {}
+    for (arm, seed), conf in finished.items():
+        saved = run_dir(out, arm, seed) / RESOLVED_CONFIG_NAME
+        if saved.is_file():
+            for change in changed_keys(read_yaml(saved) or {}, conf, NOT_SETTINGS):
+                changed.setdefault(change, []).append(f"{arm}/seed-{seed}")
+    if not changed:
+        return
+    runs = sorted({run for where in changed.values() for run in where})
+    raise QerlError(
+        f"--output {out} holds finished runs ({', '.join(runs)}) trained with other settings than this "
+        f"invocation gives them ({'; '.join(changed)}); finished runs are skipped, not trained again, so "
+        "the report would give their figures as this setting's. Nothing was changed. Run again with the "
+        "settings they were trained with (each run's config.yaml) to add to them, or give this comparison "
+        "its own folder with -o DIR"
+    )
 
 
 def load_recipe(recipe: str | Path, sets: list[str] | None = None) -> tuple[dict[str, Any], CompareSettings]:

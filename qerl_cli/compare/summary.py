@@ -42,6 +42,7 @@ from qerl_cli.compare.curves import EARLY_FRACTION, FINAL_FRACTION, trailing_mea
 from qerl_cli.compare.curves import window as _window
 from qerl_cli.compare.plot import plot_curves
 from qerl_cli.compare.results import ArmRow, BaseHeldout, CompareReport, RunResult, SeedCurve
+from qerl_cli.compare.runs import run_dir
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.compare.verdict import (
     arm_verdicts,
@@ -50,6 +51,7 @@ from qerl_cli.compare.verdict import (
     verdict_section,
     verdict_warnings,
 )
+from qerl_cli.config import RESOLVED_CONFIG_NAME, read_yaml
 from qerl_cli.errors import QerlError
 from qerl_cli.files import atomic_write_text, write_json
 from qerl_cli.rl.signal import MIN_SIGNAL_FRACTION, RELATIVE_SIGNAL, remedies
@@ -172,10 +174,26 @@ def missing_warnings(missing: list[tuple[str, int]], seeds: list[int]) -> list[s
             f"report: {left_out}"]  # fmt: skip
 
 
-def signal_warnings(rows: list[ArmRow]) -> list[str]:
+def samples_per_prompt(out: Path, results: dict[str, list[RunResult]]) -> dict[str, int]:
+    """{arm: its runs' rollout.num_generations}, read from each run's config.yaml, for the arms whose
+    runs all recorded the same."""
+    found = {}
+    for arm, runs in results.items():
+        values = set()
+        for run in runs:
+            saved = run_dir(out, arm, run.seed) / RESOLVED_CONFIG_NAME
+            rollout = ((read_yaml(saved) or {}).get("rollout") or {}) if saved.is_file() else {}
+            values.add(rollout.get("num_generations"))
+        if len(values) == 1 and isinstance(value := values.pop(), int):
+            found[arm] = value
+    return found
+
+
+def signal_warnings(rows: list[ArmRow], samples: dict[str, int] | None = None) -> list[str]:
     """One line per arm whose first steps had a reward spread in under MIN_SIGNAL_FRACTION of groups, or
     (a 4-bit arm) in under RELATIVE_SIGNAL of what the BF16 arm's had: the base lost the skill GRPO
-    starts from. Each names the remedies the arm does not use yet."""
+    starts from. Each names the remedies the arm does not use yet, more samples per prompt from the arm's
+    own (``samples``: {arm: rollout.num_generations}) where known."""
     bf16 = [
         r.start_no_spread_fraction
         for r in rows
@@ -194,7 +212,10 @@ def signal_warnings(rows: list[ArmRow]) -> list[str]:
         if not (starved or behind):
             continue
         than = f" (the BF16 arm's: {100 * bf16_spread:.1f}%)" if behind else ""
-        fixes = remedies(quantized=quantized, gptq="GPTQ" in base, error_start="start" in base)
+        fixes = remedies(
+            quantized=quantized, gptq="GPTQ" in base, error_start="start" in base,
+            num_generations=(samples or {}).get(row.arm),
+        )  # fmt: skip
         out.append(
             f"{row.arm}{f' (base {base})' if base else ''} starts with too little signal for GRPO: "
             f"{100 * spread:.1f}% of its groups had a reward spread over the first steps{than}, start reward "
@@ -317,7 +338,7 @@ def write_report(
         base_method=settings.base_method,
         warnings=[
             *missing_warnings(missing or [], seeds),
-            *signal_warnings(rows),
+            *signal_warnings(rows, samples_per_prompt(out, results)),
             *verdict_warnings(verdicts),
         ],
         overrides={arm: arms[arm] for arm in results},

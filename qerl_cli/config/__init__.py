@@ -18,6 +18,7 @@ from qerl_cli.config.choices import (
 from qerl_cli.config.loading import (
     SHIPPED_RECIPES,
     apply_overrides,
+    changed_keys,
     dump_yaml,
     from_dict,
     load_config,
@@ -44,7 +45,7 @@ __all__ = [
     "BENCHMARKS_ALL", "LORA_TARGETS_ALL", "RESOLVED_CONFIG_NAME", "SHIPPED_RECIPES", "AQNSection",
     "AlgorithmSection", "BenchConfig", "DataSection", "EngineName", "EvalConfig", "LoraSection",
     "ModelFormat", "ModelSection", "OutputSection", "QuantFormat", "QuantMethod", "QuantizeConfig",
-    "RewardSection", "RolloutSection", "TrainConfig", "TrainSection", "apply_overrides", "dump_yaml",
-    "from_dict", "load_config", "read_yaml", "resolve_recipe", "save_resolved_config", "shipped_recipe_named",
-    "shipped_recipes", "to_dict", "validate",
+    "RewardSection", "RolloutSection", "TrainConfig", "TrainSection", "apply_overrides", "changed_keys",
+    "dump_yaml", "from_dict", "load_config", "read_yaml", "resolve_recipe", "save_resolved_config",
+    "shipped_recipe_named", "shipped_recipes", "to_dict", "validate",
 ]  # fmt: skip

@@ -105,6 +105,18 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def changed_keys(before: dict[str, Any], config: Any, skip: tuple[str, ...] = ("output",)) -> list[str]:
+    """``section.key: old -> new`` for each key of ``config`` whose value differs from ``before`` (a saved
+    config.yaml's mapping), leaving out the sections and ``section.key`` names in ``skip``."""
+    return [
+        f"{section}.{key}: {before[section].get(key)!r} -> {value!r}"
+        for section, values in to_dict(config).items()
+        if section not in skip and isinstance(values, dict) and isinstance(before.get(section), dict)
+        for key, value in values.items()
+        if f"{section}.{key}" not in skip and before[section].get(key) != value
+    ]
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str], root: type) -> dict[str, Any]:
     """Apply ``a.b=value`` strings to a nested mapping (validated later by ``from_dict``)."""
     for item in overrides:

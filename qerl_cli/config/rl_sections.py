@@ -128,7 +128,7 @@ class AlgorithmSection:
     eps_low: float = 0.2
     # Clip range above 1 of the importance ratio: 1 + eps_high (DAPO's clip-higher when > eps_low).
     eps_high: float = 0.28
-    beta: float = 0.0  # k3 KL to the adapter-free model; 0 disables the reference pass
+    beta: float = 0.0  # k3 KL to the adapter-free model (>= 0); 0 disables the reference pass
     num_iterations: int = 1  # updates per rollout batch
     # Truncated importance sampling between rollout-engine and trainer logprobs. "auto": on when
     # the rollout numerics differ from the trainer's (quantized base or AQN noise).
@@ -156,6 +156,13 @@ class AlgorithmSection:
             raise QerlError(f"{where}: eps_low must be in [0, 1) and eps_high >= 0")
         if self.tis_cap < 1:
             raise QerlError(f"{where}.tis_cap must be >= 1, got {self.tis_cap}")
+        if self.beta < 0:  # a negative KL coefficient would reward moving away from the reference
+            raise QerlError(f"{where}.beta must be >= 0 (0: no KL term), got {self.beta}")
+        if self.overlong_cache_length < 0:
+            raise QerlError(
+                f"{where}.overlong_cache_length must be >= 0 (0: a cliff at the limit), got "
+                f"{self.overlong_cache_length}"
+            )
 
 
 @dataclass
@@ -238,7 +245,7 @@ class TrainSection:
     # AdamW beta1.
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999  # QeRL's scripts use 0.99
-    # Gradients are clipped to this global norm.
+    # Gradients are clipped to this global norm (> 0).
     max_grad_norm: float = 1.0
     # Consecutive steps whose loss or gradient norm is NaN/inf that are skipped (gradients zeroed, no
     # optimizer step, the record marked skipped_update and nonfinite_loss / nonfinite_grad) before the
@@ -280,6 +287,7 @@ class TrainSection:
             learning_rate=self.learning_rate,
             max_steps=self.max_steps,
             prompts_per_step=self.prompts_per_step,
+            max_grad_norm=self.max_grad_norm,  # clipped to <= 0, every gradient is zeroed or flipped
         )
         if self.micro_batch_size != "auto":
             _positive(where, micro_batch_size=self.micro_batch_size)

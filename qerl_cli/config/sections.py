@@ -111,7 +111,7 @@ class OutputSection:
     # Write a checkpoint (what --resume starts from) every N steps; 0: none during the run, so it cannot
     # be resumed (the final adapter is still written at the end).
     save_steps: int = 50
-    # Checkpoints kept (the oldest are deleted); null: all.
+    # Checkpoints kept, at least 1 (the oldest are deleted); null: all.
     save_total_limit: int | None = 3
     # Also log the metrics to TensorBoard (under dir).
     tensorboard: bool = False
@@ -129,6 +129,11 @@ class OutputSection:
             raise QerlError(f"{where}.save_steps must be >= 0 (0: no checkpoints), got {self.save_steps}")
         if self.log_completions < 0:
             raise QerlError(f"{where}.log_completions must be >= 0 (0: none), got {self.log_completions}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:  # else all were kept
+            raise QerlError(
+                f"{where}.save_total_limit must be >= 1 (null: all checkpoints kept; output.save_steps=0 "
+                f"writes none), got {self.save_total_limit}"
+            )
 
 
 @dataclass

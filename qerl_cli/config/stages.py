@@ -232,6 +232,24 @@ class EvalConfig:
                 "no model given: pass a hub id, a local folder, a .gguf file or a model alias (qerl models), "
                 "or --rescore DIR"
             )
+        _positive(where, grader_timeout_s=self.grader_timeout_s, grader_workers=self.grader_workers)
+        if not self.rescore:
+            self._check_generating(where)
+
+    def _check_generating(self, where: str) -> None:
+        """The generating settings, as the engines would refuse them once the model has loaded (or take in
+        silence: a top_p outside (0, 1]), so that --dry-run refuses them too."""
+        _positive(where, max_new_tokens=self.max_new_tokens, generation_batch_size=self.generation_batch_size)
+        ranges = {
+            "samples": (self.samples >= 0, "must be >= 1 (0: each benchmark's default)"),
+            "max_problems": (self.max_problems is None or self.max_problems >= 1, "must be >= 1 (null: all)"),
+            "temperature": (self.temperature >= 0, "must be >= 0 (0: greedy)"),
+            "top_p": (0 < self.top_p <= 1, "must be in (0, 1] (1: off)"),
+            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+        }
+        for name, (held, rule) in ranges.items():
+            if not held:
+                raise ConfigValueError(_key(where, name), f"{rule}, got {getattr(self, name)}")
 
     def check_rescore_unused(self, given: dict[str, str]) -> None:
         """With ``rescore``, refuse the generation settings the user set (``given``: {key: the flag or key

@@ -24,6 +24,7 @@ from qerl_cli.data.synthetic import make_problems
 from qerl_cli.errors import Checked, QerlError, install_hint
 from qerl_cli.evaluation.results import RESULTS_NAME, find_sample_files, read_results
 from qerl_cli.files import check_input_not_replaced, check_writable_folder
+from qerl_cli.modeling.adapter import base_model
 from qerl_cli.modeling.adapter import check_folder as check_adapter_folder
 from qerl_cli.modeling.run_layout import trained_template
 from qerl_cli.modeling.source_checks import model_source_found
@@ -58,7 +59,8 @@ def preflight(cfg: EvalConfig, *, engine_given: bool = False, guard_output: bool
         engine = resolve_engine(cfg.engine)
         checks.append(Checked("--engine", f"{cfg.engine} -> {engine}"))
         if cfg.adapter:
-            checks.append(Checked("--adapter", f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder"))
+            found = f"{check_adapter_folder(cfg.adapter)}: a PEFT adapter folder{adapter_base(cfg)}"
+            checks.append(Checked("--adapter", found))
     # The local inputs before anything that may ask the Hub (a model id, a benchmark's data set): offline,
     # a mistyped --baseline must not hide behind the Hub's error, nor a typo wait for a network probe.
     checks += [*baseline(cfg), output_folder(cfg, guard=guard_output)]
@@ -89,6 +91,26 @@ def adapter_template(cfg: EvalConfig) -> str:
         cfg.adapter, name, record, cfg.template, name,
     )  # fmt: skip
     return f"; the adapter was trained with {name} (--set template={name} evaluates it as trained)"
+
+
+def adapter_base(cfg: EvalConfig) -> str:
+    """Whether ``--adapter`` was trained on ``MODEL`` (the base its adapter_config.json records): the text
+    its check adds, with a warning where both are folders here and differ (an adapter trained on the
+    4-bit base and evaluated on its BF16 model, say, gives figures of a base it did not learn on)."""
+    recorded = base_model(cfg.adapter) if cfg.adapter and cfg.model else None
+    if recorded is None:
+        return ""
+    trained, model = Path(recorded).expanduser(), Path(cfg.model).expanduser()
+    if not (trained.is_dir() and model.is_dir()):  # a hub id, an alias, or a path of another folder's
+        return ""
+    if trained.resolve() == model.resolve():
+        return f", trained on {cfg.model}"
+    log.warning(
+        "the adapter %s was trained on %s and this evaluation loads %s: its figures are of another base than "
+        "the one it learned on; evaluate it on its own with qerl eval %s --adapter %s",
+        cfg.adapter, recorded, cfg.model, recorded, cfg.adapter,
+    )  # fmt: skip
+    return f"; trained on {recorded}, not on MODEL"
 
 
 def resolve_engine(name: str) -> str:

@@ -43,6 +43,8 @@ _IGNORED_SUFFIXES = (".input_global_scale",)
 
 # The record `qerl quantize` writes beside a 4-bit checkpoint (qerl_cli.quantize.report.QuantizeResult).
 QUANT_RECORD = "qerl_quant.json"
+# The record beside a dense BF16 copy of a 4-bit base's dequantized weights (qerl_cli.quantize.native).
+DEQUANTIZED_RECORD = "qerl_dequantized.json"  # what a dense copy was made from (format, method, source)
 
 
 def quantized_with(path: str | Path) -> str | None:

@@ -10,6 +10,7 @@ Every linear width is a multiple of 64 so NVFP4 (blocks of 16), MXFP4 (32) and N
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,15 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import check_not_other_work, check_writable_folder, honour_umask, model_files
+from qerl_cli.modeling.error_init import INIT_DIR
+from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, QUANT_RECORD
+from qerl_cli.modeling.sources import SOURCE_RECORD
+
+# What describes a model folder's weights beside them: qerl's records (a 4-bit base's qerl_quant.json and
+# its lora_init/ start, a dense copy's or a converted GGUF's source record) and, beside qerl_quant.json,
+# llm-compressor's recipe.yaml. New weights written over the old leave none of them true.
+WEIGHT_RECORDS = (QUANT_RECORD, INIT_DIR, DEQUANTIZED_RECORD, SOURCE_RECORD)
+QUANTIZE_RECIPE = "recipe.yaml"
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen2's pre-tokenizer split: the tokenizer below has Qwen2's exact structure (byte-level BPE), so
@@ -167,8 +177,30 @@ def save_model_folder(model, tokenizer, out_dir: str | Path) -> Path:
 
 
 def write_tiny_model(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
-    """Write a tiny Qwen2 model folder that transformers and vLLM load; returns the folder."""
-    return save_model_folder(build_tiny_model(seed, spec), build_tokenizer(), out_dir)
+    """Write a tiny Qwen2 model folder that transformers and vLLM load; returns the folder. Over a model
+    (``--overwrite``), the records of the old weights go first (:func:`remove_weight_records`)."""
+    model, tokenizer = build_tiny_model(seed, spec), build_tokenizer()
+    remove_weight_records(out_dir)
+    return save_model_folder(model, tokenizer, out_dir)
+
+
+def remove_weight_records(folder: str | Path) -> list[str]:
+    """Remove what describes the weights of the model in ``folder`` besides them (WEIGHT_RECORDS): left
+    beside new weights, a 4-bit base's qerl_quant.json would have a BF16 model read as that base, and its
+    lora_init/ start one made for other weights. Returns the names removed."""
+    out = Path(folder)
+    names = [*WEIGHT_RECORDS, *([QUANTIZE_RECIPE] if (out / QUANT_RECORD).is_file() else [])]
+    removed = []
+    for name in names:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def check_output_folder(out: str | Path, what: str, overwrite: bool) -> None:

@@ -23,13 +23,11 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder, write_folder_once, write_json
 from qerl_cli.formats.checkpoint import ModuleGroup, check_checkpoint_format, module_groups, write_checkpoint
-from qerl_cli.modeling.loading import load_policy_model
+from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, load_policy_model
 from qerl_cli.modeling.quant_linear import QuantLinear
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize.report import REPORT_NAME, read_report
 from qerl_cli.quantize.validate import ALWAYS_IGNORED
-
-DEQUANTIZED_RECORD = "qerl_dequantized.json"  # what a dense copy was made from (format, method, source)
 
 
 def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> Path:

@@ -41,6 +41,8 @@ def preflight(cfg: TrainConfig, *, resume: str | None, overwrite: bool) -> list[
     checked = [output_folder(cfg.output.dir, resume=resume, overwrite=overwrite)]
     if resume is not None:
         checked.append(resume_checkpoint(resume, cfg))
+    else:  # a run already there continues where it is
+        output_apart_from_model(cfg)
     device = resolve_device(cfg.train.device, "train.device")  # a GPU where the config names one
     checked.append(Checked("train.device", f"{cfg.train.device} -> {device}"))
     checked.append(model_source(cfg))
@@ -67,6 +69,23 @@ def output_folder(out_dir: str | Path, *, resume: str | None, overwrite: bool) -
         return Checked("output.dir", f"{out}: holds a run, which --overwrite deletes when the run starts")
     check_fresh_start(out, overwrite=False)  # refuses a folder holding a run
     return Checked("output.dir", f"{out}: writable, holds no run")
+
+
+def output_apart_from_model(cfg: TrainConfig) -> None:
+    """A new run's ``output.dir`` is not the folder of ``model.path`` nor inside it, as ``qerl quantize``
+    refuses its input model's folder for its output: the run's files would be mixed into the model's."""
+    model = Path(cfg.model.path).expanduser()
+    if not cfg.model.path or not model.is_dir():
+        return
+    out, model = Path(cfg.output.dir).expanduser().resolve(), model.resolve()
+    if out.is_relative_to(model):
+        where = "the folder of" if out == model else "inside the folder of"
+        raise QerlError(
+            f"output.dir {cfg.output.dir} is {where} model.path {cfg.model.path}: the run's adapter/, "
+            "checkpoints and metrics would be mixed into the model's files (and replacing the model, as "
+            "qerl quantize --overwrite does, would delete them); nothing was written. Train into a folder of "
+            "its own with --set output.dir=DIR"
+        )
 
 
 def resume_checkpoint(resume: str | Path, cfg: TrainConfig) -> Checked:

@@ -19,7 +19,7 @@ import torch
 import yaml
 from torch import nn
 
-from qerl_cli.config import TrainConfig, to_dict
+from qerl_cli.config import TrainConfig, changed_keys
 from qerl_cli.data.prompts import prompt_record
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.quant_linear import fp8_cache_nbytes
@@ -255,14 +255,6 @@ def warn_on_config_change(cfg: TrainConfig, saved: Path) -> None:
     if not saved.is_file():
         return
 
-    before = yaml.safe_load(saved.read_text()) or {}
-    now = to_dict(cfg)
-    changed = [
-        f"{section}.{key}: {before[section].get(key)!r} -> {value!r}"
-        for section, values in now.items()
-        if section != "output" and isinstance(values, dict) and isinstance(before.get(section), dict)
-        for key, value in values.items()
-        if before[section].get(key) != value
-    ]
+    changed = changed_keys(yaml.safe_load(saved.read_text()) or {}, cfg)
     if changed:
         log.warning("resuming with settings that differ from the run's %s: %s", saved, "; ".join(changed))
