@@ -1,11 +1,13 @@
 """SIGTERM (a scheduler's preemption, `timeout`, `docker stop`) stops `qerl train` as Ctrl-C does: the
 "interrupted" line and its resume hint, the run's clean-up, exit 143 (128 + SIGTERM), and a run that
-`--resume auto` continues. It used to end the process at once, silently."""
+`--resume auto` continues. It used to end the process at once, silently. The hint names the run's own
+config.yaml: the recipe with `--resume auto` resumed the recipe's output.dir, not a `--set output.dir`."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,10 +65,14 @@ def test_sigterm_mid_run_stops_as_ctrl_c_and_the_run_resumes(tiny_model_dir: Pat
     _, err = proc.communicate(timeout=120)
     err = " ".join(err.split())
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "interrupted (" in err and "--resume auto" in err, err
+    # The hint names this run's config (output.dir from --set), not the recipe, whose output.dir differs.
+    said = re.search(
+        r"interrupted \(continue from its last checkpoint with: qerl train (\S+) --resume auto\)", err
+    )
+    assert said is not None and said.group(1) == str(out / "config.yaml"), err
     assert "internal error" not in err and "Traceback" not in err, err
     assert not (out / "adapter").exists()  # stopped before its end, not finished
-    resumed = _train(tmp_path, str(out / "config.yaml"), "--resume", "auto")
+    resumed = _train(tmp_path, said.group(1), "--resume", "auto")  # the command the hint gives
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

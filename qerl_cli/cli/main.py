@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 def _print_interrupted() -> None:
     """ "interrupted", and how to go on where the command says (qerl train: resume, or start over)."""
     hint = stop_hint()
-    err_console.print("[red]interrupted[/red]" + (f" ({escape(hint)})" if hint else ""))
+    # soft_wrap: the command in the hint stays whole, to be copied (rich would fold it at the width)
+    err_console.print("[red]interrupted[/red]" + (f" ({escape(hint)})" if hint else ""), soft_wrap=True)
 
 
 def _is_click_error(exc: BaseException) -> bool:
