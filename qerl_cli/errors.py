@@ -22,6 +22,12 @@ class QerlError(Exception):
     """A user-facing error: the message says what was wrong and what to do about it."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where a command takes it as Ctrl-C (``cli/interrupt.sigterm_interrupts``): every
+    clean-up runs as for a ``KeyboardInterrupt``; what must pass the signal on (``qerl compare``'s child
+    runs, which SIGTERM did not reach as Ctrl-C reaches the whole process group) tells the two apart."""
+
+
 @dataclass(frozen=True)
 class Checked:
     """One check that passed: what was checked, and what was found."""

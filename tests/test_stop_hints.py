@@ -68,7 +68,12 @@ def test_train_stopped_after_a_checkpoint_says_resume(
     monkeypatch.setattr(trainer_mod, "train", stop)
     rc, err = run(capsys, "train", str(_recipe(tmp_path)))
     assert rc in (2, 130)
-    assert "qerl train continues from its last checkpoint with --resume auto" in err
+    # The run's own config.yaml: the recipe with --resume auto resumes the recipe's output.dir, which a
+    # --set output.dir or an edit since makes another folder.
+    assert (
+        f"continue from its last checkpoint with: qerl train {tmp_path / 'run' / 'config.yaml'} --resume auto"
+        in err
+    )
 
 
 def test_resume_auto_without_a_checkpoint_says_to_start_again(

@@ -1,5 +1,6 @@
 """The console entry point: run the app, and turn every way it can end into an exit code and one
-message (user errors exit 2 in red, unexpected errors exit 1, Ctrl-C 130).
+message (user errors exit 2 in red, unexpected errors exit 1, Ctrl-C 130; SIGTERM 143 where a command
+takes it as Ctrl-C: ``cli/interrupt.py``).
 
 Usage errors (an unknown command or option, a missing argument, a bad value) exit 2 with the usage line
 and ``error: ...``, as click's own commands do. typer >= 0.29 no longer raises click's exceptions but
@@ -20,6 +21,7 @@ import typer
 from rich.markup import escape
 
 from qerl_cli.cli.app import app, console, err_console, record_argv, set_stop_hint, stop_hint
+from qerl_cli.cli.interrupt import interrupt_exit_code, reset_interrupt
 from qerl_cli.cli.option_hints import recipe_key_hint
 from qerl_cli.cli.progress import quiet_library_bars
 from qerl_cli.errors import QerlError, closest
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in args
     record_argv(args)  # what the reports of `qerl bench` record as their command
     set_stop_hint(None)  # a command that can be continued sets its own (qerl train)
+    reset_interrupt()
     try:
         # standalone_mode=False returns click's exit code instead of calling sys.exit; prog_name keeps
         # usage lines saying "qerl" under `python -m qerl_cli`, torchrun and in-process calls.
@@ -66,22 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         err_console.print("[red]aborted[/red]")
         return 130
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under cli.interrupt.sigterm_interrupts
         _print_interrupted()
-        return 130
+        return interrupt_exit_code()
     except Exception as exc:  # click's and typer's usage errors are the user's; the rest are bugs
         if _is_click_error(exc):
             return _show_click_error(exc)
         return _internal_error(exc, debug)
-    if rc == 130:  # typer turns Ctrl-C into a silent Exit(130) when not in standalone mode
+    if rc == 130:  # typer turns Ctrl-C (and SIGTERM's Terminated) into a silent Exit(130) when not standalone
         _print_interrupted()
+        return interrupt_exit_code()
     return rc if isinstance(rc, int) else 0
 
 
 def _print_interrupted() -> None:
     """ "interrupted", and how to go on where the command says (qerl train: resume, or start over)."""
     hint = stop_hint()
-    err_console.print("[red]interrupted[/red]" + (f" ({escape(hint)})" if hint else ""))
+    # soft_wrap: the command in the hint stays whole, to be copied (rich would fold it at the width)
+    err_console.print("[red]interrupted[/red]" + (f" ({escape(hint)})" if hint else ""), soft_wrap=True)
 
 
 def _is_click_error(exc: BaseException) -> bool:

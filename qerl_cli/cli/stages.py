@@ -36,6 +36,7 @@ from qerl_cli.cli.app import (
     set_stop_hint,
     use_free_cpu_threads,
 )
+from qerl_cli.cli.interrupt import sigterm_interrupts
 from qerl_cli.cli.progress import eval_cpu_estimate, say_estimate, stage_log
 from qerl_cli.compare.settings import CompareSettings
 from qerl_cli.config import EvalConfig, QuantizeConfig, TrainConfig, load_config
@@ -174,7 +175,8 @@ def train(
     if on_cpu and int(os.environ.get("RANK", "0")) == 0:
         say_estimate(cpu_estimate(conf, done=0 if resume_dir is None else resumed_step(resume_dir)))
     set_stop_hint(lambda: stop_hint(conf.output.dir, conf.output.save_steps))
-    result = run_train(conf, resume=resume_dir, overwrite=overwrite)
+    with sigterm_interrupts():  # a scheduler's preemption stops the run as Ctrl-C does, hint and all
+        result = run_train(conf, resume=resume_dir, overwrite=overwrite)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank returns the same summary
         console.print(render.train_summary(result))
 
@@ -412,10 +414,11 @@ def compare(
         use_free_cpu_threads()
     if not report_only:
         set_stop_hint(lambda: STOP_HINT)
-    result = run_compare(
-        recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
-        summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(), gpus=gpus,
-        reference=reference, margin=margin, report_only=report_only,
-    )  # fmt: skip
+    with sigterm_interrupts():  # its runs train here (or in children, each taking SIGTERM alike)
+        result = run_compare(
+            recipe, csv(arms) or [], seeds, output, sets=set_, only=csv(only), jobs=jobs,
+            summarize=not no_summary, threshold=threshold, progress=jobs == 1 and sys.stdout.isatty(),
+            gpus=gpus, reference=reference, margin=margin, report_only=report_only,
+        )  # fmt: skip
     if result.report is not None:  # None with --no-summary
         console.print(compare_table(result.report))

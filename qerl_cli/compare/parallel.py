@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from qerl_cli.compare.runs import run_dir
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, Terminated
 from qerl_cli.rl.setup import ENGINE_READY_FILE
 from qerl_cli.rollout.lora_kernel_configs import BATCH_INVARIANT_ENV
 
@@ -167,33 +167,44 @@ def run_parallel(
     running: list[_Child] = []
     failures = []
     last_start: dict[str | None, float] = {}
-    while pending or running:
-        while pending and len(running) < width:
-            # A GPU whose previous engine is still starting waits (its compile cache may serve this run).
-            now = time.monotonic()
-            free, gpu = _next_gpu(running, slots, per_gpu, now, last_start, start_interval_s, ready_timeout_s)
-            if not free:
-                break
-            arm, seed = pending.pop(0)
-            folder = run_dir(out, arm, seed)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / ENGINE_READY_FILE).unlink(missing_ok=True)  # an earlier invocation's
-            handle = (folder / "compare.log").open("a")
-            command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
-            child_env = env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}
-            proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=child_env)
-            last_start[gpu] = time.monotonic()
-            name = f"{arm}/seed-{seed}"
-            if gpu is not None:
-                log.info("%s: started on GPU %s", name, gpu)
-            running.append(_Child(proc, name, handle, folder, last_start[gpu], gpu))
-        time.sleep(0.5)
-        for child in list(running):
-            if child.proc.poll() is not None:
-                child.handle.close()
-                running.remove(child)
-                if child.proc.returncode:
-                    failures.append(
-                        f"{child.name} (exit {child.proc.returncode}, see {out / child.name / 'compare.log'})"
-                    )
+    try:
+        while pending or running:
+            while pending and len(running) < width:
+                # A GPU whose previous engine is still starting waits (its compile cache may serve this run).
+                now = time.monotonic()
+                free, gpu = _next_gpu(
+                    running, slots, per_gpu, now, last_start, start_interval_s, ready_timeout_s
+                )
+                if not free:
+                    break
+                arm, seed = pending.pop(0)
+                folder = run_dir(out, arm, seed)
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / ENGINE_READY_FILE).unlink(missing_ok=True)  # an earlier invocation's
+                handle = (folder / "compare.log").open("a")
+                command = _child_command(recipe, arm, seed_count, f"{arm}/{seed}", out, sets)
+                child_env = env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": gpu}
+                proc = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=child_env)
+                last_start[gpu] = time.monotonic()
+                name = f"{arm}/seed-{seed}"
+                if gpu is not None:
+                    log.info("%s: started on GPU %s", name, gpu)
+                running.append(_Child(proc, name, handle, folder, last_start[gpu], gpu))
+            time.sleep(0.5)
+            for child in list(running):
+                if child.proc.poll() is not None:
+                    child.handle.close()
+                    running.remove(child)
+                    if child.proc.returncode:
+                        log_file = out / child.name / "compare.log"
+                        failures.append(f"{child.name} (exit {child.proc.returncode}, see {log_file})")
+    except Terminated:
+        # SIGTERM (docker stop, timeout) reached this process alone, where Ctrl-C reaches the whole process
+        # group: passed on, each child stops as a Ctrl-C'd run does (its checkpoints kept), and is waited for.
+        for child in running:
+            child.proc.terminate()
+        for child in running:
+            child.proc.wait()
+            child.handle.close()
+        raise
     return failures

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,10 +135,15 @@ def check_fresh_start(out_dir: str | Path, *, overwrite: bool, clear: bool = Tru
 
 
 def stop_hint(out_dir: str | Path, save_steps: int) -> str:
-    """How to go on after a run into ``out_dir`` stopped (Ctrl-C, a full disk): resume from its last
-    checkpoint, or, before the first one, start over (``--resume auto`` would find nothing)."""
+    """How to go on after a run into ``out_dir`` stopped (Ctrl-C, SIGTERM, a full disk): resume from its
+    last checkpoint, or, before the first one, start over (``--resume auto`` would find nothing).
+
+    The command given resumes from the run's own ``config.yaml`` (written before its first step, so
+    there with any checkpoint): the recipe with ``--resume auto`` resumes the recipe's ``output.dir``,
+    which is another folder when this run's came from ``--set`` or the recipe was edited since."""
     if list_checkpoints(out_dir):
-        return "qerl train continues from its last checkpoint with --resume auto"
+        config = shlex.quote(str(Path(out_dir) / RESOLVED_CONFIG_NAME))
+        return f"continue from its last checkpoint with: qerl train {config} --resume auto"
     every = (
         f"one is written every {save_steps} steps" if save_steps > 0 else "output.save_steps=0 writes none"
     )
