@@ -105,3 +105,40 @@ def test_outside_the_main_thread_nothing_changes() -> None:
     thread.start()
     thread.join()
     assert seen == [before]
+
+
+def test_compare_jobs_pass_sigterm_on_to_their_children(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SIGTERM reaches `qerl compare --jobs N` alone (Ctrl-C reaches the process group): each running child
+    is sent SIGTERM and waited for, its log closed, and the interruption goes on to the caller."""
+    from qerl_cli.compare import parallel
+
+    class FakeChild:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.calls: list[str] = []
+            started.append(self)
+
+        def poll(self) -> None:
+            return None  # still training
+
+        def terminate(self) -> None:
+            self.calls.append("terminate")
+
+        def wait(self) -> int:
+            self.calls.append("wait")
+            return -15
+
+    started: list[FakeChild] = []
+    monkeypatch.setattr(parallel.subprocess, "Popen", FakeChild)
+
+    def sigterm_arrives(seconds: float) -> None:
+        raise Terminated
+
+    monkeypatch.setattr(parallel.time, "sleep", sigterm_arrives)
+    with pytest.raises(Terminated):
+        parallel.run_parallel([("bf16", 0), ("nvfp4", 0)], "recipe.yaml", 1, tmp_path, [], width=2)
+    assert len(started) == 2
+    assert all(child.calls == ["terminate", "wait"] for child in started)
+    logs = [tmp_path / run / "compare.log" for run in ("bf16/seed-0", "nvfp4/seed-0")]
+    assert all(log.is_file() for log in logs)
