@@ -47,3 +47,22 @@ def test_the_cli_prints_and_writes_the_report(tiny_model_dir: Path, tmp_path: Pa
     assert main([*argv, "--device", "cpu", "-o", str(out)]) == 0
     assert json.loads(out.read_text())["rows"][0]["top1_agreement"] == 1.0
     assert main(["quality", str(tiny_model_dir)]) == 2  # no candidate: a usage error
+
+
+def test_a_refused_candidate_is_named_once(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The label taken from the path is not printed beside that path ("candidate pkl pkl holds")."""
+    from qerl_cli.cli import main
+
+    pkl = tmp_path / "pkl"
+    pkl.mkdir()
+    (pkl / "config.json").write_text("{}")
+    (pkl / "pytorch_model.bin").write_bytes(b"")  # only its name is read: the checks refuse it unloaded
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("QERL_ALLOW_PICKLE", raising=False)
+    for given, named in (("pkl", "candidate pkl holds"), (str(pkl), f"candidate {pkl} holds"),
+                         (f"gptq={pkl}", f"candidate gptq {pkl} holds")):  # fmt: skip
+        assert main(["quality", str(tiny_model_dir), given, "--device", "cpu"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{named} only pickle weights" in err, err

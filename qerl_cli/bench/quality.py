@@ -26,6 +26,7 @@ from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import QualitySettings, parse_row, report_settings
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.files import atomic_write_text
+from qerl_cli.modeling.loading import load_pretrained_lm
 from qerl_cli.modeling.shapes import marlin_refusals, module_shapes
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize import run_quantize
@@ -40,11 +41,9 @@ REPORT_NAME = "quality.json"
 
 def _native_rtn(bf16: str, target: Path, fmt: str) -> dict[str, Any]:
     """An RTN base by qerl's own writer, with the figures ``qerl quantize`` would report."""
-    from transformers import AutoModelForCausalLM
-
     shutil.rmtree(target, ignore_errors=True)
     write_rtn_checkpoint(bf16, target, fmt)
-    model = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
+    model = load_pretrained_lm(bf16, dtype=torch.bfloat16)  # the reference weights: safetensors only
     names = quantized_linear_names(model, [])
     reference = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in set(names)}
     refused = marlin_refusals(module_shapes(model, names)) if fmt != "nf4" else []

@@ -295,12 +295,15 @@ def eval_(
     from qerl_cli.evaluation.preflight import resolve_engine
     from qerl_cli.torch_utils import runs_on_cpu
 
+    on_cpu = False
     if not conf.rescore:  # a rescore has no engine (check_rescore_unused refused one given)
         conf.engine = resolve_engine(conf.engine)  # auto decided here: the thread choice depends on it
-        if conf.engine == "hf" and runs_on_cpu(conf.device):
+        on_cpu = conf.engine == "hf" and runs_on_cpu(conf.device)
+        if on_cpu:
             use_free_cpu_threads()
-            say_estimate(eval_cpu_estimate(conf))
-    results = run_eval(conf, guard_output=True)  # the default output folder is every evaluation's
+    # The estimate once run_eval's checks pass: a refusal (a run's folder for --adapter) comes without one.
+    estimate = (lambda: say_estimate(eval_cpu_estimate(conf))) if on_cpu else None
+    results = run_eval(conf, guard_output=True, checked=estimate)  # the default output: every evaluation's
     console.print(eval_table(results))
 
 

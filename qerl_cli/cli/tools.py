@@ -185,6 +185,14 @@ def _check_quality_paths(reference: str, candidates: list[Any]) -> None:
             "each its own, LABEL=PATH"
         )
     for candidate in candidates:
-        check_model_source(candidate.path, what=f"candidate {candidate.label}")
+        check_model_source(candidate.path, what=_candidate_what(candidate))
         if candidate.adapter:
             check_adapter_folder(candidate.adapter, what=f"candidate {candidate.label}'s adapter")
+
+
+def _candidate_what(candidate: Any) -> str:
+    """How the model checks name a candidate: their messages put the path after it, so the label taken
+    from the path by default would read twice ("candidate pkl pkl holds ..."); only a label the user
+    gave, other than the path's own name, is named beside the path."""
+    derived = candidate.path.rstrip("/").rsplit("/", 1)[-1]
+    return "candidate" if candidate.label in (derived, candidate.path) else f"candidate {candidate.label}"

@@ -254,6 +254,7 @@ def run_eval(
     log: Log | None = None,
     *,
     guard_output: bool = False,
+    checked: Callable[[], None] | None = None,
 ) -> EvalResult:
     """Evaluate ``cfg.model`` (+ ``cfg.adapter``) on ``cfg.benchmarks``; returns the results.
 
@@ -262,10 +263,14 @@ def run_eval(
     ``tokenizer``: the one whose chat template renders prompts (default: the engine's, else the
     model's). ``cfg.rescore`` re-grades a previous run's samples instead of generating.
     ``guard_output`` (``qerl eval``): refuse an output folder holding another model's evaluation.
+    ``checked``: called once the checks have passed, before any work (``qerl eval`` says its CPU time
+    estimate there, so that a refusal is never preceded by an estimate of work that will not run).
     """
     log = log or _default_log()
     # Model, adapter, benchmarks' data, baseline, output folder: checked before minutes of loading.
     plan = preflight(cfg, engine_given=engine is not None, guard_output=guard_output)
+    if checked is not None:
+        checked()
     if cfg.rescore:
         return rescore(cfg, log)
     if engine is None:

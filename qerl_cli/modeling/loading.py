@@ -25,7 +25,12 @@ from qerl_cli.errors import QerlError
 from qerl_cli.formats.base import QuantFormat
 from qerl_cli.formats.nf4 import STATE_KEY, NF4Format
 from qerl_cli.modeling.quant_linear import QuantLinear
-from qerl_cli.modeling.source_checks import check_model_source, pickle_allowed
+from qerl_cli.modeling.source_checks import (
+    check_model_source,
+    pickle_allowed,
+    pickle_refusal,
+    weight_file_kwargs,
+)
 from qerl_cli.modeling.sources import resolve_model_source
 
 COMPRESSED_TENSORS_FORMATS = {
@@ -242,17 +247,30 @@ def load_policy_model(
     fmt_name = detect_format(config_dict)
     device = torch.device(device)
     if fmt_name == "bf16":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            use_safetensors=None if pickle_allowed() else True,
-        )
+        model = load_pretrained_lm(path, dtype=dtype, trust_remote_code=trust_remote_code)
         return model.to(device), fmt_name
     model = _build_quantized_skeleton(path, format_for(fmt_name, config_dict), dtype, device, compute_dtype)
     return model, fmt_name
+
+
+def load_pretrained_lm(ref: str | Path, *, what: str = "model", **kwargs: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(ref, **kwargs)``, safetensors only: every load of a model's
+    weights by transformers goes through here (a GGUF file goes through ``sources.load_gguf``, which parses
+    it and unpickles nothing).
+
+    A folder or hub id without safetensors weights is refused with a QerlError saying why, not
+    transformers' advice to drop ``use_safetensors=True``: the checks before loading miss a hub id whose
+    repository holds only ``*.bin``, which transformers would otherwise unpickle.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(ref, **kwargs, **weight_file_kwargs())
+    except OSError as exc:
+        text = str(exc)
+        if pickle_allowed() or "file named" not in text or ".safetensors" not in text:
+            raise  # some other failure (network, a missing config): the caller's to report
+        raise pickle_refusal(what, ref, "no safetensors weights (model.safetensors or its index)") from None
 
 
 def _build_quantized_skeleton(

@@ -50,6 +50,27 @@ def pickle_allowed() -> bool:
     return os.environ.get(ALLOW_PICKLE_ENV, "").lower() in _TRUE
 
 
+def weight_file_kwargs() -> dict[str, bool | None]:
+    """``from_pretrained``'s keyword for which weight files it may read, for every load of model weights.
+
+    The folder checks refuse a local pickle-only folder, but not a hub id whose repository holds only
+    ``*.bin`` (nor a path they miss): ``use_safetensors=True`` makes transformers itself refuse to unpickle
+    one. ``None`` (transformers' own choice, pickle included) only once the user opts in with
+    ``QERL_ALLOW_PICKLE=1``.
+    """
+    return {"use_safetensors": None if pickle_allowed() else True}
+
+
+def pickle_refusal(what: str, where: str | Path, found: str) -> QerlError:
+    """The refusal of a model whose weights are pickle only; ``found`` says what was seen."""
+    return QerlError(
+        f"{what} {where} holds {found}; loading pickle can run code from the file, so qerl loads "
+        "safetensors only. Convert the model to safetensors "
+        "(model.save_pretrained(DIR, safe_serialization=True)), or, if you trust the file, "
+        f"opt in with {ALLOW_PICKLE_ENV}=1"
+    )
+
+
 def looks_like_hub_id(name: str) -> bool:
     """``owner/name`` and nothing that reads as a path (``./x``, ``/x``, ``a/b/c``, ``~/x``)."""
     return bool(_HUB_ID.match(name)) and not name.startswith((".", "~"))
@@ -257,9 +278,4 @@ def _check_local_folder(path: Path, what: str, trust_remote_code: bool, trust_hi
     if not pickles:
         raise QerlError(f"{what} {path} holds no weights (no *.safetensors file)")
     if not pickle_allowed():
-        raise QerlError(
-            f"{what} {path} holds only pickle weights ({', '.join(pickles[:3])}); loading pickle can run "
-            "code from the file, so qerl loads safetensors only. Convert the model to safetensors "
-            "(model.save_pretrained(DIR, safe_serialization=True)), or, if you trust the file, "
-            f"opt in with {ALLOW_PICKLE_ENV}=1"
-        )
+        raise pickle_refusal(what, path, f"only pickle weights ({', '.join(pickles[:3])})")

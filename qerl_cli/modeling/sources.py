@@ -339,6 +339,8 @@ def load_gguf(gguf: Path, dtype=None):  # -> (PreTrainedModel, tokenizer)
     folder, name = str(gguf.parent), gguf.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # Not loading.load_pretrained_lm: with gguf_file transformers reads only that file, parsed by the
+        # gguf package (no pickle), and ignores use_safetensors; the converted folder is safetensors.
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype or torch.bfloat16)
     except (OSError, ValueError, KeyError) as exc:
         raise QerlError(f"transformers could not load {gguf} as a GGUF causal LM: {exc}") from None

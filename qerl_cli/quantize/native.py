@@ -23,7 +23,7 @@ from torch import nn
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder, write_folder_once, write_json
 from qerl_cli.formats.checkpoint import ModuleGroup, check_checkpoint_format, module_groups, write_checkpoint
-from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, load_policy_model
+from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, load_policy_model, load_pretrained_lm
 from qerl_cli.modeling.quant_linear import QuantLinear
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize.report import REPORT_NAME, read_report
@@ -36,14 +36,14 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
     Written to a sibling temporary folder and renamed when complete; an existing complete ``out_dir``
     is returned as is (several processes may ask for the same base at once).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out = Path(out_dir)
     if is_complete_folder(out):
         return out
     check_checkpoint_format(fmt)
     folder = resolve_model_source(source)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = load_pretrained_lm(folder, dtype=torch.bfloat16).eval()  # safetensors only
     if getattr(model.config, "quantization_config", None):
         raise QerlError(f"{source} is already quantized: RTN needs the BF16 model")
 

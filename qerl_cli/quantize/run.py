@@ -23,6 +23,7 @@ from qerl_cli.config.choices import CALIBRATED_METHODS
 from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.error_init import LoraInitInfo
+from qerl_cli.modeling.loading import load_pretrained_lm
 from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize import error_init, pipeline, report
@@ -46,12 +47,8 @@ from qerl_cli.torch_utils import cpu_seconds, duration, estimated_duration, para
 
 
 def _load_model(ref: str, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            ref, dtype=torch.bfloat16, trust_remote_code=trust_remote_code
-        )
+    try:  # safetensors only: a pickle-only model is refused with its own QerlError
+        model = load_pretrained_lm(ref, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise QerlError(f"could not load model {ref!r} as a causal LM: {exc}") from None
     if getattr(model.config, "quantization_config", None):
@@ -60,9 +57,8 @@ def _load_model(ref: str, trust_remote_code: bool):
 
 
 def _load_quantized(path: Path, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=str(device)).eval()
+    # The checkpoint just written (safetensors), read back as any model's weights are.
+    return load_pretrained_lm(path, dtype=torch.bfloat16, device_map=str(device)).eval()
 
 
 @dataclass
