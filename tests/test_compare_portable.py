@@ -97,7 +97,8 @@ def test_a_real_change_of_base_is_still_warned_about(
     moved, recipe, evaluated = _made_and_moved(tmp_path, tiny_model_dir, monkeypatch)
     # An AWQ base made elsewhere and copied in (qerl quantize's record says so): compare.base_method=awq.
     shutil.copytree(moved / "bases" / "nvfp4", moved / "bases" / "nvfp4-awq")
-    (moved / "bases" / "nvfp4-awq" / REPORT_NAME).write_text(json.dumps({"format": "nvfp4", "method": "awq"}))
+    record = json.loads((moved / "bases" / "nvfp4-awq" / REPORT_NAME).read_text())
+    (moved / "bases" / "nvfp4-awq" / REPORT_NAME).write_text(json.dumps({**record, "method": "awq"}))
     sets = [*TINY_SETS, "compare.base_method=awq"]
     with caplog.at_level(logging.WARNING):
         report = runner.run_compare(recipe, ["bf16-lora", "nvfp4-lora"], 2, moved, sets=sets).report

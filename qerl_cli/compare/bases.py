@@ -16,6 +16,7 @@ from typing import Any
 
 from qerl_cli.compare.arms import BaseChoice, base_choice
 from qerl_cli.compare.base_identity import base_path
+from qerl_cli.compare.base_record import check_made_base
 from qerl_cli.compare.results import RunResult
 from qerl_cli.compare.runs import RESULT_NAME, run_dir
 from qerl_cli.compare.settings import DEFAULT_BASE_METHOD
@@ -26,7 +27,7 @@ from qerl_cli.files import is_complete_folder, write_folder_once
 from qerl_cli.modeling.adapter import check_folder
 from qerl_cli.modeling.error_init import init_folder
 from qerl_cli.modeling.loading import detect_format, read_config
-from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.modeling.sources import converted_folder, gguf_source, resolve_model_source
 from qerl_cli.quantize import run_quantize
 from qerl_cli.quantize.native import DEQUANTIZED_RECORD, write_dequantized_checkpoint, write_rtn_checkpoint
 from qerl_cli.quantize.report import REPORT_NAME
@@ -65,6 +66,8 @@ def prepare_bases(
                             own)  # fmt: skip
         else:  # made from the BF16 recipe model (_arm_base refused it from a 4-bit one)
             init = _lora_init_of(arms, choice, method)
+            check_made_base(_base_folder(out, choice, init), folder, choice, init, probe.lora.rank, out,
+                            _arms_on(arms, choice, method))  # fmt: skip
             base = _quantized_base(folder, out, choice, probe.train.device, init, probe.lora.rank)
             made_with = choice.method
         if choice.dequantized:
@@ -79,13 +82,16 @@ def prepare_bases(
 
 
 def check_base_formats(
-    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], method: str = DEFAULT_BASE_METHOD
-) -> dict[str, str]:
+    data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], method: str = DEFAULT_BASE_METHOD,
+    out: Path | None = None,
+) -> dict[str, str]:  # fmt: skip
     """What :func:`prepare_bases` refuses, before any work and without loading or converting anything: an
     arm asking for a format the recipe's model folder is not, while that model is not BF16 (4-bit bases
-    are made from a BF16 one). A hub id, a GGUF file or an alias is BF16 once converted. Returns what each
-    arm will train on, in words (``--dry-run`` says it)."""
-    source = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None)).model.path
+    are made from a BF16 one), and a base made before under ``out/bases`` from another model or with other
+    settings (:func:`~qerl_cli.compare.base_record.check_made_base`). A hub id, a GGUF file or an alias is
+    BF16 once converted. Returns what each arm will train on, in words (``--dry-run`` says it)."""
+    conf = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None))
+    source = conf.model.path
     folder = Path(source).expanduser()
     own = detect_format(read_config(folder)) if (folder / "config.json").is_file() else "bf16"
     plan = {}
@@ -96,6 +102,10 @@ def check_base_formats(
             continue
         choice = _arm_base(arm, overrides, method, source, own)
         made = choice.format not in ("auto", own)
+        if made and out is not None:
+            init = _lora_init_of(arms, choice, method)
+            check_made_base(_base_folder(out, choice, init), _source_folder(source), choice, init,
+                            conf.lora.rank, out, _arms_on(arms, choice, method))  # fmt: skip
         plan[arm] = f"{choice.label()}, made once from model.path" if made else "the recipe's model"
         if choice.dequantized:
             plan[arm] = f"a dense BF16 copy of {plan[arm]}"
@@ -152,6 +162,26 @@ def _same_base(a: BaseChoice, b: BaseChoice) -> bool:
     return (a.format, a.method) == (b.format, b.method)
 
 
+def _arms_on(arms: dict[str, dict[str, Any]], choice: BaseChoice, method: str) -> list[str]:
+    """The arms that train on ``choice``'s base (or a dense copy of it)."""
+    return [
+        a for a, o in arms.items() if "model.path" not in o and _same_base(base_choice(o, method), choice)
+    ]
+
+
+def _base_folder(out: Path, choice: BaseChoice, lora_init: str) -> Path:
+    """Where compare makes ``choice``'s base: ``<fmt>`` for qerl's own RTN, else ``<fmt>-<method>``."""
+    native_rtn = choice.method == "rtn" and lora_init == "zeros"
+    return out / "bases" / (choice.format if native_rtn else f"{choice.format}-{choice.method}")
+
+
+def _source_folder(source: str) -> str:
+    """The folder a base is made from for the recipe's ``model.path``, found without converting anything:
+    a GGUF's converted folder (where it is, or will be), else ``source`` as given (a folder, a hub id)."""
+    gguf = gguf_source(source)
+    return str(converted_folder(gguf)) if gguf is not None else source
+
+
 def made_by_quantize(target: Path, fmt: str, method: str, lora_init: str = "zeros") -> bool:
     """A folder ``qerl quantize`` finished (it writes staged, so a folder there is whole) with this format
     and method, and the LoRA start asked for: a base made elsewhere (e.g. where llm-compressor is
@@ -179,7 +209,7 @@ def _quantized_base(
     the LoRA start ``lora_init`` beside it, of rank ``rank``)."""
     fmt, method = choice.format, choice.method
     native_rtn = method == "rtn" and lora_init == "zeros"
-    target = out / "bases" / (fmt if native_rtn else f"{fmt}-{method}")
+    target = _base_folder(out, choice, lora_init)
     if native_rtn:  # qerl's own RTN: no llm-compressor needed
         if not is_complete_folder(target):
             log.info("quantizing %s to %s (round to nearest) into %s", folder, fmt, target)

@@ -231,7 +231,8 @@ def _input_checks(ablation: _Ablation) -> list[Checked]:
         checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
     checked.extend(dict.fromkeys(preflight.extra_rewards(conf) for conf in probes if conf.reward.extra))
     method = ablation.settings.base_method
-    trains_on = check_base_formats(ablation.data, ablation.arms, ablation.sets, method)
+    # A base made before from another model or with other settings is refused here, before any work.
+    trains_on = check_base_formats(ablation.data, ablation.arms, ablation.sets, method, out)
     where = "; ".join(f"{arm}: {base}" for arm, base in trains_on.items())
     made = f" (under {out / 'bases'}; compare.base_method={method})" if "made once" in where else ""
     checked.append(Checked("bases", where + made))

@@ -323,6 +323,32 @@ def content_named_folder(folder: Path) -> Path | None:
     return cache_root() / "gguf" / f"{folder.name}-{sha256[:12]}" / folder.name
 
 
+# The files that hold a model folder's weights (and the index naming them), by suffix.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+WEIGHT_SAMPLES, WEIGHT_SAMPLE_BYTES = 64, 4096  # reads per weight file for its fingerprint, and their size
+
+
+def weights_fingerprint(folder: str | Path) -> str:
+    """What identifies a model folder's weights without reading them whole: its ``config.json`` (and
+    weight index) bytes, each weight file's name and size, and WEIGHT_SAMPLES small reads spread over
+    each file (a fine-tune of the same architecture, whose sizes are the same, differs there; milliseconds
+    where hashing the files would take minutes). No path and no mtime: a copy of the folder elsewhere (on
+    another machine, under another cache) keeps it, unlike the rollout copies' cache key."""
+    root = Path(folder)
+    digest = hashlib.sha256((root / "config.json").read_bytes())
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        digest.update(index.read_bytes())
+    for file in sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as handle:
+            for i in range(WEIGHT_SAMPLES):
+                handle.seek(size * i // WEIGHT_SAMPLES)
+                digest.update(handle.read(WEIGHT_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
 def materialize_gguf(gguf: Path) -> Path:
     """The BF16 safetensors folder converted from ``gguf`` (converted now if not cached)."""
     return write_folder_once(converted_folder(gguf), lambda staging: convert_gguf(gguf, staging))

@@ -5,7 +5,8 @@ The packer and writer of ``qerl_cli.formats.checkpoint`` (compressed-tensors ``n
 global scale across each fused group (q/k/v, gate/up), as llm-compressor does, so vLLM can fuse them.
 Used where llm-compressor is absent (``qerl bench quality``'s RTN rows on a GPU machine without it) and by
 ``qerl compare`` to make the 4-bit counterpart of a BF16 base; ``qerl quantize --method rtn`` is the
-llm-compressor route to an equivalent checkpoint.
+llm-compressor route to an equivalent checkpoint. Each is written with the ``qerl_quant.json`` that
+route writes (:mod:`qerl_cli.quantize.report`), its source model recorded.
 
 :func:`write_dequantized_checkpoint` goes the other way: a dense BF16 copy of a 4-bit checkpoint's
 weights, the control base of ``qerl compare``'s ``base.dequantized`` arms.
@@ -14,20 +15,24 @@ weights, the control base of ``qerl compare``'s ``base.dequantized`` arms.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from qerl_cli.envinfo import package_versions
 from qerl_cli.errors import QerlError
 from qerl_cli.files import is_complete_folder, write_folder_once, write_json
 from qerl_cli.formats.checkpoint import ModuleGroup, check_checkpoint_format, module_groups, write_checkpoint
 from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, load_policy_model, load_pretrained_lm
 from qerl_cli.modeling.quant_linear import QuantLinear
+from qerl_cli.modeling.shapes import MARLIN_FORMATS, marlin_refusals, module_shapes
 from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.quantize import report
 from qerl_cli.quantize.report import REPORT_NAME, read_report
-from qerl_cli.quantize.validate import ALWAYS_IGNORED
+from qerl_cli.quantize.validate import ALWAYS_IGNORED, quantized_linear_names
 
 
 def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> Path:
@@ -41,6 +46,7 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
     out = Path(out_dir)
     if is_complete_folder(out):
         return out
+    started = time.perf_counter()
     check_checkpoint_format(fmt)
     folder = resolve_model_source(source)
     model = load_pretrained_lm(folder, dtype=torch.bfloat16).eval()  # safetensors only
@@ -48,11 +54,43 @@ def write_rtn_checkpoint(source: str | Path, out_dir: str | Path, fmt: str) -> P
         raise QerlError(f"{source} is already quantized: RTN needs the BF16 model")
 
     def write(staging: Path) -> None:
+        written = time.perf_counter()
         write_checkpoint(staging, _groups(model), fmt, model.config.to_dict())
         model.generation_config.save_pretrained(staging)
         AutoTokenizer.from_pretrained(folder).save_pretrained(staging)  # chat template included
+        # The record `qerl quantize` writes, so that this base says what it was made from (compare checks
+        # a base it made before against the model it would make it from now) and how far it is from BF16.
+        report.write_report(staging, _rtn_result(model, source, folder, staging, fmt, started, written))
 
     return write_folder_once(out, write)
+
+
+def _rtn_result(
+    model: nn.Module, source: str | Path, folder: str, out: Path, fmt: str, started: float, written: float
+) -> report.QuantizeResult:
+    """The ``qerl_quant.json`` of an RTN checkpoint just written to ``out`` from ``model`` (the BF16 model
+    ``source``, resolved to ``folder``), its weight errors measured on what was saved."""
+    quantized = quantized_linear_names(model, [])
+    modules = dict(model.named_modules())
+    errors = report.weight_errors(out, fmt, {name: modules[name].weight.detach() for name in quantized})
+    refused = marlin_refusals(module_shapes(model, quantized)) if fmt in MARLIN_FORMATS else []
+    return report.QuantizeResult(
+        model=str(source), output=str(out), format=fmt, method="rtn",
+        rounding="round to nearest, qerl's own format code (no llm-compressor)", calibration=None,
+        ignored_layers=["lm_head"], skipped_layers=[],
+        versions=package_versions(report.VERSIONED_PACKAGES),
+        size=report.SizeReport(
+            report.state_bytes(model), report.folder_bytes(out, "*.safetensors"), report.folder_bytes(out)
+        ),
+        weight_error=report.WeightError.measured("BF16 weight as rounded", errors),
+        perplexity=None,
+        vllm_marlin=report.MarlinRefusals(
+            "vLLM on GPUs without native FP4 (compute capability < 10.0)", refused
+        ),
+        device="cpu", peak_gpu_bytes=None,
+        timings_s=report.QuantizeTimings(written - started, time.perf_counter() - written),
+        elapsed_s=time.perf_counter() - started, source=report.source_record(folder),
+    )  # fmt: skip
 
 
 def _groups(model: nn.Module) -> Iterator[tuple[ModuleGroup, set[str]]]:

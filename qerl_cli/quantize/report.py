@@ -26,6 +26,7 @@ from qerl_cli import formats
 from qerl_cli.files import write_json
 from qerl_cli.modeling.error_init import LoraInitInfo
 from qerl_cli.modeling.loading import QUANT_RECORD
+from qerl_cli.modeling.sources import weights_fingerprint
 
 REPORT_NAME = QUANT_RECORD  # beside the checkpoint; its name lives with the loader that reads it
 WORST_LAYERS = 5
@@ -192,6 +193,32 @@ class QuantizeTimings:
 
 
 @dataclass
+class SourceRecord:
+    """The BF16 model a 4-bit checkpoint was made from, as ``qerl compare`` checks a base it made before
+    against the model it would make it from now (a changed ``model.path`` must not reuse a stale base)."""
+
+    path: str  # the source's folder, resolved (a converted GGUF's: the converted folder); or its hub id
+    weights: str | None  # modeling.sources.weights_fingerprint of that folder; None for a hub id
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "weights": self.weights}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SourceRecord:
+        return cls(str(data.get("path", "")), data.get("weights"))
+
+
+def source_record(ref: str | Path) -> SourceRecord:
+    """The :class:`SourceRecord` of ``ref``, a model folder (a GGUF already converted: its folder) or a
+    hub id; cheap (no weights read), so compare computes it on every invocation."""
+    folder = Path(ref).expanduser()
+    if (folder / "config.json").is_file():
+        folder = folder.resolve()
+        return SourceRecord(str(folder), weights_fingerprint(folder))
+    return SourceRecord(str(ref), None)
+
+
+@dataclass
 class QuantizeResult:
     """One ``qerl quantize`` run: what was made, how, and how far the 4-bit weights are from BF16."""
 
@@ -215,6 +242,9 @@ class QuantizeResult:
     # --lora-init: the error-compensating LoRA start written to lora_init/. Written to the file only
     # when made, so reports without one keep their exact keys.
     lora_init: LoraInitInfo | None = None
+    # The model it was made from (resolved, with its weights' fingerprint), written by qerl >= this field;
+    # an older file has only ``model``, as given.
+    source: SourceRecord | None = None
 
     def to_dict(self) -> dict[str, Any]:
         ppl = self.perplexity
@@ -244,6 +274,8 @@ class QuantizeResult:
         }
         if self.lora_init is not None:
             data["lora_init"] = self.lora_init.to_dict()
+        if self.source is not None:
+            data["source"] = self.source.to_dict()
         return data
 
     @classmethod
@@ -271,6 +303,7 @@ class QuantizeResult:
             timings_s=QuantizeTimings(timings.get("load", 0.0), timings.get("quantize_and_save", 0.0)),
             elapsed_s=data.get("elapsed_s", 0.0),
             lora_init=LoraInitInfo.from_dict(data["lora_init"]) if data.get("lora_init") else None,
+            source=SourceRecord.from_dict(data["source"]) if data.get("source") else None,
         )
 
 

@@ -152,6 +152,7 @@ def run_quantize(cfg: QuantizeConfig, log: Log | None = None) -> QuantizeResult:
             timings_s=QuantizeTimings(load=loaded_s, quantize_and_save=quantize_s),
             elapsed_s=time.perf_counter() - start,
             lora_init=lora_init,
+            source=report.source_record(job.source),
         )
         report.write_report(staging, result)
     log(f"done in {duration(time.perf_counter() - start)}: {job.output}")
