@@ -935,7 +935,7 @@ def test_a_base_qerl_quantize_wrote_is_used_and_one_without_the_asked_start_is_r
         "e": str(target),
     }
     assert runner.prepare_bases(data, {"g": arms["g"]}, TINY_SETS, tmp_path / "other") == {"g": str(other)}
-    with pytest.raises(QerlError, match=r"made without the LoRA start an arm asks for \(lora.init: eora\)"):
+    with pytest.raises(QerlError, match=r"LoRA start \(lora.init, lora.rank\): zeros -> eora rank 4"):
         runner.prepare_bases(data, arms, TINY_SETS, tmp_path / "other")
     with pytest.raises(QerlError, match="ask for different LoRA starts"):
         runner.prepare_bases(

@@ -453,7 +453,7 @@ def test_the_result_is_qerl_quant_json_key_for_key(rtn_nf4: Path) -> None:
     assert list(on_disk) == [
         "model", "output", "format", "method", "rounding", "calibration", "ignored_layers", "skipped_layers",
         "versions", "size", "weight_error", "perplexity", "vllm_marlin", "device", "peak_gpu_bytes",
-        "timings_s", "elapsed_s",
+        "timings_s", "elapsed_s", "source",
     ]  # fmt: skip
     with_ppl = {**on_disk, "perplexity": {"samples": 4, "bf16": 10.0, "quantized": 10.5}}
     assert json.dumps(QuantizeResult.from_dict(with_ppl).to_dict()) == json.dumps(with_ppl)
