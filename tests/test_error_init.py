@@ -184,7 +184,8 @@ def test_the_report_records_the_init_and_round_trips(eora_base: Path) -> None:
     on_disk = json.loads((eora_base / REPORT_NAME).read_text())
     result = read_report(eora_base)
     assert json.dumps(result.to_dict()) == json.dumps(on_disk)
-    assert list(on_disk)[-1] == "lora_init" and result.lora_init == read_info(eora_base / INIT_DIR)
+    assert list(on_disk)[-2:] == ["lora_init", "source"]
+    assert result.lora_init == read_info(eora_base / INIT_DIR)
     assert on_disk["calibration"] is None  # rtn itself is not calibrated; the init's record says what was
     console = Console(record=True, width=200)
     console.print(quantize_table(result))
