@@ -1,5 +1,5 @@
-"""The one exception type for mistakes a user can fix, what a check that passed found, and the
-command that installs a missing optional package.
+"""The one exception type for mistakes a user can fix, what a check that passed found, the command
+that installs a missing optional package, and the qerl command a message tells the user to run.
 
 Every "did you mean" of qerl asks :func:`closest` for the name meant.
 
@@ -10,6 +10,7 @@ exits 1 (with a traceback under ``--debug``). The checks each stage makes before
 """
 
 import difflib
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,3 +55,9 @@ def install_hint(*extras: str) -> str:
     if not extras or unknown:
         raise ValueError(f"install_hint takes qerl's extras ({', '.join(sorted(EXTRAS))}), got {extras!r}")
     return f'pip install -e ".[{",".join(extras)}]" in the qerl clone'
+
+
+def qerl_command(*words: object) -> str:
+    """A ``qerl`` command for a message to suggest, each word quoted for the shell where it needs it
+    (a path with a space or an accent): the line pastes and runs as written."""
+    return shlex.join(["qerl", *(str(word) for word in words)])

@@ -18,7 +18,7 @@ from qerl_cli.config.choices import (
     QuantFormat,
     QuantMethod,
 )
-from qerl_cli.errors import QerlError, closest
+from qerl_cli.errors import QerlError, closest, qerl_command
 
 # The linear backends a concurrency sweep measures: rollout.linear_backend's values but auto.
 SWEPT_BACKENDS = tuple(b for b in get_args(LinearBackend) if b != "auto")
@@ -261,7 +261,8 @@ class EvalConfig:
             raise QerlError(
                 f"{', '.join(unused)}: --rescore re-grades the answers saved in {self.rescore} and generates "
                 f"nothing, so {what} of generating would be ignored: drop {it} "
-                f"(`qerl eval --rescore {self.rescore}`), or leave --rescore out to generate with {it}"
+                f"(`{qerl_command('eval', '--rescore', self.rescore)}`), or leave --rescore out to generate "
+                f"with {it}"
             )
 
 

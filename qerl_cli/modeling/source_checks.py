@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 from huggingface_hub import try_to_load_from_cache
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME
-from qerl_cli.errors import QerlError, closest
+from qerl_cli.errors import QerlError, closest, qerl_command
 from qerl_cli.files import file_given_for_folder
 from qerl_cli.modeling import adapter, run_layout, sources
 from qerl_cli.modeling.sources import resolve_model_source
@@ -225,8 +225,9 @@ def no_model_config(path: Path, what: str, choices: str = MODEL_FOLDER) -> QerlE
     if adapter.run_adapter(path) is None and not run_layout.is_run_folder(path):
         return QerlError(f"{what} {path} has no config.json; give {choices}")
     kind = "a `qerl train` run's folder (its output.dir)"
-    resume = (f"; to train on, continue the run: `qerl train {path / RESOLVED_CONFIG_NAME} --resume auto` (a "
-              "finished run with --set train.max_steps raised)")  # fmt: skip
+    resume_run = qerl_command("train", path / RESOLVED_CONFIG_NAME, "--resume", "auto")
+    resume = (f"; to train on, continue the run: `{resume_run}` (a finished run with --set train.max_steps "
+              "raised)")  # fmt: skip
     if (final := adapter.run_adapter(path)) is not None:
         return _trained_folder(path, what, final, kind, "the trained adapter", resume)
     if (newest := adapter.checkpoint_adapter(path)) is not None:
@@ -244,7 +245,7 @@ def _trained_folder(path: Path, what: str, trained: Path, kind: str, which: str,
     on = f"the base model it was trained on ({base})" if base else "the base model it was trained on"
     return QerlError(
         f"{what} {path} is {kind}, not a model (no config.json): {what} takes {on}. To evaluate {which}: "
-        f"`qerl eval {base or 'BASE'} --adapter {trained}`{resume}"
+        f"`{qerl_command('eval', base or 'BASE', '--adapter', trained)}`{resume}"
     )
 
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from qerl_cli.config import RESOLVED_CONFIG_NAME
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, qerl_command
 from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, METRICS_FILE, PROMPTS_FILE
 from qerl_cli.rl.checkpoint import list_checkpoints
 from qerl_cli.rl.tracking import COMPLETIONS_FILE, PLOT_FILE
@@ -67,10 +67,12 @@ def check_resume_target(resume: str | Path, out_dir: str | Path) -> None:
         return  # nothing to resume there is checkpoint.find_last_checkpoint's to say
     held = " (over the training run it holds)" if run_entries(out) else ""
     recipe = run / RESOLVED_CONFIG_NAME
+    set_dir = shlex.join(["--set", f"output.dir={run}"])
+    resume_run = qerl_command("train", recipe, "--resume", "auto")
     again = (
-        f"`qerl train {recipe} --resume auto` (the run's own recorded settings) or add --set output.dir={run}"
+        f"`{resume_run}` (the run's own recorded settings) or add {set_dir}"
         if recipe.is_file()
-        else f"add --set output.dir={run} (with that run's other settings)"
+        else f"add {set_dir} (with that run's other settings)"
     )
     raise QerlError(
         f"--resume {resume} continues the run in {run}, but output.dir is {out}: the run would write "
@@ -142,8 +144,8 @@ def stop_hint(out_dir: str | Path, save_steps: int) -> str:
     there with any checkpoint): the recipe with ``--resume auto`` resumes the recipe's ``output.dir``,
     which is another folder when this run's came from ``--set`` or the recipe was edited since."""
     if list_checkpoints(out_dir):
-        config = shlex.quote(str(Path(out_dir) / RESOLVED_CONFIG_NAME))
-        return f"continue from its last checkpoint with: qerl train {config} --resume auto"
+        config = Path(out_dir) / RESOLVED_CONFIG_NAME
+        return f"continue from its last checkpoint with: {qerl_command('train', config, '--resume', 'auto')}"
     every = (
         f"one is written every {save_steps} steps" if save_steps > 0 else "output.save_steps=0 writes none"
     )
