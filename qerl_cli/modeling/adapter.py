@@ -11,6 +11,7 @@ can serve it (:func:`check_servable`), and the bench writes a random one from sh
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,7 +51,7 @@ def check_folder(path: str | Path, what: str = "--adapter") -> Path:
     if not (folder / ADAPTER_CONFIG).is_file():
         # A training run's folder given for its adapter: name the adapter inside it.
         inner = run_adapter(folder) or checkpoint_adapter(folder)
-        hint = f"; it holds a run's adapter: {what} {inner}" if inner is not None else ""
+        hint = f"; it holds a run's adapter: {what} {shlex.quote(str(inner))}" if inner is not None else ""
         raise QerlError(f"{what} {path} is not a PEFT adapter folder (no {ADAPTER_CONFIG}){hint}")
     if not (folder / ADAPTER_WEIGHTS).is_file():
         pickle = (folder / PICKLE_WEIGHTS).is_file()
@@ -66,17 +67,23 @@ def is_adapter_folder(folder: str | Path) -> bool:
     return (Path(folder) / ADAPTER_CONFIG).is_file()
 
 
+def _has_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole adapter, config and weights: one a run was killed while writing
+    (its config alone) is no adapter to point a user to."""
+    return is_adapter_folder(folder) and (folder / ADAPTER_WEIGHTS).is_file()
+
+
 def run_adapter(folder: str | Path) -> Path | None:
     """The trained adapter a `qerl train` run's folder holds (``OUTPUT/adapter``), None where it has none."""
     inner = Path(folder) / ADAPTER_DIR
-    return inner if is_adapter_folder(inner) else None
+    return inner if _has_weights(inner) else None
 
 
 def checkpoint_adapter(folder: str | Path) -> Path | None:
     """The adapter of the newest checkpoint in a `qerl train` run's folder (``OUTPUT/checkpoint-N/adapter``),
     None where none holds one: what a run stopped before its final adapter has trained."""
     for _, checkpoint in reversed(checkpoint_folders(folder)):
-        if is_adapter_folder(checkpoint / ADAPTER_DIR):
+        if _has_weights(checkpoint / ADAPTER_DIR):
             return checkpoint / ADAPTER_DIR
     return None
 

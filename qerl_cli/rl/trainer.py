@@ -36,7 +36,7 @@ import torch
 from qerl_cli import rewards as reward_functions
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.prompts import reward_settings
-from qerl_cli.files import ensure_output_dir
+from qerl_cli.files import ensure_output_dir, staged_folder
 from qerl_cli.modeling.adapter import load_weights
 from qerl_cli.modeling.prompt_tokens import encode_prompt
 from qerl_cli.modeling.run_layout import ADAPTER_DIR, METRICS_FILE
@@ -399,7 +399,9 @@ def _train(
         adapter_dir = out_dir / ADAPTER_DIR
         plot = None
         if dist.is_main:
-            trainer.policy.save_adapter(adapter_dir)
+            # Staged and renamed whole: a run killed while writing it leaves no adapter/ without weights.
+            with staged_folder(adapter_dir, existing="replace", staging=out_dir / ".adapter.tmp") as staging:
+                trainer.policy.save_adapter(staging)
             records = read_metrics(out_dir / METRICS_FILE)
             plot = plot_training_curves(records, out_dir / "training_curves.png") if records else None
         dist.barrier()
