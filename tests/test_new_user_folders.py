@@ -42,6 +42,7 @@ def test_eval_adapter_given_a_run_folder_names_the_adapter_inside(
     run = tmp_path / "runs" / "tiny"
     (run / "adapter").mkdir(parents=True)
     (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")  # a finished run's: weights too
     rc, err = eval_dry_run(capsys, tiny_model_dir, run, tmp_path)
     assert usage_error(rc, err), err
     assert f"(no adapter_config.json); it holds a run's adapter: --adapter {run}/adapter" in err
@@ -74,6 +75,7 @@ def test_eval_refuses_a_run_folder_before_any_estimate(
     run = tmp_path / "runs" / "tiny"
     (run / "adapter").mkdir(parents=True)
     (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")  # a finished run's: weights too
     rc, err = eval_on_cpu(capsys, tiny_model_dir, run, tmp_path)
     assert usage_error(rc, err), err
     assert f"it holds a run's adapter: --adapter {run}/adapter" in err
