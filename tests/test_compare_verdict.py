@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from qerl_cli.compare.verdict import (
     verdict_warnings,
     verdict_words,
 )
+from qerl_cli.config import save_resolved_config
 from qerl_cli.errors import QerlError
 
 
@@ -147,16 +149,27 @@ def test_settings_take_a_reference_and_a_positive_margin() -> None:
             read_settings({"margin": bad})
 
 
-def _fake_runs(monkeypatch: pytest.MonkeyPatch, figures: dict[str, list[float]], device: str = "CPU (test)"):
-    """run_one without training: arm's seed s scores figures[arm][s], recording device and invocation."""
+def _fake_runs(
+    monkeypatch: pytest.MonkeyPatch,
+    figures: Mapping[str, Sequence[float]],
+    device: str = "CPU (test)",
+    *,
+    keep_config: bool = False,
+    zero_std: list[float] | None = None,
+):
+    """run_one without training: arm's seed s scores figures[arm][s], recording device and invocation
+    (``keep_config``: the run's config.yaml too, as `qerl train` writes it; ``zero_std``: its groups'
+    zero-std fractions)."""
     ran = []
 
     def fake_run(conf, settings, arm, progress, invocation=None, *, compare_dir):
         seed = conf.train.seed
         ran.append((arm, seed))
         result = RunResult(arm, seed, [0.1, 0.3], [1.0, 0.9], _score(figures[arm][seed], 0.05), device=device,
-                           gpus=0, invocation=invocation)  # fmt: skip
+                           gpus=0, invocation=invocation, zero_std_group_fraction=zero_std or [])  # fmt: skip
         Path(conf.output.dir).mkdir(parents=True, exist_ok=True)
+        if keep_config:
+            save_resolved_config(conf, conf.output.dir)
         (Path(conf.output.dir) / "result.json").write_text(json.dumps(result.to_dict()))
         return result
 

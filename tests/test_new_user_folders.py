@@ -35,14 +35,20 @@ def test_eval_adapter_missing_says_where_train_writes_adapters(
     assert "`qerl train tiny` writes runs/tiny/adapter" in err and "OUTPUT/checkpoint-N/adapter" in err
 
 
+def _finished_run(tmp_path: Path) -> Path:
+    """A `qerl train` run's folder as it ends: its adapter, config and weights, under runs/tiny."""
+    run = tmp_path / "runs" / "tiny"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    return run
+
+
 def test_eval_adapter_given_a_run_folder_names_the_adapter_inside(
     capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The run's folder (runs/tiny) in place of its adapter (runs/tiny/adapter) is the likely slip."""
-    run = tmp_path / "runs" / "tiny"
-    (run / "adapter").mkdir(parents=True)
-    (run / "adapter" / "adapter_config.json").write_text("{}")
-    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")  # a finished run's: weights too
+    run = _finished_run(tmp_path)
     rc, err = eval_dry_run(capsys, tiny_model_dir, run, tmp_path)
     assert usage_error(rc, err), err
     assert f"(no adapter_config.json); it holds a run's adapter: --adapter {run}/adapter" in err
@@ -72,10 +78,7 @@ def test_eval_refuses_a_run_folder_before_any_estimate(
     capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """No CPU time estimate of an evaluation that will not run is said before its refusal."""
-    run = tmp_path / "runs" / "tiny"
-    (run / "adapter").mkdir(parents=True)
-    (run / "adapter" / "adapter_config.json").write_text("{}")
-    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"")  # a finished run's: weights too
+    run = _finished_run(tmp_path)
     rc, err = eval_on_cpu(capsys, tiny_model_dir, run, tmp_path)
     assert usage_error(rc, err), err
     assert f"it holds a run's adapter: --adapter {run}/adapter" in err

@@ -4,36 +4,24 @@ compare), each stumble held by the test that would have caught it."""
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from cli_runner import run_cli, usage_error
-from test_compare import TINY_SETS, _recipe, _score
+from test_compare import TINY_SETS, _recipe
+from test_compare_verdict import _fake_runs
 
-from qerl_cli.compare import heldout as heldout_mod
 from qerl_cli.compare import runner
-from qerl_cli.compare.results import RunResult
-from qerl_cli.config import save_resolved_config
 from qerl_cli.errors import QerlError
 
 
 # -- qerl compare again into the same folder with other settings --------------------------------------------
 def _fake_trained_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    """run_one without training, keeping what `qerl train` keeps of a run: its config.yaml and result.json."""
-    ran = []
-
-    def fake_run(conf, settings, arm, progress, invocation=None, *, compare_dir):
-        ran.append((arm, conf.train.seed))
-        save_resolved_config(conf, conf.output.dir)
-        result = RunResult(arm, conf.train.seed, [0.0, 0.0], [1.0, 0.9], _score(0.3, 0.05), gpus=0,
-                           zero_std_group_fraction=[1.0, 1.0])  # fmt: skip
-        (Path(conf.output.dir) / "result.json").write_text(json.dumps(result.to_dict()))
-        return result
-
-    monkeypatch.setattr(runner, "run_one", fake_run)
-    monkeypatch.setattr(heldout_mod, "base_entropy", lambda *a: {"exact_entropy": 1.5})
-    monkeypatch.setattr(heldout_mod, "evaluate_heldout", lambda *a: _score(0.25, 0.05))
-    return ran
+    """run_one without training, keeping what `qerl train` keeps of a run: its config.yaml and result.json;
+    every run scores 0.3 and every group had no spread of rewards."""
+    every_seed = defaultdict(lambda: [0.3] * 16)
+    return _fake_runs(monkeypatch, every_seed, keep_config=True, zero_std=[1.0, 1.0])
 
 
 def test_compare_refuses_finished_runs_of_other_settings(

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import tiny_cpu_recipe
 from rich.table import Table
 
 from qerl_cli.cli.app import PIPED_WIDTH, output_console
@@ -21,16 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_piped_train_prints_step_lines_as_they_happen(tiny_model_dir: Path, tmp_path: Path) -> None:
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        f"model:\n  path: {tiny_model_dir}\n  dtype: float32\n"
-        "data:\n  dataset: synthetic-addition\n  template: plain\n"
-        "rollout:\n  num_generations: 4\n  max_completion_length: 8\n  max_prompt_length: 64\n"
-        "train:\n  prompts_per_step: 2\n  max_steps: 3\n  micro_batch_size: 4\n  device: cpu\n"
-        "  gradient_checkpointing: false\n"
-        "lora:\n  rank: 4\n  alpha: 8\n"
-        "reward:\n  grader_workers: 1\n"
-        f"output:\n  dir: {tmp_path / 'run'}\n  save_steps: 3\n"
+    recipe = tiny_cpu_recipe(
+        tmp_path / "recipe.yaml", tiny_model_dir, tmp_path / "run", max_steps=3, save_steps=3
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "QERL_NUM_THREADS": "1"}
     env.pop("COLUMNS", None)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runner import tiny_cpu_recipe
 
 from qerl_cli.cli.interrupt import interrupt_exit_code, reset_interrupt, sigterm_interrupts
 from qerl_cli.errors import Terminated
@@ -25,18 +26,9 @@ MAX_STEPS = 3
 
 
 def _recipe(tmp_path: Path, model: Path) -> Path:
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        f"model:\n  path: {model}\n  dtype: float32\n"
-        "data:\n  dataset: synthetic-addition\n  template: plain\n"
-        "rollout:\n  num_generations: 4\n  max_completion_length: 8\n  max_prompt_length: 64\n"
-        f"train:\n  prompts_per_step: 2\n  max_steps: {MAX_STEPS}\n  micro_batch_size: 4\n  device: cpu\n"
-        "  gradient_checkpointing: false\n"
-        "lora:\n  rank: 4\n  alpha: 8\n"
-        "reward:\n  grader_workers: 1\n"
-        f"output:\n  dir: {tmp_path / 'recipe-run'}\n  save_steps: 1\n"
+    return tiny_cpu_recipe(
+        tmp_path / "recipe.yaml", model, tmp_path / "recipe-run", max_steps=MAX_STEPS, save_steps=1
     )
-    return recipe
 
 
 def _train(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
