@@ -192,9 +192,9 @@ def test_the_hf_engine_refuses_linear_backends(backends: str, capsys: pytest.Cap
 def test_pairs_fold_by_the_rollout_backends_rule() -> None:
     """The names each format serves a backend under: what rollout.backends.choose_backend keeps for a
     pinned backend (a BF16 or NF4 base keeps vLLM's default for the FP4 kernels)."""
-    every = ("marlin", "humming", "fp8", "fp8-merged", "merged", "auto")
+    every = ("marlin", "humming", "qerl-triton", "fp8", "fp8-merged", "merged", "auto")
     assert [served_backend(b, "bf16") for b in every] == [
-        "default", "default", "fp8", "merged", "merged", "auto",
+        "default", "default", "default", "fp8", "merged", "merged", "auto",
     ]  # fmt: skip
     assert [served_backend(b, "nf4") for b in ("marlin", "humming", "fp8-merged")] == [
         "default", "default", "fp8-merged",

@@ -47,7 +47,7 @@ def test_bench_batch_names_the_bad_element(capsys: pytest.CaptureFixture[str]) -
 
 def test_list_of_choices_names_the_item_and_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
     # The item and the allowed values in words: no list repr, no "list['auto' | ...] | null".
-    choices = "one of auto, marlin, humming, fp8, fp8-merged, merged"
+    choices = "one of auto, marlin, humming, qerl-triton, fp8, fp8-merged, merged"
     rc, _, err = run(capsys, "bench", "e2e", "--linear-backend", "marlinn", "--dry-run")
     assert rc == 2 and f"--linear-backend has 'marlinn', which is not {choices}" in err
     assert "[" not in err and "|" not in err
@@ -71,4 +71,5 @@ def test_empty_benchmark_and_backend_lists_are_refused(capsys: pytest.CaptureFix
     rc, _, err = run(capsys, "eval", "m", "--set", "benchmarks=[]", "--dry-run")
     assert rc == 2 and "benchmarks needs at least one benchmark" in err
     rc, _, err = run(capsys, "bench", "concurrency", "--backends", ",", "--dry-run")
-    assert rc == 2 and "--backends needs at least one backend (choose from marlin, humming, fp8" in err
+    wanted = "--backends needs at least one backend (choose from marlin, humming, qerl-triton, fp8"
+    assert rc == 2 and wanted in err

@@ -133,7 +133,7 @@ def test_a_pinned_backend_is_kept_and_checked() -> None:
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(QerlError, match="auto, marlin, humming, fp8"):
+    with pytest.raises(QerlError, match="auto, marlin, humming, qerl-triton, fp8"):
         choose_backend("cutlass", "nvfp4", concurrency=8, env=env(), table={})
 
 

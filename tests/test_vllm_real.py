@@ -314,3 +314,64 @@ def test_merged_serves_a_4bit_base_as_a_bf16_copy_and_survives_sleep(folders: di
               f"restores the copy ({mean_abs_gap(unmerged_lp, base_lp):.1e})")  # fmt: skip
     finally:
         stop(engine)
+
+
+# -- qerl's own NVFP4 kernel inside vLLM ----------------------------------------------------------------
+# Largest mean |qerl-triton - Marlin| over the probe's prompt logprobs (nats/token) on the same weights:
+# both dequantize the checkpoint's exact products; they differ in BF16 rounding and summation order only.
+KERNELS_GAP = 0.02
+
+
+def test_qerl_triton_serves_nvfp4_with_cuda_graphs_lora_noise_and_sleep(folders: dict[str, Path]) -> None:
+    """``rollout.linear_backend: qerl-triton``: vLLM runs qerl's Triton kernel on every NVFP4 layer, with
+    CUDA graphs and torch.compile on (not ``enforce_eager``), vLLM's LoRA around it, AQN's norm noise,
+    and an adapter synced while asleep served after wake-up; its logprobs agree with Marlin's."""
+    ids = probe_ids(folders["nvfp4"])
+    marlin = start(folders["nvfp4"], enable_sleep_mode=False, enable_lora=True)
+    try:
+        marlin_base = marlin.prompt_logprobs(ids)
+        marlin.sync_adapter(str(folders["lora"]))
+        marlin_lora = marlin.prompt_logprobs(ids)
+    finally:
+        stop(marlin)
+    request = EngineRequest(
+        "vllm", str(folders["nvfp4"]), gpu_memory_utilization=SHARE, max_lora_rank=RANK,
+        max_model_len=MAX_LEN,
+        seed=0, enable_sleep_mode=True, enable_lora=True, linear_backend="qerl-triton",
+        vllm_kwargs={"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}},
+    )  # fmt: skip
+    engine = make_engine(request)
+    try:
+        assert engine.linear_backend == "qerl-triton" and engine.llm_kwargs["linear_backend"] == "triton"
+        served = engine.llm.apply_model(
+            lambda model: sum(hasattr(m, "qerl_accumulator_scale") for m in model.modules())
+        )
+        assert min(served) >= 2 * 4  # qkv, o, gate_up, down of each of the two layers
+        base_lp = engine.prompt_logprobs(ids)
+        tokens = greedy_tokens(engine)  # decode steps replay the captured CUDA graphs
+        engine.sync_adapter(str(folders["lora"]))
+        lora_lp = engine.prompt_logprobs(ids)
+        assert mean_abs_gap(base_lp, marlin_base) < KERNELS_GAP, mean_abs_gap(base_lp, marlin_base)
+        assert mean_abs_gap(lora_lp, marlin_lora) < KERNELS_GAP, mean_abs_gap(lora_lp, marlin_lora)
+        assert mean_abs_gap(lora_lp, base_lp) > 0.05 and 1 <= len(tokens) <= GREEDY.max_new_tokens
+        fresh = trainer_logprobs(folders["nvfp4"], folders["lora"], ids)
+        gap = engine.check_staleness(ids, lambda p: fresh)  # raises past the tolerance
+        perturbed = engine.set_norm_noise(0.1, seed=3)
+        noisy = engine.prompt_logprobs(ids)
+        assert engine.set_norm_noise(0.0, seed=3) == 0 and perturbed == engine.num_norms
+        assert mean_abs_gap(noisy, lora_lp) > 1e-3
+        engine.sync_adapter(str(folders["lora2"]))
+        other_lp = engine.prompt_logprobs(ids)
+        engine.sync_adapter(str(folders["lora"]))
+        engine.sleep()
+        engine.sync_adapter(str(folders["lora2"]))  # recorded; served at wake-up
+        engine.wake_up()
+        woken_lp = engine.prompt_logprobs(ids)
+        assert mean_abs_gap(woken_lp, other_lp) < 1e-3, mean_abs_gap(woken_lp, other_lp)
+        assert 1 <= len(greedy_tokens(engine)) <= GREEDY.max_new_tokens
+        print(f"qerl-triton: {min(served)} NVFP4 layers on qerl's kernel; vs Marlin "
+              f"{mean_abs_gap(base_lp, marlin_base):.4f} (base) / {mean_abs_gap(lora_lp, marlin_lora):.4f} "
+              f"(LoRA) nats/token; vs qerl's model {gap:.4f}; AQN moved {mean_abs_gap(noisy, lora_lp):.4f}; "
+              f"after sleep {mean_abs_gap(woken_lp, other_lp):.1e} from awake")  # fmt: skip
+    finally:
+        stop(engine)

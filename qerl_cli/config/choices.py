@@ -17,7 +17,7 @@ CALIBRATED_METHODS = ("gptq", "awq")  # the methods that read calibration sample
 ModelFormat = Literal["auto", "bf16", QuantFormat]
 EngineName = Literal["hf", "vllm"]
 # rollout.linear_backend's values (qerl_cli.rollout.backends chooses and checks them).
-LinearBackend = Literal["auto", "marlin", "humming", "fp8", "fp8-merged", "merged"]
+LinearBackend = Literal["auto", "marlin", "humming", "qerl-triton", "fp8", "fp8-merged", "merged"]
 # The backends that merge the adapter into the rollout weights: a 4-bit base's FP8 copy; BF16 weights (a
 # BF16 base's own, a 4-bit base's BF16 copy).
 MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")

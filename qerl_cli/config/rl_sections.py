@@ -62,8 +62,10 @@ class RolloutSection:
     logprob_gap_warn: float = 0.25
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
-    # Hopper; the humming extra); "fp8": an FP8 W8A8 rollout copy of the 4-bit base, derived
-    # once (the trainer keeps the 4-bit base; TIS on); "fp8-merged": that copy with the LoRA merged in
+    # Hopper; the humming extra); "qerl-triton": qerl's own Triton W4A16 kernel served in vLLM (NVFP4
+    # bases, Hopper, tensor_parallel_size 1; slower than Marlin so far, docs/rollout.md); "fp8": an FP8
+    # W8A8 rollout copy of the 4-bit base, derived once (the trainer keeps the 4-bit base; TIS on);
+    # "fp8-merged": that copy with the LoRA merged in
     # after every update, vLLM without LoRA (on a BF16 base: "merged"); "merged": the LoRA merged into
     # BF16 weights after every update, vLLM without LoRA: a BF16 base's own, a 4-bit base's BF16 copy
     # (derived once; 2 bytes a weight in vLLM's memory, refused where that leaves no KV cache room).
@@ -92,10 +94,17 @@ class RolloutSection:
             logprob_gap_warn=self.logprob_gap_warn,
         )
         _group_size(_key(where, "num_generations"), self.num_generations)
-        if self.linear_backend in ("humming", "fp8", *MERGED_LINEAR_BACKENDS) and self.engine != "vllm":
+        vllm_only = ("humming", "qerl-triton", "fp8", *MERGED_LINEAR_BACKENDS)
+        if self.linear_backend in vllm_only and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
                 "(the hf engine runs the trainer's own layers)"
+            )
+        if self.linear_backend == "qerl-triton" and self.tensor_parallel_size > 1:
+            raise QerlError(
+                f"{where}.linear_backend=qerl-triton needs {where}.tensor_parallel_size=1 (qerl registers "
+                f"its kernel with vLLM in this process, which tensor-parallel workers do not share): use "
+                f"{where}.linear_backend=marlin for tensor-parallel rollouts"
             )
         if self.linear_backend in MERGED_LINEAR_BACKENDS and self.tensor_parallel_size > 1:
             raise QerlError(

@@ -315,7 +315,7 @@ class BenchConfig:
         default_factory=list,
         metadata=empty_means("bench rollout times batch; bench concurrency sweeps its default"),
     )
-    # --concurrency: the linear backends measured (marlin, humming, fp8, fp8-merged, merged).
+    # --concurrency: the linear backends measured (marlin, humming, qerl-triton, fp8, fp8-merged, merged).
     backends: list[str] = field(
         default_factory=lambda: ["marlin", "humming", "fp8"],
         metadata=needs_items("backend", f"choose from {', '.join(SWEPT_BACKENDS)}"),

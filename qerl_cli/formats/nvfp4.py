@@ -62,6 +62,8 @@ class NVFP4Format(PackedE2M1Format):
     scale_dtype = torch.float8_e4m3fn
     compressed_tensors_format = "nvfp4-pack-quantized"
     compressed_tensors_scheme = "NVFP4A16"
+    # qerl-triton: qerl's own W4A16 kernel served in vLLM (qerl_cli.rollout.vllm_nvfp4), NVFP4 only.
+    rollout_backends = ("marlin", "humming", "qerl-triton", "fp8", "fp8-merged", "merged")
 
     def checkpoint_names(self) -> tuple[str, ...]:
         return ("weight_packed", "weight_scale", "weight_global_scale")

@@ -331,6 +331,14 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
     return held[-1]
 
 
+def make_device_tables(device: torch.device) -> None:
+    """Make the per-device tables every call reads (the scale codes' values, the split-K counters) now:
+    made first inside a CUDA graph capture they would live in the graph's private memory."""
+    _code_scales(device)
+    if device.type == "cuda":
+        _locks(device, 4096)
+
+
 def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:
     """float32 K-split partials ``[splits, M, r_pad]`` of ``x @ A^T`` (summed by the GEMM's epilogue)."""
     m, k = x.shape
@@ -363,30 +371,51 @@ def triton_nvfp4_linear(
     if lora is not None and lora.a.dtype != torch.bfloat16:
         # The projection multiplies x by A on the tensor cores, both BF16 (as vLLM keeps its adapters).
         raise ValueError(f"the fused LoRA takes a BF16 A, got {lora.a.dtype}; cast the adapter to BF16")
+    return launch_gemm(
+        x, weight.kernel_halves(), weight.scale, weight.kernel_out_scale(), weight.out_features,
+        weight.in_features, bias, lora, config,
+    )  # fmt: skip
+
+
+def launch_gemm(
+    x: torch.Tensor,
+    halves: torch.Tensor,
+    scale: torch.Tensor,
+    out_scale: torch.Tensor,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+    lora: LoraWeights | None = None,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """The GEMM on a weight already in the kernel's layout (:func:`split_halves` of ``n`` x ``k``
+    weights, ``scale`` the E4M3 block scales, ``out_scale`` :func:`output_scale`), operands unchecked:
+    :func:`triton_nvfp4_linear` checks them first, vLLM's layers (``qerl_cli.rollout.vllm_nvfp4``)
+    once at load. Nothing here syncs with the host, so vLLM captures it in CUDA graphs."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, k = x2.shape
-    n = weight.out_features
+    m = x2.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
     config = config or config_for(m)
-    halves = weight.kernel_halves()
     kh = halves.shape[1]
     split = split_k_for(config, m, n, k, x.device)
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    # The workspace and counters only where K is split (the kernel reads neither otherwise): a prefill of
+    # thousands of tokens has more tiles than any counter set kept.
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    locks = _locks(x.device, tiles)
+    locks = _locks(x.device, tiles) if split > 1 else y
     if lora is not None:
         xa, xa_splits = lora_shrink(x2, lora)
         lora_b, rank, r_pad, scaling = lora.b.contiguous(), lora.rank, xa.shape[-1], float(lora.scaling)
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, halves, weight.scale.contiguous().view(torch.uint8), _code_scales(x.device),
-        weight.kernel_out_scale(), bias if bias is not None else y, xa, lora_b, y, ws, locks,
+        x2, halves, scale.contiguous().view(torch.uint8), _code_scales(x.device),
+        out_scale, bias if bias is not None else y, xa, lora_b, y, ws, locks,
         m, n, k, kh, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,

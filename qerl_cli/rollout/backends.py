@@ -3,6 +3,8 @@
 * ``marlin``: vLLM's default for 4-bit weights (no setting passed): weights dequantized in registers,
   fastest while a decode step is bound by reading them;
 * ``humming``: vLLM's Humming kernels (the ``humming`` extra);
+* ``qerl-triton``: qerl's own Triton W4A16 NVFP4 GEMM served inside vLLM
+  (:mod:`qerl_cli.rollout.vllm_nvfp4`; Hopper, one GPU, vLLM's engine in this process);
 * ``fp8``: an FP8 W8A8 rollout copy of the 4-bit base (:mod:`qerl_cli.rollout.fp8_rollout`), for a BF16
   base vLLM's online FP8; the trainer keeps its packed 4-bit base and truncated importance sampling
   corrects the extra rounding;
@@ -38,6 +40,7 @@ from qerl_cli import formats
 from qerl_cli.config.choices import MERGED_LINEAR_BACKENDS, LinearBackend
 from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
+from qerl_cli.rollout import vllm_nvfp4
 
 # The crossover table's names, which callers import from here (one import for the whole choice).
 from qerl_cli.rollout.crossover_table import COMPARABLE_FACTOR as COMPARABLE_FACTOR
@@ -92,6 +95,8 @@ class BackendChoice:
         """Keyword arguments ``vllm.LLM`` needs for this backend (the FP8 model path is separate)."""
         if self.backend == "humming":
             return {"linear_backend": "humming"}
+        if self.backend == vllm_nvfp4.BACKEND:
+            return {"linear_backend": vllm_nvfp4.VLLM_BACKEND}
         if self.backend == "fp8" and self.fmt == "bf16":
             return {"quantization": "fp8"}
         return {}
@@ -133,6 +138,9 @@ class Environment:
     vllm_budget_bytes: int | None = None
     kv_bytes_per_sequence: int | None = None
     overhead_bytes: int = 0
+    # What qerl's own kernel (qerl-triton) needs: one GPU and vLLM's engine in this process.
+    tensor_parallel_size: int = 1
+    engine_in_process: bool = True
 
 
 def rollout_weight_format(backend: str, fmt: str) -> str:
@@ -169,6 +177,8 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
             have, need = ".".join(map(str, env.vllm_version)), ".".join(map(str, HUMMING_VLLM))
             return (f"needs vLLM {need}+ (linear_backend='humming'); this is vLLM {have}: "
                     f'pip install -U "vllm>={need}"')  # fmt: skip
+    if backend == vllm_nvfp4.BACKEND:
+        return vllm_nvfp4.unavailable_reason(env.capability, env.tensor_parallel_size, env.engine_in_process)
     fp8_weights = rollout_weight_format(backend, fmt) == "fp8"
     if fp8_weights and env.capability is not None and env.capability < FP8_MIN_CAPABILITY:
         return (f"needs FP8 tensor cores (compute capability 8.9+, Ada or Hopper); this GPU is "
@@ -185,7 +195,9 @@ def format_merge(backend: str, fmt: str) -> str:
     return backend
 
 
-FP4_KERNELS = ("marlin", "humming")  # the FP4 kernels, which a base without FP4 weights does not run
+# The FP4 kernels, which a base without FP4 weights does not run (qerl-triton: NVFP4 only, an MXFP4 base
+# refuses it by FORMAT_BACKENDS).
+FP4_KERNELS = ("marlin", "humming", vllm_nvfp4.BACKEND)
 
 
 def served_backend(requested: str, fmt: str) -> str:

@@ -8,11 +8,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
+from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.rollout.backends import Environment
 
 
 def current_environment(
-    *, vllm_budget_bytes: int | None = None, kv_bytes_per_sequence: int | None = None, overhead_bytes: int = 0
+    *,
+    vllm_budget_bytes: int | None = None,
+    kv_bytes_per_sequence: int | None = None,
+    overhead_bytes: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> Environment:
     """The GPU this process uses and what is installed (no GPU: name and capability None)."""
     gpu = capability = None
@@ -24,6 +29,7 @@ def current_environment(
         humming_installed=importlib.util.find_spec("humming") is not None,
         vllm_version=_vllm_version(), vllm_budget_bytes=vllm_budget_bytes,
         kv_bytes_per_sequence=kv_bytes_per_sequence, overhead_bytes=overhead_bytes,
+        tensor_parallel_size=tensor_parallel_size, engine_in_process=vllm_nvfp4.engine_in_process(),
     )  # fmt: skip
 
 

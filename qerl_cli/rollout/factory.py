@@ -209,6 +209,7 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         max_model_len=request.max_model_len, gpu_memory_utilization=request.gpu_memory_utilization,
         kv_cache_dtype=request.kv_cache_dtype,
         merge_ok=request.merge_ok and request.tensor_parallel_size == 1, fp8_ok=request.auto_fp8,
+        tensor_parallel_size=request.tensor_parallel_size,
     )  # fmt: skip
     if choice.backend == "marlin":  # vLLM's Marlin serves the checkpoint itself (no FP8 or BF16 copy)
         check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
@@ -320,6 +321,7 @@ def choose_rollout_backend(
     kv_cache_dtype: str = "auto",
     merge_ok: bool = False,
     fp8_ok: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> BackendChoice:
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
@@ -344,7 +346,10 @@ def choose_rollout_backend(
         budget = int(total * gpu_memory_utilization)
         kv = shape.kv_bytes_per_token(kv_cache_dtype) * max_model_len if max_model_len else None
     env = current_environment(
-        vllm_budget_bytes=budget, kv_bytes_per_sequence=kv, overhead_bytes=vllm_setup.VLLM_OVERHEAD
+        vllm_budget_bytes=budget,
+        kv_bytes_per_sequence=kv,
+        overhead_bytes=vllm_setup.VLLM_OVERHEAD,
+        tensor_parallel_size=tensor_parallel_size,
     )
     choice = choose_backend(requested, fmt, concurrency=concurrency, env=env,
                             table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,

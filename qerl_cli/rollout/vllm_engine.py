@@ -39,6 +39,7 @@ from qerl_cli.config.checks import noise_sigma
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import check_declared_format
 from qerl_cli.modeling.prompt_tokens import encode_prompts
+from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.rollout.backends import BackendChoice
 from qerl_cli.rollout.base import (
     COMPLETIONS,
@@ -174,6 +175,9 @@ class VLLMEngine:
         """``vllm.LLM(**kwargs)``, its memory errors rephrased as advice on the recipe's settings."""
         log.info("starting vLLM for %s (%s): %s", self.model_path, self.format.name, kwargs)
         started = time.perf_counter()
+        if self.linear_backend == vllm_nvfp4.BACKEND:
+            vllm_nvfp4.check_dtype(kwargs.get("dtype"))
+            vllm_nvfp4.register()  # before vLLM builds its layers, which look their kernel up
         try:
             self.llm = self.vllm.LLM(**kwargs)
         except (ValueError, RuntimeError, torch.cuda.OutOfMemoryError) as exc:

@@ -1,0 +1,396 @@
+"""``rollout.linear_backend: qerl-triton`` (qerl_cli.rollout.vllm_nvfp4): qerl's Triton NVFP4 GEMM on a
+stand-in of vLLM's NVFP4 layer (its inverted global scale, the kernel's layout, bit for bit against
+qerl's own call and within BF16 of float64), the custom op's fake twin, the checks before vLLM starts
+(dtype, GPU, tensor parallelism, engine process, the recipe), and the registration with a stand-in of
+vLLM's kernel registry. No GPU or vLLM: the kernel runs under the Triton interpreter."""
+
+from __future__ import annotations
+
+import abc
+import enum
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_nvfp4_gemm import assert_within_bf16, make_case
+from test_rollout_backends import H100, QWEN7B, choose_backend, env
+
+from qerl_cli.config import TrainConfig, load_config
+from qerl_cli.config.rl_sections import RolloutSection
+from qerl_cli.errors import QerlError
+from qerl_cli.kernels.nvfp4_gemm import WEIGHT_EXPONENT, Nvfp4Weight, split_halves
+from qerl_cli.rollout import backends, vllm_nvfp4
+
+pytest.importorskip("triton")
+
+
+def vllm_layer(weight: Nvfp4Weight) -> torch.nn.Module:
+    """One NVFP4 linear as vLLM 0.26's compressed-tensors W4A16 scheme leaves it after its own loading:
+    ``weight`` the packed codes, ``weight_scale`` the E4M3 block scales, ``weight_global_scale`` the
+    multiplier (the inverse of the checkpoint's divisor, a 0-dim float32), and the partition sizes."""
+    keep = torch.nn.Parameter
+    layer = torch.nn.Module()
+    layer.weight = keep(weight.packed.clone(), requires_grad=False)
+    layer.weight_scale = keep(weight.scale.clone(), requires_grad=False)
+    layer.weight_global_scale = keep(1.0 / weight.global_scale.max(), requires_grad=False)
+    layer.input_size_per_partition = weight.in_features
+    layer.output_size_per_partition = weight.out_features
+    return layer
+
+
+# --------------------------------------------------------------------------------------------
+# The layer: prepared once, then each call through the custom op
+# --------------------------------------------------------------------------------------------
+# N = 72 and 40: not a multiple of any block_n; K = 160 and 48: multiples of 16, not of any block_k
+# (48: not of 32 either, so the kernel's layout is padded).
+@pytest.mark.parametrize("m", [1, 5, 17, 129])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prepared_layer_matches_qerls_kernel_bit_for_bit_in_interpreter(
+    interpreter: None, m: int, with_bias: bool
+) -> None:
+    """prepare_layer + apply_layer on vLLM's layer (global scale inverted) equal qerl's own call on the
+    checkpoint's buffers bit for bit, and lie within BF16 rounding of the float64 result."""
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+
+    n, k = (40, 48) if m > 64 else (72, 160)
+    weight, x, bias, _ = make_case(n, k, m, seed=m)
+    bias = bias if with_bias else None
+    layer = vllm_layer(weight)
+    vllm_nvfp4.prepare_layer(layer)
+    got = vllm_nvfp4.apply_layer(layer, x, bias)
+    want = triton_nvfp4_linear(x, Nvfp4Weight.from_buffers(weight.buffers()), bias)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert_within_bf16(got, x, weight, bias, None, ulps=0.5)
+
+
+def test_prepared_layer_takes_leading_dims_in_interpreter(interpreter: None) -> None:
+    """``[..., K]`` activations (vLLM passes 2-D, torch.compile may pass more) give ``[..., N]``, the
+    same values as the flattened call."""
+    weight, x, bias, _ = make_case(40, 48, 6, seed=3)
+    layer = vllm_layer(weight)
+    vllm_nvfp4.prepare_layer(layer)
+    got = vllm_nvfp4.apply_layer(layer, x.reshape(2, 3, 48), bias)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), vllm_nvfp4.apply_layer(layer, x, bias))
+
+
+def test_prepare_layer_relays_the_weight_and_adds_the_accumulator_scale() -> None:
+    """The weight becomes the kernel's layout (the same bytes where K is a multiple of 32), the block
+    scales and vLLM's multiplier stay, and ``qerl_accumulator_scale`` is float32 ``[1]`` = 2**8 x the
+    multiplier; all Parameters without grad (vLLM's sleep mode offloads them with the weights)."""
+    weight, _, _, _ = make_case(72, 160, 1)
+    layer = vllm_layer(weight)
+    multiplier = layer.weight_global_scale.data.clone()
+    vllm_nvfp4.prepare_layer(layer)
+    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == weight.packed.numel()
+    assert torch.equal(layer.weight.data, split_halves(weight.packed))
+    assert not torch.equal(layer.weight.data, weight.packed)  # re-laid-out, not kept
+    assert torch.equal(layer.weight_scale.data.view(torch.uint8), weight.scale.view(torch.uint8))
+    assert torch.equal(layer.weight_global_scale.data, multiplier)
+    out_scale = layer.qerl_accumulator_scale
+    assert out_scale.dtype == torch.float32 and out_scale.shape == (1,)
+    assert float(out_scale) == 2.0**WEIGHT_EXPONENT * float(multiplier)
+    assert float(out_scale) == pytest.approx(2.0**WEIGHT_EXPONENT / float(weight.global_scale))
+    for name in ("weight", "weight_scale", "qerl_accumulator_scale"):
+        param = getattr(layer, name)
+        assert isinstance(param, torch.nn.Parameter) and not param.requires_grad, name
+
+
+def test_prepare_layer_pads_the_kernel_layout_where_k_is_not_a_multiple_of_32() -> None:
+    weight, _, _, _ = make_case(40, 48, 1)
+    layer = vllm_layer(weight)
+    vllm_nvfp4.prepare_layer(layer)
+    assert layer.weight.shape == (40, 32)  # K 48 rounded up to 64, halved
+    assert torch.equal(layer.weight.data, split_halves(weight.packed))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("weight", lambda w: w.packed.view(torch.int8), r"uint8 \[72, 80\].*got torch\.int8 \(72, 80\)"),
+        ("weight", lambda w: w.packed[:, :40], r"uint8 \[72, 80\].*got torch\.uint8 \(72, 40\)"),
+        ("weight", lambda w: w.packed[:71], r"uint8 \[72, 80\].*\(71, 80\)"),
+        ("weight_scale", lambda w: w.scale.float(), r"E4M3 block scales \[72, 10\]; got torch\.float32"),
+        ("weight_scale", lambda w: w.scale[:, :5], r"E4M3 block scales \[72, 10\]; got .* \(72, 5\)"),
+    ],
+)
+def test_prepare_layer_refuses_operands_vllm_did_not_lay_out_as_expected(
+    name: str, value: Any, expected: str
+) -> None:
+    """A weight or scales of another dtype or shape: ValueError naming what was expected and got."""
+    weight, _, _, _ = make_case(72, 160, 1)
+    layer = vllm_layer(weight)
+    setattr(layer, name, torch.nn.Parameter(value(weight), requires_grad=False))
+    with pytest.raises(ValueError, match=expected):
+        vllm_nvfp4.prepare_layer(layer)
+    assert not hasattr(layer, "qerl_accumulator_scale")
+
+
+# --------------------------------------------------------------------------------------------
+# The custom op
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lead", [(7,), (2, 3)])
+def test_custom_op_fake_gives_the_output_shape(lead: tuple[int, ...]) -> None:
+    """Under FakeTensorMode (how torch.compile traces vLLM's model) the op runs its fake twin: BF16
+    ``[*x.shape[:-1], N]``, no kernel launched."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    weight, _, _, _ = make_case(72, 160, 1)
+    layer = vllm_layer(weight)
+    vllm_nvfp4.prepare_layer(layer)
+    op = vllm_nvfp4.nvfp4_w4a16_gemm
+    x = torch.zeros((*lead, 160), dtype=torch.bfloat16)
+    real = (layer.weight.data, layer.weight_scale.data, layer.qerl_accumulator_scale.data)
+    mode = FakeTensorMode()
+    fake_x, halves, scale, out_scale = (mode.from_tensor(t) for t in (x, *real))
+    with mode:
+        y = op(fake_x, halves, scale, out_scale, 160, None)
+    assert isinstance(y, FakeTensor)
+    assert tuple(y.shape) == (*lead, 72) and y.dtype == torch.bfloat16
+
+
+def test_the_op_compiles_whole_graph_as_vllm_compiles_it_in_interpreter(interpreter) -> None:
+    """torch.compile with fullgraph and dynamic token counts (vLLM's compilation of the model) calls the
+    op as one opaque node and gets the eager result. (First served on an H200, the op was defined lazily
+    inside the traced forward: Dynamo traced into torch.library's schema inference and refused.)"""
+    weight, x, bias, _ = make_case(72, 160, 5)
+    layer = vllm_layer(weight)
+    vllm_nvfp4.prepare_layer(layer)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda t: vllm_nvfp4.apply_layer(layer, t, bias), backend="eager", fullgraph=True, dynamic=True
+    )
+    assert torch.equal(compiled(x), vllm_nvfp4.apply_layer(layer, x, bias))
+    assert torch.equal(compiled(x[:3]), vllm_nvfp4.apply_layer(layer, x[:3], bias))
+
+
+def test_custom_op_refuses_activations_other_than_bf16() -> None:
+    weight, x, _, _ = make_case(72, 160, 3)
+    layer = vllm_layer(weight)
+    vllm_nvfp4.prepare_layer(layer)
+    with pytest.raises(ValueError, match="BF16 activations, got torch.float16"):
+        vllm_nvfp4.apply_layer(layer, x.half())
+
+
+# --------------------------------------------------------------------------------------------
+# The checks before vLLM starts
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [None, "auto", "bfloat16", torch.bfloat16])
+def test_check_dtype_accepts_bf16(dtype: object) -> None:
+    vllm_nvfp4.check_dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", torch.float16, "float32"])
+def test_check_dtype_refuses_another_dtype(dtype: object) -> None:
+    with pytest.raises(QerlError, match=r"set rollout\.dtype=bfloat16"):
+        vllm_nvfp4.check_dtype(dtype)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("0", True), ("1", False)])
+def test_engine_in_process_reads_vllms_multiprocessing_switch(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bool
+) -> None:
+    if value is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
+    assert vllm_nvfp4.engine_in_process() is expected
+
+
+def test_pinned_qerl_triton_is_kept_on_an_nvfp4_base_and_reaches_vllm_as_triton() -> None:
+    choice = choose_backend("qerl-triton", "nvfp4", concurrency=8, env=env(), table={})
+    assert choice.backend == "qerl-triton" and choice.reason == "pinned by rollout.linear_backend"
+    assert choice.vllm_kwargs() == {"linear_backend": "triton"}
+    assert not choice.needs_fp8_copy and not choice.needs_bf16_copy and not choice.merges_lora
+    assert choice.weight_format == "nvfp4"
+
+
+def test_pinned_qerl_triton_is_refused_on_an_mxfp4_base() -> None:
+    with pytest.raises(QerlError, match=r"a mxfp4 checkpoint runs only on marlin, humming"):
+        choose_backend("qerl-triton", "mxfp4", concurrency=8, env=env(), table={})
+
+
+def test_pinned_qerl_triton_on_a_bf16_base_keeps_vllms_default() -> None:
+    """One recipe serves both arms of a comparison: an FP4 kernel pinned for a BF16 base keeps vLLM's
+    default, as marlin does."""
+    assert backends.served_backend("qerl-triton", "bf16") == "default"
+    choice = choose_backend("qerl-triton", "bf16", concurrency=8, env=env(), table={})
+    assert choice.backend == "default" and "serves FP4 weights only" in choice.reason
+    assert choice.vllm_kwargs() == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"tensor_parallel_size": 2}, r"needs rollout\.tensor_parallel_size=1 \(got 2\)"),
+        ({"engine_in_process": False}, "engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=1 is set"),
+        ({"capability": (8, 0)}, r"needs a Hopper GPU .* this GPU is sm80: use marlin"),
+    ],
+)
+def test_pinned_qerl_triton_is_refused_where_its_kernel_cannot_serve_vllm(
+    overrides: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(QerlError, match=rf"rollout\.linear_backend=qerl-triton: .*{expected}"):
+        choose_backend("qerl-triton", "nvfp4", concurrency=8, env=env(**overrides), table={})
+
+
+def test_unavailable_reason_accepts_hopper_and_an_unknown_gpu() -> None:
+    assert vllm_nvfp4.unavailable_reason((9, 0), 1, True) is None
+    assert vllm_nvfp4.unavailable_reason((10, 0), 1, True) is None
+    assert vllm_nvfp4.unavailable_reason(None, 1, True) is None
+    assert backends.unavailable_reason("qerl-triton", "nvfp4", env()) is None
+
+
+QERL_TRITON_FASTEST = {
+    "gpus": {
+        H100: {
+            "nvfp4+lora": {
+                "model": QWEN7B.to_dict(),
+                "marlin": {"8": 1500.0, "32": 4000.0, "128": 7000.0},
+                "qerl-triton": {"8": 1600.0, "32": 4500.0, "128": 9000.0},
+            }
+        }
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, "qerl-triton"),
+        ({"tensor_parallel_size": 2}, "marlin"),
+        ({"engine_in_process": False}, "marlin"),
+        ({"capability": (8, 0)}, "marlin"),
+    ],
+)
+def test_auto_picks_qerl_triton_where_measured_fastest_and_it_can_serve(
+    overrides: dict[str, Any], expected: str
+) -> None:
+    choice = choose_backend("auto", "nvfp4", concurrency=32, env=env(**overrides), table=QERL_TRITON_FASTEST)
+    assert choice.backend == expected
+    assert ("qerl-triton" in choice.candidates) is (expected == "qerl-triton")
+    if expected == "qerl-triton":
+        assert choice.predicted_tokens_per_s == 4500.0
+        assert choice.vllm_kwargs() == {"linear_backend": "triton"}
+
+
+def test_the_recipe_refuses_qerl_triton_off_vllm_or_tensor_parallel() -> None:
+    RolloutSection(engine="vllm", linear_backend="qerl-triton").validate("rollout")
+    with pytest.raises(QerlError, match=r"rollout\.linear_backend=qerl-triton chooses vLLM kernels"):
+        RolloutSection(engine="hf", linear_backend="qerl-triton").validate("rollout")
+    with pytest.raises(QerlError, match=r"qerl-triton needs rollout\.tensor_parallel_size=1"):
+        RolloutSection(engine="vllm", linear_backend="qerl-triton", tensor_parallel_size=2).validate(
+            "rollout"
+        )
+
+
+def test_a_training_recipe_with_qerl_triton_on_hf_is_refused_at_load() -> None:
+    base = ["model.path=m", "rollout.linear_backend=qerl-triton"]
+    assert (
+        load_config(TrainConfig, None, [*base, "rollout.engine=vllm"]).rollout.linear_backend == "qerl-triton"
+    )
+    with pytest.raises(QerlError, match=r"set rollout\.engine=vllm"):
+        load_config(TrainConfig, None, [*base, "rollout.engine=hf"])
+
+
+# --------------------------------------------------------------------------------------------
+# The registration with vLLM's kernel registry
+# --------------------------------------------------------------------------------------------
+class FakeVllm:
+    """What register() reads of vLLM 0.26: the linear kernel registry, its backend-name map and the
+    abstract NVFP4 kernel base, and the platform enum; records each registration."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, backend_map: dict[str, set[type]]) -> None:
+        self.registered: list[tuple[type, Any, str]] = []
+
+        class NvFp4LinearKernel(abc.ABC):
+            def __init__(self, config: Any) -> None:
+                self.config = config
+
+            @classmethod
+            @abc.abstractmethod
+            def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]: ...
+
+            @classmethod
+            @abc.abstractmethod
+            def can_implement(cls, config: Any) -> tuple[bool, str | None]: ...
+
+            @abc.abstractmethod
+            def process_weights_after_loading(self, layer: torch.nn.Module) -> None: ...
+
+            @abc.abstractmethod
+            def apply_weights(
+                self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor: ...
+
+        class PlatformEnum(enum.Enum):
+            CUDA = enum.auto()
+            ROCM = enum.auto()
+
+        self.base, self.platforms = NvFp4LinearKernel, PlatformEnum
+        self.backend_map = backend_map
+        names = ("vllm", "vllm.model_executor", "vllm.model_executor.kernels",
+                 "vllm.model_executor.kernels.linear", "vllm.model_executor.kernels.linear.nvfp4",
+                 "vllm.model_executor.kernels.linear.nvfp4.base", "vllm.platforms")  # fmt: skip
+        modules = {name: types.ModuleType(name) for name in names}
+        for name, module in modules.items():
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(modules[parent], child, module)
+            monkeypatch.setitem(sys.modules, name, module)
+        linear = modules["vllm.model_executor.kernels.linear"]
+        linear.register_linear_kernel = self.register_linear_kernel
+        linear._LINEAR_BACKEND_KERNEL_MAP = backend_map
+        modules["vllm.model_executor.kernels.linear.nvfp4.base"].NvFp4LinearKernel = NvFp4LinearKernel
+        modules["vllm.platforms"].PlatformEnum = PlatformEnum
+
+    def register_linear_kernel(self, cls: type, platform: Any, kind: str) -> None:
+        self.registered.append((cls, platform, kind))
+
+
+@pytest.fixture
+def fresh_register() -> Iterator[None]:
+    """register() is cached once per process: cleared around the test, so the stand-in is the one read."""
+    vllm_nvfp4.register.cache_clear()
+    yield
+    vllm_nvfp4.register.cache_clear()
+
+
+def test_register_adds_qerls_kernel_under_vllms_triton_backend(
+    monkeypatch: pytest.MonkeyPatch, fresh_register: None
+) -> None:
+    fake = FakeVllm(monkeypatch, {"triton": set(), "marlin": set()})
+    kernel = vllm_nvfp4.register()
+    assert issubclass(kernel, fake.base)
+    assert fake.registered == [(kernel, fake.platforms.CUDA, "nvfp4")]
+    assert fake.backend_map == {"triton": {kernel}, "marlin": set()}
+    assert kernel.can_implement(object()) == (True, None)
+    instance = kernel("config")  # every abstract method implemented
+    assert instance.config == "config"
+    assert vllm_nvfp4.register() is kernel and len(fake.registered) == 1  # once per process
+
+
+def test_registered_kernel_prepares_and_applies_a_layer_in_interpreter(
+    monkeypatch: pytest.MonkeyPatch, fresh_register: None, interpreter: None
+) -> None:
+    """The registered kernel's vLLM hooks are prepare_layer and apply_layer."""
+    FakeVllm(monkeypatch, {"triton": set()})
+    kernel = vllm_nvfp4.register()("config")
+    weight, x, bias, _ = make_case(72, 160, 5, seed=1)
+    layer = vllm_layer(weight)
+    kernel.process_weights_after_loading(layer)
+    assert hasattr(layer, "qerl_accumulator_scale")
+    got = kernel.apply_weights(layer, x, bias)
+    assert_within_bf16(got, x, weight, bias, None, ulps=0.5)
+
+
+def test_register_refuses_a_vllm_without_the_triton_backend_name(
+    monkeypatch: pytest.MonkeyPatch, fresh_register: None
+) -> None:
+    FakeVllm(monkeypatch, {"marlin": set()})
+    with pytest.raises(RuntimeError, match=r"_LINEAR_BACKEND_KERNEL_MAP.*rollout\.linear_backend=marlin"):
+        vllm_nvfp4.register()
