@@ -287,3 +287,43 @@ def test_a_dataset_file_without_records_is_refused_before_any_model_loads(
     rc, _, err = run(capsys, "eval", str(tiny_model_dir), "--engine", "hf", "--benchmarks", "gsm8k",
                      "--data-file", f"gsm8k={data}", "--dry-run")  # fmt: skip
     assert rc == 2 and f"{data} holds no records" in err, err
+
+
+@pytest.mark.parametrize(
+    ("settings", "env", "said"),
+    [
+        (["rollout.tensor_parallel_size=2"], {}, "tensor_parallel_size=1"),
+        ([], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "VLLM_ENABLE_V1_MULTIPROCESSING=1 is set"),
+    ],
+)
+def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+    settings: list[str],
+    env: dict[str, str],
+    said: str,
+) -> None:
+    """qerl's kernel in vLLM needs one GPU and vLLM's engine in qerl's process: the dry run says so (on a
+    stand-in Hopper GPU with vLLM 'installed'), not the engine after the trainer's model loaded."""
+    import importlib.util
+
+    import qerl_cli.rl.preflight as preflight_mod
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--dry-run", "--set", "rollout.engine=vllm",
+            "--set", "rollout.linear_backend=qerl-triton",
+            "--set", "data.dataset=synthetic-addition"]  # fmt: skip
+    for setting in settings:
+        argv += ["--set", setting]
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and said in " ".join(err.split()), err

@@ -32,6 +32,7 @@ from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rewards.reward_fn import EXTRA_SIGNATURE, resolve_extra_reward
 from qerl_cli.rl.checkpoint import check_within_max_steps, checkpoint_step, find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, check_resume_target, run_entries
+from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count, resolve_device
 
 
@@ -184,6 +185,14 @@ def engine(cfg: TrainConfig) -> Checked:
             "rollout.engine=vllm needs a CUDA GPU and this machine has none: use the HF engine with "
             "--set rollout.engine=hf"
         )
+    if cfg.rollout.linear_backend == vllm_nvfp4.BACKEND:  # its needs, before the trainer's model loads
+        reason = vllm_nvfp4.unavailable_reason(
+            cuda_capability(torch.device("cuda")),
+            cfg.rollout.tensor_parallel_size,
+            vllm_nvfp4.engine_in_process(),
+        )
+        if reason is not None:
+            raise QerlError(f"rollout.linear_backend={vllm_nvfp4.BACKEND}: {reason}")
     return Checked("rollout.engine", "vllm: installed, GPU visible")
 
 
