@@ -292,8 +292,8 @@ def test_a_dataset_file_without_records_is_refused_before_any_model_loads(
 @pytest.mark.parametrize(
     ("settings", "env", "said"),
     [
-        (["rollout.tensor_parallel_size=2"], {}, "tensor_parallel_size=1"),
-        ([], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "VLLM_ENABLE_V1_MULTIPROCESSING=1 is set"),
+        ([], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "qerl-triton: needs vLLM's engine in this process"),
+        (["model.dtype=float16"], {}, "qerl-triton: computes in bfloat16, but the rollout dtype is float16"),
     ],
 )
 def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(

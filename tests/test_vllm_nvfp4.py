@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from qerl_cli.config.rl_sections import RolloutSection
 from qerl_cli.errors import QerlError
 from qerl_cli.kernels.nvfp4_gemm import WEIGHT_EXPONENT, Nvfp4Weight, split_halves
 from qerl_cli.rollout import backends, vllm_nvfp4
+from qerl_cli.rollout.environment import current_environment
+from qerl_cli.rollout.vllm_setup import vllm_in_process
 
 pytest.importorskip("triton")
 
@@ -179,26 +182,98 @@ def test_custom_op_refuses_activations_other_than_bf16() -> None:
 # --------------------------------------------------------------------------------------------
 # The checks before vLLM starts
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [None, "auto", "bfloat16", torch.bfloat16])
-def test_check_dtype_accepts_bf16(dtype: object) -> None:
-    vllm_nvfp4.check_dtype(dtype)
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"capability": (8, 0)}, r"runs on Hopper GPUs only .* this GPU is sm80: use marlin"),
+        ({"capability": (10, 0)}, r"runs on Hopper GPUs only .* this GPU is sm100"),
+        ({"capability": (12, 0)}, r"runs on Hopper GPUs only .* this GPU is sm120"),
+        (
+            {"vllm_version": (0, 25)},
+            r'needs vLLM 0\.26\+ .* this is vLLM 0\.25: pip install -U "vllm>=0\.26"',
+        ),
+        ({"dtype": "float16"}, r"rollout dtype is float16: set model\.dtype=bfloat16"),
+        ({"dtype": torch.float32}, r"set model\.dtype=bfloat16 \(and drop rollout\.vllm_kwargs\.dtype\)"),
+        ({"tensor_parallel_size": 2}, r"needs rollout\.tensor_parallel_size=1 \(got 2\)"),
+    ],
+)
+def test_unavailable_reason_names_what_is_wrong_and_the_fix(settings: dict[str, Any], expected: str) -> None:
+    given = {"capability": (9, 0), **settings}
+    reason = vllm_nvfp4.unavailable_reason(**given)
+    assert reason is not None and re.search(expected, reason), reason
 
 
-@pytest.mark.parametrize("dtype", ["float16", torch.float16, "float32"])
-def test_check_dtype_refuses_another_dtype(dtype: object) -> None:
-    with pytest.raises(QerlError, match=r"set rollout\.dtype=bfloat16"):
-        vllm_nvfp4.check_dtype(dtype)
-
-
-@pytest.mark.parametrize(("value", "expected"), [(None, True), ("0", True), ("1", False)])
-def test_engine_in_process_reads_vllms_multiprocessing_switch(
-    monkeypatch: pytest.MonkeyPatch, value: str | None, expected: bool
+@pytest.mark.parametrize(("value", "said"), [("1", "VLLM_ENABLE_V1_MULTIPROCESSING=1"), ("true", "=true")])
+def test_an_engine_in_another_process_is_refused_naming_the_value(
+    monkeypatch: pytest.MonkeyPatch, value: str, said: str
 ) -> None:
-    if value is None:
-        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
-    assert vllm_nvfp4.engine_in_process() is expected
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", value)
+    reason = vllm_nvfp4.unavailable_reason(capability=(9, 0), in_process=False)
+    assert reason is not None and said in reason and "unset it" in reason
+
+
+def test_batch_invariant_vllm_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's batch-invariant mode overrides linear_backend with its own NVFP4 kernel."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert "VLLM_BATCH_INVARIANT" in (vllm_nvfp4.unavailable_reason(capability=(9, 0)) or "")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert vllm_nvfp4.unavailable_reason(capability=(9, 0)) is None
+
+
+def test_the_in_process_question_has_one_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before qerl's first engine an unset switch means qerl's default (in process); after, vLLM's."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert vllm_in_process(before_import=True) and not vllm_in_process()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert not vllm_in_process(before_import=True)
+    assert current_environment().engine_in_process is False
+
+
+BASE_KWARGS = {"model": "m", "dtype": "bfloat16", "linear_backend": "triton", "tensor_parallel_size": 1}
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"linear_backend": "marlin"}, r"rollout\.vllm_kwargs sets linear_backend='marlin'.*drop it"),
+        ({"dtype": "float16"}, r"rollout dtype is float16"),
+        ({"dtype": "auto"}, r"rollout dtype is auto"),
+        ({"pipeline_parallel_size": 2}, r"\{'pipeline_parallel_size': 2\} start workers in other processes"),
+        ({"data_parallel_size": 2}, r"data_parallel_size"),
+        ({"distributed_executor_backend": "mp"}, r"'distributed_executor_backend': 'mp'"),
+    ],
+)
+def test_the_engine_arguments_the_recipe_overrides_are_checked(extra: dict[str, Any], expected: str) -> None:
+    vllm_nvfp4.check_engine_arguments(BASE_KWARGS)
+    vllm_nvfp4.check_engine_arguments({**BASE_KWARGS, "distributed_executor_backend": "uni"})
+    with pytest.raises(QerlError, match=expected):
+        vllm_nvfp4.check_engine_arguments({**BASE_KWARGS, **extra})
+
+
+class ServedEngine:
+    """``vllm.LLM.apply_model`` of one worker whose model holds ``layers`` NVFP4 linears, ``served`` of them
+    prepared for qerl's kernel."""
+
+    def __init__(self, layers: int, served: int) -> None:
+        self.model = torch.nn.Module()
+        for i in range(layers):
+            layer = torch.nn.Module()
+            layer.weight_global_scale = torch.nn.Parameter(torch.ones(()), requires_grad=False)
+            if i < served:
+                layer.qerl_accumulator_scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+            self.model.add_module(f"l{i}", layer)
+        self.model.add_module("norm", torch.nn.LayerNorm(4))
+
+    def apply_model(self, fn: Any) -> list[Any]:
+        return [fn(self.model)]
+
+
+def test_check_engine_counts_every_nvfp4_layer_on_qerls_kernel() -> None:
+    assert vllm_nvfp4.check_engine(ServedEngine(3, 3)) == 3
+    with pytest.raises(QerlError, match=r"serves 2 of its 3 NVFP4 linear layers on qerl's kernel"):
+        vllm_nvfp4.check_engine(ServedEngine(3, 2))
+    with pytest.raises(QerlError, match=r"serves 0 of its 0"):
+        vllm_nvfp4.check_engine(ServedEngine(0, 0))
 
 
 def test_pinned_qerl_triton_is_kept_on_an_nvfp4_base_and_reaches_vllm_as_triton() -> None:
@@ -210,7 +285,9 @@ def test_pinned_qerl_triton_is_kept_on_an_nvfp4_base_and_reaches_vllm_as_triton(
 
 
 def test_pinned_qerl_triton_is_refused_on_an_mxfp4_base() -> None:
-    with pytest.raises(QerlError, match=r"a mxfp4 checkpoint runs only on marlin, humming"):
+    with pytest.raises(
+        QerlError, match=r"reads NVFP4's 16-value blocks and E4M3 scales only; a mxfp4 checkpoint"
+    ):
         choose_backend("qerl-triton", "mxfp4", concurrency=8, env=env(), table={})
 
 
@@ -227,8 +304,10 @@ def test_pinned_qerl_triton_on_a_bf16_base_keeps_vllms_default() -> None:
     ("overrides", "expected"),
     [
         ({"tensor_parallel_size": 2}, r"needs rollout\.tensor_parallel_size=1 \(got 2\)"),
-        ({"engine_in_process": False}, "engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=1 is set"),
-        ({"capability": (8, 0)}, r"needs a Hopper GPU .* this GPU is sm80: use marlin"),
+        ({"engine_in_process": False}, "needs vLLM's engine in this process"),
+        ({"capability": (8, 0)}, r"runs on Hopper GPUs only .* this GPU is sm80: use marlin"),
+        ({"vllm_version": (0, 25)}, r"needs vLLM 0\.26\+"),
+        ({"rollout_dtype": "float16"}, r"set model\.dtype=bfloat16"),
     ],
 )
 def test_pinned_qerl_triton_is_refused_where_its_kernel_cannot_serve_vllm(
@@ -239,9 +318,8 @@ def test_pinned_qerl_triton_is_refused_where_its_kernel_cannot_serve_vllm(
 
 
 def test_unavailable_reason_accepts_hopper_and_an_unknown_gpu() -> None:
-    assert vllm_nvfp4.unavailable_reason((9, 0), 1, True) is None
-    assert vllm_nvfp4.unavailable_reason((10, 0), 1, True) is None
-    assert vllm_nvfp4.unavailable_reason(None, 1, True) is None
+    assert vllm_nvfp4.unavailable_reason(capability=(9, 0), vllm_version=(0, 26)) is None
+    assert vllm_nvfp4.unavailable_reason(capability=None, dtype=torch.bfloat16) is None
     assert backends.unavailable_reason("qerl-triton", "nvfp4", env()) is None
 
 
@@ -265,6 +343,7 @@ QERL_TRITON_FASTEST = {
         ({"tensor_parallel_size": 2}, "marlin"),
         ({"engine_in_process": False}, "marlin"),
         ({"capability": (8, 0)}, "marlin"),
+        ({"rollout_dtype": "float16"}, "marlin"),
     ],
 )
 def test_auto_picks_qerl_triton_where_measured_fastest_and_it_can_serve(
@@ -391,6 +470,7 @@ def test_registered_kernel_prepares_and_applies_a_layer_in_interpreter(
 def test_register_refuses_a_vllm_without_the_triton_backend_name(
     monkeypatch: pytest.MonkeyPatch, fresh_register: None
 ) -> None:
-    FakeVllm(monkeypatch, {"marlin": set()})
-    with pytest.raises(RuntimeError, match=r"_LINEAR_BACKEND_KERNEL_MAP.*rollout\.linear_backend=marlin"):
+    fake = FakeVllm(monkeypatch, {"marlin": set()})
+    with pytest.raises(QerlError, match=r"_LINEAR_BACKEND_KERNEL_MAP.*rollout\.linear_backend=marlin"):
         vllm_nvfp4.register()
+    assert fake.registered == []  # nothing left in vLLM's kernel list of the process

@@ -33,6 +33,8 @@ from qerl_cli.rewards.reward_fn import EXTRA_SIGNATURE, resolve_extra_reward
 from qerl_cli.rl.checkpoint import check_within_max_steps, checkpoint_step, find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, check_resume_target, run_entries
 from qerl_cli.rollout import vllm_nvfp4
+from qerl_cli.rollout.environment import installed_vllm_version
+from qerl_cli.rollout.vllm_setup import vllm_in_process
 from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count, resolve_device
 
 
@@ -187,9 +189,11 @@ def engine(cfg: TrainConfig) -> Checked:
         )
     if cfg.rollout.linear_backend == vllm_nvfp4.BACKEND:  # its needs, before the trainer's model loads
         reason = vllm_nvfp4.unavailable_reason(
-            cuda_capability(torch.device("cuda")),
-            cfg.rollout.tensor_parallel_size,
-            vllm_nvfp4.engine_in_process(),
+            capability=cuda_capability(torch.device("cuda")),
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            in_process=vllm_in_process(before_import=True),
+            vllm_version=installed_vllm_version(),
+            dtype=cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype),
         )
         if reason is not None:
             raise QerlError(f"rollout.linear_backend={vllm_nvfp4.BACKEND}: {reason}")

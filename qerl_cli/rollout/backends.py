@@ -74,7 +74,7 @@ FORMAT_BACKENDS: dict[str, tuple[str, ...]] = {
     **{name: fmt.rollout_backends for name, fmt in formats.FORMATS.items()},
     formats.DENSE: ("default", "fp8", DENSE_MERGED),
 }
-# The checkpoint formats without FP4 weights, which the FP4 kernels (marlin, humming) cannot serve.
+# The checkpoint formats without FP4 weights, which the FP4 kernels (FP4_KERNELS) cannot serve.
 NOT_FP4_FORMATS = (formats.DENSE, *(name for name, fmt in formats.FORMATS.items() if not fmt.fp4))
 HUMMING_VLLM = (0, 26)  # the first vLLM with linear_backend="humming"
 
@@ -138,9 +138,10 @@ class Environment:
     vllm_budget_bytes: int | None = None
     kv_bytes_per_sequence: int | None = None
     overhead_bytes: int = 0
-    # What qerl's own kernel (qerl-triton) needs: one GPU and vLLM's engine in this process.
+    # What qerl's own kernel (qerl-triton) needs: one GPU, vLLM's engine in this process, BF16.
     tensor_parallel_size: int = 1
     engine_in_process: bool = True
+    rollout_dtype: str = "bfloat16"
 
 
 def rollout_weight_format(backend: str, fmt: str) -> str:
@@ -166,6 +167,9 @@ def needs_bf16_copy(backend: str, fmt: str) -> bool:
 def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
     """Why ``backend`` cannot serve a ``fmt`` checkpoint here (None: it can), with the fix."""
     allowed = FORMAT_BACKENDS.get(fmt, ("default",))
+    if backend == vllm_nvfp4.BACKEND and backend not in allowed and fmt not in NOT_FP4_FORMATS:
+        return (f"qerl's kernel reads NVFP4's 16-value blocks and E4M3 scales only; a {fmt} checkpoint runs "
+                f"on {', '.join(allowed)}")  # fmt: skip
     if backend not in allowed:
         return (f"a {fmt} checkpoint runs only on {', '.join(allowed)}: vLLM has no {backend} kernel for it"
                 + (f"; quantize the base to {' or '.join(map(str.upper, formats.fp4_names()))} for the FP4 "
@@ -178,7 +182,10 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
             return (f"needs vLLM {need}+ (linear_backend='humming'); this is vLLM {have}: "
                     f'pip install -U "vllm>={need}"')  # fmt: skip
     if backend == vllm_nvfp4.BACKEND:
-        return vllm_nvfp4.unavailable_reason(env.capability, env.tensor_parallel_size, env.engine_in_process)
+        return vllm_nvfp4.unavailable_reason(
+            capability=env.capability, tensor_parallel_size=env.tensor_parallel_size,
+            in_process=env.engine_in_process, vllm_version=env.vllm_version, dtype=env.rollout_dtype,
+        )  # fmt: skip
     fp8_weights = rollout_weight_format(backend, fmt) == "fp8"
     if fp8_weights and env.capability is not None and env.capability < FP8_MIN_CAPABILITY:
         return (f"needs FP8 tensor cores (compute capability 8.9+, Ada or Hopper); this GPU is "

@@ -8,8 +8,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.rollout.backends import Environment
+from qerl_cli.rollout.vllm_setup import vllm_in_process
 
 
 def current_environment(
@@ -18,6 +18,7 @@ def current_environment(
     kv_bytes_per_sequence: int | None = None,
     overhead_bytes: int = 0,
     tensor_parallel_size: int = 1,
+    rollout_dtype: str = "bfloat16",
 ) -> Environment:
     """The GPU this process uses and what is installed (no GPU: name and capability None)."""
     gpu = capability = None
@@ -27,14 +28,15 @@ def current_environment(
     return Environment(
         gpu_name=gpu, capability=capability,  # type: ignore[arg-type]
         humming_installed=importlib.util.find_spec("humming") is not None,
-        vllm_version=_vllm_version(), vllm_budget_bytes=vllm_budget_bytes,
+        vllm_version=installed_vllm_version(), vllm_budget_bytes=vllm_budget_bytes,
         kv_bytes_per_sequence=kv_bytes_per_sequence, overhead_bytes=overhead_bytes,
-        tensor_parallel_size=tensor_parallel_size, engine_in_process=vllm_nvfp4.engine_in_process(),
+        tensor_parallel_size=tensor_parallel_size, engine_in_process=vllm_in_process(before_import=True),
+        rollout_dtype=rollout_dtype,
     )  # fmt: skip
 
 
-def _vllm_version() -> tuple[int, int] | None:
-
+def installed_vllm_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed vLLM (None: not installed or not readable)."""
     try:
         parts = version("vllm").split(".")
         return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)

@@ -210,6 +210,7 @@ def _make_vllm(request: EngineRequest) -> RolloutEngine:
         kv_cache_dtype=request.kv_cache_dtype,
         merge_ok=request.merge_ok and request.tensor_parallel_size == 1, fp8_ok=request.auto_fp8,
         tensor_parallel_size=request.tensor_parallel_size,
+        dtype=str(user_kwargs.get("dtype", torch_dtype_name(request.dtype))),
     )  # fmt: skip
     if choice.backend == "marlin":  # vLLM's Marlin serves the checkpoint itself (no FP8 or BF16 copy)
         check_vllm_shapes(model_path)  # fail now, naming the layers, not deep inside vLLM's Marlin setup
@@ -322,6 +323,7 @@ def choose_rollout_backend(
     merge_ok: bool = False,
     fp8_ok: bool = False,
     tensor_parallel_size: int = 1,
+    dtype: str = "bfloat16",
 ) -> BackendChoice:
     """``rollout.linear_backend`` resolved for the checkpoint at ``model_path`` on this GPU, with vLLM's
     memory budget (``gpu_memory_utilization`` of the device) and the KV cache of one full-length
@@ -350,6 +352,7 @@ def choose_rollout_backend(
         kv_bytes_per_sequence=kv,
         overhead_bytes=vllm_setup.VLLM_OVERHEAD,
         tensor_parallel_size=tensor_parallel_size,
+        rollout_dtype=dtype,
     )
     choice = choose_backend(requested, fmt, concurrency=concurrency, env=env,
                             table=load_table(crossover_table), weight_bytes=sizes, lora=lora, model=model,

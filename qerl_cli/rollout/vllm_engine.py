@@ -39,7 +39,6 @@ from qerl_cli.config.checks import noise_sigma
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import check_declared_format
 from qerl_cli.modeling.prompt_tokens import encode_prompts
-from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.rollout.backends import BackendChoice
 from qerl_cli.rollout.base import (
     COMPLETIONS,
@@ -69,11 +68,11 @@ from qerl_cli.rollout.vllm_setup import (
     CheckpointFormat,
     _cuda_free_bytes,
     _import_vllm,
-    _rephrase_load_error,
     _supported_lora_rank,
     check_gpu_supports,
     detect_checkpoint_format,
     llm_kwargs,
+    start_llm,
 )
 from qerl_cli.rollout.vllm_staleness import StalenessCheck
 from qerl_cli.rollout.vllm_worker import (
@@ -172,19 +171,12 @@ class VLLMEngine:
         self.adapters = AdapterSync()
 
     def _start(self, kwargs: dict[str, Any], gpu_memory_utilization: float) -> None:
-        """``vllm.LLM(**kwargs)``, its memory errors rephrased as advice on the recipe's settings."""
+        """``vllm.LLM(**kwargs)`` (:func:`~qerl_cli.rollout.vllm_setup.start_llm`), timed."""
         log.info("starting vLLM for %s (%s): %s", self.model_path, self.format.name, kwargs)
         started = time.perf_counter()
-        if self.linear_backend == vllm_nvfp4.BACKEND:
-            vllm_nvfp4.check_dtype(kwargs.get("dtype"))
-            vllm_nvfp4.register()  # before vLLM builds its layers, which look their kernel up
-        try:
-            self.llm = self.vllm.LLM(**kwargs)
-        except (ValueError, RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-            rephrased = _rephrase_load_error(exc, self.model_path, gpu_memory_utilization)
-            if rephrased is None:
-                raise
-            raise rephrased from exc
+        self.llm = start_llm(
+            self.vllm.LLM, kwargs, self.model_path, gpu_memory_utilization, self.linear_backend
+        )
         self.load_seconds = time.perf_counter() - started
 
     # ---- state ------------------------------------------------------------------------------

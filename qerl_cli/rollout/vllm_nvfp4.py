@@ -7,17 +7,21 @@ vLLM with ``linear_backend="triton"``: every NVFP4 layer then runs qerl's kernel
 serve fails the load naming the backend instead of falling back to another kernel silently.
 
 The registration is made in this process, so the engine core must run here too (qerl's default,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on one GPU (tensor-parallel workers are other processes):
-:func:`unavailable_reason` says so before vLLM starts.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on one GPU (tensor-parallel workers are other processes), and vLLM
+must be 0.26+ (its kernel registry): :func:`unavailable_reason` says so before vLLM starts, and
+:func:`check_engine_arguments` refuses the recipe's ``rollout.vllm_kwargs`` that would start other
+processes or another kernel under this name. After the start :func:`check_engine` counts the NVFP4 layers
+served by qerl's kernel.
 
 At load (:func:`prepare_layer`) the checkpoint's packed codes are re-laid-out once into the kernel's
 layout (:func:`~qerl_cli.kernels.nvfp4_gemm.split_halves`, the same bytes, replacing vLLM's copy), the
 E4M3 block scales kept, and vLLM's global multiplier (the inverse of the checkpoint's divisor, as Marlin
 reads it) turned into the kernel's accumulator multiplier. Each call is one torch custom op, opaque to
-torch.compile; it never syncs with the host, so vLLM captures it in its CUDA graphs. The new tensors are
-made during vLLM's weight loading, so sleep mode offloads and restores them with the other weights.
-vLLM's own LoRA kernels add the adapter around the op (the kernel's fused adapter is not used here), so
-the in-place adapter sync and AQN's norm noise work as on Marlin.
+torch.compile; it never syncs with the host, so vLLM captures it in its CUDA graphs. The re-laid-out
+weights are made during vLLM's weight loading, so sleep mode offloads and restores them with the other
+weights; the kernel's small per-device tables are made before vLLM starts, outside its sleep-mode memory
+pool (they outlive the engine). vLLM's own LoRA kernels add the adapter around the op (the kernel's fused
+adapter is not used here), so the in-place adapter sync and AQN's norm noise work as on Marlin.
 """
 
 from __future__ import annotations
@@ -33,18 +37,37 @@ from qerl_cli.kernels.nvfp4_gemm import BLOCK, WEIGHT_EXPONENT, launch_gemm, mak
 
 BACKEND = "qerl-triton"  # qerl's rollout.linear_backend value
 VLLM_BACKEND = "triton"  # vLLM's linear_backend name it is registered under
-MIN_CAPABILITY = (9, 0)  # Hopper: the only GPUs it was tested and measured on (warpgroup MMA)
+HOPPER = 9  # the compute capability major it was tested and measured on (warpgroup MMA, 227 KiB a CTA)
+MIN_VLLM = (0, 26)  # the first vLLM with the NVFP4 kernel registry it joins
 OP_NAME = "qerl::nvfp4_w4a16_gemm"
+# vLLM settings that start worker processes, which do not see this process's registration.
+OTHER_PROCESS_KWARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 
 def unavailable_reason(
-    capability: tuple[int, int] | None, tensor_parallel_size: int, in_process: bool
+    *,
+    capability: tuple[int, int] | None,
+    tensor_parallel_size: int = 1,
+    in_process: bool = True,
+    vllm_version: tuple[int, int] | None = None,
+    dtype: object = "bfloat16",
 ) -> str | None:
-    """Why qerl's kernel cannot serve vLLM here (None: it can), with the fix."""
-    if capability is not None and capability < MIN_CAPABILITY:
+    """Why qerl's kernel cannot serve vLLM here (None: it can), with the fix; None values: not known."""
+    if capability is not None and capability[0] != HOPPER:
         return (
-            f"needs a Hopper GPU (compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+), the only one "
-            f"it was tested on; this GPU is sm{capability[0]}{capability[1]}: use marlin"
+            f"runs on Hopper GPUs only (compute capability {HOPPER}.x: its tiles fill a Hopper CTA's shared "
+            f"memory, and no other GPU was tested); this GPU is sm{capability[0]}{capability[1]}: use marlin"
+        )
+    if vllm_version is not None and vllm_version < MIN_VLLM:
+        have, need = ".".join(map(str, vllm_version)), ".".join(map(str, MIN_VLLM))
+        return (
+            f"needs vLLM {need}+ (its NVFP4 kernel registry); this is vLLM {have}: "
+            f'pip install -U "vllm>={need}"'
+        )
+    if dtype not in ("bfloat16", torch.bfloat16):
+        return (
+            f"computes in bfloat16, but the rollout dtype is {dtype}: set model.dtype=bfloat16 (and drop "
+            "rollout.vllm_kwargs.dtype), or use marlin"
         )
     if tensor_parallel_size > 1:
         return (
@@ -52,25 +75,70 @@ def unavailable_reason(
             "with vLLM in this process, which tensor-parallel workers do not share; use marlin"
         )
     if not in_process:
+        value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         return (
-            "needs vLLM's engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=1 is set, which starts "
-            "vLLM's engine in another process that does not see qerl's kernel; unset it (qerl's default is 0)"
+            f"needs vLLM's engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING={value} starts vLLM's "
+            "engine in another process, which does not see qerl's kernel; unset it (qerl's default is 0)"
+        )
+    if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+        return (
+            "VLLM_BATCH_INVARIANT is set, which makes vLLM pick its own NVFP4 kernel: unset it, or use marlin"
         )
     return None
 
 
-def check_dtype(dtype: object) -> None:
-    """The kernel computes in BF16: refuse another dtype for vLLM's activations before vLLM loads."""
-    if dtype not in (None, "auto", "bfloat16", torch.bfloat16):
+def check_engine_arguments(kwargs: dict[str, Any]) -> None:
+    """The final ``vllm.LLM`` arguments of a qerl-triton engine (the recipe's ``rollout.vllm_kwargs`` win
+    over qerl's): refused where they would serve another kernel under this name or start vLLM's model
+    in other processes."""
+    if kwargs.get("linear_backend") != VLLM_BACKEND:
         raise QerlError(
-            f"rollout.linear_backend={BACKEND} computes in bfloat16, but vLLM was asked for dtype {dtype}: "
-            "set rollout.dtype=bfloat16 (or use marlin)"
+            f"rollout.linear_backend={BACKEND} starts vLLM with linear_backend={VLLM_BACKEND!r}, but "
+            f"rollout.vllm_kwargs sets linear_backend={kwargs.get('linear_backend')!r}, which would serve "
+            "another kernel under this name: drop it from rollout.vllm_kwargs"
+        )
+    reason = unavailable_reason(capability=None, dtype=kwargs.get("dtype", "bfloat16"))
+    if reason is not None:
+        raise QerlError(f"rollout.linear_backend={BACKEND}: {reason}")
+    others = {key: kwargs[key] for key in OTHER_PROCESS_KWARGS if int(kwargs.get(key) or 1) > 1}
+    executor = kwargs.get("distributed_executor_backend")
+    if executor not in (None, "uni"):
+        others["distributed_executor_backend"] = executor
+    if others:
+        raise QerlError(
+            f"rollout.linear_backend={BACKEND} serves vLLM from this process only, but vLLM's arguments "
+            f"{others} start workers in other processes, which do not see qerl's kernel: drop them, or use "
+            "marlin"
         )
 
 
-def engine_in_process() -> bool:
-    """Whether the vLLM qerl starts keeps its engine here (unset: qerl sets 0 before importing vLLM)."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
+def prepare_engine(kwargs: dict[str, Any]) -> None:
+    """Before ``vllm.LLM(**kwargs)`` of a qerl-triton engine: its arguments checked, the kernel's
+    per-device tables made outside vLLM's sleep-mode memory pool (module-level caches outliving an engine
+    must not hold that pool's memory: the next engine's allocator would not start empty), the kernel
+    registered before vLLM builds its layers, which look their kernel up."""
+    check_engine_arguments(kwargs)
+    make_device_tables(torch.device("cuda", torch.cuda.current_device()))
+    register()
+
+
+def count_served(model: torch.nn.Module) -> tuple[int, int]:
+    """(vLLM's NVFP4 linear layers, those of them on qerl's kernel) of one worker's model."""
+    nvfp4 = [m for m in model.modules() if hasattr(m, "weight_global_scale")]
+    return len(nvfp4), sum(hasattr(m, "qerl_accumulator_scale") for m in nvfp4)
+
+
+def check_engine(llm: Any) -> int:
+    """After the start: every NVFP4 linear layer runs qerl's kernel (an environment variable such as
+    ``VLLM_DISABLED_KERNELS`` could have chosen another); returns how many do."""
+    layers, served = (sum(column) for column in zip(*llm.apply_model(count_served), strict=True))
+    if served == 0 or served != layers:
+        raise QerlError(
+            f"rollout.linear_backend={BACKEND}: vLLM serves {served} of its {layers} NVFP4 linear layers on "
+            "qerl's kernel (VLLM_DISABLED_KERNELS or another vLLM setting chose another): unset it, or use "
+            "marlin"
+        )
+    return served
 
 
 def accumulator_scale(multiplier: torch.Tensor) -> torch.Tensor:
@@ -86,15 +154,16 @@ def prepare_layer(layer: torch.nn.Module) -> None:
     operands, in place: ``weight`` re-laid-out, ``qerl_accumulator_scale`` added."""
     n, k = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
     packed, scale = layer.weight.data, layer.weight_scale.data
+    remedy = f"this vLLM lays NVFP4 layers out otherwise than vLLM {MIN_VLLM[0]}.{MIN_VLLM[1]}: use marlin"
     if packed.dtype != torch.uint8 or packed.shape != (n, k // 2) or k % BLOCK:
         raise ValueError(
             f"qerl-triton expects an NVFP4 weight uint8 [{n}, {k // 2}] with K a multiple of {BLOCK}; got "
-            f"{packed.dtype} {tuple(packed.shape)}"
+            f"{packed.dtype} {tuple(packed.shape)}; {remedy}"
         )
     if scale.dtype != torch.float8_e4m3fn or scale.shape != (n, k // BLOCK):
         raise ValueError(
             f"qerl-triton expects E4M3 block scales [{n}, {k // BLOCK}]; got {scale.dtype} "
-            f"{tuple(scale.shape)}"
+            f"{tuple(scale.shape)}; {remedy}"
         )
     # Parameters, as vLLM's own kernels keep theirs: made here, inside vLLM's weight loading, they are
     # in the memory sleep mode offloads and restores.
@@ -103,7 +172,7 @@ def prepare_layer(layer: torch.nn.Module) -> None:
     layer.weight_scale = keep(scale.contiguous(), requires_grad=False)
     out_scale = accumulator_scale(layer.weight_global_scale.data)
     layer.qerl_accumulator_scale = keep(out_scale, requires_grad=False)
-    make_device_tables(packed.device)  # now, not first inside a CUDA graph capture
+    make_device_tables(packed.device)  # made already by prepare_engine (then a no-op): never in a capture
 
 
 # The kernel as a torch custom op, defined once at import: torch.compile (vLLM's) traces the model
@@ -124,7 +193,14 @@ def nvfp4_w4a16_gemm(
 
 
 @nvfp4_w4a16_gemm.register_fake
-def _(x, halves, scale, out_scale, in_features, bias):  # noqa: ANN001, ANN202 (torch's signature)
+def _(
+    x: torch.Tensor,
+    halves: torch.Tensor,
+    scale: torch.Tensor,
+    out_scale: torch.Tensor,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], halves.shape[0]), dtype=torch.bfloat16)
 
 
@@ -135,12 +211,19 @@ def apply_layer(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | No
 
 
 @cache
-def register() -> type:
+def register() -> type[Any]:
     """Register qerl's kernel with vLLM's NVFP4 kernel registry under ``linear_backend="triton"``
     (once per process, before ``vllm.LLM`` is built); returns the kernel class."""
-    from vllm.model_executor.kernels import linear as vllm_linear
-    from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel
-    from vllm.platforms import PlatformEnum
+    try:
+        from vllm.model_executor.kernels import linear as vllm_linear
+        from vllm.model_executor.kernels.linear.nvfp4.base import NvFp4LinearKernel
+        from vllm.platforms import PlatformEnum
+    except ImportError as exc:
+        raise QerlError(
+            f"rollout.linear_backend={BACKEND} joins the NVFP4 kernel registry of vLLM "
+            f"{MIN_VLLM[0]}.{MIN_VLLM[1]}+, which this vLLM lacks ({exc}): "
+            f'pip install -U "vllm>={MIN_VLLM[0]}.{MIN_VLLM[1]}", or use marlin'
+        ) from None
 
     class QerlTritonNvFp4LinearKernel(NvFp4LinearKernel):
         """NVFP4 weight-only GEMM by qerl's Triton kernel (W4A16, the weights dequantized in registers)."""
@@ -149,8 +232,7 @@ def register() -> type:
         def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
             if not torch.cuda.is_available():
                 return False, "qerl-triton needs a CUDA GPU"
-            capability = torch.cuda.get_device_capability()
-            reason = unavailable_reason(capability, 1, True)
+            reason = unavailable_reason(capability=torch.cuda.get_device_capability())
             return reason is None, reason
 
         @classmethod
@@ -169,9 +251,9 @@ def register() -> type:
     # here with nothing registered.
     backend_map = getattr(vllm_linear, "_LINEAR_BACKEND_KERNEL_MAP", None)
     if not isinstance(backend_map, dict) or VLLM_BACKEND not in backend_map:
-        raise RuntimeError(
-            "this vLLM has no linear_backend registry qerl-triton can join (vLLM 0.26's "
-            "_LINEAR_BACKEND_KERNEL_MAP); use rollout.linear_backend=marlin"
+        raise QerlError(
+            f"rollout.linear_backend={BACKEND}: this vLLM has no linear_backend registry qerl's kernel can "
+            "join (vLLM 0.26's _LINEAR_BACKEND_KERNEL_MAP); use rollout.linear_backend=marlin"
         )
     vllm_linear.register_linear_kernel(QerlTritonNvFp4LinearKernel, PlatformEnum.CUDA, "nvfp4")
     backend_map[VLLM_BACKEND].add(QerlTritonNvFp4LinearKernel)

@@ -17,6 +17,7 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.errors import QerlError, install_hint
+from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.rollout.lora_kernel_configs import use_tuned_lora_configs
 
 # vLLM's LoRAConfig only accepts these ranks; a recipe's value is rounded up to the next one.
@@ -126,10 +127,17 @@ def check_gpu_supports(fmt: CheckpointFormat) -> None:
         )
 
 
-def vllm_in_process() -> bool:
-    """Whether a ``vllm.LLM`` built now keeps its engine core (its model and memory) in this process:
-    what qerl sets before it imports vLLM (:func:`_import_vllm`) unless the environment says otherwise."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# What qerl sets before it imports vLLM (:func:`_import_vllm`) unless the environment says otherwise.
+QERL_MULTIPROCESSING_DEFAULT = "0"
+
+
+def vllm_in_process(*, before_import: bool = False) -> bool:
+    """Whether a ``vllm.LLM`` built now keeps its engine core (its model and memory) in this process.
+    ``before_import``: asked before qerl's first engine, whose import sets qerl's default where the
+    environment names none (vLLM's own default, unset, is another process)."""
+    default = QERL_MULTIPROCESSING_DEFAULT if before_import else "1"
+    return os.environ.get(MULTIPROCESSING_ENV, default) == "0"
 
 
 def _import_vllm() -> SimpleNamespace:
@@ -138,7 +146,7 @@ def _import_vllm() -> SimpleNamespace:
     # Keep the engine core in this process: LLM.apply_model then runs our noise function on the
     # very modules that generate, and torch.cuda memory figures include vLLM's allocations. (With
     # multiprocessing, vLLM only ships functions to its worker under VLLM_ALLOW_INSECURE_SERIALIZATION=1.)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault(MULTIPROCESSING_ENV, QERL_MULTIPROCESSING_DEFAULT)
     # The same LoRA kernel configs for every backend, so their figures compare: qerl's tuned ones for
     # this GPU where it ships them, unless the user named a folder.
     use_tuned_lora_configs(_cuda_device_name())
@@ -158,6 +166,27 @@ def _supported_lora_rank(rank: int) -> int:
         if allowed >= rank:
             return allowed
     raise QerlError(f"rollout.max_lora_rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def start_llm(
+    llm_class: Any, kwargs: dict[str, Any], model: str, utilization: float, linear_backend: str
+) -> Any:
+    """``vllm.LLM(**kwargs)``: for ``qerl-triton`` qerl's kernel registered first and its layers counted
+    after (:mod:`qerl_cli.rollout.vllm_nvfp4`); memory errors rephrased as advice on the recipe's
+    settings."""
+    qerl_kernel = linear_backend == vllm_nvfp4.BACKEND
+    if qerl_kernel:
+        vllm_nvfp4.prepare_engine(kwargs)
+    try:
+        llm = llm_class(**kwargs)
+    except (ValueError, RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+        rephrased = _rephrase_load_error(exc, model, utilization)
+        if rephrased is None:
+            raise
+        raise rephrased from exc
+    if qerl_kernel:
+        vllm_nvfp4.check_engine(llm)
+    return llm
 
 
 def _rephrase_load_error(exc: Exception, model: str, utilization: float) -> QerlError | None:
