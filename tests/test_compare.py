@@ -95,6 +95,9 @@ def test_compare_tiny_runs_tables_plots_and_resumes(
         assert 0.0 <= row.start_reward <= 1.0 and 0.0 <= row.start_no_spread_fraction <= 1.0
     first = json.loads((out / "nvfp4-aqn" / "seed-0" / "result.json").read_text())
     assert len(first["zero_std_group_fraction"]) == 3
+    assert len(first["logprob_gap"]) == 3 and all(g >= 0 for g in first["logprob_gap"])
+    assert all(row.logprob_gap is not None and row.logprob_gap >= 0 for row in report.arms)
+    assert "logprob gap" in (out / "compare.md").read_text()
     assert json.dumps(RunResult.from_dict(first).to_dict()) == json.dumps(first)  # the file's layout, kept
     on_disk = json.loads((out / "compare.json").read_text())
     assert on_disk["threshold"] == report.threshold and on_disk == report.to_dict()
@@ -978,3 +981,20 @@ def test_a_sampled_heldout_evaluation_asks_qerl_eval_for_k_samples_at_temperatur
     assert score.samples == 4 and score.pass_at_1 == 0.5
     greedy = heldout_mod._base_eval_key(conf, arms_mod.read_settings({}), tmp_path)
     assert greedy["heldout_temperature"] == 0.0 and "heldout_top_p" not in greedy  # kept keys unchanged
+
+
+def test_the_logprob_gap_is_each_arms_mean_over_steps_and_seeds() -> None:
+    """The rollout/trainer logprob gap of a run is its mean over steps (missing steps left out); an arm's is
+    the mean over its seeds with their sd; an arm of older results without the figure has none."""
+    gapped = [
+        RunResult("a", 0, [0.1, 0.2], [1.0, 1.0], _score(0.5, 0.1), logprob_gap=[0.010, 0.014]),
+        RunResult("a", 1, [0.1, 0.2], [1.0, 1.0], _score(0.5, 0.1), logprob_gap=[0.016, float("nan")]),
+    ]
+    rows, _ = arm_rows({"a": gapped, "b": [RunResult("b", 0, [0.1, 0.2], [1.0, 1.0], _score(0.4, 0.1))]}, 0.5)
+    a, b = rows
+    assert a.logprob_gap == pytest.approx(0.014)  # (0.012 + 0.016) / 2
+    assert a.logprob_gap_sd == pytest.approx(0.002 * 2**0.5)
+    assert b.logprob_gap is None and b.logprob_gap_sd is None
+    assert RunResult.from_dict(gapped[0].to_dict()).logprob_gap == [0.010, 0.014]
+    older = {k: v for k, v in gapped[0].to_dict().items() if k != "logprob_gap"}
+    assert RunResult.from_dict(older).logprob_gap == []

@@ -87,6 +87,9 @@ class RunResult:
     # Per step, the share of groups whose rewards were all equal (no GRPO signal from them).
     zero_std_group_fraction: list[float] = field(default_factory=list)
     seconds: float | None = None
+    # Per step, the mean |trainer - rollout| logprob of the trained tokens (rollout_logprob_gap, nats/token):
+    # how far the rollout kernels' numerics sit from the trainer's. Empty: an older result.
+    logprob_gap: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +107,7 @@ class RunResult:
             "zero_std_group_fraction": list(self.zero_std_group_fraction),
             "heldout": self.heldout.to_dict(),
             "seconds": self.seconds,
+            "logprob_gap": list(self.logprob_gap),
         }
 
     @classmethod
@@ -123,6 +127,7 @@ class RunResult:
             resumed_from=data.get("resumed_from"),
             zero_std_group_fraction=list(data.get("zero_std_group_fraction") or []),  # older results lack it
             seconds=data.get("seconds"),
+            logprob_gap=list(data.get("logprob_gap") or []),  # older results lack it
         )
 
 
@@ -170,6 +175,10 @@ class ArmRow:
     early_entropy_sd: float | None
     start_reward: float | None
     start_no_spread_fraction: float | None
+    # The mean rollout/trainer logprob gap of the arm's runs (nats/token) and its sd over seeds; None in
+    # older reports and for runs without the figure.
+    logprob_gap: float | None = None
+    logprob_gap_sd: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in _ARM_KEYS}  # the field names are the file's keys

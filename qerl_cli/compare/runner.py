@@ -61,6 +61,7 @@ from qerl_cli.files import check_writable_folder, write_json
 from qerl_cli.rl import preflight
 from qerl_cli.rl import trainer as trainer_mod
 from qerl_cli.rl.checkpoint import list_checkpoints
+from qerl_cli.rl.importance import LOGPROB_GAP
 from qerl_cli.rl.tracking import read_metrics
 from qerl_cli.torch_utils import device_label, free_accelerator_memory
 
@@ -101,6 +102,7 @@ def run_one(
         reward=[float(r.get("reward_mean", float("nan"))) for r in records],
         entropy=[float(r.get("entropy", float("nan"))) for r in records],
         zero_std_group_fraction=[float(r.get("zero_std_group_fraction", float("nan"))) for r in records],
+        logprob_gap=[float(r.get(LOGPROB_GAP, float("nan"))) for r in records],
         heldout=figures,
         seconds=time.perf_counter() - start,
     )

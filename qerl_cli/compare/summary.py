@@ -23,6 +23,9 @@
   reward spread in fewer than :data:`MIN_SIGNAL_FRACTION` of cases is named in ``warnings``: its
   base starts with too little signal for GRPO.
 - base: the format of the arm's base and how it was quantized (AWQ or RTN), in every report.
+- logprob gap: the mean |trainer - rollout| logprob of the trained tokens over every step of a run
+  (``rollout_logprob_gap``, nats/token), averaged over the arm's seeds (± their sd): how far the
+  rollout kernels' numerics (Marlin, qerl-triton, an FP8 or BF16 merged copy) sit from the trainer's.
 - vs the reference and verdict: each arm's held-out pass@1 minus the reference arm's, in points, with its
   95% interval, and the verdict at the margin (:mod:`~qerl_cli.compare.verdict` says how).
 """
@@ -81,6 +84,7 @@ class RunFigures:
     early_entropy: float | None
     heldout: float
     heldout_se: float | None
+    logprob_gap: float | None  # over every step: the rollout kernels' numerics, not a learning figure
 
 
 def run_figures(result: RunResult) -> RunFigures:
@@ -95,6 +99,7 @@ def run_figures(result: RunResult) -> RunFigures:
         early_entropy=mean(present(entropy[: _window(steps, EARLY_FRACTION)]), empty=None),
         heldout=result.heldout.pass_at_1,
         heldout_se=result.heldout.pass_at_1_se,
+        logprob_gap=mean(present(result.logprob_gap), empty=None),
     )
 
 
@@ -151,6 +156,8 @@ def arm_rows(
                 early_entropy_sd=_sd([f.early_entropy for f in figs]),
                 start_reward=mean(present([f.start_reward for f in figs]), empty=None),
                 start_no_spread_fraction=mean(present([f.start_no_spread for f in figs]), empty=None),
+                logprob_gap=mean(present([f.logprob_gap for f in figs]), empty=None),
+                logprob_gap_sd=_sd([f.logprob_gap for f in figs]),
             )
         )
     return rows, threshold
@@ -249,13 +256,14 @@ def _cells(row: ArmRow, report: CompareReport) -> list[str]:
         _fmt(row.base_entropy),
         _fmt(row.start_reward),
         "-" if no_spread is None else f"{100 * no_spread:.1f}%",
+        _fmt(row.logprob_gap, 4, row.logprob_gap_sd),
         *verdict_cells(row.arm, report.verdicts, report.reference),
     ]
 
 
 HEADERS = [
     "arm", "base", "seeds", "final reward", "base pass@1 ± SE", "held-out pass@1 ± SE", "steps to threshold",
-    "early entropy", "base entropy (T=1)", "start reward", "no-spread groups (start)",
+    "early entropy", "base entropy (T=1)", "start reward", "no-spread groups (start)", "logprob gap",
 ]  # fmt: skip
 
 
@@ -271,7 +279,9 @@ def markdown(report: CompareReport) -> str:
         "steps; "
         "early entropy over the first 20%; ± is the sd over seeds (SE for held-out pass@1; base pass@1: "
         "the untrained base, the evaluation's own SE). Start reward and no-spread groups (all rewards of "
-        "a prompt's group equal: no GRPO signal) over the first 10% of steps. "
+        "a prompt's group equal: no GRPO signal) over the first 10% of steps. Logprob gap: the mean "
+        "|trainer - rollout| logprob of the trained tokens over every step (nats/token; the rollout "
+        "kernels' numerics against the trainer's). "
         f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
         f"Ran on: {', '.join(report.devices or ['unrecorded device'])}.",
         "",
