@@ -327,3 +327,45 @@ def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
         argv += ["--set", setting]
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and said in " ".join(err.split()), err
+
+
+def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+) -> None:
+    """docs/rollout.md: qerl-triton needs an NVFP4 base (not MXFP4), refused in the preflight. An MXFP4
+    base passed --dry-run ("rollout.engine: vllm: installed, GPU visible") and was refused only when the
+    engine was built, after the trainer's model had loaded."""
+    import importlib.util
+    import json
+    import shutil
+
+    import qerl_cli.rl.preflight as preflight_mod
+
+    base = tmp_path / "mxfp4-base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (base / "config.json").write_text(json.dumps(config))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(preflight_mod, "installed_vllm_version", lambda: (0, 26))
+    argv = ["train", str(recipe(tmp_path, base)), "--set", "rollout.engine=vllm",
+            "--set", "rollout.linear_backend=qerl-triton", "--set", "model.dtype=bfloat16",
+            "--set", "data.dataset=synthetic-addition"]  # fmt: skip
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, *argv, *dry_run)
+        said = " ".join(err.split())
+        assert rc == 2 and "rollout.linear_backend=qerl-triton: qerl's kernel reads NVFP4" in said, err
+        assert "a mxfp4 checkpoint runs on marlin" in said, err
+    # The same recipe on an NVFP4 base passes.
+    monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "nvfp4")
+    rc, _, err = run(capsys, *argv, "--dry-run")
+    assert rc == 0 and "rollout.engine: vllm" in err, err
