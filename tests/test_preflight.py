@@ -130,6 +130,31 @@ def test_vllm_missing_is_said_before_any_model_loads(
     assert "--set rollout.engine=hf" in err
 
 
+@pytest.mark.parametrize("backend", ["qerl-triton", "humming", "fp8", "merged"])
+def test_the_hf_remedy_for_a_missing_vllm_also_frees_a_vllm_only_backend(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+    hide_packages,
+    backend: str,
+) -> None:
+    """Without vLLM, `rollout.linear_backend=qerl-triton` was told to "use the HF engine with --set
+    rollout.engine=hf", which the recipe then refused (the backend "chooses vLLM kernels"): the remedy
+    must be one that runs."""
+    hide_packages("vllm")
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
+            "--set", "rollout.engine=vllm", "--set", f"rollout.linear_backend={backend}"]  # fmt: skip
+    rc, _, err = run(capsys, *argv, "--dry-run")
+    said = " ".join(err.split())
+    assert rc == 2 and "--set rollout.engine=hf --set rollout.linear_backend=auto" in said, err
+    remedy = said.split("or use the HF engine with ", 1)[1].split()
+    sets = [remedy[i + 1] for i, word in enumerate(remedy[:-1]) if word == "--set"]
+    argv += [item for setting in sets for item in ("--set", setting)]
+    rc, _, err = run(capsys, *argv, "--dry-run")  # the remedy, followed, passes
+    assert rc == 0 and "rollout.engine: hf" in err, err
+
+
 def test_an_output_folder_under_a_file_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
 ) -> None:
@@ -369,3 +394,29 @@ def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
     monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "nvfp4")
     rc, _, err = run(capsys, *argv, "--dry-run")
     assert rc == 0 and "rollout.engine: vllm" in err, err
+
+
+def test_the_hf_remedy_for_a_machine_without_a_gpu_also_frees_a_vllm_only_backend(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+) -> None:
+    """vLLM installed on a machine without a GPU: the same remedy, one that the recipe then takes."""
+    import importlib.util
+
+    import qerl_cli.rl.preflight as preflight_mod
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: False)
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
+            "--set", "rollout.engine=vllm", "--set", "rollout.linear_backend=qerl-triton",
+            "--dry-run"]  # fmt: skip
+    rc, _, err = run(capsys, *argv)
+    said = " ".join(err.split())
+    assert rc == 2 and "needs a CUDA GPU and this machine has none" in said, err
+    assert "--set rollout.engine=hf --set rollout.linear_backend=auto" in said, err

@@ -14,6 +14,7 @@ from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.choices import (
     MERGED_LINEAR_BACKENDS,
+    VLLM_ONLY_LINEAR_BACKENDS,
     BaseCompute,
     EngineName,
     FusedKernels,
@@ -83,6 +84,14 @@ class RolloutSection:
     # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def hf_engine_settings(self, where: str = "rollout") -> str:
+        """The ``--set`` options that move this rollout to the hf engine: a backend only vLLM serves goes
+        back to auto too, which the hf engine takes (else the recipe would refuse the remedy)."""
+        settings = f"--set {where}.engine=hf"
+        if self.linear_backend in VLLM_ONLY_LINEAR_BACKENDS:
+            settings += f" --set {where}.linear_backend=auto"
+        return settings
+
     def validate(self, where: str) -> None:
         _positive(
             where,
@@ -94,8 +103,7 @@ class RolloutSection:
             logprob_gap_warn=self.logprob_gap_warn,
         )
         _group_size(_key(where, "num_generations"), self.num_generations)
-        vllm_only = ("humming", "qerl-triton", "fp8", *MERGED_LINEAR_BACKENDS)
-        if self.linear_backend in vllm_only and self.engine != "vllm":
+        if self.linear_backend in VLLM_ONLY_LINEAR_BACKENDS and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
                 "(the hf engine runs the trainer's own layers)"

@@ -179,13 +179,13 @@ def engine(cfg: TrainConfig) -> Checked:
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
             f"rollout.engine=vllm needs vLLM, which is not installed: {install_hint('vllm')} (GPU "
-            "machines), or use the HF engine with --set rollout.engine=hf"
+            f"machines), or use the HF engine with {cfg.rollout.hf_engine_settings()}"
         )
 
     if not torch.cuda.is_available():
         raise QerlError(
             "rollout.engine=vllm needs a CUDA GPU and this machine has none: use the HF engine with "
-            "--set rollout.engine=hf"
+            f"{cfg.rollout.hf_engine_settings()}"
         )
     if cfg.rollout.linear_backend == vllm_nvfp4.BACKEND:  # its needs, before the trainer's model loads
         fmt = declared_format(cfg)
