@@ -420,3 +420,24 @@ def test_the_hf_remedy_for_a_machine_without_a_gpu_also_frees_a_vllm_only_backen
     said = " ".join(err.split())
     assert rc == 2 and "needs a CUDA GPU and this machine has none" in said, err
     assert "--set rollout.engine=hf --set rollout.linear_backend=auto" in said, err
+
+
+@pytest.mark.parametrize("backend", ["merged", "fp8-merged", "fp8", "marlin", "auto"])
+def test_trained_norms_on_vllm_are_refused_at_config_time_with_a_remedy_that_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, backend: str
+) -> None:
+    """`lora.train_norms=true` with `linear_backend=merged` was told "set lora.train_norms=false or
+    rollout.linear_backend=fp8", and fp8 (as every vLLM backend: vLLM serves LoRA matrices only) passed the
+    checks to be refused at the first adapter sync, after the model and vLLM had loaded."""
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
+            "--set", "rollout.engine=vllm", "--set", f"rollout.linear_backend={backend}",
+            "--set", "lora.train_norms=true"]  # fmt: skip
+    rc, _, err = run(capsys, *argv, "--dry-run")
+    said = " ".join(err.split())
+    assert rc == 2 and "set lora.train_norms=false" in said, err
+    assert "linear_backend=fp8" not in said.split("set lora.train_norms=false", 1)[1], err
+    remedy = said.split(" with --set ", 1)[1].split()
+    sets = ["--set", remedy[0]] + [item for i, w in enumerate(remedy[:-1]) if w == "--set"
+                                   for item in ("--set", remedy[i + 1])]  # fmt: skip
+    rc, _, err = run(capsys, *argv, *sets, "--dry-run")  # the remedy, followed, passes
+    assert rc == 0 and "rollout.engine: hf" in err, err
