@@ -64,7 +64,8 @@ class RolloutSection:
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
     # Hopper; the humming extra); "qerl-triton": qerl's own Triton W4A16 kernel served in vLLM (NVFP4
-    # bases, Hopper, tensor_parallel_size 1; slower than Marlin so far, docs/rollout.md); "fp8": an FP8
+    # bases, a Hopper GPU, vLLM 0.26+, model.dtype bfloat16, tensor_parallel_size 1, vLLM's engine in this
+    # process; slower than Marlin so far, docs/rollout.md); "fp8": an FP8
     # W8A8 rollout copy of the 4-bit base, derived once (the trainer keeps the 4-bit base; TIS on);
     # "fp8-merged": that copy with the LoRA merged in
     # after every update, vLLM without LoRA (on a BF16 base: "merged"); "merged": the LoRA merged into
