@@ -60,6 +60,19 @@ def test_every_benchmark_has_help(capsys: pytest.CaptureFixture[str], name: str)
     assert f"qerl bench {name}" in out and "--dry-run" in out and "--output" in out
 
 
+def test_concurrency_help_lists_every_backend_the_sweep_accepts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--backends' help listed marlin,humming,fp8,fp8-merged,merged while the sweep also takes qerl-triton
+    (docs/bench.md and the error for a misspelt name list it): the help named fewer than it accepts."""
+    from qerl_cli.config.stages import SWEPT_BACKENDS
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option, so the list is not wrapped
+    rc, out, _ = run(capsys, "bench", "concurrency", "--help")
+    line = next(line for line in out.splitlines() if "--backends" in line)
+    assert rc == 0 and ",".join(SWEPT_BACKENDS) in line, line
+
+
 # -- bad input: exit 2, naming the flag, before torch is imported -----------------------------------
 def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     missing = str(tmp / "missing.json")

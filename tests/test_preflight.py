@@ -130,6 +130,31 @@ def test_vllm_missing_is_said_before_any_model_loads(
     assert "--set rollout.engine=hf" in err
 
 
+@pytest.mark.parametrize("backend", ["qerl-triton", "humming", "fp8", "merged"])
+def test_the_hf_remedy_for_a_missing_vllm_also_frees_a_vllm_only_backend(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+    hide_packages,
+    backend: str,
+) -> None:
+    """Without vLLM, `rollout.linear_backend=qerl-triton` was told to "use the HF engine with --set
+    rollout.engine=hf", which the recipe then refused (the backend "chooses vLLM kernels"): the remedy
+    must be one that runs."""
+    hide_packages("vllm")
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
+            "--set", "rollout.engine=vllm", "--set", f"rollout.linear_backend={backend}"]  # fmt: skip
+    rc, _, err = run(capsys, *argv, "--dry-run")
+    said = " ".join(err.split())
+    assert rc == 2 and "--set rollout.engine=hf --set rollout.linear_backend=auto" in said, err
+    remedy = said.split("or use the HF engine with ", 1)[1].split()
+    sets = [remedy[i + 1] for i, word in enumerate(remedy[:-1]) if word == "--set"]
+    argv += [item for setting in sets for item in ("--set", setting)]
+    rc, _, err = run(capsys, *argv, "--dry-run")  # the remedy, followed, passes
+    assert rc == 0 and "rollout.engine: hf" in err, err
+
+
 def test_an_output_folder_under_a_file_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training
 ) -> None:
@@ -327,3 +352,92 @@ def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
         argv += ["--set", setting]
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and said in " ".join(err.split()), err
+
+
+def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+) -> None:
+    """docs/rollout.md: qerl-triton needs an NVFP4 base (not MXFP4), refused in the preflight. An MXFP4
+    base passed --dry-run ("rollout.engine: vllm: installed, GPU visible") and was refused only when the
+    engine was built, after the trainer's model had loaded."""
+    import importlib.util
+    import json
+    import shutil
+
+    import qerl_cli.rl.preflight as preflight_mod
+
+    base = tmp_path / "mxfp4-base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (base / "config.json").write_text(json.dumps(config))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(preflight_mod, "installed_vllm_version", lambda: (0, 26))
+    argv = ["train", str(recipe(tmp_path, base)), "--set", "rollout.engine=vllm",
+            "--set", "rollout.linear_backend=qerl-triton", "--set", "model.dtype=bfloat16",
+            "--set", "data.dataset=synthetic-addition"]  # fmt: skip
+    for dry_run in ([], ["--dry-run"]):
+        rc, _, err = run(capsys, *argv, *dry_run)
+        said = " ".join(err.split())
+        assert rc == 2 and "rollout.linear_backend=qerl-triton: qerl's kernel reads NVFP4" in said, err
+        assert "a mxfp4 checkpoint runs on marlin" in said, err
+    # The same recipe on an NVFP4 base passes.
+    monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "nvfp4")
+    rc, _, err = run(capsys, *argv, "--dry-run")
+    assert rc == 0 and "rollout.engine: vllm" in err, err
+
+
+def test_the_hf_remedy_for_a_machine_without_a_gpu_also_frees_a_vllm_only_backend(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    no_training,
+) -> None:
+    """vLLM installed on a machine without a GPU: the same remedy, one that the recipe then takes."""
+    import importlib.util
+
+    import qerl_cli.rl.preflight as preflight_mod
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: False)
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
+            "--set", "rollout.engine=vllm", "--set", "rollout.linear_backend=qerl-triton",
+            "--dry-run"]  # fmt: skip
+    rc, _, err = run(capsys, *argv)
+    said = " ".join(err.split())
+    assert rc == 2 and "needs a CUDA GPU and this machine has none" in said, err
+    assert "--set rollout.engine=hf --set rollout.linear_backend=auto" in said, err
+
+
+@pytest.mark.parametrize("backend", ["merged", "fp8-merged", "fp8", "marlin", "auto"])
+def test_trained_norms_on_vllm_are_refused_at_config_time_with_a_remedy_that_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path, no_training, backend: str
+) -> None:
+    """`lora.train_norms=true` with `linear_backend=merged` was told "set lora.train_norms=false or
+    rollout.linear_backend=fp8", and fp8 (as every vLLM backend: vLLM serves LoRA matrices only) passed the
+    checks to be refused at the first adapter sync, after the model and vLLM had loaded."""
+    argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
+            "--set", "rollout.engine=vllm", "--set", f"rollout.linear_backend={backend}",
+            "--set", "lora.train_norms=true"]  # fmt: skip
+    rc, _, err = run(capsys, *argv, "--dry-run")
+    said = " ".join(err.split())
+    assert rc == 2 and "set lora.train_norms=false" in said, err
+    assert "linear_backend=fp8" not in said.split("set lora.train_norms=false", 1)[1], err
+    remedy = said.split(" with --set ", 1)[1].split()
+    sets = ["--set", remedy[0]] + [item for i, w in enumerate(remedy[:-1]) if w == "--set"
+                                   for item in ("--set", remedy[i + 1])]  # fmt: skip
+    rc, _, err = run(capsys, *argv, *sets, "--dry-run")  # the remedy, followed, passes
+    assert rc == 0 and "rollout.engine: hf" in err, err

@@ -41,6 +41,7 @@ from qerl_cli.cli.app import (
 from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import BenchConfig, QuantFormat, load_config
 from qerl_cli.config.choices import BaseCompute, LinearBackend
+from qerl_cli.config.stages import SWEPT_BACKENDS
 from qerl_cli.errors import QerlError
 
 B = BenchConfig  # the --help defaults below are its own
@@ -311,7 +312,7 @@ def concurrency(
             "backends",
             "--backends",
             metavar="NAME,...",
-            help="Linear backends: comma list of marlin,humming,fp8,fp8-merged,merged.",
+            help=f"Linear backends: comma list of {','.join(SWEPT_BACKENDS)}.",
         ),
     ] = None,
     prompt_len: PromptLenOption = None,

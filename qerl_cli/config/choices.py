@@ -21,6 +21,9 @@ LinearBackend = Literal["auto", "marlin", "humming", "qerl-triton", "fp8", "fp8-
 # The backends that merge the adapter into the rollout weights: a 4-bit base's FP8 copy; BF16 weights (a
 # BF16 base's own, a 4-bit base's BF16 copy).
 MERGED_LINEAR_BACKENDS = ("fp8-merged", "merged")
+# The backends only the vLLM engine serves (the hf engine runs the trainer's own layers; marlin and auto
+# are vLLM's default there, which the hf engine ignores).
+VLLM_ONLY_LINEAR_BACKENDS = ("humming", "qerl-triton", "fp8", *MERGED_LINEAR_BACKENDS)
 # train.base_compute's values (qerl_cli.modeling.base_compute).
 BaseCompute = Literal["auto", "bf16", "fp8"]
 # train.fused_kernels' values (qerl_cli.modeling.fused_kernels).

@@ -14,6 +14,7 @@ from qerl_cli.config.checks import key as _key
 from qerl_cli.config.checks import positive as _positive
 from qerl_cli.config.choices import (
     MERGED_LINEAR_BACKENDS,
+    VLLM_ONLY_LINEAR_BACKENDS,
     BaseCompute,
     EngineName,
     FusedKernels,
@@ -63,7 +64,8 @@ class RolloutSection:
     # vLLM engine: the kernels of the rollout model's linear layers. "marlin": vLLM's default for 4-bit
     # weights (weight-only, fastest at small batches); "humming": vLLM's Humming kernels (wgmma on
     # Hopper; the humming extra); "qerl-triton": qerl's own Triton W4A16 kernel served in vLLM (NVFP4
-    # bases, Hopper, tensor_parallel_size 1; slower than Marlin so far, docs/rollout.md); "fp8": an FP8
+    # bases, a Hopper GPU, vLLM 0.26+, model.dtype bfloat16, tensor_parallel_size 1, vLLM's engine in this
+    # process; slower than Marlin so far, docs/rollout.md); "fp8": an FP8
     # W8A8 rollout copy of the 4-bit base, derived once (the trainer keeps the 4-bit base; TIS on);
     # "fp8-merged": that copy with the LoRA merged in
     # after every update, vLLM without LoRA (on a BF16 base: "merged"); "merged": the LoRA merged into
@@ -83,6 +85,14 @@ class RolloutSection:
     # vLLM engine: extra keyword arguments of vllm.LLM (they win over qerl's own).
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def hf_engine_settings(self, where: str = "rollout") -> str:
+        """The ``--set`` options that move this rollout to the hf engine: a backend only vLLM serves goes
+        back to auto too, which the hf engine takes (else the recipe would refuse the remedy)."""
+        settings = f"--set {where}.engine=hf"
+        if self.linear_backend in VLLM_ONLY_LINEAR_BACKENDS:
+            settings += f" --set {where}.linear_backend=auto"
+        return settings
+
     def validate(self, where: str) -> None:
         _positive(
             where,
@@ -94,8 +104,7 @@ class RolloutSection:
             logprob_gap_warn=self.logprob_gap_warn,
         )
         _group_size(_key(where, "num_generations"), self.num_generations)
-        vllm_only = ("humming", "qerl-triton", "fp8", *MERGED_LINEAR_BACKENDS)
-        if self.linear_backend in vllm_only and self.engine != "vllm":
+        if self.linear_backend in VLLM_ONLY_LINEAR_BACKENDS and self.engine != "vllm":
             raise QerlError(
                 f"{where}.linear_backend={self.linear_backend} chooses vLLM kernels: set {where}.engine=vllm "
                 "(the hf engine runs the trainer's own layers)"

@@ -50,7 +50,8 @@ class LoraSection:
         default_factory=lambda: list(LORA_TARGETS_ALL),
         metadata=needs_items("module", f"e.g. q_proj,v_proj; the default: {','.join(LORA_TARGETS_ALL)}"),
     )
-    # Train the RMSNorm weights too (the paper keeps them frozen; AQN perturbs the rollout copy).
+    # Train the RMSNorm weights too (the paper keeps them frozen; AQN perturbs the rollout copy). The hf
+    # engine only: vLLM serves an adapter's LoRA matrices only, so rollout.engine=vllm refuses it.
     train_norms: bool = False
     # The adapter's start. "zeros": PEFT's (B = 0, so step 0 is the bare 4-bit base). "eora": B A starts
     # at the rank-r correction of the 4-bit rounding error W - deq(Q(W)) weighted by the calibration
@@ -155,11 +156,17 @@ class TrainConfig:
     def validate(self, where: str = "") -> None:
         if not self.model.path:
             raise QerlError("model.path is empty: set it in the recipe or with --set model.path=DIR")
-        if self.rollout.linear_backend in MERGED_LINEAR_BACKENDS and self.lora.train_norms:
+        if self.rollout.engine == "vllm" and self.lora.train_norms:
+            backend = self.rollout.linear_backend
+            serves = (
+                f"rollout.linear_backend={backend} merges the LoRA factors only"
+                if backend in MERGED_LINEAR_BACKENDS
+                else "vLLM serves an adapter's LoRA matrices only"
+            )
             raise QerlError(
-                f"rollout.linear_backend={self.rollout.linear_backend} merges the LoRA factors only, so "
-                "trained norms would stay stale in vLLM: set lora.train_norms=false or "
-                "rollout.linear_backend=fp8"
+                f"lora.train_norms=true with rollout.engine=vllm: {serves}, so the trained norms would stay "
+                "stale in the rollouts: set lora.train_norms=false, or sample on the trainer's own layers "
+                f"with {self.rollout.hf_engine_settings()}"
             )
         share, fraction = self.rollout.gpu_memory_utilization, self.train.gpu_fraction
         if self.rollout.engine == "vllm" and share != "auto" and float(share) > fraction:

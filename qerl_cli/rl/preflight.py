@@ -32,7 +32,7 @@ from qerl_cli.rewards.grading import require_math_verify
 from qerl_cli.rewards.reward_fn import EXTRA_SIGNATURE, resolve_extra_reward
 from qerl_cli.rl.checkpoint import check_within_max_steps, checkpoint_step, find_last_checkpoint
 from qerl_cli.rl.run_folder import check_fresh_start, check_resume_target, run_entries
-from qerl_cli.rollout import vllm_nvfp4
+from qerl_cli.rollout import backends, vllm_nvfp4
 from qerl_cli.rollout.environment import installed_vllm_version
 from qerl_cli.rollout.vllm_setup import vllm_in_process
 from qerl_cli.torch_utils import cpu_seconds, estimated_duration, parameter_count, resolve_device
@@ -179,22 +179,34 @@ def engine(cfg: TrainConfig) -> Checked:
     if importlib.util.find_spec("vllm") is None:
         raise QerlError(
             f"rollout.engine=vllm needs vLLM, which is not installed: {install_hint('vllm')} (GPU "
-            "machines), or use the HF engine with --set rollout.engine=hf"
+            f"machines), or use the HF engine with {cfg.rollout.hf_engine_settings()}"
         )
 
     if not torch.cuda.is_available():
         raise QerlError(
             "rollout.engine=vllm needs a CUDA GPU and this machine has none: use the HF engine with "
-            "--set rollout.engine=hf"
+            f"{cfg.rollout.hf_engine_settings()}"
         )
     if cfg.rollout.linear_backend == vllm_nvfp4.BACKEND:  # its needs, before the trainer's model loads
-        reason = vllm_nvfp4.unavailable_reason(
+        fmt = declared_format(cfg)
+        env = backends.Environment(
+            gpu_name=None,
             capability=cuda_capability(torch.device("cuda")),
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            in_process=vllm_in_process(before_import=True),
+            humming_installed=False,
             vllm_version=installed_vllm_version(),
-            dtype=cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype),
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            engine_in_process=vllm_in_process(before_import=True),
+            rollout_dtype=cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype),
         )
+        # The base's format first (an MXFP4 base is refused as the engine would refuse it), where known;
+        # a base without FP4 weights keeps vLLM's default there, but the kernel's needs are still said.
+        if fmt is not None and fmt not in backends.NOT_FP4_FORMATS:
+            reason = backends.unavailable_reason(vllm_nvfp4.BACKEND, fmt, env)
+        else:
+            reason = vllm_nvfp4.unavailable_reason(
+                capability=env.capability, tensor_parallel_size=env.tensor_parallel_size,
+                in_process=env.engine_in_process, vllm_version=env.vllm_version, dtype=env.rollout_dtype,
+            )  # fmt: skip
         if reason is not None:
             raise QerlError(f"rollout.linear_backend={vllm_nvfp4.BACKEND}: {reason}")
     return Checked("rollout.engine", "vllm: installed, GPU visible")

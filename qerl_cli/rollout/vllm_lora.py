@@ -215,7 +215,7 @@ def check_mergeable_policy(peft_model: Any) -> None:
         raise QerlError(
             f"rollout.linear_backend=fp8-merged merges LoRA factors only, but the policy also trains "
             f"{extra[:3]}{' ...' if len(extra) > 3 else ''}: set lora.train_norms=false, or use "
-            "rollout.linear_backend=fp8 with rollout.engine=hf for trained norms"
+            "rollout.engine=hf (with rollout.linear_backend=auto) for trained norms"
         )
 
 
@@ -230,7 +230,7 @@ def saved_deltas(folder: Path) -> dict[str, LoraDelta]:
     if full:
         raise QerlError(
             f"the adapter in {folder} also trains full modules ({full}); "
-            "rollout.linear_backend=fp8-merged merges LoRA factors only: retrain with lora.train_norms=false "
-            "or use rollout.linear_backend=fp8"
+            "the merge serves LoRA factors only (as vLLM's LoRA does on every backend): retrain with "
+            "lora.train_norms=false, or use rollout.engine=hf"
         )
     return deltas_from_tensors(tensors, config)
