@@ -343,6 +343,7 @@ def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
     )
     monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "nvfp4")  # as an NVFP4 base
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--dry-run", "--set", "rollout.engine=vllm",
@@ -352,6 +353,10 @@ def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
         argv += ["--set", setting]
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and said in " ".join(err.split()), err
+    # A BF16 base keeps vLLM's default under the same recipe (one recipe serves both arms): not refused.
+    monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "bf16")
+    rc, _, err = run(capsys, *argv)
+    assert rc == 0, err
 
 
 def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(

@@ -198,15 +198,11 @@ def engine(cfg: TrainConfig) -> Checked:
             engine_in_process=vllm_in_process(before_import=True),
             rollout_dtype=cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype),
         )
-        # The base's format first (an MXFP4 base is refused as the engine would refuse it), where known;
-        # a base without FP4 weights keeps vLLM's default there, but the kernel's needs are still said.
-        if fmt is not None and fmt not in backends.NOT_FP4_FORMATS:
-            reason = backends.unavailable_reason(vllm_nvfp4.BACKEND, fmt, env)
-        else:
-            reason = vllm_nvfp4.unavailable_reason(
-                capability=env.capability, tensor_parallel_size=env.tensor_parallel_size,
-                in_process=env.engine_in_process, vllm_version=env.vllm_version, dtype=env.rollout_dtype,
-            )  # fmt: skip
+        # As the engine asks it for the base's format (an MXFP4 base refused); a base without FP4 weights
+        # keeps vLLM's default there (one recipe serves a BF16 arm too); an unknown one is asked as NVFP4.
+        reason = None if fmt in backends.NOT_FP4_FORMATS else backends.unavailable_reason(
+            vllm_nvfp4.BACKEND, fmt or "nvfp4", env
+        )  # fmt: skip
         if reason is not None:
             raise QerlError(f"rollout.linear_backend={vllm_nvfp4.BACKEND}: {reason}")
     return Checked("rollout.engine", "vllm: installed, GPU visible")
