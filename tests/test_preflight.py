@@ -23,6 +23,21 @@ def recipe(tmp_path: Path, model: Path | str, *lines: str) -> Path:
 
 
 @pytest.fixture
+def vllm_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in machine for the preflight: vLLM 'installed' and a Hopper GPU visible."""
+    import importlib.util
+
+    import qerl_cli.rl.preflight as preflight_mod
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
+
+
+@pytest.fixture
 def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks must answer before training (a model load) starts."""
     import qerl_cli.rl.trainer as trainer_mod
@@ -327,22 +342,15 @@ def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
     tmp_path: Path,
     tiny_model_dir: Path,
     no_training,
+    vllm_on_hopper,
     settings: list[str],
     env: dict[str, str],
     said: str,
 ) -> None:
     """qerl's kernel in vLLM needs one GPU and vLLM's engine in qerl's process: the dry run says so (on a
     stand-in Hopper GPU with vLLM 'installed'), not the engine after the trainer's model loaded."""
-    import importlib.util
-
     import qerl_cli.rl.preflight as preflight_mod
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
-    )
-    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
     monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "nvfp4")  # as an NVFP4 base
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -365,11 +373,11 @@ def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
     tmp_path: Path,
     tiny_model_dir: Path,
     no_training,
+    vllm_on_hopper,
 ) -> None:
     """docs/rollout.md: qerl-triton needs an NVFP4 base (not MXFP4), refused in the preflight. An MXFP4
     base passed --dry-run ("rollout.engine: vllm: installed, GPU visible") and was refused only when the
     engine was built, after the trainer's model had loaded."""
-    import importlib.util
     import json
     import shutil
 
@@ -380,12 +388,6 @@ def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     (base / "config.json").write_text(json.dumps(config))
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a)
-    )
-    monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
     monkeypatch.setattr(preflight_mod, "installed_vllm_version", lambda: (0, 26))
     argv = ["train", str(recipe(tmp_path, base)), "--set", "rollout.engine=vllm",
             "--set", "rollout.linear_backend=qerl-triton", "--set", "model.dtype=bfloat16",
