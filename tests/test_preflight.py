@@ -35,6 +35,7 @@ def vllm_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setattr(preflight_mod.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(preflight_mod, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(preflight_mod, "installed_vllm_version", lambda: (0, 26))
 
 
 @pytest.fixture
@@ -145,24 +146,32 @@ def test_vllm_missing_is_said_before_any_model_loads(
     assert "--set rollout.engine=hf" in err
 
 
-@pytest.mark.parametrize("backend", ["qerl-triton", "humming", "fp8", "merged"])
-def test_the_hf_remedy_for_a_missing_vllm_also_frees_a_vllm_only_backend(
+FREE_BACKEND = "--set rollout.engine=hf --set rollout.linear_backend=auto"
+HF_REMEDIES = [
+    *(((f"rollout.linear_backend={b}",), FREE_BACKEND) for b in ("qerl-triton", "humming", "fp8", "merged")),
+    (("rollout.tensor_parallel_size=2",), "--set rollout.engine=hf --set rollout.tensor_parallel_size=1"),
+]
+
+
+@pytest.mark.parametrize(("settings", "remedy"), HF_REMEDIES)
+def test_the_hf_remedy_for_a_missing_vllm_also_frees_a_vllm_only_setting(
     capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
     tiny_model_dir: Path,
     no_training,
     hide_packages,
-    backend: str,
+    settings: tuple[str, ...],
+    remedy: str,
 ) -> None:
-    """Without vLLM, `rollout.linear_backend=qerl-triton` was told to "use the HF engine with --set
-    rollout.engine=hf", which the recipe then refused (the backend "chooses vLLM kernels"): the remedy
-    must be one that runs."""
+    """Without vLLM, `rollout.linear_backend=qerl-triton` (or tensor parallelism) was told to "use the HF
+    engine with --set rollout.engine=hf", which the recipe then refused (the backend "chooses vLLM
+    kernels"; the hf engine runs on one GPU): the remedy must be one that runs."""
     hide_packages("vllm")
     argv = ["train", str(recipe(tmp_path, tiny_model_dir)), "--set", "data.dataset=synthetic-addition",
-            "--set", "rollout.engine=vllm", "--set", f"rollout.linear_backend={backend}"]  # fmt: skip
+            "--set", "rollout.engine=vllm", *(item for s in settings for item in ("--set", s))]  # fmt: skip
     rc, _, err = run(capsys, *argv, "--dry-run")
     said = " ".join(err.split())
-    assert rc == 2 and "--set rollout.engine=hf --set rollout.linear_backend=auto" in said, err
+    assert rc == 2 and remedy in said, err
     remedy = said.split("or use the HF engine with ", 1)[1].split()
     sets = [remedy[i + 1] for i, word in enumerate(remedy[:-1]) if word == "--set"]
     argv += [item for setting in sets for item in ("--set", setting)]
@@ -334,6 +343,7 @@ def test_a_dataset_file_without_records_is_refused_before_any_model_loads(
     [
         ([], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "qerl-triton: needs vLLM's engine in this process"),
         (["model.dtype=float16"], {}, "qerl-triton: computes in bfloat16, but the rollout dtype is float16"),
+        (["rollout.vllm_kwargs={pipeline_parallel_size: 2}"], {}, "start workers in other processes"),
     ],
 )
 def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
@@ -361,10 +371,12 @@ def test_qerl_triton_where_it_cannot_serve_is_refused_before_any_model_loads(
         argv += ["--set", setting]
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and said in " ".join(err.split()), err
-    # A BF16 base keeps vLLM's default under the same recipe (one recipe serves both arms): not refused.
-    monkeypatch.setattr(preflight_mod, "folder_format", lambda path: "bf16")
-    rc, _, err = run(capsys, *argv)
-    assert rc == 0, err
+    # A BF16 base keeps vLLM's default under the same recipe (one recipe serves both arms), and a base
+    # whose format is known only once loaded (a Hub id) is asked when the engine starts: not refused here.
+    for found in ("bf16", None):
+        monkeypatch.setattr(preflight_mod, "folder_format", lambda path, found=found: found)
+        rc, _, err = run(capsys, *argv)
+        assert rc == 0, err
 
 
 def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
@@ -388,7 +400,6 @@ def test_qerl_triton_on_an_mxfp4_base_is_refused_before_any_model_loads(
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     (base / "config.json").write_text(json.dumps(config))
-    monkeypatch.setattr(preflight_mod, "installed_vllm_version", lambda: (0, 26))
     argv = ["train", str(recipe(tmp_path, base)), "--set", "rollout.engine=vllm",
             "--set", "rollout.linear_backend=qerl-triton", "--set", "model.dtype=bfloat16",
             "--set", "data.dataset=synthetic-addition"]  # fmt: skip

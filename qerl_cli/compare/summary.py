@@ -25,7 +25,8 @@
 - base: the format of the arm's base and how it was quantized (AWQ or RTN), in every report.
 - logprob gap: the mean |trainer - rollout| logprob of the trained tokens over every step of a run
   (``rollout_logprob_gap``, nats/token), averaged over the arm's seeds (± their sd): how far the
-  rollout kernels' numerics (Marlin, qerl-triton, an FP8 or BF16 merged copy) sit from the trainer's.
+  rollout kernels' numerics (Marlin, qerl-triton, an FP8 or BF16 merged copy) sit from the trainer's. On
+  AQN arms it includes the rollout's noise (the trainer runs without it).
 - vs the reference and verdict: each arm's held-out pass@1 minus the reference arm's, in points, with its
   95% interval, and the verdict at the margin (:mod:`~qerl_cli.compare.verdict` says how).
 """
@@ -281,7 +282,7 @@ def markdown(report: CompareReport) -> str:
         "the untrained base, the evaluation's own SE). Start reward and no-spread groups (all rewards of "
         "a prompt's group equal: no GRPO signal) over the first 10% of steps. Logprob gap: the mean "
         "|trainer - rollout| logprob of the trained tokens over every step (nats/token; the rollout "
-        "kernels' numerics against the trainer's). "
+        "kernels' numerics against the trainer's; on AQN arms the noise too). "
         f"4-bit bases made here: {_method_text(report.base_method)} unless the base column says otherwise. "
         f"Ran on: {', '.join(report.devices or ['unrecorded device'])}.",
         "",

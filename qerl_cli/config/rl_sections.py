@@ -87,10 +87,13 @@ class RolloutSection:
 
     def hf_engine_settings(self, where: str = "rollout") -> str:
         """The ``--set`` options that move this rollout to the hf engine: a backend only vLLM serves goes
-        back to auto too, which the hf engine takes (else the recipe would refuse the remedy)."""
+        back to auto, and tensor parallelism to one GPU, which the hf engine takes (else the recipe would
+        refuse the remedy)."""
         settings = f"--set {where}.engine=hf"
         if self.linear_backend in VLLM_ONLY_LINEAR_BACKENDS:
             settings += f" --set {where}.linear_backend=auto"
+        if self.tensor_parallel_size > 1:
+            settings += f" --set {where}.tensor_parallel_size=1"
         return settings
 
     def validate(self, where: str) -> None:

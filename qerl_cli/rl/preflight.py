@@ -199,12 +199,21 @@ def engine(cfg: TrainConfig) -> Checked:
             rollout_dtype=cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype),
         )
         # As the engine asks it for the base's format (an MXFP4 base refused); a base without FP4 weights
-        # keeps vLLM's default there (one recipe serves a BF16 arm too); an unknown one is asked as NVFP4.
-        reason = None if fmt in backends.NOT_FP4_FORMATS else backends.unavailable_reason(
-            vllm_nvfp4.BACKEND, fmt or "nvfp4", env
-        )  # fmt: skip
+        # keeps vLLM's default there, and one whose format is known only once loaded (a Hub id) is asked
+        # when the engine starts.
+        if fmt is None:
+            return Checked("rollout.engine", "vllm: installed, GPU visible (qerl-triton: checked when the "
+                           "engine starts, the base's format being known only once loaded)")  # fmt: skip
+        if fmt in backends.NOT_FP4_FORMATS:
+            return Checked("rollout.engine", f"vllm: installed, GPU visible (qerl-triton serves FP4 weights "
+                           f"only: this {fmt} base keeps vLLM's default)")  # fmt: skip
+        reason = backends.unavailable_reason(vllm_nvfp4.BACKEND, fmt, env)
         if reason is not None:
             raise QerlError(f"rollout.linear_backend={vllm_nvfp4.BACKEND}: {reason}")
+        # The recipe's vLLM arguments as the engine will pass them (they win over qerl's).
+        vllm_nvfp4.check_engine_arguments(
+            {"linear_backend": vllm_nvfp4.VLLM_BACKEND, "dtype": cfg.model.dtype, **cfg.rollout.vllm_kwargs}
+        )
     return Checked("rollout.engine", "vllm: installed, GPU visible")
 
 

@@ -66,8 +66,8 @@ def unavailable_reason(
         )
     if dtype not in ("bfloat16", torch.bfloat16):
         return (
-            f"computes in bfloat16, but the rollout dtype is {dtype}: set model.dtype=bfloat16 (and drop "
-            "rollout.vllm_kwargs.dtype), or use marlin"
+            f"computes in bfloat16, but the rollout dtype is {dtype}: set it to bfloat16 (model.dtype in a "
+            "train recipe, --dtype in qerl eval; drop any vllm_kwargs dtype), or use marlin"
         )
     if tensor_parallel_size > 1:
         return (
@@ -102,7 +102,9 @@ def check_engine_arguments(kwargs: dict[str, Any]) -> None:
         raise QerlError(f"rollout.linear_backend={BACKEND}: {reason}")
     others = {key: kwargs[key] for key in OTHER_PROCESS_KWARGS if int(kwargs.get(key) or 1) > 1}
     executor = kwargs.get("distributed_executor_backend")
-    if executor not in (None, "uni"):
+    # external_launcher (torchrun data parallelism) runs vLLM's worker in this rank's own process, which
+    # registers the kernel itself; a multiprocessing or Ray executor starts other processes.
+    if executor not in (None, "uni", "external_launcher"):
         others["distributed_executor_backend"] = executor
     if others:
         raise QerlError(
