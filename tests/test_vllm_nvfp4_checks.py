@@ -34,7 +34,7 @@ from qerl_cli.rollout.vllm_setup import vllm_in_process
             {"dtype": "float16"},
             r"rollout dtype is float16: set it to bfloat16 \(model\.dtype in a train recipe",
         ),
-        ({"dtype": torch.float32}, r"--dtype in qerl eval; drop any vllm_kwargs dtype\), or use marlin"),
+        ({"dtype": torch.float32}, r"--set dtype=bfloat16 in qerl eval; drop any vllm_kwargs dtype\)"),
         ({"tensor_parallel_size": 2}, r"needs rollout\.tensor_parallel_size=1 \(got 2\)"),
     ],
 )

@@ -67,7 +67,7 @@ def unavailable_reason(
     if dtype not in ("bfloat16", torch.bfloat16):
         return (
             f"computes in bfloat16, but the rollout dtype is {dtype}: set it to bfloat16 (model.dtype in a "
-            "train recipe, --dtype in qerl eval; drop any vllm_kwargs dtype), or use marlin"
+            "train recipe, --set dtype=bfloat16 in qerl eval; drop any vllm_kwargs dtype), or use marlin"
         )
     if tensor_parallel_size > 1:
         return (
