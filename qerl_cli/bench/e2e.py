@@ -70,7 +70,7 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import load_tokenizer
 from qerl_cli.rl import trainer as trainer_mod
 from qerl_cli.rl.tracking import step_other_s
-from qerl_cli.rollout import vllm_setup
+from qerl_cli.rollout import vllm_env
 from qerl_cli.torch_utils import GIB, free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ def _measure_isolated(
             )
         )
         env = dict(os.environ)
-        env.setdefault(vllm_setup.MULTIPROCESSING_ENV, vllm_setup.QERL_MULTIPROCESSING_DEFAULT)
+        env.setdefault(vllm_env.MULTIPROCESSING_ENV, vllm_env.QERL_MULTIPROCESSING_DEFAULT)
         proc = subprocess.run(
             [sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env, check=False
         )

@@ -41,7 +41,7 @@ from qerl_cli.bench.rollout import PromptMaker, RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import check_declared_format, load_base_model
 from qerl_cli.modeling.lora import attach_lora
-from qerl_cli.rollout import factory, vllm_setup
+from qerl_cli.rollout import factory, vllm_env
 from qerl_cli.rollout.vllm_setup import vllm_in_process
 from qerl_cli.torch_utils import free_accelerator_memory, resolve_device
 
@@ -231,7 +231,7 @@ def measure_case_isolated(case: Case) -> dict[str, Any]:
         spec.write_text(json.dumps(asdict(case)))
         env = dict(os.environ)
         # Memory figures via torch.cuda in the child.
-        env.setdefault(vllm_setup.MULTIPROCESSING_ENV, vllm_setup.QERL_MULTIPROCESSING_DEFAULT)
+        env.setdefault(vllm_env.MULTIPROCESSING_ENV, vllm_env.QERL_MULTIPROCESSING_DEFAULT)
         proc = subprocess.run(
             [sys.executable, "-m", "qerl_cli.bench.worker", str(spec), str(out)], env=env, check=False
         )

@@ -189,14 +189,15 @@ def engine(cfg: TrainConfig) -> Checked:
         )
     if cfg.rollout.linear_backend == vllm_nvfp4.BACKEND:  # its needs, before the trainer's model loads
         fmt = declared_format(cfg)
-        env = backends.Environment(
+        dtype = cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype)  # the recipe's vLLM arguments win
+        env = backends.Environment(  # the GPU's capability alone: the choice's other inputs do not apply
             gpu_name=None,
             capability=cuda_capability(torch.device("cuda")),
             humming_installed=False,
             vllm_version=installed_vllm_version(),
             tensor_parallel_size=cfg.rollout.tensor_parallel_size,
             engine_in_process=vllm_in_process(before_import=True),
-            rollout_dtype=cfg.rollout.vllm_kwargs.get("dtype", cfg.model.dtype),
+            rollout_dtype=dtype,
         )
         # As the engine asks it for the base's format (an MXFP4 base refused); a base without FP4 weights
         # keeps vLLM's default there, and one whose format is known only once loaded (a Hub id) is asked
@@ -212,7 +213,7 @@ def engine(cfg: TrainConfig) -> Checked:
             raise QerlError(f"rollout.linear_backend={vllm_nvfp4.BACKEND}: {reason}")
         # The recipe's vLLM arguments as the engine will pass them (they win over qerl's).
         vllm_nvfp4.check_engine_arguments(
-            {"linear_backend": vllm_nvfp4.VLLM_BACKEND, "dtype": cfg.model.dtype, **cfg.rollout.vllm_kwargs}
+            {"linear_backend": vllm_nvfp4.VLLM_BACKEND, **cfg.rollout.vllm_kwargs, "dtype": dtype}
         )
     return Checked("rollout.engine", "vllm: installed, GPU visible")
 

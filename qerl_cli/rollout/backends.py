@@ -57,6 +57,7 @@ from qerl_cli.rollout.crossover_table import load_table as load_table
 from qerl_cli.rollout.crossover_table import merge_tables as merge_tables
 from qerl_cli.rollout.crossover_table import pick_entry as pick_entry
 from qerl_cli.rollout.crossover_table import table_key as table_key
+from qerl_cli.rollout.vllm_env import vllm_too_old
 from qerl_cli.torch_utils import GIB
 
 log = logging.getLogger(__name__)
@@ -177,10 +178,9 @@ def unavailable_reason(backend: str, fmt: str, env: Environment) -> str | None:
     if backend == "humming":
         if not env.humming_installed:
             return f"needs the humming-kernels package: {install_hint('humming')}"
-        if env.vllm_version is not None and env.vllm_version < HUMMING_VLLM:
-            have, need = ".".join(map(str, env.vllm_version)), ".".join(map(str, HUMMING_VLLM))
-            return (f"needs vLLM {need}+ (linear_backend='humming'); this is vLLM {have}: "
-                    f'pip install -U "vllm>={need}"')  # fmt: skip
+        too_old = vllm_too_old(env.vllm_version, HUMMING_VLLM, "linear_backend='humming'")
+        if too_old is not None:
+            return too_old
     if backend == vllm_nvfp4.BACKEND:
         return vllm_nvfp4.unavailable_reason(
             capability=env.capability, tensor_parallel_size=env.tensor_parallel_size,

@@ -34,6 +34,8 @@ import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.kernels.nvfp4_gemm import BLOCK, WEIGHT_EXPONENT, launch_gemm, make_device_tables, split_halves
+from qerl_cli.rollout.lora_kernel_configs import BATCH_INVARIANT_ENV
+from qerl_cli.rollout.vllm_env import MULTIPROCESSING_ENV, QERL_MULTIPROCESSING_DEFAULT, vllm_too_old
 
 BACKEND = "qerl-triton"  # qerl's rollout.linear_backend value
 VLLM_BACKEND = "triton"  # vLLM's linear_backend name it is registered under
@@ -58,12 +60,9 @@ def unavailable_reason(
             f"runs on Hopper GPUs only (compute capability {HOPPER}.x: its tiles fill a Hopper CTA's shared "
             f"memory, and no other GPU was tested); this GPU is sm{capability[0]}{capability[1]}: use marlin"
         )
-    if vllm_version is not None and vllm_version < MIN_VLLM:
-        have, need = ".".join(map(str, vllm_version)), ".".join(map(str, MIN_VLLM))
-        return (
-            f"needs vLLM {need}+ (its NVFP4 kernel registry); this is vLLM {have}: "
-            f'pip install -U "vllm>={need}"'
-        )
+    too_old = vllm_too_old(vllm_version, MIN_VLLM, "its NVFP4 kernel registry")
+    if too_old is not None:
+        return too_old
     if dtype not in ("bfloat16", torch.bfloat16):
         return (
             f"computes in bfloat16, but the rollout dtype is {dtype}: set it to bfloat16 (model.dtype in a "
@@ -75,14 +74,16 @@ def unavailable_reason(
             "with vLLM in this process, which tensor-parallel workers do not share; use marlin"
         )
     if not in_process:
-        value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        value = os.environ.get(MULTIPROCESSING_ENV)
         return (
-            f"needs vLLM's engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING={value} starts vLLM's "
-            "engine in another process, which does not see qerl's kernel; unset it (qerl's default is 0)"
+            f"needs vLLM's engine in this process: {MULTIPROCESSING_ENV}={value} starts vLLM's engine in "
+            f"another process, which does not see qerl's kernel; unset it (qerl's default is "
+            f"{QERL_MULTIPROCESSING_DEFAULT})"
         )
-    if os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"):
+    if os.environ.get(BATCH_INVARIANT_ENV, "0") not in ("", "0"):
         return (
-            "VLLM_BATCH_INVARIANT is set, which makes vLLM pick its own NVFP4 kernel: unset it, or use marlin"
+            f"{BATCH_INVARIANT_ENV} is set, which makes vLLM pick its own NVFP4 kernel: unset it, or use "
+            "marlin"
         )
     return None
 

@@ -19,6 +19,8 @@ from qerl_cli import formats
 from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.rollout import vllm_nvfp4
 from qerl_cli.rollout.lora_kernel_configs import use_tuned_lora_configs
+from qerl_cli.rollout.vllm_env import MULTIPROCESSING_ENV, QERL_MULTIPROCESSING_DEFAULT
+from qerl_cli.rollout.vllm_env import vllm_in_process as vllm_in_process  # callers import it from here
 
 # vLLM's LoRAConfig only accepts these ranks; a recipe's value is rounded up to the next one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -125,19 +127,6 @@ def check_gpu_supports(fmt: CheckpointFormat) -> None:
             f"{need[0]}.{need[1]}+ for vLLM's {kernel}; this GPU is sm{capability[0]}{capability[1]}. "
             "Quantize to NF4 (sm70+), use the BF16 model, or use rollout.engine=hf"
         )
-
-
-MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-# What qerl sets before it imports vLLM (:func:`_import_vllm`) unless the environment says otherwise.
-QERL_MULTIPROCESSING_DEFAULT = "0"
-
-
-def vllm_in_process(*, before_import: bool = False) -> bool:
-    """Whether a ``vllm.LLM`` built now keeps its engine core (its model and memory) in this process.
-    ``before_import``: asked before qerl's first engine, whose import sets qerl's default where the
-    environment names none (vLLM's own default, unset, is another process)."""
-    default = QERL_MULTIPROCESSING_DEFAULT if before_import else "1"
-    return os.environ.get(MULTIPROCESSING_ENV, default) == "0"
 
 
 def _import_vllm() -> SimpleNamespace:
