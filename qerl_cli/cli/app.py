@@ -7,7 +7,6 @@ import dataclasses
 import inspect
 import os
 import re
-import shlex
 import sys
 from collections.abc import Callable
 from importlib import metadata
@@ -25,7 +24,7 @@ from typer.core import TyperCommand, TyperGroup
 from qerl_cli import __version__
 from qerl_cli.config import dump_yaml, read_yaml, shipped_recipe_named
 from qerl_cli.config.keydocs import field_help
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, qerl_command
 
 
 class _ReadableHelp:
@@ -204,7 +203,7 @@ def command_line() -> str:
     """The command as typed (``qerl bench rollout --batch 2,8``), for the reports that record it."""
 
     argv = _state["argv"] if _state["argv"] is not None else sys.argv[1:]
-    return shlex.join(["qerl", *argv])
+    return qerl_command(*argv)
 
 
 def set_option(example: str) -> Any:

@@ -100,10 +100,9 @@ def adapter_base(cfg: EvalConfig) -> str:
     recorded = base_model(cfg.adapter) if cfg.adapter and cfg.model else None
     if recorded is None:
         return ""
-    trained, model = Path(recorded).expanduser(), Path(cfg.model).expanduser()
-    if not (trained.is_dir() and model.is_dir()):  # a hub id, an alias, or a path of another folder's
-        return ""
-    if trained.resolve() == model.resolve():
+    if not (Path(recorded).expanduser().is_dir() and Path(cfg.model).expanduser().is_dir()):
+        return ""  # a hub id, an alias, or a path of another machine's folder
+    if _same_model(cfg.model, recorded):
         return f", trained on {cfg.model}"
     log.warning(
         "the adapter %s was trained on %s and this evaluation loads %s: its figures are of another base than "

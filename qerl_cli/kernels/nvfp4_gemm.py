@@ -319,6 +319,9 @@ def split_k_for(config: TileConfig, m: int, n: int, k: int, device: torch.device
 
 
 _LOCKS: dict[torch.device, list[torch.Tensor]] = {}
+# Counters a set holds at least: more than a K split ever asks on these GPUs (it splits only while the
+# tiles are fewer than programs_per_sm x the SMs), so one set serves every call.
+MIN_LOCKS = 4096
 
 
 def _locks(device: torch.device, tiles: int) -> torch.Tensor:
@@ -327,7 +330,7 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
     freed: a CUDA graph captured with it still points at it."""
     held = _LOCKS.setdefault(device, [])
     if not held or held[-1].numel() < tiles:
-        held.append(torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device))
+        held.append(torch.zeros(max(tiles, MIN_LOCKS), dtype=torch.int32, device=device))
     return held[-1]
 
 
@@ -336,7 +339,7 @@ def make_device_tables(device: torch.device) -> None:
     made first inside a CUDA graph capture they would live in the graph's private memory."""
     _code_scales(device)
     if device.type == "cuda":
-        _locks(device, 4096)
+        _locks(device, MIN_LOCKS)
 
 
 def lora_shrink(x: torch.Tensor, lora: LoraWeights) -> tuple[torch.Tensor, int]:

@@ -175,7 +175,6 @@ def prepare_layer(layer: torch.nn.Module) -> None:
     layer.weight_scale = keep(scale.contiguous(), requires_grad=False)
     out_scale = accumulator_scale(layer.weight_global_scale.data)
     layer.qerl_accumulator_scale = keep(out_scale, requires_grad=False)
-    make_device_tables(packed.device)  # made already by prepare_engine (then a no-op): never in a capture
 
 
 # The kernel as a torch custom op, defined once at import: torch.compile (vLLM's) traces the model
