@@ -55,6 +55,7 @@ def prepare_bases(
     folder = resolve_model_source(source)
     own = detect_format(read_config(Path(folder)))
     bases: dict[str, str] = {}
+    checked: set[Path] = set()
     for arm, overrides in arms.items():
         if "model.path" in overrides:
             continue
@@ -66,8 +67,10 @@ def prepare_bases(
                             own)  # fmt: skip
         else:  # made from the BF16 recipe model (_arm_base refused it from a 4-bit one)
             init = _lora_init_of(arms, choice, method)
-            check_made_base(_base_folder(out, choice, init), folder, choice, init, probe.lora.rank, out,
-                            _arms_on(arms, choice, method))  # fmt: skip
+            if (target := _base_folder(out, choice, init)) not in checked:  # once per base, not per arm
+                checked.add(target)
+                on = _arms_on(arms, choice, method)
+                check_made_base(target, folder, choice, init, probe.lora.rank, out, on)
             base = _quantized_base(folder, out, choice, probe.train.device, init, probe.lora.rank)
             made_with = choice.method
         if choice.dequantized:
@@ -95,6 +98,7 @@ def check_base_formats(
     folder = Path(source).expanduser()
     own = detect_format(read_config(folder)) if (folder / "config.json").is_file() else "bf16"
     plan = {}
+    checked: set[Path] = set()
     for arm, overrides in arms.items():
         if "model.path" in overrides:
             base_choice(overrides, method, where=f"arm {arm}")  # its base settings are still read
@@ -104,8 +108,10 @@ def check_base_formats(
         made = choice.format not in ("auto", own)
         if made and out is not None:
             init = _lora_init_of(arms, choice, method)
-            check_made_base(_base_folder(out, choice, init), _source_folder(source), choice, init,
-                            conf.lora.rank, out, _arms_on(arms, choice, method))  # fmt: skip
+            if (target := _base_folder(out, choice, init)) not in checked:  # once per base, not per arm
+                checked.add(target)
+                check_made_base(target, _source_folder(source), choice, init, conf.lora.rank, out,
+                                _arms_on(arms, choice, method))  # fmt: skip
         plan[arm] = f"{choice.label()}, made once from model.path" if made else "the recipe's model"
         if choice.dequantized:
             plan[arm] = f"a dense BF16 copy of {plan[arm]}"
