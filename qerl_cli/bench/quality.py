@@ -19,41 +19,34 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import QualitySettings, parse_row, report_settings
 from qerl_cli.config import QuantizeConfig
 from qerl_cli.files import atomic_write_text
-from qerl_cli.modeling.loading import load_pretrained_lm
-from qerl_cli.modeling.shapes import marlin_refusals, module_shapes
 from qerl_cli.modeling.sources import resolve_model_source
 from qerl_cli.quantize import run_quantize
 from qerl_cli.quantize.native import write_rtn_checkpoint
 from qerl_cli.quantize.quality import Candidate, measure_quality
-from qerl_cli.quantize.report import error_summary, weight_errors
-from qerl_cli.quantize.validate import quantized_linear_names
+from qerl_cli.quantize.report import QuantizeResult, read_report
 
 SCHEMA = "qerl-bench-quality/1"
 REPORT_NAME = "quality.json"
 
 
 def _native_rtn(bf16: str, target: Path, fmt: str) -> dict[str, Any]:
-    """An RTN base by qerl's own writer, with the figures ``qerl quantize`` would report."""
+    """An RTN base by qerl's own writer, with the figures its ``qerl_quant.json`` records."""
     shutil.rmtree(target, ignore_errors=True)
     write_rtn_checkpoint(bf16, target, fmt)
-    model = load_pretrained_lm(bf16, dtype=torch.bfloat16)  # the reference weights: safetensors only
-    names = quantized_linear_names(model, [])
-    reference = {n: m.weight.detach().clone() for n, m in model.named_modules() if n in set(names)}
-    refused = marlin_refusals(module_shapes(model, names)) if fmt != "nf4" else []
-    del model
-    summary = error_summary(weight_errors(target, fmt, reference))
+    return {"via": "qerl's own RTN writer (llm-compressor not installed)", **_figures(read_report(target))}
+
+
+def _figures(result: QuantizeResult) -> dict[str, Any]:
+    """The row's weight figures from a base's report (both routes write one)."""
     return {
-        "via": "qerl's own RTN writer (llm-compressor not installed)",
-        "mean_layer_error": summary["mean"],
-        "max_layer_error": summary["max"],
-        "vllm_marlin_refused": len(refused),
+        "mean_layer_error": result.weight_error.mean,
+        "max_layer_error": result.weight_error.max,
+        "vllm_marlin_refused": len(result.vllm_marlin.refused_layers),
     }
 
 
@@ -81,12 +74,7 @@ def make_base(row: str, settings: QualitySettings, bf16: str, target: Path) -> d
                 device=settings.device,
             )
         )
-        record = {
-            "via": f"qerl quantize --method {method}",
-            "mean_layer_error": result.weight_error.mean,
-            "max_layer_error": result.weight_error.max,
-            "vllm_marlin_refused": len(result.vllm_marlin.refused_layers),
-        }
+        record = {"via": f"qerl quantize --method {method}", **_figures(result)}
     return {"row": row, "folder": str(target), **record, "seconds": time.perf_counter() - started}
 
 
