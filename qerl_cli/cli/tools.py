@@ -194,5 +194,7 @@ def _candidate_what(candidate: Any) -> str:
     """How the model checks name a candidate: their messages put the path after it, so the label taken
     from the path by default would read twice ("candidate pkl pkl holds ..."); only a label the user
     gave, other than the path's own name, is named beside the path."""
-    derived = candidate.path.rstrip("/").rsplit("/", 1)[-1]
+    from qerl_cli.quantize.quality import default_label  # here: the CLI imports no torch up front
+
+    derived = default_label(candidate.path)
     return "candidate" if candidate.label in (derived, candidate.path) else f"candidate {candidate.label}"

@@ -32,10 +32,9 @@ from qerl_cli.config import RESOLVED_CONFIG_NAME
 from qerl_cli.errors import QerlError, closest, qerl_command
 from qerl_cli.files import file_given_for_folder
 from qerl_cli.modeling import adapter, run_layout, sources
-from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.modeling.sources import PICKLE_SUFFIXES, resolve_model_source
 
 ALLOW_PICKLE_ENV = "QERL_ALLOW_PICKLE"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUE = ("1", "true", "yes", "on")
 # A reachability probe, not a download: long enough for a slow link, far below the retries it replaces.

@@ -323,8 +323,10 @@ def content_named_folder(folder: Path) -> Path | None:
     return cache_root() / "gguf" / f"{folder.name}-{sha256[:12]}" / folder.name
 
 
-# The files that hold a model folder's weights (and the index naming them), by suffix.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+# Weight files of PyTorch's pickle formats, which qerl refuses to load (safetensors only).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# The files that hold a model folder's weights, by suffix.
+WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
 WEIGHT_SAMPLES, WEIGHT_SAMPLE_BYTES = 64, 4096  # reads per weight file for its fingerprint, and their size
 
 

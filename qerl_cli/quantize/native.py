@@ -84,9 +84,7 @@ def _rtn_result(
         ),
         weight_error=report.WeightError.measured("BF16 weight as rounded", errors),
         perplexity=None,
-        vllm_marlin=report.MarlinRefusals(
-            "vLLM on GPUs without native FP4 (compute capability < 10.0)", refused
-        ),
+        vllm_marlin=report.MarlinRefusals(report.MARLIN_APPLIES_TO, refused),
         device="cpu", peak_gpu_bytes=None,
         timings_s=report.QuantizeTimings(written - started, time.perf_counter() - written),
         elapsed_s=time.perf_counter() - started, source=report.source_record(folder),

@@ -66,7 +66,12 @@ def parse_candidate(text: str) -> Candidate:
         raise QerlError(
             f"candidate {text!r} has no model folder: give PATH, LABEL=PATH or LABEL=PATH+ADAPTER"
         )
-    return Candidate(label or path.rstrip("/").rsplit("/", 1)[-1], path, adapter or None)
+    return Candidate(label or default_label(path), path, adapter or None)
+
+
+def default_label(path: str) -> str:
+    """A candidate's label where none is given: its folder's own name."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def heldout_text(tokenizer: Any, rows: int, seq_len: int) -> list[list[int]]:

@@ -178,6 +178,9 @@ class Perplexity:
     quantized: float
 
 
+MARLIN_APPLIES_TO = "vLLM on GPUs without native FP4 (compute capability < 10.0)"
+
+
 @dataclass
 class MarlinRefusals:
     """Layers vLLM's Marlin FP4 kernels (GPUs without native FP4) refuse, named before any GPU run."""

@@ -144,7 +144,7 @@ def run_quantize(cfg: QuantizeConfig, log: Log | None = None) -> QuantizeResult:
             ),
             perplexity=perplexity,
             vllm_marlin=MarlinRefusals(
-                applies_to="vLLM on GPUs without native FP4 (compute capability < 10.0)",
+                applies_to=report.MARLIN_APPLIES_TO,
                 refused_layers=job.vllm_refused,
             ),
             device=str(device),
