@@ -87,18 +87,20 @@ def prepare_bases(
 def check_base_formats(
     data: dict[str, Any], arms: dict[str, dict[str, Any]], sets: list[str], method: str = DEFAULT_BASE_METHOD,
     out: Path | None = None,
-) -> dict[str, str]:  # fmt: skip
+) -> tuple[dict[str, str], bool]:  # fmt: skip
     """What :func:`prepare_bases` refuses, before any work and without loading or converting anything: an
     arm asking for a format the recipe's model folder is not, while that model is not BF16 (4-bit bases
     are made from a BF16 one), and a base made before under ``out/bases`` from another model or with other
     settings (:func:`~qerl_cli.compare.base_record.check_made_base`). A hub id, a GGUF file or an alias is
-    BF16 once converted. Returns what each arm will train on, in words (``--dry-run`` says it)."""
+    BF16 once converted. Returns what each arm will train on, in words (``--dry-run`` says it), and whether
+    any base is made from the recipe's model."""
     conf = from_dict(TrainConfig, apply_overrides(copy.deepcopy(data), list(sets), None))
     source = conf.model.path
     folder = Path(source).expanduser()
     own = detect_format(read_config(folder)) if (folder / "config.json").is_file() else "bf16"
     plan = {}
     checked: set[Path] = set()
+    any_made = False
     for arm, overrides in arms.items():
         if "model.path" in overrides:
             base_choice(overrides, method, where=f"arm {arm}")  # its base settings are still read
@@ -106,6 +108,7 @@ def check_base_formats(
             continue
         choice = _arm_base(arm, overrides, method, source, own)
         made = choice.format not in ("auto", own)
+        any_made = any_made or made
         if made and out is not None:
             init = _lora_init_of(arms, choice, method)
             if (target := _base_folder(out, choice, init)) not in checked:  # once per base, not per arm
@@ -115,7 +118,7 @@ def check_base_formats(
         plan[arm] = f"{choice.label()}, made once from model.path" if made else "the recipe's model"
         if choice.dequantized:
             plan[arm] = f"a dense BF16 copy of {plan[arm]}"
-    return plan
+    return plan, any_made
 
 
 def _arm_base(arm: str, overrides: dict[str, Any], method: str, source: str, own: str) -> BaseChoice:

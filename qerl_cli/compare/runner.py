@@ -234,9 +234,9 @@ def _input_checks(ablation: _Ablation) -> list[Checked]:
     checked.extend(dict.fromkeys(preflight.extra_rewards(conf) for conf in probes if conf.reward.extra))
     method = ablation.settings.base_method
     # A base made before from another model or with other settings is refused here, before any work.
-    trains_on = check_base_formats(ablation.data, ablation.arms, ablation.sets, method, out)
+    trains_on, any_made = check_base_formats(ablation.data, ablation.arms, ablation.sets, method, out)
     where = "; ".join(f"{arm}: {base}" for arm, base in trains_on.items())
-    made = f" (under {out / 'bases'}; compare.base_method={method})" if "made once" in where else ""
+    made = f" (under {out / 'bases'}; compare.base_method={method})" if any_made else ""
     checked.append(Checked("bases", where + made))
     return checked
 
