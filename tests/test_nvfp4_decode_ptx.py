@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qerl_cli.formats.fp4 import decode_packed
-from qerl_cli.kernels.nvfp4_gemm import SCALE_BIAS, WEIGHT_EXPONENT, code_scales
+from qerl_cli.kernels.nvfp4_gemm import SCALE_BIAS, WEIGHT_EXPONENT, block_scales, code_scales
 
 triton = pytest.importorskip("triton")
 
@@ -110,3 +110,13 @@ def test_scale_table_is_exact_in_bf16() -> None:
     assert int(finite.sum()) == 254  # all but the two NaN codes
     assert torch.equal(table[finite].to(torch.bfloat16).double(), table[finite].double())
     assert float(table[finite].abs().max()) < 2.0**128 and SCALE_BIAS + WEIGHT_EXPONENT == 126
+
+
+def test_block_scales_hold_every_finite_code_exactly_in_bf16() -> None:
+    """The kernel's per-weight BF16 scales (block_scales) are each E4M3 code's value x 2**SCALE_BIAS,
+    unrounded, in the scales' own [N, K/16] shape."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    got = block_scales(codes)
+    finite = torch.isfinite(codes.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (16, 16)
+    assert torch.equal(got.double()[finite], codes.double()[finite] * 2.0**SCALE_BIAS)

@@ -4,6 +4,8 @@ the compiled kernel at real shapes, and vLLM's Marlin NVFP4 kernel on the same w
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -232,6 +234,14 @@ def test_split_k_fills_the_sms_without_a_second_wave(monkeypatch) -> None:
             lambda w, x, b, lora: (Nvfp4Weight(w.packed, w.scale[:, :2], w.global_scale), x, b, lora),
             "weight_scale",
         ),
+        (  # the kernel's BF16 scales made from another weight, or left in float32
+            lambda w, x, b, lora: (replace(w, bf16_scales=w.kernel_scales()[:, :2]), x, b, lora),
+            "bf16_scales must be",
+        ),
+        (
+            lambda w, x, b, lora: (replace(w, bf16_scales=w.kernel_scales().float()), x, b, lora),
+            r"bf16_scales must be .* got torch\.float32",
+        ),
     ],
 )
 def test_bad_operands_name_what_is_wrong(change, message) -> None:
@@ -304,7 +314,7 @@ from qerl_cli.kernels import _triton_nvfp4_gemm as kernels
 
 def compile_ptx(bm, bn, bk, warps, stages, split, lora):
     signature = dict.fromkeys(("x_ptr", "bias_ptr", "lora_b_ptr", "y_ptr"), "*bf16")
-    signature |= {"packed_ptr": "*u8", "scale_ptr": "*u8", "table_ptr": "*fp32", "out_scale_ptr": "*fp32",
+    signature |= {"packed_ptr": "*u8", "scale_ptr": "*bf16", "out_scale_ptr": "*fp32",
                   "xa_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
     signature |= dict.fromkeys(("M", "N", "K", "KH", "stride_xm", "stride_ym"), "i32")
     constants = dict(BM=bm, BN=bn, BJ=bk // 2, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora),

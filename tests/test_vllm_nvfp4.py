@@ -18,7 +18,7 @@ import torch
 from test_nvfp4_gemm import assert_within_bf16, make_case
 
 from qerl_cli.errors import QerlError
-from qerl_cli.kernels.nvfp4_gemm import WEIGHT_EXPONENT, Nvfp4Weight, split_halves
+from qerl_cli.kernels.nvfp4_gemm import SCALE_BIAS, WEIGHT_EXPONENT, Nvfp4Weight, block_scales, split_halves
 from qerl_cli.rollout import vllm_nvfp4
 
 pytest.importorskip("triton")
@@ -77,8 +77,9 @@ def test_prepared_layer_takes_leading_dims_in_interpreter(interpreter: None) -> 
 
 def test_prepare_layer_relays_the_weight_and_adds_the_accumulator_scale() -> None:
     """The weight becomes the kernel's layout (the same bytes where K is a multiple of 32), the block
-    scales and vLLM's multiplier stay, and ``qerl_accumulator_scale`` is float32 ``[1]`` = 2**8 x the
-    multiplier; all Parameters without grad (vLLM's sleep mode offloads them with the weights)."""
+    scales their exact BF16 values, vLLM's multiplier stays, and ``qerl_accumulator_scale`` is float32
+    ``[1]`` = 2**8 x the multiplier; all Parameters without grad (vLLM's sleep mode offloads them with the
+    weights)."""
     weight, _, _, _ = make_case(72, 160, 1)
     layer = vllm_layer(weight)
     multiplier = layer.weight_global_scale.data.clone()
@@ -86,7 +87,11 @@ def test_prepare_layer_relays_the_weight_and_adds_the_accumulator_scale() -> Non
     assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == weight.packed.numel()
     assert torch.equal(layer.weight.data, split_halves(weight.packed))
     assert not torch.equal(layer.weight.data, weight.packed)  # re-laid-out, not kept
-    assert torch.equal(layer.weight_scale.data.view(torch.uint8), weight.scale.view(torch.uint8))
+    # the block scales as the kernel reads them: BF16 values, each E4M3 code's exactly (x 2**118)
+    assert layer.weight_scale.dtype == torch.bfloat16
+    assert torch.equal(layer.weight_scale.data, block_scales(weight.scale))
+    want = weight.scale.double() * 2.0**SCALE_BIAS
+    assert torch.equal(layer.weight_scale.data.double(), want)
     assert torch.equal(layer.weight_global_scale.data, multiplier)
     out_scale = layer.qerl_accumulator_scale
     assert out_scale.dtype == torch.float32 and out_scale.shape == (1,)

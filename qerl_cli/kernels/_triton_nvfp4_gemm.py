@@ -16,8 +16,9 @@ import triton.language as tl
 # 10.5: BF16 holds every such product); the global scale (x 2**8) multiplies the float32 accumulator in
 # the epilogue. The decode places each 4-bit code in a BF16's sign, two low exponent bits and top
 # mantissa bit: E2M1's exponent bias is 1 and BF16's 127, so the BF16 reads the E2M1 value x 2**-126
-# (code 1, 0.5, as the BF16 subnormal 2**-127); the scale table holds E4M3 x 2**118, so one BF16 multiply
-# gives E2M1 x scale x 2**-8 (nvfp4_gemm.SCALE_BIAS and WEIGHT_EXPONENT). No float32 round trip.
+# (code 1, 0.5, as the BF16 subnormal 2**-127); each block's BF16 scale holds E4M3 x 2**118
+# (nvfp4_gemm.block_scales), so one BF16 multiply gives E2M1 x scale x 2**-8 (nvfp4_gemm.SCALE_BIAS and
+# WEIGHT_EXPONENT). No float32 round trip.
 
 
 # Two packed bytes in ($2, as loaded: a thread holds two adjacent bytes of a row), out the BF16 weights
@@ -62,7 +63,7 @@ def _decode_f32(byte, low_scale, high_scale):
 
 
 @triton.jit
-def _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
+def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
                    BJ: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     # The weight tiles W[offs_n, j0:j0+BJ] (low nibbles) and W[offs_n, KH+j0:KH+j0+BJ] (high nibbles)
     # of the half-split layout (nvfp4_gemm.split_halves), each x 2**-8 (the epilogue undoes it). Bytes
@@ -73,20 +74,21 @@ def _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, 
     byte_offs = offs_n[:, None, None] * KH + blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     low_offs = offs_n[:, None] * (K // 16) + blocks[None, :]
     high_offs = low_offs + KH // 16
+    # Each block's scale is read as its BF16 value x 2**118 (nvfp4_gemm.block_scales, made once per
+    # weight): a plain load the pipeliner issues stages ahead, where a per-step lookup of the E4M3 code in
+    # a table waited on the code's load before every K step (1.15x the layer's time at 8 tokens, 1.31x at
+    # 32 on an H200: benchmarks/h200-2026-11-29-nvfp4-bf16-scales).
     if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
         byte = tl.load(packed_ptr + byte_offs)
-        low_code = tl.load(scale_ptr + low_offs)
-        high_code = tl.load(scale_ptr + high_offs)
+        low_scale = tl.load(scale_ptr + low_offs)
+        high_scale = tl.load(scale_ptr + high_offs)
     else:
         mask = n_mask[:, None] & (blocks[None, :] < KH // 16)
         byte = tl.load(packed_ptr + byte_offs, mask=mask[:, :, None], other=0)
-        low_code = tl.load(scale_ptr + low_offs, mask=mask & (blocks[None, :] < K // 16), other=0)
-        high_code = tl.load(
-            scale_ptr + high_offs, mask=mask & (blocks[None, :] + KH // 16 < K // 16), other=0
+        low_scale = tl.load(scale_ptr + low_offs, mask=mask & (blocks[None, :] < K // 16), other=0.0)
+        high_scale = tl.load(
+            scale_ptr + high_offs, mask=mask & (blocks[None, :] + KH // 16 < K // 16), other=0.0
         )
-    # Each block's BF16 scale x 2**118, looked up by its E4M3 code (nvfp4_gemm.code_scales).
-    low_scale = tl.load(table_ptr + low_code.to(tl.int32)).to(tl.bfloat16)
-    high_scale = tl.load(table_ptr + high_code.to(tl.int32)).to(tl.bfloat16)
     low_scale = tl.broadcast_to(low_scale[:, :, None], (BN, BJ // 16, 16))
     high_scale = tl.broadcast_to(high_scale[:, :, None], (BN, BJ // 16, 16))
     if F32_DOT:
@@ -128,8 +130,7 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, out_scale_ptr, bias_ptr, x
 
 @triton.jit
 def nvfp4_gemm_kernel(
-    x_ptr, packed_ptr, scale_ptr, table_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr,
-    lock_ptr,
+    x_ptr, packed_ptr, scale_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, KH, stride_xm, stride_ym, lora_scaling,
     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
@@ -153,8 +154,8 @@ def nvfp4_gemm_kernel(
     offs_j = tl.arange(0, BJ)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_begin, j_end, BJ):
-        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, table_ptr, offs_n, n_mask, j0, KH, K, BN, BJ,
-                                       EVEN, F32_DOT)  # fmt: skip
+        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN, BJ, EVEN,
+                                       F32_DOT)  # fmt: skip
         ks = j0 + offs_j
         x_offs = offs_m[None, :] * stride_xm + ks[:, None]
         if EVEN:

@@ -12,7 +12,9 @@ rounded: the result is within one BF16 rounding per weight of the format's own
 and closer to the checkpoint's exact values. The kernel reads the packed
 weight in a layout of its own (:func:`split_halves`, made once per weight: the low nibbles hold the first
 half of K, the high ones the second), so each K step is two plain dequantized tiles, each multiplied by
-its half of ``x``, and no tile is re-laid-out between its load and the MMA.
+its half of ``x``, and no tile is re-laid-out between its load and the MMA; and the block scales as BF16
+values (:func:`block_scales`, made once per weight: 2 bytes a block of 16 weights where the E4M3 code is 1,
+so the kernel reads 0.625 bytes a weight, not the format's 0.5625), loaded straight into the decode.
 
 The LoRA runs as two kernels: a small one computes ``x @ A^T`` once (float32, split over K so a few rows
 still fill the GPU), and the GEMM's epilogue adds ``s * xa @ B^T`` to its float32 accumulator, so no
@@ -139,17 +141,21 @@ class LoraWeights:
 
 
 def code_scales(device: torch.device | str) -> torch.Tensor:
-    """float32 ``[256]``: every E4M3 scale code's value x 2**SCALE_BIAS, looked up by the kernel per
-    block and rounded there to BF16 exactly (E4M3's 4 significant bits in BF16's 8, 2**109 to 448 x
-    2**118 in its range). float32, not BF16: Triton then loads the looked-up values straight in the
-    decode's register layout (a BF16 table cost a shared-memory layout conversion per K step on sm_90)."""
+    """float32 ``[256]``: every E4M3 scale code's value x 2**SCALE_BIAS, each exact in BF16 (E4M3's 4
+    significant bits in BF16's 8, 2**109 to 448 x 2**118 in its range; the two NaN codes NaN)."""
     codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn)
     return codes.float() * 2.0**SCALE_BIAS
 
 
-@cache
-def _code_scales(device: torch.device) -> torch.Tensor:
-    return code_scales(device)  # one table per device (CUDA graphs keep pointing at it)
+def block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """BF16 ``[N, K/16]``: the kernel's block scales, each E4M3 ``scale`` code's :func:`code_scales`
+    value (exact). Made once per weight: the kernel loads them directly, which Triton's pipeliner issues
+    stages ahead, where looking each code up in a table inside the K loop made every step wait on the
+    code's load first (the layer 1.15x slower at 8 tokens, 1.31x at 32 on an H200:
+    benchmarks/h200-2026-11-29-nvfp4-bf16-scales). BF16, not float32: half the bytes, and as fast or
+    faster at every row count measured but 256 tokens of the widest linear."""
+    table = code_scales(scale.device)
+    return table[scale.contiguous().view(torch.uint8).int()].to(torch.bfloat16)
 
 
 def output_scale(global_scale: torch.Tensor) -> torch.Tensor:
@@ -177,20 +183,23 @@ def split_halves(packed: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Nvfp4Weight:
     """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``out_scale`` is
-    :func:`output_scale` of its global scale and ``halves`` :func:`split_halves` of ``packed``, each
-    computed once (None: on every call)."""
+    :func:`output_scale` of its global scale, ``halves`` :func:`split_halves` of ``packed`` and
+    ``bf16_scales`` :func:`block_scales` of ``scale``, each computed once (None: on every call)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
     out_scale: torch.Tensor | None = None
     halves: torch.Tensor | None = None
+    bf16_scales: torch.Tensor | None = None
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> Nvfp4Weight:
         global_scale, packed = buffers["weight_global_scale"], buffers["weight_packed"]
         scale = buffers["weight_scale"]
-        return cls(packed, scale, global_scale, output_scale(global_scale), split_halves(packed))
+        return cls(
+            packed, scale, global_scale, output_scale(global_scale), split_halves(packed), block_scales(scale)
+        )
 
     def kernel_out_scale(self) -> torch.Tensor:
         return self.out_scale if self.out_scale is not None else output_scale(self.global_scale)
@@ -198,10 +207,13 @@ class Nvfp4Weight:
     def kernel_halves(self) -> torch.Tensor:
         return self.halves if self.halves is not None else split_halves(self.packed)
 
+    def kernel_scales(self) -> torch.Tensor:
+        return self.bf16_scales if self.bf16_scales is not None else block_scales(self.scale)
+
     def clone(self) -> Nvfp4Weight:
         """A copy in new memory, the derived tables included (the bench reads distinct copies)."""
-        return Nvfp4Weight(*(t.clone() if t is not None else None for t in (
-            self.packed, self.scale, self.global_scale, self.out_scale, self.halves)))  # fmt: skip
+        tensors = (self.packed, self.scale, self.global_scale, self.out_scale, self.halves, self.bf16_scales)
+        return Nvfp4Weight(*(t.clone() if t is not None else None for t in tensors))
 
     @property
     def out_features(self) -> int:
@@ -263,6 +275,14 @@ def check_operands(
         raise ValueError(
             f"expected weight_packed uint8 [N, K/2] and weight_scale float8_e4m3fn [N, K/{BLOCK}]; got "
             f"{weight.packed.dtype} {tuple(weight.packed.shape)} and {scale.dtype} {tuple(scale.shape)}"
+        )
+    kernel_scales = weight.bf16_scales
+    if kernel_scales is not None and (
+        kernel_scales.dtype != torch.bfloat16 or kernel_scales.shape != scale.shape
+    ):
+        raise ValueError(
+            f"bf16_scales must be block_scales(weight_scale), BF16 {tuple(scale.shape)}; got "
+            f"{kernel_scales.dtype} {tuple(kernel_scales.shape)}"
         )
     if weight.global_scale.numel() != 1:
         raise ValueError(
@@ -335,9 +355,8 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def make_device_tables(device: torch.device) -> None:
-    """Make the per-device tables every call reads (the scale codes' values, the split-K counters) now:
-    made first inside a CUDA graph capture they would live in the graph's private memory."""
-    _code_scales(device)
+    """Make the per-device table calls with a K split read (the split-K counters) now: made first
+    inside a CUDA graph capture it would live in the graph's private memory."""
     if device.type == "cuda":
         _locks(device, MIN_LOCKS)
 
@@ -375,7 +394,7 @@ def triton_nvfp4_linear(
         # The projection multiplies x by A on the tensor cores, both BF16 (as vLLM keeps its adapters).
         raise ValueError(f"the fused LoRA takes a BF16 A, got {lora.a.dtype}; cast the adapter to BF16")
     return launch_gemm(
-        x, weight.kernel_halves(), weight.scale, weight.kernel_out_scale(), weight.out_features,
+        x, weight.kernel_halves(), weight.kernel_scales(), weight.kernel_out_scale(), weight.out_features,
         weight.in_features, bias, lora, config,
     )  # fmt: skip
 
@@ -383,7 +402,7 @@ def triton_nvfp4_linear(
 def launch_gemm(
     x: torch.Tensor,
     halves: torch.Tensor,
-    scale: torch.Tensor,
+    bf16_scales: torch.Tensor,
     out_scale: torch.Tensor,
     n: int,
     k: int,
@@ -392,7 +411,7 @@ def launch_gemm(
     config: TileConfig | None = None,
 ) -> torch.Tensor:
     """The GEMM on a weight already in the kernel's layout (:func:`split_halves` of ``n`` x ``k``
-    weights, ``scale`` the E4M3 block scales, ``out_scale`` :func:`output_scale`), operands unchecked:
+    weights, ``bf16_scales`` :func:`block_scales`, ``out_scale`` :func:`output_scale`), operands unchecked:
     :func:`triton_nvfp4_linear` checks them first, vLLM's layers (``qerl_cli.rollout.vllm_nvfp4``)
     once at load. Nothing here syncs with the host, so vLLM captures it in CUDA graphs."""
     lead = x.shape[:-1]
@@ -417,8 +436,7 @@ def launch_gemm(
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, halves, scale.contiguous().view(torch.uint8), _code_scales(x.device),
-        out_scale, bias if bias is not None else y, xa, lora_b, y, ws, locks,
+        x2, halves, bf16_scales, out_scale, bias if bias is not None else y, xa, lora_b, y, ws, locks,
         m, n, k, kh, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,

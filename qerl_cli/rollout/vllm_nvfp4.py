@@ -13,15 +13,16 @@ must be 0.26+ (its kernel registry): :func:`unavailable_reason` says so before v
 processes or another kernel under this name. After the start :func:`check_engine` counts the NVFP4 layers
 served by qerl's kernel.
 
-At load (:func:`prepare_layer`) the checkpoint's packed codes are re-laid-out once into the kernel's
-layout (:func:`~qerl_cli.kernels.nvfp4_gemm.split_halves`, the same bytes, replacing vLLM's copy), the
-E4M3 block scales kept, and vLLM's global multiplier (the inverse of the checkpoint's divisor, as Marlin
-reads it) turned into the kernel's accumulator multiplier. Each call is one torch custom op, opaque to
-torch.compile; it never syncs with the host, so vLLM captures it in its CUDA graphs. The re-laid-out
-weights are made during vLLM's weight loading, so sleep mode offloads and restores them with the other
-weights; the kernel's small per-device tables are made before vLLM starts, outside its sleep-mode memory
-pool (they outlive the engine). vLLM's own LoRA kernels add the adapter around the op (the kernel's fused
-adapter is not used here), so the in-place adapter sync and AQN's norm noise work as on Marlin.
+At load (:func:`prepare_layer`) the checkpoint's packed codes are re-laid-out once into the kernel's layout
+(:func:`~qerl_cli.kernels.nvfp4_gemm.split_halves`, the same bytes, replacing vLLM's copy), the E4M3 block
+scales replaced by their BF16 values (:func:`~qerl_cli.kernels.nvfp4_gemm.block_scales`, exact, one more byte
+a block of 16 weights: ~0.44 GB more on a 7B), and vLLM's global multiplier (the inverse of the checkpoint's
+divisor, as Marlin reads it) turned into the kernel's accumulator multiplier. Each call is one torch custom
+op, opaque to torch.compile; it never syncs with the host, so vLLM captures it in its CUDA graphs. The
+re-laid-out weights and scales are made during vLLM's weight loading, so sleep mode offloads and restores them
+with the other weights; the kernel's split-K counters are made before vLLM starts, outside its sleep-mode
+memory pool (they outlive the engine). vLLM's own LoRA kernels add the adapter around the op (the kernel's
+fused adapter is not used here), so the in-place adapter sync and AQN's norm noise work as on Marlin.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from typing import Any
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.kernels.nvfp4_gemm import BLOCK, WEIGHT_EXPONENT, launch_gemm, make_device_tables, split_halves
+from qerl_cli.kernels.nvfp4_gemm import (
+    BLOCK,
+    WEIGHT_EXPONENT,
+    block_scales,
+    launch_gemm,
+    make_device_tables,
+    split_halves,
+)
 from qerl_cli.rollout.lora_kernel_configs import BATCH_INVARIANT_ENV
 from qerl_cli.rollout.vllm_env import MULTIPROCESSING_ENV, QERL_MULTIPROCESSING_DEFAULT, vllm_too_old
 
@@ -116,10 +124,10 @@ def check_engine_arguments(kwargs: dict[str, Any]) -> None:
 
 
 def prepare_engine(kwargs: dict[str, Any]) -> None:
-    """Before ``vllm.LLM(**kwargs)`` of a qerl-triton engine: its arguments checked, the kernel's
-    per-device tables made outside vLLM's sleep-mode memory pool (module-level caches outliving an engine
-    must not hold that pool's memory: the next engine's allocator would not start empty), the kernel
-    registered before vLLM builds its layers, which look their kernel up."""
+    """Before ``vllm.LLM(**kwargs)`` of a qerl-triton engine: its arguments checked, the kernel's per-device
+    split-K counters made outside vLLM's sleep-mode memory pool (module-level caches outliving an engine must
+    not hold that pool's memory: the next engine's allocator would not start empty), the kernel registered
+    before vLLM builds its layers, which look their kernel up."""
     check_engine_arguments(kwargs)
     make_device_tables(torch.device("cuda", torch.cuda.current_device()))
     register()
@@ -154,7 +162,8 @@ def accumulator_scale(multiplier: torch.Tensor) -> torch.Tensor:
 def prepare_layer(layer: torch.nn.Module) -> None:
     """Turn one vLLM NVFP4 layer (after vLLM's own processing: ``weight`` uint8 ``[N, K/2]``,
     ``weight_scale`` E4M3 ``[N, K/16]``, ``weight_global_scale`` the multiplier) into the kernel's
-    operands, in place: ``weight`` re-laid-out, ``qerl_accumulator_scale`` added."""
+    operands, in place: ``weight`` re-laid-out, ``weight_scale`` the BF16 block scales,
+    ``qerl_accumulator_scale`` added."""
     n, k = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
     packed, scale = layer.weight.data, layer.weight_scale.data
     remedy = f"this vLLM lays NVFP4 layers out otherwise than vLLM {MIN_VLLM[0]}.{MIN_VLLM[1]}: use marlin"
@@ -172,7 +181,7 @@ def prepare_layer(layer: torch.nn.Module) -> None:
     # in the memory sleep mode offloads and restores.
     keep = torch.nn.Parameter
     layer.weight = keep(split_halves(packed), requires_grad=False)
-    layer.weight_scale = keep(scale.contiguous(), requires_grad=False)
+    layer.weight_scale = keep(block_scales(scale), requires_grad=False)
     out_scale = accumulator_scale(layer.weight_global_scale.data)
     layer.qerl_accumulator_scale = keep(out_scale, requires_grad=False)
 
@@ -184,14 +193,14 @@ def prepare_layer(layer: torch.nn.Module) -> None:
 def nvfp4_w4a16_gemm(
     x: torch.Tensor,
     halves: torch.Tensor,
-    scale: torch.Tensor,
+    bf16_scales: torch.Tensor,
     out_scale: torch.Tensor,
     in_features: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"qerl-triton takes BF16 activations, got {x.dtype}: serve the model in BF16")
-    return launch_gemm(x, halves, scale, out_scale, halves.shape[0], in_features, bias)
+    return launch_gemm(x, halves, bf16_scales, out_scale, halves.shape[0], in_features, bias)
 
 
 @nvfp4_w4a16_gemm.register_fake
