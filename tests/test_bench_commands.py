@@ -21,7 +21,7 @@ import yaml
 from qerl_cli.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ["rollout", "concurrency", "e2e", "kernels", "update", "scaling", "quality", "lora-tune"]
+BENCHMARKS = ["rollout", "concurrency", "e2e", "kernels", "update", "scaling", "quality", "lora-tune", "gap"]
 HEADER = ("schema", "command", "created", "device", "gpu", "versions")
 
 

@@ -2,15 +2,15 @@
 
 ``app`` is the Typer app and ``main`` the console entry point (``qerl = "qerl_cli.cli:main"``).
 The package splits by responsibility: ``app`` (the app and what every command shares), ``stages``
-(quantize, train, eval, demo, compare), ``bench``, ``bench_tools`` and ``bench_lora`` (the ``qerl
-bench`` group and its benchmarks), ``tools`` (env, tiny-base, tiny-model, models, quality),
+(quantize, train, eval, demo, compare), ``bench``, ``bench_tools``, ``bench_lora`` and ``bench_gap`` (the
+``qerl bench`` group and its benchmarks), ``tools`` (env, tiny-base, tiny-model, models, quality),
 ``render`` (what the commands print beside each stage's own table), ``progress`` (stage lines and CPU
 estimates) and ``main`` (exit codes).
 """
 
 from __future__ import annotations
 
-from qerl_cli.cli import bench, bench_lora, bench_tools, stages, tools
+from qerl_cli.cli import bench, bench_gap, bench_lora, bench_tools, stages, tools
 from qerl_cli.cli.app import QerlCommand, app
 from qerl_cli.cli.main import main
 
@@ -36,6 +36,7 @@ BENCHMARKS = {
     "scaling": bench_tools.scaling,
     "quality": bench_tools.quality,
     "lora-tune": bench_lora.lora_tune,
+    "gap": bench_gap.gap,
 }
 for name, benchmark in BENCHMARKS.items():  # `qerl bench --help` lists them in this order
     bench.bench_app.command(name, cls=QerlCommand)(benchmark)

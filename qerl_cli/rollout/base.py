@@ -150,6 +150,15 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def score(
+        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
+    ) -> list[list[float]]:
+        """Teacher-forced logprobs: for each token-id list, log p(ids[i] | ids[:i]) for i >= 1 (one
+        fewer than its ids) at temperature 1 without AQN noise, with the current adapter (``with_adapter``
+        False: the base model), from this engine's own forward (``qerl bench gap`` compares them with the
+        trainer's). Every list needs 2 ids at least."""
+        ...
+
     def stats(self) -> dict[str, float]:
         """The engine's state for the step's metrics (names: ``rollout/<what>``, as above)."""
         ...

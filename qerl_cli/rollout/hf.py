@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -206,6 +206,33 @@ class HFEngine:
     ) -> float | None:
         """None: the engine's weights are the trainer's (or copied from them), nothing can be stale."""
         return None
+
+    def score(
+        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
+    ) -> list[list[float]]:
+        """The model's teacher-forced logprobs of every list (``RolloutEngine.score``): one sequence a
+        forward (no padding), the float32 log-softmax of its logits, no noise, in eval mode."""
+        lists = [list(ids) for ids in token_id_lists]
+        if any(len(ids) < 2 for ids in lists):
+            raise ValueError("score needs 2 token ids a sequence at least")
+        was_training = self.model.training
+        self.model.eval()
+        adapters = (
+            self.model.disable_adapter()
+            if not with_adapter and hasattr(self.model, "disable_adapter")
+            else nullcontext()
+        )
+        out: list[list[float]] = []
+        try:
+            with torch.no_grad(), adapters:
+                for ids in lists:
+                    tokens = torch.tensor([ids], device=self.device)
+                    logits = self.model(input_ids=tokens, use_cache=False).logits[0, :-1].float()
+                    picked = torch.log_softmax(logits, dim=-1).gather(1, tokens[0, 1:, None])[:, 0]
+                    out.append(picked.cpu().tolist())
+        finally:
+            self.model.train(was_training)
+        return out
 
     @property
     def linear_backend(self) -> str:

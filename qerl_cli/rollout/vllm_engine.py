@@ -315,6 +315,28 @@ class VLLMEngine:
         )
         return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
 
+    def score(
+        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
+    ) -> list[list[float]]:
+        """vLLM's teacher-forced logprobs of every list (:meth:`~qerl_cli.rollout.base.RolloutEngine.score`)
+        in one ``generate`` call (vLLM batches them), on clean norms, with the current adapter or the base."""
+        lists = [list(ids) for ids in token_id_lists]
+        if any(len(ids) < 2 for ids in lists):
+            raise ValueError("score needs 2 token ids a sequence at least")
+        if not lists:
+            return []
+        if self._sleeping:
+            self.wake_up()
+        params = self.vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        request = self.adapters.lora if with_adapter else None
+        with self.noise_lifted():
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": ids} for ids in lists], params, lora_request=request, use_tqdm=False
+            )
+        return [
+            prompt_token_logprobs(ids, out.prompt_logprobs) for ids, out in zip(lists, outputs, strict=True)
+        ]
+
     # ---- adapter sync and the staleness check ---------------------------------------------------
     def sync_adapter(self, adapter_dir: str | Path | None) -> None:
         """Serve the PEFT adapter in ``adapter_dir`` from the next generate on (``None``: the base

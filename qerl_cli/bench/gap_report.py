@@ -1,0 +1,214 @@
+"""``qerl bench gap``'s figures and report: per backend, the rollout/trainer logprob gap over the same
+teacher-forced sequences; for every backend after the first, the ratio of its gap to the first's with a
+paired interval and a verdict against ``1 + margin``.
+
+Per sequence, its gap is the mean over its completion tokens of |engine - trainer| logprob (nats/token).
+A backend's figures: the mean of those over sequences with a 95% t interval, the token-weighted mean (all
+tokens pooled), the largest one token's gap, and its engine-vs-engine gap (the same mean of |backend -
+first backend|: the kernels' numerics alone, the trainer left out). The ratio is mean gap / the first
+backend's, a seeded paired bootstrap over sequences (``stats.paired_ratio_interval``); the verdict is
+``stats.ratio_verdict``'s. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from qerl_cli.stats import RATIO_RESAMPLES, mean, mean_interval, paired_ratio_interval, ratio_verdict
+
+SCHEMA = "qerl-bench-gap/1"
+REPORT_NAME = "gap.json"
+MARKDOWN_NAME = "gap.md"
+
+
+def token_gaps(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    """|a - b| per token of each sequence (the two must have the same shape)."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} and {len(b)} sequences")
+    return [
+        [abs(x - y) for x, y in zip(row_a, row_b, strict=True)] for row_a, row_b in zip(a, b, strict=True)
+    ]
+
+
+@dataclass
+class BackendRow:
+    """One backend's figures (nats/token), or the error that left it without."""
+
+    backend: str
+    linear_backend: str | None = None  # what the engine ran (``auto`` resolved; "trainer" for hf)
+    error: str | None = None
+    sequences: int = 0
+    tokens: int = 0
+    mean_gap: float | None = None  # mean over sequences of each sequence's mean |engine - trainer|
+    mean_gap_low: float | None = None  # its 95% t interval over sequences
+    mean_gap_high: float | None = None
+    token_weighted_gap: float | None = None  # mean over every completion token
+    max_token_gap: float | None = None  # the largest one token's |engine - trainer|
+    max_sequence_gap: float | None = None
+    engine_gap: float | None = None  # mean over sequences of mean |this engine - the first backend's|
+    engine_gap_low: float | None = None
+    engine_gap_high: float | None = None
+    load_seconds: float | None = None  # the engine built and the adapter synced
+    score_seconds: float | None = None  # every sequence scored
+    sequence_gaps: list[float] = field(default_factory=list)
+    sequence_engine_gaps: list[float] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BackendRow:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass
+class GapRatio:
+    """A backend's mean gap over the first backend's, its paired bootstrap interval and the verdict."""
+
+    backend: str
+    reference: str
+    margin: float
+    verdict: str  # within | outside | unresolved | undefined (the first backend's gap is 0)
+    verdict_text: str
+    ratio: float | None = None
+    low: float | None = None
+    high: float | None = None
+    sequences_needed: int | None = None  # unresolved: about how many sequences would resolve it
+    resamples: int = RATIO_RESAMPLES
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GapRatio:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass
+class GapReport:
+    """``gap.json``: the bench header (command, date, device, versions, host load), the settings, the
+    trainer side's figures, one row per backend (in ``--backends`` order) and the ratios."""
+
+    header: dict[str, Any]
+    settings: dict[str, Any]
+    trainer: dict[str, Any]
+    rows: list[BackendRow] = field(default_factory=list)
+    ratios: list[GapRatio] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(row.error for row in self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        rows, ratios = [asdict(r) for r in self.rows], [asdict(r) for r in self.ratios]
+        return {
+            **self.header,
+            "settings": self.settings,
+            "trainer": self.trainer,
+            "rows": rows,
+            "ratios": ratios,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GapReport:
+        body = ("settings", "trainer", "rows", "ratios")
+        return cls(
+            header={k: v for k, v in data.items() if k not in body},
+            settings=data["settings"],
+            trainer=data["trainer"],
+            rows=[BackendRow.from_dict(r) for r in data["rows"]],
+            ratios=[GapRatio.from_dict(r) for r in data["ratios"]],
+        )
+
+
+def backend_row(
+    result: dict[str, Any], trainer: list[list[float]], first: list[list[float]] | None
+) -> BackendRow:
+    """A backend's row from its worker's result (``logprobs`` per completion token, or ``error``) against
+    the trainer's logprobs and the first backend's (None: this is the first, or the first failed)."""
+    row = BackendRow(result["backend"], result.get("linear_backend"), result.get("error"))
+    row.load_seconds, row.score_seconds = result.get("load_seconds"), result.get("score_seconds")
+    if row.error is not None:
+        return row
+    logprobs = result["logprobs"]
+    gaps = token_gaps(logprobs, trainer)
+    per_sequence = [mean(g) for g in gaps]
+    interval = mean_interval(per_sequence)
+    pooled = [x for g in gaps for x in g]
+    row.sequences, row.tokens = len(gaps), len(pooled)
+    row.mean_gap, row.mean_gap_low, row.mean_gap_high = interval.mean, interval.low, interval.high
+    row.token_weighted_gap, row.max_token_gap = mean(pooled), max(pooled)
+    row.max_sequence_gap, row.sequence_gaps = max(per_sequence), per_sequence
+    if first is not None:
+        engine = [mean(g) for g in token_gaps(logprobs, first)]
+        between = mean_interval(engine)
+        row.engine_gap, row.engine_gap_low, row.engine_gap_high = between.mean, between.low, between.high
+        row.sequence_engine_gaps = engine
+    return row
+
+
+def gap_ratio(row: BackendRow, reference: BackendRow, margin: float, seed: int) -> GapRatio:
+    """``row``'s gap over ``reference``'s (both measured), paired over sequences, with the verdict."""
+    if not sum(reference.sequence_gaps):
+        text = f"undefined: {reference.backend}'s gap is 0"
+        return GapRatio(row.backend, reference.backend, margin, "undefined", text, seed=seed)
+    interval = paired_ratio_interval(row.sequence_gaps, reference.sequence_gaps, seed=seed)
+    verdict = ratio_verdict(interval, margin)
+    return GapRatio(row.backend, reference.backend, margin, verdict.verdict, verdict.text, interval.ratio,
+                    interval.low, interval.high, verdict.needed, interval.resamples, seed)  # fmt: skip
+
+
+def build_rows(results: list[dict[str, Any]], trainer: list[list[float]]) -> list[BackendRow]:
+    """One row per backend result, in order; the first measured result is the engine-vs-engine reference
+    only when it is the first backend (a failed first backend leaves that column empty)."""
+    first = results[0].get("logprobs") if results and "error" not in results[0] else None
+    return [backend_row(r, trainer, first if i else None) for i, r in enumerate(results)]
+
+
+def build_ratios(rows: list[BackendRow], margin: float, seed: int) -> list[GapRatio]:
+    """Every measured backend after the first against the first (none when the first failed)."""
+    if not rows or rows[0].error is not None:
+        return []
+    return [gap_ratio(row, rows[0], margin, seed) for row in rows[1:] if row.error is None]
+
+
+def _fig(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _interval(value: float | None, low: float | None, high: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f} [{_fig(low, digits)}, {_fig(high, digits)}]"
+
+
+def gap_markdown(report: GapReport) -> str:
+    """``gap.md``: the table, with what each figure is."""
+    s, t, h = report.settings, report.trainer, report.header
+    first = s["backends"][0]
+    lines = [
+        f"# Rollout/trainer logprob gap: {t.get('model', '')}",
+        "",
+        f"{t.get('sequences', 0)} sequences ({t.get('tokens', 0)} completion tokens; adapter "
+        f"{s['adapter']}), {h.get('device', '')}, {h.get('created', '')}. Gap: mean |engine - trainer| "
+        "logprob per completion token (nats/token), teacher-forced on the same token ids; mean over "
+        f"sequences with its 95% interval. Ratio: to {first}'s gap, paired bootstrap over sequences; "
+        f"verdict against 1 + {s['margin']}.",
+        "",
+        "| backend | runs | gap [95% CI] | token-weighted | max token | vs first engine | ratio to first "
+        "[95% CI] | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ratios = {r.backend: r for r in report.ratios}
+    for index, row in enumerate(report.rows):
+        if row.error is not None:
+            lines.append(f"| {row.backend} | - | failed: {row.error} | | | | | |")
+            continue
+        ratio = ratios.get(row.backend)
+        figures = [
+            row.linear_backend or "-",
+            _interval(row.mean_gap, row.mean_gap_low, row.mean_gap_high),
+            _fig(row.token_weighted_gap),
+            _fig(row.max_token_gap, 3),
+            _fig(row.engine_gap),
+            _interval(ratio.ratio, ratio.low, ratio.high, 3) if ratio else ("-" if index else "(reference)"),
+            ratio.verdict_text if ratio else "-",
+        ]
+        lines.append(f"| {row.backend} | " + " | ".join(figures) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,101 @@
+"""``qerl bench gap``: the rollout/trainer logprob gap per rollout linear backend, teacher-forced on the
+same sequences (:mod:`qerl_cli.bench.gap`). It takes a training recipe (``RECIPE``, its keys with
+``--set``, as ``qerl bench scaling`` does) and checks its flags and the recipe before torch is imported;
+``--dry-run`` prints the resolved recipe as YAML and the benchmark's settings as comments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from qerl_cli.bench.preflight import check_output
+from qerl_cli.bench.settings import GAP_ADAPTERS, GAP_BACKENDS, GapSettings
+from qerl_cli.cli.app import (
+    DryRunOption,
+    check_recipe_path,
+    command_line,
+    console,
+    csv,
+    finish_config,
+    print_plan,
+    set_option,
+    use_free_cpu_threads,
+)
+from qerl_cli.config import TrainConfig, load_config
+
+G = GapSettings  # the --help defaults below are its own
+GapSet = set_option("model.path=BASE_DIR")
+
+
+def gap(
+    recipe: Annotated[
+        Path, typer.Argument(metavar="RECIPE", help="Training recipe: a path or a shipped recipe's name.")
+    ],
+    backends: Annotated[
+        str,
+        typer.Option(
+            "--backends",
+            metavar="NAME,...",
+            help=f"Backends scored, the first the ratios' reference: comma list of "
+            f"{','.join(GAP_BACKENDS)} (hf: the transformers engine, the trainer's modules).",
+        ),
+    ] = "marlin,qerl-triton",
+    sequences: Annotated[
+        int, typer.Option("--sequences", metavar="N", help="Sequences scored (prompts of the recipe's data).")
+    ] = 128,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", metavar="TOKENS", help="Completion tokens sampled at most.")
+    ] = 256,
+    adapter: Annotated[
+        str,
+        typer.Option(
+            "--adapter",
+            metavar="KIND",
+            help=f"{' | '.join(GAP_ADAPTERS)}: the recipe's LoRA with seeded random B, or the base alone.",
+        ),
+    ] = "random",
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="N", help="Seed of the completions, adapter, bootstrap.")
+    ] = 0,
+    margin: Annotated[
+        float, typer.Option("--margin", metavar="FRACTION", help="Verdict: a ratio within 1 + FRACTION.")
+    ] = 0.10,
+    output: Annotated[
+        str, typer.Option("--output", "-o", metavar="DIR", help="Folder of gap.json, gap.md, sequences.json.")
+    ] = "bench_results",
+    set_: GapSet = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """The rollout/trainer logprob gap of each rollout linear backend, on the same sequences.
+
+    One completion per prompt of the recipe's training data is sampled by the trainer's policy (the
+    transformers engine); the trainer and every backend's engine (vLLM, built as training builds it, the
+    adapter synced its own way) score exactly those tokens. Per backend: the mean |engine - trainer|
+    logprob per token with its 95% interval; after the first, the ratio to the first's gap with a paired
+    bootstrap interval and a verdict against 1 + --margin.
+    """
+    settings = GapSettings(recipe=str(recipe), backends=csv(backends) or [], sequences=sequences,
+                           max_tokens=max_tokens, adapter=adapter, seed=seed, margin=margin,
+                           output=output)  # fmt: skip
+    settings.validate()
+    check_recipe_path(recipe)
+    conf = load_config(TrainConfig, recipe, set_)
+    check_output(settings.output)
+    if finish_config(conf, dry_run):
+        print_plan([f"{key}: {value}" for key, value in vars(settings).items()])
+        return
+    from qerl_cli.bench.gap import run_gap
+    from qerl_cli.bench.gap_report import MARKDOWN_NAME, REPORT_NAME
+    from qerl_cli.torch_utils import runs_on_cpu
+
+    if runs_on_cpu(conf.train.device):
+        use_free_cpu_threads()
+    report = run_gap(settings, conf, command=command_line())
+    out = Path(settings.output)
+    console.print((out / MARKDOWN_NAME).read_text(), markup=False, highlight=False)
+    console.print(f"wrote {escape(str(out / REPORT_NAME))}")
+    if report.failed:  # a backend without figures: its error is in the report
+        raise typer.Exit(1)
