@@ -783,6 +783,28 @@ def test_staleness_without_any_adapter(tmp_path: Path, fake_vllm: types.ModuleTy
         engine.check_staleness(PROBE, lambda probe: trainer_logprobs(0.0)(probe)[:-1])
 
 
+def test_score_batches_every_sequence_in_one_call_on_clean_norms(
+    tmp_path: Path, fake_vllm: types.ModuleType
+) -> None:
+    engine = make_engine(tmp_path)
+    llm = FakeLLM.instances[-1]
+    engine.sync_adapter(write_adapter(tmp_path / "a", effect=0.7))
+    engine.set_norm_noise(0.05, seed=3)
+    noisy = llm.model.norm_weights()
+    engine.sleep()
+    sequences = [[5, 9, 13], [1, 2], [7, 8, 9, 10]]
+    scored = engine.score(sequences)
+    calls = [c for c in llm.calls if c[0] == "generate"]
+    # One call for every sequence, with the adapter, on clean norms, prompt logprobs of the tokens only ...
+    assert len(calls) == 1 and calls[0][1] == 1 and calls[0][2] == 0.0 and calls[0][3][0].prompt_logprobs == 0
+    assert scored == [trainer_logprobs(0.7)(ids) for ids in sequences]
+    assert same(llm.model.norm_weights(), noisy)  # ... and the noise back afterwards
+    assert engine.score(sequences[:1], with_adapter=False) == [trainer_logprobs(0.0)(sequences[0])]
+    assert engine.score([]) == []
+    with pytest.raises(ValueError, match="2 token ids"):
+        engine.score([[5]])
+
+
 # --------------------------------------------------------------------------------------------
 # qerl bench: one engine per format
 # --------------------------------------------------------------------------------------------

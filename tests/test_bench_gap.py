@@ -1,0 +1,259 @@
+"""``qerl bench gap`` on the CPU: the paired ratio's statistics and verdicts, the trainer side (sequences,
+adapter, trainer logprobs) on the tiny model, a backend measured through the engine protocol (the
+transformers engine standing in for vLLM's), a vLLM backend's error row where vLLM is absent, the JSON's
+shape, and the command's usage errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_trainer import tiny_cfg
+
+from qerl_cli.bench import gap_report
+from qerl_cli.bench.settings import GapSettings
+from qerl_cli.cli import main
+from qerl_cli.stats import RatioInterval, mean_interval, paired_ratio_interval, ratio_verdict
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def test_mean_interval_is_students_t() -> None:
+    interval = mean_interval([1.0, 2.0, 3.0, 4.0])
+    # mean 2.5, sd 1.291, t(0.975, 3) = 3.182: half width 2.054
+    assert interval.mean == 2.5 and interval.n == 4
+    assert interval.low == pytest.approx(2.5 - 2.0540, abs=1e-3) and interval.high == pytest.approx(
+        4.554, abs=1e-3
+    )
+    with pytest.raises(ValueError, match="2 values"):
+        mean_interval([1.0])
+
+
+def _paired(n: int, scale: float, seed: int = 1) -> tuple[list[float], list[float]]:
+    """A reference sample whose values vary a lot between pairs, and another at ``scale`` times it plus
+    a little noise of its own: pairing takes the shared variation out of the ratio's interval."""
+    rng = random.Random(seed)
+    reference = [rng.uniform(0.005, 0.05) for _ in range(n)]
+    other = [r * scale * rng.uniform(0.97, 1.03) for r in reference]
+    return other, reference
+
+
+def test_paired_ratio_interval_is_seeded_and_covers_the_ratio() -> None:
+    other, reference = _paired(128, 1.05)
+    a = paired_ratio_interval(other, reference, seed=3)
+    assert a == paired_ratio_interval(other, reference, seed=3)  # deterministic for a seed
+    assert a != paired_ratio_interval(other, reference, seed=4)
+    assert a.low < a.ratio < a.high and a.ratio == pytest.approx(sum(other) / sum(reference))
+    assert a.low > 1.04 and a.high < 1.07 and a.resamples == 2000 and a.n == 128
+    with pytest.raises(ValueError, match="undefined"):
+        paired_ratio_interval([1.0, 2.0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="2 pairs"):
+        paired_ratio_interval([1.0], [1.0])
+
+
+def test_ratio_verdicts_within_outside_and_unresolved() -> None:
+    within = ratio_verdict(paired_ratio_interval(*_paired(128, 1.02)), 0.10)
+    outside = ratio_verdict(paired_ratio_interval(*_paired(128, 1.30)), 0.10)
+    assert (within.verdict, within.text, within.needed) == ("within", "within", None)
+    assert (outside.verdict, outside.text) == ("outside", "outside")
+    # Straddling 1.1: 1.08 with an upper end at 1.12 needs the upper side 0.04 -> 0.02, four times the pairs.
+    unresolved = ratio_verdict(RatioInterval(1.08, 1.04, 1.12, 128, 2000, 0, 0.95), 0.10)
+    assert unresolved.verdict == "unresolved" and unresolved.needed == 512
+    assert unresolved.text == "unresolved at 128 sequences; about 512 would resolve it"
+    above = ratio_verdict(RatioInterval(1.12, 1.09, 1.15, 100, 2000, 0, 0.95), 0.10)
+    assert above.verdict == "unresolved" and above.needed == 225  # the lower side, 0.03 -> 0.02
+    on_bound = ratio_verdict(RatioInterval(1.1, 1.0, 1.2, 50, 2000, 0, 0.95), 0.10)
+    assert on_bound.needed is None and "sits on the bound" in on_bound.text
+
+
+# -- the trainer side and the backends ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gap_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of the benchmark on the tiny model: the transformers engine as the first backend, and
+    as a second one through a seam that adds a seeded numerics error of its own to its logprobs."""
+    from qerl_cli.bench import gap, gap_worker
+
+    out = tmp_path_factory.mktemp("gap")
+    cfg = tiny_cfg(tiny_model_dir, out / "run")
+    settings = GapSettings(
+        recipe="tiny", backends=["hf", "qerl-triton"], sequences=6, max_tokens=6, output=str(out)
+    )
+    seen: list[gap_worker.BackendSpec] = []
+
+    def measure(spec: gap_worker.BackendSpec) -> dict[str, Any]:
+        seen.append(spec)
+        result = gap_worker.measure_in_process(replace(spec, backend="hf"))
+        rng = random.Random(spec.backend)
+        noise = 0.01 if spec.backend == "hf" else 0.02
+        result["logprobs"] = [[lp + rng.gauss(0.0, noise) for lp in row] for row in result["logprobs"]]
+        return {**result, "backend": spec.backend}
+
+    report = gap.run_gap(settings, cfg, command="qerl bench gap tiny", measure_backend=measure)
+    return {"report": report, "out": out, "specs": seen, "cfg": cfg, "settings": settings}
+
+
+def test_the_trainer_side_writes_the_sequences_adapter_and_logprobs(gap_run: dict[str, Any]) -> None:
+    from qerl_cli.bench.gap_trainer import read_sequences
+
+    out = gap_run["out"]
+    sequences = read_sequences(out / "sequences.json")
+    trainer = json.loads((out / "trainer_logprobs.json").read_text())["trainer_logprobs"]
+    assert len(sequences) == len(trainer) == 6
+    for sequence, logprobs in zip(sequences, trainer, strict=True):
+        assert 1 <= len(sequence.completion_ids) <= 6 and len(logprobs) == len(sequence.completion_ids)
+        assert all(lp <= 0 for lp in logprobs) and sequence.prompt_ids
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == gap_run["cfg"].lora.rank  # the recipe's LoRA, not another
+    # Every backend gets the same sequences file, the adapter, and the recipe with AQN off.
+    specs = gap_run["specs"]
+    assert [s.backend for s in specs] == ["hf", "qerl-triton"]
+    assert {s.sequences_file for s in specs} == {str(out / "sequences.json")}
+    assert all(s.adapter_dir == str(out / "adapter") and s.config["aqn"]["enabled"] is False for s in specs)
+
+
+def test_the_hf_engine_scores_what_the_trainer_computes(gap_run: dict[str, Any]) -> None:
+    """Through the protocol's score: the transformers engine, loaded from the base and the adapter folder,
+    gives the trainer's logprobs (float32 on the CPU); without the adapter it does not."""
+    from qerl_cli.bench import gap_worker
+
+    out = gap_run["out"]
+    trainer = json.loads((out / "trainer_logprobs.json").read_text())["trainer_logprobs"]
+    spec = gap_run["specs"][0]
+    result = gap_worker.measure_backend(spec)
+    assert result["linear_backend"] == "trainer" and result["load_seconds"] >= 0
+    flat = [
+        abs(a - b)
+        for ra, rb in zip(result["logprobs"], trainer, strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    ]
+    assert max(flat) < 1e-4
+    base = gap_worker.measure_backend(replace(spec, adapter_dir=None))
+    moved = [
+        abs(a - b)
+        for ra, rb in zip(base["logprobs"], trainer, strict=True)
+        for a, b in zip(ra, rb, strict=True)
+    ]
+    assert max(moved) > 1e-4  # the random adapter does work: B is not zero
+
+
+def test_the_report_json_and_markdown(gap_run: dict[str, Any]) -> None:
+    from qerl_cli.bench.gap import read_gap_report
+
+    out = gap_run["out"]
+    data = json.loads((out / "gap.json").read_text())
+    assert list(data)[:6] == ["schema", "command", "created", "device", "gpu", "versions"]
+    assert data["schema"] == gap_report.SCHEMA and data["device"] == "cpu"
+    assert data["settings"]["backends"] == ["hf", "qerl-triton"] and "output" not in data["settings"]
+    assert data["trainer"]["sequences"] == 6 and data["trainer"]["tokens"] > 0
+    first, second = data["rows"]
+    assert first["engine_gap"] is None and second["engine_gap"] > 0  # engine vs engine: the second only
+    for row in (first, second):
+        assert row["error"] is None and len(row["sequence_gaps"]) == 6
+        assert row["mean_gap_low"] < row["mean_gap"] < row["mean_gap_high"]
+        assert row["max_token_gap"] >= row["max_sequence_gap"] >= row["mean_gap"] > 0
+        assert row["tokens"] == data["trainer"]["tokens"]
+    (ratio,) = data["ratios"]
+    assert ratio["backend"] == "qerl-triton" and ratio["reference"] == "hf" and ratio["margin"] == 0.10
+    assert ratio["low"] < ratio["ratio"] < ratio["high"] and ratio["ratio"] > 1.1
+    assert ratio["verdict"] in ("outside", "unresolved") and ratio["verdict_text"]
+    assert sorted(p.name for p in (out / "logprobs").iterdir()) == ["hf.json", "qerl-triton.json"]
+    written = {k: data[k] for k in ("host_load", "host_busy", "host_busy_reason")}
+    assert read_gap_report(out).to_dict() == {**gap_run["report"].to_dict(), **written}
+    markdown = (out / "gap.md").read_text()
+    assert "| hf | trainer |" in markdown and "(reference)" in markdown and ratio["verdict_text"] in markdown
+
+
+def test_a_failed_backend_is_a_row_with_its_reason() -> None:
+    rows = gap_report.build_rows(
+        [
+            {"backend": "marlin", "error": "vLLM is not installed"},
+            {"backend": "hf", "logprobs": [[-1.0], [-2.0]]},
+        ],
+        [[-1.1], [-2.2]],
+    )
+    assert rows[0].error == "vLLM is not installed" and rows[0].mean_gap is None
+    assert rows[1].mean_gap == pytest.approx(0.15) and rows[1].engine_gap is None  # no first to compare with
+    assert gap_report.build_ratios(rows, 0.1, 0) == []  # the reference failed: no ratio
+    assert "failed: vLLM is not installed" in gap_report.gap_markdown(
+        gap_report.GapReport({}, {"backends": ["marlin", "hf"], "adapter": "none", "margin": 0.1}, {}, rows)
+    )
+
+
+def test_a_vllm_backend_without_vllm_is_an_error_row(
+    gap_run: dict[str, Any], hide_packages: Any, tmp_path: Path
+) -> None:
+    from qerl_cli.bench import gap, gap_worker
+
+    hide_packages("vllm")
+    spec = replace(gap_run["specs"][1], backend="marlin", work_dir=str(tmp_path / "engine"))
+    assert "vLLM is not installed" in gap.measure(spec)["error"]
+    # The worker itself, as the child process runs it, writes the engine's refusal as the row's error.
+    (tmp_path / "spec.json").write_text(json.dumps(gap_worker.asdict(spec)))
+    assert gap_worker.main([str(tmp_path / "spec.json"), str(tmp_path / "out.json")]) == 0
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["backend"] == "marlin" and result["error"]
+
+
+# -- the command --------------------------------------------------------------------------------------
+def _recipe(tmp_path: Path, model_dir: Path) -> Path:
+    from qerl_cli.config.loading import dump_yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(dump_yaml(tiny_cfg(model_dir, tmp_path / "run")))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backends", "marlin,cutlass"], "unknown backend(s) cutlass"),
+        (["--backends", ","], "--backends needs one backend"),
+        (["--backends", "marlin,marlin"], "names a backend twice"),
+        (["--sequences", "1"], "--sequences must be 2 or more"),
+        (["--max-tokens", "0"], "--max-tokens must be a positive integer"),
+        (["--adapter", "zeros"], "--adapter takes random or none"),
+        (["--margin", "-0.1"], "--margin must be 0 or more"),
+    ],
+)
+def test_usage_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    rc = main(["bench", "gap", str(_recipe(tmp_path, tiny_model_dir)), *args, "-o", str(tmp_path / "out")])
+    assert rc == 2 and message in capsys.readouterr().err.replace("\n", " ")
+
+
+def test_a_missing_recipe_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc = main(
+        ["bench", "gap", str(tmp_path / "nosuch.yaml"), "--backends", "hf", "-o", str(tmp_path / "out")]
+    )
+    assert rc == 2 and "nosuch.yaml" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_recipe_and_the_settings(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    rc = main(["bench", "gap", str(recipe), "--backends", "hf", "--set", "lora.rank=8", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "rank: 8" in out and "# backends: ['hf']" in out and "# sequences: 128" in out
+
+
+def test_the_command_runs_on_the_cpu_with_the_hf_engine(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, hide_packages: Any
+) -> None:
+    """``--backends hf`` runs end to end on the CPU; a vLLM backend there is a failed row and exit 1."""
+    hide_packages("vllm")
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    out = tmp_path / "out"
+    sizes = ["--sequences", "3", "--max-tokens", "4", "--adapter", "none"]
+    rc = main(["bench", "gap", str(recipe), "--backends", "hf,marlin", *sizes, "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 1 and "| hf | trainer |" in printed and "failed: vLLM is not installed" in printed
+    data = json.loads((out / "gap.json").read_text())
+    assert data["settings"]["adapter"] == "none" and data["trainer"]["adapter_dir"] is None
+    assert data["rows"][0]["mean_gap"] < 1e-4 and data["rows"][1]["error"] and data["ratios"] == []
+    assert not (out / "adapter").exists()
