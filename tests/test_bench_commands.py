@@ -714,14 +714,17 @@ def test_the_sweep_takes_every_linear_backend_but_auto() -> None:
 
 # -- one configuration system ------------------------------------------------------------------------
 def test_every_benchmark_takes_the_same_config_options() -> None:
-    """--config (scaling: its RECIPE is the config), --set, --dry-run and --device on every benchmark."""
+    """--config (scaling and gap: their RECIPE is the config), --set, --dry-run and --device on every
+    benchmark."""
     from typer.main import get_command
 
     from qerl_cli.cli import app
 
     for name, command in get_command(app).commands["bench"].commands.items():
         have = {opt for p in command.params for opt in p.opts}
-        wanted = {"--set", "--dry-run", "--device"} | ({"--config"} if name != "scaling" else set())
+        wanted = {"--set", "--dry-run", "--device"} | (
+            {"--config"} if name not in ("scaling", "gap") else set()
+        )
         assert wanted <= have, (name, sorted(wanted - have))
 
 

@@ -63,6 +63,16 @@ def gap(
     margin: Annotated[
         float, typer.Option("--margin", metavar="FRACTION", help="Verdict: a ratio within 1 + FRACTION.")
     ] = 0.10,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="The recipe's train.device: auto, cpu or cuda[:N] "
+            "(the trainer side and the hf backend; vLLM runs on the GPU).",
+            show_default="the recipe's",
+        ),
+    ] = None,
     output: Annotated[
         str, typer.Option("--output", "-o", metavar="DIR", help="Folder of gap.json, gap.md, sequences.json.")
     ] = "bench_results",
@@ -82,7 +92,8 @@ def gap(
                            output=output)  # fmt: skip
     settings.validate()
     check_recipe_path(recipe)
-    conf = load_config(TrainConfig, recipe, set_)
+    sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
+    conf = load_config(TrainConfig, recipe, sets)
     check_output(settings.output)
     if finish_config(conf, dry_run):
         print_plan([f"{key}: {value}" for key, value in vars(settings).items()])
