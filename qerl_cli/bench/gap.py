@@ -43,6 +43,7 @@ from qerl_cli.config import TrainConfig
 from qerl_cli.config.loading import to_dict
 from qerl_cli.errors import install_hint
 from qerl_cli.files import atomic_write_text, write_json
+from qerl_cli.torch_utils import free_accelerator_memory
 
 LOGPROBS_DIR = "logprobs"
 
@@ -66,7 +67,9 @@ def measure(spec: BackendSpec) -> dict[str, Any]:
     if why is not None:
         return error_result(spec, why)
     if spec.backend == HF_BACKEND:
-        return measure_in_process(spec)
+        result = measure_in_process(spec)
+        free_accelerator_memory()  # its model's cached blocks, before a vLLM engine measures free memory
+        return result
     return measure_isolated(spec)
 
 

@@ -76,10 +76,14 @@ class TrainerSide:
 
 
 def gap_train_config(recipe: TrainConfig, settings: GapSettings) -> TrainConfig:
-    """The recipe as the benchmark runs it: AQN off, and room in vLLM's context for a prompt and
-    ``max_tokens`` completion tokens (plus the one token a scoring request generates)."""
+    """The recipe as the benchmark runs it: AQN off, room in vLLM's context for a prompt and
+    ``max_tokens`` completion tokens (plus the one token a scoring request generates), and a vLLM rollout
+    engine when a vLLM backend is measured (the memory plan then resolves vLLM's share beside the
+    trainer, as that training run would)."""
+    vllm = any(b != "hf" for b in settings.backends)
     rollout = replace(
         recipe.rollout,
+        engine="vllm" if vllm else recipe.rollout.engine,
         max_completion_length=max(recipe.rollout.max_completion_length, settings.max_tokens + 1),
     )
     return replace(recipe, rollout=rollout, aqn=replace(recipe.aqn, enabled=False))

@@ -84,7 +84,11 @@ def measure_backend(spec: BackendSpec) -> dict[str, Any]:
         score_seconds = time.perf_counter() - started
         linear_backend = engine.linear_backend
     finally:
-        engine.close()
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the figures are taken; a failed teardown must not lose them
+            logging.getLogger(__name__).warning("bench gap: closing the %s engine failed", spec.backend,
+                                                exc_info=True)  # fmt: skip
     completions = [lp[len(lp) - len(s.completion_ids) :] for lp, s in zip(scored, sequences, strict=True)]
     return {
         "backend": spec.backend,
