@@ -15,7 +15,7 @@ import pytest
 from test_trainer import tiny_cfg
 
 from qerl_cli.bench import gap_report
-from qerl_cli.bench.settings import GapSettings
+from qerl_cli.bench.gap_settings import GapSettings
 from qerl_cli.cli import main
 from qerl_cli.stats import RatioInterval, mean_interval, paired_ratio_interval, ratio_verdict
 

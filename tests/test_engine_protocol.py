@@ -69,11 +69,9 @@ class ProtocolOnlyEngine:
         self._probes.append((list(probe_ids), list(trainer_logprobs(probe_ids))))
         return 0.01
 
-    def score(
-        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
-    ) -> list[list[float]]:
+    def score(self, sequences: Sequence[Sequence[int]], *, with_adapter: bool = True) -> list[list[float]]:
         self._calls.append("score")
-        return self._inner.score(token_id_lists, with_adapter=with_adapter)
+        return self._inner.score(sequences, with_adapter=with_adapter)
 
     def stats(self) -> dict[str, float]:
         return {base.STALENESS_GAP: 0.01, "rollout/syncs": float(len(self._synced))}

@@ -28,6 +28,7 @@ from qerl_cli.bench.gap_report import (
     build_rows,
     gap_markdown,
 )
+from qerl_cli.bench.gap_settings import GapSettings
 from qerl_cli.bench.gap_trainer import SEQUENCES_FILE, TrainerSide, gap_train_config, prepare_trainer_side
 from qerl_cli.bench.gap_worker import (
     HF_BACKEND,
@@ -38,7 +39,7 @@ from qerl_cli.bench.gap_worker import (
 )
 from qerl_cli.bench.header import report_header, write_report
 from qerl_cli.bench.progress import Progress
-from qerl_cli.bench.settings import GapSettings, report_settings
+from qerl_cli.bench.settings import report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.config.loading import to_dict
 from qerl_cli.errors import install_hint

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from qerl_cli.bench.settings import GapSettings
+from qerl_cli.bench.gap_settings import GapSettings
 from qerl_cli.config import TrainConfig
 from qerl_cli.data.prompts import get_template
 from qerl_cli.errors import QerlError

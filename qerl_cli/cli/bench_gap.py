@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from qerl_cli.bench.gap_settings import GAP_ADAPTERS, GAP_BACKENDS, GapSettings
 from qerl_cli.bench.preflight import check_output
-from qerl_cli.bench.settings import GAP_ADAPTERS, GAP_BACKENDS, GapSettings
 from qerl_cli.cli.app import (
     DryRunOption,
     check_recipe_path,

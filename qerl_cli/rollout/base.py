@@ -61,7 +61,7 @@ class Completion:
     finish_reason: FinishReason
 
 
-def completion_texts(tokenizer: Any, token_id_lists: Sequence[Sequence[int]]) -> list[str]:
+def completion_texts(tokenizer: Any, sequences: Sequence[Sequence[int]]) -> list[str]:
     """The text of each completion's token ids, decoded alone (without the prompt), special tokens (EOS)
     skipped, with the tokenizer's own clean-up setting: what rewards grade.
 
@@ -71,7 +71,7 @@ def completion_texts(tokenizer: Any, token_id_lists: Sequence[Sequence[int]]) ->
     leading space or a space before punctuation.) ``decode`` one by one, not ``batch_decode``: vLLM's
     tokenizer interface promises only ``decode``, and transformers' ``batch_decode`` loops anyway.
     """
-    return [tokenizer.decode(list(ids), skip_special_tokens=True) for ids in token_id_lists]
+    return [tokenizer.decode(list(ids), skip_special_tokens=True) for ids in sequences]
 
 
 @dataclass
@@ -150,9 +150,7 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def score(
-        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
-    ) -> list[list[float]]:
+    def score(self, sequences: Sequence[Sequence[int]], *, with_adapter: bool = True) -> list[list[float]]:
         """Teacher-forced logprobs: for each token-id list, log p(ids[i] | ids[:i]) for i >= 1 (one
         fewer than its ids) at temperature 1 without AQN noise, with the current adapter (``with_adapter``
         False: the base model), from this engine's own forward (``qerl bench gap`` compares them with the

@@ -207,12 +207,10 @@ class HFEngine:
         """None: the engine's weights are the trainer's (or copied from them), nothing can be stale."""
         return None
 
-    def score(
-        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
-    ) -> list[list[float]]:
+    def score(self, sequences: Sequence[Sequence[int]], *, with_adapter: bool = True) -> list[list[float]]:
         """The model's teacher-forced logprobs of every list (``RolloutEngine.score``): one sequence a
         forward (no padding), the float32 log-softmax of its logits, no noise, in eval mode."""
-        lists = [list(ids) for ids in token_id_lists]
+        lists = [list(ids) for ids in sequences]
         if any(len(ids) < 2 for ids in lists):
             raise ValueError("score needs 2 token ids a sequence at least")
         was_training = self.model.training

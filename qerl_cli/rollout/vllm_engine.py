@@ -57,8 +57,8 @@ from qerl_cli.rollout.base import (
 )
 from qerl_cli.rollout.vllm_lora import AdapterSync
 from qerl_cli.rollout.vllm_outputs import (
-    prompt_token_logprobs,
     sampled_token_logprobs,
+    score_prompts,
     to_result,
     vllm_detokenizes,
 )
@@ -308,34 +308,14 @@ class VLLMEngine:
         (or the base model) and the current norm weights."""
         if self._sleeping:
             self.wake_up()
-        params = self.vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        request = self.adapters.lora if with_adapter else None
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(token_ids)}], params, lora_request=request, use_tqdm=False
-        )
-        return prompt_token_logprobs(token_ids, outputs[0].prompt_logprobs)
+        return score_prompts(self.llm, self.vllm, [token_ids], self.lora_request if with_adapter else None)[0]
 
-    def score(
-        self, token_id_lists: Sequence[Sequence[int]], *, with_adapter: bool = True
-    ) -> list[list[float]]:
-        """vLLM's teacher-forced logprobs of every list (:meth:`~qerl_cli.rollout.base.RolloutEngine.score`)
-        in one ``generate`` call (vLLM batches them), on clean norms, with the current adapter or the base."""
-        lists = [list(ids) for ids in token_id_lists]
-        if any(len(ids) < 2 for ids in lists):
-            raise ValueError("score needs 2 token ids a sequence at least")
-        if not lists:
-            return []
+    def score(self, sequences: Sequence[Sequence[int]], *, with_adapter: bool = True) -> list[list[float]]:
+        """Every list's :meth:`prompt_logprobs`, batched, on clean norms (``RolloutEngine.score``)."""
         if self._sleeping:
-            self.wake_up()
-        params = self.vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        request = self.adapters.lora if with_adapter else None
+            self.wake_up()  # before the noise is lifted: waking re-applies it
         with self.noise_lifted():
-            outputs = self.llm.generate(
-                [{"prompt_token_ids": ids} for ids in lists], params, lora_request=request, use_tqdm=False
-            )
-        return [
-            prompt_token_logprobs(ids, out.prompt_logprobs) for ids, out in zip(lists, outputs, strict=True)
-        ]
+            return score_prompts(self.llm, self.vllm, sequences, self.lora_request if with_adapter else None)
 
     # ---- adapter sync and the staleness check ---------------------------------------------------
     def sync_adapter(self, adapter_dir: str | Path | None) -> None:

@@ -48,8 +48,24 @@ def prompt_token_logprobs(token_ids: Sequence[int], prompt_logprobs: Any) -> lis
     """log p(token_i | tokens_<i) for i >= 1 from a RequestOutput's ``prompt_logprobs``
     (position 0 is None: the first token has no context)."""
     if prompt_logprobs is None or len(prompt_logprobs) != len(token_ids):
-        raise RuntimeError("vLLM returned no prompt logprobs for the staleness probe")
+        raise RuntimeError("vLLM returned no prompt logprobs for a scored sequence")
     return [float(prompt_logprobs[i][token_ids[i]].logprob) for i in range(1, len(token_ids))]
+
+
+def score_prompts(
+    llm: Any, vllm: Any, token_id_lists: Sequence[Sequence[int]], lora_request: Any
+) -> list[list[float]]:
+    """log p(ids[i] | ids[:i]), i >= 1, of every token-id list, from one ``llm.generate`` call that asks
+    for the prompts' logprobs and generates one token each (``lora_request`` None: the base model)."""
+    lists = [list(ids) for ids in token_id_lists]
+    if any(len(ids) < 2 for ids in lists):
+        raise ValueError("scoring needs 2 token ids a sequence at least")
+    if not lists:
+        return []
+    params = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    prompts = [{"prompt_token_ids": ids} for ids in lists]
+    outputs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+    return [prompt_token_logprobs(ids, out.prompt_logprobs) for ids, out in zip(lists, outputs, strict=True)]
 
 
 def mean_abs_gap(a: Sequence[float], b: Sequence[float]) -> float:
