@@ -167,6 +167,20 @@ def test_the_report_json_and_markdown(gap_run: dict[str, Any]) -> None:
     assert "| hf | trainer |" in markdown and "(reference)" in markdown and ratio["verdict_text"] in markdown
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers: about 7 s on 2 cores
+def test_a_backend_in_a_child_process_reads_the_spec_and_returns_its_result(gap_run: dict[str, Any]) -> None:
+    """The child-process path every vLLM backend takes (``python -m qerl_cli.bench.gap_worker``), run with
+    the transformers engine: the recipe goes through JSON and back, the result comes back whole."""
+    from qerl_cli.bench import gap_worker
+
+    spec = gap_run["specs"][0]
+    isolated = gap_worker.measure_isolated(spec)
+    here = gap_worker.measure_backend(spec)
+    assert isolated["backend"] == "hf" and isolated["linear_backend"] == "trainer"
+    flat = [lp for row in isolated["logprobs"] for lp in row]
+    assert flat == pytest.approx([lp for row in here["logprobs"] for lp in row], abs=1e-6)
+
+
 def test_a_failed_backend_is_a_row_with_its_reason() -> None:
     rows = gap_report.build_rows(
         [

@@ -168,14 +168,15 @@ def build_ratios(rows: list[BackendRow], margin: float, seed: int) -> list[GapRa
     return [gap_ratio(row, rows[0], margin, seed) for row in rows[1:] if row.error is None]
 
 
-def _fig(value: float | None, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def _fig(value: float | None, kind: str = ".3g") -> str:
+    """A gap to 3 significant digits (a floor of 1e-7 stays visible), a ratio (``.3f``) to 3 decimals."""
+    return "-" if value is None else f"{value:{kind}}"
 
 
-def _interval(value: float | None, low: float | None, high: float | None, digits: int = 4) -> str:
+def _interval(value: float | None, low: float | None, high: float | None, kind: str = ".3g") -> str:
     if value is None:
         return "-"
-    return f"{value:.{digits}f} [{_fig(low, digits)}, {_fig(high, digits)}]"
+    return f"{_fig(value, kind)} [{_fig(low, kind)}, {_fig(high, kind)}]"
 
 
 def gap_markdown(report: GapReport) -> str:
@@ -205,9 +206,11 @@ def gap_markdown(report: GapReport) -> str:
             row.linear_backend or "-",
             _interval(row.mean_gap, row.mean_gap_low, row.mean_gap_high),
             _fig(row.token_weighted_gap),
-            _fig(row.max_token_gap, 3),
+            _fig(row.max_token_gap),
             _fig(row.engine_gap),
-            _interval(ratio.ratio, ratio.low, ratio.high, 3) if ratio else ("-" if index else "(reference)"),
+            _interval(ratio.ratio, ratio.low, ratio.high, ".3f")
+            if ratio
+            else ("-" if index else "(reference)"),
             ratio.verdict_text if ratio else "-",
         ]
         lines.append(f"| {row.backend} | " + " | ".join(figures) + " |")
