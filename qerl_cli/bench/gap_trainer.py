@@ -20,6 +20,7 @@ layers, dtype and LoRA), its memory plan ``rl.setup.plan_with_base_compute`` (vL
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
@@ -198,7 +199,5 @@ def write_sequences(out: Path, side: TrainerSide) -> None:
 
 def read_sequences(path: str | Path) -> list[GapSequence]:
     """The sequences of a ``sequences.json`` (what every backend's worker scores)."""
-    import json
-
     data: dict[str, Any] = json.loads(Path(path).read_text())
     return [GapSequence(**s) for s in data["sequences"]]
