@@ -9,7 +9,7 @@ from rich.console import Console
 
 from qerl_cli.bench.gemm import empty_sections, gemm_section, gemm_table, model_linears
 from qerl_cli.bench.gemm_settings import BACKENDS, GemmSettings
-from qerl_cli.kernels.nvfp4_gemm import candidates_for, config_for
+from qerl_cli.kernels.nvfp4_tiles import candidates_for, config_for
 
 
 def test_linears_are_vllms_fused_projections() -> None:

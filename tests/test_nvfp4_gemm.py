@@ -11,15 +11,13 @@ import torch
 
 from qerl_cli import formats
 from qerl_cli.kernels.nvfp4_gemm import (
-    BUCKETS,
     LoraWeights,
     Nvfp4Weight,
     check_operands,
-    config_for,
     nvfp4_linear,
     nvfp4_linear_reference,
-    with_split,
 )
+from qerl_cli.kernels.nvfp4_tiles import BUCKETS, config_for, with_split
 
 # tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton when there is no GPU;
 # the ``interpreter`` fixture then routes CPU tensors to the kernel (QERL_TRITON_CPU=1).
@@ -104,7 +102,8 @@ def test_split_k_matches_in_interpreter(interpreter, split) -> None:
 @pytest.mark.parametrize("split", [1, 2])
 def test_whole_tiles_take_the_unmasked_path_in_interpreter(interpreter, split) -> None:
     """N and K multiples of the tile (as every model's are): the kernel's mask-free variant."""
-    from qerl_cli.kernels.nvfp4_gemm import TileConfig, triton_nvfp4_linear
+    from qerl_cli.kernels.nvfp4_gemm import triton_nvfp4_linear
+    from qerl_cli.kernels.nvfp4_tiles import TileConfig
 
     weight, x, bias, lora = make_case(128, 256, 5, rank=16, seed=split)
     got = triton_nvfp4_linear(x, weight, bias, lora, TileConfig(16, 64, 64, split_k=split))
@@ -204,7 +203,8 @@ def test_split_k_fills_the_sms_without_a_second_wave(monkeypatch) -> None:
     wave)."""
     from qerl_cli.bench.gemm import model_linears
     from qerl_cli.kernels import nvfp4_gemm
-    from qerl_cli.kernels.nvfp4_gemm import MIN_K_TILES_PER_SPLIT, split_k_for
+    from qerl_cli.kernels.nvfp4_gemm import split_k_for
+    from qerl_cli.kernels.nvfp4_tiles import MIN_K_TILES_PER_SPLIT
 
     monkeypatch.setattr(nvfp4_gemm, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")

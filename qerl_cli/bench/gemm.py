@@ -36,7 +36,8 @@ from qerl_cli.bench.gemm_settings import BACKENDS, GemmSettings  # noqa: F401 - 
 from qerl_cli.bench.roofline import GpuSpec, gpu_spec
 from qerl_cli.formats.fp8 import has_fp8_tensor_cores, quantize_per_channel
 from qerl_cli.kernels.fp8_rows import quantize_rows_fp8
-from qerl_cli.kernels.nvfp4_gemm import LoraWeights, Nvfp4Weight, candidates_for, triton_nvfp4_linear
+from qerl_cli.kernels.nvfp4_gemm import LoraWeights, Nvfp4Weight, triton_nvfp4_linear
+from qerl_cli.kernels.nvfp4_tiles import candidates_for
 from qerl_cli.modeling.fp8_update import fp8_mm
 from qerl_cli.modeling.model_shape import ModelShape
 from qerl_cli.modeling.random_checkpoint import SHAPES
