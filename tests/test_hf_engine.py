@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -208,3 +209,33 @@ def test_a_4bit_base_is_dequantized_once_per_call_with_the_same_samples(
         x = torch.randn(2, layers[0].in_features, requires_grad=True)
         layers[0](x).sum().backward()
         assert x.grad is not None and layers[0]._dense == {}
+
+
+def test_a_stop_string_ends_the_completion_without_the_pad_tokens_after_it(model_and_tokenizer) -> None:
+    """transformers pads a row a stop string ended up to the batch's longest row; where the pad token is
+    no EOS (Gemma's tokenizer pads with id 0, its EOS is another) the completion must still end at the
+    token completing the stop string, as vLLM's does: the pads are no sampled tokens (a real run scored
+    and would have trained 12817 of them among 15735 completion tokens)."""
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer, generation_batch_size=4)
+    pad = int(tokenizer.pad_token_id)
+    engine.eos_ids = [i for i in engine.eos_ids if i != pad]  # the pad is no EOS here, as with Gemma
+    spec = SamplingSpec(max_new_tokens=16, temperature=1.0, top_p=1.0, seed=5)
+    free = engine.generate(PROMPTS, 2, spec)
+    # A stop string that the first completion reaches early (its third token's text): that row ends
+    # there while the batch goes on, so transformers pads it.
+    first = free.completions[0][0]
+    assert len(first.token_ids) > 4, "the seed must give a completion longer than its stop"
+    stop = tokenizer.decode(first.token_ids[2:3], skip_special_tokens=True)
+    assert stop.strip(), "the stop string must be visible text"
+    stopped = engine.generate(PROMPTS, 2, replace(spec, stop=(stop,)))
+    for _, completion in stopped.flat():
+        assert len(completion.token_ids) == len(completion.logprobs)
+        if completion.finish_reason == "stop" and stop in completion.text:
+            # ends with the token completing the stop string: no prefix shorter holds it
+            shorter = tokenizer.decode(completion.token_ids[:-1], skip_special_tokens=True)
+            assert stop not in shorter
+        assert pad not in completion.token_ids[-1:], completion.token_ids
+    head = stopped.completions[0][0]
+    assert head.finish_reason == "stop" and len(head.token_ids) <= 3
+    assert head.token_ids == first.token_ids[: len(head.token_ids)]

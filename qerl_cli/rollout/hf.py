@@ -366,26 +366,43 @@ class HFEngine:
             )
         logprobs = recorder.finish(sequences)
         generated = sequences[:, width:].cpu()
-        cut = [self._cut_at_eos(generated[row].tolist(), spec) for row in range(len(prompts))]
+        cut = [self._cut(generated[row].tolist(), spec) for row in range(len(prompts))]
         texts = completion_texts(self.tokenizer, [ids for ids, _ in cut])
         return [
-            self._completion(ids, finish, text, logprobs[row], spec)
+            Completion(ids, text, logprobs[row, : len(ids)].tolist(), finish)
             for row, ((ids, finish), text) in enumerate(zip(cut, texts, strict=True))
         ]
 
-    def _cut_at_eos(self, ids: list[int], spec: SamplingSpec) -> tuple[list[int], FinishReason]:
-        """The completion's ids up to its first EOS, kept (it is learned), and why it ended."""
+    def _cut(self, ids: list[int], spec: SamplingSpec) -> tuple[list[int], FinishReason]:
+        """The completion's ids up to its first EOS (kept: it is learned) or up to the token that
+        completes its first stop string, whichever comes first, and why it ended. transformers fills a
+        row that a stop string ended with the pad token up to the batch's longest row; where the pad
+        is no EOS (Gemma's tokenizer) only this cut keeps those pads out of the completion."""
+        eos_end = None
         if not spec.ignore_eos:
-            for pos, token in enumerate(ids):
-                if token in self.eos_ids:
-                    return ids[: pos + 1], "stop"
-        return ids, "length"
+            eos_end = next((pos + 1 for pos, token in enumerate(ids) if token in self.eos_ids), None)
+        kept = ids if eos_end is None else ids[:eos_end]
+        stop_end = self._stop_end(kept, spec.stop) if spec.stop else None
+        if stop_end is not None:
+            return ids[:stop_end], "stop"
+        return kept, "length" if eos_end is None else "stop"
 
-    def _completion(
-        self, ids: list[int], finish: FinishReason, text: str, logprobs: torch.Tensor, spec: SamplingSpec
-    ) -> Completion:
-        if finish == "length" and spec.stop and any(s in text for s in spec.stop):
-            finish = "stop"
-        return Completion(
-            token_ids=ids, text=text, logprobs=logprobs[: len(ids)].tolist(), finish_reason=finish
-        )
+    def _stop_end(self, ids: list[int], stop: Sequence[str]) -> int | None:
+        """The shortest prefix of ``ids`` whose text holds a stop string, as its length (None: none
+        does). A prefix that holds one is followed only by longer ones that do: a binary search, a
+        handful of decodes a completion."""
+
+        def holds(length: int) -> bool:
+            text = completion_texts(self.tokenizer, [ids[:length]])[0]
+            return any(s in text for s in stop)
+
+        if not ids or not holds(len(ids)):
+            return None
+        low, high = 1, len(ids)  # holds(high) is true
+        while low < high:
+            middle = (low + high) // 2
+            if holds(middle):
+                high = middle
+            else:
+                low = middle + 1
+        return high
