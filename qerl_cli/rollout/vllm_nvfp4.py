@@ -16,7 +16,7 @@ served by qerl's kernel.
 At load (:func:`prepare_layer`) the checkpoint's packed codes are re-laid-out once into the kernel's layout
 (:func:`~qerl_cli.kernels.nvfp4_gemm.split_halves`, the same bytes, replacing vLLM's copy), the E4M3 block
 scales replaced by their BF16 values (:func:`~qerl_cli.kernels.nvfp4_gemm.block_scales`, exact, one more byte
-a block of 16 weights: ~0.44 GB more on a 7B), and vLLM's global multiplier (the inverse of the checkpoint's
+a block of 16 weights: ~0.41 GB more on a 7B), and vLLM's global multiplier (the inverse of the checkpoint's
 divisor, as Marlin reads it) turned into the kernel's accumulator multiplier. Each call is one torch custom
 op, opaque to torch.compile; it never syncs with the host, so vLLM captures it in its CUDA graphs. The
 re-laid-out weights and scales are made during vLLM's weight loading, so sleep mode offloads and restores them
