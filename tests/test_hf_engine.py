@@ -239,3 +239,30 @@ def test_a_stop_string_ends_the_completion_without_the_pad_tokens_after_it(model
     head = stopped.completions[0][0]
     assert head.finish_reason == "stop" and len(head.token_ids) <= 3
     assert head.token_ids == first.token_ids[: len(head.token_ids)]
+
+
+def test_cut_ends_each_completion_as_vllm_does(model_and_tokenizer) -> None:
+    """The cut of one generated row, on ids made by hand: at the first EOS (kept) or at the token that
+    completes the first stop string, whichever comes first; never on the pads transformers fills a row
+    with after a stopping criterion ended it, whether the pad is an EOS or not."""
+    model, tokenizer = model_and_tokenizer
+    engine = HFEngine(model, tokenizer)
+    pad = int(tokenizer.pad_token_id)
+    eos = next(i for i in engine.eos_ids if i != pad)
+    engine.eos_ids = [eos]  # the pad is no EOS (Gemma's tokenizer)
+    text = tokenizer("abc STOP def", add_special_tokens=False).input_ids
+    stop_end = next(n for n in range(1, len(text) + 1) if "STOP" in tokenizer.decode(text[:n]))
+    assert stop_end < len(text)
+    head = tokenizer("abc", add_special_tokens=False).input_ids
+    stop = SamplingSpec(max_new_tokens=64, stop=("STOP",))
+    cut = engine._cut
+    assert cut([*text, pad, pad], stop) == (text[:stop_end], "stop")  # stopped early, then padded
+    assert cut([*text, eos], stop) == (text[:stop_end], "stop")  # the stop string before the EOS
+    assert cut([*head, eos, *text], stop) == ([*head, eos], "stop")  # the EOS before the stop string
+    assert cut([*text, eos], replace(stop, ignore_eos=True)) == (text[:stop_end], "stop")
+    assert cut([*head, pad, pad], stop) == (head, "stop")  # ended by a match the text does not show
+    assert cut(head, stop) == (head, "length")
+    assert cut([*head, eos, pad], SamplingSpec(max_new_tokens=64)) == ([*head, eos], "stop")
+    engine.eos_ids = [eos, pad]  # the pad is an EOS (SmolLM2's): the stop still ends it, not the pad
+    assert cut([*text, pad, pad], stop) == (text[:stop_end], "stop")
+    assert cut([*head, pad, pad], SamplingSpec(max_new_tokens=64)) == ([*head, pad], "stop")

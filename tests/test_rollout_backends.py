@@ -505,6 +505,29 @@ def test_an_engine_in_a_slice_of_the_gpu_sizes_its_kv_cache_from_its_share(
         make_engine(dataclasses.replace(request, gpu_memory_utilization=0.05, linear_backend="auto"))
 
 
+def test_qerl_tritons_bf16_scales_are_counted_in_what_vllm_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """qerl's kernel holds each block's scale as two bytes where the checkpoint has one: vLLM's weights
+    are bigger by one byte a block of 16 weights, and a KV cache sized from a slice of the GPU is smaller
+    by as much (counted as the format's bytes, it would overrun its slice by ~0.4 GB on a 7B)."""
+    base = nvfp4_base()
+    shape = ModelShape.from_config(json.loads((base / "config.json").read_text()))
+    extra = int(shape.decoder_linear_params() / 16)
+    assert extra > 0
+    marlin_bytes = backends.rollout_weight_bytes(shape, "marlin", "nvfp4")
+    assert marlin_bytes == weight_bytes(shape, "nvfp4")
+    assert backends.rollout_weight_bytes(shape, "qerl-triton", "nvfp4") == marlin_bytes + extra
+    assert backends.rollout_weight_bytes(shape, "fp8", "nvfp4") == weight_bytes(shape, "fp8")
+    monkeypatch.setattr(vllm_setup, "_cuda_total_bytes", lambda: 80 * 2**30)
+    request = EngineRequest(
+        "vllm", base, gpu_memory_utilization=0.153, max_model_len=64, kv_cache_from_share=True
+    )
+    kv = {
+        backend: factory.kv_cache_from_share(str(base), BackendChoice(backend, "nvfp4", "test", 8), request)
+        for backend in ("marlin", "qerl-triton")
+    }
+    assert kv["marlin"]["kv_cache_memory_bytes"] - kv["qerl-triton"]["kv_cache_memory_bytes"] == extra
+
+
 def test_the_shipped_h200_entries_choose_marlin_for_few_sequences_and_the_bf16_copy_for_many() -> None:
     """The H200 rows of the shipped table (one H200, vLLM 0.26 with its detokenizer off, tuned LoRA
     kernels): Marlin + LoRA is the fastest at 8 sequences, the merged BF16 copy of the 4-bit base from 9;

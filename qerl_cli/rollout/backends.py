@@ -40,6 +40,7 @@ from qerl_cli import formats
 from qerl_cli.config.choices import MERGED_LINEAR_BACKENDS, LinearBackend
 from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.formats.fp8 import FP8_MIN_CAPABILITY
+from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
 from qerl_cli.rollout import vllm_nvfp4
 
 # The crossover table's names, which callers import from here (one import for the whole choice).
@@ -155,6 +156,16 @@ def rollout_weight_format(backend: str, fmt: str) -> str:
     if backend == DENSE_MERGED:
         return formats.DENSE
     return fmt
+
+
+def rollout_weight_bytes(shape: ModelShape, backend: str, fmt: str) -> int:
+    """Bytes of the weights vLLM holds for a ``fmt`` base on ``backend``: the rollout format's
+    (:func:`rollout_weight_format`), plus what qerl's kernel adds to an NVFP4 base (its BF16 block
+    scales, ``vllm_nvfp4.EXTRA_BYTES_PER_WEIGHT``)."""
+    held = weight_bytes(shape, rollout_weight_format(backend, fmt))
+    if backend == vllm_nvfp4.BACKEND and fmt == "nvfp4":
+        held += int(shape.decoder_linear_params() * vllm_nvfp4.EXTRA_BYTES_PER_WEIGHT)
+    return held
 
 
 def needs_bf16_copy(backend: str, fmt: str) -> bool:

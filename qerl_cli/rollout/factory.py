@@ -25,7 +25,7 @@ import torch
 from qerl_cli.errors import QerlError, install_hint
 from qerl_cli.modeling import adapter as adapter_folder
 from qerl_cli.modeling.loading import load_base_model, load_tokenizer
-from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape, weight_bytes
+from qerl_cli.modeling.model_shape import WEIGHT_BYTES, ModelShape
 from qerl_cli.modeling.shapes import check_vllm_shapes, marlin_problems
 from qerl_cli.modeling.sources import cache_root, resolve_model_source
 from qerl_cli.rollout import hf as hf_engine
@@ -41,7 +41,7 @@ from qerl_cli.rollout.backends import (
     MeasuredModel,
     choose_backend,
     load_table,
-    rollout_weight_format,
+    rollout_weight_bytes,
     sequences_that_fit,
 )
 from qerl_cli.rollout.base import RolloutEngine
@@ -289,7 +289,7 @@ def kv_cache_from_share(model_path: str, choice: BackendChoice, request: EngineR
     if shape is None:
         return {}
     share = int(total * request.gpu_memory_utilization)
-    weights = weight_bytes(shape, fmt)
+    weights = rollout_weight_bytes(shape, choice.backend, choice.fmt)
     kv = share - weights - vllm_setup.VLLM_OVERHEAD
     one = shape.kv_bytes_per_token(request.kv_cache_dtype) * (request.max_model_len or 0)
     if kv < max(one, 1):
@@ -344,7 +344,7 @@ def choose_rollout_backend(
     model = MeasuredModel.from_config(config, name=Path(model_path).name)
     total = vllm_setup._cuda_total_bytes()
     if shape is not None and total and isinstance(gpu_memory_utilization, float):
-        sizes = {b: weight_bytes(shape, rollout_weight_format(b, fmt)) for b in FORMAT_BACKENDS.get(fmt, ())}
+        sizes = {b: rollout_weight_bytes(shape, b, fmt) for b in FORMAT_BACKENDS.get(fmt, ())}
         budget = int(total * gpu_memory_utilization)
         kv = shape.kv_bytes_per_token(kv_cache_dtype) * max_model_len if max_model_len else None
     env = current_environment(

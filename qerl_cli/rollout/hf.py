@@ -375,9 +375,10 @@ class HFEngine:
 
     def _cut(self, ids: list[int], spec: SamplingSpec) -> tuple[list[int], FinishReason]:
         """The completion's ids up to its first EOS (kept: it is learned) or up to the token that
-        completes its first stop string, whichever comes first, and why it ended. transformers fills a
-        row that a stop string ended with the pad token up to the batch's longest row; where the pad
-        is no EOS (Gemma's tokenizer) only this cut keeps those pads out of the completion."""
+        completes its first stop string, whichever comes first, and why it ended: as vLLM ends its
+        completions. transformers fills a row that a stopping criterion ended with the pad token up to
+        the batch's longest row; those pads are no sampled tokens, whether the pad is an EOS (SmolLM2's)
+        or not (Gemma's)."""
         eos_end = None
         if not spec.ignore_eos:
             eos_end = next((pos + 1 for pos, token in enumerate(ids) if token in self.eos_ids), None)
@@ -385,7 +386,15 @@ class HFEngine:
         stop_end = self._stop_end(kept, spec.stop) if spec.stop else None
         if stop_end is not None:
             return ids[:stop_end], "stop"
-        return kept, "length" if eos_end is None else "stop"
+        if eos_end is not None:
+            return kept, "stop"
+        # Pads with no EOS or stop string before them: transformers ended the row on a stop string that
+        # its token-level match found and the decoded text does not show (special tokens skipped): the
+        # row stopped there all the same, and the pads after it were never sampled.
+        end = len(ids)
+        while end and ids[end - 1] == self.tokenizer.pad_token_id:
+            end -= 1
+        return (ids[:end], "stop") if end < len(ids) else (ids, "length")
 
     def _stop_end(self, ids: list[int], stop: Sequence[str]) -> int | None:
         """The shortest prefix of ``ids`` whose text holds a stop string, as its length (None: none

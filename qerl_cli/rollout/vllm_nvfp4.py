@@ -50,6 +50,9 @@ VLLM_BACKEND = "triton"  # vLLM's linear_backend name it is registered under
 HOPPER = 9  # the compute capability major it was tested and measured on (warpgroup MMA, 227 KiB a CTA)
 MIN_VLLM = (0, 26)  # the first vLLM with the NVFP4 kernel registry it joins
 OP_NAME = "qerl::nvfp4_w4a16_gemm"
+# Bytes a weight takes beyond the checkpoint's in vLLM's memory: each block's one-byte E4M3 scale is held as
+# its two-byte BF16 value (prepare_layer), one more byte a block of BLOCK weights.
+EXTRA_BYTES_PER_WEIGHT = 1 / BLOCK
 # vLLM settings that start worker processes, which do not see this process's registration.
 OTHER_PROCESS_KWARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
