@@ -361,7 +361,8 @@ def launch_gemm(
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, halves, bf16_scales.contiguous(), out_scale, bias if bias is not None else y, xa, lora_b, y, ws, locks,
+        x2, halves, bf16_scales.contiguous(), out_scale, bias if bias is not None else y, xa, lora_b, y, ws,
+        locks,
         m, n, k, kh, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,
         HAS_BIAS=bias is not None, HAS_LORA=lora is not None, RANK=rank, R_PAD=r_pad, XA_SPLITS=xa_splits,
