@@ -70,7 +70,12 @@ def test_concurrency_help_lists_every_backend_the_sweep_accepts(
     monkeypatch.setenv("COLUMNS", "400")  # one line per option, so the list is not wrapped
     rc, out, _ = run(capsys, "bench", "concurrency", "--help")
     line = next(line for line in out.splitlines() if "--backends" in line)
-    assert rc == 0 and ",".join(SWEPT_BACKENDS) in line, line
+    assert rc == 0 and ", ".join(SWEPT_BACKENDS) in line, line
+    # At 80 columns the list wraps between names: joined without spaces it was cut off mid-word ("fp8-me…").
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out, _ = run(capsys, "bench", "concurrency", "--help")
+    assert rc == 0 and "…" not in out.split("--backends")[1].split("--")[0], out
+    assert all(name in out for name in SWEPT_BACKENDS), out
 
 
 # -- bad input: exit 2, naming the flag, before torch is imported -----------------------------------

@@ -122,7 +122,7 @@ ModelOption = Annotated[
 FormatsOption = Annotated[
     str | None,
     config_option(
-        B, "formats", "--formats", metavar="FMT,...", help=f"Comma list of {','.join(bench_formats())}."
+        B, "formats", "--formats", metavar="FMT,...", help=f"Comma list of {', '.join(bench_formats())}."
     ),
 ]
 
@@ -312,7 +312,7 @@ def concurrency(
             "backends",
             "--backends",
             metavar="NAME,...",
-            help=f"Linear backends: comma list of {','.join(SWEPT_BACKENDS)}.",
+            help=f"Linear backends: comma list of {', '.join(SWEPT_BACKENDS)}.",
         ),
     ] = None,
     prompt_len: PromptLenOption = None,
