@@ -82,9 +82,9 @@ def standalone_hf(spec: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def gap_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One run of the benchmark on the tiny model, its recipe sampling at temperature 0.7, top_p 0.95: two "vLLM"
-    backends through a seam (a fresh transformers engine adding a seeded numerics error of its own to its
-    logprobs), then ``hf``, the trainer side's own engine."""
+    """One run of the benchmark on the tiny model, its recipe sampling at temperature 0.7, top_p 0.95:
+    two "vLLM" backends through a seam (a fresh transformers engine adding a seeded numerics error of its
+    own to its logprobs), then ``hf``, the trainer side's own engine."""
     from qerl_cli.bench import gap, gap_worker
 
     out = tmp_path_factory.mktemp("gap")
