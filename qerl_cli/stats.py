@@ -365,12 +365,17 @@ def paired_ratio_interval(
     )
 
 
+NEEDED_CAP = 100_000  # sequences: beyond it an unresolved verdict says only "more than" (a ratio just off
+# the bound would otherwise ask for an astronomical count)
+
+
 @dataclass(frozen=True)
 class RatioVerdict:
     """A ratio's interval against 1 + ``margin``: ``within`` (its upper end at or below), ``outside`` (its
     lower end above) or ``unresolved`` (it straddles the bound), with the pairs that would resolve it
     (``needed``: the interval's side facing the bound shrunk as 1/sqrt(n) until it stops at the bound;
-    None when the ratio sits on the bound)."""
+    None when the ratio sits on the bound; :data:`NEEDED_CAP` + 1 stands for "more than the cap", a
+    ratio just off the bound asking for an astronomical count)."""
 
     verdict: str  # "within" | "outside" | "unresolved"
     bound: float  # 1 + margin
@@ -384,6 +389,8 @@ class RatioVerdict:
             return self.verdict
         if self.needed is None:
             return f"unresolved at {self.n} sequences (the ratio sits on the bound)"
+        if self.needed > NEEDED_CAP:
+            return f"unresolved at {self.n} sequences; more than {NEEDED_CAP} would resolve it"
         return f"unresolved at {self.n} sequences; about {self.needed} would resolve it"
 
 
@@ -398,5 +405,5 @@ def ratio_verdict(interval: RatioInterval, margin: float) -> RatioVerdict:
     side = interval.high - interval.ratio if interval.ratio <= bound else interval.ratio - interval.low
     if distance == 0.0:
         return RatioVerdict("unresolved", bound, interval.n)
-    needed = max(interval.n + 1, math.ceil(interval.n * (side / distance) ** 2))
+    needed = min(max(interval.n + 1, math.ceil(interval.n * (side / distance) ** 2)), NEEDED_CAP + 1)
     return RatioVerdict("unresolved", bound, interval.n, needed)

@@ -143,6 +143,23 @@ def test_sync_policy_merges_then_resets_the_prefix_cache_and_generate_has_no_lor
     assert stats["rollout/sync_seconds"] >= 0 and stats["rollout/syncs"] == 1
 
 
+def test_score_without_the_adapter_refuses_once_one_is_merged(
+    tmp_path: Path, merge_vllm: types.ModuleType
+) -> None:
+    """The merged weights are all vLLM holds: with an adapter merged, ``score(with_adapter=False)``
+    would return the adapted policy's logprobs as the base's, so it raises; before a merge, or after
+    ``sync_adapter(None)`` put the base back, the base is what it scores."""
+    engine, _, bases = merged_engine(tmp_path)
+    ids = [[5, 9, 13], [1, 2]]
+    assert len(engine.score(ids, with_adapter=False)) == 2  # nothing merged yet: the base
+    engine.sync_policy(policy(bases))
+    assert len(engine.score(ids)) == 2  # the merged policy, as training samples it
+    with pytest.raises(QerlError, match="merged the adapter into vLLM's weights.*sync_adapter\\(None\\)"):
+        engine.score(ids, with_adapter=False)
+    engine.sync_adapter(None)  # back to the base weights
+    assert len(engine.score(ids, with_adapter=False)) == 2
+
+
 def test_a_merge_made_while_asleep_waits_for_wake_up(tmp_path: Path, merge_vllm: types.ModuleType) -> None:
     engine, llm, bases = merged_engine(tmp_path)
     engine.sync_policy(policy(bases, seed=1))

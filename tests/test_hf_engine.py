@@ -161,6 +161,30 @@ def test_engine_always_uses_the_current_adapter(tiny_model_dir) -> None:
     engine.wake_up()
 
 
+def test_score_honours_an_adapter_disabled_by_sync_adapter_none(tiny_model_dir) -> None:
+    """``sync_adapter(None)`` scores the base alone, as vLLM does with no LoRA request (``with_adapter``
+    True or not); a folder synced after it turns the adapter back on."""
+    from transformers import AutoModelForCausalLM
+
+    from qerl_cli.modeling.loading import load_tokenizer
+    from qerl_cli.modeling.lora import attach_lora
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = attach_lora(base, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    engine = HFEngine(model, load_tokenizer(str(tiny_model_dir)))
+    ids = [[5, 9, 13, 2, 7], [1, 2, 3]]
+    adapted, bare = engine.score(ids), engine.score(ids, with_adapter=False)
+    assert adapted != bare
+    engine.sync_adapter(None)
+    assert engine.score(ids) == bare and engine.score(ids, with_adapter=False) == bare
+    engine.sync_policy(model)  # the live adapter again
+    assert engine.score(ids) == adapted
+
+
 def test_make_engine_hf_loads_a_folder(tiny_model_dir) -> None:
     engine = make_engine(EngineRequest("hf", tiny_model_dir, dtype="float32", device="cpu"))
     result = engine.generate(["abc"], 2, SamplingSpec(max_new_tokens=3, seed=0))

@@ -19,6 +19,8 @@ from qerl_cli.config import LORA_TARGETS_ALL
 from qerl_cli.modeling.adapter import write_tensors
 from qerl_cli.modeling.model_shape import ModelShape
 
+RANDOM_B_SD = 0.01  # a random adapter's B ~ N(0, RANDOM_B_SD^2) (here and ``qerl bench gap``'s)
+
 _PARENT = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
@@ -41,7 +43,7 @@ def write_random_lora(
 ) -> Path:
     """Write a random rank-``rank`` LoRA adapter for the model in ``model_dir``; returns ``out_dir``.
 
-    A ~ U(-1/sqrt(in), 1/sqrt(in)) like PEFT's Kaiming init; B ~ N(0, 0.01^2): small enough that the
+    A ~ U(-1/sqrt(in), 1/sqrt(in)) like PEFT's Kaiming init; B ~ N(0, RANDOM_B_SD^2): small enough that the
     outputs stay finite, nonzero so the adapter does real work.
     """
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -55,7 +57,7 @@ def write_random_lora(
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[name]}.{name}"
             bound = in_features**-0.5
             lora_a = (torch.rand(rank, in_features, generator=generator) * 2 - 1) * bound
-            lora_b = torch.randn(out_features, rank, generator=generator) * 0.01
+            lora_b = torch.randn(out_features, rank, generator=generator) * RANDOM_B_SD
             tensors[f"{prefix}.lora_A.weight"] = lora_a.to(dtype)
             tensors[f"{prefix}.lora_B.weight"] = lora_b.to(dtype)
     return write_tensors(

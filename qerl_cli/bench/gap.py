@@ -4,97 +4,112 @@ the same token sequences, side by side.
 Between two training runs the sampled completions and the policies drift apart, so the
 ``rollout_logprob_gap`` they log compares backends only roughly. Here every backend scores exactly the
 same token ids: the trainer side (:mod:`~qerl_cli.bench.gap_trainer`) builds the recipe's policy, writes
-the adapter, samples one completion per prompt with the transformers engine and takes the trainer's
-logprobs; then each backend (:mod:`~qerl_cli.bench.gap_worker`; a vLLM one in a child process of its
-own) scores the sequences with its engine; the figures and the verdict are
-:mod:`~qerl_cli.bench.gap_report`'s. Writes ``sequences.json`` and ``trainer_logprobs.json`` first, each
-backend's logprobs in ``logprobs/BACKEND.json``, then ``gap.json`` and ``gap.md``.
+the adapter, samples one completion per prompt with training's transformers engine and sampling, takes the
+trainer's logprobs and (``hf``) that engine's; then each vLLM backend (:mod:`~qerl_cli.bench.gap_worker`,
+in a child process of its own) scores the sequences with its engine; the figures and the verdict are
+:mod:`~qerl_cli.bench.gap_report`'s. Every side scores at temperature 1 (the completions are sampled at the
+recipe's). Writes ``sequences.json`` and ``trainer_logprobs.json`` first, each backend's logprobs in
+``logprobs/BACKEND.json``, then ``gap.json`` and ``gap.md``; a reused folder's files of an earlier gap run
+are removed first.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from qerl_cli.bench.gap_report import (
     MARKDOWN_NAME,
     REPORT_NAME,
     SCHEMA,
+    BackendResult,
     GapReport,
+    TrainerFigures,
     build_ratios,
     build_rows,
     gap_markdown,
 )
-from qerl_cli.bench.gap_settings import GapSettings
-from qerl_cli.bench.gap_trainer import SEQUENCES_FILE, TrainerSide, gap_train_config, prepare_trainer_side
-from qerl_cli.bench.gap_worker import (
-    HF_BACKEND,
-    BackendSpec,
-    error_result,
-    measure_in_process,
-    measure_isolated,
+from qerl_cli.bench.gap_settings import HF_BACKEND, GapSettings
+from qerl_cli.bench.gap_trainer import (
+    ADAPTER_DIR,
+    SEQUENCES_FILE,
+    TRAINER_FILE,
+    TrainerSide,
+    gap_train_config,
+    prepare_trainer_side,
 )
+from qerl_cli.bench.gap_worker import BackendSpec, error_result, measure_isolated
 from qerl_cli.bench.header import report_header, write_report
+from qerl_cli.bench.preflight import VLLM_EXTRA, gpu_available, vllm_available
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.config.loading import to_dict
-from qerl_cli.errors import install_hint
 from qerl_cli.files import atomic_write_text, write_json
-from qerl_cli.torch_utils import free_accelerator_memory
 
 LOGPROBS_DIR = "logprobs"
+ENGINES_DIR = "engines"
+# What a gap run writes in its folder: an earlier run's are removed first (the folder may hold others').
+GAP_OUTPUTS = (
+    REPORT_NAME,
+    MARKDOWN_NAME,
+    SEQUENCES_FILE,
+    TRAINER_FILE,
+    LOGPROBS_DIR,
+    ADAPTER_DIR,
+    ENGINES_DIR,
+)
 
 
 def backend_unavailable(backend: str) -> str | None:
     """Why a vLLM backend cannot run on this machine before a child process is spent on it (None: try)."""
-    if backend == HF_BACKEND:
-        return None
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed ({install_hint('vllm')}, on a GPU machine)"
-    import torch
-
-    if not torch.cuda.is_available():
+    if not vllm_available():
+        return f"vLLM is not installed ({VLLM_EXTRA}, on a GPU machine)"
+    if not gpu_available():
         return "vLLM needs a CUDA GPU and none is visible"
     return None
 
 
-def measure(spec: BackendSpec) -> dict[str, Any]:
-    """One backend's result: ``hf`` in this process, a vLLM backend in a child process."""
+def measure(spec: BackendSpec) -> BackendResult:
+    """One vLLM backend's result, in a child process (``hf`` is the trainer side's)."""
     why = backend_unavailable(spec.backend)
     if why is not None:
         return error_result(spec, why)
-    if spec.backend == HF_BACKEND:
-        result = measure_in_process(spec)
-        free_accelerator_memory()  # its model's cached blocks, before a vLLM engine measures free memory
-        return result
     return measure_isolated(spec)
 
 
-def trainer_figures(cfg: TrainConfig, side: TrainerSide) -> dict[str, Any]:
+def trainer_figures(cfg: TrainConfig, side: TrainerSide) -> TrainerFigures:
     """The report's ``trainer`` section: the model, the sequences and what the trainer side resolved."""
     lengths = [len(s.completion_ids) for s in side.sequences]
     finishes = [s.finish_reason for s in side.sequences]
-    return {
-        "model": cfg.model.path,
-        "base_format": side.base_format,
-        "dtype": cfg.model.dtype,
-        "lora": {
-            "rank": cfg.lora.rank,
-            "alpha": cfg.lora.alpha,
-            "target_modules": list(cfg.lora.target_modules),
-        },
-        "adapter_dir": side.adapter_dir,
-        "gpu_memory_utilization": side.gpu_memory_utilization,
-        "sequences": len(side.sequences),
-        "tokens": sum(lengths),
-        "completion_tokens_max": max(lengths),
-        "stopped": sum(f == "stop" for f in finishes),
-        "seconds": side.seconds,
-    }
+    lora = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "target_modules": list(cfg.lora.target_modules)}
+    return TrainerFigures(
+        model=cfg.model.path,
+        base_format=side.base_format,
+        dtype=cfg.model.dtype,
+        lora=lora,
+        adapter_dir=side.adapter_dir,
+        gpu_memory_utilization=side.gpu_memory_utilization,
+        sequences=len(side.sequences),
+        tokens=sum(lengths),
+        completion_tokens_max=max(lengths),
+        stopped=sum(f == "stop" for f in finishes),
+        seconds=side.seconds,
+        sample_temperature=cfg.rollout.temperature,
+        sample_top_p=cfg.rollout.top_p,
+    )
+
+
+def clear_earlier_run(out: Path) -> None:
+    """Remove what an earlier gap run wrote in ``out`` (stale logprobs, adapter, report), nothing else."""
+    for name in GAP_OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
 
 
 def run_gap(
@@ -102,32 +117,34 @@ def run_gap(
     recipe: TrainConfig,
     *,
     command: str,
-    measure_backend: Callable[[BackendSpec], dict[str, Any]] = measure,
+    measure_backend: Callable[[BackendSpec], BackendResult] = measure,
 ) -> GapReport:
     """The whole benchmark; writes its files in ``settings.output`` and returns the report.
-    ``measure_backend``: how one backend's result is had (tests stand the HF engine in for vLLM)."""
+    ``measure_backend``: how a vLLM backend's result is had (tests stand the HF engine in for vLLM)."""
     out = Path(settings.output)
     out.mkdir(parents=True, exist_ok=True)
+    clear_earlier_run(out)
     cfg = gap_train_config(recipe, settings)
     progress = Progress("bench gap", 1 + len(settings.backends))
-    report = GapReport(report_header(SCHEMA, command), report_settings(settings), {})
+    report = GapReport(report_header(SCHEMA, command), report_settings(settings), TrainerFigures())
     progress.start("trainer: sequences and logprobs")
     side = prepare_trainer_side(cfg, settings, out)
     report.trainer = trainer_figures(cfg, side)
-    progress.finish("trainer: sequences and logprobs", f"{report.trainer['tokens']} completion tokens")
-    results: list[dict[str, Any]] = []
+    progress.finish("trainer: sequences and logprobs", f"{report.trainer.tokens} completion tokens")
+    results: list[BackendResult] = []
     for backend in settings.backends:
         progress.start(backend)
         spec = BackendSpec(backend, to_dict(cfg), str(out / SEQUENCES_FILE), side.adapter_dir,
-                           side.gpu_memory_utilization, str(out / "engines" / backend))  # fmt: skip
-        result = measure_backend(spec)
-        if "logprobs" in result:
+                           side.gpu_memory_utilization, str(out / ENGINES_DIR / backend))  # fmt: skip
+        result = side.hf if backend == HF_BACKEND and side.hf is not None else measure_backend(spec)
+        if result.logprobs is not None:
             write_json(
-                out / LOGPROBS_DIR / f"{backend}.json", {"backend": backend, "logprobs": result["logprobs"]}
+                out / LOGPROBS_DIR / f"{backend}.json", {"backend": backend, "logprobs": result.logprobs}
             )
         results.append(result)
-        progress.finish(backend, f"failed: {result['error']}" if "error" in result else "done")
         report.rows = build_rows(results, side.trainer_logprobs)
+        error = report.rows[-1].error
+        progress.finish(backend, f"failed: {error}" if error is not None else "done")
         write_report(out / REPORT_NAME, report.to_dict())  # a run cut short keeps the backends done
     report.ratios = build_ratios(report.rows, settings.margin, settings.seed)
     write_report(out / REPORT_NAME, report.to_dict())

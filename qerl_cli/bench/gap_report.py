@@ -17,9 +17,61 @@ from typing import Any
 
 from qerl_cli.stats import RATIO_RESAMPLES, mean, mean_interval, paired_ratio_interval, ratio_verdict
 
-SCHEMA = "qerl-bench-gap/1"
+# /2: trainer.sample_temperature, sample_top_p and score_temperature; the hf row scored by the trainer
+# side's own transformers engine over the live policy. /1 reports read with those fields None.
+SCHEMA = "qerl-bench-gap/2"
+SCORE_TEMPERATURE = 1.0  # every side scores raw log-softmax (vLLM's prompt logprobs take no temperature)
 REPORT_NAME = "gap.json"
 MARKDOWN_NAME = "gap.md"
+
+
+@dataclass
+class BackendResult:
+    """One backend's measurement: its engine's logprob of every completion token of every sequence, in
+    order, or the error that left it without (JSON between a worker process and the parent)."""
+
+    backend: str
+    linear_backend: str | None = None  # what the engine ran (``auto`` resolved; "trainer" for hf)
+    load_seconds: float | None = None  # the engine built and the adapter synced
+    score_seconds: float | None = None  # every sequence scored
+    logprobs: list[list[float]] | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BackendResult:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+@dataclass
+class TrainerFigures:
+    """``gap.json``'s ``trainer`` section: the model, the sequences and what the trainer side resolved.
+    Sampled at the recipe's temperature and ``top_p``; scored at ``score_temperature`` (1) everywhere."""
+
+    model: str = ""
+    base_format: str | None = None
+    dtype: str | None = None
+    lora: dict[str, Any] = field(default_factory=dict)  # rank, alpha, target_modules
+    adapter_dir: str | None = None
+    gpu_memory_utilization: float | None = None
+    sequences: int = 0
+    tokens: int = 0
+    completion_tokens_max: int = 0
+    stopped: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    sample_temperature: float | None = None  # the recipe's rollout.temperature
+    sample_top_p: float | None = None
+    score_temperature: float | None = SCORE_TEMPERATURE
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainerFigures:
+        known = {f.name for f in fields(cls)}
+        figures = cls(**{k: v for k, v in data.items() if k in known})
+        if "score_temperature" not in data:  # a /1 report: not recorded
+            figures.score_temperature = None
+        return figures
 
 
 def token_gaps(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
@@ -87,7 +139,7 @@ class GapReport:
 
     header: dict[str, Any]
     settings: dict[str, Any]
-    trainer: dict[str, Any]
+    trainer: TrainerFigures
     rows: list[BackendRow] = field(default_factory=list)
     ratios: list[GapRatio] = field(default_factory=list)
 
@@ -100,7 +152,7 @@ class GapReport:
         return {
             **self.header,
             "settings": self.settings,
-            "trainer": self.trainer,
+            "trainer": asdict(self.trainer),
             "rows": rows,
             "ratios": ratios,
         }
@@ -111,22 +163,39 @@ class GapReport:
         return cls(
             header={k: v for k, v in data.items() if k not in body},
             settings=data["settings"],
-            trainer=data["trainer"],
+            trainer=TrainerFigures.from_dict(data["trainer"]),
             rows=[BackendRow.from_dict(r) for r in data["rows"]],
             ratios=[GapRatio.from_dict(r) for r in data["ratios"]],
         )
 
 
+def shape_mismatch(logprobs: list[list[float]], trainer: list[list[float]]) -> str | None:
+    """Why a backend's logprobs cannot be set against the trainer's (None: the same shape)."""
+    if len(logprobs) != len(trainer):
+        return f"{len(logprobs)} sequences scored, the trainer has {len(trainer)}"
+    for index, (row, reference) in enumerate(zip(logprobs, trainer, strict=True)):
+        if len(row) != len(reference):
+            return f"sequence {index}: {len(row)} completion logprobs, the trainer has {len(reference)}"
+    return None
+
+
 def backend_row(
-    result: dict[str, Any], trainer: list[list[float]], first: list[list[float]] | None
+    result: BackendResult, trainer: list[list[float]], first: list[list[float]] | None
 ) -> BackendRow:
-    """A backend's row from its worker's result (``logprobs`` per completion token, or ``error``) against
-    the trainer's logprobs and the first backend's (None: this is the first, or the first failed)."""
-    row = BackendRow(result["backend"], result.get("linear_backend"), result.get("error"))
-    row.load_seconds, row.score_seconds = result.get("load_seconds"), result.get("score_seconds")
-    if row.error is not None:
+    """A backend's row from its result (``logprobs`` per completion token, or ``error``) against the
+    trainer's logprobs and the first backend's (None: this is the first, or the first failed). Logprobs
+    of another shape than the trainer's make the row an error naming the mismatch."""
+    row = BackendRow(result.backend, result.linear_backend, result.error)
+    row.load_seconds, row.score_seconds = result.load_seconds, result.score_seconds
+    logprobs = result.logprobs
+    if row.error is None and logprobs is None:
+        row.error = "no logprobs returned"
+    elif row.error is None:
+        mismatch = shape_mismatch(logprobs, trainer)
+        if mismatch is not None:
+            row.error = f"logprobs of the wrong shape: {mismatch}"
+    if row.error is not None or logprobs is None:
         return row
-    logprobs = result["logprobs"]
     gaps = token_gaps(logprobs, trainer)
     per_sequence = [mean(g) for g in gaps]
     interval = mean_interval(per_sequence)
@@ -154,11 +223,16 @@ def gap_ratio(row: BackendRow, reference: BackendRow, margin: float, seed: int) 
                     interval.low, interval.high, verdict.needed, interval.resamples, seed)  # fmt: skip
 
 
-def build_rows(results: list[dict[str, Any]], trainer: list[list[float]]) -> list[BackendRow]:
-    """One row per backend result, in order; the first measured result is the engine-vs-engine reference
-    only when it is the first backend (a failed first backend leaves that column empty)."""
-    first = results[0].get("logprobs") if results and "error" not in results[0] else None
-    return [backend_row(r, trainer, first if i else None) for i, r in enumerate(results)]
+def build_rows(results: list[BackendResult], trainer: list[list[float]]) -> list[BackendRow]:
+    """One row per backend result, in order; the first backend's logprobs are the engine-vs-engine
+    reference when it was measured (a failed first backend leaves that column empty)."""
+    rows: list[BackendRow] = []
+    first: list[list[float]] | None = None
+    for index, result in enumerate(results):
+        rows.append(backend_row(result, trainer, first if index else None))
+        if index == 0 and rows[0].error is None:
+            first = result.logprobs
+    return rows
 
 
 def build_ratios(rows: list[BackendRow], margin: float, seed: int) -> list[GapRatio]:
@@ -184,10 +258,12 @@ def gap_markdown(report: GapReport) -> str:
     s, t, h = report.settings, report.trainer, report.header
     first = s["backends"][0]
     lines = [
-        f"# Rollout/trainer logprob gap: {t.get('model', '')}",
+        f"# Rollout/trainer logprob gap: {t.model}",
         "",
-        f"{t.get('sequences', 0)} sequences ({t.get('tokens', 0)} completion tokens; adapter "
-        f"{s['adapter']}), {h.get('device', '')}, {h.get('created', '')}. Gap: mean |engine - trainer| "
+        f"{t.sequences} sequences ({t.tokens} completion tokens; adapter {s['adapter']}; sampled at "
+        f"temperature {_fig(t.sample_temperature, 'g')}, scored at temperature "
+        f"{_fig(t.score_temperature, 'g')} on every side), {h.get('device', '')}, {h.get('created', '')}. "
+        "Gap: mean |engine - trainer| "
         "logprob per completion token (nats/token), teacher-forced on the same token ids; mean over "
         f"sequences with its 95% interval. Ratio: to {first}'s gap, paired bootstrap over sequences; "
         f"verdict against 1 + {s['margin']}.",

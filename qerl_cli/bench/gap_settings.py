@@ -10,9 +10,11 @@ from typing import get_args
 from qerl_cli.config.choices import LinearBackend
 from qerl_cli.errors import QerlError
 
-# ``qerl bench gap``'s backends: the recipe's rollout.linear_backend values, and ``hf``, the transformers
-# engine (the trainer's own modules: the measurement's floor).
-GAP_BACKENDS = (*get_args(LinearBackend), "hf")
+# ``qerl bench gap``'s backends: the recipe's rollout.linear_backend values, and ``hf``: training's own
+# transformers rollout engine over the live policy (the trainer's modules, its base-compute settings and
+# fused kernels: the measurement's floor), scored in the trainer side's process.
+HF_BACKEND = "hf"
+GAP_BACKENDS = (*get_args(LinearBackend), HF_BACKEND)
 GAP_ADAPTERS = ("random", "none")
 
 

@@ -9,13 +9,18 @@ layers, dtype and LoRA), its memory plan ``rl.setup.plan_with_base_compute`` (vL
   zero, and a zero adapter would let an engine skip its LoRA path), saved once as a PEFT folder that the
   trainer holds in memory and every engine loads; ``none``: the base alone (adapters off everywhere).
 - **sequences**: the first ``sequences`` prompts of the recipe's own seeded order (the prompts its
-  training would take from step 1, ``rl.stream.PromptStream``), rendered with its template, each with ONE
-  completion sampled by the policy through the transformers rollout engine (``rl.setup.make_engine`` with
-  ``rollout.engine=hf``): temperature 1, the recipe's ``top_p`` and its template's stop strings, at most
-  ``max_tokens`` tokens, seeded. No vLLM backend sampled them, so none is favoured.
-- **trainer logprobs**: log p(token | prefix) of each completion token at temperature 1, by the
-  trainer's no-grad forward (``rl.policy.batched_logprobs``, the old-policy pass of an update) with the
-  plan's micro-batch and LM-head chunk.
+  training would take from step 1, ``rl.stream.PromptStream``), rendered with its template (chosen before
+  the policy is built, so too large a ``--sequences`` fails first), each with ONE completion sampled by
+  the policy through training's transformers rollout engine (``rl.setup.make_engine`` with
+  ``rollout.engine=hf``) with training's own sampling (``rl.rollouts.sampling_spec``: the recipe's
+  temperature, ``top_p`` and its template's stop strings), only ``max_tokens`` and the seed the
+  benchmark's. No vLLM backend sampled them, so none is favoured.
+- **trainer logprobs**: log p(token | prefix) of each completion token at temperature 1 (raw
+  log-softmax, as every engine scores: vLLM's prompt logprobs take no temperature), by the trainer's
+  no-grad forward (``rl.policy.batched_logprobs``, the old-policy pass of an update) with the plan's
+  micro-batch and LM-head chunk.
+- **hf** (when ``--backends`` names it): the same engine's ``score`` of the sequences over the live
+  policy (its base-compute settings, fused kernels and adapter: training's own HF rollout), the floor.
 """
 
 from __future__ import annotations
@@ -23,21 +28,25 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qerl_cli.bench.gap_settings import GapSettings
+from qerl_cli.bench.adapter import RANDOM_B_SD
+from qerl_cli.bench.gap_report import SCORE_TEMPERATURE, BackendResult
+from qerl_cli.bench.gap_settings import HF_BACKEND, GapSettings
 from qerl_cli.config import TrainConfig
-from qerl_cli.data.prompts import get_template
 from qerl_cli.errors import QerlError
 from qerl_cli.files import write_json
+from qerl_cli.modeling.loading import load_tokenizer
 from qerl_cli.rl import setup
 from qerl_cli.rl.policy import Policy, batched_logprobs, build_policy, make_token_batch
+from qerl_cli.rl.rollouts import sampling_spec
 from qerl_cli.rl.stream import PromptStream, load_training_problems, render_prompts
-from qerl_cli.rollout.base import SamplingSpec
+from qerl_cli.rollout.base import RolloutEngine, SamplingSpec
 from qerl_cli.torch_utils import free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -45,7 +54,6 @@ log = logging.getLogger(__name__)
 SEQUENCES_FILE = "sequences.json"
 TRAINER_FILE = "trainer_logprobs.json"
 ADAPTER_DIR = "adapter"
-RANDOM_B_SD = 0.01  # the random adapter's B, as bench/adapter.py draws it
 
 
 @dataclass
@@ -74,6 +82,7 @@ class TrainerSide:
     gpu_memory_utilization: float
     base_format: str
     seconds: dict[str, float]
+    hf: BackendResult | None = None  # the hf backend, scored here (None: not asked for)
 
 
 def gap_train_config(recipe: TrainConfig, settings: GapSettings) -> TrainConfig:
@@ -106,9 +115,13 @@ def randomize_adapter(policy: Policy, seed: int) -> int:
     return drawn
 
 
-def chosen_prompts(cfg: TrainConfig, policy: Policy, count: int) -> tuple[list[str], list[str]]:
-    """(problem ids, rendered prompts) of the first ``count`` prompts of the recipe's seeded order."""
-    problems, prompts = render_prompts(cfg, load_training_problems(cfg), policy.tokenizer)
+def chosen_prompts(cfg: TrainConfig, count: int) -> tuple[list[str], list[str]]:
+    """(problem ids, rendered prompts) of the first ``count`` prompts of the recipe's seeded order; with
+    the tokenizer alone, so that too few prompts fail before the policy is built."""
+    tokenizer = load_tokenizer(
+        cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
+    problems, prompts = render_prompts(cfg, load_training_problems(cfg), tokenizer)
     if len(problems) < count:
         raise QerlError(
             f"--sequences {count}: the recipe's training data has {len(problems)} prompts that fit "
@@ -118,28 +131,41 @@ def chosen_prompts(cfg: TrainConfig, policy: Policy, count: int) -> tuple[list[s
     return [p.id for p in taken], [prompts[p.id] for p in taken]
 
 
+def gap_sampling_spec(cfg: TrainConfig, settings: GapSettings) -> SamplingSpec:
+    """Training's sampling of the recipe (its temperature, ``top_p``, stop strings, ...), only the length
+    and the seed the benchmark's."""
+    return replace(sampling_spec(cfg, 0, 0), max_new_tokens=settings.max_tokens, seed=settings.seed)
+
+
 def sample_sequences(
-    cfg: TrainConfig, policy: Policy, settings: GapSettings, with_adapter: bool
+    engine: RolloutEngine, ids: list[str], prompts: list[str], spec: SamplingSpec
 ) -> list[GapSequence]:
-    """One completion per chosen prompt, sampled by the policy through the transformers rollout engine."""
-    ids, prompts = chosen_prompts(cfg, policy, settings.sequences)
-    hf = replace(cfg, rollout=replace(cfg.rollout, engine="hf"))
-    engine = setup.make_engine(hf, policy, gpu_memory_utilization=0.0)  # the HF engine takes no share
-    try:
-        if not with_adapter:
-            engine.sync_adapter(None)  # the base alone
-        stop = get_template(cfg.data.template).stop  # a few-shot prompt ends where its next example starts
-        spec = SamplingSpec(max_new_tokens=settings.max_tokens, temperature=1.0, top_p=cfg.rollout.top_p,
-                            top_k=-1, seed=settings.seed, stop=stop)  # fmt: skip
-        result = engine.generate(prompts, 1, spec)
-    finally:
-        engine.close()
+    """One completion per chosen prompt, sampled through the rollout engine."""
+    result = engine.generate(prompts, 1, spec)
     return [
         GapSequence(i, pid, list(prompt_ids), list(group[0].token_ids), group[0].finish_reason)
         for i, (pid, prompt_ids, group) in enumerate(
             zip(ids, result.prompt_token_ids, result.completions, strict=True)
         )
     ]
+
+
+def completion_logprobs(scored: Sequence[Sequence[float]], sequences: list[GapSequence]) -> list[list[float]]:
+    """Each sequence's scored logprobs (one a token after the first) cut to its completion tokens."""
+    return [list(lp[len(lp) - len(s.completion_ids) :]) for lp, s in zip(scored, sequences, strict=True)]
+
+
+def score_hf(engine: RolloutEngine, sequences: list[GapSequence], with_adapter: bool) -> BackendResult:
+    """The hf backend: training's transformers engine over the live policy scores the sequences (its
+    failure is the backend's error row)."""
+    started = time.perf_counter()
+    try:
+        scored = engine.score([s.token_ids for s in sequences], with_adapter=with_adapter)
+    except Exception as exc:  # noqa: BLE001 - the row says why; the other backends go on
+        log.exception("bench gap: backend hf failed")
+        return BackendResult(HF_BACKEND, error=f"{type(exc).__name__}: {exc}")
+    return BackendResult(HF_BACKEND, engine.linear_backend, 0.0, time.perf_counter() - started,
+                         completion_logprobs(scored, sequences))  # fmt: skip
 
 
 def trainer_logprobs(
@@ -150,23 +176,24 @@ def trainer_logprobs(
     prompts = [s.prompt_ids for s in sequences]
     completions = [s.completion_ids for s in sequences]
     batch = make_token_batch(prompts, completions, [[0.0] * len(c) for c in completions], pad)
+    t = SCORE_TEMPERATURE
     if with_adapter:
-        values = batched_logprobs(policy.model, batch, 1.0, policy.device, micro_batch, chunk_tokens=chunk)
+        values = batched_logprobs(policy.model, batch, t, policy.device, micro_batch, chunk_tokens=chunk)
     else:
         with policy.bare_base():
-            values = batched_logprobs(
-                policy.model, batch, 1.0, policy.device, micro_batch, chunk_tokens=chunk
-            )
+            values = batched_logprobs(policy.model, batch, t, policy.device, micro_batch, chunk_tokens=chunk)
     return [values[row, : len(c)].tolist() for row, c in enumerate(completions)]
 
 
 def prepare_trainer_side(cfg: TrainConfig, settings: GapSettings, out: Path) -> TrainerSide:
-    """Build the policy, write the adapter (``random``), sample the sequences and take the trainer's
-    logprobs of them; writes ``sequences.json`` and ``trainer_logprobs.json`` in ``out`` and frees the
-    policy's memory before returning (the engines that follow need the GPU)."""
+    """Choose the prompts, build the policy, write the adapter (``random``), sample the sequences, take
+    the trainer's logprobs of them and (``hf`` asked for) the HF engine's; writes ``sequences.json`` and
+    ``trainer_logprobs.json`` in ``out`` and frees the policy's memory before returning (the engines that
+    follow need the GPU)."""
     seconds: dict[str, float] = {}
-    started = time.perf_counter()
     setup.seed_everything(settings.seed)
+    ids, prompts = chosen_prompts(cfg, settings.sequences)  # before the load: too few fails at once
+    started = time.perf_counter()
     policy = build_policy(cfg)
     try:
         plan = setup.plan_with_base_compute(cfg, policy)
@@ -176,14 +203,23 @@ def prepare_trainer_side(cfg: TrainConfig, settings: GapSettings, out: Path) -> 
         if with_adapter:
             randomize_adapter(policy, settings.seed)
             adapter_dir = str(policy.save_adapter(out / ADAPTER_DIR))
-        started = time.perf_counter()
-        sequences = sample_sequences(cfg, policy, settings, with_adapter)
-        seconds["sample"] = time.perf_counter() - started
-        started = time.perf_counter()
-        trainer = trainer_logprobs(policy, sequences, plan.micro_batch_size, plan.logprob_chunk, with_adapter)
-        seconds["trainer_logprobs"] = time.perf_counter() - started
+        hf_cfg = replace(cfg, rollout=replace(cfg.rollout, engine="hf"))
+        engine = setup.make_engine(hf_cfg, policy, gpu_memory_utilization=0.0)  # the HF engine takes none
+        try:
+            if not with_adapter:
+                engine.sync_adapter(None)  # the base alone
+            started = time.perf_counter()
+            sequences = sample_sequences(engine, ids, prompts, gap_sampling_spec(cfg, settings))
+            seconds["sample"] = time.perf_counter() - started
+            started = time.perf_counter()
+            trainer = trainer_logprobs(policy, sequences, plan.micro_batch_size, plan.logprob_chunk,
+                                       with_adapter)  # fmt: skip
+            seconds["trainer_logprobs"] = time.perf_counter() - started
+            hf = score_hf(engine, sequences, with_adapter) if HF_BACKEND in settings.backends else None
+        finally:
+            engine.close()
         side = TrainerSide(sequences, trainer, adapter_dir, plan.gpu_memory_utilization, policy.base_format,
-                           seconds)  # fmt: skip
+                           seconds, hf)  # fmt: skip
     finally:
         policy.close()
         del policy

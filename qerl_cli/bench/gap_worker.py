@@ -6,8 +6,9 @@ A vLLM backend runs in a fresh child process, ``python -m qerl_cli.bench.gap_wor
 when deleted, and each backend needs an engine of its own. Its engine is ``rl.setup.make_engine`` of the
 recipe with ``rollout.linear_backend`` set to the backend (the factory's mapping, vLLM's share as the
 trainer's memory plan resolved it, sleep mode and the recipe's ``vllm_kwargs`` as training has them).
-``hf`` is the transformers engine over the same base and adapter (the trainer's own modules), scored in
-the parent's process. A failure is written as ``{"error": message}`` so the other backends go on.
+``hf`` is not measured here: the trainer side scores it with training's own transformers engine over the
+live policy (:func:`~qerl_cli.bench.gap_trainer.score_hf`). A failure is a
+:class:`~qerl_cli.bench.gap_report.BackendResult` with its error, so the other backends go on.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from qerl_cli.bench.gap_trainer import read_sequences
+from qerl_cli.bench.gap_report import BackendResult
+from qerl_cli.bench.gap_trainer import completion_logprobs, read_sequences
 from qerl_cli.config import TrainConfig, from_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.rl import setup
-from qerl_cli.rollout import factory, vllm_env
+from qerl_cli.rollout import vllm_env
 from qerl_cli.rollout.base import RolloutEngine
-
-HF_BACKEND = "hf"
 
 
 @dataclass
@@ -54,29 +55,25 @@ def engine_config(spec: BackendSpec) -> TrainConfig:
 
 
 def open_backend_engine(spec: BackendSpec) -> RolloutEngine:
-    """The backend's engine: training's vLLM engine for the recipe, or the transformers engine (``hf``)
-    loaded from the same base with the adapter."""
+    """The backend's engine: training's vLLM engine for the recipe with this linear backend."""
     cfg = engine_config(spec)
-    if spec.backend == HF_BACKEND:
-        m = cfg.model
-        request = factory.EngineRequest(HF_BACKEND, m.path, adapter=spec.adapter_dir, model_format=m.format,
-                                        dtype=m.dtype, trust_remote_code=m.trust_remote_code,
-                                        device=cfg.train.device)  # fmt: skip
-        return factory.make_engine(request)
     Path(spec.work_dir).mkdir(parents=True, exist_ok=True)
     # Training's engine: no policy is read for vLLM (it loads its own copy of the base).
     return setup.make_engine(cfg, None, gpu_memory_utilization=spec.gpu_memory_utilization)  # type: ignore[arg-type]
 
 
-def measure_backend(spec: BackendSpec) -> dict[str, Any]:
-    """``{"backend", "linear_backend", "load_seconds", "score_seconds", "logprobs"}``: the engine's
-    logprob of every completion token of every sequence, in order."""
+def measure_backend(
+    spec: BackendSpec, open_engine: Callable[[BackendSpec], RolloutEngine] = open_backend_engine
+) -> BackendResult:
+    """The engine's logprob of every completion token of every sequence, in order, with the seconds its
+    load (adapter synced) and its scoring took. ``open_engine``: how the engine is had (tests stand the
+    transformers engine in for vLLM's)."""
     sequences = read_sequences(spec.sequences_file)
     started = time.perf_counter()
-    engine = open_backend_engine(spec)
+    engine = open_engine(spec)
     try:
         with_adapter = spec.adapter_dir is not None
-        if with_adapter and spec.backend != HF_BACKEND:  # the HF engine loaded it with the base
+        if with_adapter:
             engine.sync_adapter(spec.adapter_dir)
         load_seconds = time.perf_counter() - started
         started = time.perf_counter()
@@ -89,30 +86,26 @@ def measure_backend(spec: BackendSpec) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - the figures are taken; a failed teardown must not lose them
             logging.getLogger(__name__).warning("bench gap: closing the %s engine failed", spec.backend,
                                                 exc_info=True)  # fmt: skip
-    completions = [lp[len(lp) - len(s.completion_ids) :] for lp, s in zip(scored, sequences, strict=True)]
-    return {
-        "backend": spec.backend,
-        "linear_backend": linear_backend,
-        "load_seconds": load_seconds,
-        "score_seconds": score_seconds,
-        "logprobs": completions,
-    }
+    return BackendResult(spec.backend, linear_backend, load_seconds, score_seconds,
+                         completion_logprobs(scored, sequences))  # fmt: skip
 
 
-def error_result(spec: BackendSpec, error: str) -> dict[str, Any]:
-    return {"backend": spec.backend, "error": error}
+def error_result(spec: BackendSpec, error: str) -> BackendResult:
+    return BackendResult(spec.backend, error=error)
 
 
-def measure_in_process(spec: BackendSpec) -> dict[str, Any]:
+def measure_in_process(
+    spec: BackendSpec, open_engine: Callable[[BackendSpec], RolloutEngine] = open_backend_engine
+) -> BackendResult:
     """:func:`measure_backend` here, a failure as the backend's error row."""
     try:
-        return measure_backend(spec)
+        return measure_backend(spec, open_engine)
     except Exception as exc:  # noqa: BLE001 - the row says why; the other backends go on
         logging.getLogger(__name__).exception("bench gap: backend %s failed", spec.backend)
         return error_result(spec, f"{type(exc).__name__}: {exc}")
 
 
-def measure_isolated(spec: BackendSpec) -> dict[str, Any]:
+def measure_isolated(spec: BackendSpec) -> BackendResult:
     """:func:`measure_backend` in a fresh ``python -m qerl_cli.bench.gap_worker`` process."""
     with tempfile.TemporaryDirectory(prefix="qerl-gap-") as tmp:
         spec_file, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -126,7 +119,7 @@ def measure_isolated(spec: BackendSpec) -> dict[str, Any]:
         )
         if not out.is_file():  # e.g. killed for memory
             return error_result(spec, f"the gap worker exited with code {proc.returncode} and no result")
-        return json.loads(out.read_text())
+        return BackendResult.from_dict(json.loads(out.read_text()))
 
 
 def main(argv: list[str]) -> int:
@@ -144,7 +137,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - e.g. vLLM cannot serve this backend on this GPU
         traceback.print_exc()
         result = error_result(spec, f"crashed with {type(exc).__name__}: {exc} (traceback above)")
-    Path(argv[1]).write_text(json.dumps(result))
+    Path(argv[1]).write_text(json.dumps(result.to_dict()))
     return 0
 
 

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 
 from qerl_cli.bench.gap_settings import GAP_ADAPTERS, GAP_BACKENDS, GapSettings
-from qerl_cli.bench.preflight import check_output
+from qerl_cli.bench.preflight import check_tool
 from qerl_cli.cli.app import (
     DryRunOption,
     check_recipe_path,
@@ -24,6 +24,7 @@ from qerl_cli.cli.app import (
     set_option,
     use_free_cpu_threads,
 )
+from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import TrainConfig, load_config
 
 G = GapSettings  # the --help defaults below are its own
@@ -40,7 +41,7 @@ def gap(
             "--backends",
             metavar="NAME,...",
             help=f"Backends scored, the first the ratios' reference: comma list of "
-            f"{','.join(GAP_BACKENDS)} (hf: the transformers engine, the trainer's modules).",
+            f"{','.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor).",
         ),
     ] = "marlin,qerl-triton",
     sequences: Annotated[
@@ -81,9 +82,11 @@ def gap(
 ) -> None:
     """The rollout/trainer logprob gap of each rollout linear backend, on the same sequences.
 
-    One completion per prompt of the recipe's training data is sampled by the trainer's policy (the
-    transformers engine); the trainer and every backend's engine (vLLM, built as training builds it, the
-    adapter synced its own way) score exactly those tokens. Per backend: the mean |engine - trainer|
+    One completion per prompt of the recipe's training data is sampled by the trainer's policy through
+    training's transformers engine, with the recipe's sampling (temperature, top_p, stop strings); the
+    trainer and every backend's engine (vLLM, built as training builds it, the adapter synced its own
+    way; hf: training's transformers engine over the live policy) score exactly those tokens at
+    temperature 1 (vLLM's prompt logprobs take no temperature). Per backend: the mean |engine - trainer|
     logprob per token with its 95% interval; after the first, the ratio to the first's gap with a paired
     bootstrap interval and a verdict against 1 + --margin.
     """
@@ -94,8 +97,9 @@ def gap(
     check_recipe_path(recipe)
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     conf = load_config(TrainConfig, recipe, sets)
-    check_output(settings.output)
+    checks = check_tool(settings.output, conf.train.device, None)  # --device cuda with no GPU: exit 2
     if finish_config(conf, dry_run):
+        print_checks(checks)
         print_plan([f"{key}: {value}" for key, value in vars(settings).items()])
         return
     from qerl_cli.bench.gap import run_gap

@@ -209,7 +209,9 @@ class HFEngine:
 
     def score(self, sequences: Sequence[Sequence[int]], *, with_adapter: bool = True) -> list[list[float]]:
         """The model's teacher-forced logprobs of every list (``RolloutEngine.score``): one sequence a
-        forward (no padding), the float32 log-softmax of its logits, no noise, in eval mode."""
+        forward (no padding), the float32 log-softmax of its logits, no noise, in eval mode. The base
+        alone when ``with_adapter`` is False or ``sync_adapter(None)`` disabled the adapter (as vLLM
+        scores with no LoRA request then)."""
         lists = [list(ids) for ids in sequences]
         if any(len(ids) < 2 for ids in lists):
             raise ValueError("score needs 2 token ids a sequence at least")
@@ -217,7 +219,7 @@ class HFEngine:
         self.model.eval()
         adapters = (
             self.model.disable_adapter()
-            if not with_adapter and hasattr(self.model, "disable_adapter")
+            if (not with_adapter or self._adapter_disabled) and hasattr(self.model, "disable_adapter")
             else nullcontext()
         )
         out: list[list[float]] = []

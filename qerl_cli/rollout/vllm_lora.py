@@ -72,6 +72,7 @@ class AdapterSync:
         self.num_syncs = 0
         self.last_sync_seconds: float | None = None  # the last sync, its deferred activation included
         self.merged_linears = 0  # merge mode: linears the last merge wrote
+        self.adapter_merged = False  # merge mode: vLLM's weights hold an adapter (not the base alone)
         self._merged_shapes: dict[str, tuple[int, int]] = {}  # merge mode: (out, in) of merged linears
         self.stage_root = Path(tempfile.mkdtemp(prefix="qerl-lora-", dir=tmpfs_dir()))
         # The staged copies go with this object, closed or not.
@@ -161,6 +162,7 @@ class AdapterSync:
         self.num_syncs += 1
         deltas = dict(deltas or {})
         self._merge_bases = bases
+        self.adapter_merged = bool(deltas)
         if engine.is_sleeping:
             # The merge writes vLLM's weights, which sleep mode has offloaded: defer to wake_up.
             self._pending_merge, self._has_pending = deltas, True
