@@ -8,9 +8,18 @@ so the figures over those tokens are what the fixed sampler would have measured 
 
 import gzip
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from qerl_cli.bench.gap_report import GapReport, build_ratios, build_rows, gap_markdown
+from qerl_cli.bench.gap_report import (
+    SCHEMA,
+    SCORE_TEMPERATURE,
+    BackendResult,
+    GapReport,
+    build_ratios,
+    build_rows,
+    gap_markdown,
+)
 
 HERE = Path(__file__).parent
 RUN = HERE / "run"
@@ -34,16 +43,25 @@ def main() -> None:
     kept = [own_tokens(s["completion_ids"], pad=0) for s in sequences]
     trim = lambda rows: [row[:n] for row, n in zip(rows, kept, strict=True)]  # noqa: E731
     trainer = trim(load("trainer_logprobs.json.gz")["trainer_logprobs"])
-    results = []
-    for row in report.rows:
-        logprobs = trim(load(f"logprobs/{row.backend}.json.gz")["logprobs"])
-        results.append({"backend": row.backend, "linear_backend": row.linear_backend, "logprobs": logprobs,
-                        "load_seconds": row.load_seconds, "score_seconds": row.score_seconds})  # fmt: skip
+    results = [
+        BackendResult(
+            row.backend,
+            row.linear_backend,
+            row.load_seconds,
+            row.score_seconds,
+            trim(load(f"logprobs/{row.backend}.json.gz")["logprobs"]),
+        )  # fmt: skip
+        for row in report.rows
+    ]
     report.rows = build_rows(results, trainer)
     settings = report.settings
     report.ratios = build_ratios(report.rows, settings["margin"], settings["seed"])
-    report.trainer = {**report.trainer, "tokens": sum(kept), "completion_tokens_max": max(kept),
-                      "tokens_with_pads": report.trainer["tokens"]}  # fmt: skip
+    # The run's sampler drew at temperature 1 with the recipe's top-p (1.0); every side scored at 1.
+    report.trainer = replace(
+        report.trainer, tokens=sum(kept), completion_tokens_max=max(kept), sample_temperature=1.0,
+        sample_top_p=1.0, score_temperature=SCORE_TEMPERATURE,
+    )  # fmt: skip
+    report.header = {**report.header, "schema": SCHEMA}
     (HERE / "gap-own-tokens.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     (HERE / "gap-own-tokens.md").write_text(gap_markdown(report))
     print(gap_markdown(report))

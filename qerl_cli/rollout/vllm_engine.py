@@ -311,14 +311,9 @@ class VLLMEngine:
         return score_prompts(self.llm, self.vllm, [token_ids], self.lora_request if with_adapter else None)[0]
 
     def score(self, sequences: Sequence[Sequence[int]], *, with_adapter: bool = True) -> list[list[float]]:
-        """Every list's :meth:`prompt_logprobs`, batched, on clean norms (``RolloutEngine.score``). Merge
-        mode with an adapter merged cannot score the base alone (``with_adapter=False``): a QerlError."""
-        if not with_adapter and self.merge_base is not None and self.adapters.adapter_merged:
-            raise QerlError(
-                "this engine merged the adapter into vLLM's weights (rollout.linear_backend fp8-merged or "
-                "merged), so the base alone cannot be scored: sync_adapter(None) first to restore the "
-                "base weights, or score the base with a LoRA-serving backend (fp8, marlin, qerl-triton)"
-            )
+        """Every list's :meth:`prompt_logprobs`, batched, on clean norms (``RolloutEngine.score``)."""
+        if not with_adapter:
+            self.adapters.check_base_scorable(self)
         if self._sleeping:
             self.wake_up()  # before the noise is lifted: waking re-applies it
         with self.noise_lifted():

@@ -83,6 +83,15 @@ class AdapterSync:
         """The vLLM LoRA id generate serves (0: the base model), for the figures and logs."""
         return self.lora.lora_int_id if self.lora is not None else 0
 
+    def check_base_scorable(self, engine: ServingEngine) -> None:
+        """QerlError where the base alone cannot be scored: merge mode with an adapter in the weights."""
+        if engine.merge_base is not None and self.adapter_merged:
+            raise QerlError(
+                "this engine merged the adapter into vLLM's weights (rollout.linear_backend fp8-merged or "
+                "merged), so the base alone cannot be scored: sync_adapter(None) first to restore the "
+                "base weights, or score the base with a LoRA-serving backend (fp8, marlin, qerl-triton)"
+            )
+
     def sync_adapter(self, engine: ServingEngine, adapter_dir: str | Path | None) -> None:
         """Copy the PEFT adapter in ``adapter_dir`` to tmpfs and serve it from the next generate on,
         under a new LoRA id (merge mode: merge it); ``None`` serves the base model."""
