@@ -76,8 +76,8 @@ def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.cons
     high_offs = low_offs + KH // 16
     # Each block's scale is read as its BF16 value x 2**118 (nvfp4_gemm.block_scales, made once per
     # weight): a plain load the pipeliner issues stages ahead, where a per-step lookup of the E4M3 code in
-    # a table waited on the code's load before every K step (1.15x the layer's time at 8 tokens, 1.31x at
-    # 32 on an H200: benchmarks/h200-2026-11-29-nvfp4-bf16-scales).
+    # a table waited on the code's load before every K step (slower, most of all at few tokens; the
+    # figures: docs/rollout.md, qerl-triton).
     if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
         byte = tl.load(packed_ptr + byte_offs)
         low_scale = tl.load(scale_ptr + low_offs)

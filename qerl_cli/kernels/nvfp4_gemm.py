@@ -76,9 +76,9 @@ def block_scales(scale: torch.Tensor) -> torch.Tensor:
     """BF16 ``[N, K/16]``: the kernel's block scales, each E4M3 ``scale`` code's :func:`code_scales`
     value (exact). Made once per weight: the kernel loads them directly, which Triton's pipeliner issues
     stages ahead, where looking each code up in a table inside the K loop made every step wait on the
-    code's load first (the layer 1.15x slower at 8 tokens, 1.31x at 32 on an H200:
-    benchmarks/h200-2026-11-29-nvfp4-bf16-scales). BF16, not float32: half the bytes, and as fast or
-    faster at every row count measured but 256 tokens of the widest linear."""
+    code's load first (slower, most of all at few tokens: docs/rollout.md, qerl-triton). BF16, not
+    float32: half the bytes, and as fast or faster at every row count measured but 256 tokens of the
+    widest linear."""
     table = code_scales(scale.device)
     return table[scale.contiguous().view(torch.uint8).int()].to(torch.bfloat16)
 

@@ -379,8 +379,8 @@ class HFEngine:
         """The completion's ids up to its first EOS (kept: it is learned) or up to the token that
         completes its first stop string, whichever comes first, and why it ended: as vLLM ends its
         completions. transformers fills a row that a stopping criterion ended with the pad token up to
-        the batch's longest row; those pads are no sampled tokens, whether the pad is an EOS (SmolLM2's)
-        or not (Gemma's)."""
+        the batch's longest row; those pads are no sampled tokens, whether the pad is an EOS or not
+        (Gemma's tokenizer pads with a token of its own)."""
         eos_end = None
         if not spec.ignore_eos:
             eos_end = next((pos + 1 for pos, token in enumerate(ids) if token in self.eos_ids), None)
