@@ -34,12 +34,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -47,6 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench.child import run_child
 from qerl_cli.bench.e2e_backends import E2EPair
 from qerl_cli.bench.e2e_notes import step_rate_fields
 from qerl_cli.bench.gpusampler import READINGS_KEY, keep_case_clocks, take_case_clocks
@@ -70,7 +68,6 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import load_tokenizer
 from qerl_cli.rl import trainer as trainer_mod
 from qerl_cli.rl.tracking import step_other_s
-from qerl_cli.rollout import vllm_env
 from qerl_cli.torch_utils import GIB, free_accelerator_memory
 
 log = logging.getLogger(__name__)
@@ -283,29 +280,13 @@ def _failed(pair: E2EPair, error: str) -> dict[str, Any]:
 def _measure_isolated(
     cfg: E2EConfig, pair: E2EPair, model_dir: str, engine: str, out_dir: str
 ) -> dict[str, Any]:
-    """vLLM: one child process per pair, for the reason given in ``bench.engines``."""
-
-    with tempfile.TemporaryDirectory(prefix="qerl-e2e-") as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "row.json"
-        spec.write_text(
-            json.dumps(
-                {
-                    "cfg": asdict(cfg),
-                    "pair": asdict(pair),
-                    "model_dir": model_dir,
-                    "engine": engine,
-                    "out_dir": out_dir,
-                }
-            )
-        )
-        env = dict(os.environ)
-        env.setdefault(vllm_env.MULTIPROCESSING_ENV, vllm_env.QERL_MULTIPROCESSING_DEFAULT)
-        proc = subprocess.run(
-            [sys.executable, "-m", "qerl_cli.bench.e2e", str(spec), str(out)], env=env, check=False
-        )
-        if not out.is_file():  # e.g. killed for memory: the report says so and qerl bench exits 1
-            return _failed(pair, f"the e2e worker exited with code {proc.returncode}, no result")
-        return json.loads(out.read_text())
+    """vLLM: one child process per pair (:mod:`qerl_cli.bench.child`)."""
+    spec = {"cfg": asdict(cfg), "pair": asdict(pair), "model_dir": model_dir, "engine": engine,
+            "out_dir": out_dir}  # fmt: skip
+    row, code = run_child("qerl_cli.bench.e2e", spec, "qerl-e2e-")
+    if row is None:  # e.g. killed for memory: the report says so and qerl bench exits 1
+        return _failed(pair, f"the e2e worker exited with code {code}, no result")
+    return row
 
 
 def run_e2e(

@@ -14,19 +14,14 @@ process would see less memory, and its peak figures would include the first engi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from qerl_cli.bench.child import run_child
 from qerl_cli.bench.gpusampler import READINGS_KEY, keep_case_clocks
 from qerl_cli.bench.header import case_clock_sampler
 from qerl_cli.bench.memory import (
@@ -41,7 +36,7 @@ from qerl_cli.bench.rollout import PromptMaker, RolloutSettings, measure_rollout
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.loading import check_declared_format, load_base_model
 from qerl_cli.modeling.lora import attach_lora
-from qerl_cli.rollout import factory, vllm_env
+from qerl_cli.rollout import factory
 from qerl_cli.rollout.vllm_setup import vllm_in_process
 from qerl_cli.torch_utils import free_accelerator_memory, resolve_device
 
@@ -225,25 +220,17 @@ def _complete_kv_info(
 # One case, in a child process
 # --------------------------------------------------------------------------------------------
 def measure_case_isolated(case: Case) -> dict[str, Any]:
-    """Run :func:`measure_case` in ``python -m qerl_cli.bench.worker`` and read its JSON back."""
-    with tempfile.TemporaryDirectory(prefix="qerl-bench-") as tmp:
-        spec, out = Path(tmp) / "case.json", Path(tmp) / "result.json"
-        spec.write_text(json.dumps(asdict(case)))
-        env = dict(os.environ)
-        # Memory figures via torch.cuda in the child.
-        env.setdefault(vllm_env.MULTIPROCESSING_ENV, vllm_env.QERL_MULTIPROCESSING_DEFAULT)
-        proc = subprocess.run(
-            [sys.executable, "-m", "qerl_cli.bench.worker", str(spec), str(out)], env=env, check=False
-        )
-        if out.is_file():
-            payload = json.loads(out.read_text())
-            if "error" in payload:
-                raise QerlError(f"{case.format} (LoRA {case.lora_rank or 'none'}): {payload['error']}")
-            return payload
+    """Run :func:`measure_case` in ``python -m qerl_cli.bench.worker`` (:func:`~qerl_cli.bench.child.
+    run_child`) and read its JSON back."""
+    payload, code = run_child("qerl_cli.bench.worker", asdict(case), "qerl-bench-")
+    label = f"{case.format} (LoRA {case.lora_rank or 'none'})"
+    if payload is None:
         raise RuntimeError(
-            f"the bench worker for {case.format} (LoRA {case.lora_rank or 'none'}) exited with code "
-            f"{proc.returncode} and no result; its output above says why"
+            f"the bench worker for {label} exited with code {code} and no result; its output above says why"
         )
+    if "error" in payload:
+        raise QerlError(f"{label}: {payload['error']}")
+    return payload
 
 
 def run_case(case: Case, *, isolate: bool) -> dict[str, Any]:
