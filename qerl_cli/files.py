@@ -80,7 +80,8 @@ def ensure_output_dir(path: str | Path, what: str) -> Path:
 def check_writable_folder(path: str | Path, what: str, remedy: str) -> bool:
     """Whether the output folder ``path`` exists, once it is known it can be made and written: checked on
     it or on the nearest folder above it that exists, creating nothing (the checks before work, and
-    ``--dry-run``, write nothing). ``what`` names its setting, ``remedy`` how to give another
+    ``--dry-run``, write nothing: a probe folder made there is removed at once; the permission bits alone
+    pass ``/proc/x`` for root). ``what`` names its setting, ``remedy`` how to give another
     ("choose another with --output DIR")."""
 
     out = Path(path).expanduser()
@@ -93,6 +94,11 @@ def check_writable_folder(path: str | Path, what: str, remedy: str) -> bool:
         raise QerlError(f"{what} {path} cannot be written: {existing} is a file, not a folder; {remedy}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise QerlError(f"{what} {path} cannot be written: {existing} is not writable by this user; {remedy}")
+    try:  # the permission bits say yes for root everywhere, and /proc or a full disk refuse all the same
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".qerl-write-probe-"))
+    except OSError as exc:
+        why = f"{existing} takes no new folder ({exc.strerror or exc})"
+        raise QerlError(f"{what} {path} cannot be written: {why}; {remedy}") from None
     return existing == out
 
 

@@ -370,7 +370,12 @@ def test_the_command_runs_on_the_cpu_with_the_hf_engine(
     rc = main(["bench", "gap", str(recipe), "--backends", "hf,marlin", *sizes, "-o", str(out)])
     printed = capsys.readouterr().out
     assert rc == 1 and "| hf | trainer |" in printed and "failed: vLLM is not installed" in printed
+    assert "No ratios: the reference, marlin, failed." in printed  # hf first: marlin is the reference
+    assert "Ratio: to marlin's gap" in printed
+    names = ["gap.json", "gap.md", "sequences.json", "trainer_logprobs.json", "logprobs/"]
+    assert f"wrote {', '.join(str(out / n) for n in names)}" in " ".join(printed.split())
     data = json.loads((out / "gap.json").read_text())
     assert data["settings"]["adapter"] == "none" and data["trainer"]["adapter_dir"] is None
+    assert data["trainer"]["gpu_memory_utilization"] is not None  # a vLLM backend was asked for
     assert data["rows"][0]["mean_gap"] < 1e-4 and data["rows"][1]["error"] and data["ratios"] == []
     assert not (out / "adapter").exists()

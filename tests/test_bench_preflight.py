@@ -149,7 +149,7 @@ def test_progress_lines_say_what_how_many_elapsed_and_eta() -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0].startswith("[bench] 1/3 bf16: started; elapsed")
     assert lines[1].startswith("[bench] 1/3 bf16: done in") and "eta ~" in lines[1]
-    assert lines[2].startswith("[bench] 2/3 nf4: failed (no GPU) in 2m00s") and "eta ~1m00s" in lines[2]
+    assert lines[2].startswith("[bench] 2/3 nf4: failed after 2m00s (no GPU)") and "eta ~1m00s" in lines[2]
     assert "eta" not in lines[3]  # the last one: nothing left
     assert (clock(5), clock(125), clock(3725)) == ("5 s", "2m05s", "1h02m")
 

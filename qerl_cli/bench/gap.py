@@ -8,9 +8,13 @@ the adapter, samples one completion per prompt with training's transformers engi
 trainer's logprobs and (``hf``) that engine's; then each vLLM backend (:mod:`~qerl_cli.bench.gap_worker`,
 in a child process of its own) scores the sequences with its engine; the figures and the verdict are
 :mod:`~qerl_cli.bench.gap_report`'s. Every side scores at temperature 1 (the completions are sampled at the
-recipe's). Writes ``sequences.json`` and ``trainer_logprobs.json`` first, each backend's logprobs in
-``logprobs/BACKEND.json``, then ``gap.json`` and ``gap.md``; a reused folder's files of an earlier gap run
-are removed first.
+recipe's). Writes ``sequences.json``, ``trainer_logprobs.json`` and ``adapter/`` first, ``gap.json``
+after the trainer side and again after each backend (a run cut short keeps the backends done), each
+backend's logprobs in ``logprobs/BACKEND.json`` (a vLLM backend's engine files under ``engines/``), then
+``gap.md``; a reused folder's files of an earlier gap run are removed first. The folder is made only once
+the prompts are chosen, and a run that fails before its trainer side is done leaves no file of its own
+(nor the folder, when it made it). Paths are recorded as given (``trainer.model``, ``adapter_dir``), as
+every bench records them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from qerl_cli.bench.gap_trainer import (
     SEQUENCES_FILE,
     TRAINER_FILE,
     TrainerSide,
+    chosen_prompts,
     gap_train_config,
     prepare_trainer_side,
 )
@@ -47,6 +52,7 @@ from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.config.loading import to_dict
+from qerl_cli.errors import Checked
 from qerl_cli.files import atomic_write_text, write_json
 
 LOGPROBS_DIR = "logprobs"
@@ -80,8 +86,26 @@ def measure(spec: BackendSpec) -> BackendResult:
     return measure_isolated(spec)
 
 
-def trainer_figures(cfg: TrainConfig, side: TrainerSide) -> TrainerFigures:
-    """The report's ``trainer`` section: the model, the sequences and what the trainer side resolved."""
+def check_inputs(recipe: TrainConfig, settings: GapSettings) -> list[Checked]:
+    """What ``qerl train``'s checks before work (:mod:`qerl_cli.rl.preflight`) would refuse, on the
+    recipe as the benchmark runs it, without loading the model: ``train.device`` a device name (and a GPU
+    where it names one), ``model.path`` there, the data reachable and holding ``--sequences`` prompts (the
+    tokenizer renders them). Run before the dry run's listing and before the run's folder is made."""
+    from qerl_cli.rl import preflight
+    from qerl_cli.torch_utils import resolve_device
+
+    cfg = gap_train_config(recipe, settings)
+    device = resolve_device(cfg.train.device, "train.device")
+    checks = [Checked("train.device", f"{cfg.train.device} -> {device}"), preflight.model_source(cfg)]
+    checks.append(preflight.dataset(cfg))
+    chosen_prompts(cfg, settings.sequences)
+    checks.append(Checked("--sequences", f"{settings.sequences}: the recipe's data has as many prompts"))
+    return checks
+
+
+def trainer_figures(cfg: TrainConfig, side: TrainerSide, settings: GapSettings) -> TrainerFigures:
+    """The report's ``trainer`` section: the model, the sequences and what the trainer side resolved
+    (vLLM's share of the GPU only where a vLLM backend runs: null for ``hf`` alone)."""
     lengths = [len(s.completion_ids) for s in side.sequences]
     finishes = [s.finish_reason for s in side.sequences]
     lora = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha, "target_modules": list(cfg.lora.target_modules)}
@@ -91,7 +115,7 @@ def trainer_figures(cfg: TrainConfig, side: TrainerSide) -> TrainerFigures:
         dtype=cfg.model.dtype,
         lora=lora,
         adapter_dir=side.adapter_dir,
-        gpu_memory_utilization=side.gpu_memory_utilization,
+        gpu_memory_utilization=side.gpu_memory_utilization if vllm_backends(settings) else None,
         sequences=len(side.sequences),
         tokens=sum(lengths),
         completion_tokens_max=max(lengths),
@@ -100,6 +124,10 @@ def trainer_figures(cfg: TrainConfig, side: TrainerSide) -> TrainerFigures:
         sample_temperature=cfg.rollout.temperature,
         sample_top_p=cfg.rollout.top_p,
     )
+
+
+def vllm_backends(settings: GapSettings) -> list[str]:
+    return [b for b in settings.backends if b != HF_BACKEND]
 
 
 def clear_earlier_run(out: Path) -> None:
@@ -122,14 +150,21 @@ def run_gap(
     """The whole benchmark; writes its files in ``settings.output`` and returns the report.
     ``measure_backend``: how a vLLM backend's result is had (tests stand the HF engine in for vLLM)."""
     out = Path(settings.output)
-    out.mkdir(parents=True, exist_ok=True)
-    clear_earlier_run(out)
     cfg = gap_train_config(recipe, settings)
+    chosen = chosen_prompts(cfg, settings.sequences)  # before the folder is made: too few fails at once
     progress = Progress("bench gap", 1 + len(settings.backends))
     report = GapReport(report_header(SCHEMA, command), report_settings(settings), TrainerFigures())
     progress.start("trainer: sequences and logprobs")
-    side = prepare_trainer_side(cfg, settings, out)
-    report.trainer = trainer_figures(cfg, side)
+    made = first_missing(out)
+    out.mkdir(parents=True, exist_ok=True)
+    clear_earlier_run(out)
+    try:
+        side = prepare_trainer_side(cfg, settings, out, chosen)
+    except BaseException:  # an error or Ctrl-C: no adapter/ alone, no empty folder left behind
+        remove_partial_run(out, made)
+        raise
+    report.trainer = trainer_figures(cfg, side, settings)
+    write_report(out / REPORT_NAME, report.to_dict())
     progress.finish("trainer: sequences and logprobs", f"{report.trainer.tokens} completion tokens")
     results: list[BackendResult] = []
     for backend in settings.backends:
@@ -150,6 +185,36 @@ def run_gap(
     write_report(out / REPORT_NAME, report.to_dict())
     atomic_write_text(out / MARKDOWN_NAME, gap_markdown(report))
     return report
+
+
+def first_missing(out: Path) -> Path | None:
+    """The topmost folder of ``out``'s path that does not exist yet (None: ``out`` exists)."""
+    missing = None
+    for path in (out, *out.parents):
+        if path.exists():
+            break
+        missing = path
+    return missing
+
+
+def remove_partial_run(out: Path, made: Path | None) -> None:
+    """Remove what a run that failed before its trainer side was done wrote in ``out``, and the folders
+    it made (``made``: the topmost) where they are left empty."""
+    clear_earlier_run(out)
+    if made is None:
+        return
+    for path in (out, *out.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == made:
+            return
+
+
+def written_files(out: Path) -> list[str]:
+    """What this run wrote in ``out`` (folders with a slash), for the line under the table."""
+    return [str(out / name) + "/" * (out / name).is_dir() for name in GAP_OUTPUTS if (out / name).exists()]
 
 
 def read_gap_report(path: str | Path) -> GapReport:

@@ -1,13 +1,16 @@
 """``qerl bench gap``'s figures and report: per backend, the rollout/trainer logprob gap over the same
-teacher-forced sequences; for every backend after the first, the ratio of its gap to the first's with a
-paired interval and a verdict against ``1 + margin``.
+teacher-forced sequences; for every other backend, the ratio of its gap to the reference's (the first
+backend that is not ``hf``: hf's gap is the floor, ~0) with a paired interval and a verdict against
+``1 + margin``.
 
 Per sequence, its gap is the mean over its completion tokens of |engine - trainer| logprob (nats/token).
-A backend's figures: the mean of those over sequences with a 95% t interval, the token-weighted mean (all
-tokens pooled), the largest one token's gap, and its engine-vs-engine gap (the same mean of |backend -
-first backend|: the kernels' numerics alone, the trainer left out). The ratio is mean gap / the first
-backend's, a seeded paired bootstrap over sequences (``stats.paired_ratio_interval``); the verdict is
-``stats.ratio_verdict``'s. Plain Python: no torch.
+A backend's figures: the mean of those over sequences with a 95% t interval (its lower end clamped at 0:
+a mean of absolute values is not negative), the token-weighted mean (all tokens pooled), the largest one
+token's gap, and its engine-vs-engine gap (the same mean of |backend - reference backend|: the kernels'
+numerics alone, the trainer left out). The ratio is mean gap / the reference's, a seeded paired bootstrap
+over sequences (``stats.paired_ratio_interval``); the verdict is ``stats.ratio_verdict``'s, or
+``undefined`` when the reference's gap is under :data:`REFERENCE_FLOOR` (float noise). Plain Python: no
+torch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from qerl_cli.bench.gap_settings import HF_BACKEND, reference_backend
 from qerl_cli.stats import RATIO_RESAMPLES, mean, mean_interval, paired_ratio_interval, ratio_verdict
 
 # /2: trainer.sample_temperature, sample_top_p and score_temperature; the hf row scored by the trainer
@@ -23,6 +27,9 @@ SCHEMA = "qerl-bench-gap/2"
 SCORE_TEMPERATURE = 1.0  # every side scores raw log-softmax (vLLM's prompt logprobs take no temperature)
 REPORT_NAME = "gap.json"
 MARKDOWN_NAME = "gap.md"
+# A reference gap under this (nats/token) is float noise, not a backend's numerics (hf's floor is ~1e-7 or
+# exactly 0): a ratio to it would read 715204373x, so it is "undefined".
+REFERENCE_FLOOR = 1e-6
 
 
 @dataclass
@@ -93,12 +100,12 @@ class BackendRow:
     sequences: int = 0
     tokens: int = 0
     mean_gap: float | None = None  # mean over sequences of each sequence's mean |engine - trainer|
-    mean_gap_low: float | None = None  # its 95% t interval over sequences
+    mean_gap_low: float | None = None  # its 95% t interval over sequences, the lower end clamped at 0
     mean_gap_high: float | None = None
     token_weighted_gap: float | None = None  # mean over every completion token
     max_token_gap: float | None = None  # the largest one token's |engine - trainer|
     max_sequence_gap: float | None = None
-    engine_gap: float | None = None  # mean over sequences of mean |this engine - the first backend's|
+    engine_gap: float | None = None  # mean over sequences of mean |this engine - the reference's|
     engine_gap_low: float | None = None
     engine_gap_high: float | None = None
     load_seconds: float | None = None  # the engine built and the adapter synced
@@ -113,12 +120,12 @@ class BackendRow:
 
 @dataclass
 class GapRatio:
-    """A backend's mean gap over the first backend's, its paired bootstrap interval and the verdict."""
+    """A backend's mean gap over the reference backend's, its paired bootstrap interval and the verdict."""
 
     backend: str
     reference: str
     margin: float
-    verdict: str  # within | outside | unresolved | undefined (the first backend's gap is 0)
+    verdict: str  # within | outside | unresolved | undefined (the reference's gap is under REFERENCE_FLOOR)
     verdict_text: str
     ratio: float | None = None
     low: float | None = None
@@ -183,8 +190,10 @@ def backend_row(
     result: BackendResult, trainer: list[list[float]], first: list[list[float]] | None
 ) -> BackendRow:
     """A backend's row from its result (``logprobs`` per completion token, or ``error``) against the
-    trainer's logprobs and the first backend's (None: this is the first, or the first failed). Logprobs
-    of another shape than the trainer's make the row an error naming the mismatch."""
+    trainer's logprobs and the reference backend's (None: this is the reference, or it failed or is not
+    measured yet). Logprobs of another shape than the trainer's make the row an error naming the
+    mismatch. The intervals' lower ends are clamped at 0 (the t interval of a mean of |differences| near 0
+    can reach below it)."""
     row = BackendRow(result.backend, result.linear_backend, result.error)
     row.load_seconds, row.score_seconds = result.load_seconds, result.score_seconds
     logprobs = result.logprobs
@@ -201,21 +210,24 @@ def backend_row(
     interval = mean_interval(per_sequence)
     pooled = [x for g in gaps for x in g]
     row.sequences, row.tokens = len(gaps), len(pooled)
-    row.mean_gap, row.mean_gap_low, row.mean_gap_high = interval.mean, interval.low, interval.high
+    row.mean_gap, row.mean_gap_low, row.mean_gap_high = interval.mean, max(0.0, interval.low), interval.high
     row.token_weighted_gap, row.max_token_gap = mean(pooled), max(pooled)
     row.max_sequence_gap, row.sequence_gaps = max(per_sequence), per_sequence
     if first is not None:
         engine = [mean(g) for g in token_gaps(logprobs, first)]
         between = mean_interval(engine)
-        row.engine_gap, row.engine_gap_low, row.engine_gap_high = between.mean, between.low, between.high
+        row.engine_gap, row.engine_gap_low = between.mean, max(0.0, between.low)
+        row.engine_gap_high = between.high
         row.sequence_engine_gaps = engine
     return row
 
 
 def gap_ratio(row: BackendRow, reference: BackendRow, margin: float, seed: int) -> GapRatio:
-    """``row``'s gap over ``reference``'s (both measured), paired over sequences, with the verdict."""
-    if not sum(reference.sequence_gaps):
-        text = f"undefined: {reference.backend}'s gap is 0"
+    """``row``'s gap over ``reference``'s (both measured), paired over sequences, with the verdict;
+    ``undefined`` when the reference's gap is under :data:`REFERENCE_FLOOR` (0 or float noise)."""
+    if not (reference.mean_gap or 0.0) >= REFERENCE_FLOOR:
+        gap = _fig(reference.mean_gap)
+        text = f"undefined: {reference.backend}'s gap ({gap}) is under {REFERENCE_FLOOR:g}, float noise"
         return GapRatio(row.backend, reference.backend, margin, "undefined", text, seed=seed)
     interval = paired_ratio_interval(row.sequence_gaps, reference.sequence_gaps, seed=seed)
     verdict = ratio_verdict(interval, margin)
@@ -224,22 +236,46 @@ def gap_ratio(row: BackendRow, reference: BackendRow, margin: float, seed: int) 
 
 
 def build_rows(results: list[BackendResult], trainer: list[list[float]]) -> list[BackendRow]:
-    """One row per backend result, in order; the first backend's logprobs are the engine-vs-engine
-    reference when it was measured (a failed first backend leaves that column empty)."""
-    rows: list[BackendRow] = []
-    first: list[list[float]] | None = None
-    for index, result in enumerate(results):
-        rows.append(backend_row(result, trainer, first if index else None))
-        if index == 0 and rows[0].error is None:
-            first = result.logprobs
-    return rows
+    """One row per backend result, in order; the reference backend's logprobs (the first that is not
+    ``hf``) are the engine-vs-engine reference when it was measured (a failed reference leaves that column
+    empty)."""
+    name = reference_backend([r.backend for r in results])
+    reference = next((r for r in results if r.backend == name), None)
+    first = None
+    if reference is not None and backend_row(reference, trainer, None).error is None:
+        first = reference.logprobs
+    return [backend_row(r, trainer, None if r is reference else first) for r in results]
+
+
+def reference_row(rows: list[BackendRow]) -> BackendRow | None:
+    """The reference's row: the first that is not ``hf`` (None: every backend is hf)."""
+    name = reference_backend([row.backend for row in rows])
+    return next((row for row in rows if row.backend == name), None)
 
 
 def build_ratios(rows: list[BackendRow], margin: float, seed: int) -> list[GapRatio]:
-    """Every measured backend after the first against the first (none when the first failed)."""
-    if not rows or rows[0].error is not None:
+    """Every other measured backend against the reference (none when the reference failed or is none)."""
+    reference = reference_row(rows)
+    if reference is None or reference.error is not None:
         return []
-    return [gap_ratio(row, rows[0], margin, seed) for row in rows[1:] if row.error is None]
+    return [gap_ratio(row, reference, margin, seed) for row in rows if row is not reference and not row.error]
+
+
+def no_ratio_note(report: GapReport) -> str | None:
+    """Why the report has no ratio (None: it has some): a line below gap.md's table."""
+    if report.ratios:
+        return None
+    reference = reference_row(report.rows)
+    if reference is None:
+        return (
+            f"No ratios: every backend is {HF_BACKEND} (the floor); name a vLLM backend too, the ratios' "
+            "reference."
+        )
+    if reference.error is not None:
+        return f"No ratios: the reference, {reference.backend}, failed."
+    if len(report.rows) == 1:
+        return f"No ratios: {reference.backend} alone was measured; a ratio needs a second backend."
+    return f"No ratios: no backend beside the reference, {reference.backend}, was measured."
 
 
 def _fig(value: float | None, kind: str = ".3g") -> str:
@@ -256,7 +292,13 @@ def _interval(value: float | None, low: float | None, high: float | None, kind: 
 def gap_markdown(report: GapReport) -> str:
     """``gap.md``: the table, with what each figure is."""
     s, t, h = report.settings, report.trainer, report.header
-    first = s["backends"][0]
+    reference = reference_backend(s["backends"])
+    ratio_to = (
+        f"Ratio: to {reference}'s gap (the first backend that is not {HF_BACKEND}), paired bootstrap over "
+        f"sequences; verdict against 1 + {s['margin']}."
+        if reference
+        else f"Ratio: none ({HF_BACKEND}, the floor, is no reference)."
+    )
     lines = [
         f"# Rollout/trainer logprob gap: {t.model}",
         "",
@@ -265,15 +307,14 @@ def gap_markdown(report: GapReport) -> str:
         f"{_fig(t.score_temperature, 'g')} on every side), {h.get('device', '')}, {h.get('created', '')}. "
         "Gap: mean |engine - trainer| "
         "logprob per completion token (nats/token), teacher-forced on the same token ids; mean over "
-        f"sequences with its 95% interval. Ratio: to {first}'s gap, paired bootstrap over sequences; "
-        f"verdict against 1 + {s['margin']}.",
+        f"sequences with its 95% interval (lower end clamped at 0). {ratio_to}",
         "",
-        "| backend | runs | gap [95% CI] | token-weighted | max token | vs first engine | ratio to first "
-        "[95% CI] | verdict |",
+        "| backend | runs | gap [95% CI] | token-weighted | max token | vs reference engine | ratio to "
+        "reference [95% CI] | verdict |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     ratios = {r.backend: r for r in report.ratios}
-    for index, row in enumerate(report.rows):
+    for row in report.rows:
         if row.error is not None:
             lines.append(f"| {row.backend} | - | failed: {row.error} | | | | | |")
             continue
@@ -286,8 +327,11 @@ def gap_markdown(report: GapReport) -> str:
             _fig(row.engine_gap),
             _interval(ratio.ratio, ratio.low, ratio.high, ".3f")
             if ratio
-            else ("-" if index else "(reference)"),
+            else ("(reference)" if row.backend == reference else "-"),
             ratio.verdict_text if ratio else "-",
         ]
         lines.append(f"| {row.backend} | " + " | ".join(figures) + " |")
+    note = no_ratio_note(report)
+    if note:
+        lines += ["", note]
     return "\n".join(lines) + "\n"

@@ -18,13 +18,19 @@ GAP_BACKENDS = (*get_args(LinearBackend), HF_BACKEND)
 GAP_ADAPTERS = ("random", "none")
 
 
+def reference_backend(backends: list[str]) -> str | None:
+    """The ratios' reference: the first backend that is not ``hf`` (whose gap is the floor, ~0, and would
+    make every ratio meaningless); None when every backend is ``hf``."""
+    return next((b for b in backends if b != HF_BACKEND), None)
+
+
 @dataclass
 class GapSettings:
     """``qerl bench gap``'s settings (its flags; the recipe's own keys come with ``--set``)."""
 
     # The training recipe (a path or a shipped recipe's name).
     recipe: str
-    # The backends scored, in order: the first is the reference of the ratios.
+    # The backends scored, in order: the first that is not hf is the reference of the ratios.
     backends: list[str] = field(default_factory=lambda: ["marlin", "qerl-triton"])
     # Sequences scored (prompts of the recipe's training data, one completion each).
     sequences: int = 128
@@ -36,7 +42,8 @@ class GapSettings:
     seed: int = 0
     # The verdict's margin: a backend's gap is "within" when its ratio's interval ends at or below 1 + margin.
     margin: float = 0.10
-    # Folder of gap.json, gap.md, sequences.json.
+    # Folder of the run's files (gap.json, gap.md, sequences.json, trainer_logprobs.json, logprobs/, adapter/,
+    # engines/).
     output: str = "bench_results"
 
     def validate(self) -> None:
@@ -50,7 +57,7 @@ class GapSettings:
         if unknown:
             raise QerlError(
                 f"--backends: unknown backend(s) {', '.join(unknown)}; choose from {', '.join(GAP_BACKENDS)} "
-                "(the first is the reference of the ratios)"
+                "(the first that is not hf is the reference of the ratios)"
             )
         if len(set(self.backends)) != len(self.backends):
             raise QerlError(f"--backends names a backend twice: {','.join(self.backends)}")

@@ -185,14 +185,17 @@ def trainer_logprobs(
     return [values[row, : len(c)].tolist() for row, c in enumerate(completions)]
 
 
-def prepare_trainer_side(cfg: TrainConfig, settings: GapSettings, out: Path) -> TrainerSide:
-    """Choose the prompts, build the policy, write the adapter (``random``), sample the sequences, take
-    the trainer's logprobs of them and (``hf`` asked for) the HF engine's; writes ``sequences.json`` and
+def prepare_trainer_side(
+    cfg: TrainConfig, settings: GapSettings, out: Path, chosen: tuple[list[str], list[str]]
+) -> TrainerSide:
+    """Build the policy, write the adapter (``random``), sample the sequences for the ``chosen`` prompts
+    (:func:`chosen_prompts`, taken before the output folder is made: too few fails at once), take the
+    trainer's logprobs of them and (``hf`` asked for) the HF engine's; writes ``sequences.json`` and
     ``trainer_logprobs.json`` in ``out`` and frees the policy's memory before returning (the engines that
     follow need the GPU)."""
     seconds: dict[str, float] = {}
     setup.seed_everything(settings.seed)
-    ids, prompts = chosen_prompts(cfg, settings.sequences)  # before the load: too few fails at once
+    ids, prompts = chosen
     started = time.perf_counter()
     policy = build_policy(cfg)
     try:

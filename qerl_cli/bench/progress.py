@@ -60,16 +60,20 @@ class Progress:
 
     def finish(self, label: str, outcome: str = "done", seconds: float | None = None) -> None:
         """A case ended (``outcome``: ``done``, or ``failed: why``); ``seconds`` it took when it was
-        timed elsewhere (no :meth:`start`)."""
+        timed elsewhere (no :meth:`start`). A failure reads ``failed after 3 s: why`` (not ``failed: why
+        in 3 s``, whose time seemed to belong to the reason)."""
         now = time.perf_counter()
         spent = seconds if seconds is not None else now - (self._case_started or now)
         self._case_seconds.append(spent)
         self._case_started = None
         self.done += 1
-        self.say(
-            f"{self.done}/{self.total} {label}: {outcome} in {clock(spent)}; elapsed {clock(self.elapsed())}"
-            f"{self.eta()}"
+        failed = outcome.startswith("failed")
+        took = (
+            f"failed after {clock(spent)}{outcome[len('failed') :]}"
+            if failed
+            else f"{outcome} in {clock(spent)}"
         )
+        self.say(f"{self.done}/{self.total} {label}: {took}; elapsed {clock(self.elapsed())}{self.eta()}")
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started

@@ -1,7 +1,9 @@
 """``qerl bench gap``: the rollout/trainer logprob gap per rollout linear backend, teacher-forced on the
 same sequences (:mod:`qerl_cli.bench.gap`). It takes a training recipe (``RECIPE``, its keys with
-``--set``, as ``qerl bench scaling`` does) and checks its flags and the recipe before torch is imported;
-``--dry-run`` prints the resolved recipe as YAML and the benchmark's settings as comments."""
+``--set``, as ``qerl bench scaling`` does) and checks its flags and the recipe before torch is imported,
+then, without loading the model, what ``qerl train``'s checks would refuse (the output folder, the device,
+the model, the data and its prompt count: exit 2 naming it); ``--dry-run`` prints the resolved recipe as
+YAML, those checks, and the benchmark's settings as comments."""
 
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ def gap(
         typer.Option(
             "--backends",
             metavar="NAME,...",
-            help=f"Backends scored, the first the ratios' reference: comma list of "
-            f"{','.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor).",
+            help=f"Backends scored, the first that is not hf the ratios' reference: comma list of "
+            f"{','.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor; "
+            "best listed last).",
         ),
     ] = "marlin,qerl-triton",
     sequences: Annotated[
@@ -75,7 +78,14 @@ def gap(
         ),
     ] = None,
     output: Annotated[
-        str, typer.Option("--output", "-o", metavar="DIR", help="Folder of gap.json, gap.md, sequences.json.")
+        str,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="DIR",
+            help="Folder of gap.json, gap.md, sequences.json, trainer_logprobs.json, logprobs/, adapter/ "
+            "(--adapter random) and engines/ (vLLM backends); made once the checks pass.",
+        ),
     ] = "bench_results",
     set_: GapSet = None,
     dry_run: DryRunOption = False,
@@ -87,8 +97,8 @@ def gap(
     trainer and every backend's engine (vLLM, built as training builds it, the adapter synced its own
     way; hf: training's transformers engine over the live policy) score exactly those tokens at
     temperature 1 (vLLM's prompt logprobs take no temperature). Per backend: the mean |engine - trainer|
-    logprob per token with its 95% interval; after the first, the ratio to the first's gap with a paired
-    bootstrap interval and a verdict against 1 + --margin.
+    logprob per token with its 95% interval; for the others, the ratio to the reference's gap (the first
+    backend that is not hf) with a paired bootstrap interval and a verdict against 1 + --margin.
     """
     settings = GapSettings(recipe=str(recipe), backends=csv(backends) or [], sequences=sequences,
                            max_tokens=max_tokens, adapter=adapter, seed=seed, margin=margin,
@@ -98,12 +108,14 @@ def gap(
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     conf = load_config(TrainConfig, recipe, sets)
     checks = check_tool(settings.output, conf.train.device, None)  # --device cuda with no GPU: exit 2
-    if finish_config(conf, dry_run):
-        print_checks(checks)
+    from qerl_cli.bench.gap import check_inputs, run_gap, written_files
+
+    if finish_config(conf, dry_run):  # the YAML, then the checks: the model, device and data, not loaded
+        print_checks([*checks, *check_inputs(conf, settings)])
         print_plan([f"{key}: {value}" for key, value in vars(settings).items()])
         return
-    from qerl_cli.bench.gap import run_gap
-    from qerl_cli.bench.gap_report import MARKDOWN_NAME, REPORT_NAME
+    check_inputs(conf, settings)  # seconds, before the folder is made and the model loads
+    from qerl_cli.bench.gap_report import MARKDOWN_NAME
     from qerl_cli.torch_utils import runs_on_cpu
 
     if runs_on_cpu(conf.train.device):
@@ -111,6 +123,6 @@ def gap(
     report = run_gap(settings, conf, command=command_line())
     out = Path(settings.output)
     console.print((out / MARKDOWN_NAME).read_text(), markup=False, highlight=False)
-    console.print(f"wrote {escape(str(out / REPORT_NAME))}")
+    console.print(f"wrote {escape(', '.join(written_files(out)))}")
     if report.failed:  # a backend without figures: its error is in the report
         raise typer.Exit(1)
