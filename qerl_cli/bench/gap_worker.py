@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -26,12 +23,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from qerl_cli.bench.child import run_child
 from qerl_cli.bench.gap_report import BackendResult
 from qerl_cli.bench.gap_trainer import completion_logprobs, read_sequences
 from qerl_cli.config import TrainConfig, from_dict
 from qerl_cli.errors import QerlError
 from qerl_cli.rl import setup
-from qerl_cli.rollout import vllm_env
 from qerl_cli.rollout.base import RolloutEngine
 
 
@@ -106,20 +103,12 @@ def measure_in_process(
 
 
 def measure_isolated(spec: BackendSpec) -> BackendResult:
-    """:func:`measure_backend` in a fresh ``python -m qerl_cli.bench.gap_worker`` process."""
-    with tempfile.TemporaryDirectory(prefix="qerl-gap-") as tmp:
-        spec_file, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_file.write_text(json.dumps(asdict(spec)))
-        env = dict(os.environ)
-        env.setdefault(vllm_env.MULTIPROCESSING_ENV, vllm_env.QERL_MULTIPROCESSING_DEFAULT)
-        proc = subprocess.run(
-            [sys.executable, "-m", "qerl_cli.bench.gap_worker", str(spec_file), str(out)],
-            env=env,
-            check=False,
-        )
-        if not out.is_file():  # e.g. killed for memory
-            return error_result(spec, f"the gap worker exited with code {proc.returncode} and no result")
-        return BackendResult.from_dict(json.loads(out.read_text()))
+    """:func:`measure_backend` in a fresh ``python -m qerl_cli.bench.gap_worker`` process
+    (:func:`~qerl_cli.bench.child.run_child`)."""
+    payload, code = run_child("qerl_cli.bench.gap_worker", asdict(spec), "qerl-gap-")
+    if payload is None:  # e.g. killed for memory
+        return error_result(spec, f"the gap worker exited with code {code} and no result")
+    return BackendResult.from_dict(payload)
 
 
 def main(argv: list[str]) -> int:
