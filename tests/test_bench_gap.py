@@ -90,6 +90,7 @@ def gap_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     out = tmp_path_factory.mktemp("gap")
     (out / "logprobs").mkdir()
     (out / "logprobs" / "fp8.json").write_text("{}")  # an earlier run's, in a reused folder
+    (out / "gap.json").write_text('{"schema": "qerl-bench-gap/2"}')  # which it is: its report says so
     cfg = tiny_cfg(tiny_model_dir, out / "run")
     cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=0.7, top_p=0.95))
     settings = GapSettings(

@@ -175,10 +175,40 @@ def test_an_early_failure_leaves_no_output_folder(
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
+    (kept / "gap.json").write_text('{"schema": "qerl-bench-gap/2"}')  # an earlier gap run's, replaced
     (kept / "gap.md").write_text("an earlier run's")
     assert main(["bench", "gap", str(recipe), *sizes, "-o", str(kept)]) == 2
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_folder_holding_another_runs_files_is_refused_and_kept(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, dry_run: bool
+) -> None:
+    """A gap run writes adapter/, sequences.json, ... in -o and replaces an earlier gap run's: a qerl train
+    run's folder (its trained adapter/) or files of those names with no gap report beside them are
+    refused, exit 2, every file left as it was."""
+    recipe = _recipe(tmp_path, tiny_model_dir)
+    sizes = ["--backends", "hf", "--sequences", "2", "--max-tokens", "2"]
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_model.safetensors").write_text("trained")
+    (run / "metrics.jsonl").write_text("")
+    (run / "config.yaml").write_text("model: {}\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sequences.json").write_text("mine")
+    for folder, message in (
+        (run, "is a qerl train run's folder"),
+        (other, "holds sequences.json of no bench gap run"),
+    ):
+        before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+        argv = ["bench", "gap", str(recipe), *sizes, "-o", str(folder)]
+        assert main([*argv, "--dry-run"] if dry_run else argv) == 2
+        assert message in " ".join(capsys.readouterr().err.split())
+        assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+    assert (run / "adapter" / "adapter_model.safetensors").read_text() == "trained"
 
 
 def test_an_output_folder_the_system_refuses_is_refused_before_work(tmp_path: Path, monkeypatch: Any) -> None:

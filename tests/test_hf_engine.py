@@ -287,6 +287,10 @@ def test_cut_ends_each_completion_as_vllm_does(model_and_tokenizer) -> None:
     assert cut([*head, pad, pad], stop) == (head, "stop")  # ended by a match the text does not show
     assert cut(head, stop) == (head, "length")
     assert cut([*head, eos, pad], SamplingSpec(max_new_tokens=64)) == ([*head, eos], "stop")
+    # No stop string, so nothing but an EOS ends a row early: a pad at its end was sampled, and kept
+    # (bench rollout runs with ignore_eos and checks every completion's length).
+    assert cut([*head, pad], SamplingSpec(max_new_tokens=64)) == ([*head, pad], "length")
+    assert cut([pad], SamplingSpec(max_new_tokens=64, ignore_eos=True)) == ([pad], "length")
     engine.eos_ids = [eos, pad]  # the pad is an EOS (SmolLM2's): the stop still ends it, not the pad
     assert cut([*text, pad, pad], stop) == (text[:stop_end], "stop")
     assert cut([*head, pad, pad], SamplingSpec(max_new_tokens=64)) == ([*head, pad], "stop")

@@ -20,6 +20,7 @@ every bench records them.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -52,12 +53,15 @@ from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.settings import report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.config.loading import to_dict
-from qerl_cli.errors import Checked
+from qerl_cli.errors import Checked, QerlError
 from qerl_cli.files import atomic_write_text, write_json
+from qerl_cli.modeling.run_layout import is_run_folder
+from qerl_cli.rl.run_folder import missing_folders, remove_if_empty
 
 LOGPROBS_DIR = "logprobs"
 ENGINES_DIR = "engines"
 # What a gap run writes in its folder: an earlier run's are removed first (the folder may hold others').
+log = logging.getLogger(__name__)
 GAP_OUTPUTS = (
     REPORT_NAME,
     MARKDOWN_NAME,
@@ -100,7 +104,33 @@ def check_inputs(recipe: TrainConfig, settings: GapSettings) -> list[Checked]:
     checks.append(preflight.dataset(cfg))
     chosen_prompts(cfg, settings.sequences)
     checks.append(Checked("--sequences", f"{settings.sequences}: the recipe's data has as many prompts"))
+    checks.append(check_output_folder(Path(settings.output)))
     return checks
+
+
+def is_gap_report(path: Path) -> bool:
+    """Whether ``path`` is a ``gap.json`` an earlier ``qerl bench gap`` run wrote."""
+    try:
+        return str(json.loads(path.read_text()).get("schema", "")).startswith("qerl-bench-gap/")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output_folder(out: Path) -> Checked:
+    """``-o`` may hold an earlier gap run, whose files the run replaces, but no other files of the names
+    it writes: a ``qerl train`` run's folder holds the run's trained ``adapter/``."""
+    if is_run_folder(out):
+        raise QerlError(
+            f"-o {out} is a qerl train run's folder: bench gap writes {ADAPTER_DIR}/ there and would replace "
+            "the run's adapter; give a folder of its own"
+        )
+    held = [name for name in GAP_OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    if held and not is_gap_report(out / REPORT_NAME):
+        raise QerlError(
+            f"-o {out} holds {', '.join(held)} of no bench gap run (no {REPORT_NAME} of one): the run would "
+            "replace them; give a folder of its own or move them"
+        )
+    return Checked("-o", f"{out}: " + ("an earlier gap run's files, to be replaced" if held else "free"))
 
 
 def trainer_figures(cfg: TrainConfig, side: TrainerSide, settings: GapSettings) -> TrainerFigures:
@@ -131,7 +161,8 @@ def vllm_backends(settings: GapSettings) -> list[str]:
 
 
 def clear_earlier_run(out: Path) -> None:
-    """Remove what an earlier gap run wrote in ``out`` (stale logprobs, adapter, report), nothing else."""
+    """Remove what an earlier gap run wrote in ``out`` (stale logprobs, adapter, report), nothing else;
+    :func:`check_output_folder` refused a folder whose files of those names are not a gap run's."""
     for name in GAP_OUTPUTS:
         path = out / name
         if path.is_dir() and not path.is_symlink():
@@ -155,13 +186,18 @@ def run_gap(
     progress = Progress("bench gap", 1 + len(settings.backends))
     report = GapReport(report_header(SCHEMA, command), report_settings(settings), TrainerFigures())
     progress.start("trainer: sequences and logprobs")
-    made = first_missing(out)
+    check_output_folder(out)  # again, right before anything in it is replaced
+    made = missing_folders(out)
     out.mkdir(parents=True, exist_ok=True)
     clear_earlier_run(out)
     try:
         side = prepare_trainer_side(cfg, settings, out, chosen)
     except BaseException:  # an error or Ctrl-C: no adapter/ alone, no empty folder left behind
-        remove_partial_run(out, made)
+        try:
+            clear_earlier_run(out)
+            remove_if_empty(made)
+        except OSError:  # the failure that got here is the one to report
+            log.warning("bench gap: could not remove the partial run in %s", out, exc_info=True)
         raise
     report.trainer = trainer_figures(cfg, side, settings)
     write_report(out / REPORT_NAME, report.to_dict())
@@ -185,31 +221,6 @@ def run_gap(
     write_report(out / REPORT_NAME, report.to_dict())
     atomic_write_text(out / MARKDOWN_NAME, gap_markdown(report))
     return report
-
-
-def first_missing(out: Path) -> Path | None:
-    """The topmost folder of ``out``'s path that does not exist yet (None: ``out`` exists)."""
-    missing = None
-    for path in (out, *out.parents):
-        if path.exists():
-            break
-        missing = path
-    return missing
-
-
-def remove_partial_run(out: Path, made: Path | None) -> None:
-    """Remove what a run that failed before its trainer side was done wrote in ``out``, and the folders
-    it made (``made``: the topmost) where they are left empty."""
-    clear_earlier_run(out)
-    if made is None:
-        return
-    for path in (out, *out.parents):
-        try:
-            path.rmdir()
-        except OSError:
-            return
-        if path == made:
-            return
 
 
 def written_files(out: Path) -> list[str]:

@@ -90,10 +90,10 @@ def gap_train_config(recipe: TrainConfig, settings: GapSettings) -> TrainConfig:
     ``max_tokens`` completion tokens (plus the one token a scoring request generates), and a vLLM rollout
     engine when a vLLM backend is measured (the memory plan then resolves vLLM's share beside the
     trainer, as that training run would)."""
-    vllm = any(b != "hf" for b in settings.backends)
+    vllm = any(b != HF_BACKEND for b in settings.backends)
     rollout = replace(
         recipe.rollout,
-        engine="vllm" if vllm else recipe.rollout.engine,
+        engine="vllm" if vllm else "hf",  # hf alone: no vLLM share for the memory plan to keep
         max_completion_length=max(recipe.rollout.max_completion_length, settings.max_tokens + 1),
     )
     return replace(recipe, rollout=rollout, aqn=replace(recipe.aqn, enabled=False))

@@ -43,7 +43,7 @@ def gap(
             "--backends",
             metavar="NAME,...",
             help=f"Backends scored, the first that is not hf the ratios' reference: comma list of "
-            f"{','.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor; "
+            f"{', '.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor; "
             "best listed last).",
         ),
     ] = "marlin,qerl-triton",

@@ -390,6 +390,8 @@ class HFEngine:
             return ids[:stop_end], "stop"
         if eos_end is not None:
             return kept, "stop"
+        if not spec.stop:  # no criterion but EOS stops a row early: a pad at the end was sampled
+            return ids, "length"
         # Pads with no EOS or stop string before them: transformers ended the row on a stop string that
         # its token-level match found and the decoded text does not show (special tokens skipped): the
         # row stopped there all the same, and the pads after it were never sampled.
