@@ -29,64 +29,75 @@ from qerl_cli.cli.app import (
 from qerl_cli.cli.stages import print_checks
 from qerl_cli.config import TrainConfig, load_config
 
-G = GapSettings  # the --help defaults below are its own
+G = GapSettings  # the flags' defaults are its own (the backends' list: its default factory's)
 GapSet = set_option("model.path=BASE_DIR")
 
 
+RecipeArg = Annotated[
+    Path, typer.Argument(metavar="RECIPE", help="Training recipe: a path or a shipped recipe's name.")
+]
+BackendsOption = Annotated[
+    str,
+    typer.Option(
+        "--backends",
+        metavar="NAME,...",
+        help=f"Backends scored, the first that is not hf the ratios' reference: comma list of "
+        f"{', '.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor; "
+        "best listed last).",
+    ),
+]
+SequencesOption = Annotated[
+    int, typer.Option("--sequences", metavar="N", help="Sequences scored (prompts of the recipe's data).")
+]
+MaxTokensOption = Annotated[
+    int, typer.Option("--max-tokens", metavar="TOKENS", help="Completion tokens sampled at most.")
+]
+AdapterOption = Annotated[
+    str,
+    typer.Option(
+        "--adapter",
+        metavar="KIND",
+        help=f"{' | '.join(GAP_ADAPTERS)}: the recipe's LoRA with seeded random B, or the base alone.",
+    ),
+]
+SeedOption = Annotated[
+    int, typer.Option("--seed", metavar="N", help="Seed of the completions, adapter, bootstrap.")
+]
+MarginOption = Annotated[
+    float, typer.Option("--margin", metavar="FRACTION", help="Verdict: a ratio within 1 + FRACTION.")
+]
+DeviceOption = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        metavar="DEVICE",
+        help="The recipe's train.device: auto, cpu or cuda[:N] "
+        "(the trainer side and the hf backend; vLLM runs on the GPU).",
+        show_default="the recipe's",
+    ),
+]
+OutputOption = Annotated[
+    str,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="DIR",
+        help="Folder of gap.json, gap.md, sequences.json, trainer_logprobs.json, logprobs/, adapter/ "
+        "(--adapter random) and engines/ (vLLM backends); made once the checks pass.",
+    ),
+]
+
+
 def gap(
-    recipe: Annotated[
-        Path, typer.Argument(metavar="RECIPE", help="Training recipe: a path or a shipped recipe's name.")
-    ],
-    backends: Annotated[
-        str,
-        typer.Option(
-            "--backends",
-            metavar="NAME,...",
-            help=f"Backends scored, the first that is not hf the ratios' reference: comma list of "
-            f"{', '.join(GAP_BACKENDS)} (hf: training's transformers engine over the live policy, the floor; "
-            "best listed last).",
-        ),
-    ] = "marlin,qerl-triton",
-    sequences: Annotated[
-        int, typer.Option("--sequences", metavar="N", help="Sequences scored (prompts of the recipe's data).")
-    ] = 128,
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", metavar="TOKENS", help="Completion tokens sampled at most.")
-    ] = 256,
-    adapter: Annotated[
-        str,
-        typer.Option(
-            "--adapter",
-            metavar="KIND",
-            help=f"{' | '.join(GAP_ADAPTERS)}: the recipe's LoRA with seeded random B, or the base alone.",
-        ),
-    ] = "random",
-    seed: Annotated[
-        int, typer.Option("--seed", metavar="N", help="Seed of the completions, adapter, bootstrap.")
-    ] = 0,
-    margin: Annotated[
-        float, typer.Option("--margin", metavar="FRACTION", help="Verdict: a ratio within 1 + FRACTION.")
-    ] = 0.10,
-    device: Annotated[
-        str | None,
-        typer.Option(
-            "--device",
-            metavar="DEVICE",
-            help="The recipe's train.device: auto, cpu or cuda[:N] "
-            "(the trainer side and the hf backend; vLLM runs on the GPU).",
-            show_default="the recipe's",
-        ),
-    ] = None,
-    output: Annotated[
-        str,
-        typer.Option(
-            "--output",
-            "-o",
-            metavar="DIR",
-            help="Folder of gap.json, gap.md, sequences.json, trainer_logprobs.json, logprobs/, adapter/ "
-            "(--adapter random) and engines/ (vLLM backends); made once the checks pass.",
-        ),
-    ] = "bench_results",
+    recipe: RecipeArg,
+    backends: BackendsOption = ",".join(GapSettings(recipe="").backends),
+    sequences: SequencesOption = G.sequences,
+    max_tokens: MaxTokensOption = G.max_tokens,
+    adapter: AdapterOption = G.adapter,
+    seed: SeedOption = G.seed,
+    margin: MarginOption = G.margin,
+    device: DeviceOption = None,
+    output: OutputOption = G.output,
     set_: GapSet = None,
     dry_run: DryRunOption = False,
 ) -> None:
