@@ -361,10 +361,25 @@ def test_dry_run_prints_the_recipe_and_the_settings(
 
 
 def test_the_command_runs_on_the_cpu_with_the_hf_engine(
-    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, hide_packages: Any
+    capsys: pytest.CaptureFixture[str],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    hide_packages: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``--backends hf`` runs end to end on the CPU; a vLLM backend there is a failed row and exit 1."""
+    """``--backends hf`` runs end to end on the CPU; a vLLM backend there is a failed row and exit 1. The
+    prompts are loaded and rendered once: the check before work takes them and the run reuses them."""
+    from qerl_cli.bench import gap
+
     hide_packages("vllm")
+    renders: list[int] = []
+    real_chosen = gap.chosen_prompts
+
+    def counted(cfg: Any, count: int) -> Any:
+        renders.append(count)
+        return real_chosen(cfg, count)
+
+    monkeypatch.setattr(gap, "chosen_prompts", counted)
     recipe = _recipe(tmp_path, tiny_model_dir)
     out = tmp_path / "out"
     sizes = ["--sequences", "3", "--max-tokens", "4", "--adapter", "none"]
@@ -380,3 +395,4 @@ def test_the_command_runs_on_the_cpu_with_the_hf_engine(
     assert data["trainer"]["gpu_memory_utilization"] is not None  # a vLLM backend was asked for
     assert data["rows"][0]["mean_gap"] < 1e-4 and data["rows"][1]["error"] and data["ratios"] == []
     assert not (out / "adapter").exists()
+    assert renders == [3]

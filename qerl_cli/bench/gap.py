@@ -90,7 +90,10 @@ def measure(spec: BackendSpec) -> BackendResult:
     return measure_isolated(spec)
 
 
-def check_inputs(recipe: TrainConfig, settings: GapSettings) -> list[Checked]:
+Chosen = tuple[list[str], list[str]]  # chosen_prompts: (problem ids, rendered prompts)
+
+
+def check_inputs(recipe: TrainConfig, settings: GapSettings) -> tuple[list[Checked], Chosen]:
     """What ``qerl train``'s checks before work (:mod:`qerl_cli.rl.preflight`) would refuse, on the
     recipe as the benchmark runs it, without loading the model: ``train.device`` a device name (and a GPU
     where it names one), ``model.path`` there, the data reachable and holding ``--sequences`` prompts (the
@@ -102,10 +105,10 @@ def check_inputs(recipe: TrainConfig, settings: GapSettings) -> list[Checked]:
     device = resolve_device(cfg.train.device, "train.device")
     checks = [Checked("train.device", f"{cfg.train.device} -> {device}"), preflight.model_source(cfg)]
     checks.append(preflight.dataset(cfg))
-    chosen_prompts(cfg, settings.sequences)
+    chosen = chosen_prompts(cfg, settings.sequences)
     checks.append(Checked("--sequences", f"{settings.sequences}: the recipe's data has as many prompts"))
     checks.append(check_output_folder(Path(settings.output)))
-    return checks
+    return checks, chosen
 
 
 def is_gap_report(path: Path) -> bool:
@@ -176,13 +179,15 @@ def run_gap(
     recipe: TrainConfig,
     *,
     command: str,
+    chosen: Chosen | None = None,
     measure_backend: Callable[[BackendSpec], BackendResult] = measure,
 ) -> GapReport:
     """The whole benchmark; writes its files in ``settings.output`` and returns the report.
     ``measure_backend``: how a vLLM backend's result is had (tests stand the HF engine in for vLLM)."""
     out = Path(settings.output)
     cfg = gap_train_config(recipe, settings)
-    chosen = chosen_prompts(cfg, settings.sequences)  # before the folder is made: too few fails at once
+    if chosen is None:  # check_inputs took them: before the folder is made, too few fails at once
+        chosen = chosen_prompts(cfg, settings.sequences)
     progress = Progress("bench gap", 1 + len(settings.backends))
     report = GapReport(report_header(SCHEMA, command), report_settings(settings), TrainerFigures())
     progress.start("trainer: sequences and logprobs")

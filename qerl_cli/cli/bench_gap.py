@@ -122,16 +122,16 @@ def gap(
     from qerl_cli.bench.gap import check_inputs, run_gap, written_files
 
     if finish_config(conf, dry_run):  # the YAML, then the checks: the model, device and data, not loaded
-        print_checks([*checks, *check_inputs(conf, settings)])
+        print_checks([*checks, *check_inputs(conf, settings)[0]])
         print_plan([f"{key}: {value}" for key, value in vars(settings).items()])
         return
-    check_inputs(conf, settings)  # seconds, before the folder is made and the model loads
+    _, chosen = check_inputs(conf, settings)  # seconds, before the folder is made and the model loads
     from qerl_cli.bench.gap_report import MARKDOWN_NAME
     from qerl_cli.torch_utils import runs_on_cpu
 
     if runs_on_cpu(conf.train.device):
         use_free_cpu_threads()
-    report = run_gap(settings, conf, command=command_line())
+    report = run_gap(settings, conf, command=command_line(), chosen=chosen)
     out = Path(settings.output)
     console.print((out / MARKDOWN_NAME).read_text(), markup=False, highlight=False)
     console.print(f"wrote {escape(', '.join(written_files(out)))}")
