@@ -242,8 +242,8 @@ def build_rows(results: list[BackendResult], trainer: list[list[float]]) -> list
     name = reference_backend([r.backend for r in results])
     reference = next((r for r in results if r.backend == name), None)
     first = None
-    if reference is not None and backend_row(reference, trainer, None).error is None:
-        first = reference.logprobs
+    if reference is not None and reference.error is None and reference.logprobs is not None:
+        first = reference.logprobs if shape_mismatch(reference.logprobs, trainer) is None else None
     return [backend_row(r, trainer, None if r is reference else first) for r in results]
 
 
