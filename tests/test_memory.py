@@ -386,3 +386,23 @@ def test_a_run_sharing_the_gpu_plans_its_update_within_what_vllms_share_leaves_o
     assert 0 < plan.figures["memory/activation_estimate_gib"] * GIB <= budget
     with pytest.raises(QerlError, match="auto needs rollout.enable_sleep_mode=true"):
         mem.plan_memory(gpu_memory_utilization="auto", **args)  # why compare gives each run a number
+
+
+def test_vllms_floor_is_what_its_linear_backend_holds() -> None:
+    """vLLM's least memory counts the weights its backend holds, not the checkpoint's: qerl's BF16 block
+    scales (one more byte a block of 16), an FP8 copy, a BF16 copy; auto and marlin serve the checkpoint's
+    own. A pinned copy that cannot fit beside the trainer says so and what serves the 4-bit weights."""
+    s = shape("qwen2.5-32b")
+    own = mem.vllm_min_bytes(s, "nvfp4", 5120)
+    assert mem.vllm_min_bytes(s, "nvfp4", 5120, backend="auto") == own
+    assert mem.vllm_min_bytes(s, "nvfp4", 5120, backend="marlin") == own
+    assert mem.vllm_min_bytes(s, "nvfp4", 5120, backend="qerl-triton") == own + int(
+        s.decoder_linear_params() / 16
+    )
+    fp8 = mem.weight_bytes(s, "fp8") - mem.weight_bytes(s, "nvfp4")
+    assert mem.vllm_min_bytes(s, "nvfp4", 5120, backend="fp8") == own + fp8
+    _plan("qwen2.5-32b", "nvfp4", H200_TOTAL, H100_FREE, seq_len=1024 + 4096)  # marlin's floor fits
+    with pytest.raises(
+        QerlError, match=r"rollout.linear_backend=merged holds a bf16 copy of the nvfp4 weights"
+    ):
+        _plan("qwen2.5-32b", "nvfp4", H200_TOTAL, H100_FREE, seq_len=1024 + 4096, rollout_backend="merged")

@@ -38,7 +38,7 @@ def test_the_memory_plan_names_vllm_only_where_it_runs(caplog: pytest.LogCapture
 
     from qerl_cli.config import TrainConfig
     from qerl_cli.modeling.tiny import build_tiny_config
-    from qerl_cli.rl.memory import plan_for_run
+    from qerl_cli.rl.run_memory import plan_for_run
 
     cfg = TrainConfig()
     cfg.rollout.engine, cfg.rollout.gpu_memory_utilization = engine, "auto"

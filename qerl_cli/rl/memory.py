@@ -25,14 +25,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from qerl_cli.errors import QerlError
 from qerl_cli.modeling.model_shape import ModelShape, weight_bytes
-from qerl_cli.rl.device_memory import device_memory, release_cached_memory
-from qerl_cli.rl.policy import enable_gradient_checkpointing
+from qerl_cli.rollout.backends import rollout_weight_bytes, rollout_weight_format
 from qerl_cli.rollout.vllm_setup import VLLM_OVERHEAD
 from qerl_cli.torch_utils import GIB
 
@@ -214,9 +210,14 @@ def _does_not_fit(
     )
 
 
-def vllm_min_bytes(shape: ModelShape, fmt: str, max_model_len: int, kv_dtype: str = "auto") -> int:
-    """The least vLLM can run with: its weights, its overhead, and KV for one full-length sequence."""
-    return weight_bytes(shape, fmt) + VLLM_OVERHEAD + max_model_len * shape.kv_bytes_per_token(kv_dtype)
+def vllm_min_bytes(
+    shape: ModelShape, fmt: str, max_model_len: int, kv_dtype: str = "auto", backend: str = "default"
+) -> int:
+    """The least vLLM can run with: the weights it holds for a ``fmt`` base on its linear ``backend``
+    (:func:`~qerl_cli.rollout.backends.rollout_weight_bytes`: an FP8 or BF16 copy, qerl's BF16 scales),
+    its overhead, and KV for one full-length sequence."""
+    held = rollout_weight_bytes(shape, backend, fmt)
+    return held + VLLM_OVERHEAD + max_model_len * shape.kv_bytes_per_token(kv_dtype)
 
 
 def vllm_memory_share(
@@ -287,6 +288,7 @@ def plan_memory(
     gpu_fraction: float = 1.0,
     used_bytes: int = 0,
     static_extra_bytes: int = 0,
+    rollout_backend: str = "default",
 ) -> MemoryPlan:
     """Resolve the ``auto`` settings from sizes and the GPU's memory (``free_bytes`` is measured
     after the trainer's model is loaded and before vLLM starts; None on a CPU).
@@ -333,7 +335,7 @@ def plan_memory(
     share = 0.0
     if colocated:
         share = _vllm_share(shape, fmt, seq_len, kv_dtype, gpu_memory_utilization, total_bytes, free_bytes,
-                            margin_bytes, gpu_fraction)  # fmt: skip
+                            margin_bytes, gpu_fraction, rollout_backend)  # fmt: skip
         figures["memory/vllm_budget_gib"] = share * total_bytes / GIB
     return MemoryPlan(
         choice.micro_batch_size, choice.gradient_checkpointing, share, choice.logprob_chunk, figures
@@ -381,69 +383,19 @@ def _free_in_slice(
 
 def _vllm_share(
     shape: ModelShape, fmt: str, seq_len: int, kv_dtype: str, gpu_memory_utilization: float | str,
-    total_bytes: int, free_bytes: int, margin_bytes: int, gpu_fraction: float,
+    total_bytes: int, free_bytes: int, margin_bytes: int, gpu_fraction: float, backend: str,
 ) -> float:  # fmt: skip
     """vLLM's share of the whole GPU: the recipe's, or (``auto``) sized from what is free within this
     run's slice, with room to wake up."""
     if gpu_memory_utilization != "auto":
         return float(gpu_memory_utilization)
-    need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype)
+    need = vllm_min_bytes(shape, fmt, seq_len, kv_dtype, backend)
     headroom = margin_bytes + WAKE_HEADROOM
     try:
         return vllm_memory_share(total_bytes, free_bytes, need, margin_bytes=headroom)
     except QerlError as exc:
+        held = rollout_weight_format(backend, fmt)
+        if held != fmt:  # a copy in another format: serving the checkpoint's own weights needs less
+            exc = QerlError(f"{exc}; rollout.linear_backend={backend} holds a {held} copy of the {fmt} "
+                            "weights: marlin (or auto) serves the checkpoint's own")  # fmt: skip
         raise _in_slice(exc, gpu_fraction) from None
-
-
-def plan_for_run(
-    cfg: Any, model: torch.nn.Module, base_format: str, static_extra_bytes: int = 0
-) -> MemoryPlan:
-    """The memory plan of a training run (``cfg``: TrainConfig) for its loaded policy ``model``,
-    measured now (after the trainer loaded, before vLLM starts); turns checkpointing on if chosen.
-    ``static_extra_bytes``: as in :func:`plan_memory`."""
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    shape = ModelShape.from_config(base.config.to_dict())
-    rollout, train = cfg.rollout, cfg.train
-    release_cached_memory()
-    info = device_memory()
-    fraction = train.gpu_fraction
-    used = int(torch.cuda.memory_reserved()) if info and fraction < 1 else 0
-    plan = plan_memory(
-        shape=shape, fmt=base_format, lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules),
-        seq_len=rollout.max_prompt_length + rollout.max_completion_length,
-        sequences_per_step=train.prompts_per_step * rollout.num_generations,
-        micro_batch=train.micro_batch_size, checkpointing=train.gradient_checkpointing,
-        gpu_memory_utilization=rollout.gpu_memory_utilization, logprob_chunk=train.logprob_chunk_tokens,
-        total_bytes=info[1] if info else None, free_bytes=info[0] if info else None,
-        engine=rollout.engine, kv_dtype=rollout.kv_cache_dtype, sleep_mode=rollout.enable_sleep_mode,
-        gpu_fraction=fraction, used_bytes=used, static_extra_bytes=static_extra_bytes,
-    )  # fmt: skip
-    if train.gradient_checkpointing == "auto" and plan.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    log.info("%s", plan_line(cfg, plan))
-    return plan
-
-
-def plan_line(cfg: Any, plan: MemoryPlan) -> str:
-    """The log's line of a run's memory plan: the settings chosen (which were ``auto``), and the figures.
-    vLLM's share (and ``rollout.gpu_memory_utilization``) only where a vLLM engine runs beside the trainer:
-    the transformers engine has none."""
-    rollout, train = cfg.rollout, cfg.train
-    colocated = rollout.engine == "vllm"
-    settings = [("micro_batch_size", train.micro_batch_size),
-                ("gradient_checkpointing", train.gradient_checkpointing),
-                ("logprob_chunk_tokens", train.logprob_chunk_tokens)]  # fmt: skip
-    if colocated:
-        settings.append(("gpu_memory_utilization", rollout.gpu_memory_utilization))
-    auto = [name for name, value in settings if value == "auto"]
-    share = f", vLLM share {plan.gpu_memory_utilization:.3f}" if colocated else ""
-    head = "memory plan" + (f" (auto: {', '.join(auto)})" if auto else "")
-    if train.gpu_fraction < 1:
-        head += f" within train.gpu_fraction={train.gpu_fraction} of the GPU"
-    figures = ", ".join(f"{k.split('/')[-1]} {v:.1f}" for k, v in plan.figures.items() if k != CHUNK_FIGURE)
-    checkpointing = "on" if plan.gradient_checkpointing else "off"
-    return (
-        f"{head}: micro-batch {plan.micro_batch_size}, gradient checkpointing {checkpointing}, "
-        f"logprob chunk {plan.logprob_chunk} tokens{share}; {figures}"
-    )

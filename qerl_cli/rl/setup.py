@@ -25,8 +25,9 @@ from qerl_cli.errors import QerlError
 from qerl_cli.modeling.quant_linear import fp8_cache_nbytes
 from qerl_cli.rl.aqn_schedule import AQNSchedule
 from qerl_cli.rl.distributed import Distributed
-from qerl_cli.rl.memory import MemoryPlan, plan_for_run
+from qerl_cli.rl.memory import MemoryPlan
 from qerl_cli.rl.policy import Policy
+from qerl_cli.rl.run_memory import plan_for_run
 from qerl_cli.rollout import factory
 from qerl_cli.rollout.backends import rollout_weight_format
 from qerl_cli.rollout.base import RolloutEngine
@@ -141,7 +142,7 @@ def check_parallel_settings(cfg: TrainConfig, dist: Distributed) -> None:
 
 
 def plan_with_base_compute(cfg: TrainConfig, policy: Policy) -> MemoryPlan:
-    """The run's memory plan (``rl.memory.plan_for_run``) with the FP8 base copies of
+    """The run's memory plan (``rl.run_memory.plan_for_run``) with the FP8 base copies of
     ``train.base_compute=fp8`` (``modeling.base_compute``) counted in the trainer's static memory; a
     plan that does not fit with them fails with the plan's error (``auto`` never holds them)."""
     held = fp8_cache_nbytes(policy.model)
