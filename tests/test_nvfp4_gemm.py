@@ -197,6 +197,35 @@ def test_split_halves_puts_each_k_half_in_one_nibble(k) -> None:
     assert torch.equal(halves & 0x0F, padded[:, :kh]) and torch.equal(halves >> 4, padded[:, kh:])
 
 
+@pytest.mark.parametrize(("n", "k"), [(70, 80), (64, 64), (128, 96)])
+def test_scale_tiles_put_each_k_steps_scales_of_64_rows_together(n, k) -> None:
+    """scale_tiles[g, j, r, h]: row 64g + r's BF16 scale of K block j (h = 0, the low nibbles) and of
+    KH/16 + j (h = 1, the high ones); zero past N and past K/16 (a K step of a 64-row tile is then one
+    contiguous run of the tensor)."""
+    from qerl_cli.kernels.nvfp4_gemm import block_scales, scale_tiles, scale_tiles_shape
+
+    codes = torch.randint(1, 120, (n, k // 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    scale = codes.view(torch.float8_e4m3fn)
+    tiles, values = scale_tiles(scale), block_scales(scale)
+    half = -(-k // 32)
+    assert tiles.shape == scale_tiles_shape(n, k) == (-(-n // 64), half, 64, 2)
+    assert tiles.dtype == torch.bfloat16 and tiles.is_contiguous()
+    for g, j, r, h in torch.cartesian_prod(*(torch.arange(d) for d in tiles.shape)).tolist():
+        row, column = 64 * g + r, j + h * half
+        want = values[row, column] if row < n and column < k // 16 else torch.tensor(0, dtype=torch.bfloat16)
+        assert tiles[g, j, r, h] == want, (g, j, r, h)
+
+
+def test_tile_configs_take_whole_scale_tiles() -> None:
+    from qerl_cli.kernels.nvfp4_tiles import CANDIDATES, TileConfig
+
+    assert all(c.block_n % 64 == 0 for _, c in BUCKETS) and all(
+        c.block_n % 64 == 0 for cs in CANDIDATES.values() for c in cs
+    )
+    with pytest.raises(ValueError, match="not a multiple of the scale tiles' 64"):
+        TileConfig(16, 32, 128)
+
+
 def test_split_k_fills_the_sms_without_a_second_wave(monkeypatch) -> None:
     """On 132 SMs, the 7B's linears at every bucket: at most programs_per_sm programs per SM, and as
     many splits as that allows (o at 128 tokens: 56 tiles x 4, not x 5, which spills into a second
@@ -235,12 +264,12 @@ def test_split_k_fills_the_sms_without_a_second_wave(monkeypatch) -> None:
             "weight_scale",
         ),
         (  # the kernel's BF16 scales made from another weight, or left in float32
-            lambda w, x, b, lora: (replace(w, bf16_scales=w.kernel_scales()[:, :2]), x, b, lora),
-            "bf16_scales must be",
+            lambda w, x, b, lora: (replace(w, tiled_scales=w.kernel_scales()[:, :1]), x, b, lora),
+            "tiled_scales must be scale_tiles",
         ),
         (
-            lambda w, x, b, lora: (replace(w, bf16_scales=w.kernel_scales().float()), x, b, lora),
-            r"bf16_scales must be .* got torch\.float32",
+            lambda w, x, b, lora: (replace(w, tiled_scales=w.kernel_scales().float()), x, b, lora),
+            r"tiled_scales must be .* got torch\.float32",
         ),
     ],
 )
@@ -329,7 +358,7 @@ def compile_ptx(bm, bn, bk, warps, stages, split, lora):
                        attrs={(order.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": stages})
-    return compiled.asm["ptx"]
+    return compiled.asm["ptx"], compiled.asm["ttgir"]
 
 
 sys.stdout.write(json.dumps([compile_ptx(*config) for config in json.loads(sys.argv[1])]))
@@ -344,7 +373,7 @@ def _hopper_args(config, split: int, lora: int) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def hopper_ptx() -> dict[tuple[int, ...], str]:
+def hopper_ptx() -> dict[tuple[int, ...], tuple[str, str]]:
     """The sm_90 PTX of every bucket's config in both variants, compiled by one child process."""
     import json
     import os
@@ -377,7 +406,12 @@ def test_bucket_configs_compile_to_hopper_mma(bucket, tmp_path, hopper_ptx) -> N
 
     config = dict(BUCKETS)[bucket]
     for split, lora in HOPPER_VARIANTS:
-        ptx = hopper_ptx[_hopper_args(config, split, lora)]
+        ptx, ttgir = hopper_ptx[_hopper_args(config, split, lora)]
+        # Every load of the K loop pipelined (an asynchronous copy issued stages ahead): a plain load left
+        # in the loop is waited on at every step (the block scales were, read as [N, K/16] rows: the
+        # kernel's top stall on an H200, 1.1-1.2x of its time).
+        loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
+        assert "tt.load" not in loop, "a load of the K loop is not pipelined"
         mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx)
         assert mmas, "no BF16 wgmma with a register A operand"
         assert "fma.rn.bf16x2" in ptx, "the decode's packed BF16 multiply is missing"

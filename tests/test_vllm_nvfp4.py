@@ -18,7 +18,7 @@ import torch
 from test_nvfp4_gemm import assert_within_bf16, make_case
 
 from qerl_cli.errors import QerlError
-from qerl_cli.kernels.nvfp4_gemm import SCALE_BIAS, WEIGHT_EXPONENT, Nvfp4Weight, block_scales, split_halves
+from qerl_cli.kernels.nvfp4_gemm import SCALE_BIAS, WEIGHT_EXPONENT, Nvfp4Weight, scale_tiles, split_halves
 from qerl_cli.rollout import vllm_nvfp4
 
 pytest.importorskip("triton")
@@ -89,9 +89,13 @@ def test_prepare_layer_relays_the_weight_and_adds_the_accumulator_scale() -> Non
     assert not torch.equal(layer.weight.data, weight.packed)  # re-laid-out, not kept
     # the block scales as the kernel reads them: BF16 values, each E4M3 code's exactly (x 2**118)
     assert layer.weight_scale.dtype == torch.bfloat16
-    assert torch.equal(layer.weight_scale.data, block_scales(weight.scale))
+    assert torch.equal(layer.weight_scale.data, scale_tiles(weight.scale))
     want = weight.scale.double() * 2.0**SCALE_BIAS
-    assert torch.equal(layer.weight_scale.data.double(), want)
+    tiles = layer.weight_scale.data  # [N/64, KH/16, 64, 2] back to rows of K blocks, the padding cut
+    rows = tiles.permute(0, 2, 3, 1).reshape(-1, 2 * tiles.shape[1])[
+        : weight.scale.shape[0], : weight.scale.shape[1]
+    ]
+    assert torch.equal(rows.double(), want)
     assert torch.equal(layer.weight_global_scale.data, multiplier)
     out_scale = layer.qerl_accumulator_scale
     assert out_scale.dtype == torch.float32 and out_scale.shape == (1,)

@@ -63,7 +63,26 @@ def _decode_f32(byte, low_scale, high_scale):
 
 
 @triton.jit
-def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.constexpr,
+def _scale_tile(tiles_ptr, pid_n, j0, KH, N, BN: tl.constexpr, BJ: tl.constexpr, EVEN: tl.constexpr):
+    # The BF16 block scales of the weight tile at byte column j0, low and high nibbles, each [BN, BJ/16],
+    # from nvfp4_gemm.scale_tiles: [N/64, KH/16, 64, 2] (64-row groups; per block column the low and the
+    # high scale of each row side by side). One K step of a 64-row group is then one contiguous run,
+    # which the pipeliner copies stages ahead like the weight bytes; the [N, K/16] rows' few bytes a step
+    # were plain loads it left in the loop, waited on at every step (the figures: docs/rollout.md).
+    groups = pid_n * (BN // 64) + tl.arange(0, BN // 64)
+    run = (j0 // 16) * 128 + tl.arange(0, (BJ // 16) * 128)
+    offs = groups[:, None] * ((KH // 16) * 128) + run[None, :]
+    if EVEN:
+        pairs = tl.load(tiles_ptr + offs)
+    else:  # past N or past KH: zeros, which the masked weight bytes multiply anyway
+        live = (groups[:, None] < tl.cdiv(N, 64)) & (run[None, :] < (KH // 16) * 128)
+        pairs = tl.load(tiles_ptr + offs, mask=live, other=0.0)
+    pairs = tl.permute(tl.reshape(pairs, (BN // 64, BJ // 16, 64, 2)), (0, 2, 1, 3))
+    return tl.split(tl.reshape(pairs, (BN, BJ // 16, 2)))
+
+
+@triton.jit
+def _weight_halves(packed_ptr, tiles_ptr, pid_n, offs_n, n_mask, j0, KH, N, BN: tl.constexpr,
                    BJ: tl.constexpr, EVEN: tl.constexpr, F32_DOT: tl.constexpr):  # fmt: skip
     # The weight tiles W[offs_n, j0:j0+BJ] (low nibbles) and W[offs_n, KH+j0:KH+j0+BJ] (high nibbles)
     # of the half-split layout (nvfp4_gemm.split_halves), each x 2**-8 (the epilogue undoes it). Bytes
@@ -72,23 +91,13 @@ def _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN: tl.cons
     # value where it is (no interleave of the two nibbles, which cost a shared-memory round trip).
     blocks = j0 // 16 + tl.arange(0, BJ // 16)
     byte_offs = offs_n[:, None, None] * KH + blocks[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-    low_offs = offs_n[:, None] * (K // 16) + blocks[None, :]
-    high_offs = low_offs + KH // 16
-    # Each block's scale is read as its BF16 value x 2**118 (nvfp4_gemm.block_scales, made once per
-    # weight): a plain load the pipeliner issues stages ahead, where a per-step lookup of the E4M3 code in
-    # a table waited on the code's load before every K step (slower, most of all at few tokens; the
-    # figures: docs/rollout.md, qerl-triton).
     if EVEN:  # every tile whole: no masks (their selects took ~7% of the loop's instructions on sm_90)
         byte = tl.load(packed_ptr + byte_offs)
-        low_scale = tl.load(scale_ptr + low_offs)
-        high_scale = tl.load(scale_ptr + high_offs)
     else:
         mask = n_mask[:, None] & (blocks[None, :] < KH // 16)
         byte = tl.load(packed_ptr + byte_offs, mask=mask[:, :, None], other=0)
-        low_scale = tl.load(scale_ptr + low_offs, mask=mask & (blocks[None, :] < K // 16), other=0.0)
-        high_scale = tl.load(
-            scale_ptr + high_offs, mask=mask & (blocks[None, :] + KH // 16 < K // 16), other=0.0
-        )
+    # Each block's scale is its BF16 value x 2**118 (nvfp4_gemm.block_scales, made once per weight).
+    low_scale, high_scale = _scale_tile(tiles_ptr, pid_n, j0, KH, N, BN, BJ, EVEN)
     low_scale = tl.broadcast_to(low_scale[:, :, None], (BN, BJ // 16, 16))
     high_scale = tl.broadcast_to(high_scale[:, :, None], (BN, BJ // 16, 16))
     if F32_DOT:
@@ -154,7 +163,7 @@ def nvfp4_gemm_kernel(
     offs_j = tl.arange(0, BJ)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_begin, j_end, BJ):
-        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, offs_n, n_mask, j0, KH, K, BN, BJ, EVEN,
+        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, pid_n, offs_n, n_mask, j0, KH, N, BN, BJ, EVEN,
                                        F32_DOT)  # fmt: skip
         ks = j0 + offs_j
         x_offs = offs_m[None, :] * stride_xm + ks[:, None]

@@ -13,8 +13,9 @@ and closer to the checkpoint's exact values. The kernel reads the packed
 weight in a layout of its own (:func:`split_halves`, made once per weight: the low nibbles hold the first
 half of K, the high ones the second), so each K step is two plain dequantized tiles, each multiplied by
 its half of ``x``, and no tile is re-laid-out between its load and the MMA; and the block scales as BF16
-values (:func:`block_scales`, made once per weight: 2 bytes a block of 16 weights where the E4M3 code is 1,
-so the kernel reads 0.625 bytes a weight, not the format's 0.5625), loaded straight into the decode.
+values (:func:`block_scales`: 2 bytes a block of 16 weights where the E4M3 code is 1, so the kernel reads
+0.625 bytes a weight, not the format's 0.5625) in tiles of 64 rows (:func:`scale_tiles`, made once per
+weight), so each K step's scales are one contiguous run copied stages ahead, as the weight bytes are.
 
 The LoRA runs as two kernels: a small one computes ``x @ A^T`` once (float32, split over K so a few rows
 still fill the GPU), and the GEMM's epilogue adds ``s * xa @ B^T`` to its float32 accumulator, so no
@@ -38,7 +39,7 @@ import torch
 from qerl_cli import formats
 from qerl_cli.formats.fp4 import decode_packed
 from qerl_cli.kernels.dequant import use_triton_for
-from qerl_cli.kernels.nvfp4_tiles import MIN_K_TILES_PER_SPLIT, TileConfig, config_for
+from qerl_cli.kernels.nvfp4_tiles import MIN_K_TILES_PER_SPLIT, SCALE_ROWS, TileConfig, config_for
 
 BLOCK = 16  # NVFP4's block of values sharing one E4M3 scale
 # The kernel's weight tile is E2M1 x E4M3 scale x 2**-WEIGHT_EXPONENT, exactly (_triton_nvfp4_gemm): its
@@ -73,14 +74,33 @@ def code_scales(device: torch.device | str) -> torch.Tensor:
 
 
 def block_scales(scale: torch.Tensor) -> torch.Tensor:
-    """BF16 ``[N, K/16]``: the kernel's block scales, each E4M3 ``scale`` code's :func:`code_scales`
-    value (exact). Made once per weight: the kernel loads them directly, which Triton's pipeliner issues
-    stages ahead, where looking each code up in a table inside the K loop made every step wait on the
-    code's load first (slower, most of all at few tokens: docs/rollout.md, qerl-triton). BF16, not
-    float32: half the bytes, and as fast or faster at every row count measured but 256 tokens of the
-    widest linear."""
+    """BF16 ``[N, K/16]``: each E4M3 ``scale`` code's :func:`code_scales` value (exact), the values the
+    kernel's decode multiplies by, where looking each code up in a table inside the K loop made every
+    step wait on the code's load first (slower, most of all at few tokens: docs/rollout.md,
+    qerl-triton). BF16, not float32: half the bytes, and as fast or faster at every row count measured
+    but 256 tokens of the widest linear."""
     table = code_scales(scale.device)
     return table[scale.contiguous().view(torch.uint8).int()].to(torch.bfloat16)
+
+
+def scale_tiles_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape of :func:`scale_tiles` for an ``n`` x ``k`` weight."""
+    return (-(-n // SCALE_ROWS), -(-k // (2 * BLOCK)), SCALE_ROWS, 2)
+
+
+def scale_tiles(scale: torch.Tensor) -> torch.Tensor:
+    """BF16 ``[ceil(N/64), KH/16, 64, 2]``, the kernel's block scales (:func:`block_scales` values) in
+    the order its K loop reads them: for each group of 64 rows and block column ``j`` of the half-split
+    layout (:func:`split_halves`), the scale of K block ``j`` (low nibbles) and of ``KH/16 + j`` (high
+    ones) of each row side by side; zero past ``N`` and past ``K/16``. One K step of a 64-row tile is then
+    one contiguous run, which Triton's pipeliner copies stages ahead with the weight bytes; read as
+    ``[N, K/16]`` rows (a few bytes a row a step) the same loads stayed in the loop, each step waiting on
+    them (bit-identical outputs, 1.1-1.2x the GEMM: docs/rollout.md, qerl-triton). Made once per weight."""
+    n, blocks = scale.shape
+    groups, half_blocks, _, _ = scale_tiles_shape(n, blocks * BLOCK)
+    padded = torch.zeros((groups * SCALE_ROWS, 2 * half_blocks), dtype=torch.bfloat16, device=scale.device)
+    padded[:n, :blocks] = block_scales(scale)
+    return padded.view(groups, SCALE_ROWS, 2, half_blocks).permute(0, 3, 1, 2).contiguous()
 
 
 def output_scale(global_scale: torch.Tensor) -> torch.Tensor:
@@ -109,21 +129,21 @@ def split_halves(packed: torch.Tensor) -> torch.Tensor:
 class Nvfp4Weight:
     """One linear's NVFP4 buffers (checkpoint layout) and its sizes; ``out_scale`` is
     :func:`output_scale` of its global scale, ``halves`` :func:`split_halves` of ``packed`` and
-    ``bf16_scales`` :func:`block_scales` of ``scale``, each computed once (None: on every call)."""
+    ``tiled_scales`` :func:`scale_tiles` of ``scale``, each computed once (None: on every call)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
     out_scale: torch.Tensor | None = None
     halves: torch.Tensor | None = None
-    bf16_scales: torch.Tensor | None = None
+    tiled_scales: torch.Tensor | None = None
 
     @classmethod
     def from_buffers(cls, buffers: dict[str, torch.Tensor]) -> Nvfp4Weight:
         global_scale, packed = buffers["weight_global_scale"], buffers["weight_packed"]
         scale = buffers["weight_scale"]
         return cls(
-            packed, scale, global_scale, output_scale(global_scale), split_halves(packed), block_scales(scale)
+            packed, scale, global_scale, output_scale(global_scale), split_halves(packed), scale_tiles(scale)
         )
 
     def kernel_out_scale(self) -> torch.Tensor:
@@ -133,11 +153,11 @@ class Nvfp4Weight:
         return self.halves if self.halves is not None else split_halves(self.packed)
 
     def kernel_scales(self) -> torch.Tensor:
-        return self.bf16_scales if self.bf16_scales is not None else block_scales(self.scale)
+        return self.tiled_scales if self.tiled_scales is not None else scale_tiles(self.scale)
 
     def clone(self) -> Nvfp4Weight:
         """A copy in new memory, the derived tables included (the bench reads distinct copies)."""
-        tensors = (self.packed, self.scale, self.global_scale, self.out_scale, self.halves, self.bf16_scales)
+        tensors = (self.packed, self.scale, self.global_scale, self.out_scale, self.halves, self.tiled_scales)
         return Nvfp4Weight(*(t.clone() if t is not None else None for t in tensors))
 
     @property
@@ -201,13 +221,11 @@ def check_operands(
             f"expected weight_packed uint8 [N, K/2] and weight_scale float8_e4m3fn [N, K/{BLOCK}]; got "
             f"{weight.packed.dtype} {tuple(weight.packed.shape)} and {scale.dtype} {tuple(scale.shape)}"
         )
-    kernel_scales = weight.bf16_scales
-    if kernel_scales is not None and (
-        kernel_scales.dtype != torch.bfloat16 or kernel_scales.shape != scale.shape
-    ):
+    tiles = weight.tiled_scales
+    if tiles is not None and (tiles.dtype != torch.bfloat16 or tiles.shape != scale_tiles_shape(n, k)):
         raise ValueError(
-            f"bf16_scales must be block_scales(weight_scale), BF16 {tuple(scale.shape)}; got "
-            f"{kernel_scales.dtype} {tuple(kernel_scales.shape)}"
+            f"tiled_scales must be scale_tiles(weight_scale), BF16 {scale_tiles_shape(n, k)}; got "
+            f"{tiles.dtype} {tuple(tiles.shape)}"
         )
     if weight.global_scale.numel() != 1:
         raise ValueError(
@@ -327,7 +345,7 @@ def triton_nvfp4_linear(
 def launch_gemm(
     x: torch.Tensor,
     halves: torch.Tensor,
-    bf16_scales: torch.Tensor,
+    tiled_scales: torch.Tensor,
     out_scale: torch.Tensor,
     n: int,
     k: int,
@@ -336,7 +354,7 @@ def launch_gemm(
     config: TileConfig | None = None,
 ) -> torch.Tensor:
     """The GEMM on a weight already in the kernel's layout (:func:`split_halves` of ``n`` x ``k``
-    weights, ``bf16_scales`` :func:`block_scales`, ``out_scale`` :func:`output_scale`), operands unchecked:
+    weights, ``tiled_scales`` :func:`scale_tiles`, ``out_scale`` :func:`output_scale`), operands unchecked:
     :func:`triton_nvfp4_linear` checks them first, vLLM's layers (``qerl_cli.rollout.vllm_nvfp4``)
     once at load. Nothing here syncs with the host, so vLLM captures it in CUDA graphs."""
     lead = x.shape[:-1]
@@ -361,7 +379,7 @@ def launch_gemm(
     else:
         xa, xa_splits, lora_b, rank, r_pad, scaling = y, 1, y, 1, 16, 0.0
     _kernels().nvfp4_gemm_kernel[(tiles, split)](
-        x2, halves, bf16_scales.contiguous(), out_scale, bias if bias is not None else y, xa, lora_b, y, ws,
+        x2, halves, tiled_scales.contiguous(), out_scale, bias if bias is not None else y, xa, lora_b, y, ws,
         locks,
         m, n, k, kh, x2.stride(0), y.stride(0), scaling,
         BM=config.block_m, BN=config.block_n, BJ=config.block_k // 2, SPLIT_K=split,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+# Rows of one group of the kernel's block scales (nvfp4_gemm.scale_tiles): a tile's rows are whole groups.
+SCALE_ROWS = 64
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -19,6 +22,10 @@ class TileConfig:
     split_k: int | None = None
     programs_per_sm: int = 2
 
+    def __post_init__(self) -> None:
+        if self.block_n % SCALE_ROWS:
+            raise ValueError(f"block_n {self.block_n} is not a multiple of the scale tiles' {SCALE_ROWS}")
+
     def label(self) -> str:
         split = "auto" if self.split_k is None else str(self.split_k)
         return (
@@ -27,19 +34,20 @@ class TileConfig:
         )
 
 
-# (largest M of the bucket, config): the first bucket whose bound is >= M. The tokens are the MMA's
-# narrow side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's
-# warpgroup MMA, 64 rows per 4 warps), so block_m covers every token up to 256: a weight tile is then
-# dequantized once per call, not once per M tile. The 16-, 128- and 256-token buckets are the fastest of
-# a tile and split sweep over the 7B's four linears (benchmarks/h200-2026-11-28-gemm-halves/; the 32- and
-# 64-token ones lie between); each compiles to wgmma without spills in its K loop
-# (tests/test_nvfp4_gemm.py). Few tokens take a block_k of 128 and more programs per SM: small stages
-# leave room for several CTAs per SM, whose loads in flight hide HBM latency.
+# (largest M of the bucket, config): the first bucket whose bound is >= M. The tokens are the MMA's narrow
+# side (the kernel computes y^T, the dequantized weight being the register operand of Hopper's warpgroup MMA,
+# 64 rows per 4 warps), so block_m covers every token up to 256: a weight tile is then dequantized once per
+# call, not once per M tile. The 16-, 128- and 256-token buckets are the fastest of a tile and split sweep
+# over the 7B's four linears (benchmarks/h200-2026-11-28-gemm-halves/; with the scales in 64-row tiles the
+# 128-token one became block_k 64 at 4 stages, 7% faster than block_k 128: docs/rollout.md, qerl-triton; the
+# 32- and 64-token ones lie between); each compiles to wgmma without spills in its K loop
+# (tests/test_nvfp4_gemm.py). Few tokens take a block_k of 128 and more programs per SM: small stages leave
+# room for several CTAs per SM, whose loads in flight hide HBM latency.
 BUCKETS: tuple[tuple[int, TileConfig], ...] = (
     (16, TileConfig(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4)),
     (32, TileConfig(32, 64, 128, num_warps=4, num_stages=4, programs_per_sm=4)),
     (64, TileConfig(64, 64, 128, num_warps=4, num_stages=4, programs_per_sm=3)),
-    (128, TileConfig(128, 64, 128, num_warps=4, num_stages=3)),
+    (128, TileConfig(128, 64, 64, num_warps=4, num_stages=4)),
     (2**62, TileConfig(256, 64, 64, num_warps=4, num_stages=3)),
 )
 # Alternatives per bucket (same bounds as BUCKETS) for the bench's tuning pass; each fits the 227 KiB
@@ -54,7 +62,7 @@ CANDIDATES: dict[int, tuple[TileConfig, ...]] = {
     32: (TileConfig(32, 64, 256, 4, 3), TileConfig(32, 128, 128, 4, 4)),
     64: (TileConfig(64, 64, 256, 4, 3), TileConfig(64, 128, 128, 4, 3), TileConfig(64, 64, 64, 4, 5)),
     128: (
-        TileConfig(128, 64, 64, 4, 4),
+        TileConfig(128, 64, 128, 4, 3),
         TileConfig(128, 128, 128, 8, 3),
         TileConfig(128, 64, 128, 4, 4),
         TileConfig(128, 64, 64, 4, 6),

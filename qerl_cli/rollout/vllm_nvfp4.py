@@ -15,14 +15,15 @@ served by qerl's kernel.
 
 At load (:func:`prepare_layer`) the checkpoint's packed codes are re-laid-out once into the kernel's layout
 (:func:`~qerl_cli.kernels.nvfp4_gemm.split_halves`, the same bytes, replacing vLLM's copy), the E4M3 block
-scales replaced by their BF16 values (:func:`~qerl_cli.kernels.nvfp4_gemm.block_scales`, exact, one more byte
-a block of 16 weights: ~0.41 GB more on a 7B), and vLLM's global multiplier (the inverse of the checkpoint's
-divisor, as Marlin reads it) turned into the kernel's accumulator multiplier. Each call is one torch custom
-op, opaque to torch.compile; it never syncs with the host, so vLLM captures it in its CUDA graphs. The
-re-laid-out weights and scales are made during vLLM's weight loading, so sleep mode offloads and restores them
-with the other weights; the kernel's split-K counters are made before vLLM starts, outside its sleep-mode
-memory pool (they outlive the engine). vLLM's own LoRA kernels add the adapter around the op (the kernel's
-fused adapter is not used here), so the in-place adapter sync and AQN's norm noise work as on Marlin.
+scales replaced by their BF16 values in the kernel's tiles of 64 rows
+(:func:`~qerl_cli.kernels.nvfp4_gemm.scale_tiles`, exact, one more byte a block of 16 weights: ~0.41 GB more
+on a 7B), and vLLM's global multiplier (the inverse of the checkpoint's divisor, as Marlin reads it) turned
+into the kernel's accumulator multiplier. Each call is one torch custom op, opaque to torch.compile; it never
+syncs with the host, so vLLM captures it in its CUDA graphs. The re-laid-out weights and scales are made
+during vLLM's weight loading, so sleep mode offloads and restores them with the other weights; the kernel's
+split-K counters are made before vLLM starts, outside its sleep-mode memory pool (they outlive the engine).
+vLLM's own LoRA kernels add the adapter around the op (the kernel's fused adapter is not used here), so the
+in-place adapter sync and AQN's norm noise work as on Marlin.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from qerl_cli.errors import QerlError
 from qerl_cli.kernels.nvfp4_gemm import (
     BLOCK,
     WEIGHT_EXPONENT,
-    block_scales,
     launch_gemm,
     make_device_tables,
+    scale_tiles,
     split_halves,
 )
 from qerl_cli.rollout.lora_kernel_configs import BATCH_INVARIANT_ENV
@@ -184,7 +185,7 @@ def prepare_layer(layer: torch.nn.Module) -> None:
     # in the memory sleep mode offloads and restores.
     keep = torch.nn.Parameter
     layer.weight = keep(split_halves(packed), requires_grad=False)
-    layer.weight_scale = keep(block_scales(scale), requires_grad=False)
+    layer.weight_scale = keep(scale_tiles(scale), requires_grad=False)
     out_scale = accumulator_scale(layer.weight_global_scale.data)
     layer.qerl_accumulator_scale = keep(out_scale, requires_grad=False)
 
@@ -196,14 +197,14 @@ def prepare_layer(layer: torch.nn.Module) -> None:
 def nvfp4_w4a16_gemm(
     x: torch.Tensor,
     halves: torch.Tensor,
-    bf16_scales: torch.Tensor,
+    tiled_scales: torch.Tensor,
     out_scale: torch.Tensor,
     in_features: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise ValueError(f"qerl-triton takes BF16 activations, got {x.dtype}: serve the model in BF16")
-    return launch_gemm(x, halves, bf16_scales, out_scale, halves.shape[0], in_features, bias)
+    return launch_gemm(x, halves, tiled_scales, out_scale, halves.shape[0], in_features, bias)
 
 
 @nvfp4_w4a16_gemm.register_fake
