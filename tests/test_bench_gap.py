@@ -361,17 +361,17 @@ def test_dry_run_prints_the_recipe_and_the_settings(
 
 
 def test_the_command_runs_on_the_cpu_with_the_hf_engine(
-    capsys: pytest.CaptureFixture[str],
-    tiny_model_dir: Path,
-    tmp_path: Path,
-    hide_packages: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--backends hf`` runs end to end on the CPU; a vLLM backend there is a failed row and exit 1. The
-    prompts are loaded and rendered once: the check before work takes them and the run reuses them."""
-    from qerl_cli.bench import gap
+    """``--backends hf`` runs end to end on the CPU; a vLLM backend that passed the checks before work
+    (vLLM and a GPU found) but fails at run time is a failed row and exit 1 (one that cannot run here is
+    refused before work: test_bench_gap_checks). The prompts are loaded and rendered once: the check
+    before work takes them and the run reuses them."""
+    from qerl_cli.bench import gap, gap_worker
 
-    hide_packages("vllm")
+    monkeypatch.setattr(gap, "vllm_available", lambda: True)
+    monkeypatch.setattr(gap, "gpu_available", lambda: True)
+    monkeypatch.setattr(gap, "measure_isolated", lambda spec: gap_worker.error_result(spec, "engine died"))
     renders: list[int] = []
     real_chosen = gap.chosen_prompts
 
@@ -385,7 +385,7 @@ def test_the_command_runs_on_the_cpu_with_the_hf_engine(
     sizes = ["--sequences", "3", "--max-tokens", "4", "--adapter", "none"]
     rc = main(["bench", "gap", str(recipe), "--backends", "hf,marlin", *sizes, "-o", str(out)])
     printed = capsys.readouterr().out
-    assert rc == 1 and "| hf | trainer |" in printed and "failed: vLLM is not installed" in printed
+    assert rc == 1 and "| hf | trainer |" in printed and "failed: engine died" in printed
     assert "No ratios: the reference, marlin, failed." in printed  # hf first: marlin is the reference
     assert "Ratio: to marlin's gap" in printed
     names = ["gap.json", "gap.md", "sequences.json", "trainer_logprobs.json", "logprobs/"]

@@ -122,7 +122,7 @@ def test_a_failure_reads_failed_after_not_in() -> None:
             ["--set", "data.max_samples=3", "--sequences", "8"],
             "--sequences 8: the recipe's training data has 3",
         ),
-        (["--device", "gpu"], "train.device=gpu is not a device name"),
+        (["--device", "gpu"], "--device=gpu is not a device name; use auto, cpu or cuda[:N]"),
         (["-o", "/proc/nope"], "--output /proc/nope cannot be written"),
     ],
 )
@@ -152,6 +152,91 @@ def test_what_the_run_would_refuse_the_dry_run_refuses(
     rc = main([*argv, "--dry-run"] if dry_run else argv)
     err = " ".join(capsys.readouterr().err.split())
     assert rc == 2 and message in err, err
+    assert not out.exists()
+
+
+def _no_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qerl_cli.bench import gap_trainer
+
+    def no_policy(cfg: Any) -> Any:
+        raise AssertionError("the policy was built before the inputs were checked")
+
+    monkeypatch.setattr(gap_trainer, "build_policy", no_policy)
+
+
+def test_a_bad_device_flag_is_named_as_the_flag(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--device gpu`` sets train.device, but the user typed --device: the message names the flag, and
+    no YAML is printed before it."""
+    _no_policy(monkeypatch)
+    argv = ["bench", "gap", str(_recipe(tmp_path, tiny_model_dir)), "--backends", "hf", "--device", "gpu"]
+    assert main([*argv, "-o", str(tmp_path / "out"), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    err = " ".join(captured.err.split())
+    assert "--device=gpu is not a device name" in err and "train.device" not in err, err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    ("vllm", "gpu", "reason"),
+    [
+        (False, False, "vLLM is not installed"),
+        (False, True, "vLLM is not installed"),
+        (True, False, "vLLM needs a CUDA GPU and none is visible"),
+    ],
+)
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_vllm_backend_that_cannot_run_here_is_refused_before_work(
+    capsys: pytest.CaptureFixture[str],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vllm: bool,
+    gpu: bool,
+    reason: str,
+    dry_run: bool,
+) -> None:
+    """The default --backends (marlin, qerl-triton) on a machine without vLLM or a GPU: exit 2 naming the
+    backends, why and what to do, in the dry run as in the run, before the trainer side samples anything
+    (it used to sample and score first, then fail each backend after 0 s and exit 1)."""
+    from qerl_cli.bench import gap
+
+    _no_policy(monkeypatch)
+    monkeypatch.setattr(gap, "vllm_available", lambda: vllm)
+    monkeypatch.setattr(gap, "gpu_available", lambda: gpu)
+    out = tmp_path / "out"
+    argv = ["bench", "gap", str(_recipe(tmp_path, tiny_model_dir)), "--device", "cpu", "-o", str(out)]
+    rc = main([*argv, "--dry-run"] if dry_run else argv)
+    err = " ".join(capsys.readouterr().err.split())
+    assert rc == 2 and "--backends marlin, qerl-triton cannot run on this machine" in err, err
+    assert reason in err and "--backends hf" in err and "on a GPU machine with vLLM installed" in err, err
+    assert ('pip install -e ".[vllm]"' in err) is not vllm, err  # the extra's command where it is missing
+    assert not out.exists()
+
+
+def test_the_dry_run_lists_each_input_once(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One line per input: the output folder's (writable, and free of other runs' files), the device's
+    (as the flag the user typed), the backends' (vLLM and a GPU found where a vLLM backend runs)."""
+    from qerl_cli.bench import gap
+
+    monkeypatch.setattr(gap, "vllm_available", lambda: True)
+    monkeypatch.setattr(gap, "gpu_available", lambda: True)
+    out = tmp_path / "g1"
+    recipe = str(_recipe(tmp_path, tiny_model_dir))
+    assert main(["bench", "gap", recipe, "--device", "cpu", "-o", str(out), "--dry-run"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().err.splitlines()]
+    outputs = [line for line in lines if line.startswith(("--output:", "-o:"))]
+    assert outputs == [f"--output: {out}: a folder that can be written, free of other runs' files"], lines
+    assert [line for line in lines if "device" in line] == ["--device: cpu -> cpu"], lines
+    backends = [line for line in lines if line.startswith("--backends")]
+    assert backends == ["--backends: marlin, qerl-triton: vLLM installed, a GPU visible"], lines
+    assert main(["bench", "gap", recipe, "--backends", "hf", "-o", str(out), "--dry-run"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().err.splitlines()]
+    assert [line for line in lines if "device" in line] == ["train.device: cpu -> cpu"], lines
+    assert "--backends: hf: the trainer side's transformers engine, no vLLM needed" in lines, lines
     assert not out.exists()
 
 

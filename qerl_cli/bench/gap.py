@@ -83,7 +83,9 @@ def backend_unavailable(backend: str) -> str | None:
 
 
 def measure(spec: BackendSpec) -> BackendResult:
-    """One vLLM backend's result, in a child process (``hf`` is the trainer side's)."""
+    """One vLLM backend's result, in a child process (``hf`` is the trainer side's). The command refused
+    a backend that cannot run here before work (:func:`check_backends`); :func:`run_gap` called on its
+    own skips that check, so an error row here still spares it the child process."""
     why = backend_unavailable(spec.backend)
     if why is not None:
         return error_result(spec, why)
@@ -93,22 +95,42 @@ def measure(spec: BackendSpec) -> BackendResult:
 Chosen = tuple[list[str], list[str]]  # chosen_prompts: (problem ids, rendered prompts)
 
 
-def check_inputs(recipe: TrainConfig, settings: GapSettings) -> tuple[list[Checked], Chosen]:
-    """What ``qerl train``'s checks before work (:mod:`qerl_cli.rl.preflight`) would refuse, on the
-    recipe as the benchmark runs it, without loading the model: ``train.device`` a device name (and a GPU
-    where it names one), ``model.path`` there, the data reachable and holding ``--sequences`` prompts (the
-    tokenizer renders them). Run before the dry run's listing and before the run's folder is made."""
+def check_inputs(
+    recipe: TrainConfig, settings: GapSettings, device_key: str = "train.device"
+) -> tuple[list[Checked], Chosen]:
+    """What the run would refuse, checked without loading the model: each vLLM backend's package and GPU
+    (:func:`check_backends`), then what ``qerl train``'s checks before work (:mod:`qerl_cli.rl.preflight`)
+    would refuse on the recipe as the benchmark runs it: the device a device name (and a GPU where it
+    names one; ``device_key``: how the user gave it, for the message), ``model.path`` there, the data
+    reachable and holding ``--sequences`` prompts (the tokenizer renders them), the output folder. Run
+    before the dry run's listing and before the run's folder is made; each input is listed once."""
     from qerl_cli.rl import preflight
     from qerl_cli.torch_utils import resolve_device
 
     cfg = gap_train_config(recipe, settings)
-    device = resolve_device(cfg.train.device, "train.device")
-    checks = [Checked("train.device", f"{cfg.train.device} -> {device}"), preflight.model_source(cfg)]
+    checks = [check_backends(settings)]  # first: the trainer side takes minutes before a backend runs
+    device = resolve_device(cfg.train.device, device_key)
+    checks += [Checked(device_key, f"{cfg.train.device} -> {device}"), preflight.model_source(cfg)]
     checks.append(preflight.dataset(cfg))
     chosen = chosen_prompts(cfg, settings.sequences)
     checks.append(Checked("--sequences", f"{settings.sequences}: the recipe's data has as many prompts"))
     checks.append(check_output_folder(Path(settings.output)))
     return checks, chosen
+
+
+def check_backends(settings: GapSettings) -> Checked:
+    """Every vLLM backend asked for can run here: without vLLM or a GPU each would fail after the trainer
+    side's sampling and scoring, so the run would spend minutes and end without a figure of theirs."""
+    names = vllm_backends(settings)
+    if not names:
+        return Checked("--backends", "hf: the trainer side's transformers engine, no vLLM needed")
+    why = backend_unavailable(names[0])  # the same for every vLLM backend: vLLM and a GPU
+    if why is not None:
+        raise QerlError(
+            f"--backends {', '.join(names)} cannot run on this machine: {why}. Give --backends hf to "
+            "measure the transformers engine alone here, or run them on a GPU machine with vLLM installed"
+        )
+    return Checked("--backends", f"{', '.join(names)}: vLLM installed, a GPU visible")
 
 
 def is_gap_report(path: Path) -> bool:
@@ -121,7 +143,8 @@ def is_gap_report(path: Path) -> bool:
 
 def check_output_folder(out: Path) -> Checked:
     """``-o`` may hold an earlier gap run, whose files the run replaces, but no other files of the names
-    it writes: a ``qerl train`` run's folder holds the run's trained ``adapter/``."""
+    it writes: a ``qerl train`` run's folder holds the run's trained ``adapter/``. That it can be written
+    :func:`~qerl_cli.bench.preflight.check_tool` has checked before: its line says both, once."""
     if is_run_folder(out):
         raise QerlError(
             f"-o {out} is a qerl train run's folder: bench gap writes {ADAPTER_DIR}/ there and would replace "
@@ -133,7 +156,8 @@ def check_output_folder(out: Path) -> Checked:
             f"-o {out} holds {', '.join(held)} of no bench gap run (no {REPORT_NAME} of one): the run would "
             "replace them; give a folder of its own or move them"
         )
-    return Checked("-o", f"{out}: " + ("an earlier gap run's files, to be replaced" if held else "free"))
+    found = "holding an earlier gap run's files, to be replaced" if held else "free of other runs' files"
+    return Checked("--output", f"{out}: a folder that can be written, {found}")
 
 
 def trainer_figures(cfg: TrainConfig, side: TrainerSide, settings: GapSettings) -> TrainerFigures:

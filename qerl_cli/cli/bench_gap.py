@@ -1,9 +1,10 @@
 """``qerl bench gap``: the rollout/trainer logprob gap per rollout linear backend, teacher-forced on the
 same sequences (:mod:`qerl_cli.bench.gap`). It takes a training recipe (``RECIPE``, its keys with
 ``--set``, as ``qerl bench scaling`` does) and checks its flags and the recipe before torch is imported,
-then, without loading the model, what ``qerl train``'s checks would refuse (the output folder, the device,
-the model, the data and its prompt count: exit 2 naming it); ``--dry-run`` prints the resolved recipe as
-YAML, those checks, and the benchmark's settings as comments."""
+then, without loading the model, what the run would refuse (each vLLM backend's package and GPU, the
+output folder, the device, the model, the data and its prompt count: exit 2 naming it); ``--dry-run``
+prints the resolved recipe as YAML, those checks (each input once), and the benchmark's settings as
+comments."""
 
 from __future__ import annotations
 
@@ -118,14 +119,20 @@ def gap(
     check_recipe_path(recipe)
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     conf = load_config(TrainConfig, recipe, sets)
-    checks = check_tool(settings.output, conf.train.device, None)  # --device cuda with no GPU: exit 2
+    # Its lines are check_inputs' own (the output folder's and the device's, each listed once).
+    check_tool(settings.output, conf.train.device, None)  # --device cuda with no GPU: exit 2
     from qerl_cli.bench.gap import check_inputs, run_gap, written_files
+    from qerl_cli.torch_utils import resolve_device
 
+    if device:  # named as typed: the recipe's train.device, which it sets, is no key the user gave
+        resolve_device(device, "--device")
+    # The device's line names --device where the flag gave it (a --set train.device wins over it).
+    device_key = "--device" if device and conf.train.device == device else "train.device"
     if finish_config(conf, dry_run):  # the YAML, then the checks: the model, device and data, not loaded
-        print_checks([*checks, *check_inputs(conf, settings)[0]])
+        print_checks(check_inputs(conf, settings, device_key)[0])
         print_plan([f"{key}: {value}" for key, value in vars(settings).items()])
         return
-    _, chosen = check_inputs(conf, settings)  # seconds, before the folder is made and the model loads
+    _, chosen = check_inputs(conf, settings, device_key)  # seconds, before the folder is made and work
     from qerl_cli.bench.gap_report import MARKDOWN_NAME
     from qerl_cli.torch_utils import runs_on_cpu
 
