@@ -343,7 +343,7 @@ from qerl_cli.kernels import _triton_nvfp4_gemm as kernels
 
 def compile_ptx(bm, bn, bk, warps, stages, split, lora):
     signature = dict.fromkeys(("x_ptr", "bias_ptr", "lora_b_ptr", "y_ptr"), "*bf16")
-    signature |= {"packed_ptr": "*u8", "scale_ptr": "*bf16", "out_scale_ptr": "*fp32",
+    signature |= {"packed_ptr": "*u8", "tiles_ptr": "*bf16", "out_scale_ptr": "*fp32",
                   "xa_ptr": "*fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32", "lora_scaling": "fp32"}
     signature |= dict.fromkeys(("M", "N", "K", "KH", "stride_xm", "stride_ym"), "i32")
     constants = dict(BM=bm, BN=bn, BJ=bk // 2, SPLIT_K=split, HAS_BIAS=bool(lora), HAS_LORA=bool(lora),

@@ -65,7 +65,7 @@ def _decode_f32(byte, low_scale, high_scale):
 @triton.jit
 def _scale_tile(tiles_ptr, pid_n, j0, KH, N, BN: tl.constexpr, BJ: tl.constexpr, EVEN: tl.constexpr):
     # The BF16 block scales of the weight tile at byte column j0, low and high nibbles, each [BN, BJ/16],
-    # from nvfp4_gemm.scale_tiles: [N/64, KH/16, 64, 2] (64-row groups; per block column the low and the
+    # from nvfp4_gemm.scale_tiles: [ceil(N/64), KH/16, 64, 2] (64-row groups; per block column the low and the
     # high scale of each row side by side). One K step of a 64-row group is then one contiguous run,
     # which the pipeliner copies stages ahead like the weight bytes; the [N, K/16] rows' few bytes a step
     # were plain loads it left in the loop, waited on at every step (the figures: docs/rollout.md).
@@ -139,7 +139,7 @@ def _epilogue(acc, offs_m, offs_n, m_mask, n_mask, M, out_scale_ptr, bias_ptr, x
 
 @triton.jit
 def nvfp4_gemm_kernel(
-    x_ptr, packed_ptr, scale_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
+    x_ptr, packed_ptr, tiles_ptr, out_scale_ptr, bias_ptr, xa_ptr, lora_b_ptr, y_ptr, ws_ptr, lock_ptr,
     M, N, K, KH, stride_xm, stride_ym, lora_scaling,
     BM: tl.constexpr, BN: tl.constexpr, BJ: tl.constexpr, SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, RANK: tl.constexpr, R_PAD: tl.constexpr,
@@ -163,7 +163,7 @@ def nvfp4_gemm_kernel(
     offs_j = tl.arange(0, BJ)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for j0 in range(j_begin, j_end, BJ):
-        w_low, w_high = _weight_halves(packed_ptr, scale_ptr, pid_n, offs_n, n_mask, j0, KH, N, BN, BJ, EVEN,
+        w_low, w_high = _weight_halves(packed_ptr, tiles_ptr, pid_n, offs_n, n_mask, j0, KH, N, BN, BJ, EVEN,
                                        F32_DOT)  # fmt: skip
         ks = j0 + offs_j
         x_offs = offs_m[None, :] * stride_xm + ks[:, None]

@@ -52,7 +52,8 @@ HOPPER = 9  # the compute capability major it was tested and measured on (warpgr
 MIN_VLLM = (0, 26)  # the first vLLM with the NVFP4 kernel registry it joins
 OP_NAME = "qerl::nvfp4_w4a16_gemm"
 # Bytes a weight takes beyond the checkpoint's in vLLM's memory: each block's one-byte E4M3 scale is held as
-# its two-byte BF16 value (prepare_layer), one more byte a block of BLOCK weights.
+# its two-byte BF16 value (prepare_layer), one more byte a block of BLOCK weights (exact where N is a
+# multiple of 64 and K of 32, as in every model served: scale_tiles pads to whole groups otherwise).
 EXTRA_BYTES_PER_WEIGHT = 1 / BLOCK
 # vLLM settings that start worker processes, which do not see this process's registration.
 OTHER_PROCESS_KWARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -166,8 +167,9 @@ def accumulator_scale(multiplier: torch.Tensor) -> torch.Tensor:
 def prepare_layer(layer: torch.nn.Module) -> None:
     """Turn one vLLM NVFP4 layer (after vLLM's own processing: ``weight`` uint8 ``[N, K/2]``,
     ``weight_scale`` E4M3 ``[N, K/16]``, ``weight_global_scale`` the multiplier) into the kernel's
-    operands, in place: ``weight`` re-laid-out, ``weight_scale`` the BF16 block scales,
-    ``qerl_accumulator_scale`` added."""
+    operands, in place: ``weight`` re-laid-out (:func:`split_halves`), ``weight_scale`` the BF16 block scales
+    in the kernel's tiles (:func:`scale_tiles`, ``[ceil(N/64), KH/16, 64, 2]``), ``qerl_accumulator_scale``
+    added."""
     n, k = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
     packed, scale = layer.weight.data, layer.weight_scale.data
     remedy = f"this vLLM lays NVFP4 layers out otherwise than vLLM {MIN_VLLM[0]}.{MIN_VLLM[1]}: use marlin"
