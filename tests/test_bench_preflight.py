@@ -116,7 +116,8 @@ def test_gpu_only_settings_are_refused_on_the_cpu(monkeypatch, capsys) -> None:
 
 
 # -- the plan and the progress lines ----------------------------------------------------------------------
-def test_the_cpu_default_plans_a_few_minutes_and_says_so(monkeypatch, capsys) -> None:
+def test_the_cpu_default_plans_the_time_it_takes_and_says_so(monkeypatch, capsys) -> None:
+    """The default on an idle 2-core CPU took 10 s of work, 16 s end to end; the plan said ~1m30s."""
     fake_machine(monkeypatch, gpu=False, missing=("vllm",))
     rc, out, err = run(capsys, "bench", "--dry-run")
     assert rc == 0, err
@@ -130,7 +131,7 @@ def test_the_cpu_default_plans_a_few_minutes_and_says_so(monkeypatch, capsys) ->
     from qerl_cli.config import BenchConfig
 
     plan_s = bench_plan(BenchConfig(**{**conf, "model": ""})).estimate_s
-    assert plan_s is not None and 30 < plan_s < 6 * 60  # a few minutes, by its own estimate
+    assert plan_s is not None and 10 / 2 <= plan_s <= 16 * 2  # within 2x of the measured run either way
     rc, out, _ = run(capsys, "bench", "--gen-len", "128", "--dry-run")  # given: kept
     assert rc == 0 and yaml.safe_load(out)["gen_len"] == 128 and yaml.safe_load(out)["prompt_len"] == 64
 

@@ -10,7 +10,7 @@ The estimate is rough and says so: per-token costs from the recorded runs (their
 
 On a CPU the default model is the tiny shape on the transformers engine, whose decode steps cost as
 much at 512 tokens as a GPU's: there the lengths the user did not give are ``CPU_LENGTHS``, so the
-default ``qerl bench`` takes a few minutes, not a quarter of an hour.
+default ``qerl bench`` takes about ten seconds of an idle 2-core CPU, not minutes.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ from qerl_cli.files import check_input_not_replaced
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)
-# One decode step of the tiny shape on a loaded 2-core CPU (one free thread), at batch 2 and 8 on
-# average, per format: NF4 dequantizes its code book at every step.
-CPU_STEP_S = {"bf16": 0.05, "nvfp4": 0.04, "mxfp4": 0.04, "nf4": 0.08}
+# One decode step of the tiny shape on an idle 2-core CPU, at batch 2 and 8 on average, per format: the
+# default `qerl bench --batch 2,8` (528 steps per format) took 2.85 s of bf16 and nvfp4 cases and 2.97 s
+# of nf4, plus 1.4 s for the adapter and the report (10.0 s of work, 16 s end to end; decode 2-4
+# ms/token). MXFP4 runs NVFP4's path. Beside another CPU-bound process the same run took 75 s: the
+# estimate is of an idle machine, and the plan says it is not a measurement of this one.
+CPU_STEP_S = {"bf16": 0.0063, "nvfp4": 0.0063, "mxfp4": 0.0063, "nf4": 0.0065}
 CPU_MEAN_BATCH = 5.0  # the mean batch those figures are of (the default --batch 2,8)
 
 
