@@ -115,6 +115,21 @@ def test_gpu_only_settings_are_refused_on_the_cpu(monkeypatch, capsys) -> None:
     assert rc == 2 and "--engine vllm needs a CUDA GPU" in err
 
 
+@pytest.mark.parametrize("bench", [[], ["concurrency"], ["e2e"], ["kernels"], ["update"], ["quality", "m"]])
+@pytest.mark.parametrize("device", ["gpu", "cpux", "mps"])
+def test_a_device_no_stage_runs_on_is_refused_by_every_benchmark(
+    capsys, no_work, tmp_path, bench, device
+) -> None:
+    """``--device gpu`` passed the dry run (``cpux`` even as the CPU) and the run failed after preparing
+    the checkpoints: now both refuse it first, naming the flag and the names it takes."""
+    out = tmp_path / "out"
+    runs = [["--dry-run"], []] if not bench else [["--dry-run"]]  # a real run: rollout's (no_work fakes it)
+    for dry in runs:
+        rc, _, err = run(capsys, "bench", *bench, "--device", device, "-o", str(out), *dry)
+        assert rc == 2 and f"--device={device} is not a device name; use auto, cpu or cuda[:N]" in err, err
+    assert not out.exists()
+
+
 # -- the plan and the progress lines ----------------------------------------------------------------------
 def test_the_cpu_default_plans_the_time_it_takes_and_says_so(monkeypatch, capsys) -> None:
     """The default on an idle 2-core CPU took 10 s of work, 16 s end to end; the plan said ~1m30s."""
