@@ -130,6 +130,28 @@ def test_a_device_no_stage_runs_on_is_refused_by_every_benchmark(
     assert not out.exists()
 
 
+def test_the_dry_run_refuses_a_baseline_of_other_settings_as_the_run_does(capsys, no_work, tmp_path) -> None:
+    """A baseline measured with --prompt-len 64 passed `--prompt-len 16 --dry-run` (the dry run read the
+    file alone), then the run refused it: both now make the run's comparability check."""
+    from qerl_cli.bench.result import new_report, write_json
+
+    base = tmp_path / "base"  # the settings a baseline must share, as the default CPU run records them
+    shared = {
+        "model": "tiny",
+        "engine": "hf",
+        "prompt_len": 64,
+        "gen_len": 32,
+        "one_engine_per_format": False,
+    }
+    write_json(new_report({**shared, "e2e_shape": None, "formats": ["bf16", "nf4", "nvfp4"]}), base)
+    argv = ["bench", "--batch", "2,8", "--baseline", str(base), "-o", str(tmp_path / "b2")]
+    for dry in (["--dry-run"], []):
+        rc, _, err = run(capsys, *argv, "--prompt-len", "16", *dry)
+        assert rc == 2 and "measured with other settings (baseline vs now): prompt_len: 64 vs 16" in err, err
+    rc, _, err = run(capsys, *argv, "--dry-run")  # the same settings: it can gate
+    assert rc == 0 and "--baseline: " in err, err
+
+
 # -- the plan and the progress lines ----------------------------------------------------------------------
 def test_the_cpu_default_plans_the_time_it_takes_and_says_so(monkeypatch, capsys) -> None:
     """The default on an idle 2-core CPU took 10 s of work, 16 s end to end; the plan said ~1m30s."""

@@ -21,9 +21,11 @@ from typing import Any
 from qerl_cli.bench import preflight
 from qerl_cli.bench.concurrency import backends_for
 from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
+from qerl_cli.bench.gate import check_comparable
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
-from qerl_cli.bench.result import REPORT_NAME
+from qerl_cli.bench.report_settings import report_settings
+from qerl_cli.bench.result import REPORT_NAME, BenchResult, read_report, report_device
 from qerl_cli.bench.rollout import GEN_LEN_RULE, MIN_GEN_LEN, MIN_REPEATS, WARMUP_TOKENS
 from qerl_cli.bench.settings import CPU_LENGTHS, E2EConfig
 from qerl_cli.config import BenchConfig, validate
@@ -58,6 +60,8 @@ class BenchPlan:
     estimate_s: float | None = None
     notes: list[str] = field(default_factory=list)
     checks: list[Checked] = field(default_factory=list)  # what was checked and found, for --dry-run
+    settings: dict[str, Any] = field(default_factory=dict)  # the report's (report_settings)
+    baseline: BenchResult | None = None  # --baseline, read and checked to gate this run
 
     def lines(self) -> list[str]:
         """The plan as the run's first lines (and --dry-run's)."""
@@ -154,10 +158,12 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
     format or linear backend whose package is missing, an e2e linear backend asked of the HF engine
     (which has none), an output folder that cannot be written or holds the ``--baseline`` its report
-    would replace, a negative ``--tolerance``."""
+    would replace, a ``--baseline`` that cannot gate this run (other settings, another kind of machine:
+    the run's and the dry run's one check), a negative ``--tolerance``."""
 
     check_settings(cfg)
     preflight.check_tolerance(cfg.tolerance)
+    baseline = read_report(cfg.baseline) if cfg.baseline else None  # a folder, a file of another kind
     if cfg.baseline:  # a baseline in the output folder would be gated against, then written over
         check_input_not_replaced(cfg.baseline, "--baseline", REPORT_NAME, cfg.output)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)
@@ -180,6 +186,10 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     preflight.check_output(cfg.output)
     found = preflight.describe_model(model, formats)
     plan = BenchPlan(engine, model, found, formats, notes=notes)
+    plan.settings = report_settings(cfg, model, engine, formats, e2e)
+    if baseline is not None:  # one of other settings, or of another kind of machine, cannot gate this run
+        check_comparable(plan.settings, report_device(), baseline)
+        plan.baseline = baseline
     plan.checks = _checks(cfg, engine, found, (formats, requirements), (backends, backend_needs))
     if e2e is None:
         plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
@@ -208,5 +218,6 @@ def _checks(
     if backends and engine == "vllm":
         checks.append(Checked("--backends", preflight.requirements_found(backends, backend_needs)))
     if cfg.baseline:
-        checks.append(Checked("--baseline", f"{cfg.baseline}: a bench.json, not the one this run writes"))
+        checks.append(Checked("--baseline", f"{cfg.baseline}: a bench.json of these settings, not the one "
+                              "this run writes"))  # fmt: skip
     return checks
