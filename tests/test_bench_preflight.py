@@ -84,6 +84,27 @@ def test_the_sweep_leaves_out_an_uninstalled_default_backend_but_not_a_named_one
     assert rc == 2 and 'pip install -e ".[humming]"' in err
 
 
+@pytest.mark.parametrize("dry", [["--dry-run"], []])
+def test_a_backend_named_for_the_hf_engine_is_refused_as_e2e_refuses_it(
+    monkeypatch, capsys, no_work, dry
+) -> None:
+    """`concurrency --backends humming` on a CPU exited 0 and measured no backend, while `e2e
+    --linear-backend marlin` refused the same: a backend named must run, so both refuse it."""
+    fake_machine(monkeypatch, gpu=False, missing=("vllm", "humming"))
+    rc, _, err = run(capsys, "bench", "concurrency", "--concurrency", "8", "--backends", "humming", *dry)
+    assert rc == 2 and "--backends humming: the hf engine has no linear backends" in err, err
+    assert "leave --backends out, or time the backends with --engine vllm on a GPU" in err
+    rc, _, err = run(capsys, "bench", "e2e", "--linear-backend", "marlin", *dry)
+    assert rc == 2 and "--linear-backend marlin: the hf engine has no linear backends" in err, err
+    rc, out, err = run(capsys, "bench", "concurrency", "--concurrency", "8", "--dry-run")  # none named
+    assert rc == 0, err
+    fake_machine(monkeypatch, gpu=True, missing=())  # vLLM has them: the flag resolves
+    rc, out, err = run(
+        capsys, "bench", "concurrency", "--concurrency", "16", "--backends", "fp8", "--dry-run"
+    )
+    assert rc == 0 and yaml.safe_load(out)["backends"] == ["fp8"], err
+
+
 def test_update_defaults_run_on_the_dev_install_and_liger_asked_for_is_checked(monkeypatch, capsys) -> None:
     from qerl_cli.cli import bench_tools
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from qerl_cli.bench import preflight
 from qerl_cli.bench.concurrency import backends_for
-from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
+from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs, refuse_named_backends
 from qerl_cli.bench.gate import check_comparable
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
@@ -151,9 +151,14 @@ def check_settings(cfg: BenchConfig) -> int:
     return min_repeats
 
 
-def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool = True) -> BenchPlan:
+def bench_plan(
+    cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool | None = None
+) -> BenchPlan:
     """Resolve and check ``cfg`` (engine, packages, model, output) and count its work; with ``given``
     (the keys the user set: the CLI), the CPU's lengths fill the others on the transformers engine.
+    ``backends_given``: whether the sweep's ``backends`` were named (the CLI knows; None: a library
+    call, whose backends are held to their packages but not refused on the HF engine, which the CLI
+    has done where the user named them).
 
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
     format or linear backend whose package is missing, an e2e linear backend asked of the HF engine
@@ -176,8 +181,10 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     if e2e is not None:  # whole GRPO steps, no rollout cases; a backend asked for by name must run
         backend_needs = preflight.backend_requirements(engine, formats, e2e.backends)
     elif cfg.concurrency:
+        if backends_given:  # a backend named must run, as e2e's --linear-backend must
+            refuse_named_backends("--backends", cfg.backends, engine, "leave --backends out")
         backend_needs = preflight.backend_requirements(engine, formats, cfg.backends)
-        if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
+        if backend_needs and backends_given is False and any(r.missing() for r in backend_needs):
             # The default sweep measures what is installed; a backend asked for by name must run.
             cfg.backends = backends = [b for b in cfg.backends if b != "humming"]
             notes.append(f"backends: humming left out (not installed: {install_hint('humming')})")
