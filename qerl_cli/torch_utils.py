@@ -24,8 +24,10 @@ GIB = 2**30
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_device(name: str, setting: str = "--device") -> torch.device:
-    """``auto`` is CUDA when a GPU is visible, else the CPU; asking for CUDA without one is an error.
+def parse_device(name: str, setting: str = "--device") -> torch.device:
+    """The device ``name`` names (``auto``: CUDA when a GPU is visible, else the CPU), refused unless it is
+    one qerl runs on (the CPU or a CUDA GPU: torch also parses ``mps``, ``meta`` and others, which no
+    stage supports). Whether a GPU is there is :func:`resolve_device`'s question.
 
     ``setting`` is how the user spells the option (``--device``, ``train.device``) in the message.
     """
@@ -34,7 +36,15 @@ def resolve_device(name: str, setting: str = "--device") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise QerlError(f"{setting}={name} is not a device name; use auto, cpu or cuda[:N]") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise QerlError(f"{setting}={name} is not a device name; use auto, cpu or cuda[:N]")
+    return device
+
+
+def resolve_device(name: str, setting: str = "--device") -> torch.device:
+    """:func:`parse_device`, and asking for CUDA without a GPU is an error."""
+    device = parse_device(name, setting)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise QerlError(f"{setting}={name} but this machine has no CUDA GPU; use {setting}=cpu or auto")
     return device

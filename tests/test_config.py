@@ -87,6 +87,22 @@ def test_unknown_key_suggests_the_closest_name(tmp_path: Path) -> None:
         load_config(TrainConfig, write(tmp_path, {"rolout": {}, "model": {"path": "m"}}))
 
 
+def test_every_unknown_key_is_reported_at_once_with_hints_from_its_own_section(tmp_path: Path) -> None:
+    """``model.bogus`` was answered "did you mean model?" (a section, not a key) and ``foo`` never named."""
+    recipe = write(tmp_path, {"model": {"path": "m", "bogus": 1}, "foo": 2, "train": {"lerning_rate": 1}})
+    with pytest.raises(QerlError) as caught:
+        load_config(TrainConfig, recipe, ["aqn.enabeld=true"])
+    message = str(caught.value)
+    assert message.startswith("unknown config keys (4): ")
+    assert "'model.bogus' (the keys under model: path, " in message
+    assert "'foo' (the keys at the top level: model, lora, rollout," in message
+    assert "'train.lerning_rate' (did you mean train.learning_rate?)" in message
+    assert "'aqn.enabeld' (did you mean aqn.enabled?)" in message
+    assert "did you mean model" not in message
+    with pytest.raises(QerlError, match=r"^unknown config key 'model\.bogus'; the keys under model: path"):
+        load_config(TrainConfig, write(tmp_path, {"model": {"path": "m", "bogus": 1}}))
+
+
 @pytest.mark.parametrize(
     ("override", "needle"),
     [

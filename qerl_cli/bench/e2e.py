@@ -51,7 +51,7 @@ from qerl_cli.bench.gpusampler import READINGS_KEY, keep_case_clocks, take_case_
 from qerl_cli.bench.header import case_clock_sampler
 from qerl_cli.bench.hostload import HostLoad
 from qerl_cli.bench.progress import Progress
-from qerl_cli.bench.settings import E2EConfig, recipe_config
+from qerl_cli.bench.settings import E2EConfig, prompts_per_step, recipe_config
 from qerl_cli.config import (
     AlgorithmSection,
     AQNSection,
@@ -106,10 +106,6 @@ QUESTION_ALLOWANCE = 48
 # Tokens added to rollout.max_prompt_length, a bound: the padded prompts (chat template included) fit.
 PROMPT_SLACK = 64
 FILLER = "Add the two numbers and give only the sum. "
-
-
-def prompts_per_step(cfg: E2EConfig) -> int:
-    return cfg.prompts_per_step or max(cfg.batch)
 
 
 def filler_system_prompt(prompt_len: int, tokenizer: Any = None) -> str | None:

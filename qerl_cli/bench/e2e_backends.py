@@ -89,16 +89,16 @@ def requested_backends(cfg: E2EConfig) -> list[str]:
     return [AUTO]
 
 
-def check_engine_backends(cfg: E2EConfig, engine: str) -> None:
-    """Refuse linear backends for the HF engine: it has none, and its rows would time the trainer's own
-    layers under the backend's name."""
-    asked = [b for b in cfg.linear_backend or [] if b != AUTO]
-    if engine != "vllm" and asked:
+def refuse_named_backends(flag: str, named: list[str], engine: str, leave_out: str) -> None:
+    """Refuse linear backends named with ``flag`` (e2e's ``--linear-backend``, concurrency's
+    ``--backends``) for an engine without them: the HF engine has none, and its rows would time the
+    trainer's own layers under the backend's name (``auto`` names none). ``leave_out`` says how to ask
+    for none."""
+    if engine != "vllm" and [b for b in named if b != AUTO]:
         raise QerlError(
-            f"--linear-backend {','.join(cfg.linear_backend or [])}: the {engine} engine has no linear "
-            "backends (it generates with the trainer's own layers whatever the name, so the row would "
-            "not be that backend's); leave --linear-backend out (or give auto), or time the backends "
-            "with --engine vllm on a GPU"
+            f"{flag} {','.join(named)}: the {engine} engine has no linear backends (it generates with the "
+            "trainer's own layers whatever the name, so the row would not be that backend's); "
+            f"{leave_out}, or time the backends with --engine vllm on a GPU"
         )
 
 
@@ -106,7 +106,9 @@ def e2e_pairs(cfg: E2EConfig, engine: str, formats: list[str]) -> E2EPlan:
     """Every (format, backend) pair that means something, once, in a fixed order: BF16 first (the
     reference of the ratios), then the other formats as given, each on the backends in the order asked.
     The HF engine times each format once on its own layers (``auto``)."""
-    check_engine_backends(cfg, engine)
+    refuse_named_backends(
+        "--linear-backend", cfg.linear_backend or [], engine, "leave --linear-backend out (or give auto)"
+    )
     ordered = sorted(formats, key=lambda f: f != REFERENCE_FORMAT)
     if engine != "vllm":
         return E2EPlan([AUTO], [E2EPair(fmt, AUTO, AUTO) for fmt in ordered])

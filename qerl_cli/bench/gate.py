@@ -92,17 +92,18 @@ def _lost_cases(report: BenchResult, baseline: BenchResult) -> list[str]:
     return lost
 
 
-def check_comparable(report: BenchResult, baseline: BenchResult) -> None:
-    """Raise ``QerlError`` when ``baseline`` cannot gate ``report``: other settings or device, or no format
-    in common. It reads the report's settings alone, so :func:`~qerl_cli.bench.run.run_bench` asks before
-    it measures anything (a wrong baseline was found only after the whole run)."""
+def check_comparable(settings: dict[str, Any], device: str, baseline: BenchResult) -> None:
+    """Raise ``QerlError`` when ``baseline`` cannot gate a report of ``settings`` measured on ``device``
+    (a report's ``device``): other settings or device, or no format in common. It reads the settings
+    alone, so the plan asks it before anything is measured, for the dry run and the run alike (a wrong
+    baseline was found only after the whole run, and a dry run passed it)."""
     mismatched = [
-        f"{name}: {baseline.settings.get(name)!r} vs {report.settings.get(name)!r}"
+        f"{name}: {baseline.settings.get(name)!r} vs {settings.get(name)!r}"
         for name in COMPARABLE_SETTINGS
-        if baseline.settings.get(name) != report.settings.get(name)
+        if baseline.settings.get(name) != settings.get(name)
     ]
-    if baseline.device != report.device:
-        mismatched.append(f"device: {baseline.device!r} vs {report.device!r}")
+    if baseline.device != device:
+        mismatched.append(f"device: {baseline.device!r} vs {device!r}")
     if mismatched:
         raise QerlError(
             "the baseline was measured with other settings (baseline vs now): "
@@ -110,7 +111,7 @@ def check_comparable(report: BenchResult, baseline: BenchResult) -> None:
             + ". Rerun the baseline with the same --model/--engine/--prompt-len/--gen-len (and e2e shape) "
             "on the same kind of machine and qerl version."
         )
-    formats = set(report.settings.get("formats") or [])
+    formats = set(settings.get("formats") or [])
     measured = {r.get("format") for r in [*baseline.rollout, *baseline.memory, *(baseline.e2e or [])]}
     if formats and measured and not formats & measured:
         raise QerlError(
@@ -128,7 +129,7 @@ def check_regressions(report: BenchResult, baseline: BenchResult, tolerance: flo
     """
     if tolerance < 0:
         raise QerlError(f"--tolerance must be >= 0 (a fraction, 0.1 = 10%), got {tolerance}")
-    check_comparable(report, baseline)
+    check_comparable(report.settings, report.device, baseline)
     failures: list[str] = []
     compared = 0
     for section, key_fields, gated in (

@@ -10,7 +10,7 @@ The estimate is rough and says so: per-token costs from the recorded runs (their
 
 On a CPU the default model is the tiny shape on the transformers engine, whose decode steps cost as
 much at 512 tokens as a GPU's: there the lengths the user did not give are ``CPU_LENGTHS``, so the
-default ``qerl bench`` takes a few minutes, not a quarter of an hour.
+default ``qerl bench`` takes about ten seconds of an idle 2-core CPU, not minutes.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from typing import Any
 
 from qerl_cli.bench import preflight
 from qerl_cli.bench.concurrency import backends_for
-from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs
+from qerl_cli.bench.e2e_backends import E2EPlan, e2e_pairs, refuse_named_backends
+from qerl_cli.bench.gate import check_comparable
 from qerl_cli.bench.models import default_model, normalize_formats
 from qerl_cli.bench.progress import clock
-from qerl_cli.bench.result import REPORT_NAME
+from qerl_cli.bench.report_settings import report_settings
+from qerl_cli.bench.result import REPORT_NAME, BenchResult, read_report, report_device
 from qerl_cli.bench.rollout import GEN_LEN_RULE, MIN_GEN_LEN, MIN_REPEATS, WARMUP_TOKENS
 from qerl_cli.bench.settings import CPU_LENGTHS, E2EConfig
 from qerl_cli.config import BenchConfig, validate
@@ -33,9 +35,12 @@ from qerl_cli.files import check_input_not_replaced
 # Rough costs behind the estimate (see the module docstring).
 VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the measured sizes)
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)
-# One decode step of the tiny shape on a loaded 2-core CPU (one free thread), at batch 2 and 8 on
-# average, per format: NF4 dequantizes its code book at every step.
-CPU_STEP_S = {"bf16": 0.05, "nvfp4": 0.04, "mxfp4": 0.04, "nf4": 0.08}
+# One decode step of the tiny shape on an idle 2-core CPU, at batch 2 and 8 on average, per format: the
+# default `qerl bench --batch 2,8` (528 steps per format) took 2.85 s of bf16 and nvfp4 cases and 2.97 s
+# of nf4, plus 1.4 s for the adapter and the report (10.0 s of work, 16 s end to end; decode 2-4
+# ms/token). MXFP4 runs NVFP4's path. Beside another CPU-bound process the same run took 75 s: the
+# estimate is of an idle machine, and the plan says it is not a measurement of this one.
+CPU_STEP_S = {"bf16": 0.0063, "nvfp4": 0.0063, "mxfp4": 0.0063, "nf4": 0.0065}
 CPU_MEAN_BATCH = 5.0  # the mean batch those figures are of (the default --batch 2,8)
 
 
@@ -55,6 +60,8 @@ class BenchPlan:
     estimate_s: float | None = None
     notes: list[str] = field(default_factory=list)
     checks: list[Checked] = field(default_factory=list)  # what was checked and found, for --dry-run
+    settings: dict[str, Any] = field(default_factory=dict)  # the report's (report_settings)
+    baseline: BenchResult | None = None  # --baseline, read and checked to gate this run
 
     def lines(self) -> list[str]:
         """The plan as the run's first lines (and --dry-run's)."""
@@ -144,17 +151,24 @@ def check_settings(cfg: BenchConfig) -> int:
     return min_repeats
 
 
-def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool = True) -> BenchPlan:
+def bench_plan(
+    cfg: BenchConfig, *, given: set[str] | None = None, backends_given: bool | None = None
+) -> BenchPlan:
     """Resolve and check ``cfg`` (engine, packages, model, output) and count its work; with ``given``
     (the keys the user set: the CLI), the CPU's lengths fill the others on the transformers engine.
+    ``backends_given``: whether the sweep's ``backends`` were named (the CLI knows; None: a library
+    call, whose backends are held to their packages but not refused on the HF engine, which the CLI
+    has done where the user named them).
 
     Raises QerlError (exit 2) for what would fail later: a GPU without vLLM (``--engine auto``), a
     format or linear backend whose package is missing, an e2e linear backend asked of the HF engine
     (which has none), an output folder that cannot be written or holds the ``--baseline`` its report
-    would replace, a negative ``--tolerance``."""
+    would replace, a ``--baseline`` that cannot gate this run (other settings, another kind of machine:
+    the run's and the dry run's one check), a negative ``--tolerance``."""
 
     check_settings(cfg)
     preflight.check_tolerance(cfg.tolerance)
+    baseline = read_report(cfg.baseline) if cfg.baseline else None  # a folder, a file of another kind
     if cfg.baseline:  # a baseline in the output folder would be gated against, then written over
         check_input_not_replaced(cfg.baseline, "--baseline", REPORT_NAME, cfg.output)
     engine = preflight.resolve_engine(cfg.engine, cfg.device)
@@ -167,8 +181,10 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     if e2e is not None:  # whole GRPO steps, no rollout cases; a backend asked for by name must run
         backend_needs = preflight.backend_requirements(engine, formats, e2e.backends)
     elif cfg.concurrency:
+        if backends_given:  # a backend named must run, as e2e's --linear-backend must
+            refuse_named_backends("--backends", cfg.backends, engine, "leave --backends out")
         backend_needs = preflight.backend_requirements(engine, formats, cfg.backends)
-        if backend_needs and not backends_given and any(r.missing() for r in backend_needs):
+        if backend_needs and backends_given is False and any(r.missing() for r in backend_needs):
             # The default sweep measures what is installed; a backend asked for by name must run.
             cfg.backends = backends = [b for b in cfg.backends if b != "humming"]
             notes.append(f"backends: humming left out (not installed: {install_hint('humming')})")
@@ -177,6 +193,10 @@ def bench_plan(cfg: BenchConfig, *, given: set[str] | None = None, backends_give
     preflight.check_output(cfg.output)
     found = preflight.describe_model(model, formats)
     plan = BenchPlan(engine, model, found, formats, notes=notes)
+    plan.settings = report_settings(cfg, model, engine, formats, e2e)
+    if baseline is not None:  # one of other settings, or of another kind of machine, cannot gate this run
+        check_comparable(plan.settings, report_device(), baseline)
+        plan.baseline = baseline
     plan.checks = _checks(cfg, engine, found, (formats, requirements), (backends, backend_needs))
     if e2e is None:
         plan.cases, plan.measurements, steps = _rollout_cases(cfg, engine, formats)
@@ -205,5 +225,6 @@ def _checks(
     if backends and engine == "vllm":
         checks.append(Checked("--backends", preflight.requirements_found(backends, backend_needs)))
     if cfg.baseline:
-        checks.append(Checked("--baseline", f"{cfg.baseline}: a bench.json, not the one this run writes"))
+        checks.append(Checked("--baseline", f"{cfg.baseline}: a bench.json of these settings, not the one "
+                              "this run writes"))  # fmt: skip
     return checks

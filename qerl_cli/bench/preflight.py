@@ -62,6 +62,7 @@ def resolve_engine(engine: str, device: str = "auto") -> str:
     On a GPU without vLLM, ``auto`` is refused: the transformers engine's figures on a GPU say nothing
     about rollouts (a CI runner missing the extra would pass with meaningless numbers). ``--engine hf``
     measures it on purpose."""
+    check_device(device)  # "cpux" would pass for the CPU below, "gpu" fail after the checkpoints
     if device.startswith("cpu"):
         if engine == "vllm":
             raise QerlError("--engine vllm needs a GPU, and --device cpu runs on the CPU: leave one out")
@@ -148,11 +149,25 @@ def check_output(path: str | Path, flag: str = "--output") -> None:
     files.check_writable_folder(path, flag, "give a folder you can write to")
 
 
-def check_tool(output: str, device: str, model: str | None, gpu_only: str | None = None) -> list[Checked]:
+def check_device(device: str, setting: str = "--device") -> None:
+    """Refuse a device name no stage runs on (``gpu``, ``cpux``), naming the setting and the accepted
+    names, before any work; the resolver's own rule (:func:`qerl_cli.torch_utils.parse_device`)."""
+    from qerl_cli.torch_utils import parse_device  # imports torch: not at this module's import
+
+    parse_device(device, setting)
+
+
+def check_tool(
+    output: str, device: str, model: str | None, gpu_only: str | None = None, device_flag: str | None = None
+) -> list[Checked]:
     """What a benchmark with its own report can check before any work (--dry-run included): the output
-    folder, a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the model (None: none
-    of its own). Returns what each found, for ``--dry-run`` to list as every stage's dry run does."""
+    folder, the device's name where ``device_flag`` names the flag it came from (None: the caller checks
+    it under its own name), a GPU where ``--device cuda`` (or ``gpu_only``, a flag) asks for one, the
+    model (None: none of its own). Returns what each found, for ``--dry-run`` to list as every stage's
+    dry run does."""
     check_output(output)
+    if device_flag is not None:
+        check_device(device, device_flag)
     if gpu_only and device.startswith("cpu"):
         raise QerlError(f"{gpu_only} needs a GPU, and --device {device} runs on the CPU: leave one out")
     if (device.startswith("cuda") or gpu_only) and not gpu_available():

@@ -47,6 +47,7 @@ from typing import Any
 from qerl_cli import files
 from qerl_cli.bench.header import created_now, gpu_summary, machine_info, start_run_host_load, versions
 from qerl_cli.bench.hostload import HostLoad
+from qerl_cli.envinfo import gpu_info
 from qerl_cli.errors import QerlError
 
 SCHEMA = "qerl-bench/1"
@@ -217,6 +218,12 @@ class BenchResult:
         )
 
 
+def report_device() -> str:
+    """What a report's ``device`` says of this machine (a baseline must have been measured on the same
+    kind): ``gpu`` when CUDA sees one, else ``cpu``."""
+    return "gpu" if gpu_info() else "cpu"
+
+
 def new_report(settings: dict[str, Any], command: str | None = None) -> BenchResult:
     """The report skeleton: the command, environment and settings, no figures yet."""
     gpu = gpu_summary()
@@ -229,7 +236,7 @@ def new_report(settings: dict[str, Any], command: str | None = None) -> BenchRes
     return BenchResult(
         schema=SCHEMA,
         created=created_now(),
-        device="gpu" if gpu else "cpu",
+        device=report_device(),
         figures_label=label,
         machine=machine_info(),
         gpu=gpu,

@@ -18,76 +18,21 @@ from qerl_cli.bench.adapter import write_random_lora
 from qerl_cli.bench.ballast import memory_cap
 from qerl_cli.bench.charts import write_charts
 from qerl_cli.bench.concurrency import add_roofline, backends_for, measured_model, write_crossover
-from qerl_cli.bench.e2e import prompts_per_step, run_e2e
-from qerl_cli.bench.e2e_backends import E2EPlan
+from qerl_cli.bench.e2e import run_e2e
 from qerl_cli.bench.engines import Case, run_case
-from qerl_cli.bench.gate import check_comparable, check_regressions
+from qerl_cli.bench.gate import check_regressions
 from qerl_cli.bench.gpusampler import take_case_clocks
-from qerl_cli.bench.models import cache_root, describe_source, model_config, model_label
+from qerl_cli.bench.models import cache_root, model_config
 from qerl_cli.bench.plan import bench_plan, check_settings
 from qerl_cli.bench.progress import Progress
 from qerl_cli.bench.report import add_speedups, write_markdown
-from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, read_report, write_json
-from qerl_cli.bench.rollout import TEMPERATURE, TOP_P
+from qerl_cli.bench.report_settings import rollout_vllm_kwargs
+from qerl_cli.bench.result import BenchFiles, BenchResult, BenchTimings, new_report, write_json
 from qerl_cli.bench.settings import E2EConfig
 from qerl_cli.config import BenchConfig
 from qerl_cli.errors import QerlError
 
 log = logging.getLogger(__name__)
-
-
-def _e2e_shape(cfg: E2EConfig) -> dict[str, Any]:
-    return {"prompts_per_step": prompts_per_step(cfg), "generations": cfg.generations,
-            "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "recipe": cfg.recipe}  # fmt: skip
-
-
-def _settings(cfg: BenchConfig, model: str, engine: str, formats: list[str],
-              e2e: E2EPlan | None = None) -> dict[str, Any]:  # fmt: skip
-    steps = isinstance(cfg, E2EConfig)
-    settings = {
-        "model": model_label(model),
-        "model_source": describe_source(model),
-        "engine": engine,
-        "formats": formats,
-        "batch": list(cfg.concurrency or cfg.batch),
-        "concurrency": list(cfg.concurrency),
-        "backends": list(cfg.backends) if cfg.concurrency else None,
-        "prompt_len": cfg.prompt_len,
-        "gen_len": cfg.gen_len,
-        "lora_rank": cfg.lora_rank,
-        "temperature": TEMPERATURE,
-        "top_p": TOP_P,
-        "ignore_eos": True,
-        "warmup": cfg.warmup,
-        "repeats": cfg.repeats,
-        "statistic": "median",
-        "gpu_memory_utilization": cfg.gpu_memory_utilization if engine == "vllm" else None,
-        "vllm_kwargs": rollout_vllm_kwargs(cfg) if engine == "vllm" else None,  # the rollout cases'
-        # The user's; the trainer adds max_num_seqs from the step's shape (recorded in e2e_shape).
-        "e2e_vllm_kwargs": dict(cfg.vllm_kwargs) if engine == "vllm" and steps else None,
-        # The report's two kinds of figures: rollout cases (rollout, concurrency) or GRPO steps (e2e).
-        "rollouts": not steps,
-        "e2e": steps,
-        "e2e_shape": _e2e_shape(cfg) if isinstance(cfg, E2EConfig) else None,
-        # vLLM: the without-LoRA rows come from the LoRA-enabled engine, with no adapter active.
-        "one_engine_per_format": engine == "vllm",
-        "seed": cfg.seed,
-        "memory_cap_gib": cfg.memory_cap_gib,
-    }
-    if e2e is not None:  # the backends asked for and those folded (the rows carry the pairs)
-        settings.update(e2e.settings())
-    return settings
-
-
-def rollout_vllm_kwargs(cfg: BenchConfig) -> dict[str, Any]:
-    """vLLM settings of the rollout cases: ``max_num_seqs`` is the largest ``--batch`` unless given.
-
-    vLLM captures a CUDA graph for every batch size up to twice ``max_num_seqs`` (at most 512): with its
-    default that is dozens of graphs per engine start, of which the bench uses two. The measured
-    batches run the same graphs either way. (The e2e step's engine is the trainer's, which sizes
-    ``max_num_seqs`` from the step's sequences: ``qerl_cli.rl.setup``.)
-    """
-    return {"max_num_seqs": max(cfg.concurrency or cfg.batch), **cfg.vllm_kwargs}
 
 
 def _cases(cfg: BenchConfig, engine: str, fmt: str, folder: Path, ranks: list[int], lora_dir: Any,
@@ -203,14 +148,12 @@ def run_bench(cfg: BenchConfig, command: str | None = None) -> BenchResult:
     """
 
     min_repeats = check_settings(cfg)
-    baseline = read_report(cfg.baseline) if cfg.baseline else None  # fail fast on a bad file
-    # Every package, the engine, the output folder: checked before the first checkpoint is written.
+    # Every package, the engine, the output folder and the baseline (a bench.json of these settings, on
+    # this kind of machine): checked before the first checkpoint is written, as the dry run checks them.
     plan = bench_plan(cfg)
-    engine, model, formats = plan.engine, plan.model, plan.formats
+    engine, model, formats, baseline = plan.engine, plan.model, plan.formats, plan.baseline
     started = time.perf_counter()
-    report = new_report(_settings(cfg, model, engine, formats, plan.e2e), command)
-    if baseline is not None:  # before any checkpoint or measurement: a baseline that cannot gate costs none
-        check_comparable(report, baseline)
+    report = new_report(plan.settings, command)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     Progress("bench", 0, started=started).say(f"preparing the {', '.join(formats)} checkpoints of {model}")

@@ -235,3 +235,8 @@ def parse_row(row: str) -> tuple[str, str]:
             f"{', '.join(methods)} (e.g. nvfp4-rtn)"
         )
     return fmt, method
+
+
+def prompts_per_step(cfg: E2EConfig) -> int:
+    """The prompts of one timed GRPO step: ``prompts_per_step``, else the largest ``batch``."""
+    return cfg.prompts_per_step or max(cfg.batch)

@@ -204,11 +204,9 @@ def run_bench_command(
         if not getattr(conf, key):
             setattr(conf, key, list(value))
     from qerl_cli.bench.plan import bench_plan
-    from qerl_cli.bench.result import read_report
 
-    if conf.baseline:  # read as the run reads it first: a folder or a file of another kind fails the dry run
-        read_report(conf.baseline)
-    # The engine, packages, model and output checked, and the CPU's lengths filled in, before any work.
+    # The engine, packages, model, output and baseline checked as the run checks them (bench_plan is the
+    # run's own check), and the CPU's lengths filled in, before any work.
     plan = bench_plan(conf, given=given, backends_given="backends" in given)
     if finish_config(conf, dry_run):
         print_checks(plan.checks)

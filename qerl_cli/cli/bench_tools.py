@@ -176,7 +176,9 @@ def kernels(
     values = dict(model=model, formats=csv(formats), batch=batch, seq_len=seq_len, iters=iters, device=device,
                   output=output)  # fmt: skip
     conf = load_settings(KernelsSettings, values, config, set_)
-    checks = check_tool(conf.output, conf.device, default_model(conf.model, conf.device))
+    checks = check_tool(
+        conf.output, conf.device, default_model(conf.model, conf.device), device_flag="--device"
+    )
     gemm = gemm_settings(gemm_shapes, gemm_rows, gemm_backends, gemm_tune)
     if finish_config(conf, dry_run):
         print_checks(checks)
@@ -226,7 +228,9 @@ def update(
     conf = load_settings(UpdateSettings, values, config, set_)
     conf.fused = update_fused(conf.fused)
     gpu_only = "--profile" if conf.profile else None
-    checks = check_tool(conf.output, conf.device, default_model(conf.model, conf.device), gpu_only=gpu_only)
+    checks = check_tool(
+        conf.output, conf.device, default_model(conf.model, conf.device), gpu_only, device_flag="--device"
+    )
     if finish_config(conf, dry_run):
         print_checks(checks)
         return
@@ -410,7 +414,7 @@ def quality(
     conf.rows = quality_rows(conf.rows)
     from qerl_cli.modeling.source_checks import model_source_found
 
-    checks = check_tool(conf.output, conf.device, None)
+    checks = check_tool(conf.output, conf.device, None, device_flag="--device")
     # A stage's model (folder, .gguf, alias), not a bench --model shape: checked as a stage checks one.
     found = model_source_found(conf.model, what="BF16_MODEL")
     if finish_config(conf, dry_run):

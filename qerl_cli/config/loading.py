@@ -34,22 +34,47 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
-def _unknown_key(root: type, root_prefix: str, path: str) -> QerlError:
-    keys = _all_keys(root, root_prefix)
-    close = closest(path, keys)
+def _unknown_key_hint(root: type, root_prefix: str, path: str) -> str:
+    """What to say of one unknown key: the key of its own section it most likely meant (a section's name
+    is no key: ``model.bogus`` did not mean ``model``), else the keys there when they are few (a model's
+    config.json given as the recipe, a key of another stage), else where they are all listed."""
+    parent, _, name = path.rpartition(".")
+    there = [
+        key.rpartition(".")[2] for key in _all_keys(root, root_prefix) if key.rpartition(".")[0] == parent
+    ]
+    close = closest(name, there)
     if close:
-        return QerlError(f"unknown config key '{path}'; did you mean {close}?")
-    # Nothing close (a model's config.json given as the recipe, a key of another stage): the keys that
-    # belong there when they are few (a recipe's sections), else where they are all listed.
-    parent = path.rpartition(".")[0]
-    there = [key.rpartition(".")[2] for key in keys if key.rpartition(".")[0] == parent]
+        return f"did you mean {parent + '.' if parent else ''}{close}?"
     where = f"under {parent}" if parent else "at the top level"
-    hint = (
-        f"the keys {where}: {', '.join(there)}"
-        if 0 < len(there) <= 12
-        else "the command's --dry-run prints every key with its value"
-    )
-    return QerlError(f"unknown config key '{path}'; {hint}")
+    if 0 < len(there) <= 12:
+        return f"the keys {where}: {', '.join(there)}"
+    return "the command's --dry-run prints every key with its value"
+
+
+def _unknown_paths(cls: type, data: Any, prefix: str) -> list[str]:
+    """Every key of ``data`` (a mapping for ``cls``) and of its sections that ``cls`` has not, in order."""
+    if not isinstance(data, dict):
+        return []  # from_dict says what a section's value must be
+    types_ = _field_types(cls)
+    found = []
+    for key, value in data.items():
+        tp = types_.get(key)
+        if tp is None:
+            found.append(f"{prefix}{key}")
+        elif dataclasses.is_dataclass(tp):
+            found += _unknown_paths(tp, value, f"{prefix}{key}.")
+    return found
+
+
+def _refuse_unknown_keys(root: type, root_prefix: str, data: Any) -> None:
+    """Every unknown key at once: a recipe with three typos is not fixed in three runs."""
+    paths = _unknown_paths(root, data, root_prefix)
+    hints = [(path, _unknown_key_hint(root, root_prefix, path)) for path in paths]
+    if len(hints) == 1:
+        raise QerlError(f"unknown config key '{hints[0][0]}'; {hints[0][1]}")
+    if hints:
+        listed = "; ".join(f"'{path}' ({hint})" for path, hint in hints)
+        raise QerlError(f"unknown config keys ({len(hints)}): {listed}")
 
 
 def _refuse_recipe_sections(data: dict[str, Any], types_: dict[str, Any], prefix: str) -> None:
@@ -76,13 +101,15 @@ def from_dict(
         where = prefix.rstrip(".") or "the recipe"
         raise QerlError(f"{where} must be a mapping of keys to values, got {type(data).__name__}")
     types_ = _field_types(cls)
-    if _root is None and cls is not TrainConfig:
-        _refuse_recipe_sections(data, types_, prefix)
+    if _root is None:
+        if cls is not TrainConfig:
+            _refuse_recipe_sections(data, types_, prefix)
+        _refuse_unknown_keys(cls, prefix, data)
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if key not in types_:
-            raise _unknown_key(*root, path)
+        if key not in types_:  # the root's walk has refused every unknown key: kept for a direct call
+            raise QerlError(f"unknown config key '{path}'; {_unknown_key_hint(*root, path)}")
         tp = types_[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value if value is not None else {}, prefix=f"{path}.", _root=root)
