@@ -38,7 +38,7 @@ def parse_device(name: str, setting: str = "--device") -> torch.device:
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise QerlError(f"{setting}={name} is not a device name; use auto, cpu or cuda[:N]")
+        raise QerlError(f"{setting}={name} is not a device qerl runs on; use auto, cpu or cuda[:N]")
     return device
 
 

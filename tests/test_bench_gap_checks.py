@@ -122,7 +122,7 @@ def test_a_failure_reads_failed_after_not_in() -> None:
             ["--set", "data.max_samples=3", "--sequences", "8"],
             "--sequences 8: the recipe's training data has 3",
         ),
-        (["--device", "gpu"], "--device=gpu is not a device name; use auto, cpu or cuda[:N]"),
+        (["--device", "gpu"], "--device=gpu is not a device qerl runs on; use auto, cpu or cuda[:N]"),
         (["-o", "/proc/nope"], "--output /proc/nope cannot be written"),
     ],
 )
@@ -138,15 +138,9 @@ def test_what_the_run_would_refuse_the_dry_run_refuses(
 ) -> None:
     """A missing model, too few prompts, a device that is no device name and an output folder that cannot
     be made all exit 2 in the dry run as in the run, before the model loads and before -o is made."""
-    from qerl_cli.bench import gap_trainer
-
     if "/proc/nope" in args and not Path("/proc").is_dir():
         pytest.skip("no /proc")
-
-    def no_policy(cfg: Any) -> Any:
-        raise AssertionError("the policy was built before the inputs were checked")
-
-    monkeypatch.setattr(gap_trainer, "build_policy", no_policy)
+    _no_policy(monkeypatch)
     out = tmp_path / "out"
     argv = ["bench", "gap", str(_recipe(tmp_path, tiny_model_dir)), "--backends", "hf", "-o", str(out), *args]
     rc = main([*argv, "--dry-run"] if dry_run else argv)
@@ -174,8 +168,27 @@ def test_a_bad_device_flag_is_named_as_the_flag(
     assert main([*argv, "-o", str(tmp_path / "out"), "--dry-run"]) == 2
     captured = capsys.readouterr()
     err = " ".join(captured.err.split())
-    assert "--device=gpu is not a device name" in err and "train.device" not in err, err
+    assert "--device=gpu is not a device qerl runs on" in err and "train.device" not in err, err
     assert captured.out == ""
+
+
+def test_a_set_train_device_wins_over_the_flag_and_is_named_as_it(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--set train.device=cpu`` wins over ``--device cuda`` (the run is on the CPU: no GPU needed), and a
+    ``--set train.device=cuda`` with no GPU is refused under its own name, with a remedy that works."""
+    import qerl_cli.torch_utils as torch_utils
+
+    _no_policy(monkeypatch)
+    monkeypatch.setattr(torch_utils.torch.cuda, "is_available", lambda: False)
+    recipe = str(_recipe(tmp_path, tiny_model_dir))
+    argv = ["bench", "gap", recipe, "--backends", "hf", "-o", str(tmp_path / "o")]
+    assert main([*argv, "--device", "cuda", "--set", "train.device=cpu", "--dry-run"]) == 0
+    assert "train.device: cpu -> cpu" in " ".join(capsys.readouterr().err.split())
+    assert main([*argv, "--set", "train.device=cuda", "--dry-run"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "train.device=cuda but this machine has no CUDA GPU; use train.device=cpu" in err, err
+    assert "--device" not in err, err
 
 
 @pytest.mark.parametrize(

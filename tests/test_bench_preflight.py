@@ -86,7 +86,7 @@ def test_the_sweep_leaves_out_an_uninstalled_default_backend_but_not_a_named_one
 
 @pytest.mark.parametrize("dry", [["--dry-run"], []])
 def test_a_backend_named_for_the_hf_engine_is_refused_as_e2e_refuses_it(
-    monkeypatch, capsys, no_work, dry
+    monkeypatch, capsys, no_work, dry, tmp_path
 ) -> None:
     """`concurrency --backends humming` on a CPU exited 0 and measured no backend, while `e2e
     --linear-backend marlin` refused the same: a backend named must run, so both refuse it."""
@@ -97,6 +97,10 @@ def test_a_backend_named_for_the_hf_engine_is_refused_as_e2e_refuses_it(
     rc, _, err = run(capsys, "bench", "e2e", "--linear-backend", "marlin", *dry)
     assert rc == 2 and "--linear-backend marlin: the hf engine has no linear backends" in err, err
     rc, out, err = run(capsys, "bench", "concurrency", "--concurrency", "8", "--dry-run")  # none named
+    assert rc == 0, err
+    saved = tmp_path / "concurrency.yaml"  # the dry run's YAML given back holds the default backends
+    saved.write_text(out)
+    rc, _, err = run(capsys, "bench", "concurrency", "--config", str(saved), "--dry-run")
     assert rc == 0, err
     fake_machine(monkeypatch, gpu=True, missing=())  # vLLM has them: the flag resolves
     rc, out, err = run(
@@ -136,7 +140,11 @@ def test_gpu_only_settings_are_refused_on_the_cpu(monkeypatch, capsys) -> None:
     assert rc == 2 and "--engine vllm needs a CUDA GPU" in err
 
 
-@pytest.mark.parametrize("bench", [[], ["concurrency"], ["e2e"], ["kernels"], ["update"], ["quality", "m"]])
+@pytest.mark.parametrize(
+    "bench",
+    [[], ["concurrency"], ["e2e"], ["kernels"], ["update"], ["quality", "m"], ["scaling", "tiny"],
+     ["gap", "tiny", "--backends", "hf"]],
+)  # fmt: skip
 @pytest.mark.parametrize("device", ["gpu", "cpux", "mps"])
 def test_a_device_no_stage_runs_on_is_refused_by_every_benchmark(
     capsys, no_work, tmp_path, bench, device
@@ -147,7 +155,8 @@ def test_a_device_no_stage_runs_on_is_refused_by_every_benchmark(
     runs = [["--dry-run"], []] if not bench else [["--dry-run"]]  # a real run: rollout's (no_work fakes it)
     for dry in runs:
         rc, _, err = run(capsys, "bench", *bench, "--device", device, "-o", str(out), *dry)
-        assert rc == 2 and f"--device={device} is not a device name; use auto, cpu or cuda[:N]" in err, err
+        message = f"--device={device} is not a device qerl runs on; use auto, cpu or cuda[:N]"
+        assert rc == 2 and message in " ".join(err.split()), err
     assert not out.exists()
 
 

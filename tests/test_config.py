@@ -104,6 +104,20 @@ def test_every_unknown_key_is_reported_at_once_with_hints_from_its_own_section(t
 
 
 @pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("train.temperature", "rollout.temperature"),
+        ("rollout.learning_rate", "train.learning_rate"),
+        ("train.lora_rank", "lora.rank"),
+    ],
+)
+def test_a_key_in_the_wrong_section_names_where_it_lives(tmp_path: Path, key: str, meant: str) -> None:
+    """Nothing close in its own section: the key of that name in another section is the likelier one."""
+    with pytest.raises(QerlError, match=rf"^unknown config key '{key}'; did you mean {meant}\?"):
+        load_config(TrainConfig, write(tmp_path, {"model": {"path": "m"}}), [f"{key}=1"])
+
+
+@pytest.mark.parametrize(
     ("override", "needle"),
     [
         ("train.max_steps=ten", "train.max_steps.*'ten'.*expected int"),

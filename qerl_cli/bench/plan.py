@@ -37,10 +37,11 @@ VLLM_START_S = 90.0  # one vLLM engine start (7B shape, CUDA graphs for the meas
 VLLM_STEP_S = 0.012  # one decode step of a 7B shape at small batch on a datacenter GPU (docs/bench.md)
 # One decode step of the tiny shape on an idle 2-core CPU, at batch 2 and 8 on average, per format: the
 # default `qerl bench --batch 2,8` (528 steps per format) took 2.85 s of bf16 and nvfp4 cases and 2.97 s
-# of nf4, plus 1.4 s for the adapter and the report (10.0 s of work, 16 s end to end; decode 2-4
-# ms/token). MXFP4 runs NVFP4's path. Beside another CPU-bound process the same run took 75 s: the
-# estimate is of an idle machine, and the plan says it is not a measurement of this one.
-CPU_STEP_S = {"bf16": 0.0063, "nvfp4": 0.0063, "mxfp4": 0.0063, "nf4": 0.0065}
+# of nf4 (decode 2-4 ms/token), plus CPU_FIXED_S for the adapter and the report (10.0 s of work, 16 s end
+# to end). MXFP4 runs NVFP4's path. Beside another CPU-bound process the same run took 75 s: the estimate
+# is of an idle machine, and the plan says it is not a measurement of this one.
+CPU_STEP_S = {"bf16": 0.0054, "nvfp4": 0.0054, "mxfp4": 0.0054, "nf4": 0.0056}
+CPU_FIXED_S = 1.4  # once a run, whatever its lengths: the random adapter, the report and its charts
 CPU_MEAN_BATCH = 5.0  # the mean batch those figures are of (the default --batch 2,8)
 
 
@@ -131,7 +132,7 @@ def _estimate(
         return None  # a real-size model on the CPU: no recorded figure to scale
     batches = list(cfg.concurrency or cfg.batch)
     scale = 0.5 + 0.5 * (sum(batches) / len(batches)) / CPU_MEAN_BATCH  # half the cost is per sequence
-    return sum(n * CPU_STEP_S.get(fmt, CPU_STEP_S["nf4"]) * scale for fmt, n in steps.items())
+    return CPU_FIXED_S + sum(n * CPU_STEP_S.get(fmt, CPU_STEP_S["nf4"]) * scale for fmt, n in steps.items())
 
 
 def check_settings(cfg: BenchConfig) -> int:

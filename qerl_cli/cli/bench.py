@@ -194,7 +194,7 @@ def run_bench_command(
     check_exists(values.get("baseline"), "--baseline", "the bench.json of an earlier run")
     if values.get("tolerance") is not None:
         preflight.check_tolerance(values["tolerance"])
-    given = given_keys(values, sets, config)
+    given = given_keys(values, sets, config, cls)  # a saved --dry-run YAML runs as it did
     if values.get("recipe"):  # the recipe's step shape under the flags given (YAML only: no torch yet)
         shape = recipe_shape(values["recipe"])
         values = {**values, **{k: v for k, v in shape.items() if values.get(k) is None}}

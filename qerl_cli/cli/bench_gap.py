@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from qerl_cli.bench.gap_settings import GAP_ADAPTERS, GAP_BACKENDS, GapSettings
-from qerl_cli.bench.preflight import check_tool
+from qerl_cli.bench.preflight import check_output
 from qerl_cli.cli.app import (
     DryRunOption,
     check_recipe_path,
@@ -119,14 +119,14 @@ def gap(
     check_recipe_path(recipe)
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     conf = load_config(TrainConfig, recipe, sets)
-    # Its lines are check_inputs' own (the output folder's and the device's, each listed once).
-    check_tool(settings.output, conf.train.device, None)  # --device cuda with no GPU: exit 2
+    check_output(settings.output)  # its line is check_inputs' own, as the device's
     from qerl_cli.bench.gap import check_inputs, run_gap, written_files
-    from qerl_cli.torch_utils import resolve_device
+    from qerl_cli.torch_utils import parse_device
 
-    if device:  # named as typed: the recipe's train.device, which it sets, is no key the user gave
-        resolve_device(device, "--device")
-    # The device's line names --device where the flag gave it (a --set train.device wins over it).
+    if device:  # its name, as typed: the recipe's train.device, which it sets, is no key the user gave
+        parse_device(device, "--device")
+    # The device used (a GPU where it names one) is check_inputs' question, under the key that gave it:
+    # --device where the flag did, train.device where a --set of it won over the flag.
     device_key = "--device" if device and conf.train.device == device else "train.device"
     if finish_config(conf, dry_run):  # the YAML, then the checks: the model, device and data, not loaded
         print_checks(check_inputs(conf, settings, device_key)[0])

@@ -331,6 +331,10 @@ def scaling(
         raise QerlError(f"{run_dir} exists (an earlier scaling run): choose another --output or remove it")
     if model_format is not None and not model:  # before bench.scaling's import, which brings torch
         raise QerlError("--format names the format of a --model SHAPE; give --model too")
+    if device:  # its name, as typed (it sets the recipe's train.device, which the user did not write)
+        from qerl_cli.torch_utils import parse_device
+
+        parse_device(device, "--device")
     sets = [f"train.device={device}", *(set_ or [])] if device else set_  # --set train.device wins
     check_recipe_path(recipe)
     conf = load_config(TrainConfig, recipe, sets)

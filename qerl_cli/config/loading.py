@@ -24,27 +24,39 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
+def _all_keys(cls: type, prefix: str = "", leaves_only: bool = False) -> list[str]:
+    """Every key of ``cls`` and of its sections, dotted (``leaves_only``: no section names)."""
     keys = []
     for name, tp in _field_types(cls).items():
         path = f"{prefix}{name}"
-        keys.append(path)
-        if dataclasses.is_dataclass(tp):
-            keys.extend(_all_keys(tp, f"{path}."))
+        section = dataclasses.is_dataclass(tp)
+        if not (section and leaves_only):
+            keys.append(path)
+        if section:
+            keys.extend(_all_keys(tp, f"{path}.", leaves_only))
     return keys
 
 
 def _unknown_key_hint(root: type, root_prefix: str, path: str) -> str:
-    """What to say of one unknown key: the key of its own section it most likely meant (a section's name
-    is no key: ``model.bogus`` did not mean ``model``), else the keys there when they are few (a model's
+    """What to say of one unknown key: the key of its own section it most likely meant, else the key of
+    that name in another section (``train.temperature``: ``rollout.temperature``; a section's name is no
+    key: ``model.bogus`` did not mean ``model``), else the keys there when they are few (a model's
     config.json given as the recipe, a key of another stage), else where they are all listed."""
     parent, _, name = path.rpartition(".")
-    there = [
-        key.rpartition(".")[2] for key in _all_keys(root, root_prefix) if key.rpartition(".")[0] == parent
-    ]
+    every = _all_keys(root, root_prefix)
+    there = [key.rpartition(".")[2] for key in every if key.rpartition(".")[0] == parent]
     close = closest(name, there)
     if close:
         return f"did you mean {parent + '.' if parent else ''}{close}?"
+    # Keys of other sections, by their name and by their dotted path with "_" (lora_rank: lora.rank).
+    spelled = {}
+    for key in _all_keys(root, root_prefix, leaves_only=True):
+        if key.rpartition(".")[0] != parent:
+            spelled.setdefault(key.rpartition(".")[2], key)
+            spelled.setdefault(key.removeprefix(root_prefix).replace(".", "_"), key)
+    elsewhere = closest(name, spelled)
+    if elsewhere:
+        return f"did you mean {spelled[elsewhere]}?"
     where = f"under {parent}" if parent else "at the top level"
     if 0 < len(there) <= 12:
         return f"the keys {where}: {', '.join(there)}"
