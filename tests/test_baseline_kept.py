@@ -73,8 +73,18 @@ def test_a_baseline_set_in_a_config_file_is_refused_too(
 def test_a_baseline_in_another_folder_is_gated_against(
     capsys: pytest.CaptureFixture[str], baseline_dir: Path
 ) -> None:
-    rc, _, err = run_cli(capsys, "bench", "rollout", *SMALL, "--baseline", "bench_results/bench.json",
-                         "-o", "elsewhere", "--dry-run")  # fmt: skip
+    """Another folder's baseline is read, not refused as written over: one of this run's settings gates
+    it; the recorded one (a vLLM run on a GPU) is refused as the run refuses it, by the dry run too."""
+    baseline = ["--baseline", "bench_results/bench.json"]
+    argv = ["bench", "rollout", *SMALL, *baseline, "-o", "elsewhere", "--dry-run"]
+    rc, _, err = run_cli(capsys, *argv)
+    assert rc == 2 and "the baseline was measured with other settings (baseline vs now): model:" in err, err
+    report = json.loads((baseline_dir / "bench.json").read_text())  # as this CPU run's settings are
+    report["device"] = "cpu"
+    report["settings"] |= {"model": "tiny", "engine": "hf", "prompt_len": 256, "gen_len": 512,
+                           "one_engine_per_format": False}  # fmt: skip
+    (baseline_dir / "bench.json").write_text(json.dumps(report))
+    rc, _, err = run_cli(capsys, *argv)
     assert rc == 0, err
 
 
