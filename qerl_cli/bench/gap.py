@@ -144,7 +144,7 @@ def is_gap_report(path: Path) -> bool:
 def check_output_folder(out: Path) -> Checked:
     """``-o`` may hold an earlier gap run, whose files the run replaces, but no other files of the names
     it writes: a ``qerl train`` run's folder holds the run's trained ``adapter/``. That it can be written
-    :func:`~qerl_cli.bench.preflight.check_tool` has checked before: its line says both, once."""
+    :func:`~qerl_cli.bench.preflight.check_output` has checked before: this line says both, once."""
     if is_run_folder(out):
         raise QerlError(
             f"-o {out} is a qerl train run's folder: bench gap writes {ADAPTER_DIR}/ there and would replace "
