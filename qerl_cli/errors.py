@@ -61,3 +61,16 @@ def qerl_command(*words: object) -> str:
     """A ``qerl`` command for a message to suggest, each word quoted for the shell where it needs it
     (a path with a space or an accent): the line pastes and runs as written."""
     return shlex.join(["qerl", *(str(word) for word in words)])
+
+
+def holding_folder_hint(flag: str, given: object, its_files: Iterable[str]) -> str:
+    """For a file given where a folder is expected: the folder that holds it as the flag's value, where
+    the file is one of the files such a folder holds (``its_files``, fnmatch patterns: a run's
+    ``config.yaml``), else "" (a file of any other name says nothing of its folder)."""
+    import fnmatch
+    from pathlib import Path
+
+    path = Path(str(given))
+    if not any(fnmatch.fnmatch(path.name, pattern) for pattern in its_files):
+        return ""
+    return f" ({path.name} is one of such a folder's files: {flag} {shlex.quote(str(path.parent))})"

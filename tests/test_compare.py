@@ -483,6 +483,7 @@ def test_compare_shares_each_gpu_among_the_runs_spread_onto_it(
     each run alone on its GPU, the recipe as is."""
     recipe = _recipe(tmp_path, tiny_model_dir)
     sets = [*TINY_SETS, "rollout.engine=vllm"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # a machine with two GPUs (--gpus needs one)
     calls: list[tuple[list[str], int, list[str] | None]] = []
     monkeypatch.setattr(
         runner, "run_parallel",

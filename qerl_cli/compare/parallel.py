@@ -71,6 +71,19 @@ def visible_gpus(spec: str) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
+def check_gpus_given(spec: str) -> list[str]:
+    """``--gpus`` other than ``auto``: well formed, and on a machine that sees a GPU (the runs it spreads
+    could use none, as the run would find); checked by ``--dry-run`` and by a run before any work."""
+    ids = visible_gpus(spec)
+    if not visible_gpus("auto"):
+        raise QerlError(
+            f"--gpus {spec}: this machine sees no GPU (torch finds none, or CUDA_VISIBLE_DEVICES hides them) "
+            "so no run can be spread over GPUs; nothing was written. Leave --gpus out (auto: every "
+            "GPU there is, none here), or run on a machine with GPUs (nvidia-smi -L lists them)"
+        )
+    return ids
+
+
 def runs_per_gpu(width: int, gpus: list[str]) -> int:
     """How many of ``width`` concurrent runs share one GPU when spread evenly over ``gpus``."""
     return math.ceil(width / len(gpus)) if gpus else width

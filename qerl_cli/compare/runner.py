@@ -43,6 +43,7 @@ from qerl_cli.compare.gpu_share import SHARE_KEY, planning_sets, shared_gpu_sets
 from qerl_cli.compare.parallel import (
     CHILD_ENV,
     DEFAULT_START_INTERVAL_S,
+    check_gpus_given,
     child_environment,
     invocation_id,
     run_parallel,
@@ -220,15 +221,16 @@ def check_compare(
 
 
 def _input_checks(ablation: _Ablation) -> list[Checked]:
-    """The output folder, and each arm's model and dataset (on the recipe's model or the arm's own
-    model.path: the 4-bit bases made from it come later): checked by ``--dry-run`` and by a run before it
-    makes a base, so a wrong one is named before minutes of work."""
+    """The output folder (each arm's apart from its model's, as ``qerl train`` checks), and each arm's model
+    and dataset (on the recipe's model or the arm's own model.path: the 4-bit bases made from it come
+    later): checked by ``--dry-run`` and by a run before it makes a base, so a wrong one is named first."""
     out = ablation.out
-    if check_writable_folder(out, "--output", "choose another with -o DIR"):
-        checked = [Checked("--output", f"{out}: writable")]
-    else:
-        checked = [Checked("--output", f"{out}: a new folder (made when the ablation starts)")]
+    writable = check_writable_folder(out, "--output", "choose another with -o DIR")
+    found = "writable" if writable else "a new folder (made when the ablation starts)"
+    checked = [Checked("--output", f"{out}: {found}")]
     probes = _probes(ablation)
+    for conf in probes:
+        preflight.output_apart_from_model(conf)
     for check in (preflight.model_source, preflight.dataset):
         checked.extend(dict.fromkeys(check(conf) for conf in probes))  # one line per distinct finding
     checked.extend(dict.fromkeys(preflight.extra_rewards(conf) for conf in probes if conf.reward.extra))
@@ -261,7 +263,7 @@ def _settle(
     if jobs < 1:
         raise QerlError(f"--jobs must be >= 1, got {jobs}")
     if gpus != "auto":
-        visible_gpus(gpus)  # a malformed list stops here, before any base is made
+        check_gpus_given(gpus)  # a malformed list, or GPUs on a machine with none, stops here
     ablation = _ablation(recipe, arms, seeds, output, list(sets or []))
     if margin is not None:
         ablation.settings.margin = check_margin(margin)

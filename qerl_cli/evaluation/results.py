@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.envinfo import package_versions
-from qerl_cli.errors import QerlError
+from qerl_cli.errors import QerlError, holding_folder_hint
 from qerl_cli.files import (
     GZIP_SUFFIX,
     atomic_write_text,
@@ -81,6 +81,10 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+# The files an eval writes in its output folder: one of them given for the folder names the folder.
+_EVAL_FILES = ("results.json", "samples_*.jsonl", f"samples_*.jsonl{GZIP_SUFFIX}")
+
+
 def find_sample_files(directory: str | Path) -> dict[str, Path]:
     """``{benchmark: samples file}`` for every ``samples_<bench>.jsonl`` (or ``.jsonl.gz``) in ``directory``.
 
@@ -92,7 +96,7 @@ def find_sample_files(directory: str | Path) -> dict[str, Path]:
             folder,
             "",
             "the output folder of an earlier `qerl eval` run, the one that holds results.json and "
-            f"samples_<benchmark>.jsonl ({folder.parent}?)",
+            "samples_<benchmark>.jsonl" + holding_folder_hint("--rescore", folder, _EVAL_FILES),
         )
     if not folder.is_dir():
         raise QerlError(f"{folder}: no such folder; give the output folder of an earlier `qerl eval` run")

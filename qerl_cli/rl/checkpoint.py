@@ -38,8 +38,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import file_given_for_folder, honour_umask, sha256_file, staged_folder
+from qerl_cli.files import honour_umask, sha256_file, staged_folder
 from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, checkpoint_folders
+from qerl_cli.rl.resume_hints import no_checkpoint_error
 
 log = logging.getLogger(__name__)
 
@@ -338,24 +339,7 @@ def find_last_checkpoint(path: str | Path) -> Path:
         raise QerlError(f"--resume {path}: the checkpoint is damaged: {problem}; {hint}")
     found = list_checkpoints(path)
     if not found:
-        if not path.exists():
-            raise QerlError(
-                f"--resume {path}: no such directory; give the output.dir of an earlier `qerl train` run "
-                "(the folder of its checkpoint-N/ folders: runs/tiny for `qerl train tiny`), or --resume "
-                "auto for the recipe's own output.dir"
-            )
-        if not path.is_dir():  # a run's file (its config.yaml, metrics.jsonl) given for its folder
-            raise file_given_for_folder(
-                path,
-                "--resume",
-                f"the output.dir of an earlier `qerl train` run, the folder of its checkpoint-N/ folders "
-                f"({path.parent}?), or --resume auto for the recipe's own",
-            )
-        raise QerlError(
-            f"--resume {path}: no complete checkpoint-N/ inside; nothing to resume from "
-            "(checkpoints are written every output.save_steps steps): start the run again without "
-            "--resume, adding --overwrite to replace what the stopped run left there"
-        )
+        raise no_checkpoint_error(path, list_checkpoints(path.parent))
     skipped = []
     for _, candidate in reversed(found):
         problem = checkpoint_problem(candidate)
