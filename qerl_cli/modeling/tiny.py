@@ -207,15 +207,16 @@ def check_output_folder(out: str | Path, what: str, overwrite: bool) -> None:
     """Refuse, before the model is built, an output folder ``out`` (named ``what``: ``--output``, ``OUT``)
     the tiny model must not be written into: a file in the way, a folder holding a model (config.json
     or .safetensors: a real model would lose them without a word) unless ``overwrite``, and a folder of
-    other files even then, as ``qerl quantize -o`` refuses one (the model's files would be mixed in)."""
+    other files or trained work (an adapter, a checkpoint) even then, as ``qerl quantize -o`` refuses one
+    (the model's files would be mixed in, or the work deleted)."""
     out = Path(out)
     check_writable_folder(out, what, "give another folder")
     if not out.is_dir():
         return
+    check_not_other_work(out, what)  # first: --overwrite is no remedy for an adapter or a checkpoint
     held = model_files(out)
     if held and not overwrite:
         raise QerlError(
             f"{what} {out} already holds a model ({', '.join(held)}); nothing was written. Choose another "
             "folder, or add --overwrite to replace its model files"
         )
-    check_not_other_work(out, what)

@@ -32,8 +32,8 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.data.prompts import prompt_token_ids, render_prompt
 from qerl_cli.data.synthetic import make_problems, reference_completion
 from qerl_cli.errors import QerlError
-from qerl_cli.files import file_given_for_folder, honour_umask, staged_folder
-from qerl_cli.formats import check_names
+from qerl_cli.files import check_not_other_work, file_given_for_folder, honour_umask, staged_folder
+from qerl_cli.formats import check_names, model_names
 from qerl_cli.formats.checkpoint import state_dict_groups, write_checkpoint
 from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
 from qerl_cli.rewards.grading import is_correct
@@ -283,7 +283,7 @@ def build_tiny_base(
     check_names(formats, dense=True, option="--formats")  # before the output folder is touched
     if out.exists() and not out.is_dir():
         raise file_given_for_folder(out, "", "a folder for the tiny base")
-    existing = sorted(p.name for p in out.glob("*") if p.is_dir()) if out.is_dir() else []
+    existing = _existing_base(out)  # refuses a folder holding anything else, even with --overwrite
     if existing and not overwrite:
         raise QerlError(_existing_base_message(out, existing, formats))
     # Built beside the target and moved in once complete: a failed or interrupted rebuild leaves the
@@ -296,6 +296,34 @@ def build_tiny_base(
     for name in set(existing) - {Path(f).name for f in built.values()}:
         shutil.rmtree(out / name)  # formats of the old base that this one does not have
     return {fmt: out / Path(folder).name for fmt, folder in built.items()}
+
+
+def _existing_base(out: Path) -> list[str]:
+    """The format folders (bf16, nvfp4, ...) of an earlier base in ``out``: all that --overwrite may replace.
+    Anything else there (a run, notes) is refused, --overwrite or not: `qerl tiny-base runs --overwrite`
+    deleted every run in runs/, and the refusal listed the runs' names as formats to give."""
+    if not out.is_dir():
+        return []
+    formats = model_names()
+    base, other = [], []
+    for entry in sorted(out.iterdir()):
+        if entry.name.startswith("."):
+            continue  # hidden (a file manager's): neither replaced nor removed, so nothing to lose
+        if entry.name in formats and entry.is_dir() and not entry.is_symlink():
+            # A format's name is not enough: it must hold a model (or nothing), not an adapter or notes.
+            check_not_other_work(entry, "format folder", "give the tiny base a new or empty folder")
+            if any(entry.iterdir()):  # an empty one is no earlier base, and holds nothing to lose
+                base.append(entry.name)
+        else:
+            other.append(entry.name + "/" * entry.is_dir())
+    if other:
+        shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+        raise QerlError(
+            f"{out} holds {shown}, which qerl tiny-base did not write (it writes only the format folders "
+            f"{', '.join(formats)}); nothing was changed, and --overwrite replaces only those folders: give "
+            f"a new or empty folder, e.g. qerl tiny-base {out / 'tiny-base'}"
+        )
+    return base
 
 
 def _existing_base_message(out: Path, existing: list[str], formats: tuple[str, ...]) -> str:
