@@ -192,6 +192,23 @@ def test_the_report_records_the_init_and_round_trips(eora_base: Path) -> None:
     assert "LoRA init (eora r16)" in console.export_text()
 
 
+def test_the_weights_size_is_the_models_not_the_adapters(eora_base: Path) -> None:
+    """`--lora-init eora` reported 0.68 MiB (1.3x smaller) against 0.38 MiB (2.4x) without it: the
+    weights size counted lora_init/adapter_model.safetensors. The adapter's size is a row of its own."""
+    from rich.console import Console
+
+    from qerl_cli.quantize import quantize_table
+
+    shards = sum(p.stat().st_size for p in eora_base.glob("*.safetensors"))
+    init_bytes = adapter.weights_file(eora_base / INIT_DIR).stat().st_size
+    result = read_report(eora_base)
+    assert result.size.weights_bytes == shards and result.size.folder_bytes >= shards + init_bytes
+    assert result.lora_init is not None and result.lora_init.weights_bytes == init_bytes
+    console = Console(record=True, width=200)
+    console.print(quantize_table(result))
+    assert "LoRA init adapter size" in console.export_text()
+
+
 def test_eora_beats_svd_on_calibration_like_text(
     eora_base: Path, tmp_path: Path, tiny_model_dir: Path, calib_file: Path, calib_ids
 ) -> None:
