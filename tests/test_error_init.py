@@ -19,6 +19,7 @@ from qerl_cli.modeling.error_init import (
     INFO_NAME,
     INIT_DIR,
     factorise,
+    find_lora_init,
     lora_key,
     read_info,
     weighted_sq_norm,
@@ -190,6 +191,23 @@ def test_the_report_records_the_init_and_round_trips(eora_base: Path) -> None:
     console = Console(record=True, width=200)
     console.print(quantize_table(result))
     assert "LoRA init (eora r16)" in console.export_text()
+
+
+def test_the_weights_size_is_the_models_not_the_adapters(eora_base: Path) -> None:
+    """`--lora-init eora` reported 0.68 MiB (1.3x smaller) against 0.38 MiB (2.4x) without it: the
+    weights size counted lora_init/adapter_model.safetensors. The adapter's size is a row of its own."""
+    from rich.console import Console
+
+    from qerl_cli.quantize import quantize_table
+
+    shards = sum(p.stat().st_size for p in eora_base.glob("*.safetensors"))
+    init_bytes = adapter.weights_file(eora_base / INIT_DIR).stat().st_size
+    result = read_report(eora_base)
+    assert result.size.weights_bytes == shards and result.size.folder_bytes >= shards + init_bytes
+    assert result.lora_init is not None and result.lora_init.weights_bytes == init_bytes
+    console = Console(record=True, width=200)
+    console.print(quantize_table(result))
+    assert "LoRA init adapter size" in console.export_text()
 
 
 def test_eora_beats_svd_on_calibration_like_text(
@@ -375,6 +393,16 @@ def test_missing_or_other_init_is_refused_with_the_command(eora_base: Path, tmp_
     (other / INIT_DIR / INFO_NAME).write_text(json.dumps({**info, "method": "svd"}))
     with pytest.raises(QerlError, match="holds a svd LoRA init, not eora.*--lora-init eora"):
         build_policy(_train_config(other, tmp_path / "run"))
+
+
+def test_eora_on_a_bf16_model_says_to_quantize_it(tiny_model_dir: Path) -> None:
+    """It said to quantize BF16_MODEL, "the model tm was quantized from", of a model that is BF16."""
+    with pytest.raises(QerlError) as raised:
+        find_lora_init("eora", 16, "tm", tiny_model_dir, "bf16")
+    text = str(raised.value)
+    assert "BF16_MODEL" not in text and "tm is a BF16 model" in text, text
+    assert "`qerl quantize tm --format nvfp4 --lora-init eora --lora-init-rank 16 -o NEWDIR`" in text, text
+    assert "--set model.path=NEWDIR" in text
 
 
 def test_resume_restores_the_trained_adapter_and_the_reference_stays_the_init(

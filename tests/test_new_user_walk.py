@@ -403,3 +403,9 @@ def test_one_generation_a_prompt_fails_the_dry_run(
         "--set", "rollout.num_generations=1", "--dry-run",
     )  # fmt: skip
     assert usage_error(rc, err) and "rollout.num_generations must be at least 2" in err, err
+
+
+def test_a_wrong_keys_lookup_lists_compare_among_the_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--keys aqn.sigm` listed the sections without `compare`, which `--keys compare` shows."""
+    rc, _, err = run_cli(capsys, "train", "--keys", "aqn.sigm")
+    assert usage_error(rc, err) and "the sections: model, " in err and ", compare" in err, err

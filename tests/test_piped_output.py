@@ -189,3 +189,23 @@ def test_piped_demo_and_tiny_base_silence_the_libraries_bars(
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # piped: not a terminal
     assert main([str(tmp_path / "out") if a == "DIR" else a for a in argv]) == 0
     assert seen == {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def test_a_piped_table_of_many_columns_cuts_and_splits_no_value(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`qerl compare > cmp.out` printed `bf16-lo…` and `[-140.…`, `qerl eval > ev.out` `syntheti…` and
+    "31.2 ±" with "13.2" on the next line: rich shrinks many columns evenly below their longest word,
+    at a width the table's minimum measure said was enough. Piped, each value is whole on its line."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    values = ["bf16-lora-baseline", "nvfp4-aqn-gptq-long", "31.2 ± 13.2", "[-140.25, 12.50]", "unresolved"]
+    table = Table(title="t")
+    for i in range(14):
+        table.add_column(f"column header {i}", justify="right")
+    cells = [values[i % len(values)] for i in range(14)]
+    table.add_row(*cells)
+    output_console().print(table)
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    row = next(line for line in out.splitlines() if "bf16" in line)
+    assert [cell.strip() for cell in row.strip("│").split("│")] == cells

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console, ConsoleDimensions, ConsoleOptions, Group
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
-from rich.measure import Measurement
 from rich.protocol import is_renderable, rich_cast
-from rich.table import Column, Table
 from typer.core import TyperCommand, TyperGroup
 
 from qerl_cli import __version__
+from qerl_cli.cli.table_width import unbreakable_width
 from qerl_cli.config import dump_yaml, read_yaml, shipped_recipe_named
 from qerl_cli.config.keydocs import field_help
 from qerl_cli.errors import QerlError, qerl_command
@@ -126,7 +125,7 @@ class _CliConsole(Console):
         if not self._piped() or self._needed is not None:  # a terminal, COLUMNS, or a nested print
             super().print(*objects, **kwargs)
             return
-        self._needed = _unbreakable_width(self, objects)
+        self._needed = unbreakable_width(self, [obj for obj in objects if not _is_message(obj)])
         try:
             super().print(*objects, **kwargs)
         finally:
@@ -136,38 +135,6 @@ class _CliConsole(Console):
 def _is_message(obj: Any) -> bool:
     """A string, or a value rich prints as its ``str`` (a number, a path): text, not a table."""
     return isinstance(obj, str) or not is_renderable(rich_cast(obj))
-
-
-def _unbreakable_width(console: Console, objects: tuple[Any, ...]) -> int:
-    """The width the tables among ``objects`` (and other rich renderables) need to cut no cell: rich's
-    minimum measure, less what a column that folds its long words (``overflow="fold"``) can fold. Strings
-    are left out: a piped message prints with ``soft_wrap`` (:meth:`_CliConsole.print`), never wrapped."""
-    # Measured without a ceiling: Measurement.get clamps the minimum to the options' width.
-    options = console.options.update_width(_MEASURE_CEILING)
-    return max((_least_width(console, options, obj) for obj in objects if not _is_message(obj)), default=0)
-
-
-def _least_width(console: Console, options: ConsoleOptions, renderable: Any) -> int:
-    if isinstance(renderable, Group):  # a report of several tables (`qerl bench kernels`)
-        return max((_least_width(console, options, part) for part in renderable.renderables), default=0)
-    least = Measurement.get(console, options, renderable).minimum
-    if isinstance(renderable, Table):
-        least -= sum(_foldable(console, options, column) for column in renderable.columns)
-    return least
-
-
-def _foldable(console: Console, options: ConsoleOptions, column: Column) -> int:
-    """How much narrower than its longest word a column may be: one that folds long words (prose, a
-    command shown for reading) may shrink to its header; any other column would cut them."""
-    if column.no_wrap or column.overflow != "fold":
-        return 0
-    longest = max((Measurement.get(console, options, cell).minimum for cell in column.cells), default=0)
-    header = Measurement.get(console, options, column.header).minimum
-    return max(0, longest - max(header, column.min_width or 0))
-
-
-# Wider than any table qerl prints; the measure's bound, not a width anything is printed at.
-_MEASURE_CEILING = 100_000
 
 
 def output_console(stderr: bool = False) -> Console:

@@ -216,7 +216,8 @@ def print_keys(config: type, prefix: str) -> None:
 
     docs = [d for d in key_docs(config) if not prefix or d.key == prefix or d.key.startswith(f"{prefix}.")]
     if not docs:
-        known = ", ".join(sections(config))
+        # A top-level key a user may ask for too (`compare`, a mapping, is no dataclass section)
+        known = ", ".join([*sections(config), *(d.key for d in key_docs(config) if "." not in d.key)])
         close = closest(prefix, [*sections(config), *(d.key for d in key_docs(config))])
         guess = f"did you mean {close}? " if close else ""
         raise QerlError(f"--keys {prefix}: no such section or key; {guess}the sections: {known}")

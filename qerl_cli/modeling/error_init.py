@@ -166,8 +166,15 @@ def find_lora_init(
     ``model_path``: a QerlError naming the folder and the `qerl quantize --lora-init` command that writes
     it where it is missing or holds another method's start. Asked by `qerl train`'s checks before the
     model loads and again when the adapter is made (``rl.policy.load_lora_init``)."""
+    if base_format == "bf16":
+        # The init is the 4-bit rounding's error, so a BF16 model has none: it is what gets quantized.
+        raise QerlError(
+            f"lora.init={method} needs a 4-bit base written by `qerl quantize --lora-init {method}`; "
+            f"{model_path} is a BF16 model: `qerl quantize {model_path} --format nvfp4 --lora-init {method} "
+            f"--lora-init-rank {rank} -o NEWDIR`, then --set model.path=NEWDIR (or set lora.init=zeros)"
+        )
     folder = init_folder(model_dir)
-    fmt = base_format if base_format != "bf16" else "nvfp4"
+    fmt = base_format
     command = (
         f"qerl quantize BF16_MODEL --format {fmt} --method {'rtn' if fmt == 'nf4' else 'gptq'} "
         f"--lora-init {method} --lora-init-rank {rank} --output {model_path} --overwrite"

@@ -80,7 +80,7 @@ def _rtn_result(
         ignored_layers=["lm_head"], skipped_layers=[],
         versions=package_versions(report.VERSIONED_PACKAGES),
         size=report.SizeReport(
-            report.state_bytes(model), report.folder_bytes(out, "*.safetensors"), report.folder_bytes(out)
+            report.state_bytes(model), report.weights_bytes(out), report.folder_bytes(out)
         ),
         weight_error=report.WeightError.measured("BF16 weight as rounded", errors),
         perplexity=None,

@@ -38,6 +38,12 @@ def folder_bytes(path: Path, pattern: str = "*") -> int:
     return sum(p.stat().st_size for p in path.rglob(pattern) if p.is_file())
 
 
+def weights_bytes(path: Path) -> int:
+    """The model's own weights: the top-level ``*.safetensors`` shards. Not a search of subfolders, where
+    ``--lora-init`` writes its adapter (``lora_init/adapter_model.safetensors``), recorded on its own."""
+    return sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
+
+
 def state_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's tensors as held in memory (BF16 before quantization); shared ones once."""
     seen: set[int] = set()
@@ -119,7 +125,7 @@ def perplexity(model: torch.nn.Module, samples: list[list[int]], device: torch.d
 @dataclass
 class SizeReport:
     bf16_bytes: int  # the model's tensors in memory before quantization
-    weights_bytes: int  # the output's *.safetensors
+    weights_bytes: int  # the output's top-level *.safetensors: the model, not the lora_init adapter
     folder_bytes: int  # the whole output folder
 
     def to_dict(self) -> dict[str, Any]:
@@ -354,6 +360,8 @@ def quantize_table(result: QuantizeResult):  # -> rich.table.Table
             "",
             f"{init.relative_error_base:.4f} -> {init.relative_error_corrected:.4f}",
         )
+        # Apart from the weights size: the adapter is float32 factors, not part of the 4-bit model.
+        table.add_row("LoRA init adapter size", "", _gib(init.weights_bytes))
     table.add_row("time", "", f"{result.elapsed_s:.1f} s")
     table.caption = f"saved to {result.output}"
     return table

@@ -134,7 +134,7 @@ def run_quantize(cfg: QuantizeConfig, log: Log | None = None) -> QuantizeResult:
             versions=package_versions(report.VERSIONED_PACKAGES),
             size=SizeReport(
                 bf16_bytes=job.bf16_bytes,
-                weights_bytes=report.folder_bytes(staging, "*.safetensors"),
+                weights_bytes=report.weights_bytes(staging),
                 folder_bytes=report.folder_bytes(staging),
             ),
             weight_error=WeightError.measured(
