@@ -20,8 +20,9 @@ llm-compressor is imported lazily: the rest of qerl works without it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,15 @@ LLMCOMPRESSOR_MISSING = (
 
 
 def require_llmcompressor() -> None:
+    """Import llm-compressor (exit 2 with the install hint where it is missing), first of all its
+    imports: it sets up its logger's console sink at import as whatever ``sys.stdout`` is then, and its
+    lines (one at import already) would sit in the command's results, ``qerl quantize > out`` included;
+    imported with stdout sent to stderr, they go to stderr for the whole process."""
+    if "llmcompressor" in sys.modules:
+        return
     try:
-        import llmcompressor  # noqa: F401
+        with redirect_stdout(sys.stderr):
+            import llmcompressor  # noqa: F401
     except ImportError:
         raise QerlError(LLMCOMPRESSOR_MISSING) from None
 
@@ -75,6 +83,7 @@ def cpu_pin_memory_workaround() -> Iterator[None]:
     if torch.accelerator.is_available():
         yield
         return
+    require_llmcompressor()
     from llmcompressor.pipelines.cache import IntermediatesCache
 
     original = IntermediatesCache.__dict__.get("pin_memory")
@@ -94,6 +103,7 @@ def cpu_pin_memory_workaround() -> Iterator[None]:
 
 def build_recipe(fmt: str, method: str, ignore: list[str]) -> list[Any]:
     """The llm-compressor modifiers for ``fmt`` (nvfp4, mxfp4, or nf4's AWQ proxy) and ``method``."""
+    require_llmcompressor()
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
@@ -115,6 +125,7 @@ def run_oneshot(model: torch.nn.Module, tokenizer, recipe: list[Any], calibratio
     The model may sit on the CPU: llm-compressor's sequential pipeline onloads one decoder layer at
     a time to the accelerator if there is one.
     """
+    require_llmcompressor()
     from llmcompressor import oneshot
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
