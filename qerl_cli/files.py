@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from qerl_cli.errors import QerlError
-from qerl_cli.modeling import run_layout
 
 
 def current_umask() -> int:
@@ -365,45 +364,4 @@ def model_files(folder: Path) -> list[str]:
         entry.name
         for entry in folder.iterdir()
         if entry.is_file() and (entry.name in MODEL_MARKERS or entry.name.endswith(".safetensors"))
-    )
-
-
-# Files that mark a folder as trained work, whatever else it holds: an adapter's and a checkpoint's weights
-# are *.safetensors too, so "it holds .safetensors" alone would let --overwrite delete them as a model.
-WORK_MARKERS = {
-    "adapter_config.json": "a PEFT adapter",  # modeling.adapter.ADAPTER_CONFIG
-    "trainer_state.json": "a `qerl train` checkpoint",  # rl.checkpoint.STATE_FILE
-    "optimizer.safetensors": "a `qerl train` checkpoint",
-}
-
-
-def other_work(folder: Path) -> str | None:
-    """What trained work ``folder`` holds (a PEFT adapter, a `qerl train` checkpoint or run folder), named
-    with the files that say so; None where it holds none. No --overwrite may replace it with a model."""
-    for marker, kind in WORK_MARKERS.items():
-        if (folder / marker).is_file():
-            return f"{kind} ({marker})"
-    if run_layout.is_run_folder(folder):  # the trainer's own layout: checkpoint-N/, or its records
-        return "a `qerl train` run's folder (checkpoint-N/ or metrics.jsonl and config.yaml)"
-    if (folder / run_layout.ADAPTER_DIR / "adapter_config.json").is_file():
-        return f"a `qerl train` run's folder (its final {run_layout.ADAPTER_DIR}/)"
-    return None
-
-
-def check_not_other_work(folder: Path, what: str, remedy: str = "give a new or empty folder") -> None:
-    """Refuse an output ``folder`` (named ``what``; ``remedy`` says what to give instead) that holds trained
-    work (:func:`other_work`), or files but no model: a command writing a model there would delete the
-    work or mix its files in, and --overwrite replaces only a model's files, never other work."""
-    entries = sorted(entry.name + "/" * entry.is_dir() for entry in folder.iterdir())
-    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-    keep = "--overwrite replaces only an earlier output, a model folder, never a folder of other files"
-    if (work := other_work(folder)) is not None:
-        raise QerlError(
-            f"{what} {folder} is {work}, not a model (it holds {shown}); nothing was written: {remedy} "
-            f"({keep})"
-        )
-    if not entries or model_files(folder):
-        return
-    raise QerlError(
-        f"{what} {folder} holds {shown}, not a model (no config.json); nothing was written: {remedy} ({keep})"
     )

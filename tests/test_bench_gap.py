@@ -324,7 +324,8 @@ def test_device_cuda_without_a_gpu_exits_2_before_any_work(
     rc = main(
         ["bench", "gap", str(recipe), "--backends", "hf", "--device", "cuda", "-o", str(tmp_path / "out")]
     )
-    assert rc == 2 and "--device cuda needs a GPU" in capsys.readouterr().err.replace("\n", " ")
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert rc == 2 and "--device=cuda but this machine has no CUDA GPU; use --device=cpu or auto" in err, err
     assert not (tmp_path / "out").exists()
 
 

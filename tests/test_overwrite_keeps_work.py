@@ -56,7 +56,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("where", "kind"),
     [
-        ("adapter", "is a PEFT adapter (adapter_config.json)"),
+        ("adapter", "is a PEFT adapter, not a model (it holds adapter_config.json"),
         ("checkpoint-3", "is a `qerl train` checkpoint (trainer_state.json)"),
         (".", "is a `qerl train` run's folder"),
     ],

@@ -251,7 +251,9 @@ def test_a_lora_init_folder_missing_is_refused_before_any_model_loads(
     for extra in ([], ["--dry-run"]):
         rc, _, err = run(capsys, "train", str(path), "--set", "lora.init=eora", *extra)
         assert rc == 2, err
-        assert f"starts the adapter from {tiny_model_dir / 'lora_init'}, which does not exist" in err
+        # A BF16 model has no 4-bit rounding error to start from: the command that writes such a base.
+        assert "lora.init=eora needs a 4-bit base written by `qerl quantize --lora-init eora`" in err
+        assert f"{tiny_model_dir} is a BF16 model: `qerl quantize {tiny_model_dir} --format nvfp4" in err
         assert "--lora-init eora" in err and "lora.init=zeros" in err and "Traceback" not in err
 
 

@@ -23,6 +23,9 @@ ADAPTER_DIR = "adapter"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 METRICS_FILE = "metrics.jsonl"
 PROMPTS_FILE = "prompt.json"
+# A checkpoint-N/ folder's trainer state and optimizer weights (rl.checkpoint writes them).
+CHECKPOINT_STATE_FILE = "trainer_state.json"
+OPTIMIZER_WEIGHTS = "optimizer.safetensors"
 
 
 def checkpoint_folders(run_dir: str | Path) -> list[tuple[int, Path]]:

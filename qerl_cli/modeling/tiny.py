@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import check_not_other_work, check_writable_folder, honour_umask, model_files
+from qerl_cli.files import check_writable_folder, honour_umask, model_files
 from qerl_cli.modeling.error_init import INIT_DIR
 from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, QUANT_RECORD
 from qerl_cli.modeling.sources import SOURCE_RECORD
+from qerl_cli.modeling.work_folders import check_not_other_work
 
 # What describes a model folder's weights beside them: qerl's records (a 4-bit base's qerl_quant.json and
 # its lora_init/ start, a dense copy's or a converted GGUF's source record) and, beside qerl_quant.json,

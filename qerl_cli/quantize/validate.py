@@ -18,8 +18,9 @@ import torch
 from qerl_cli import formats
 from qerl_cli.config.choices import QuantMethod
 from qerl_cli.errors import QerlError
-from qerl_cli.files import TargetExistsError, check_not_other_work, file_given_for_folder, staged_folder
+from qerl_cli.files import TargetExistsError, file_given_for_folder, staged_folder
 from qerl_cli.modeling.sources import resolve_model_source
+from qerl_cli.modeling.work_folders import check_not_other_work
 
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
 # smoothing scales, then round to nearest; rtn: round to nearest, no calibration. The config's alias is

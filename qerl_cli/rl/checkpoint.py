@@ -39,12 +39,18 @@ from safetensors.torch import load_file, save_file
 
 from qerl_cli.errors import QerlError
 from qerl_cli.files import honour_umask, sha256_file, staged_folder
-from qerl_cli.modeling.run_layout import ADAPTER_DIR, CHECKPOINT_RE, checkpoint_folders
+from qerl_cli.modeling.run_layout import (
+    ADAPTER_DIR,
+    CHECKPOINT_RE,
+    CHECKPOINT_STATE_FILE,
+    OPTIMIZER_WEIGHTS,
+    checkpoint_folders,
+)
 from qerl_cli.rl.resume_hints import no_checkpoint_error
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
+STATE_FILE = CHECKPOINT_STATE_FILE
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -250,7 +256,7 @@ def _write_checkpoint_files(
 ) -> None:
     save_adapter(tmp / ADAPTER_DIR)
     opt_tensors, opt_meta = optimizer_to_files(optimizer, param_names)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_file(opt_tensors, str(tmp / OPTIMIZER_WEIGHTS))
     _write_json(tmp / "optimizer.json", opt_meta)
     _write_json(tmp / "scheduler.json", _scheduler_state(scheduler))
     rng_tensors, rng_meta = capture_rng()

@@ -32,10 +32,11 @@ from qerl_cli.data.problem import Problem
 from qerl_cli.data.prompts import prompt_token_ids, render_prompt
 from qerl_cli.data.synthetic import make_problems, reference_completion
 from qerl_cli.errors import QerlError
-from qerl_cli.files import check_not_other_work, file_given_for_folder, honour_umask, staged_folder
+from qerl_cli.files import file_given_for_folder, honour_umask, staged_folder
 from qerl_cli.formats import check_names, model_names
 from qerl_cli.formats.checkpoint import state_dict_groups, write_checkpoint
 from qerl_cli.modeling.tiny import build_tiny_model, build_tokenizer, save_model_folder
+from qerl_cli.modeling.work_folders import check_not_other_work
 from qerl_cli.rewards.grading import is_correct
 from qerl_cli.rollout import factory
 from qerl_cli.rollout.base import SamplingSpec

@@ -1,0 +1,53 @@
+"""Output folders that hold trained work, which no command writing a model there may replace, with
+``--overwrite`` or without: a PEFT adapter, a ``qerl train`` checkpoint or run folder. Their weights are
+``*.safetensors`` too, so "it holds .safetensors" alone (:func:`qerl_cli.files.model_files`) would let
+``--overwrite`` delete them as a model. Here, above ``files`` (which may not import the model's layers)
+and beside the names it reads: ``run_layout``'s and ``adapter``'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qerl_cli.errors import QerlError
+from qerl_cli.files import model_files
+from qerl_cli.modeling import run_layout
+
+
+def other_work(folder: Path) -> str | None:
+    """What trained work ``folder`` holds (a PEFT adapter, a `qerl train` checkpoint or run folder), named
+    with the files that say so; None where it holds none."""
+    from qerl_cli.modeling.adapter import is_adapter_folder  # torch: not at this module's import
+
+    if is_adapter_folder(folder):
+        return "a PEFT adapter"
+    markers = {
+        run_layout.CHECKPOINT_STATE_FILE: "a `qerl train` checkpoint",
+        run_layout.OPTIMIZER_WEIGHTS: "a `qerl train` checkpoint",
+    }
+    for marker, kind in markers.items():
+        if (folder / marker).is_file():
+            return f"{kind} ({marker})"
+    if run_layout.is_run_folder(folder):  # the trainer's own layout: checkpoint-N/, or its records
+        return "a `qerl train` run's folder (checkpoint-N/ or metrics.jsonl and config.yaml)"
+    if is_adapter_folder(folder / run_layout.ADAPTER_DIR):
+        return f"a `qerl train` run's folder (its final {run_layout.ADAPTER_DIR}/)"
+    return None
+
+
+def check_not_other_work(folder: Path, what: str, remedy: str = "give a new or empty folder") -> None:
+    """Refuse an output ``folder`` (named ``what``; ``remedy`` says what to give instead) that holds trained
+    work (:func:`other_work`), or files but no model: a command writing a model there would delete the
+    work or mix its files in, and --overwrite replaces only a model's files, never other work."""
+    entries = sorted(entry.name + "/" * entry.is_dir() for entry in folder.iterdir())
+    shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+    keep = "--overwrite replaces only an earlier output, a model folder, never a folder of other files"
+    if (work := other_work(folder)) is not None:
+        raise QerlError(
+            f"{what} {folder} is {work}, not a model (it holds {shown}); nothing was written: {remedy} "
+            f"({keep})"
+        )
+    if not entries or model_files(folder):
+        return
+    raise QerlError(
+        f"{what} {folder} holds {shown}, not a model (no config.json); nothing was written: {remedy} ({keep})"
+    )
