@@ -3,6 +3,7 @@ piped output has no terminal width, so the CLI's console widens each print to wh
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group
@@ -39,16 +40,10 @@ def _table_width(console: Console, options: ConsoleOptions, table: Table) -> int
         widths = table._calculate_column_widths(console, inner)
         return all(got >= need for got, need in zip(widths, needs, strict=True))
 
-    low, high = 1, widest
-    if not fits(high):  # a fixed-width column too narrow for its cells: the widest is the best there is
+    if not fits(widest):  # a fixed-width column too narrow for its cells: the widest is the best there is
         return widest
-    while low < high:  # rich's widths grow with the width it is given
-        middle = (low + high) // 2
-        if fits(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return high
+    # rich's widths grow with the width it is given: the least width that fits, by bisection.
+    return 1 + bisect_left(range(1, widest + 1), True, key=fits)
 
 
 def _column_needs(console: Console, options: ConsoleOptions, table: Table, column: Column) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -411,11 +412,4 @@ class HFEngine:
 
         if not ids or not holds(len(ids)):
             return None
-        low, high = 1, len(ids)  # holds(high) is true
-        while low < high:
-            middle = (low + high) // 2
-            if holds(middle):
-                high = middle
-            else:
-                low = middle + 1
-        return high
+        return 1 + bisect_left(range(1, len(ids) + 1), True, key=holds)  # holds(len(ids)) is true
