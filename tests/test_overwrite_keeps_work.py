@@ -148,3 +148,36 @@ def test_tiny_base_overwrite_still_rebuilds_its_own_base(
     assert rc == 0 and fake_base == [("bf16", "nvfp4")], err
     assert sorted(p.name for p in out.iterdir()) == ["bf16", "nvfp4"]
     assert (out / "bf16" / "config.json").read_text() == '{"built": "bf16"}'
+
+
+def test_quantize_overwrite_refuses_a_model_folder_holding_other_things(tmp_path: Path) -> None:
+    """--overwrite replaces quantize's output folder whole: notes, an evaluation or a run kept beside an
+    earlier model went with it, silently. Only a model's files and quantize's own may be replaced."""
+    from qerl_cli.errors import QerlError
+    from qerl_cli.modeling.work_folders import check_replaceable_model
+
+    out = tmp_path / "q"
+    (out / "lora_init").mkdir(parents=True)
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "qerl_quant.json",
+        "recipe.yaml",
+        ".gitkeep",
+    ):
+        (out / name).write_text("{}")
+    check_replaceable_model(out, "output", {"qerl_quant.json", "lora_init"}, "give another -o")  # a model
+    (out / "NOTES.md").write_text("mine")
+    (out / "run1").mkdir()
+    with pytest.raises(
+        QerlError, match=r"output .*q holds NOTES.md, run1/ beside the model, which --overwrite"
+    ):
+        check_replaceable_model(out, "output", {"qerl_quant.json", "lora_init"}, "give another -o")
+
+
+def test_a_folder_holding_only_hidden_files_counts_as_empty(tmp_path: Path) -> None:
+    from qerl_cli.modeling.work_folders import check_not_other_work
+
+    (tmp_path / ".gitkeep").write_text("")
+    check_not_other_work(tmp_path, "output")  # no error: nothing but a hidden file

@@ -313,8 +313,13 @@ def test_existing_output_needs_overwrite(tmp_path, tiny_model_dir, calib_file) -
     with pytest.raises(QerlError, match="already exists.*--overwrite"):
         run_quantize(_config(tiny_model_dir, out, calib_file, format="nf4", method="rtn"))
     assert (out / "keep.txt").read_text() == "mine"
+    # --overwrite replaces the folder whole: a file of the user's beside the old model is refused, kept
+    with pytest.raises(QerlError, match="holds keep.txt beside the model, which --overwrite would delete"):
+        run_quantize(_config(tiny_model_dir, out, calib_file, format="nf4", method="rtn", overwrite=True))
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
     run_quantize(_config(tiny_model_dir, out, calib_file, format="nf4", method="rtn", overwrite=True))
-    assert not (out / "keep.txt").exists() and (out / REPORT_NAME).is_file()
+    assert (out / REPORT_NAME).is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
 
 

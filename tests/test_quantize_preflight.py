@@ -161,15 +161,18 @@ def test_the_output_folder_is_checked(
     rc, _, err = run(capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken",
                      "--dry-run")  # fmt: skip
     assert rc == 2 and "output folder taken already exists: pass --overwrite to replace it" in err, err
-    rc, _, err = run(
-        capsys, "quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken", "--overwrite",
-        "--dry-run",
-    )  # fmt: skip
+    overwrite = ["quantize", str(tiny_model_dir), "-f", "nf4", "--method", "rtn", "-o", "taken"]
+    overwrite.append("--overwrite")
+    rc, _, err = run(capsys, *overwrite, "--dry-run")  # the folder is replaced whole: keep.txt would go
+    assert rc == 2 and "taken holds keep.txt beside the model, which --overwrite would delete" in err, err
+    assert (workdir / "taken" / "keep.txt").read_text() == "mine"
+    (workdir / "taken" / "keep.txt").rename(workdir / "keep.txt")
+    rc, _, err = run(capsys, *overwrite, "--dry-run")
     assert (
         rc == 0
         and "--output: taken: exists, replaced by --overwrite once the new checkpoint is complete" in err
     )
-    assert (workdir / "taken" / "keep.txt").read_text() == "mine"
+    (workdir / "keep.txt").rename(workdir / "taken" / "keep.txt")
     assert sorted(p.name for p in workdir.iterdir()) == ["a-file", "taken"]
 
 

@@ -38,7 +38,8 @@ def check_not_other_work(folder: Path, what: str, remedy: str = "give a new or e
     """Refuse an output ``folder`` (named ``what``; ``remedy`` says what to give instead) that holds trained
     work (:func:`other_work`), or files but no model: a command writing a model there would delete the
     work or mix its files in, and --overwrite replaces only a model's files, never other work."""
-    entries = sorted(entry.name + "/" * entry.is_dir() for entry in folder.iterdir())
+    # Hidden files (.gitkeep, .DS_Store) are not work: a folder holding only those counts as empty.
+    entries = sorted(entry.name + "/" * entry.is_dir() for entry in folder.iterdir() if entry.name[0] != ".")
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     keep = "--overwrite replaces only an earlier output, a model folder, never a folder of other files"
     if (work := other_work(folder)) is not None:
@@ -51,3 +52,33 @@ def check_not_other_work(folder: Path, what: str, remedy: str = "give a new or e
     raise QerlError(
         f"{what} {folder} holds {shown}, not a model (no config.json); nothing was written: {remedy} ({keep})"
     )
+
+
+# What a model folder holds that a model writer wrote: transformers' model and tokenizer files (its weights
+# are the folder's *.safetensors, :func:`qerl_cli.files.model_files`) and qerl's records of a 4-bit base.
+MODEL_FOLDER_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json", "recipe.yaml",
+})  # fmt: skip
+
+
+def check_replaceable_model(folder: Path, what: str, written: set[str], remedy: str) -> None:
+    """Refuse replacing the model folder ``folder`` whole (``--overwrite`` of a writer that swaps in a new
+    folder) where it also holds what no model writer wrote there: notes, an evaluation, a run beside the
+    model would go with it. ``written``: the writer's own names beyond a model's (``qerl_quant.json``,
+    ``lora_init``). Hidden files (``.gitkeep``) are left out of the count."""
+    own = MODEL_FOLDER_FILES | written
+    foreign = sorted(
+        entry.name + "/" * entry.is_dir()
+        for entry in folder.iterdir()
+        if not entry.name.startswith(".")
+        and entry.name not in own
+        and not (entry.is_file() and entry.name.endswith(".safetensors"))
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise QerlError(
+            f"{what} {folder} holds {shown} beside the model, which --overwrite would delete with the old "
+            f"model (it replaces the whole folder); nothing was written: {remedy}, or move them out first"
+        )

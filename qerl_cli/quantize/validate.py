@@ -19,8 +19,10 @@ from qerl_cli import formats
 from qerl_cli.config.choices import QuantMethod
 from qerl_cli.errors import QerlError
 from qerl_cli.files import TargetExistsError, file_given_for_folder, staged_folder
+from qerl_cli.modeling.error_init import INIT_DIR
+from qerl_cli.modeling.loading import QUANT_RECORD
 from qerl_cli.modeling.sources import resolve_model_source
-from qerl_cli.modeling.work_folders import check_not_other_work
+from qerl_cli.modeling.work_folders import check_not_other_work, check_replaceable_model
 
 # gptq: second-order error-compensating rounding (llm-compressor's GPTQModifier); awq: activation-aware
 # smoothing scales, then round to nearest; rtn: round to nearest, no calibration. The config's alias is
@@ -125,7 +127,10 @@ def check_output(output: Path, source: ModelSource, overwrite: bool) -> Path:
     if output.exists():
         # First: --overwrite is no remedy for a folder of other work.
         check_not_other_work(output, "output", "give a new sub-folder as --output")
-        if not overwrite:
+        if overwrite:  # the whole folder is replaced: only a model's files, and this writer's, may go
+            written = {QUANT_RECORD, INIT_DIR}
+            check_replaceable_model(output, "output", written, "give a new sub-folder as --output")
+        else:
             raise QerlError(
                 f"output folder {output} already exists: pass --overwrite to replace it, or give another "
                 "--output"
