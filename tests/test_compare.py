@@ -558,6 +558,8 @@ def test_compare_settings_name_the_closest_key_and_check_the_base_method() -> No
         arms_mod.read_settings({"base_methd": "awq"})
     with pytest.raises(QerlError, match="compare.base_method must be one of gptq, awq, rtn, got 'gptx'"):
         arms_mod.read_settings({"base_method": "gptx"})
+    with pytest.raises(QerlError, match=r"got 'rnt'; did you mean 'rtn'\?"):  # as every other choice says
+        arms_mod.read_settings({"base_method": "rnt"})
     assert arms_mod.read_settings({"base_method": "gptq"}).base_method == "gptq"
     assert arms_mod.read_settings({"base_method": "awq"}).base_method == "awq"
     # Values are typed and checked like every recipe key.

@@ -70,8 +70,10 @@ def read_settings(section: Any) -> CompareSettings:
     values = {k: v for k, v in section.items() if k != "arms"}
     settings = from_dict(CompareSettings, values, prefix="compare.")
     if settings.base_method not in BASE_METHODS:
+        close = closest(settings.base_method, BASE_METHODS)
         raise QerlError(
             f"compare.base_method must be one of {', '.join(BASE_METHODS)}, got {settings.base_method!r}"
+            + (f"; did you mean {close!r}?" if close else "")
         )
     if settings.heldout_problems <= 0 or settings.heldout_samples <= 0:
         raise QerlError(
