@@ -254,6 +254,18 @@ def check_input_not_replaced(
 COMPLETE_MARKER = ".qerl-complete"  # written last: a folder without it is a crashed write
 
 
+def remove_path(path: Path) -> bool:
+    """Remove ``path``: a folder with what it holds, a file, a link (never what a link points to).
+    Returns whether anything was there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    else:
+        return False
+    return True
+
+
 def sha256_file(path: str | Path) -> str:
     """The file's SHA-256 (hex), read in 16 MiB blocks."""
     digest = hashlib.sha256()

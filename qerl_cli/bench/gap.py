@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,7 +53,7 @@ from qerl_cli.bench.settings import report_settings
 from qerl_cli.config import TrainConfig
 from qerl_cli.config.loading import to_dict
 from qerl_cli.errors import Checked, QerlError
-from qerl_cli.files import atomic_write_text, write_json
+from qerl_cli.files import atomic_write_text, remove_path, write_json
 from qerl_cli.modeling.run_layout import is_run_folder
 from qerl_cli.rl.run_folder import missing_folders, remove_if_empty
 
@@ -191,11 +190,7 @@ def clear_earlier_run(out: Path) -> None:
     """Remove what an earlier gap run wrote in ``out`` (stale logprobs, adapter, report), nothing else;
     :func:`check_output_folder` refused a folder whose files of those names are not a gap run's."""
     for name in GAP_OUTPUTS:
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
+        remove_path(out / name)
 
 
 def run_gap(

@@ -10,14 +10,13 @@ Every linear width is a multiple of 64 so NVFP4 (blocks of 16), MXFP4 (32) and N
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import check_writable_folder, honour_umask, model_files
+from qerl_cli.files import check_writable_folder, honour_umask, model_files, remove_path
 from qerl_cli.modeling.error_init import INIT_DIR
 from qerl_cli.modeling.loading import DEQUANTIZED_RECORD, QUANT_RECORD
 from qerl_cli.modeling.sources import SOURCE_RECORD
@@ -193,14 +192,8 @@ def remove_weight_records(folder: str | Path) -> list[str]:
     names = [*WEIGHT_RECORDS, *([QUANTIZE_RECIPE] if (out / QUANT_RECORD).is_file() else [])]
     removed = []
     for name in names:
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
+        if remove_path(out / name):
+            removed.append(name)
     return removed
 
 
