@@ -368,6 +368,13 @@ def write_folder_once(target: str | Path, write: Callable[[Path], object]) -> Pa
 # What marks a folder as a model (an earlier output, another model): what --overwrite may replace. Anything
 # else is someone's other work: `-o runs --overwrite` would have deleted every run.
 MODEL_MARKERS = ("config.json", "qerl_quant.json")
+# Files that describe a model rather than hold its weights (transformers' generation config and tokenizer):
+# copied beside a derived copy's weights, and a model writer's own in its folder.
+MODEL_SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
+    "added_tokens.json",
+)  # fmt: skip
 
 
 def model_files(folder: Path) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import model_files
+from qerl_cli.files import MODEL_SIDE_FILES, model_files
 from qerl_cli.modeling import run_layout
 
 
@@ -54,13 +54,11 @@ def check_not_other_work(folder: Path, what: str, remedy: str = "give a new or e
     )
 
 
-# What a model folder holds that a model writer wrote: transformers' model and tokenizer files (its weights
-# are the folder's *.safetensors, :func:`qerl_cli.files.model_files`) and qerl's records of a 4-bit base.
-MODEL_FOLDER_FILES = frozenset({
-    "config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-    "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json", "recipe.yaml",
-})  # fmt: skip
+# What a model folder holds that a model writer wrote: its config, the index of its *.safetensors shards
+# (the weights: files.model_files), the files describing it (files.MODEL_SIDE_FILES), llm-compressor's recipe.
+MODEL_FOLDER_FILES = frozenset(
+    {"config.json", "model.safetensors.index.json", "recipe.yaml", *MODEL_SIDE_FILES}
+)
 
 
 def check_replaceable_model(folder: Path, what: str, written: set[str], remedy: str) -> None:

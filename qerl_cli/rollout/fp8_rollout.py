@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from qerl_cli.errors import QerlError
-from qerl_cli.files import write_folder_once
+from qerl_cli.files import MODEL_SIDE_FILES, write_folder_once
 from qerl_cli.formats import fp8
 from qerl_cli.formats.checkpoint import ShardWriter
 from qerl_cli.modeling.loading import (
@@ -52,11 +52,6 @@ _BF16_SOURCE = {
     BF16: "{source} is a BF16 checkpoint already: rollout.linear_backend=merged serves it as it is (the "
     "BF16 copy is for a 4-bit base)",
 }
-# Files that describe the model rather than hold its weights: copied into each copy as they are.
-SIDE_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-)  # fmt: skip
 
 
 def source_fingerprint(source: Path) -> str:
@@ -134,7 +129,7 @@ def write_rollout_copy(source: str | Path, out_dir: str | Path, weights: str) ->
     else:  # a plain model (its dtype the base's, BF16 as qerl writes it): vLLM's unquantized linears
         config.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for name in SIDE_FILES:
+    for name in MODEL_SIDE_FILES:  # copied into each copy as they are
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
     (out / MANIFESTS[weights]).write_text(
