@@ -217,11 +217,10 @@ def test_scale_tiles_put_each_k_steps_scales_of_64_rows_together(n, k) -> None:
 
 
 def test_tile_configs_take_whole_scale_tiles() -> None:
-    from qerl_cli.kernels.nvfp4_tiles import CANDIDATES, TileConfig
+    """A tile of rows the scale tiles do not fill whole is refused where it is made (the shipped buckets
+    and candidates are made at import, so they pass this check by existing)."""
+    from qerl_cli.kernels.nvfp4_tiles import TileConfig
 
-    assert all(c.block_n % 64 == 0 for _, c in BUCKETS) and all(
-        c.block_n % 64 == 0 for cs in CANDIDATES.values() for c in cs
-    )
     with pytest.raises(ValueError, match="not a multiple of the scale tiles' 64"):
         TileConfig(16, 32, 128)
 
